@@ -1,9 +1,45 @@
 """fusedhead: per-token log-probs and entropy from hidden states and an LM-head weight.
 
 Importing this package imports no torch and no backend; a backend is imported only when a call
-selects it by name.
+selects it by name. The public names below load on first use.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_LAZY = {
+    "fused_head": "fusedhead.api",
+    "FusedHead": "fusedhead.api",
+    "FusedHeadOutput": "fusedhead.api",
+    "FusedHeadConfig": "fusedhead.config",
+    "register_backend": "fusedhead.registry",
+    "unregister_backend": "fusedhead.registry",
+    "Capabilities": "fusedhead.protocol",
+    "FusedHeadBackend": "fusedhead.protocol",
+    "PLUGIN_API_VERSION": "fusedhead.protocol",
+    "reference_fused_head": "fusedhead.reference",
+    "FusedLMHead": "fusedhead.module",
+}
+
+__all__ = [*_LAZY, "__version__"]
+
+if TYPE_CHECKING:
+    from fusedhead.api import FusedHead, FusedHeadOutput, fused_head
+    from fusedhead.config import FusedHeadConfig
+    from fusedhead.protocol import PLUGIN_API_VERSION, Capabilities, FusedHeadBackend
+    from fusedhead.reference import reference_fused_head
+    from fusedhead.registry import register_backend, unregister_backend
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fusedhead' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

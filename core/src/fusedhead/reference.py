@@ -24,7 +24,7 @@ def reference_fused_head(
 
     ``hidden [..., H]``, ``weight [V, H]``, ``labels [...]``; ``temperature`` a float or a tensor
     broadcastable to ``labels``; ``softcap`` applies ``c * tanh(z / c)`` before the temperature
-    division. Outputs have the shape of ``labels`` and dtype ``compute_dtype`` (default: the input
+    division. Out-of-range labels (not ``ignore_index``) give NaN. Outputs have the shape of ``labels`` and dtype ``compute_dtype`` (default: the input
     dtype promoted to at least fp32). Ignored rows give 0 and no gradient.
     """
     dtype = compute_dtype or torch.promote_types(hidden.dtype, torch.float32)
@@ -40,10 +40,12 @@ def reference_fused_head(
         z = z / temperature
     logp_all = torch.log_softmax(z, dim=-1)
     valid = labels != ignore_index
-    safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
+    in_range = (labels >= 0) & (labels < z.shape[-1])
+    safe = torch.where(valid & in_range, labels, torch.zeros_like(labels)).long()
     logp = logp_all.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
     zero = torch.zeros((), dtype=dtype, device=z.device)
     logp = torch.where(valid, logp, zero)
+    logp = torch.where(valid & ~in_range, torch.full_like(logp, float("nan")), logp)
     if not return_entropy:
         return logp, None
     ent = -(logp_all.exp() * logp_all).sum(-1)

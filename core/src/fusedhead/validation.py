@@ -1,0 +1,212 @@
+"""Validation of a call before any backend sees it: one place, the same for every backend.
+
+Every refusal is a ``ValueError``/``TypeError`` that names the argument, what it got and what
+was expected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_FLOAT_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class Call:
+    """A validated call in the 2-D form backends receive."""
+
+    hidden: torch.Tensor  # [N, H]
+    weight: torch.Tensor  # [V_local, H]
+    labels: torch.Tensor  # [N] int64, contiguous
+    temperature: float | torch.Tensor  # float, or fp32 [N]
+    softcap: float | None
+    vocab_start: int
+    vocab_size: int
+    out_shape: tuple[int, ...]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``fp32``/``fp16``/``bf16`` for a supported dtype."""
+    return _FLOAT_DTYPES[dtype]
+
+
+def _is_dtensor(t: object) -> bool:
+    return any(c.__name__ == "DTensor" for c in type(t).__mro__)
+
+
+def _tensor(arg: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor, got {type(value).__name__}")
+    if _is_dtensor(value):
+        raise TypeError(
+            f"{arg} is a DTensor; fusedhead takes plain local tensors. Under FSDP2 call it inside the "
+            "module's forward (where the weight is unsharded), pass weight.to_local() / "
+            "hidden.to_local() or use fusedhead.FusedLMHead, which does this for you"
+        )
+    return value
+
+
+def _positive_float(arg: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{arg} must be a float, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{arg} must be a finite float > 0, got {value!r}")
+    return float(value)
+
+
+def _flag(arg: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def validate(
+    hidden: object,
+    weight: object,
+    labels: object,
+    *,
+    temperature: object,
+    ignore_index: object,
+    return_entropy: object,
+    process_group: Any,
+    vocab_start: object,
+    vocab_size: object,
+    reduce_hidden_grad: object,
+    check_labels: object,
+    softcap: object,
+) -> Call:
+    """Check a call against the contract and bring it to the backend's 2-D form."""
+    h = _tensor("hidden", hidden)
+    w = _tensor("weight", weight)
+    y = _tensor("labels", labels)
+    _flag("return_entropy", return_entropy)
+    _flag("reduce_hidden_grad", reduce_hidden_grad)
+    do_check = _flag("check_labels", check_labels)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+
+    if h.dim() < 1:
+        raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
+    if w.dim() != 2:
+        raise ValueError(f"weight must have shape [V, H], got shape {tuple(w.shape)}")
+    V, H = w.shape
+    if H == 0 or V == 0:
+        raise ValueError(f"weight must be non-empty [V, H] with V > 0 and H > 0, got shape {tuple(w.shape)}")
+    if h.shape[-1] != H:
+        raise ValueError(
+            f"hidden's last dimension must equal weight's H={H}, got hidden shape {tuple(h.shape)}"
+        )
+    if tuple(y.shape) != tuple(h.shape[:-1]):
+        raise ValueError(
+            f"labels must have hidden's leading shape {tuple(h.shape[:-1])}, got {tuple(y.shape)}"
+        )
+    if y.dtype == torch.bool or y.is_floating_point() or y.is_complex():
+        raise TypeError(f"labels must be an integer tensor, got dtype {y.dtype}")
+    for arg, t in (("hidden", h), ("weight", w)):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{arg} must be float32, float16 or bfloat16, got dtype {t.dtype}")
+    if h.device != w.device:
+        raise ValueError(f"hidden and weight must be on one device, got hidden on {h.device}, weight on {w.device}")
+    if y.device != h.device:
+        raise ValueError(f"labels must be on hidden's device {h.device}, got {y.device}")
+
+    h, w = _apply_autocast(h, w)
+
+    if process_group is None:
+        if vocab_start not in (None, 0) or vocab_size not in (None, V):
+            raise ValueError(
+                "vocab_start and vocab_size describe a shard and need process_group; without it the "
+                f"weight is the whole vocabulary (vocab_start=0, vocab_size={V}), got "
+                f"vocab_start={vocab_start!r}, vocab_size={vocab_size!r}"
+            )
+        start, size = 0, V
+    else:
+        start, size = _shard(process_group, V, vocab_start, vocab_size)
+
+    temp = _temperature(temperature, y, h.device)
+    cap = None if softcap is None else _positive_float("softcap", softcap)
+
+    labels_flat = y.reshape(-1).to(torch.int64).contiguous()
+    if do_check and labels_flat.numel():
+        _check_label_range(labels_flat, ignore_index, size)
+    return Call(
+        hidden=h.reshape(-1, H),
+        weight=w,
+        labels=labels_flat,
+        temperature=temp,
+        softcap=cap,
+        vocab_start=start,
+        vocab_size=size,
+        out_shape=tuple(y.shape),
+    )
+
+
+def _apply_autocast(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under autocast, compute in the autocast dtype like the matmul this replaces; else insist on one dtype."""
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return h.to(dt), w.to(dt)
+    if h.dtype != w.dtype:
+        raise TypeError(
+            f"hidden and weight must share a dtype outside torch.autocast, got hidden {h.dtype} and "
+            f"weight {w.dtype}; cast one of them or call inside torch.autocast"
+        )
+    return h, w
+
+
+def _temperature(value: object, labels: torch.Tensor, device: torch.device) -> float | torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        return _positive_float("temperature", value)
+    t = _tensor("temperature", value)
+    if not t.is_floating_point():
+        raise TypeError(f"temperature tensor must be floating point, got dtype {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"temperature tensor must be on {device}, got {t.device}")
+    try:
+        t = torch.broadcast_to(t, labels.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"temperature tensor of shape {tuple(t.shape)} must broadcast to the labels' shape {tuple(labels.shape)}"
+        ) from None
+    t = t.detach().reshape(-1).to(torch.float32).contiguous()
+    if t.numel() and not bool(torch.isfinite(t).all() & (t > 0).all()):
+        raise ValueError("temperature tensor must hold finite values > 0, got a value that is not")
+    return t
+
+
+def _shard(group: Any, v_local: int, vocab_start: object, vocab_size: object) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("process_group was given but torch.distributed is not initialized")
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    for arg, val in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int)):
+            raise TypeError(f"{arg} must be an int or None, got {type(val).__name__} {val!r}")
+    start = rank * v_local if vocab_start is None else vocab_start
+    size = world * v_local if vocab_size is None else vocab_size
+    assert isinstance(start, int) and isinstance(size, int)
+    if start < 0 or start + v_local > size:
+        raise ValueError(
+            f"vocab_start={start} with a local shard of {v_local} rows must lie within vocab_size={size}"
+        )
+    return start, size
+
+
+def _check_label_range(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> None:
+    """One device-to-host sync; the first offending position is named."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        idx = int(bad.nonzero()[0, 0])
+        count = int(bad.sum())
+        raise ValueError(
+            f"labels must be in [0, {vocab_size}) or ignore_index={ignore_index}, got {int(labels[idx])} "
+            f"at flat position {idx} ({count} label(s) out of range); pass check_labels=False to skip "
+            "this check (such rows then give NaN)"
+        )

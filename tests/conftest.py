@@ -1,0 +1,50 @@
+"""Fixtures shared by every test suite: real fixture distributions installed with pip."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+FIXTURE_DISTS = Path(__file__).parent / "fixtures" / "dists"
+
+
+def pip_install_target(target: Path, *projects: Path) -> None:
+    """Build and install projects into ``target`` with pip (no deps, no index needed)."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--no-index", "--target", str(target), *map(str, projects)],
+        check=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def fixture_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder where every fixture distribution under tests/fixtures/dists is pip-installed."""
+    target = tmp_path_factory.mktemp("fixture-site")
+    pip_install_target(target, *sorted(p for p in FIXTURE_DISTS.iterdir() if p.is_dir()))
+    return target
+
+
+@pytest.fixture
+def with_fixture_dists(fixture_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Put the fixture distributions on sys.path (and PYTHONPATH for subprocesses) for one test."""
+    from fusedhead import api, registry
+
+    monkeypatch.syspath_prepend(str(fixture_site))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fixture_site), os.environ.get("PYTHONPATH", "")]))
+    registry.refresh()
+    api.clear_cache()
+    yield fixture_site
+    registry.refresh()
+    api.clear_cache()
+
+
+@pytest.fixture
+def install_fixture_dist() -> object:
+    """``install(target, name)``: pip-install the fixture distribution ``name`` into ``target``."""
+    return lambda target, name: pip_install_target(target, FIXTURE_DISTS / name)

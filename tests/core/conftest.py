@@ -1,0 +1,69 @@
+"""An in-process reference backend for contract tests of the core, independent of any plugin."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from fusedhead import api, registry
+from fusedhead.protocol import Capabilities
+from fusedhead.reference import reference_fused_head
+
+
+class RefOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    tag: str = "x"
+
+
+class RefBackend:
+    """Full fp32 logits; records every forward call so tests can see what the core passed."""
+
+    name: ClassVar[str] = "ref-test"
+    Options: ClassVar[type[BaseModel]] = RefOptions
+    plugin_api_version: ClassVar[int] = 1
+    calls: ClassVar[list[dict[str, Any]]] = []
+    caps: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, options: RefOptions) -> None:
+        self.options = options
+
+    def capabilities(self, device: torch.device) -> Capabilities:
+        return Capabilities(devices=("cpu", "meta"), **self.caps)
+
+    def check(self, device: torch.device, dtype: torch.dtype) -> None:
+        return None
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kw: Any) -> Any:
+        self.calls.append({"hidden": hidden, "weight": weight, "labels": labels, **kw})
+        for key in ("process_group", "vocab_start", "vocab_size", "reduce_hidden_grad"):
+            kw.pop(key)
+        return reference_fused_head(hidden, weight, labels, compute_dtype=torch.float32, **kw)
+
+
+@pytest.fixture
+def ref_backend() -> Iterator[type[RefBackend]]:
+    RefBackend.calls.clear()
+    RefBackend.caps = {}
+    registry.register_backend("ref-test", RefBackend, replace=True)
+    api.clear_cache()
+    yield RefBackend
+    registry.unregister_backend("ref-test")
+    api.clear_cache()
+
+
+def make_inputs(n: int = 6, h: int = 8, v: int = 11, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float32).to(dtype)
+    weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
+    labels = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, labels
+
+
+@pytest.fixture
+def inputs() -> Any:
+    """The input factory ``make_inputs(n, h, v, dtype, seed)``."""
+    return make_inputs

@@ -1,0 +1,213 @@
+"""The registry: discovery from real installed distributions, strict selection by exact name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusedhead import registry
+from fusedhead.errors import (
+    BackendConflictError,
+    BackendLoadError,
+    IncompatibleBackendError,
+    MissingDependencyError,
+    UnknownBackendError,
+)
+from fusedhead.registry import Status
+
+FIXTURES = {"good", "broken", "missing", "incompatible", "dup"}
+
+
+def rows_by_name(**kw):
+    return {r.name: r for r in registry.listing(**kw) if r.name in FIXTURES}
+
+
+def test_listing_reads_metadata_and_imports_nothing(with_fixture_dists):
+    rows = rows_by_name()
+    assert {"good", "broken", "missing", "incompatible"} <= set(rows)
+    assert rows["good"].status is Status.INSTALLED
+    assert rows["good"].distribution == "fh-fixture-good" and rows["good"].version == "1.0.0"
+    assert rows["broken"].status is Status.INSTALLED, "a broken plugin is only seen as broken when probed"
+    assert not [m for m in sys.modules if m.startswith("fh_fixture_")]
+
+
+def test_two_distributions_claiming_a_name_are_both_listed_as_conflict(with_fixture_dists):
+    dups = [r for r in registry.listing() if r.name == "dup"]
+    assert {r.distribution for r in dups} == {"fh-fixture-dup-a", "fh-fixture-dup-b"}
+    assert all(r.status is Status.CONFLICT for r in dups)
+
+
+def test_selecting_a_conflicting_name_names_both_distributions(with_fixture_dists):
+    with pytest.raises(BackendConflictError) as info:
+        registry.load_class("dup")
+    assert "fh-fixture-dup-a" in str(info.value) and "fh-fixture-dup-b" in str(info.value)
+
+
+def test_selection_imports_only_the_selected_backend(with_fixture_dists):
+    cls = registry.load_class("good")
+    assert cls.name == "good"
+    loaded = {m for m in sys.modules if m.startswith("fh_fixture_")}
+    assert loaded == {"fh_fixture_good"}
+
+
+def test_broken_plugin_reports_distribution_version_and_cause(with_fixture_dists):
+    with pytest.raises(BackendLoadError) as info:
+        registry.load_class("broken")
+    msg = str(info.value)
+    assert "fh-fixture-broken 1.0.0" in msg and "fails on import on purpose" in msg
+
+
+def test_missing_dependency_names_the_module(with_fixture_dists):
+    with pytest.raises(MissingDependencyError, match="fh_no_such_package_xyz"):
+        registry.load_class("missing")
+
+
+def test_incompatible_plugin_api_is_refused(with_fixture_dists):
+    with pytest.raises(IncompatibleBackendError, match="plugin API version 99"):
+        registry.load_class("incompatible")
+
+
+def test_probe_gives_each_status_and_isolates_broken_plugins(with_fixture_dists):
+    rows = rows_by_name(probe=True, device="cpu")
+    assert rows["good"].status is Status.OK
+    assert rows["broken"].status is Status.BROKEN and "fh-fixture-broken" in (rows["broken"].reason or "")
+    assert rows["missing"].status is Status.BROKEN
+    assert rows["incompatible"].status is Status.INCOMPATIBLE
+
+
+def test_unknown_name_lists_installed_and_suggests(with_fixture_dists):
+    with pytest.raises(UnknownBackendError) as info:
+        registry.load_class("godo")
+    msg = str(info.value)
+    assert "'godo'" in msg and "good" in msg and "Did you mean 'good'?" in msg
+
+
+def test_unknown_first_party_name_says_how_to_install_it(with_fixture_dists, monkeypatch):
+    monkeypatch.setenv("FUSEDHEAD_BACKENDS", "good")
+    with pytest.raises(UnknownBackendError) as info:
+        registry.load_class("liger")
+    assert "pip install 'fusedhead[liger]'" in str(info.value)
+    assert "FUSEDHEAD_BACKENDS" in str(info.value)
+
+
+def test_environment_limits_discovery(with_fixture_dists, monkeypatch):
+    monkeypatch.setenv("FUSEDHEAD_BACKENDS", "good,broken")
+    assert {r.name for r in registry.listing()} == {"good", "broken"}
+    with pytest.raises(UnknownBackendError):
+        registry.load_class("incompatible")
+
+
+def test_same_distribution_twice_on_path_is_no_conflict(with_fixture_dists, install_fixture_dist, tmp_path, monkeypatch):
+    install_fixture_dist(tmp_path, "good")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.refresh()
+    goods = [r for r in registry.listing() if r.name == "good"]
+    assert len(goods) == 1 and goods[0].status is Status.INSTALLED
+    assert registry.load_class("good").name == "good"
+
+
+@pytest.mark.parametrize("name", ["Torch", "my backend", "", "a.b"])
+def test_names_follow_the_entry_point_rule(name):
+    class B:
+        pass
+
+    B.name = name  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="not valid"):
+        registry.register_backend(name, B)
+
+
+def test_names_must_be_strings():
+    with pytest.raises(TypeError, match="backend"):
+        registry.find(3)  # type: ignore[arg-type]
+
+
+def test_in_process_registration_follows_the_same_rules(with_fixture_dists, ref_backend):
+    with pytest.raises(BackendConflictError, match="fh-fixture-good"):
+        registry.register_backend("good", type("X", (), {"name": "good"}))
+    with pytest.raises(BackendConflictError, match="already registered"):
+        registry.register_backend("ref-test", ref_backend)
+    with pytest.raises(ValueError, match="class attribute"):
+        registry.register_backend("other", ref_backend)
+    assert registry.load_class("ref-test") is ref_backend
+    row = next(r for r in registry.listing() if r.name == "ref-test")
+    assert row.distribution is None and row.status is Status.INSTALLED
+
+
+def test_a_class_that_breaks_the_plugin_api_is_refused():
+    from pydantic import BaseModel
+
+    class Loose(BaseModel):
+        pass
+
+    class Bad:
+        name = "bad-api"
+        Options = Loose
+        plugin_api_version = 1
+
+    registry.register_backend("bad-api", Bad)
+    try:
+        with pytest.raises(BackendLoadError, match="forbid extra"):
+            registry.load_class("bad-api")
+    finally:
+        registry.unregister_backend("bad-api")
+
+
+def run_cli(*args: str, **kw) -> subprocess.CompletedProcess[str]:
+    code = "import sys; from fusedhead.cli import main; rc = main(sys.argv[1:]); " \
+           "assert 'torch' not in sys.modules or sys.argv[1] != 'list' or '--check' in sys.argv, 'list imported torch'; " \
+           "sys.exit(rc)"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, **kw)
+
+
+def test_cli_list_json_and_no_torch_import(with_fixture_dists):
+    proc = run_cli("list", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: r for r in json.loads(proc.stdout) if r["name"] in FIXTURES}
+    assert rows["good"] == {
+        "name": "good", "distribution": "fh-fixture-good", "version": "1.0.0",
+        "entry_point": "fh_fixture_good:Backend", "status": "installed",
+    }
+    assert rows["dup"]["status"] == "conflict" and "reason" in rows["dup"]
+
+
+def test_cli_list_check_exits_1_on_broken_plugins(with_fixture_dists):
+    proc = run_cli("list", "--check", "--device", "cpu")
+    assert proc.returncode == 1
+    assert "broken" in proc.stdout and "fh-fixture-broken" in proc.stdout
+    table = proc.stdout.splitlines()
+    assert table[0].split()[:4] == ["NAME", "DISTRIBUTION", "VERSION", "STATUS"]
+
+
+def test_cli_list_json_with_no_backends_installed_prints_empty_list():
+    src = Path(registry.__file__).resolve().parents[1]
+    code = f"import sys; sys.path.insert(0, {str(src)!r}); from fusedhead.cli import main; sys.exit(main(['list', '--json']))"
+    proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
+
+
+def test_cli_unknown_name_exits_nonzero_with_the_message(with_fixture_dists):
+    proc = run_cli("info", "godo")
+    assert proc.returncode == 2
+    assert "Did you mean 'good'?" in proc.stderr
+
+
+def test_cli_info_shows_capabilities_and_options(with_fixture_dists):
+    proc = run_cli("info", "good", "--json", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["status"] == "ok" and info["distribution"] == "fh-fixture-good"
+    assert info["capabilities"]["deterministic"] is True
+    assert info["options_schema"] == [{"name": "scale_check", "type": "int", "default": 1, "description": ""}]
+
+
+def test_import_fusedhead_imports_no_torch():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import fusedhead, sys; assert 'torch' not in sys.modules; assert 'pydantic' not in sys.modules"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
