@@ -16,8 +16,19 @@ FIXTURE_DISTS = Path(__file__).parent / "fixtures" / "dists"
 def pip_install_target(target: Path, *projects: Path) -> None:
     """Build and install projects into ``target`` with pip (no deps, no index needed)."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--no-index", "--target", str(target), *map(str, projects)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            *map(str, projects),
+        ],
         check=True,
     )
 
@@ -36,7 +47,9 @@ def with_fixture_dists(fixture_site: Path, monkeypatch: pytest.MonkeyPatch) -> I
     from fusedhead import api, registry
 
     monkeypatch.syspath_prepend(str(fixture_site))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fixture_site), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(fixture_site), os.environ.get("PYTHONPATH", "")])
+    )
     registry.refresh()
     api.clear_cache()
     yield fixture_site

@@ -37,7 +37,9 @@ class RefBackend:
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         return None
 
-    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kw: Any) -> Any:
+    def forward(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kw: Any
+    ) -> Any:
         self.calls.append({"hidden": hidden, "weight": weight, "labels": labels, **kw})
         for key in ("process_group", "vocab_start", "vocab_size", "reduce_hidden_grad"):
             kw.pop(key)
@@ -55,7 +57,9 @@ def ref_backend() -> Iterator[type[RefBackend]]:
     api.clear_cache()
 
 
-def make_inputs(n: int = 6, h: int = 8, v: int = 11, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_inputs(
+    n: int = 6, h: int = 8, v: int = 11, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g, dtype=torch.float32).to(dtype)
     weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)

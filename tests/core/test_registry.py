@@ -31,7 +31,9 @@ def test_listing_reads_metadata_and_imports_nothing(with_fixture_dists):
     assert {"good", "broken", "missing", "incompatible"} <= set(rows)
     assert rows["good"].status is Status.INSTALLED
     assert rows["good"].distribution == "fh-fixture-good" and rows["good"].version == "1.0.0"
-    assert rows["broken"].status is Status.INSTALLED, "a broken plugin is only seen as broken when probed"
+    assert rows["broken"].status is Status.INSTALLED, (
+        "a broken plugin is only seen as broken when probed"
+    )
     assert not [m for m in sys.modules if m.startswith("fh_fixture_")]
 
 
@@ -74,7 +76,9 @@ def test_incompatible_plugin_api_is_refused(with_fixture_dists):
 def test_probe_gives_each_status_and_isolates_broken_plugins(with_fixture_dists):
     rows = rows_by_name(probe=True, device="cpu")
     assert rows["good"].status is Status.OK
-    assert rows["broken"].status is Status.BROKEN and "fh-fixture-broken" in (rows["broken"].reason or "")
+    assert rows["broken"].status is Status.BROKEN and "fh-fixture-broken" in (
+        rows["broken"].reason or ""
+    )
     assert rows["missing"].status is Status.BROKEN
     assert rows["incompatible"].status is Status.INCOMPATIBLE
 
@@ -101,7 +105,9 @@ def test_environment_limits_discovery(with_fixture_dists, monkeypatch):
         registry.load_class("incompatible")
 
 
-def test_same_distribution_twice_on_path_is_no_conflict(with_fixture_dists, install_fixture_dist, tmp_path, monkeypatch):
+def test_same_distribution_twice_on_path_is_no_conflict(
+    with_fixture_dists, install_fixture_dist, tmp_path, monkeypatch
+):
     install_fixture_dist(tmp_path, "good")
     monkeypatch.syspath_prepend(str(tmp_path))
     registry.refresh()
@@ -157,9 +163,11 @@ def test_a_class_that_breaks_the_plugin_api_is_refused():
 
 
 def run_cli(*args: str, **kw) -> subprocess.CompletedProcess[str]:
-    code = "import sys; from fusedhead.cli import main; rc = main(sys.argv[1:]); " \
-           "assert 'torch' not in sys.modules or sys.argv[1] != 'list' or '--check' in sys.argv, 'list imported torch'; " \
-           "sys.exit(rc)"
+    code = (
+        "import sys; from fusedhead.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules or sys.argv[1] != 'list' or '--check' in sys.argv, 'list imported torch'; "
+        "sys.exit(rc)"
+    )
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, **kw)
 
 
@@ -168,8 +176,11 @@ def test_cli_list_json_and_no_torch_import(with_fixture_dists):
     assert proc.returncode == 0, proc.stderr
     rows = {r["name"]: r for r in json.loads(proc.stdout) if r["name"] in FIXTURES}
     assert rows["good"] == {
-        "name": "good", "distribution": "fh-fixture-good", "version": "1.0.0",
-        "entry_point": "fh_fixture_good:Backend", "status": "installed",
+        "name": "good",
+        "distribution": "fh-fixture-good",
+        "version": "1.0.0",
+        "entry_point": "fh_fixture_good:Backend",
+        "status": "installed",
     }
     assert rows["dup"]["status"] == "conflict" and "reason" in rows["dup"]
 
@@ -202,12 +213,19 @@ def test_cli_info_shows_capabilities_and_options(with_fixture_dists):
     info = json.loads(proc.stdout)
     assert info["status"] == "ok" and info["distribution"] == "fh-fixture-good"
     assert info["capabilities"]["deterministic"] is True
-    assert info["options_schema"] == [{"name": "scale_check", "type": "int", "default": 1, "description": ""}]
+    assert info["options_schema"] == [
+        {"name": "scale_check", "type": "int", "default": 1, "description": ""}
+    ]
 
 
 def test_import_fusedhead_imports_no_torch():
     proc = subprocess.run(
-        [sys.executable, "-c", "import fusedhead, sys; assert 'torch' not in sys.modules; assert 'pydantic' not in sys.modules"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import fusedhead, sys; assert 'torch' not in sys.modules; assert 'pydantic' not in sys.modules",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr

@@ -61,7 +61,7 @@ def test_temperature_tensor_is_checked(ref_backend, inputs):
     h, w, y = inputs()
     with pytest.raises(ValueError, match="temperature"):
         call(h, w, y, temperature=torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0, 1.0]))
-    with pytest.raises(ValueError, match="temperature.*broadcast"):
+    with pytest.raises(ValueError, match=r"temperature.*broadcast"):
         call(h, w, y, temperature=torch.ones(5))
     with pytest.raises(TypeError, match="temperature"):
         call(h, w, y, temperature=torch.ones(6, dtype=torch.int64))
@@ -153,7 +153,9 @@ def test_zero_rows_give_empty_outputs_and_zero_grads(ref_backend, inputs):
 
 def test_zero_rows_keep_leading_shape(ref_backend, inputs):
     h, w, _ = inputs()
-    out = call(h.reshape(2, 3, 8)[:, :0], w, torch.zeros(2, 0, dtype=torch.long), return_entropy=False)
+    out = call(
+        h.reshape(2, 3, 8)[:, :0], w, torch.zeros(2, 0, dtype=torch.long), return_entropy=False
+    )
     assert out.log_probs.shape == (2, 0) and out.entropy is None
 
 

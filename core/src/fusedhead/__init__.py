@@ -24,11 +24,25 @@ _LAZY = {
     "FusedLMHead": "fusedhead.module",
 }
 
-__all__ = [*_LAZY, "__version__"]
+__all__ = [
+    "PLUGIN_API_VERSION",
+    "Capabilities",
+    "FusedHead",
+    "FusedHeadBackend",
+    "FusedHeadConfig",
+    "FusedHeadOutput",
+    "FusedLMHead",
+    "__version__",
+    "fused_head",
+    "reference_fused_head",
+    "register_backend",
+    "unregister_backend",
+]
 
 if TYPE_CHECKING:
     from fusedhead.api import FusedHead, FusedHeadOutput, fused_head
     from fusedhead.config import FusedHeadConfig
+    from fusedhead.module import FusedLMHead
     from fusedhead.protocol import PLUGIN_API_VERSION, Capabilities, FusedHeadBackend
     from fusedhead.reference import reference_fused_head
     from fusedhead.registry import register_backend, unregister_backend

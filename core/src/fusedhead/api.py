@@ -28,7 +28,9 @@ class FusedHeadOutput(NamedTuple):
 class FusedHead:
     """A backend resolved once from a ``FusedHeadConfig``, then called per step."""
 
-    def __init__(self, config: FusedHeadConfig | Mapping[str, Any] | None = None, **overrides: Any) -> None:
+    def __init__(
+        self, config: FusedHeadConfig | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> None:
         if config is None:
             config = FusedHeadConfig(**overrides)
         elif isinstance(config, Mapping):
@@ -36,7 +38,9 @@ class FusedHead:
         elif overrides:
             config = FusedHeadConfig.from_dict({**config.to_dict(), **overrides})
         if not isinstance(config, FusedHeadConfig):
-            raise TypeError(f"config must be a FusedHeadConfig or a mapping, got {type(config).__name__}")
+            raise TypeError(
+                f"config must be a FusedHeadConfig or a mapping, got {type(config).__name__}"
+            )
         self.config = config
         cand = registry.find(config.backend)
         cls = registry.load_class(config.backend)
@@ -65,7 +69,8 @@ class FusedHead:
 
     def capabilities(self, device: torch.device | str) -> Capabilities:
         """The backend's capabilities on ``device``."""
-        return self.backend.capabilities(torch.device(device))
+        caps: Capabilities = self.backend.capabilities(torch.device(device))
+        return caps
 
     def _check_required(self, caps: Capabilities, device: torch.device) -> None:
         missing = [c for c in self.config.require if not getattr(caps, c, False)]
@@ -132,7 +137,9 @@ class FusedHead:
             return _empty(call, return_entropy)
         extra: dict[str, Any] = {} if call.softcap is None else {"softcap": call.softcap}
         dev = call.hidden.device.type
-        with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else _nullcontext():
+        with (
+            torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else _nullcontext()
+        ):
             log_probs, entropy = self.backend.forward(
                 call.hidden,
                 call.weight,
@@ -168,7 +175,9 @@ class FusedHead:
             )
         if process_group is not None:
             if not caps.vocab_parallel:
-                raise CapabilityError(f"backend {self.name!r} does not support process_group (capability vocab_parallel)")
+                raise CapabilityError(
+                    f"backend {self.name!r} does not support process_group (capability vocab_parallel)"
+                )
             if not caps.uneven_shards:
                 import torch.distributed as dist
 
@@ -181,9 +190,15 @@ class FusedHead:
                     )
 
     def _check_output(self, what: str, out: object, n: int) -> None:
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != (n,):
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.dtype != torch.float32
+            or tuple(out.shape) != (n,)
+        ):
             got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else repr(out)
-            raise BackendError(f"backend {self.name!r} broke the contract: {what} must be float32 [{n}], got {got}")
+            raise BackendError(
+                f"backend {self.name!r} broke the contract: {what} must be float32 [{n}], got {got}"
+            )
 
 
 class _nullcontext:
@@ -223,7 +238,9 @@ def get_fused_head(backend: str, options: Mapping[str, Any] | BaseModel | None =
         with _lock:
             head = _cache.get(key)
             if head is None:
-                opts = options.model_dump() if isinstance(options, BaseModel) else dict(options or {})
+                opts = (
+                    options.model_dump() if isinstance(options, BaseModel) else dict(options or {})
+                )
                 head = FusedHead(FusedHeadConfig(backend=backend, options=opts))
                 _cache[key] = head
     return head
@@ -257,7 +274,9 @@ def fused_head(
     The backend is the one named, always; see DESIGN.md for the full contract.
     """
     if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str naming a backend, got {type(backend).__name__} {backend!r}")
+        raise TypeError(
+            f"backend must be a str naming a backend, got {type(backend).__name__} {backend!r}"
+        )
     if temperature is None:
         raise TypeError("temperature must be a float or a tensor, got None")
     head = get_fused_head(backend, options)

@@ -14,13 +14,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from fusedhead import registry
-from fusedhead.errors import BackendError
+from fusedhead.errors import BackendError, IncompatibleBackendError
 
 #: Sub-commands implemented elsewhere: module with ``add_arguments(parser)`` and ``run(args) -> int``.
 _DELEGATED = {
     "check": ("fusedhead.testing.runner", "run the conformance kit against a backend"),
     "bench": ("fusedhead.bench.cli", "time backends and peers in GEMM units, memory and accuracy"),
-    "demo": ("fusedhead.demo", "the main job: a realistic problem on one backend, checked against the reference"),
+    "demo": (
+        "fusedhead.demo",
+        "the main job: a realistic problem on one backend, checked against the reference",
+    ),
 }
 
 
@@ -31,7 +34,15 @@ def _cmd_list(args: argparse.Namespace) -> int:
     else:
         table = [("NAME", "DISTRIBUTION", "VERSION", "STATUS", "REASON")]
         for r in rows:
-            table.append((r.name, r.distribution or "(in-process)", r.version or "-", r.status.value, r.reason or ""))
+            table.append(
+                (
+                    r.name,
+                    r.distribution or "(in-process)",
+                    r.version or "-",
+                    r.status.value,
+                    r.reason or "",
+                )
+            )
         widths = [max(len(row[i]) for row in table) for i in range(4)]
         for row in table:
             cells = [c.ljust(w) for c, w in zip(row[:4], widths)]
@@ -55,7 +66,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     try:
         cls = registry.load_class(args.name)
     except BackendError as exc:
-        out["status"] = "broken" if not isinstance(exc, registry.IncompatibleBackendError) else "incompatible"
+        out["status"] = "incompatible" if isinstance(exc, IncompatibleBackendError) else "broken"
         out["reason"] = str(exc)
         _print_info(out, args.json)
         return 1
@@ -83,7 +94,9 @@ def _options_schema(model: Any) -> list[dict[str, Any]]:
             {
                 "name": name,
                 "type": getattr(field.annotation, "__name__", str(field.annotation)),
-                "default": None if field.is_required() else field.get_default(call_default_factory=True),
+                "default": None
+                if field.is_required()
+                else field.get_default(call_default_factory=True),
                 "description": field.description or "",
             }
         )
@@ -112,17 +125,31 @@ def _print_info(info: dict[str, Any], as_json: bool) -> None:
 
 def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
     """The argument parser; ``delegated=False`` skips importing the heavy sub-command modules."""
-    parser = argparse.ArgumentParser(prog="fusedhead", description="fusedhead backends: list, inspect, check, bench, demo")
+    parser = argparse.ArgumentParser(
+        prog="fusedhead", description="fusedhead backends: list, inspect, check, bench, demo"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("list", help="installed backends and their status (metadata only unless --check)")
+    p = sub.add_parser(
+        "list", help="installed backends and their status (metadata only unless --check)"
+    )
     p.add_argument("--json", action="store_true", help="print a JSON list of objects")
-    p.add_argument("--check", action="store_true", help="import and probe each backend; exit 1 if any is broken")
-    p.add_argument("--device", default=None, help="device for --check (default: cuda if present, else cpu)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="import and probe each backend; exit 1 if any is broken",
+    )
+    p.add_argument(
+        "--device", default=None, help="device for --check (default: cuda if present, else cpu)"
+    )
     p.set_defaults(func=_cmd_list)
-    p = sub.add_parser("info", help="capabilities, options schema, distribution and status of one backend")
+    p = sub.add_parser(
+        "info", help="capabilities, options schema, distribution and status of one backend"
+    )
     p.add_argument("name")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--device", default=None, help="device to describe (default: cuda if present, else cpu)")
+    p.add_argument(
+        "--device", default=None, help="device to describe (default: cuda if present, else cpu)"
+    )
     p.set_defaults(func=_cmd_info)
     for name, (module, help_text) in _DELEGATED.items():
         p = sub.add_parser(name, help=help_text)

@@ -81,7 +81,7 @@ class FusedHeadConfig(BaseModel):
         data = OmegaConf.to_container(node, resolve=True)
         if not isinstance(data, dict):
             raise TypeError(f"config node must be a mapping, got {type(data).__name__}")
-        return cls.from_dict(data)
+        return cls.from_dict({str(k): v for k, v in data.items()})
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict that ``from_dict`` turns back into an equal config."""
@@ -98,7 +98,9 @@ def validate_options(name: str, cls: type, options: Any) -> BaseModel:
     if isinstance(options, BaseModel):
         options = options.model_dump()
     if not isinstance(options, Mapping):
-        raise TypeError(f"options for backend {name!r} must be a mapping, got {type(options).__name__}")
+        raise TypeError(
+            f"options for backend {name!r} must be a mapping, got {type(options).__name__}"
+        )
     try:
         return model.model_validate(dict(options))
     except ValueError as exc:

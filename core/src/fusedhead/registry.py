@@ -58,7 +58,7 @@ class Candidate:
     distribution: str | None = None
     version: str | None = None
     entry_point: md.EntryPoint | None = field(default=None, compare=False, repr=False)
-    cls: type | None = field(default=None, compare=False, repr=False)
+    cls: type[Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def origin(self) -> str:
@@ -120,9 +120,7 @@ def _discover_entry_points() -> tuple[Candidate, ...]:
             if key in seen:  # the same distribution seen twice on sys.path
                 continue
             seen.add(key)
-            found.append(
-                Candidate(ep.name, ep.value, dist_name, dist.version, entry_point=ep)
-            )
+            found.append(Candidate(ep.name, ep.value, dist_name, dist.version, entry_point=ep))
     return tuple(sorted(found, key=lambda c: (c.name, _normalize(c.distribution or ""))))
 
 
@@ -131,9 +129,9 @@ def refresh() -> None:
     _discover_entry_points.cache_clear()
     _load_class.cache_clear()
     importlib.invalidate_caches()
-    clear = getattr(getattr(md, "FastPath", None), "__new__", None)
-    if hasattr(clear, "cache_clear"):  # importlib.metadata caches directory listings
-        clear.cache_clear()
+    clear = getattr(getattr(getattr(md, "FastPath", None), "__new__", None), "cache_clear", None)
+    if clear is not None:  # importlib.metadata caches directory listings
+        clear()
 
 
 def candidates() -> dict[str, list[Candidate]]:
@@ -158,7 +156,9 @@ def register_backend(name: str, cls: type, *, replace: bool = False) -> None:
         raise TypeError(f"cls must be a backend class, got {type(cls).__name__}")
     cls_name = getattr(cls, "name", None)
     if cls_name != name:
-        raise ValueError(f"name {name!r} must equal the class attribute {cls.__qualname__}.name ({cls_name!r})")
+        raise ValueError(
+            f"name {name!r} must equal the class attribute {cls.__qualname__}.name ({cls_name!r})"
+        )
     installed = [c for c in _discover_entry_points() if c.name == name]
     if installed:
         raise BackendConflictError(
@@ -184,7 +184,9 @@ def unregister_backend(name: str) -> None:
 
 def _check_name(name: object) -> None:
     if not isinstance(name, str):
-        raise TypeError(f"backend must be a str naming a backend, got {type(name).__name__} {name!r}")
+        raise TypeError(
+            f"backend must be a str naming a backend, got {type(name).__name__} {name!r}"
+        )
     if not NAME_PATTERN.match(name):
         raise ValueError(f"backend name {name!r} is not valid: expected lowercase [a-z0-9_-]+")
 
@@ -227,13 +229,13 @@ def find(name: str) -> Candidate:
     return claims[0]
 
 
-def load_class(name: str) -> type:
+def load_class(name: str) -> type[Any]:
     """Import and check the backend class selected by exactly ``name``."""
     return _load_class(find(name))
 
 
-@functools.lru_cache(maxsize=None)
-def _load_class(cand: Candidate) -> type:
+@functools.cache
+def _load_class(cand: Candidate) -> type[Any]:
     if cand.cls is not None:
         cls = cand.cls
     else:
@@ -245,8 +247,16 @@ def _load_class(cand: Candidate) -> type:
             dist = f"{cand.distribution} {cand.version}"
             raise MissingDependencyError(
                 f"backend {cand.name!r} ({dist}) could not be imported: {type(exc).__name__}: {exc}. "
-                + (f"Install the missing package {missing!r}" if missing else "Install its missing dependency")
-                + (f" or reinstall with pip install '{FIRST_PARTY_EXTRAS[cand.name]}'." if cand.name in FIRST_PARTY_EXTRAS else ".")
+                + (
+                    f"Install the missing package {missing!r}"
+                    if missing
+                    else "Install its missing dependency"
+                )
+                + (
+                    f" or reinstall with pip install '{FIRST_PARTY_EXTRAS[cand.name]}'."
+                    if cand.name in FIRST_PARTY_EXTRAS
+                    else "."
+                )
             ) from exc
         except Exception as exc:
             raise BackendLoadError(
@@ -281,7 +291,9 @@ def _check_class(cand: Candidate, cls: Any) -> None:
     if not (isinstance(options, type) and issubclass(options, BaseModel)):
         raise BackendLoadError(f"{where}: Options must be a pydantic BaseModel subclass")
     if options.model_config.get("extra") != "forbid":
-        raise BackendLoadError(f"{where}: Options must forbid extra fields (model_config extra='forbid')")
+        raise BackendLoadError(
+            f"{where}: Options must forbid extra fields (model_config extra='forbid')"
+        )
     for method in ("capabilities", "check", "forward"):
         if not callable(getattr(cls, method, None)):
             raise BackendLoadError(f"{where}: missing method {method}()")
@@ -293,12 +305,16 @@ def listing(*, probe: bool = False, device: Any = None) -> list[BackendListing]:
     for name, claims in candidates().items():
         first = claims[0]
         if len(claims) > 1:
-            reason = "claimed by " + "; ".join(c.origin for c in claims)
+            why = "claimed by " + "; ".join(c.origin for c in claims)
             for c in claims:
-                rows.append(BackendListing(name, c.distribution, c.version, c.value, Status.CONFLICT, reason))
+                rows.append(
+                    BackendListing(name, c.distribution, c.version, c.value, Status.CONFLICT, why)
+                )
             continue
         status, reason = (Status.INSTALLED, None) if not probe else _probe(first, device)
-        rows.append(BackendListing(name, first.distribution, first.version, first.value, status, reason))
+        rows.append(
+            BackendListing(name, first.distribution, first.version, first.value, status, reason)
+        )
     return rows
 
 

@@ -87,7 +87,9 @@ def validate(
     _flag("reduce_hidden_grad", reduce_hidden_grad)
     do_check = _flag("check_labels", check_labels)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+        raise TypeError(
+            f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}"
+        )
 
     if h.dim() < 1:
         raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
@@ -95,7 +97,9 @@ def validate(
         raise ValueError(f"weight must have shape [V, H], got shape {tuple(w.shape)}")
     V, H = w.shape
     if H == 0 or V == 0:
-        raise ValueError(f"weight must be non-empty [V, H] with V > 0 and H > 0, got shape {tuple(w.shape)}")
+        raise ValueError(
+            f"weight must be non-empty [V, H] with V > 0 and H > 0, got shape {tuple(w.shape)}"
+        )
     if h.shape[-1] != H:
         raise ValueError(
             f"hidden's last dimension must equal weight's H={H}, got hidden shape {tuple(h.shape)}"
@@ -110,7 +114,9 @@ def validate(
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{arg} must be float32, float16 or bfloat16, got dtype {t.dtype}")
     if h.device != w.device:
-        raise ValueError(f"hidden and weight must be on one device, got hidden on {h.device}, weight on {w.device}")
+        raise ValueError(
+            f"hidden and weight must be on one device, got hidden on {h.device}, weight on {w.device}"
+        )
     if y.device != h.device:
         raise ValueError(f"labels must be on hidden's device {h.device}, got {y.device}")
 
