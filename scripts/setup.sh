@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up a development environment in .venv: CPU torch first (so nothing pulls a multi-GB CUDA
+# build), then the core and every first-party backend as editable installs, then test tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip "$@"; }
+pip install -q --upgrade pip
+pip install -q torch==2.13.0
+pip install -q -e "./core[testing,yaml,bench,transformers]" \
+    -e ./plugins/torch_backend -e ./plugins/triton_backend -e ./plugins/liger_backend
+pip install -q ruff mypy omegaconf build hatchling editables
+.venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+echo "setup: ok ($(.venv/bin/python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'))"
