@@ -1,0 +1,47 @@
+"""Every Python block in the README and docs/ runs, as a reader would paste it.
+
+A block preceded by ``<!-- docs-test: gpu -->`` needs CUDA and runs only where a GPU is present; one
+preceded by ``<!-- docs-test: skip (reason) -->`` is shown but not run, with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+BLOCK = re.compile(r"(?:<!--\s*docs-test:\s*(?P<mark>[^>]*?)\s*-->\s*\n)?```python\n(?P<code>.*?)```", re.S)
+
+
+def blocks() -> list[object]:
+    found = []
+    for path in DOCS:
+        text = path.read_text()
+        for i, m in enumerate(BLOCK.finditer(text)):
+            line = text[: m.start("code")].count("\n") + 1
+            mark = (m.group("mark") or "").strip()
+            marks = []
+            if mark.startswith("gpu"):
+                marks.append(pytest.mark.gpu)
+            elif mark.startswith("skip"):
+                marks.append(pytest.mark.skip(reason=f"marked in the doc: {mark}"))
+            rel = path.relative_to(ROOT)
+            found.append(pytest.param(path, m.group("code"), mark, id=f"{rel}:{line}#{i}", marks=marks))
+    return found
+
+
+@pytest.mark.parametrize(("path", "code", "mark"), blocks())
+def test_doc_block_runs(path: Path, code: str, mark: str, tmp_path: Path) -> None:
+    if mark.startswith("gpu"):
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("block needs a CUDA device (run with pytest -m gpu on a GPU before release)")
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{path.name} block failed:\n{code}\n--- stderr ---\n{proc.stderr[-4000:]}"
