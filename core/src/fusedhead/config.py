@@ -20,17 +20,34 @@ class FusedHeadConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    backend: str = "torch"
-    options: dict[str, Any] = Field(default_factory=dict)
-    #: Boolean capabilities the backend must declare (e.g. ``["batch_invariant"]``); never used to pick one.
-    require: list[str] = Field(default_factory=list)
-    temperature: float = 1.0
-    ignore_index: int = -100
-    return_entropy: bool = True
-    check_labels: bool = True
-    softcap: float | None = None
-    #: Device on which ``require`` is checked at resolution; default CUDA if present, else CPU.
-    device: str | None = None
+    backend: str = Field(
+        "torch", description="Exact backend name (entry-point name); never chosen for you."
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The backend's own options, validated against its Options model.",
+    )
+    require: list[str] = Field(
+        default_factory=list,
+        description="Boolean capabilities the backend must declare (e.g. batch_invariant); checked, never used to pick.",
+    )
+    temperature: float = Field(
+        1.0, description="Default temperature of calls that pass none; finite, > 0."
+    )
+    ignore_index: int = Field(-100, description="Label value whose rows give 0 and no gradient.")
+    return_entropy: bool = Field(True, description="Compute the entropy output by default.")
+    check_labels: bool = Field(
+        True,
+        description="Validate the label range (one device-to-host sync); False for CUDA graphs / torch.compile.",
+    )
+    softcap: float | None = Field(
+        None,
+        description="Default logit softcap c: z = c * tanh(z / c) before the temperature division.",
+    )
+    device: str | None = Field(
+        None,
+        description="Device on which `require` is checked at resolution; default CUDA if present, else CPU.",
+    )
 
     @field_validator("require")
     @classmethod

@@ -1,0 +1,66 @@
+"""Write docs/configuration.md from the models themselves: FusedHeadConfig and every first-party
+backend's ``Options``, so the reference can never drift from the code (a test regenerates it)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from fusedhead.config import FusedHeadConfig
+from fusedhead.registry import load_class
+
+FIRST_PARTY = ("torch", "triton", "liger")
+OUT = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+
+HEADER = """# Configuration reference
+
+Generated from the models by `python scripts/gen_config_docs.py`; a test fails when this file and
+the code disagree.
+
+A `FusedHeadConfig` loads from a dict (`FusedHeadConfig.from_dict`), YAML text (`from_yaml`) or an
+OmegaConf/Hydra node (`from_omegaconf`), and round-trips through `to_dict()`. Unknown keys are
+errors, in the config and in every backend's `options`.
+
+```yaml
+fused_head:
+  backend: triton            # exact name; see `fusedhead list`
+  options: {}                # validated against the backend's Options below
+  require: [batch_invariant] # capabilities checked at resolution; never used to pick a backend
+  temperature: 0.7
+```
+"""
+
+
+def _type(field: Any) -> str:
+    ann = field.annotation
+    text = getattr(ann, "__name__", None) or str(ann)
+    return text.replace("typing.", "")
+
+
+def table(model: type[BaseModel]) -> str:
+    rows = ["| field | type | default | description |", "| --- | --- | --- | --- |"]
+    for name, field in model.model_fields.items():
+        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        desc = (field.description or "").replace("\n", " ")
+        rows.append(f"| `{name}` | `{_type(field)}` | `{default}` | {desc} |")
+    return "\n".join(rows)
+
+
+def render() -> str:
+    parts = [HEADER, "## FusedHeadConfig\n", table(FusedHeadConfig), ""]
+    for name in FIRST_PARTY:
+        cls = load_class(name)
+        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        parts += [f"## Backend `{name}` options\n", doc + "\n" if doc else "", table(cls.Options), ""]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    text = render()
+    if "--check" in sys.argv:
+        sys.exit(0 if OUT.exists() and OUT.read_text() == text else 1)
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
