@@ -1,0 +1,125 @@
+"""The contract mapped onto Liger's functions: labels in, ``(-nll, entropy in fp32)`` out.
+
+Liger returns per-token NLL (fp32) and, when asked, entropy in the input dtype (bf16 from the
+native kernel); ignored rows are 0 in both. Out-of-range labels are turned into ``ignore_index``
+before Liger sees them (Liger's kernels would silently find no target logit, or stop with a
+host-side check) and their rows are set to NaN afterwards, as the contract asks.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from fusedhead_liger import _liger
+
+_NAN = float("nan")
+#: Liger keeps this argument of the SM90 function for API compatibility; every value runs the
+#: same kernel. 1 is the value Liger's own dispatcher passes by default.
+M_TILES_PER_CLUSTER = 1
+
+
+def guard_labels(
+    labels: torch.Tensor, ignore_index: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels safe for Liger (out-of-range ones become ignore_index) and the mask of those rows."""
+    bad = labels.ne(ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    return labels.masked_fill(bad, ignore_index), bad
+
+
+def to_contract(
+    nll: torch.Tensor, entropy: torch.Tensor | None, bad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Liger's (nll, entropy) as fp32 (log_probs, entropy), NaN on out-of-range-label rows."""
+    log_probs = torch.where(bad, _NAN, nll.neg())
+    if entropy is None:
+        return log_probs, None
+    return log_probs, torch.where(bad, _NAN, entropy.float())
+
+
+def _split(out: Any, return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return (out[0], out[1]) if return_entropy else (out, None)
+
+
+def run_native(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Liger's SM90 CuTe DSL kernel, called directly (the same call Liger's dispatcher makes)."""
+    fn = _liger.native_function()
+    out = fn.apply(
+        hidden, weight, labels, temperature, ignore_index, M_TILES_PER_CLUSTER, return_entropy
+    )
+    return _split(out, return_entropy)
+
+
+def run_fallback(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Liger's 512-row chunked function, called directly so no device dispatch can intervene."""
+    fn = _liger.fallback_function()
+    out = fn.apply(hidden, weight, labels, temperature, ignore_index, return_entropy)
+    return _split(out, return_entropy)
+
+
+@functools.cache
+def _tp_function(reduce_hidden_grad: bool) -> Any:
+    """Liger's TP fallback, or a subclass whose backward keeps each rank's partial hidden gradient.
+
+    Liger's backward sums the hidden gradient over the group (``if ctx.world_size > 1:
+    all_reduce``). Megatron-style callers reduce it themselves, so for ``reduce_hidden_grad=False``
+    the subclass runs Liger's forward unchanged and then records a world size of 1 on the context,
+    which makes Liger's own backward skip that one all-reduce and nothing else.
+    """
+    base = _liger.tp_fallback_function()
+    if reduce_hidden_grad:
+        return base
+
+    class _PartialHiddenGrad(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def forward(ctx: Any, *args: Any) -> Any:
+            out = base.forward(ctx, *args)
+            if not hasattr(ctx, "world_size"):
+                raise RuntimeError(
+                    f"{_liger.TP_FALLBACK_FUNCTION} no longer records world_size; fusedhead-liger "
+                    f"needs liger-kernel=={_liger.TESTED_LIGER} for reduce_hidden_grad=False"
+                )
+            ctx.world_size = 1
+            return out
+
+    return _PartialHiddenGrad
+
+
+def run_tp_fallback(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+    process_group: Any,
+    reduce_hidden_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Liger's chunked vocabulary-parallel function (equal shards, global labels)."""
+    fn = _tp_function(reduce_hidden_grad)
+    out = fn.apply(
+        hidden.contiguous(),
+        weight.contiguous(),
+        labels,
+        temperature,
+        ignore_index,
+        return_entropy,
+        process_group,
+    )
+    return _split(out, return_entropy)

@@ -1,0 +1,79 @@
+"""Where Liger's native SM90 kernel runs, and a message that says why not and what to do.
+
+Liger itself would import its CuTe DSL kernel on any compute capability 9.0 GPU (ImportError when
+the DSL is missing, TypeError for non-bf16 inputs) and silently run its chunked path everywhere
+else. The adapter asks the same questions up front and turns every "no" into one clear error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedhead_liger import _liger
+
+NATIVE_CAPABILITY = (9, 0)
+INSTALL_HINT = (
+    'pip install "fusedhead-liger[sm90]" (what fusedhead[liger] installs; Linux x86-64 only: '
+    f"it pins nvidia-cutlass-dsl=={_liger.TESTED_CUTE_DSL})"
+)
+
+
+def device_reasons(device: torch.device) -> list[str]:
+    """Reasons the device cannot run the SM90 kernel (empty when it can)."""
+    if device.type != "cuda":
+        return [f"device {device} is not a CUDA GPU: Liger's native kernel is an SM90 (Hopper) CUDA kernel"]
+    if torch.version.hip is not None:
+        return [f"device {device} is a ROCm GPU: Liger's native kernel is an NVIDIA SM90 kernel"]
+    if not torch.cuda.is_available():
+        return ["CUDA is not available to this torch build or process"]
+    cap = torch.cuda.get_device_capability(device)
+    if cap != NATIVE_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return [
+            f"{name} has compute capability {cap[0]}.{cap[1]}; Liger's native kernel runs on 9.0 only "
+            "(H100/H200). Liger itself would silently run its chunked fallback here"
+        ]
+    return []
+
+
+def dtype_reasons(dtype: torch.dtype) -> list[str]:
+    """Reasons the dtype cannot run the SM90 kernel (Liger would raise a TypeError)."""
+    if dtype == torch.bfloat16:
+        return []
+    return [f"inputs are {dtype}, Liger's native kernel takes bfloat16 only"]
+
+
+def dsl_reasons(device: torch.device) -> list[str]:
+    """Reasons the CuTe DSL path cannot be imported; imports it only on a device that could run it."""
+    if not _liger.cute_dsl_installed():
+        return ["the CuTe DSL (nvidia-cutlass-dsl) is not installed"]
+    if device_reasons(device):
+        return []  # installed; importing it would prove nothing on this device
+    error = _liger.native_import_error()
+    return [] if error is None else [f"Liger's CuTe DSL kernel does not import ({error})"]
+
+
+def native_reasons(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Every reason the native kernel cannot run on (device, dtype); empty when it can."""
+    return device_reasons(device) + dtype_reasons(dtype) + dsl_reasons(device)
+
+
+def native_unavailable_message(device: torch.device, dtype: torch.dtype, reasons: list[str]) -> str:
+    """The error text: what is missing and each way out."""
+    fixes = []
+    if any("CuTe DSL" in r for r in reasons):
+        fixes.append(f"install the CuTe DSL: {INSTALL_HINT}")
+    if dtype_reasons(dtype):
+        fixes.append("pass bfloat16 hidden and weight (e.g. under torch.autocast(dtype=torch.bfloat16))")
+    if device_reasons(device):
+        fixes.append("run on an H100/H200 GPU")
+    fixes.append(
+        'use options={"implementation": "fallback"} to run Liger\'s chunked path on purpose, '
+        'or another backend (e.g. backend="triton" or backend="torch")'
+    )
+    why = "; ".join(reasons)
+    how = "; ".join(fixes)
+    return (
+        f"backend 'liger' with implementation='native' cannot run on {device} with {dtype}: {why}. "
+        f"Fix: {how}."
+    )

@@ -1,0 +1,188 @@
+"""The ``liger`` backend: liger-kernel's fused linear scaled cross-entropy, chosen explicitly.
+
+``implementation="native"`` runs Liger's SM90 CuTe DSL kernel and nothing else; ``"fallback"``
+runs Liger's 512-row chunked (verl-derived) path on purpose, on any device and dtype, and is the
+one that supports vocab-parallel. Liger's own device dispatch is never used.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from fusedhead.errors import BackendUnavailableError
+from fusedhead.protocol import PLUGIN_API_VERSION, Capabilities
+from fusedhead_liger import _liger, _run, availability
+
+Implementation = Literal["native", "fallback"]
+
+_FALLBACK_DEVICES = ("cpu", "cuda")
+_NATIVE_KERNEL = "LigerFusedScaledCrossEntropySM90Function (CuTe DSL, SM90, bf16)"
+_FALLBACK_KERNEL = "Liger's 512-row chunked path adapted from verl (torch ops)"
+
+
+class LigerOptions(BaseModel):
+    """Options of the ``liger`` backend."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    implementation: Implementation = Field(
+        default="native",
+        description=(
+            "native: Liger's SM90 CuTe DSL kernel only (H100/H200, bf16), an error anywhere else; "
+            "fallback: Liger's chunked verl-style path, any device and dtype, vocab-parallel"
+        ),
+    )
+
+
+class LigerBackend:
+    """fusedhead backend over liger-kernel 0.8.5 with the implementation named, never guessed."""
+
+    name: ClassVar[str] = "liger"
+    Options: ClassVar[type[BaseModel]] = LigerOptions
+    plugin_api_version: ClassVar[int] = PLUGIN_API_VERSION
+
+    def __init__(self, options: LigerOptions | None = None) -> None:
+        self.options = options if options is not None else LigerOptions()
+
+    @property
+    def implementation(self) -> Implementation:
+        return self.options.implementation
+
+    def capabilities(self, device: torch.device) -> Capabilities:
+        """What the selected implementation does; precisions are where Liger rounds."""
+        if self.implementation == "native":
+            # Logits are staged through fp16 shared memory; entropy is written as bf16.
+            return Capabilities(
+                devices=("cuda",),
+                dtypes=("bf16",),
+                vocab_parallel=False,
+                logits_precision="fp16",
+                entropy_precision="bf16",
+                implementation="native",
+                kernel=_NATIVE_KERNEL,
+            )
+        # The chunk GEMM's output (the logits) is in the input dtype, and the single-process
+        # path returns entropy in the input dtype: fp32 for fp32 inputs, fp16/bf16 otherwise.
+        # One field cannot say "the input dtype", so it declares the coarsest one it takes.
+        return Capabilities(
+            devices=_FALLBACK_DEVICES,
+            dtypes=("fp32", "fp16", "bf16"),
+            vocab_parallel=True,
+            logits_precision="bf16",
+            entropy_precision="bf16",
+            implementation="fallback",
+            kernel=_FALLBACK_KERNEL,
+            precision_by_dtype={
+                d: {"logits": d, "entropy": d} for d in ("fp32", "fp16", "bf16")
+            },
+        )
+
+    def check(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Raise ``BackendUnavailableError`` with the reason and the fix when it cannot run here."""
+        device = torch.device(device)
+        if self.implementation == "native":
+            reasons = availability.native_reasons(device, dtype)
+            if reasons:
+                raise BackendUnavailableError(
+                    availability.native_unavailable_message(device, dtype, reasons)
+                )
+            return
+        if device.type not in _FALLBACK_DEVICES:
+            raise BackendUnavailableError(
+                f"backend 'liger' with implementation='fallback' runs on {list(_FALLBACK_DEVICES)}, "
+                f"not {device.type!r}; use another backend"
+            )
+        _liger.fallback_function()  # liger-kernel present and of the tested shape
+
+    def describe(self, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
+        """Which implementation would run on ``device`` for ``dtype`` inputs, and why."""
+        device = torch.device(device)
+        info = {
+            "implementation": self.implementation,
+            "dtype": str(dtype).removeprefix("torch."),
+        }
+        try:
+            self.check(device, dtype)
+        except BackendUnavailableError as exc:
+            info |= {"would_run": "no", "reason": str(exc)}
+        else:
+            info["would_run"] = "yes"
+            if self.implementation == "native":
+                info["reason"] = f"{device} is an SM90 GPU and Liger's CuTe DSL kernel imports"
+            else:
+                info["reason"] = (
+                    "implementation='fallback' was chosen: Liger's chunked path runs on purpose"
+                )
+        info["kernel"] = _NATIVE_KERNEL if self.implementation == "native" else _FALLBACK_KERNEL
+        info["liger_kernel"] = _liger.distribution_version("liger-kernel") or "not installed"
+        info["cute_dsl"] = _liger.distribution_version("nvidia-cutlass-dsl") or "not installed"
+        return info
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        temperature: float | torch.Tensor,
+        ignore_index: int,
+        return_entropy: bool,
+        process_group: Any,
+        vocab_start: int,
+        vocab_size: int,
+        reduce_hidden_grad: bool,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 ``(log_probs, entropy)`` from Liger's ``(nll, entropy)``."""
+        if softcap is not None:
+            raise BackendUnavailableError("backend 'liger' has no softcap; use backend='torch'")
+        if isinstance(temperature, torch.Tensor):
+            raise BackendUnavailableError(
+                "backend 'liger' takes one float temperature, not a per-token tensor"
+            )
+        self.check(hidden.device, hidden.dtype)
+        temperature = float(temperature)
+        safe, bad = _run.guard_labels(labels, ignore_index, vocab_size)
+        if process_group is None:
+            run = _run.run_native if self.implementation == "native" else _run.run_fallback
+            nll, entropy = run(hidden, weight, safe, temperature, ignore_index, return_entropy)
+        else:
+            self._check_shards(weight, process_group, vocab_start, vocab_size)
+            nll, entropy = _run.run_tp_fallback(
+                hidden,
+                weight,
+                safe,
+                temperature,
+                ignore_index,
+                return_entropy,
+                process_group,
+                reduce_hidden_grad,
+            )
+        return _run.to_contract(nll, entropy, bad)
+
+    def _check_shards(
+        self, weight: torch.Tensor, process_group: Any, vocab_start: int, vocab_size: int
+    ) -> None:
+        """Vocab-parallel runs through Liger's chunked TP path, which needs equal shards in rank order."""
+        if self.implementation == "native":
+            raise BackendUnavailableError(
+                "backend 'liger' with implementation='native' does not run vocab-parallel: Liger's "
+                "native TP kernel needs the separate liger-cute-kernels package and an NVSHMEM team, "
+                "which fusedhead-liger neither installs nor tests. Use "
+                'options={"implementation": "fallback"} (Liger\'s chunked TP path over '
+                "torch.distributed) or another backend"
+            )
+        import torch.distributed as dist
+
+        rank = dist.get_rank(process_group)
+        world = dist.get_world_size(process_group)
+        local = weight.shape[0]
+        if (vocab_start, vocab_size) != (rank * local, world * local):
+            raise BackendUnavailableError(
+                f"backend 'liger' needs equal contiguous vocabulary shards in rank order: rank {rank} "
+                f"of {world} holds {local} rows, so vocab_start={rank * local} and "
+                f"vocab_size={world * local}, got vocab_start={vocab_start}, vocab_size={vocab_size}"
+            )
