@@ -1,0 +1,8 @@
+"""fusedhead-torch: the chunked PyTorch backend of fusedhead, registered under the name ``torch``."""
+
+from __future__ import annotations
+
+from fusedhead_torch.backend import TorchBackend, TorchOptions
+
+__all__ = ["TorchBackend", "TorchOptions"]
+__version__ = "0.1.0"

@@ -1,0 +1,139 @@
+"""``TorchBackend``: the portable backend, plain PyTorch ops on the CPU or CUDA, memory-bounded."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from fusedhead.errors import BackendUnavailableError
+from fusedhead.protocol import PLUGIN_API_VERSION, Capabilities
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+from fusedhead_torch.chunked import ChunkedFusedHead, HeadSpec
+from fusedhead_torch.tiling import Tiles, plan_tiles
+
+#: Default workspace for the logit tiles, per device type, in MiB.
+DEFAULT_WORKSPACE_MIB = {"cuda": 1024, "cpu": 32}
+SUPPORTED_DEVICES = ("cpu", "cuda")
+SUPPORTED_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+class TorchOptions(BaseModel):
+    """Tiling of the ``[N, V]`` logits. Explicit sizes win; the workspace budget fills in the rest."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    workspace_mib: PositiveInt | None = Field(
+        default=None,
+        description="Bound on the fp32/input-dtype buffers of one logit tile, in MiB "
+        "(default: 1024 on CUDA, 32 on the CPU).",
+    )
+    block_vocab: PositiveInt | None = Field(
+        default=None, description="Vocabulary columns per block (default: from the workspace)."
+    )
+    chunk_rows: PositiveInt | None = Field(
+        default=None,
+        description="Rows per chunk (default: all rows, unless a block would get too narrow).",
+    )
+
+
+def _bytes_per_element(dtype: torch.dtype, softcap: float | None) -> int:
+    """Workspace bytes per tile element: the GEMM output plus the fp32 buffers of the worse pass."""
+    fp32 = dtype == torch.float32
+    base = 8 if fp32 else 2 + 8  # fp32 tiles are worked in place; others add two fp32 buffers
+    return base + (4 if softcap is not None else 0)
+
+
+class TorchBackend:
+    """Chunked PyTorch implementation: per-row statistics forward, recomputing blocked backward."""
+
+    name: ClassVar[str] = "torch"
+    Options: ClassVar[type[BaseModel]] = TorchOptions
+    plugin_api_version: ClassVar[int] = PLUGIN_API_VERSION
+
+    def __init__(self, options: TorchOptions | None = None) -> None:
+        self.options = options if options is not None else TorchOptions()
+
+    def capabilities(self, device: torch.device) -> Capabilities:
+        """What it does on ``device`` (the same on the CPU and CUDA)."""
+        return Capabilities(
+            devices=SUPPORTED_DEVICES,
+            dtypes=("fp32", "fp16", "bf16"),
+            vocab_parallel=True,
+            deterministic=True,
+            batch_invariant=False,
+            entropy_precision="fp32",
+            # The GEMM writes logits in the input dtype (bf16 is the lowest), then fp32 math.
+            logits_precision="bf16",
+            per_token_temperature=True,
+            softcap=True,
+            uneven_shards=True,
+        )
+
+    def check(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Raise ``BackendUnavailableError`` if ``device``/``dtype`` cannot run here."""
+        device = torch.device(device)
+        if device.type not in SUPPORTED_DEVICES:
+            raise BackendUnavailableError(
+                f"backend 'torch' runs on {', '.join(SUPPORTED_DEVICES)}, not on "
+                f"'{device.type}'; move hidden and weight to the CPU or a CUDA device"
+            )
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailableError(
+                "backend 'torch' was asked for CUDA but torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}); install a CUDA build of torch or use device 'cpu'"
+            )
+        if dtype not in SUPPORTED_DTYPES:
+            raise BackendUnavailableError(
+                f"backend 'torch' computes fp32, fp16 and bf16 inputs, not {dtype}; cast "
+                "hidden and weight to one of those"
+            )
+
+    def tiles(self, n: int, v: int, dtype: torch.dtype, device: torch.device,
+              softcap: float | None = None) -> Tiles:
+        """The tiles a call with ``n`` rows and ``v`` local vocabulary columns walks."""
+        opts = self.options
+        mib = opts.workspace_mib or DEFAULT_WORKSPACE_MIB.get(device.type, 32)
+        return plan_tiles(
+            n, v, bytes_per_element=_bytes_per_element(dtype, softcap), budget_bytes=mib << 20,
+            chunk_rows=opts.chunk_rows, block_vocab=opts.block_vocab,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        temperature: float | torch.Tensor,
+        ignore_index: int,
+        return_entropy: bool,
+        process_group: Any,
+        vocab_start: int,
+        vocab_size: int,
+        reduce_hidden_grad: bool,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 ``log_probs [N]`` and ``entropy [N]`` (or None), differentiable in hidden/weight."""
+        n = hidden.shape[0]
+        if isinstance(temperature, torch.Tensor):
+            # Not differentiable: the temperature is a sampling setting, not a parameter.
+            temp = temperature.detach().to(device=hidden.device, dtype=torch.float32)
+            inv_t: float | torch.Tensor = temp.expand(n).reciprocal()
+        else:
+            inv_t = 1.0 / float(temperature)
+        spec = HeadSpec(
+            ignore_index=int(ignore_index),
+            return_entropy=bool(return_entropy),
+            softcap=None if softcap is None else float(softcap),
+            tiles=self.tiles(n, weight.shape[0], hidden.dtype, hidden.device, softcap),
+            vocab_start=int(vocab_start),
+            vocab_size=int(vocab_size),
+            process_group=process_group,
+            reduce_hidden_grad=bool(reduce_hidden_grad),
+        )
+        out = ChunkedFusedHead.apply(hidden, weight, labels, inv_t, spec)
+        if return_entropy:
+            log_probs, entropy = out
+            return log_probs, entropy
+        return out, None

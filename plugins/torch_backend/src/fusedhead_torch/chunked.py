@@ -1,0 +1,225 @@
+"""The autograd Function: forward keeps per-row statistics, backward recomputes logit tiles.
+
+Every GEMM is a plain ``torch.mm`` in the input dtype, so dispatcher overrides of ``aten::mm``
+(batch-invariant or deterministic modes) take effect in forward and backward alike. Softmax and
+entropy math runs in fp32 on one tile at a time; nothing of size ``[N, V]`` is ever held. The
+weight gradient of a vocabulary block is finished (accumulated in fp32 over row chunks when there
+are several) before the next block starts, so no ``[V, H]`` fp32 buffer exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusedhead_torch.parallel import all_reduce_row_stats, all_reduce_sum_
+from fusedhead_torch.rowstats import RowStats
+from fusedhead_torch.tile_math import FP32, Scaling, Workspace, backward_tile, forward_tile
+from fusedhead_torch.tiling import Tiles
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """Everything about one call except its tensors."""
+
+    ignore_index: int
+    return_entropy: bool
+    softcap: float | None
+    tiles: Tiles
+    vocab_start: int
+    vocab_size: int
+    process_group: Any = None
+    reduce_hidden_grad: bool = True
+
+
+@dataclass(frozen=True)
+class LabelPlace:
+    """Where each row's label sits in this rank's shard: block index (-1: not here) and column."""
+
+    valid: torch.Tensor
+    block: torch.Tensor
+    col: torch.Tensor
+
+    @classmethod
+    def locate(cls, labels: torch.Tensor, v_local: int, spec: HeadSpec) -> LabelPlace:
+        """Place labels (global ids) in the blocks of ``spec.tiles`` over this shard."""
+        valid = labels != spec.ignore_index
+        local = labels - spec.vocab_start
+        owned = valid & (local >= 0) & (local < v_local)
+        safe = torch.where(owned, local, torch.zeros_like(local))
+        block = torch.where(owned, safe // spec.tiles.cols, torch.full_like(local, -1))
+        return cls(valid, block, safe % spec.tiles.cols)
+
+    def tile(self, b: int, start: int, stop: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For rows ``[start, stop)`` of block ``b``: in-block mask and a clamped column."""
+        return self.block[start:stop] == b, self.col[start:stop].clamp(max=width - 1)
+
+
+def _forward_stats(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    place: LabelPlace,
+    scaling: Scaling,
+    spec: HeadSpec,
+) -> tuple[RowStats, torch.Tensor]:
+    """Statistics of every row over this shard, and the label logit (0 where not owned)."""
+    n, v = h.shape[0], weight.shape[0]
+    tiles = spec.tiles
+    ws = Workspace(tiles.rows * tiles.cols, h.device)
+    m, s, t = (torch.empty(n, dtype=FP32, device=h.device) for _ in range(3))
+    z_label = torch.zeros(n, dtype=FP32, device=h.device)
+    for r0, r1 in tiles.row_ranges(n):
+        h_rows = h[r0:r1]
+        k = scaling.rows(r0, r1)
+        run = RowStats.empty(r1 - r0, h.device)
+        for b, (v0, v1) in enumerate(tiles.col_ranges(v)):
+            x = torch.mm(h_rows, weight[v0:v1].T)
+            in_block, col = place.tile(b, r0, r1, v1 - v0)
+            stats, z_y = forward_tile(x, col, k, scaling, ws, spec.return_entropy)
+            del x
+            run = stats if b == 0 else run.merged(stats)
+            z_label[r0:r1] = torch.where(in_block, z_y, z_label[r0:r1])
+        m[r0:r1], s[r0:r1], t[r0:r1] = run.m, run.s, run.t
+    return RowStats(m, s, t), z_label
+
+
+def _coefficients(
+    g_lp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    place: LabelPlace,
+    inv_t: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per-row ``a``, ``b``, ``label_term`` with ``dz_x = p * (a + b * log p) + onehot * label_term``.
+
+    From ``dz = g_lp * (onehot - p) - g_H * p * (log p + H)`` and ``dz_x = dz / T``; ignored rows
+    get zeros, and a label that no column of this shard holds gets no one-hot term.
+    """
+    zero = torch.zeros((), dtype=FP32, device=place.valid.device)
+    gl = None if g_lp is None else torch.where(place.valid, g_lp.float(), zero)
+    gh = None if g_ent is None or entropy is None else torch.where(place.valid, g_ent.float(), zero)
+    if gh is not None:
+        a = gh * entropy if gl is None else torch.addcmul(gl, gh, entropy)
+        coef_a, coef_b = a.mul_(inv_t).neg_(), (gh * inv_t).neg_()
+    else:
+        assert gl is not None
+        coef_a, coef_b = (gl * inv_t).neg_(), None
+    if gl is None:
+        label_term = torch.zeros_like(coef_a)
+    else:
+        label_term = torch.where(place.block >= 0, gl * inv_t, zero)
+    return coef_a, coef_b, label_term
+
+
+def _backward_grads(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    place: LabelPlace,
+    scaling: Scaling,
+    spec: HeadSpec,
+    lse: torch.Tensor,
+    coefs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+    need_h: bool,
+    need_w: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Recompute each tile's ``dz`` and accumulate ``dh`` (fp32) and ``dW`` (fp32 per block)."""
+    n, v = h.shape[0], weight.shape[0]
+    tiles = spec.tiles
+    row_chunks = list(tiles.row_ranges(n))
+    blocks = list(tiles.col_ranges(v))
+    ws = Workspace(tiles.rows * tiles.cols, h.device)
+    coef_a, coef_b, label_term = coefs
+    neg_lse = lse.neg()
+    dh = None
+    if need_h:
+        single = len(blocks) == 1 and len(row_chunks) == 1 and h.dtype == FP32
+        dh = None if single else torch.zeros(n, h.shape[1], dtype=FP32, device=h.device)
+    dw = torch.empty_like(weight) if need_w else None
+    for b, (v0, v1) in enumerate(blocks):
+        w_block = weight[v0:v1]
+        w_acc = None
+        for r0, r1 in row_chunks:
+            h_rows = h[r0:r1]
+            x = torch.mm(h_rows, w_block.T)
+            in_block, col = place.tile(b, r0, r1, v1 - v0)
+            dz = backward_tile(
+                x, col, in_block, scaling.rows(r0, r1), scaling, ws, neg_lse[r0:r1],
+                coef_a[r0:r1], None if coef_b is None else coef_b[r0:r1], label_term[r0:r1],
+            )
+            del x
+            if need_h:
+                part = torch.mm(dz, w_block)
+                if dh is None:
+                    dh = part
+                else:
+                    dh[r0:r1].add_(part)
+            if dw is not None:
+                part_w = torch.mm(dz.T, h_rows)
+                if len(row_chunks) == 1:
+                    dw[v0:v1].copy_(part_w)
+                elif w_acc is None:
+                    w_acc = part_w.float()
+                else:
+                    w_acc.add_(part_w)
+        if dw is not None and w_acc is not None:
+            dw[v0:v1].copy_(w_acc)
+    if need_h and dh is None:  # an empty shard contributes nothing
+        dh = torch.zeros(n, h.shape[1], dtype=FP32, device=h.device)
+    if dh is not None and spec.process_group is not None and spec.reduce_hidden_grad:
+        all_reduce_sum_(dh, spec.process_group)
+    return (None if dh is None else dh.to(h.dtype)), dw
+
+
+class ChunkedFusedHead(torch.autograd.Function):
+    """``(log_probs, entropy)`` of ``hidden [N, H]`` and ``weight [V_local, H]``; see module doc."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        inv_t: float | torch.Tensor,
+        spec: HeadSpec,
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        ctx.set_materialize_grads(False)
+        h = hidden.contiguous()
+        scaling = Scaling(inv_t, spec.softcap)
+        place = LabelPlace.locate(labels, weight.shape[0], spec)
+        stats, z_label = _forward_stats(h, weight, place, scaling, spec)
+        if spec.process_group is not None:
+            stats, z_label = all_reduce_row_stats(stats, z_label, spec.process_group)
+        lse = stats.log_sum_exp()
+        zero = torch.zeros((), dtype=FP32, device=h.device)
+        log_probs = torch.where(place.valid, z_label - lse, zero)
+        out_of_range = place.valid & ((labels < 0) | (labels >= spec.vocab_size))
+        log_probs = torch.where(out_of_range, torch.full_like(zero, math.nan), log_probs)
+        entropy = stats.entropy() if spec.return_entropy else None
+        ctx.spec = spec
+        ctx.inv_t = inv_t if not isinstance(inv_t, torch.Tensor) else None
+        ctx.save_for_backward(
+            hidden, weight, labels, lse, entropy, inv_t if isinstance(inv_t, torch.Tensor) else None
+        )
+        if entropy is None:
+            return log_probs
+        return log_probs, torch.where(place.valid, entropy, zero)
+
+    @staticmethod
+    def backward(ctx: Any, g_lp: torch.Tensor | None, *rest: torch.Tensor | None) -> tuple[Any, ...]:
+        hidden, weight, labels, lse, entropy, inv_t_tensor = ctx.saved_tensors
+        spec: HeadSpec = ctx.spec
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_ent = rest[0] if rest else None
+        if (g_lp is None and g_ent is None) or not (need_h or need_w):
+            return None, None, None, None, None
+        inv_t = inv_t_tensor if inv_t_tensor is not None else ctx.inv_t
+        scaling = Scaling(inv_t, spec.softcap)
+        place = LabelPlace.locate(labels, weight.shape[0], spec)
+        coefs = _coefficients(g_lp, g_ent, entropy, place, inv_t)
+        dh, dw = _backward_grads(
+            hidden.contiguous(), weight, place, scaling, spec, lse, coefs, need_h, need_w
+        )
+        return dh, dw, None, None, None

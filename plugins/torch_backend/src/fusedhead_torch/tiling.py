@@ -1,0 +1,82 @@
+"""How the ``[N, V]`` logits are cut into tiles that fit a workspace budget.
+
+Forward and backward walk the same tiles, so the recomputed logits of a tile are the same GEMM of
+the same shape (and, with a deterministic GEMM, the same bits) as in forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+#: Auto-planned vocabulary blocks are at least this wide (when V allows); rows shrink instead.
+MIN_AUTO_COLS = 1024
+#: Auto-planned blocks are rounded to a multiple of this many columns, for GEMM-friendly shapes.
+COL_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Rows per chunk and vocabulary columns per block."""
+
+    rows: int
+    cols: int
+
+    def row_ranges(self, n: int) -> Iterator[tuple[int, int]]:
+        """``(start, stop)`` of each row chunk."""
+        return _ranges(n, self.rows)
+
+    def col_ranges(self, v: int) -> Iterator[tuple[int, int]]:
+        """``(start, stop)`` of each vocabulary block."""
+        return _ranges(v, self.cols)
+
+
+def _ranges(total: int, step: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, total, step):
+        yield start, min(start + step, total)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _balanced(total: int, width: int) -> int:
+    """A width near ``width`` that cuts ``total`` into equal, aligned pieces."""
+    if width >= total:
+        return total
+    pieces = _ceil_div(total, width)
+    even = _ceil_div(total, pieces)
+    aligned = _ceil_div(even, COL_ALIGN) * COL_ALIGN
+    return even if aligned > width else aligned
+
+
+def plan_tiles(
+    n: int,
+    v: int,
+    *,
+    bytes_per_element: int,
+    budget_bytes: int,
+    chunk_rows: int | None = None,
+    block_vocab: int | None = None,
+) -> Tiles:
+    """Tiles for ``n`` rows and ``v`` columns: explicit sizes win, the budget fills in the rest.
+
+    The budget bounds ``rows * cols * bytes_per_element``, the fp32 and input-dtype buffers one
+    tile needs at once. Without explicit sizes, all rows are kept and the vocabulary is cut into
+    blocks; rows are chunked only when a block would otherwise be narrower than ``MIN_AUTO_COLS``.
+    """
+    n, v = max(n, 1), max(v, 1)
+    elements = max(1, budget_bytes // bytes_per_element)
+    if chunk_rows is not None and block_vocab is not None:
+        return Tiles(min(n, chunk_rows), min(v, block_vocab))
+    if block_vocab is not None:
+        cols = min(v, block_vocab)
+        return Tiles(min(n, max(1, elements // cols)), cols)
+    if chunk_rows is not None:
+        rows = min(n, chunk_rows)
+        return Tiles(rows, _balanced(v, max(1, elements // rows)))
+    cols = elements // n
+    if cols >= min(v, MIN_AUTO_COLS):
+        return Tiles(n, _balanced(v, cols))
+    cols = min(v, MIN_AUTO_COLS)
+    return Tiles(min(n, max(1, elements // cols)), cols)
