@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from fusedhead.errors import BackendUnavailableError
-from fusedhead.protocol import PLUGIN_API_VERSION, Capabilities
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
+from fusedhead.errors import BackendUnavailableError
+from fusedhead.protocol import PLUGIN_API_VERSION, Capabilities
 from fusedhead_torch.chunked import ChunkedFusedHead, HeadSpec
 from fusedhead_torch.tiling import Tiles, plan_tiles
 
@@ -89,14 +89,19 @@ class TorchBackend:
                 "hidden and weight to one of those"
             )
 
-    def tiles(self, n: int, v: int, dtype: torch.dtype, device: torch.device,
-              softcap: float | None = None) -> Tiles:
+    def tiles(
+        self, n: int, v: int, dtype: torch.dtype, device: torch.device, softcap: float | None = None
+    ) -> Tiles:
         """The tiles a call with ``n`` rows and ``v`` local vocabulary columns walks."""
         opts = self.options
         mib = opts.workspace_mib or DEFAULT_WORKSPACE_MIB.get(device.type, 32)
         return plan_tiles(
-            n, v, bytes_per_element=_bytes_per_element(dtype, softcap), budget_bytes=mib << 20,
-            chunk_rows=opts.chunk_rows, block_vocab=opts.block_vocab,
+            n,
+            v,
+            bytes_per_element=_bytes_per_element(dtype, softcap),
+            budget_bytes=mib << 20,
+            chunk_rows=opts.chunk_rows,
+            block_vocab=opts.block_vocab,
         )
 
     def forward(

@@ -146,8 +146,16 @@ def _backward_grads(
             x = torch.mm(h_rows, w_block.T)
             in_block, col = place.tile(b, r0, r1, v1 - v0)
             dz = backward_tile(
-                x, col, in_block, scaling.rows(r0, r1), scaling, ws, neg_lse[r0:r1],
-                coef_a[r0:r1], None if coef_b is None else coef_b[r0:r1], label_term[r0:r1],
+                x,
+                col,
+                in_block,
+                scaling.rows(r0, r1),
+                scaling,
+                ws,
+                neg_lse[r0:r1],
+                coef_a[r0:r1],
+                None if coef_b is None else coef_b[r0:r1],
+                label_term[r0:r1],
             )
             del x
             if need_h:
@@ -208,7 +216,9 @@ class ChunkedFusedHead(torch.autograd.Function):
         return log_probs, torch.where(place.valid, entropy, zero)
 
     @staticmethod
-    def backward(ctx: Any, g_lp: torch.Tensor | None, *rest: torch.Tensor | None) -> tuple[Any, ...]:
+    def backward(
+        ctx: Any, g_lp: torch.Tensor | None, *rest: torch.Tensor | None
+    ) -> tuple[Any, ...]:
         hidden, weight, labels, lse, entropy, inv_t_tensor = ctx.saved_tensors
         spec: HeadSpec = ctx.spec
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
