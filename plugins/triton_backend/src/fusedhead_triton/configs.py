@@ -1,0 +1,77 @@
+"""Fixed tile configurations. They depend on the dtype (and the options), never on N.
+
+That is what makes the forward batch invariant: every row is computed by the same tile program
+with the same reduction order whatever the batch size, so no autotuning keyed on N anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One GEMM-with-epilogue launch: tile shape, grouping, warps, pipeline depth, loader."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    #: Persistent grid loading through TMA descriptors (Hopper and newer, 16-byte aligned rows).
+    tma: bool = False
+
+
+@dataclass(frozen=True)
+class BackendConfigs:
+    """The three launches of a forward + backward."""
+
+    forward: TileConfig
+    dz: TileConfig
+    dh: TileConfig
+
+
+def interpret_enabled() -> bool:
+    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+_HALF = TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+# fp32 uses the exact ("ieee") FMA dot: smaller tiles, the shared memory is twice as large per value.
+_FP32 = TileConfig(block_m=64, block_n=128, block_k=32, group_m=8, num_warps=8, num_stages=3)
+
+
+def default_configs(dtype: torch.dtype) -> BackendConfigs:
+    """The shipped configs for ``dtype`` (chosen from H200 measurements, see tools/gpu_check.py)."""
+    base = _FP32 if dtype == torch.float32 else _HALF
+    return BackendConfigs(forward=base, dz=base, dh=replace(base, tma=False))
+
+
+def with_overrides(
+    configs: BackendConfigs,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    tma: bool | None = None,
+) -> BackendConfigs:
+    """Apply option overrides (same tile for all three launches; tma only for the logits GEMMs)."""
+    changes: dict[str, int | bool] = {}
+    if block_m is not None:
+        changes["block_m"] = block_m
+    if block_n is not None:
+        changes["block_n"] = block_n
+    if block_k is not None:
+        changes["block_k"] = block_k
+    if not changes and tma is None:
+        return configs
+    gemm_changes = dict(changes) if tma is None else {**changes, "tma": tma}
+    return BackendConfigs(
+        forward=replace(configs.forward, **gemm_changes),
+        dz=replace(configs.dz, **gemm_changes),
+        dh=replace(configs.dh, **changes),
+    )

@@ -1,0 +1,1 @@
+"""Triton kernels (``@triton.jit``, constexpr tile sizes). Launchers live in ``launch.py``."""

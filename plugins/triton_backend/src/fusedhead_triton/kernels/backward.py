@@ -1,0 +1,240 @@
+"""Backward kernels: recompute a vocabulary block of logits and write ``dz``; accumulate ``dh``.
+
+``dz`` is the gradient w.r.t. the raw logits ``h @ W.T`` of one vocabulary block (temperature
+and softcap derivative folded in), computed in fp32 and stored in the input dtype for the GEMMs.
+``dh`` is accumulated over blocks in a fixed order, in fp32 or as an exact-sum bf16 (hi, lo) pair.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import LOG2E, grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature, tanh_f32
+
+
+@triton.jit
+def _grad_epilogue(
+    acc,
+    offs_m,
+    offs_n,
+    N,
+    Vb,
+    labels_ptr,
+    temp_ptr,
+    lse_ptr,
+    ent_ptr,
+    glp_ptr,
+    gent_ptr,
+    dz_ptr,
+    stride_dzm,
+    label_offset,
+    ignore_index,
+    inv_temp,
+    softcap,
+    inv_softcap,
+    PER_TOKEN_T: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+):
+    """dz = [g_lp (onehot - p) - g_H p (log p + H)] / T * (1 - tanh^2 if softcap), ignored rows 0."""
+    row_ok = offs_m < N
+    rows = tl.minimum(offs_m, N - 1)
+    inv_t = row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T)
+    if HAS_SOFTCAP:
+        th = tanh_f32(acc * inv_softcap)
+        acc = softcap * th
+    z = acc * inv_t[:, None]
+    lse = tl.load(lse_ptr + rows)
+    lab = tl.load(labels_ptr + rows)
+    valid = row_ok & (lab != ignore_index)
+    logp = z - lse[:, None]
+    p = tl.exp2(logp * LOG2E)
+    g = tl.zeros_like(z)
+    if HAS_GLP:
+        glp = tl.where(valid, tl.load(glp_ptr + rows), 0.0)
+        onehot = offs_n[None, :] == (lab - label_offset)[:, None]
+        g = glp[:, None] * (tl.where(onehot, 1.0, 0.0) - p)
+    if HAS_GENT:
+        gent = tl.where(valid, tl.load(gent_ptr + rows), 0.0)
+        ent = tl.load(ent_ptr + rows)
+        g = g - gent[:, None] * p * (logp + ent[:, None])
+    g = tl.where(valid[:, None], g, 0.0) * inv_t[:, None]
+    if HAS_SOFTCAP:
+        g = g * (1.0 - th * th)
+    mask = row_ok[:, None] & (offs_n < Vb)[None, :]
+    ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dzm + offs_n[None, :]
+    tl.store(ptrs, g.to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["N", "Vb"])
+def bwd_dz_kernel(
+    h_ptr,
+    w_ptr,
+    labels_ptr,
+    temp_ptr,
+    lse_ptr,
+    ent_ptr,
+    glp_ptr,
+    gent_ptr,
+    dz_ptr,
+    N,
+    Vb,
+    H,
+    stride_hn,
+    stride_hk,
+    stride_wv,
+    stride_wk,
+    stride_dzm,
+    label_offset,
+    ignore_index,
+    inv_temp,
+    softcap,
+    inv_softcap,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PER_TOKEN_T: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+):
+    """One program per (row tile, column tile) of the block ``w_ptr[0:Vb]``: recompute, write dz."""
+    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), tl.cdiv(Vb, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_m, N - 1)
+    cols = tl.minimum(offs_n, Vb - 1)
+    acc = logits_tile(
+        h_ptr, w_ptr, rows, cols, H, stride_hn, stride_hk, stride_wv, stride_wk,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
+    )  # fmt: skip
+    _grad_epilogue(
+        acc, offs_m, offs_n, N, Vb, labels_ptr, temp_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
+        dz_ptr, stride_dzm, label_offset, ignore_index, inv_temp, softcap, inv_softcap,
+        PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP, HAS_GENT,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["N", "Vb"])
+def bwd_dz_tma_kernel(
+    h_desc,
+    w_desc,
+    labels_ptr,
+    temp_ptr,
+    lse_ptr,
+    ent_ptr,
+    glp_ptr,
+    gent_ptr,
+    dz_ptr,
+    N,
+    Vb,
+    H,
+    stride_dzm,
+    label_offset,
+    ignore_index,
+    inv_temp,
+    softcap,
+    inv_softcap,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PER_TOKEN_T: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+):
+    """Persistent TMA variant of ``bwd_dz_kernel``."""
+    num_pid_m = tl.cdiv(N, BLOCK_M)
+    num_pid_n = tl.cdiv(Vb, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    for tile in range(tl.program_id(0), num_tiles, NUM_PROGS):
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = logits_tile_tma(
+            h_desc,
+            w_desc,
+            pid_m * BLOCK_M,
+            pid_n * BLOCK_N,
+            H,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+        )
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _grad_epilogue(
+            acc, offs_m, offs_n, N, Vb, labels_ptr, temp_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
+            dz_ptr, stride_dzm, label_offset, ignore_index, inv_temp, softcap, inv_softcap,
+            PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP, HAS_GENT,
+        )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["N", "Kb"])
+def bwd_dh_kernel(
+    dz_ptr,
+    w_ptr,
+    acc_ptr,
+    lo_ptr,
+    out_ptr,
+    N,
+    H,
+    Kb,
+    stride_dzm,
+    stride_wv,
+    stride_wk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """acc[N, H] += dz[N, Kb] @ W[0:Kb, :] for one vocabulary block, tile by tile.
+
+    The running sum lives in ``acc_ptr`` (fp32), or for SPLIT in ``acc_ptr`` (bf16 hi, which is
+    also the output) plus ``lo_ptr`` (bf16 remainder). LAST writes the result to ``out_ptr``.
+    """
+    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), tl.cdiv(H, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_m, N - 1)
+    cols = tl.minimum(offs_n, H - 1)
+    part = logits_tile(
+        dz_ptr, w_ptr, rows, cols, Kb, stride_dzm, 1, stride_wk, stride_wv,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
+    )  # fmt: skip
+    mask = (offs_m < N)[:, None] & (offs_n < H)[None, :]
+    idx = offs_m.to(tl.int64)[:, None] * H + offs_n[None, :]
+    if FIRST:
+        total = part
+    else:
+        if SPLIT:
+            prev = tl.load(acc_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            prev += tl.load(lo_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        else:
+            prev = tl.load(acc_ptr + idx, mask=mask, other=0.0)
+        total = prev + part
+    if LAST:
+        tl.store(out_ptr + idx, total.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        if SPLIT:
+            hi = total.to(acc_ptr.dtype.element_ty)
+            tl.store(acc_ptr + idx, hi, mask=mask)
+            tl.store(
+                lo_ptr + idx, (total - hi.to(tl.float32)).to(lo_ptr.dtype.element_ty), mask=mask
+            )
+        else:
+            tl.store(acc_ptr + idx, total, mask=mask)

@@ -1,0 +1,96 @@
+"""Pieces shared by the forward and backward kernels: tile order, the logits tile, softcap.
+
+Every value a row gets depends only on the constexpr tile shape and on that row's data: the
+tile order below only decides *when* a tile runs, never how it is computed.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Map a flat program id to (row tile, column tile), GROUP_M row tiles at a time (L2 reuse)."""
+    width = GROUP_M * num_pid_n
+    group_id = pid // width
+    first_m = group_id * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def logits_tile(
+    a_ptr,
+    b_ptr,
+    rows,
+    cols,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bn,
+    stride_bk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """fp32 tile of ``A[rows] @ B[cols].T`` with a fixed K order; rows/cols must be in range."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + cols.to(tl.int64)[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def logits_tile_tma(
+    a_desc,
+    b_desc,
+    off_m,
+    off_n,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Same tile through TMA descriptors (out-of-bounds rows/cols/K read as zero)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([off_m, k * BLOCK_K])
+        b = b_desc.load([off_n, k * BLOCK_K])
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def tanh_f32(x):
+    """tanh from exp, portable across Triton versions and the interpreter; saturates cleanly."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T: tl.constexpr):
+    """Per-row 1/T: from the fp32 [N] tensor, or the scalar broadcast."""
+    if PER_TOKEN_T:
+        return 1.0 / tl.load(temp_ptr + rows)
+    else:
+        return tl.zeros_like(rows).to(tl.float32) + inv_temp

@@ -1,0 +1,284 @@
+"""Thin launchers: allocate outputs and workspaces, pick the fixed config, launch the kernels.
+
+Kernel modules are imported lazily (importing ``fusedhead_triton`` must stay cheap) and re-imported
+if ``TRITON_INTERPRET`` changed since they were built, because ``@triton.jit`` decides between the
+compiler and the CPU interpreter when the decorator runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .configs import TileConfig, interpret_enabled
+
+_KERNEL_MODULES = ("common", "forward", "backward")
+_loaded: dict[str, ModuleType] = {}
+_loaded_mode: bool | None = None
+
+#: Rows per program and tiles per step of the row-combine kernel (fixed: batch invariance).
+COMBINE_BLOCK_R = 64
+COMBINE_BLOCK_T = 64
+
+
+def kernels() -> tuple[ModuleType, ModuleType]:
+    """The (forward, backward) kernel modules, built for the current interpreter setting."""
+    global _loaded_mode
+    mode = interpret_enabled()
+    if _loaded_mode != mode:
+        for name in _KERNEL_MODULES:
+            full = f"{__package__}.kernels.{name}"
+            mod = importlib.import_module(full)
+            _loaded[name] = importlib.reload(mod) if _loaded_mode is not None else mod
+        _loaded_mode = mode
+    return _loaded["forward"], _loaded["backward"]
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 dots are exact ("ieee"), never silently TF32; 16-bit dots use the tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _tensor_descriptor() -> Any:
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # triton < 3.4
+        return None
+    return TensorDescriptor
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 4
+
+
+def tma_usable(cfg: TileConfig, dtype: torch.dtype, hidden_size: int, device: torch.device) -> bool:
+    """TMA path only where it applies to every row alike: depends on H, dtype, device, never N."""
+    if not cfg.tma or _tensor_descriptor() is None:
+        return False
+    if (hidden_size * torch.finfo(dtype).bits // 8) % 16 != 0:
+        return False
+    if device.type == "cuda" and not interpret_enabled():
+        return torch.cuda.get_device_capability(device) >= (9, 0)
+    return interpret_enabled()
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """A TMA-compatible layout of ``t`` (unit inner stride, 16-byte aligned base and rows)."""
+    esize = t.element_size()
+    if t.stride(-1) == 1 and (t.stride(0) * esize) % 16 == 0 and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous()
+
+
+@dataclass(frozen=True)
+class HeadScalars:
+    """Per-call scalars shared by the forward and backward launches."""
+
+    label_offset: int
+    ignore_index: int
+    inv_temp: float
+    softcap: float | None
+
+    @property
+    def softcap_args(self) -> tuple[float, float]:
+        return (self.softcap, 1.0 / self.softcap) if self.softcap is not None else (0.0, 0.0)
+
+
+def forward_partials(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temp: torch.Tensor | None,
+    sc: HeadScalars,
+    cfg: TileConfig,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per-tile stats ``ws[3, T, N]`` and label logits ``zy[N]`` (NaN where not in this shard)."""
+    fwd, _ = kernels()
+    n, h = hidden.shape
+    v = weight.shape[0]
+    t = math.ceil(v / cfg.block_n)
+    ws = torch.empty((3, t, n), dtype=torch.float32, device=hidden.device)
+    zy = torch.full((n,), float("nan"), dtype=torch.float32, device=hidden.device)
+    if t == 0:
+        return ws, zy, t
+    softcap, inv_softcap = sc.softcap_args
+    temp_arg = temp if temp is not None else zy  # never read without PER_TOKEN_T
+    common = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        PRECISION=_precision(hidden.dtype),
+        PER_TOKEN_T=temp is not None,
+        HAS_SOFTCAP=sc.softcap is not None,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    tiles = math.ceil(n / cfg.block_m) * t
+    if tma_usable(cfg, hidden.dtype, h, hidden.device):
+        desc = _tensor_descriptor()
+        hd = desc.from_tensor(_tma_ready(hidden), [cfg.block_m, cfg.block_k])
+        wd = desc.from_tensor(_tma_ready(weight), [cfg.block_n, cfg.block_k])
+        progs = min(_num_programs(hidden.device), tiles)
+        fwd.fwd_stats_tma_kernel[(progs,)](
+            hd, wd, labels, temp_arg, ws, zy, n, v, h, sc.label_offset, sc.inv_temp,
+            softcap, inv_softcap, NUM_PROGS=_num_programs(hidden.device), **common,
+        )  # fmt: skip
+    else:
+        fwd.fwd_stats_kernel[(tiles,)](
+            hidden, weight, labels, temp_arg, ws, zy, n, v, h,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            sc.label_offset, sc.inv_temp, softcap, inv_softcap,
+            EVEN_K=h % cfg.block_k == 0, **common,
+        )  # fmt: skip
+    return ws, zy, t
+
+
+def combine(
+    ws: torch.Tensor,
+    zy: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    *,
+    final: bool,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reduce ``ws[3, T, N]`` over T in a fixed order.
+
+    final: (log_prob, lse, entropy); entropy is a dummy when not asked. Otherwise the row's
+    combined (m, s, w) for the cross-rank combine.
+    """
+    fwd, _ = kernels()
+    _, t, n = ws.shape
+    outs = [torch.empty(n, dtype=torch.float32, device=ws.device) for _ in range(3)]
+    fwd.combine_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
+        ws, zy, labels, outs[0], outs[1], outs[2], n, t, ignore_index,
+        BLOCK_R=COMBINE_BLOCK_R, BLOCK_T=COMBINE_BLOCK_T, FINAL=final, HAS_ENT=entropy,
+        num_warps=4,
+    )  # fmt: skip
+    return outs[0], outs[1], outs[2]
+
+
+def vocab_block(n: int, v: int, esize: int, budget_bytes: int, align: int) -> int:
+    """Columns of the backward's ``dz[N, Vb]`` block: fits the budget, multiple of ``align``."""
+    cols = budget_bytes // max(1, n * esize)
+    cols = max(align, cols // align * align)
+    return min(cols, math.ceil(v / align) * align)
+
+
+def backward_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temp: torch.Tensor | None,
+    lse: torch.Tensor,
+    ent: torch.Tensor | None,
+    g_lp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    sc: HeadScalars,
+    dz_cfg: TileConfig,
+    dh_cfg: TileConfig,
+    *,
+    need_dh: bool,
+    need_dw: bool,
+    dh_fp32: bool,
+    block_bytes: int,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dh, dW) by vocabulary blocks: dz kernel, then dW[block] by cuBLAS, dh += by Triton.
+
+    ``dh_fp32`` returns dh in fp32 (for a cross-rank sum before rounding).
+    """
+    _, bwd = kernels()
+    n, h = hidden.shape
+    v = weight.shape[0]
+    dtype = hidden.dtype
+    dev = hidden.device
+    dw = torch.empty((v, h), dtype=dtype, device=dev) if need_dw else None
+    if not (need_dh or need_dw):
+        return None, None
+    if v == 0:
+        dh0 = torch.zeros((n, h), dtype=torch.float32 if dh_fp32 else dtype, device=dev)
+        return (dh0 if need_dh else None), dw
+
+    align = math.lcm(dz_cfg.block_n, dh_cfg.block_k)
+    vb = vocab_block(n, v, hidden.element_size(), block_bytes, align)
+    nblocks = math.ceil(v / vb)
+    dz_buf = torch.empty(n * min(vb, v), dtype=dtype, device=dev)
+
+    split = False
+    out = acc = lo = None
+    if need_dh:
+        out = torch.empty((n, h), dtype=torch.float32 if dh_fp32 else dtype, device=dev)
+        if nblocks == 1 or out.dtype == torch.float32:
+            acc = out  # one block writes the output directly; fp32 accumulates in place
+        elif dtype == torch.bfloat16:
+            acc = out  # bf16 hi part is the output itself; lo keeps the remainder exactly
+            lo = torch.empty((n, h), dtype=dtype, device=dev)
+            split = True
+        else:
+            acc = torch.empty((n, h), dtype=torch.float32, device=dev)
+        lo = acc if lo is None else lo
+
+    softcap, inv_softcap = sc.softcap_args
+    dummy = lse
+    use_tma = tma_usable(dz_cfg, dtype, h, dev)
+    if use_tma:
+        desc = _tensor_descriptor()
+        h_tma = _tma_ready(hidden)
+        w_tma = _tma_ready(weight)
+        hd = desc.from_tensor(h_tma, [dz_cfg.block_m, dz_cfg.block_k])
+        nprog = _num_programs(dev)
+    dz_common = dict(
+        BLOCK_M=dz_cfg.block_m,
+        BLOCK_N=dz_cfg.block_n,
+        BLOCK_K=dz_cfg.block_k,
+        GROUP_M=dz_cfg.group_m,
+        PRECISION=_precision(dtype),
+        PER_TOKEN_T=temp is not None,
+        HAS_SOFTCAP=sc.softcap is not None,
+        HAS_GLP=g_lp is not None,
+        HAS_GENT=g_ent is not None,
+        num_warps=dz_cfg.num_warps,
+        num_stages=dz_cfg.num_stages,
+    )
+    for b in range(nblocks):
+        v0 = b * vb
+        cols = min(v, v0 + vb) - v0
+        dz = dz_buf[: n * cols].view(n, cols)
+        wb = weight[v0 : v0 + cols]
+        tiles = math.ceil(n / dz_cfg.block_m) * math.ceil(cols / dz_cfg.block_n)
+        tail = (
+            labels, temp if temp is not None else dummy, lse, ent if ent is not None else dummy,
+            g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy, dz,
+        )  # fmt: skip
+        if use_tma:
+            wd = desc.from_tensor(w_tma[v0 : v0 + cols], [dz_cfg.block_n, dz_cfg.block_k])
+            bwd.bwd_dz_tma_kernel[(min(nprog, tiles),)](
+                hd, wd, *tail, n, cols, h, dz.stride(0), sc.label_offset + v0, sc.ignore_index,
+                sc.inv_temp, softcap, inv_softcap, NUM_PROGS=nprog, **dz_common,
+            )  # fmt: skip
+        else:
+            bwd.bwd_dz_kernel[(tiles,)](
+                hidden, wb, *tail, n, cols, h, hidden.stride(0), hidden.stride(1),
+                wb.stride(0), wb.stride(1), dz.stride(0), sc.label_offset + v0, sc.ignore_index,
+                sc.inv_temp, softcap, inv_softcap, EVEN_K=h % dz_cfg.block_k == 0, **dz_common,
+            )  # fmt: skip
+        if dw is not None:
+            torch.mm(dz.t(), hidden, out=dw[v0 : v0 + cols])
+        if out is not None:
+            dh_tiles = math.ceil(n / dh_cfg.block_m) * math.ceil(h / dh_cfg.block_n)
+            bwd.bwd_dh_kernel[(dh_tiles,)](
+                dz, wb, acc, lo, out, n, h, cols, dz.stride(0), wb.stride(0), wb.stride(1),
+                BLOCK_M=dh_cfg.block_m, BLOCK_N=dh_cfg.block_n, BLOCK_K=dh_cfg.block_k,
+                GROUP_M=dh_cfg.group_m, EVEN_K=cols % dh_cfg.block_k == 0,
+                PRECISION=_precision(dtype), FIRST=b == 0, LAST=b == nblocks - 1, SPLIT=split,
+                num_warps=dh_cfg.num_warps, num_stages=dh_cfg.num_stages,
+            )  # fmt: skip
+    return out, dw

@@ -1,0 +1,346 @@
+"""One-call GPU check of the triton backend: correctness, batch invariance, determinism, speed.
+
+Usage on a CUDA machine (writes JSON to $OUT or --out):
+    python plugins/triton_backend/tools/gpu_check.py [--quick] [--configs NAME,...]
+On the CPU, ``--dry`` runs the same code paths at tiny shapes under TRITON_INTERPRET=1 (fp16
+instead of bf16) to catch script errors before spending GPU time.
+
+Speed is reported in GEMM units: one cuBLAS ``hidden @ weight.T`` of the same shape and dtype,
+timed in the same process with ``triton.testing.do_bench`` (median). Peak extra memory is
+``max_memory_allocated`` during forward + backward minus what was allocated before (the returned
+gradients included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import asdict, replace
+from typing import Any
+
+ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ARGS.add_argument("--dry", action="store_true", help="CPU interpreter, tiny shapes")
+ARGS.add_argument("--quick", action="store_true", help="fewer configs and shapes")
+ARGS.add_argument("--configs", default="", help="comma-separated config names to benchmark")
+ARGS.add_argument("--bench-n", default="8192,32768", help="token counts to benchmark")
+ARGS.add_argument("--budget-s", type=float, default=240.0, help="stop benchmarking after this")
+ARGS.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder")
+OPTS = ARGS.parse_args()
+if OPTS.dry:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from fusedhead.reference import reference_fused_head  # noqa: E402
+from fusedhead_triton import TritonBackend, TritonOptions  # noqa: E402
+from fusedhead_triton import backend as backend_mod  # noqa: E402
+from fusedhead_triton.configs import BackendConfigs, TileConfig, default_configs  # noqa: E402
+
+T0 = time.time()
+DEV = torch.device("cpu" if OPTS.dry else "cuda")
+LOW = torch.float16 if OPTS.dry else torch.bfloat16
+RESULTS: dict[str, Any] = {}
+ORIG_DEFAULTS = default_configs
+
+_B = TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+CANDIDATES: dict[str, TileConfig] = {
+    "ptr_128x256x64_s3": _B,
+    "ptr_128x256x64_s4": replace(_B, num_stages=4),
+    "tma_128x256x64_s3": replace(_B, tma=True),
+    "tma_128x256x64_s4": replace(_B, tma=True, num_stages=4),
+    "ptr_128x128x64_w4_s4": replace(_B, block_n=128, num_warps=4, num_stages=4),
+    "ptr_256x128x64_s3": replace(_B, block_m=256, block_n=128),
+    "tma_128x256x64_g16_s3": replace(_B, tma=True, group_m=16),
+}
+if OPTS.dry:
+    CANDIDATES = {
+        k: replace(c, block_m=32, block_n=64, block_k=32)
+        for k, c in CANDIDATES.items()
+        if k in ("ptr_128x256x64_s3", "tma_128x256x64_s3")
+    }
+
+
+def save() -> None:
+    os.makedirs(OPTS.out, exist_ok=True)
+    with open(os.path.join(OPTS.out, "gpu_check.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+def log(*a: Any) -> None:
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def use_configs(fwd: TileConfig | None, dz: TileConfig | None = None) -> None:
+    """Make the backend use these 16-bit configs (fp32 keeps the shipped one)."""
+
+    def pick(dtype: torch.dtype) -> BackendConfigs:
+        base = ORIG_DEFAULTS(dtype)
+        if dtype == torch.float32 or fwd is None:
+            return base
+        return BackendConfigs(forward=fwd, dz=dz or fwd, dh=base.dh)
+
+    backend_mod.default_configs = pick  # type: ignore[assignment]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.detach().double(), b.detach().double()
+    return float((a64 - b64).norm() / b64.norm().clamp_min(1e-300))
+
+
+def maxabs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+def make(n: int, h: int, v: int, dtype: torch.dtype, scale: float = 1.0, seed: int = 0) -> tuple:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    hid = torch.randn(n, h, generator=g, device=DEV).to(dtype)
+    w = (torch.randn(v, h, generator=g, device=DEV) * (scale / h**0.5)).to(dtype)
+    lab = torch.randint(0, v, (n,), generator=g, device=DEV)
+    lab[torch.rand(n, generator=g, device=DEV) < 0.1] = -100
+    return hid, w, lab
+
+
+def call(be: TritonBackend, h, w, lab, *, temperature=0.7, softcap=None, entropy=True) -> tuple:
+    return be.forward(
+        h, w, lab, temperature=temperature, ignore_index=-100, return_entropy=entropy,
+        process_group=None, vocab_start=0, vocab_size=w.shape[0], reduce_hidden_grad=True,
+        softcap=softcap,
+    )  # fmt: skip
+
+
+def accuracy(name: str, n: int, hsz: int, v: int, dtype: torch.dtype, **kw: Any) -> None:
+    """Forward and gradients against an fp32 (GPU) / fp64 (CPU) reference on the same values."""
+    h, w, lab = make(n, hsz, v, dtype, scale=kw.pop("scale", 1.0))
+    be = TritonBackend()
+    hh = h.clone().requires_grad_()
+    ww = w.clone().requires_grad_()
+    lp, ent = call(be, hh, ww, lab, **kw)
+    g1 = torch.randn(n, device=DEV)
+    g2 = torch.randn(n, device=DEV)
+    dh, dw = torch.autograd.grad((lp * g1 + ent * g2).sum(), [hh, ww])
+    ref_dtype = torch.float64 if OPTS.dry else torch.float32
+    hr = h.to(ref_dtype).requires_grad_()
+    wr = w.to(ref_dtype).requires_grad_()
+    temp = kw.get("temperature", 0.7)
+    rl, re = reference_fused_head(
+        hr, wr, lab, temperature=temp, softcap=kw.get("softcap"), compute_dtype=ref_dtype
+    )
+    rdh, rdw = torch.autograd.grad((rl * g1 + re * g2).sum(), [hr, wr])
+    row = {
+        "shape": [n, hsz, v],
+        "dtype": str(dtype),
+        "logp_rel": rel(lp, rl),
+        "ent_rel": rel(ent, re),
+        "logp_maxabs": maxabs(lp, rl),
+        "ent_maxabs": maxabs(ent, re),
+        "dh_rel": rel(dh, rdh),
+        "dw_rel": rel(dw, rdw),
+        "finite": bool(torch.isfinite(lp).all() and torch.isfinite(ent).all()),
+        "logp_positive": int((lp > 0).sum()),
+    }
+    RESULTS.setdefault("accuracy", {})[name] = row
+    log("acc", name, {k: (f"{x:.2e}" if isinstance(x, float) else x) for k, x in row.items()})
+    del hr, wr, rl, re, rdh, rdw
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def invariance(n: int, hsz: int, v: int) -> None:
+    """Bitwise batch invariance (permuted, sliced, single rows, larger batch) and determinism."""
+    h, w, lab = make(n, hsz, v, LOW, seed=1)
+    be = TritonBackend()
+    temps = (torch.rand(n, device=DEV) + 0.5).float()
+    out: dict[str, bool] = {}
+    with torch.no_grad():
+        for tname, temp in (("scalarT", 0.7), ("tokenT", temps)):
+            lp, ent = call(be, h, w, lab, temperature=temp)
+            perm = torch.randperm(n, device=DEV)
+            tp = temp[perm] if isinstance(temp, torch.Tensor) else temp
+            lp2, ent2 = call(be, h[perm], w, lab[perm], temperature=tp)
+            out[f"{tname}_permuted"] = torch.equal(lp2, lp[perm]) and torch.equal(ent2, ent[perm])
+            a, b = 3, min(n, 3 + 257)
+            ts = temp[a:b] if isinstance(temp, torch.Tensor) else temp
+            lp3, ent3 = call(be, h[a:b], w, lab[a:b], temperature=ts)
+            out[f"{tname}_sliced"] = torch.equal(lp3, lp[a:b]) and torch.equal(ent3, ent[a:b])
+            ok = True
+            for i in (0, 1, n // 2, n - 1):
+                ti = temp[i : i + 1] if isinstance(temp, torch.Tensor) else temp
+                lpi, enti = call(be, h[i : i + 1], w, lab[i : i + 1], temperature=ti)
+                ok = ok and torch.equal(lpi, lp[i : i + 1]) and torch.equal(enti, ent[i : i + 1])
+            out[f"{tname}_single_rows"] = ok
+            h2, _, lab2 = make(n + 77, hsz, v, LOW, seed=2)
+            big_h = torch.cat([h, h2])
+            tb = temp
+            if isinstance(temp, torch.Tensor):
+                tb = torch.cat([temp, torch.rand(n + 77, device=DEV) + 0.5])
+            lp4, ent4 = call(be, big_h, w, torch.cat([lab, lab2]), temperature=tb)
+            out[f"{tname}_larger_batch"] = torch.equal(lp4[:n], lp) and torch.equal(ent4[:n], ent)
+    hh = h.clone().requires_grad_()
+    ww = w.clone().requires_grad_()
+    g1 = torch.randn(n, device=DEV)
+    g2 = torch.randn(n, device=DEV)
+    grads = []
+    for _ in range(2):
+        lp, ent = call(be, hh, ww, lab)
+        grads.append(torch.autograd.grad((lp * g1 + ent * g2).sum(), [hh, ww]))
+    out["deterministic_dh"] = torch.equal(grads[0][0], grads[1][0])
+    out["deterministic_dw"] = torch.equal(grads[0][1], grads[1][1])
+    RESULTS["invariance"] = {"shape": [n, hsz, v], **out}
+    log("invariance", out)
+
+
+def timeit(fn: Any, rep: int) -> float:
+    """Median milliseconds: do_bench on the GPU, a plain timer on the CPU (dry runs)."""
+    if DEV.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+    fn()
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return sorted(ts)[1]
+
+
+def bench_cfg(name: str, cfg: TileConfig, n: int, hsz: int, v: int, fwd_only: bool) -> None:
+    use_configs(cfg)
+    h, w, lab = make(n, hsz, v, LOW, seed=3)
+    be = TritonBackend()
+    row: dict[str, Any] = {"config": asdict(cfg), "N": n, "H": hsz, "V": v}
+    rep = 50 if OPTS.dry else 300
+    with torch.no_grad():
+        unit = timeit(lambda: torch.mm(h, w.t()), rep)
+        fwd = timeit(lambda: call(be, h, w, lab), rep)
+    row.update(unit_ms=unit, fwd_ms=fwd, fwd_units=fwd / unit)
+    if not fwd_only:
+        hh = h.clone().requires_grad_()
+        ww = w.clone().requires_grad_()
+        g1 = torch.randn(n, device=DEV)
+        g2 = torch.randn(n, device=DEV)
+
+        def step() -> Any:
+            lp, ent = call(be, hh, ww, lab)
+            return torch.autograd.grad((lp * g1 + ent * g2).sum(), [hh, ww])
+
+        both = timeit(step, rep * 2)
+        row.update(fwdbwd_ms=both, fwdbwd_units=both / unit)
+        if DEV.type == "cuda":
+            for mib in (64, 128):
+                be2 = TritonBackend(TritonOptions(backward_block_mib=mib))
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                lp, ent = call(be2, hh, ww, lab)
+                hh.grad, ww.grad = torch.autograd.grad((lp * g1 + ent * g2).sum(), [hh, ww])
+                torch.cuda.synchronize()
+                row[f"peak_extra_gib_blk{mib}"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                del lp, ent
+                hh.grad = ww.grad = None
+                if mib != 64:
+
+                    def step2(be2: TritonBackend = be2) -> Any:
+                        lp, ent = call(be2, hh, ww, lab)
+                        return torch.autograd.grad((lp * g1 + ent * g2).sum(), [hh, ww])
+
+                    t2 = timeit(step2, rep * 2)
+                    row[f"fwdbwd_units_blk{mib}"] = t2 / unit
+    RESULTS.setdefault("bench", []).append({"name": name, **row})
+    save()
+    log(
+        "bench",
+        name,
+        {k: (f"{x:.3f}" if isinstance(x, float) else x) for k, x in row.items() if k != "config"},
+    )
+    use_configs(None)
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def section(fn: Any, *a: Any, **kw: Any) -> None:
+    try:
+        fn(*a, **kw)
+    except Exception as e:  # report and go on: one call must bring back all it can
+        err = {"where": f"{fn.__name__}{a}", "error": f"{type(e).__name__}: {e}"}
+        err["trace"] = traceback.format_exc()[-3000:]
+        RESULTS.setdefault("errors", []).append(err)
+        log("ERROR", fn.__name__, a, type(e).__name__, str(e)[:500])
+    save()
+
+
+def main() -> None:
+    RESULTS["env"] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if DEV.type == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "python": sys.version.split()[0],
+        "dry": OPTS.dry,
+    }
+    log(RESULTS["env"])
+    if OPTS.dry:
+        shapes = {"main": (70, 96, 1000), "ragged": (37, 100, 777)}
+        inv = (50, 64, 700)
+        bench_shapes = [(64, 64, 512)]
+    else:
+        shapes = {
+            "main_8192": (8192, 4096, 151936),
+            "qwen7b_1937": (1937, 3584, 152064),
+            "qwen05b_2169": (2169, 896, 151936),
+            "single_row": (1, 4096, 151936),
+            "gpt2_4099": (4099, 1000, 50257),
+        }
+        inv = (2048, 4096, 151936)
+        bench_shapes = [(int(x), 4096, 151936) for x in OPTS.bench_n.split(",")]
+    for name, shp in shapes.items():
+        section(accuracy, name, *shp, LOW)
+    mid = (96, 80, 900) if OPTS.dry else (1024, 1000, 50257)
+    section(accuracy, "peaked_s4", *mid, LOW, scale=4.0)
+    section(accuracy, "softcap30_tokenT", *mid, LOW, softcap=30.0,
+            temperature=(torch.rand(mid[0], device=DEV) + 0.5))  # fmt: skip
+    section(accuracy, "fp16", *mid, torch.float16)
+    section(accuracy, "fp32", *mid, torch.float32)
+    section(invariance, *inv)
+    names = [s for s in OPTS.configs.split(",") if s] or list(CANDIDATES)
+    if OPTS.quick:
+        names = names[:2]
+    first_n, hsz, v = bench_shapes[0]
+    for name in names:
+        if time.time() - T0 > OPTS.budget_s:
+            log("budget reached, skipping", name)
+            break
+        section(bench_cfg, name, CANDIDATES[name], first_n, hsz, v, True)
+    fwd_rows = [r for r in RESULTS.get("bench", []) if "fwd_units" in r]
+    best = min(fwd_rows, key=lambda r: r["fwd_units"])["name"] if fwd_rows else names[0]
+    RESULTS["best_forward"] = best
+    for n, hsz, v in bench_shapes:
+        if time.time() - T0 > OPTS.budget_s + 40:
+            log("budget reached, skipping fwd+bwd at", n)
+            break
+        section(bench_cfg, best, CANDIDATES[best], n, hsz, v, False)
+    save()
+    log("summary")
+    for r in RESULTS.get("bench", []):
+        print(f"  {r['name']:26s} N={r['N']:6d} fwd {r['fwd_units']:.3f} u"
+              + (f"  fwd+bwd {r['fwdbwd_units']:.3f} u" if "fwdbwd_units" in r else "")
+              + (f"  peak {r.get('peak_extra_gib_blk64', float('nan')):.2f} GiB" if "fwdbwd_units" in r else "")
+              + f"  unit {r['unit_ms']:.2f} ms")  # fmt: skip
+    for k, r in RESULTS.get("accuracy", {}).items():
+        print(f"  acc {k:18s} lp {r['logp_rel']:.1e} ent {r['ent_rel']:.1e} "
+              f"dh {r['dh_rel']:.1e} dw {r['dw_rel']:.1e}")  # fmt: skip
+    print("  invariance", RESULTS.get("invariance"))
+    print("  errors", len(RESULTS.get("errors", [])))
+
+
+if __name__ == "__main__":
+    main()
