@@ -38,7 +38,9 @@ OVERHEAD_LIMIT = 0.03
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("out", type=Path, help="JSON file to write")
     p.add_argument("--device", default="cuda")
     p.add_argument("--impl", choices=("native", "fallback"), default="native")
@@ -91,7 +93,13 @@ def make_backend(impl: str) -> Any:
     return LigerBackend(LigerOptions(implementation=impl))
 
 
-def adapter_call(backend: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def adapter_call(
+    backend: Any,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What the core hands the backend (2-D, resolved vocab range)."""
     lp, ent = backend.forward(
         hidden,
@@ -123,24 +131,36 @@ def direct_function(impl: str, device: torch.device) -> tuple[Callable[..., Any]
         )
     # Liger's dispatcher would pick something else here (fallback on a GPU): call ours directly.
     if impl == "native":
-        return (lambda h, w, y, t, ii, m_tiles, ent: ours.apply(h, w, y, t, ii, m_tiles, ent)), ours.__name__
+        return (
+            lambda h, w, y, t, ii, m_tiles, ent: ours.apply(h, w, y, t, ii, m_tiles, ent)
+        ), ours.__name__
     return (lambda h, w, y, t, ii, _m_tiles, ent: ours.apply(h, w, y, t, ii, ent)), ours.__name__
 
 
-def direct_call(fn: Callable[..., Any], hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def direct_call(
+    fn: Callable[..., Any],
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Liger's raw outputs: (nll fp32, entropy in Liger's dtype)."""
     nll, ent = fn(hidden, weight, labels, temperature, IGNORE_INDEX, 1, True)
     return nll, ent
 
 
-def adapter_step(backend: Any, x: dict[str, torch.Tensor], h: torch.Tensor, w: torch.Tensor, t: float) -> tuple[torch.Tensor, ...]:
+def adapter_step(
+    backend: Any, x: dict[str, torch.Tensor], h: torch.Tensor, w: torch.Tensor, t: float
+) -> tuple[torch.Tensor, ...]:
     """Forward + backward through the adapter: (log_probs, entropy, dh, dW)."""
     lp, ent = adapter_call(backend, h, w, x["labels"], t)
     dh, dw = torch.autograd.grad((lp, ent), (h, w), (x["g_lp"], x["g_ent"]))
     return lp.detach(), ent.detach(), dh, dw
 
 
-def direct_step(fn: Callable[..., Any], x: dict[str, torch.Tensor], h: torch.Tensor, w: torch.Tensor, t: float) -> tuple[torch.Tensor, ...]:
+def direct_step(
+    fn: Callable[..., Any], x: dict[str, torch.Tensor], h: torch.Tensor, w: torch.Tensor, t: float
+) -> tuple[torch.Tensor, ...]:
     """Forward + backward through Liger direct with the same upstream grads: (-nll, entropy fp32, dh, dW)."""
     nll, ent = direct_call(fn, h, w, x["labels"], t)
     dh, dw = torch.autograd.grad((nll, ent), (h, w), (x["g_lp"].neg(), x["g_ent"].to(ent.dtype)))
@@ -179,7 +199,12 @@ def fp32_reference(x: dict[str, torch.Tensor], t: float, chunk: int) -> dict[str
     for s in range(0, n, chunk):
         h = x["hidden"][s : s + chunk].float().requires_grad_()
         lp, ent = reference_fused_head(
-            h, w, x["labels"][s : s + chunk], temperature=t, ignore_index=IGNORE_INDEX, compute_dtype=torch.float32
+            h,
+            w,
+            x["labels"][s : s + chunk],
+            temperature=t,
+            ignore_index=IGNORE_INDEX,
+            compute_dtype=torch.float32,
         )
         assert ent is not None
         torch.autograd.backward((lp, ent), (x["g_lp"][s : s + chunk], x["g_ent"][s : s + chunk]))
@@ -187,7 +212,12 @@ def fp32_reference(x: dict[str, torch.Tensor], t: float, chunk: int) -> dict[str
         ents.append(ent.detach())
         dhs.append(h.grad)
     assert w.grad is not None
-    return {"log_probs": torch.cat(lps), "entropy": torch.cat(ents), "dh": torch.cat(dhs), "dw": w.grad}
+    return {
+        "log_probs": torch.cat(lps),
+        "entropy": torch.cat(ents),
+        "dh": torch.cat(dhs),
+        "dw": w.grad,
+    }
 
 
 def bench(fn: Callable[[], Any], device: torch.device, rep_ms: int) -> float:
@@ -219,7 +249,10 @@ class Report:
 
     def __init__(self, path: Path, args: argparse.Namespace) -> None:
         self.path = path
-        self.data: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "sections": {}}
+        self.data: dict[str, Any] = {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "sections": {},
+        }
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[dict[str, Any]]:
@@ -255,7 +288,15 @@ def env_section(entry: dict[str, Any], device: torch.device) -> None:
     entry["python"] = platform.python_version()
     entry["torch"] = torch.__version__
     entry["cuda"] = torch.version.cuda
-    for dist in ("triton", "liger-kernel", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13", "apache-tvm-ffi", "fusedhead", "fusedhead-liger"):
+    for dist in (
+        "triton",
+        "liger-kernel",
+        "nvidia-cutlass-dsl",
+        "nvidia-cutlass-dsl-libs-cu13",
+        "apache-tvm-ffi",
+        "fusedhead",
+        "fusedhead-liger",
+    ):
         entry[dist] = ver(dist)
     if device.type == "cuda":
         entry["device_name"] = torch.cuda.get_device_name(device)
@@ -263,7 +304,9 @@ def env_section(entry: dict[str, Any], device: torch.device) -> None:
     entry["ok"] = True
 
 
-def fp32_refused_section(entry: dict[str, Any], args: argparse.Namespace, device: torch.device) -> None:
+def fp32_refused_section(
+    entry: dict[str, Any], args: argparse.Namespace, device: torch.device
+) -> None:
     """Native with fp32 inputs: our clear error, where Liger's own call raises TypeError."""
     from fusedhead.errors import BackendUnavailableError
 
@@ -278,15 +321,21 @@ def fp32_refused_section(entry: dict[str, Any], args: argparse.Namespace, device
         entry["adapter_error"] = None
         entry["ok"] = False
     try:
-        from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyFunction
+        from liger_kernel.ops.fused_linear_scaled_cross_entropy import (
+            LigerFusedLinearScaledCrossEntropyFunction,
+        )
 
-        LigerFusedLinearScaledCrossEntropyFunction.apply(x["hidden"], x["weight"], x["labels"], args.temperature, IGNORE_INDEX, 1, True)
+        LigerFusedLinearScaledCrossEntropyFunction.apply(
+            x["hidden"], x["weight"], x["labels"], args.temperature, IGNORE_INDEX, 1, True
+        )
         entry["liger_direct"] = "ran (Liger dispatched to its fallback)"
     except Exception as exc:
         entry["liger_direct"] = f"{type(exc).__name__}: {exc}"
 
 
-def bitwise_section(entry: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+def bitwise_section(
+    entry: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> None:
     backend = make_backend(args.impl)
     fn, entry["direct"] = direct_function(args.impl, device)
     x = make_inputs(args.n, args.h, args.v, 1.0, dtype, device)
@@ -300,8 +349,12 @@ def bitwise_section(entry: dict[str, Any], args: argparse.Namespace, device: tor
     names = ("log_probs", "entropy", "dh", "dw")
     entry["dtypes"] = {n: str(t.dtype) for n, t in zip(names, ours)}
     entry["equal"] = {n: same_bits(a, b) for n, a, b in zip(names, ours, theirs)}
-    entry["direct_run_to_run_equal"] = {n: same_bits(a, b) for n, a, b in zip(names, theirs, theirs_again)}
-    entry["max_abs_diff"] = {n: float((a.double() - b.double()).abs().max()) for n, a, b in zip(names, ours, theirs)}
+    entry["direct_run_to_run_equal"] = {
+        n: same_bits(a, b) for n, a, b in zip(names, theirs, theirs_again)
+    }
+    entry["max_abs_diff"] = {
+        n: float((a.double() - b.double()).abs().max()) for n, a, b in zip(names, ours, theirs)
+    }
     entry["forward_equal"] = entry["equal"]["log_probs"] and entry["equal"]["entropy"]
     # Gradients can only be bitwise equal if Liger's own backward is run-to-run deterministic.
     grads_expected_equal = all(entry["direct_run_to_run_equal"][n] for n in ("dh", "dw"))
@@ -309,7 +362,9 @@ def bitwise_section(entry: dict[str, Any], args: argparse.Namespace, device: tor
     entry["ok"] = entry["forward_equal"] and (entry["grads_equal"] or not grads_expected_equal)
 
 
-def accuracy_section(entry: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+def accuracy_section(
+    entry: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> None:
     backend = make_backend(args.impl)
     for scale in (1.0, 4.0):
         x = make_inputs(args.n, args.h, args.v, scale, dtype, device, seed=1)
@@ -333,7 +388,9 @@ def accuracy_section(entry: dict[str, Any], args: argparse.Namespace, device: to
     entry["ok"] = all(entry[k]["finite"] and entry[k]["ignored_rows_zero"] for k in ("s=1", "s=4"))
 
 
-def timing_section(entry: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+def timing_section(
+    entry: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> None:
     backend = make_backend(args.impl)
     fn, entry["direct"] = direct_function(args.impl, device)
     x = make_inputs(args.n, args.h, args.v, 1.0, dtype, device)
@@ -352,7 +409,9 @@ def timing_section(entry: dict[str, Any], args: argparse.Namespace, device: torc
 
         opts = {"implementation": args.impl}
         cases["core_fwd_bwd"] = lambda: torch.autograd.grad(
-            fused_head(h, w, x["labels"], backend="liger", temperature=t, options=opts, check_labels=False),
+            fused_head(
+                h, w, x["labels"], backend="liger", temperature=t, options=opts, check_labels=False
+            ),
             (h, w),
             (x["g_lp"], x["g_ent"]),
         )
@@ -373,12 +432,17 @@ def timing_section(entry: dict[str, Any], args: argparse.Namespace, device: torc
     if "core_fwd_bwd" in med:
         entry["overhead"]["core_fwd_bwd"] = med["core_fwd_bwd"] / med["direct_fwd_bwd"] - 1
     entry["limit"] = OVERHEAD_LIMIT
-    within = entry["overhead"]["fwd"] <= OVERHEAD_LIMIT and entry["overhead"]["fwd_bwd"] <= OVERHEAD_LIMIT
+    within = (
+        entry["overhead"]["fwd"] <= OVERHEAD_LIMIT
+        and entry["overhead"]["fwd_bwd"] <= OVERHEAD_LIMIT
+    )
     # Wall-clock medians on a shared CPU are too noisy for a 3 % verdict: informative only there.
     entry["ok"] = within if device.type == "cuda" else None
 
 
-def memory_section(entry: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+def memory_section(
+    entry: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> None:
     if device.type != "cuda":
         entry["ok"] = None
         entry["skipped"] = "CUDA only"
@@ -388,7 +452,10 @@ def memory_section(entry: dict[str, Any], args: argparse.Namespace, device: torc
     x = make_inputs(args.n, args.h, args.v, 1.0, dtype, device)
     h = x["hidden"].detach().requires_grad_()
     w = x["weight"].detach().requires_grad_()
-    steps = {"adapter": lambda: adapter_step(backend, x, h, w, args.temperature), "direct": lambda: direct_step(fn, x, h, w, args.temperature)}
+    steps = {
+        "adapter": lambda: adapter_step(backend, x, h, w, args.temperature),
+        "direct": lambda: direct_step(fn, x, h, w, args.temperature),
+    }
     for name, step in steps.items():
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
@@ -401,14 +468,18 @@ def memory_section(entry: dict[str, Any], args: argparse.Namespace, device: torc
     entry["ok"] = True
 
 
-def determinism_section(entry: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+def determinism_section(
+    entry: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> None:
     backend = make_backend(args.impl)
     x = make_inputs(args.n, args.h, args.v, 1.0, dtype, device)
     h = x["hidden"].detach().requires_grad_()
     w = x["weight"].detach().requires_grad_()
     a = adapter_step(backend, x, h, w, args.temperature)
     b = adapter_step(backend, x, h, w, args.temperature)
-    entry["equal"] = {n: same_bits(p, q) for n, p, q in zip(("log_probs", "entropy", "dh", "dw"), a, b)}
+    entry["equal"] = {
+        n: same_bits(p, q) for n, p, q in zip(("log_probs", "entropy", "dh", "dw"), a, b)
+    }
     entry["ok"] = True  # informative: the backend declares deterministic=False
 
 
@@ -436,7 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     with report.section("determinism") as e:
         determinism_section(e, args, device, dtype)
     required = ["describe", "bitwise", "accuracy"]
-    required += ["timing", "fp32_refused"] if args.impl == "native" and device.type == "cuda" else []
+    required += (
+        ["timing", "fp32_refused"] if args.impl == "native" and device.type == "cuda" else []
+    )
     required += ["timing"] if args.impl == "fallback" and device.type == "cuda" else []
     report.data["required"] = required
     report.data["passed"] = all(report.data["sections"][s].get("ok") is True for s in required)

@@ -21,7 +21,9 @@ INSTALL_HINT = (
 def device_reasons(device: torch.device) -> list[str]:
     """Reasons the device cannot run the SM90 kernel (empty when it can)."""
     if device.type != "cuda":
-        return [f"device {device} is not a CUDA GPU: Liger's native kernel is an SM90 (Hopper) CUDA kernel"]
+        return [
+            f"device {device} is not a CUDA GPU: Liger's native kernel is an SM90 (Hopper) CUDA kernel"
+        ]
     if torch.version.hip is not None:
         return [f"device {device} is a ROCm GPU: Liger's native kernel is an NVIDIA SM90 kernel"]
     if not torch.cuda.is_available():
@@ -64,7 +66,9 @@ def native_unavailable_message(device: torch.device, dtype: torch.dtype, reasons
     if any("CuTe DSL" in r for r in reasons):
         fixes.append(f"install the CuTe DSL: {INSTALL_HINT}")
     if dtype_reasons(dtype):
-        fixes.append("pass bfloat16 hidden and weight (e.g. under torch.autocast(dtype=torch.bfloat16))")
+        fixes.append(
+            "pass bfloat16 hidden and weight (e.g. under torch.autocast(dtype=torch.bfloat16))"
+        )
     if device_reasons(device):
         fixes.append("run on an H100/H200 GPU")
     fixes.append(

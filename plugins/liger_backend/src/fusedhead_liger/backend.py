@@ -75,9 +75,7 @@ class LigerBackend:
             entropy_precision="bf16",
             implementation="fallback",
             kernel=_FALLBACK_KERNEL,
-            precision_by_dtype={
-                d: {"logits": d, "entropy": d} for d in ("fp32", "fp16", "bf16")
-            },
+            precision_by_dtype={d: {"logits": d, "entropy": d} for d in ("fp32", "fp16", "bf16")},
         )
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:

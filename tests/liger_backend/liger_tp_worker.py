@@ -1,0 +1,99 @@
+"""One rank of the vocab-parallel check: ``python liger_tp_worker.py RANK WORLD RENDEZVOUS OUT``.
+
+Every rank builds the same full inputs from a seed, keeps its vocabulary shard of the weight and
+runs the ``liger`` backend (fallback) over gloo, with ``reduce_hidden_grad`` True and False; the
+outputs and gradients go to ``OUT`` (torch.save) for the test to compare with one process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+N, H, V, T = 600, 32, 1000, 0.7
+IGNORE = -100
+BAD_ROW = 5  # gets a label >= V: NaN on every rank, never a crash
+
+
+def full_inputs() -> dict[str, torch.Tensor]:
+    """The unsharded problem, the same on every rank."""
+    gen = torch.Generator().manual_seed(1234)
+    labels = torch.randint(0, V, (N,), generator=gen)
+    labels[torch.rand(N, generator=gen) < 0.1] = IGNORE
+    labels[BAD_ROW] = V + 7
+    return {
+        "hidden": torch.randn(N, H, generator=gen),
+        "weight": torch.randn(V, H, generator=gen) / H**0.5,
+        "labels": labels,
+        "g_lp": torch.randn(N, generator=gen),
+        "g_ent": torch.randn(N, generator=gen),
+    }
+
+
+def run(rank: int, world: int, x: dict[str, torch.Tensor], reduce_hidden_grad: bool, entropy: bool):
+    from fusedhead_liger import LigerBackend, LigerOptions
+
+    backend = LigerBackend(LigerOptions(implementation="fallback"))
+    local = V // world
+    h = x["hidden"].clone().requires_grad_()
+    w = x["weight"][rank * local : (rank + 1) * local].clone().requires_grad_()
+    lp, ent = backend.forward(
+        h,
+        w,
+        x["labels"],
+        temperature=T,
+        ignore_index=IGNORE,
+        return_entropy=entropy,
+        process_group=dist.group.WORLD,
+        vocab_start=rank * local,
+        vocab_size=V,
+        reduce_hidden_grad=reduce_hidden_grad,
+    )
+    ok = x["labels"] != V + 7
+    loss = (lp[ok] * x["g_lp"][ok]).sum()
+    if entropy:
+        loss = loss + (ent[ok] * x["g_ent"][ok]).sum()
+    loss.backward()
+    return {"lp": lp.detach(), "ent": None if ent is None else ent.detach(), "dh": h.grad, "dw": w.grad}
+
+
+def main() -> None:
+    rank, world, rendezvous, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        x = full_inputs()
+        results = {
+            "reduce": run(rank, world, x, True, True),
+            "partial": run(rank, world, x, False, True),
+            "no_entropy": run(rank, world, x, True, False),
+        }
+        try:
+            from fusedhead.api import fused_head
+
+            h = x["hidden"].clone().requires_grad_()
+            local = V // world
+            w = x["weight"][rank * local : (rank + 1) * local].clone().requires_grad_()
+            good = x["labels"].clone()
+            good[BAD_ROW] = IGNORE
+            lp, ent = fused_head(
+                h,
+                w,
+                good,
+                backend="liger",
+                temperature=T,
+                options={"implementation": "fallback"},
+                process_group=dist.group.WORLD,
+            )
+            (lp * x["g_lp"] + ent * x["g_ent"]).sum().backward()
+            results["core"] = {"lp": lp.detach(), "ent": ent.detach(), "dh": h.grad, "dw": w.grad}
+        except ImportError:
+            pass
+        torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
