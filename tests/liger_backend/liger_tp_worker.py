@@ -56,7 +56,12 @@ def run(rank: int, world: int, x: dict[str, torch.Tensor], reduce_hidden_grad: b
     if entropy:
         loss = loss + (ent[ok] * x["g_ent"][ok]).sum()
     loss.backward()
-    return {"lp": lp.detach(), "ent": None if ent is None else ent.detach(), "dh": h.grad, "dw": w.grad}
+    return {
+        "lp": lp.detach(),
+        "ent": None if ent is None else ent.detach(),
+        "dh": h.grad,
+        "dw": w.grad,
+    }
 
 
 def main() -> None:

@@ -32,7 +32,9 @@ def inputs(seed: int = 0, scale: float = 1.0, dtype: torch.dtype = torch.float32
     return hidden, weight, labels, torch.randn(N, generator=gen), torch.randn(N, generator=gen)
 
 
-def call(backend, hidden, weight, labels, *, temperature=0.7, return_entropy=True, ignore_index=IGNORE):
+def call(
+    backend, hidden, weight, labels, *, temperature=0.7, return_entropy=True, ignore_index=IGNORE
+):
     return backend.forward(
         hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
         return_entropy=return_entropy, process_group=None, vocab_start=0,
@@ -104,7 +106,9 @@ def test_ignore_index_inside_the_vocabulary() -> None:
     labels = labels.clamp_min(0)
     labels[:50] = 3
     lp, ent = call(fallback(), hidden, weight, labels, ignore_index=3)
-    rlp, rent = reference_fused_head(hidden, weight, labels, temperature=0.7, ignore_index=3, compute_dtype=torch.float64)
+    rlp, rent = reference_fused_head(
+        hidden, weight, labels, temperature=0.7, ignore_index=3, compute_dtype=torch.float64
+    )
     assert (lp[:50] == 0).all()
     assert rel(lp, rlp) < FP32_TOL and rel(ent, rent) < FP32_TOL
 
@@ -123,7 +127,9 @@ def test_partial_requires_grad(which: str) -> None:
     assert other.grad is None
     ref_h = hidden.double().requires_grad_(which == "hidden")
     ref_w = weight.double().requires_grad_(which == "weight")
-    rlp, rent = reference_fused_head(ref_h, ref_w, labels, temperature=0.7, compute_dtype=torch.float64)
+    rlp, rent = reference_fused_head(
+        ref_h, ref_w, labels, temperature=0.7, compute_dtype=torch.float64
+    )
     (rlp * g_lp + rent * g_ent).sum().backward()
     ref_leaf = ref_h if which == "hidden" else ref_w
     assert rel(leaf.grad, ref_leaf.grad) < FP32_TOL
@@ -137,7 +143,9 @@ def test_only_one_output_used_in_backward() -> None:
         out, g = (lp, g_lp) if use == "log_probs" else (ent, g_ent)
         (dh,) = torch.autograd.grad((out * g).sum(), h)
         h64 = hidden.double().requires_grad_()
-        rlp, rent = reference_fused_head(h64, weight.double(), labels, temperature=0.7, compute_dtype=torch.float64)
+        rlp, rent = reference_fused_head(
+            h64, weight.double(), labels, temperature=0.7, compute_dtype=torch.float64
+        )
         (rdh,) = torch.autograd.grad(((rlp if use == "log_probs" else rent) * g).sum(), h64)
         assert rel(dh, rdh) < FP32_TOL, use
 
@@ -146,7 +154,9 @@ def test_only_one_output_used_in_backward() -> None:
 def test_peaked_and_large_magnitude_logits(scale: float) -> None:
     hidden, weight, labels, *_ = inputs(scale=scale)
     lp, ent = call(fallback(), hidden, weight, labels, temperature=1.0)
-    rlp, rent = reference_fused_head(hidden, weight, labels, temperature=1.0, compute_dtype=torch.float64)
+    rlp, rent = reference_fused_head(
+        hidden, weight, labels, temperature=1.0, compute_dtype=torch.float64
+    )
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
     assert rel(lp, rlp) < FP32_TOL
     assert_entropy_fp32(ent, rent, hidden, weight, 1.0)
@@ -157,7 +167,9 @@ def test_all_negative_logits() -> None:
     hidden = hidden.abs()
     weight = -weight.abs()
     lp, ent = call(fallback(), hidden, weight, labels)
-    rlp, rent = reference_fused_head(hidden, weight, labels, temperature=0.7, compute_dtype=torch.float64)
+    rlp, rent = reference_fused_head(
+        hidden, weight, labels, temperature=0.7, compute_dtype=torch.float64
+    )
     assert rel(lp, rlp) < FP32_TOL and rel(ent, rent) < FP32_TOL
 
 
@@ -172,7 +184,9 @@ def test_out_of_range_label_gives_nan_and_leaves_other_rows_alone() -> None:
     good[7:10] = False
     clean = labels.clone()
     clean[7:10] = IGNORE
-    rlp, rent = reference_fused_head(hidden, weight, clean, temperature=0.7, compute_dtype=torch.float64)
+    rlp, rent = reference_fused_head(
+        hidden, weight, clean, temperature=0.7, compute_dtype=torch.float64
+    )
     assert rel(lp[good], rlp[good]) < FP32_TOL and rel(ent[good], rent[good]) < FP32_TOL
     (lp[good] * g_lp[good]).sum().backward()
     assert torch.isfinite(h.grad).all()
@@ -185,7 +199,9 @@ def test_non_contiguous_hidden() -> None:
     view = wide[:, ::2]
     assert not view.is_contiguous()
     lp, ent = call(fallback(), view, weight, labels)
-    rlp, rent = reference_fused_head(hidden, weight, labels, temperature=0.7, compute_dtype=torch.float64)
+    rlp, rent = reference_fused_head(
+        hidden, weight, labels, temperature=0.7, compute_dtype=torch.float64
+    )
     assert rel(lp, rlp) < FP32_TOL and rel(ent, rent) < FP32_TOL
 
 
@@ -198,7 +214,9 @@ def test_half_inputs_give_fp32_outputs_and_gradients_in_the_input_dtype(dtype: t
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32
     (lp * g_lp + ent * g_ent).sum().backward()
     assert h.grad.dtype == dtype and w.grad.dtype == dtype
-    rlp, rent = reference_fused_head(hidden, weight, labels, temperature=0.7, compute_dtype=torch.float64)
+    rlp, rent = reference_fused_head(
+        hidden, weight, labels, temperature=0.7, compute_dtype=torch.float64
+    )
     # Logits and entropy are rounded to the input dtype, as the declared precisions say.
     eps = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
     assert rel(lp, rlp) < 4 * eps and rel(ent, rent) < 4 * eps
@@ -220,7 +238,9 @@ def test_n_equal_one_and_odd_shapes() -> None:
     hidden, weight = torch.randn(1, 37, generator=gen), torch.randn(101, 37, generator=gen)
     labels = torch.tensor([100])
     lp, ent = call(fallback(), hidden, weight, labels)
-    rlp, rent = reference_fused_head(hidden, weight, labels, temperature=0.7, compute_dtype=torch.float64)
+    rlp, rent = reference_fused_head(
+        hidden, weight, labels, temperature=0.7, compute_dtype=torch.float64
+    )
     assert rel(lp, rlp) < FP32_TOL
     assert_entropy_fp32(ent, rent, hidden, weight, 0.7)
 
@@ -241,9 +261,15 @@ def test_core_call_3d_matches_reference(fused_head) -> None:
     out = fused_head(h, weight, labels.view(2, N // 2), backend="liger", temperature=0.7,
                      options={"implementation": "fallback"})  # fmt: skip
     assert out.log_probs.shape == (2, N // 2)
-    rlp, rent = reference_fused_head(hidden, weight, labels, temperature=0.7, compute_dtype=torch.float64)
+    h64 = hidden.double().requires_grad_()
+    rlp, rent = reference_fused_head(
+        h64, weight, labels, temperature=0.7, compute_dtype=torch.float64
+    )
     assert rel(out.log_probs.reshape(-1), rlp) < FP32_TOL
-    assert rel(out.entropy.reshape(-1), rent) < FP32_TOL
+    assert_entropy_fp32(out.entropy.reshape(-1), rent, hidden, weight, 0.7)
+    (out.log_probs.reshape(-1) * g_lp + out.entropy.reshape(-1) * g_ent).sum().backward()
+    (rlp * g_lp + rent * g_ent).sum().backward()
+    assert rel(h.grad.reshape(N, H), h64.grad) < grad_tol(hidden, weight, 0.7)
 
 
 def test_core_check_labels_false_out_of_range_is_nan(fused_head) -> None:

@@ -11,7 +11,11 @@ from fusedhead_liger import LigerBackend, LigerOptions, availability
 pytestmark = pytest.mark.gpu
 
 HAS_CUDA = torch.cuda.is_available()
-NATIVE_REASONS = availability.native_reasons(torch.device("cuda"), torch.bfloat16) if HAS_CUDA else ["no CUDA device"]
+NATIVE_REASONS = (
+    availability.native_reasons(torch.device("cuda"), torch.bfloat16)
+    if HAS_CUDA
+    else ["no CUDA device"]
+)
 needs_native = pytest.mark.skipif(bool(NATIVE_REASONS), reason="; ".join(NATIVE_REASONS))
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 
@@ -25,7 +29,13 @@ def inputs(dtype=torch.bfloat16):
     labels = torch.randint(0, V, (N,), generator=gen)
     labels[::10] = -100
     g = torch.randn(2, N, generator=gen)
-    return (hidden.to("cuda", dtype), weight.to("cuda", dtype), labels.cuda(), g[0].cuda(), g[1].cuda())
+    return (
+        hidden.to("cuda", dtype),
+        weight.to("cuda", dtype),
+        labels.cuda(),
+        g[0].cuda(),
+        g[1].cuda(),
+    )
 
 
 def adapter(backend, h, w, y):
@@ -65,8 +75,8 @@ def test_native_out_of_range_label_is_nan() -> None:
     labels = labels.clone()
     labels[1], labels[2] = V, -3
     lp, ent = adapter(LigerBackend(), hidden, weight, labels)
-    assert torch.isnan(lp[1:3]).all()
-    assert torch.isfinite(lp[3:]).all()
+    assert torch.isnan(lp[1:3]).all() and torch.isnan(ent[1:3]).all()
+    assert torch.isfinite(lp[3:]).all() and torch.isfinite(ent[3:]).all()
 
 
 @needs_cuda
@@ -82,6 +92,8 @@ def test_fallback_on_gpu_matches_reference() -> None:
 
     hidden, weight, labels, *_ = inputs(torch.float32)
     lp, ent = adapter(LigerBackend(LigerOptions(implementation="fallback")), hidden, weight, labels)
-    rlp, rent = reference_fused_head(hidden, weight, labels, temperature=T, compute_dtype=torch.float64)
+    rlp, rent = reference_fused_head(
+        hidden, weight, labels, temperature=T, compute_dtype=torch.float64
+    )
     assert float((lp.double() - rlp).norm() / rlp.norm()) < 1e-5
     assert float((ent.double() - rent).norm() / rent.norm()) < 1e-4

@@ -28,7 +28,12 @@ def gpu_check():
 
 def test_dry_run_writes_a_passing_report(tmp_path: Path) -> None:
     out = tmp_path / "sub" / "report.json"
-    proc = subprocess.run([sys.executable, str(TOOL), str(out), "--dry-run"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), str(out), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     s = report["sections"]
@@ -39,7 +44,13 @@ def test_dry_run_writes_a_passing_report(tmp_path: Path) -> None:
     for scale in ("s=1", "s=4"):
         assert s["accuracy"][scale]["log_probs"]["rel"] < 1e-6
         assert s["accuracy"][scale]["dh"]["rel"] < 1e-5
-    assert set(s["timing"]["median_ms"]) >= {"gemm", "adapter_fwd", "direct_fwd", "adapter_fwd_bwd", "direct_fwd_bwd"}
+    assert set(s["timing"]["median_ms"]) >= {
+        "gemm",
+        "adapter_fwd",
+        "direct_fwd",
+        "adapter_fwd_bwd",
+        "direct_fwd_bwd",
+    }
     assert s["timing"]["ok"] is None  # no 3 % verdict from CPU wall-clock times
     assert s["memory"]["skipped"] == "CUDA only"
     assert all("error" not in entry for entry in s.values())

@@ -23,7 +23,11 @@ CUDA = torch.device("cuda")
 
 def small():
     gen = torch.Generator().manual_seed(0)
-    return torch.randn(4, 8, generator=gen), torch.randn(11, 8, generator=gen), torch.tensor([1, 2, 3, -100])
+    return (
+        torch.randn(4, 8, generator=gen),
+        torch.randn(11, 8, generator=gen),
+        torch.tensor([1, 2, 3, -100]),
+    )
 
 
 def forward(backend, hidden, weight, labels):
@@ -85,7 +89,9 @@ def test_h200_without_the_cute_dsl(fake_gpu, monkeypatch: pytest.MonkeyPatch) ->
     assert "compute capability" not in msg
 
 
-def test_h200_fp32_is_our_error_not_ligers_type_error(fake_gpu, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_h200_fp32_is_our_error_not_ligers_type_error(
+    fake_gpu, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake_gpu((9, 0))
     monkeypatch.setattr(_liger, "cute_dsl_installed", lambda: True)
     monkeypatch.setattr(_liger, "native_import_error", lambda: None)
@@ -102,13 +108,17 @@ def test_h200_fp32_is_our_error_not_ligers_type_error(fake_gpu, monkeypatch: pyt
 def test_h200_where_the_dsl_fails_to_import(fake_gpu, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_gpu((9, 0))
     monkeypatch.setattr(_liger, "cute_dsl_installed", lambda: True)
-    monkeypatch.setattr(_liger, "native_import_error", lambda: "RuntimeError: No CTK flavor installed")
+    monkeypatch.setattr(
+        _liger, "native_import_error", lambda: "RuntimeError: No CTK flavor installed"
+    )
     with pytest.raises(BackendUnavailableError, match="No CTK flavor installed"):
         LigerBackend().check(CUDA, torch.bfloat16)
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (10, 0), (12, 0)])
-def test_other_gpus_are_refused_where_liger_would_silently_fall_back(fake_gpu, monkeypatch, capability) -> None:
+def test_other_gpus_are_refused_where_liger_would_silently_fall_back(
+    fake_gpu, monkeypatch, capability
+) -> None:
     fake_gpu(capability, "Some GPU")
     monkeypatch.setattr(_liger, "cute_dsl_installed", lambda: True)
     with pytest.raises(BackendUnavailableError) as info:
@@ -124,7 +134,9 @@ def test_describe_says_what_would_run(fake_gpu, monkeypatch: pytest.MonkeyPatch)
     assert "not a CUDA GPU" in native_cpu["reason"]
     assert native_cpu["liger_kernel"] == md.version("liger-kernel")
     assert all(isinstance(v, str) for v in native_cpu.values())
-    fallback_cpu = LigerBackend(LigerOptions(implementation="fallback")).describe(CPU, torch.float32)
+    fallback_cpu = LigerBackend(LigerOptions(implementation="fallback")).describe(
+        CPU, torch.float32
+    )
     assert fallback_cpu["would_run"] == "yes" and "on purpose" in fallback_cpu["reason"]
     fake_gpu((9, 0))
     monkeypatch.setattr(_liger, "cute_dsl_installed", lambda: True)
@@ -138,7 +150,11 @@ def test_capabilities_are_honest() -> None:
     assert native.devices == ("cuda",) and native.dtypes == ("bf16",)
     assert native.logits_precision == "fp16" and native.entropy_precision == "bf16"
     fallback = LigerBackend(LigerOptions(implementation="fallback")).capabilities(CPU)
-    assert set(fallback.devices) == {"cpu", "cuda"} and set(fallback.dtypes) == {"fp32", "fp16", "bf16"}
+    assert set(fallback.devices) == {"cpu", "cuda"} and set(fallback.dtypes) == {
+        "fp32",
+        "fp16",
+        "bf16",
+    }
     assert fallback.vocab_parallel and not native.vocab_parallel
     for caps in (native, fallback):
         assert not caps.per_token_temperature and not caps.softcap and not caps.uneven_shards

@@ -66,8 +66,17 @@ def truth() -> dict[str, torch.Tensor]:
     ent_u = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
     (lp_u * x["g_lp"] + ent_u * x["g_ent"]).sum().backward()
     local = worker.V // WORLD
-    partials = [u.grad[:, r * local : (r + 1) * local] @ w.detach()[r * local : (r + 1) * local] for r in range(WORLD)]
-    return {"lp": lp.detach(), "ent": ent.detach(), "dh": h.grad, "dw": w.grad, "partials": partials}
+    partials = [
+        u.grad[:, r * local : (r + 1) * local] @ w.detach()[r * local : (r + 1) * local]
+        for r in range(WORLD)
+    ]
+    return {
+        "lp": lp.detach(),
+        "ent": ent.detach(),
+        "dh": h.grad,
+        "dw": w.grad,
+        "partials": partials,
+    }
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
@@ -97,7 +106,9 @@ def test_out_of_range_label_gives_nan_on_every_rank(ranks: list[dict]) -> None:
         assert torch.isfinite(r["reduce"]["lp"][_valid_rows()]).all()
 
 
-def test_reduce_hidden_grad_true_gives_the_full_hidden_gradient(ranks: list[dict], truth: dict) -> None:
+def test_reduce_hidden_grad_true_gives_the_full_hidden_gradient(
+    ranks: list[dict], truth: dict
+) -> None:
     for r in ranks:
         _close(r["reduce"]["dh"], truth["dh"])
 

@@ -55,27 +55,34 @@ class LigerBackend:
         """What the selected implementation does; precisions are where Liger rounds."""
         if self.implementation == "native":
             # Logits are staged through fp16 shared memory; entropy is written as bf16.
-            return Capabilities(
-                devices=("cuda",),
-                dtypes=("bf16",),
-                vocab_parallel=False,
-                logits_precision="fp16",
-                entropy_precision="bf16",
-                implementation="native",
-                kernel=_NATIVE_KERNEL,
+            return Capabilities.model_validate(
+                {
+                    "devices": ("cuda",),
+                    "dtypes": ("bf16",),
+                    "vocab_parallel": False,
+                    "logits_precision": "fp16",
+                    "entropy_precision": "bf16",
+                    "implementation": "native",
+                    "kernel": _NATIVE_KERNEL,
+                }
             )
         # The chunk GEMM's output (the logits) is in the input dtype, and the single-process
         # path returns entropy in the input dtype: fp32 for fp32 inputs, fp16/bf16 otherwise.
-        # One field cannot say "the input dtype", so it declares the coarsest one it takes.
-        return Capabilities(
-            devices=_FALLBACK_DEVICES,
-            dtypes=("fp32", "fp16", "bf16"),
-            vocab_parallel=True,
-            logits_precision="bf16",
-            entropy_precision="bf16",
-            implementation="fallback",
-            kernel=_FALLBACK_KERNEL,
-            precision_by_dtype={d: {"logits": d, "entropy": d} for d in ("fp32", "fp16", "bf16")},
+        # One field cannot say "the input dtype", so it declares the coarsest one it takes and
+        # gives the exact map in an extra field.
+        return Capabilities.model_validate(
+            {
+                "devices": _FALLBACK_DEVICES,
+                "dtypes": ("fp32", "fp16", "bf16"),
+                "vocab_parallel": True,
+                "logits_precision": "bf16",
+                "entropy_precision": "bf16",
+                "implementation": "fallback",
+                "kernel": _FALLBACK_KERNEL,
+                "precision_by_dtype": {
+                    d: {"logits": d, "entropy": d} for d in ("fp32", "fp16", "bf16")
+                },
+            }
         )
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
