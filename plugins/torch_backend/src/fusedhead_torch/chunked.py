@@ -89,24 +89,31 @@ def _forward_stats(
 def _coefficients(
     g_lp: torch.Tensor | None,
     g_ent: torch.Tensor | None,
-    entropy: torch.Tensor | None,
+    stats: tuple[torch.Tensor, torch.Tensor | None],
     place: LabelPlace,
     inv_t: float | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Per-row ``a``, ``b``, ``label_term`` with ``dz_x = p * (a + b * log p) + onehot * label_term``.
+    """Per-row ``a``, ``b``, ``label_term`` with ``dz_x = e * (a + b * d) + onehot * label_term``.
 
-    From ``dz = g_lp * (onehot - p) - g_H * p * (log p + H)`` and ``dz_x = dz / T``; ignored rows
+    Here ``d = z - m`` and ``e = exp(d)``, so ``p = e / s`` and ``log p = d - log s``. From
+    ``dz = g_lp * (onehot - p) - g_H * p * (log p + H)`` and ``dz_x = dz / T``, the ``1 / s`` and
+    ``log s`` fold into ``a`` and ``b``: the tile never needs ``log p`` itself, whose fp32 value
+    would carry the rounding of ``lse = m + log s`` (about ``u |z|``) into every ``p``. Ignored rows
     get zeros, and a label that no column of this shard holds gets no one-hot term.
     """
+    s, entropy = stats
     zero = torch.zeros((), dtype=FP32, device=place.valid.device)
     gl = None if g_lp is None else torch.where(place.valid, g_lp.float(), zero)
     gh = None if g_ent is None or entropy is None else torch.where(place.valid, g_ent.float(), zero)
+    inv_s = s.reciprocal()
     if gh is not None:
         a = gh * entropy if gl is None else torch.addcmul(gl, gh, entropy)
-        coef_a, coef_b = a.mul_(inv_t).neg_(), (gh * inv_t).neg_()
+        b = (gh * inv_t).neg_()
+        a = a.mul_(inv_t).neg_().sub_(b * torch.log(s))
+        coef_a, coef_b = a.mul_(inv_s), b.mul_(inv_s)
     else:
         assert gl is not None
-        coef_a, coef_b = (gl * inv_t).neg_(), None
+        coef_a, coef_b = (gl * inv_t).neg_().mul_(inv_s), None
     if gl is None:
         label_term = torch.zeros_like(coef_a)
     else:
@@ -120,7 +127,7 @@ def _backward_grads(
     place: LabelPlace,
     scaling: Scaling,
     spec: HeadSpec,
-    lse: torch.Tensor,
+    row_max: torch.Tensor,
     coefs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
     need_h: bool,
     need_w: bool,
@@ -132,7 +139,7 @@ def _backward_grads(
     blocks = list(tiles.col_ranges(v))
     ws = Workspace(tiles.rows * tiles.cols, h.device)
     coef_a, coef_b, label_term = coefs
-    neg_lse = lse.neg()
+    neg_m = row_max.neg()
     dh = None
     if need_h:
         single = len(blocks) == 1 and len(row_chunks) == 1 and h.dtype == FP32
@@ -152,7 +159,7 @@ def _backward_grads(
                 scaling.rows(r0, r1),
                 scaling,
                 ws,
-                neg_lse[r0:r1],
+                neg_m[r0:r1],
                 coef_a[r0:r1],
                 None if coef_b is None else coef_b[r0:r1],
                 label_term[r0:r1],
@@ -200,16 +207,22 @@ class ChunkedFusedHead(torch.autograd.Function):
         stats, z_label = _forward_stats(h, weight, place, scaling, spec)
         if spec.process_group is not None:
             stats, z_label = all_reduce_row_stats(stats, z_label, spec.process_group)
-        lse = stats.log_sum_exp()
         zero = torch.zeros((), dtype=FP32, device=h.device)
-        log_probs = torch.where(place.valid, z_label - lse, zero)
+        # (z_y - m) - log s, not z_y - lse: lse = m + log s would round away a small log s.
+        log_probs = torch.where(place.valid, (z_label - stats.m).sub_(torch.log(stats.s)), zero)
         out_of_range = place.valid & ((labels < 0) | (labels >= spec.vocab_size))
         log_probs = torch.where(out_of_range, torch.full_like(zero, math.nan), log_probs)
         entropy = stats.entropy() if spec.return_entropy else None
         ctx.spec = spec
         ctx.inv_t = inv_t if not isinstance(inv_t, torch.Tensor) else None
         ctx.save_for_backward(
-            hidden, weight, labels, lse, entropy, inv_t if isinstance(inv_t, torch.Tensor) else None
+            hidden,
+            weight,
+            labels,
+            stats.m,
+            stats.s,
+            entropy,
+            inv_t if isinstance(inv_t, torch.Tensor) else None,
         )
         if entropy is None:
             return log_probs
@@ -219,7 +232,7 @@ class ChunkedFusedHead(torch.autograd.Function):
     def backward(
         ctx: Any, g_lp: torch.Tensor | None, *rest: torch.Tensor | None
     ) -> tuple[Any, ...]:
-        hidden, weight, labels, lse, entropy, inv_t_tensor = ctx.saved_tensors
+        hidden, weight, labels, row_max, row_sum, entropy, inv_t_tensor = ctx.saved_tensors
         spec: HeadSpec = ctx.spec
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_ent = rest[0] if rest else None
@@ -228,8 +241,8 @@ class ChunkedFusedHead(torch.autograd.Function):
         inv_t = inv_t_tensor if inv_t_tensor is not None else ctx.inv_t
         scaling = Scaling(inv_t, spec.softcap)
         place = LabelPlace.locate(labels, weight.shape[0], spec)
-        coefs = _coefficients(g_lp, g_ent, entropy, place, inv_t)
+        coefs = _coefficients(g_lp, g_ent, (row_sum, entropy), place, inv_t)
         dh, dw = _backward_grads(
-            hidden.contiguous(), weight, place, scaling, spec, lse, coefs, need_h, need_w
+            hidden.contiguous(), weight, place, scaling, spec, row_max, coefs, need_h, need_w
         )
         return dh, dw, None, None, None

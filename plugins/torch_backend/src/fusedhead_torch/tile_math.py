@@ -123,15 +123,16 @@ def backward_tile(
     k: float | torch.Tensor,
     scaling: Scaling,
     ws: Workspace,
-    neg_lse: torch.Tensor,
+    neg_m: torch.Tensor,
     coef_a: torch.Tensor,
     coef_b: torch.Tensor | None,
     label_term: torch.Tensor,
 ) -> torch.Tensor:
     """``dz`` of one tile, in the input dtype, ready for the two gradient GEMMs (may reuse ``x``).
 
-    With ``lp = log p``: ``dz = p * (a + b * lp) [* (1 - tanh^2)] + onehot * label_term``, where
-    the per-row ``a``, ``b`` and ``label_term`` fold in the upstream gradients and ``1 / T``.
+    With ``d = z - m`` and ``e = exp(d)``: ``dz = e * (a + b * d) [* (1 - tanh^2)] + onehot *
+    label_term``, where the per-row ``a``, ``b`` and ``label_term`` fold in the upstream gradients,
+    ``1 / T`` and the softmax normaliser (see ``chunked._coefficients``).
     """
     rows, cols = x.shape
     col = label_col.unsqueeze(1)
@@ -139,15 +140,15 @@ def backward_tile(
     capped = scaling.softcap is not None
     if capped:
         src = scaling.source(x, out=ws.get(0, rows, cols) if low else x)
-        lp_out, p_out = ws.get(1, rows, cols), ws.get(2, rows, cols)
+        d_out, p_out = ws.get(1, rows, cols), ws.get(2, rows, cols)
     else:
         src = x
-        lp_out, p_out = (ws.get(0, rows, cols) if low else x), ws.get(1, rows, cols)
-    lp = affine(src, k, neg_lse, out=lp_out)
-    p = torch.exp(lp, out=p_out)
+        d_out, p_out = (ws.get(0, rows, cols) if low else x), ws.get(1, rows, cols)
+    d = affine(src, k, neg_m, out=d_out)
+    p = torch.exp(d, out=p_out)
     p_label = p.gather(1, col).squeeze(1)
     if coef_b is not None:
-        u: torch.Tensor = torch.addcmul(coef_a.unsqueeze(1), lp, coef_b.unsqueeze(1), out=lp)
+        u: torch.Tensor = torch.addcmul(coef_a.unsqueeze(1), d, coef_b.unsqueeze(1), out=d)
         u_label = u.gather(1, col).squeeze(1)
     else:
         u, u_label = coef_a.unsqueeze(1), coef_a
