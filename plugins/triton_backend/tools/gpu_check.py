@@ -49,22 +49,26 @@ LOW = torch.float16 if OPTS.dry else torch.bfloat16
 RESULTS: dict[str, Any] = {}
 ORIG_DEFAULTS = default_configs
 
-_B = TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+_B = TileConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3)
+_T = replace(_B, tma=True)
+#: Forward (and dz) candidates; the first is the shipped default.
 CANDIDATES: dict[str, TileConfig] = {
-    "ptr_128x256x64_s3": _B,
-    "ptr_128x256x64_s4": replace(_B, num_stages=4),
-    "tma_128x256x64_s3": replace(_B, tma=True),
-    "tma_128x256x64_s4": replace(_B, tma=True, num_stages=4),
-    "ptr_128x128x64_w4_s4": replace(_B, block_n=128, num_warps=4, num_stages=4),
-    "ptr_256x128x64_s3": replace(_B, block_m=256, block_n=128),
-    "tma_128x256x64_g16_s3": replace(_B, tma=True, group_m=16),
+    "tma_128x256x64_g16_s3": _T,
+    "tma_128x256x64_g16_s4": replace(_T, num_stages=4),
+    "tma_128x256x64_g32_s3": replace(_T, group_m=32),
+    "tma_128x256x64_g8_s3": replace(_T, group_m=8),
+    "ptr_128x256x64_g16_s3": _B,
+}
+#: dh (hidden-gradient GEMM) candidates, benchmarked with the best forward config.
+DH_CANDIDATES: dict[str, TileConfig] = {
+    "dh_tma_128x256x64_s3": _T,
+    "dh_ptr_128x256x64_s3": _B,
+    "dh_tma_128x256x64_s4": replace(_T, num_stages=4),
 }
 if OPTS.dry:
-    CANDIDATES = {
-        k: replace(c, block_m=32, block_n=64, block_k=32)
-        for k, c in CANDIDATES.items()
-        if k in ("ptr_128x256x64_s3", "tma_128x256x64_s3")
-    }
+    _small = dict(block_m=32, block_n=64, block_k=32)
+    CANDIDATES = {k: replace(c, **_small) for k, c in list(CANDIDATES.items())[:2]}
+    DH_CANDIDATES = {k: replace(c, **_small) for k, c in list(DH_CANDIDATES.items())[:2]}
 
 
 def save() -> None:
@@ -77,14 +81,16 @@ def log(*a: Any) -> None:
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
-def use_configs(fwd: TileConfig | None, dz: TileConfig | None = None) -> None:
+def use_configs(
+    fwd: TileConfig | None, dz: TileConfig | None = None, dh: TileConfig | None = None
+) -> None:
     """Make the backend use these 16-bit configs (fp32 keeps the shipped one)."""
 
     def pick(dtype: torch.dtype) -> BackendConfigs:
         base = ORIG_DEFAULTS(dtype)
         if dtype == torch.float32 or fwd is None:
             return base
-        return BackendConfigs(forward=fwd, dz=dz or fwd, dh=base.dh)
+        return BackendConfigs(forward=fwd, dz=dz or fwd, dh=dh or base.dh)
 
     backend_mod.default_configs = pick  # type: ignore[assignment]
 
@@ -211,11 +217,22 @@ def timeit(fn: Any, rep: int) -> float:
     return sorted(ts)[1]
 
 
-def bench_cfg(name: str, cfg: TileConfig, n: int, hsz: int, v: int, fwd_only: bool) -> None:
-    use_configs(cfg)
+def bench_cfg(
+    name: str,
+    cfg: TileConfig,
+    n: int,
+    hsz: int,
+    v: int,
+    fwd_only: bool,
+    dh: TileConfig | None = None,
+    memory: bool = True,
+) -> None:
+    use_configs(cfg, cfg, dh)
     h, w, lab = make(n, hsz, v, LOW, seed=3)
     be = TritonBackend()
     row: dict[str, Any] = {"config": asdict(cfg), "N": n, "H": hsz, "V": v}
+    if dh is not None:
+        row["dh_config"] = asdict(dh)
     rep = 50 if OPTS.dry else 300
     with torch.no_grad():
         unit = timeit(lambda: torch.mm(h, w.t()), rep)
@@ -233,7 +250,7 @@ def bench_cfg(name: str, cfg: TileConfig, n: int, hsz: int, v: int, fwd_only: bo
 
         both = timeit(step, rep * 2)
         row.update(fwdbwd_ms=both, fwdbwd_units=both / unit)
-        if DEV.type == "cuda":
+        if DEV.type == "cuda" and memory:
             for mib in (64, 128):
                 be2 = TritonBackend(TritonOptions(backward_block_mib=mib))
                 torch.cuda.synchronize()
@@ -275,6 +292,42 @@ def section(fn: Any, *a: Any, **kw: Any) -> None:
         RESULTS.setdefault("errors", []).append(err)
         log("ERROR", fn.__name__, a, type(e).__name__, str(e)[:500])
     save()
+
+
+def profile_step(cfg: TileConfig, dh: TileConfig | None, n: int, hsz: int, v: int) -> None:
+    """GPU time per kernel for one forward + backward (torch.profiler), to place the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    use_configs(cfg, cfg, dh)
+    h, w, lab = make(n, hsz, v, LOW, seed=4)
+    be = TritonBackend()
+    hh = h.clone().requires_grad_()
+    ww = w.clone().requires_grad_()
+    g1 = torch.randn(n, device=DEV)
+    g2 = torch.randn(n, device=DEV)
+
+    def step() -> Any:
+        lp, ent = call(be, hh, ww, lab)
+        return torch.autograd.grad((lp * g1 + ent * g2).sum(), [hh, ww])
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            rows[e.key[:80]] = {"ms": t / 1e3, "calls": e.count}
+    top = dict(sorted(rows.items(), key=lambda kv: -kv[1]["ms"])[:12])
+    with torch.no_grad():
+        unit = timeit(lambda: torch.mm(h, w.t()), 200)
+    RESULTS["profile"] = {"N": n, "unit_ms": unit, "kernels": top}
+    log(f"profile (unit {unit:.2f} ms)")
+    for k, r in top.items():
+        print(f"    {r['ms']:9.2f} ms  x{r['calls']:4d}  {k}")
+    use_configs(None)
 
 
 def main() -> None:
@@ -323,11 +376,28 @@ def main() -> None:
     fwd_rows = [r for r in RESULTS.get("bench", []) if "fwd_units" in r]
     best = min(fwd_rows, key=lambda r: r["fwd_units"])["name"] if fwd_rows else names[0]
     RESULTS["best_forward"] = best
+    first = bench_shapes[0]
+    dh_rows = []
+    for dname, dcfg in DH_CANDIDATES.items():
+        if time.time() - T0 > OPTS.budget_s:
+            log("budget reached, skipping", dname)
+            break
+        section(bench_cfg, f"{best}+{dname}", CANDIDATES[best], *first, False, dcfg, False)
+        rows = [r for r in RESULTS.get("bench", []) if r["name"] == f"{best}+{dname}"]
+        if rows and "fwdbwd_units" in rows[-1]:
+            dh_rows.append((rows[-1]["fwdbwd_units"], dname))
+    best_dh = min(dh_rows)[1] if dh_rows else next(iter(DH_CANDIDATES))
+    RESULTS["best_dh"] = best_dh
+    if DEV.type == "cuda":
+        section(profile_step, CANDIDATES[best], DH_CANDIDATES[best_dh], *first)
     for n, hsz, v in bench_shapes:
         if time.time() - T0 > OPTS.budget_s + 40:
             log("budget reached, skipping fwd+bwd at", n)
             break
-        section(bench_cfg, best, CANDIDATES[best], n, hsz, v, False)
+        section(
+            bench_cfg, f"{best}+{best_dh}", CANDIDATES[best], n, hsz, v, False,
+            DH_CANDIDATES[best_dh], True,
+        )  # fmt: skip
     save()
     log("summary")
     for r in RESULTS.get("bench", []):

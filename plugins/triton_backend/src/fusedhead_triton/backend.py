@@ -30,7 +30,7 @@ class TritonOptions(BaseModel):
     #: Persistent grid with TMA loads for the logits GEMMs (Hopper+); None: shipped default.
     tma: bool | None = None
     #: Bound on the backward's ``dz[N, Vb]`` block buffer, in MiB (sets Vb from N).
-    backward_block_mib: int = Field(default=64, ge=1)
+    backward_block_mib: float = Field(default=64.0, gt=0)
 
     @field_validator("block_m", "block_n", "block_k")
     @classmethod
@@ -172,7 +172,7 @@ class TritonBackend:
             process_group=process_group,
             reduce_hidden_grad=bool(reduce_hidden_grad),
             configs=configs,
-            backward_block_bytes=o.backward_block_mib * 2**20,
+            backward_block_bytes=int(o.backward_block_mib * 2**20),
         )
         labels = labels.contiguous()
         out = FusedHeadFunction.apply(hidden, weight, labels, temp, spec)

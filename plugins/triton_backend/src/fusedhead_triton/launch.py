@@ -229,12 +229,13 @@ def backward_grads(
     softcap, inv_softcap = sc.softcap_args
     dummy = lse
     use_tma = tma_usable(dz_cfg, dtype, h, dev)
-    if use_tma:
+    dh_tma = need_dh and tma_usable(dh_cfg, dtype, h, dev)
+    if use_tma or dh_tma:
         desc = _tensor_descriptor()
-        h_tma = _tma_ready(hidden)
         w_tma = _tma_ready(weight)
-        hd = desc.from_tensor(h_tma, [dz_cfg.block_m, dz_cfg.block_k])
         nprog = _num_programs(dev)
+    if use_tma:
+        hd = desc.from_tensor(_tma_ready(hidden), [dz_cfg.block_m, dz_cfg.block_k])
     dz_common = dict(
         BLOCK_M=dz_cfg.block_m,
         BLOCK_N=dz_cfg.block_n,
@@ -273,12 +274,29 @@ def backward_grads(
         if dw is not None:
             torch.mm(dz.t(), hidden, out=dw[v0 : v0 + cols])
         if out is not None:
+            dh_flags = dict(
+                BLOCK_M=dh_cfg.block_m,
+                BLOCK_N=dh_cfg.block_n,
+                BLOCK_K=dh_cfg.block_k,
+                GROUP_M=dh_cfg.group_m,
+                PRECISION=_precision(dtype),
+                FIRST=b == 0,
+                LAST=b == nblocks - 1,
+                SPLIT=split,
+                num_warps=dh_cfg.num_warps,
+                num_stages=dh_cfg.num_stages,
+            )
             dh_tiles = math.ceil(n / dh_cfg.block_m) * math.ceil(h / dh_cfg.block_n)
-            bwd.bwd_dh_kernel[(dh_tiles,)](
-                dz, wb, acc, lo, out, n, h, cols, dz.stride(0), wb.stride(0), wb.stride(1),
-                BLOCK_M=dh_cfg.block_m, BLOCK_N=dh_cfg.block_n, BLOCK_K=dh_cfg.block_k,
-                GROUP_M=dh_cfg.group_m, EVEN_K=cols % dh_cfg.block_k == 0,
-                PRECISION=_precision(dtype), FIRST=b == 0, LAST=b == nblocks - 1, SPLIT=split,
-                num_warps=dh_cfg.num_warps, num_stages=dh_cfg.num_stages,
-            )  # fmt: skip
+            if dh_tma and (cols * dz.element_size()) % 16 == 0:
+                zd = desc.from_tensor(dz, [dh_cfg.block_m, dh_cfg.block_k])
+                wd2 = desc.from_tensor(w_tma[v0 : v0 + cols], [dh_cfg.block_k, dh_cfg.block_n])
+                bwd.bwd_dh_tma_kernel[(min(nprog, dh_tiles),)](
+                    zd, wd2, acc, lo, out, n, h, cols, NUM_PROGS=nprog, **dh_flags
+                )
+            else:
+                bwd.bwd_dh_kernel[(dh_tiles,)](
+                    dz, wb, acc, lo, out, n, h, cols, dz.stride(0), wb.stride(0), wb.stride(1),
+                    EVEN_K=cols % dh_cfg.block_k == 0, EVEN_N=h % dh_cfg.block_n == 0,
+                    **dh_flags,
+                )  # fmt: skip
     return out, dw

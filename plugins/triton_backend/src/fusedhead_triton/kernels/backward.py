@@ -178,6 +178,44 @@ def bwd_dz_tma_kernel(
         )  # fmt: skip
 
 
+@triton.jit
+def _dh_update(
+    part,
+    offs_m,
+    offs_n,
+    N,
+    H,
+    acc_ptr,
+    lo_ptr,
+    out_ptr,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Add this block's tile to the running dh sum (fp32, or bf16 hi + lo) or write the result."""
+    mask = (offs_m < N)[:, None] & (offs_n < H)[None, :]
+    idx = offs_m.to(tl.int64)[:, None] * H + offs_n[None, :]
+    if FIRST:
+        total = part
+    else:
+        if SPLIT:
+            prev = tl.load(acc_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            prev += tl.load(lo_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        else:
+            prev = tl.load(acc_ptr + idx, mask=mask, other=0.0)
+        total = prev + part
+    if LAST:
+        tl.store(out_ptr + idx, total.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        if SPLIT:
+            hi = total.to(acc_ptr.dtype.element_ty)
+            tl.store(acc_ptr + idx, hi, mask=mask)
+            lo = (total - hi.to(tl.float32)).to(lo_ptr.dtype.element_ty)
+            tl.store(lo_ptr + idx, lo, mask=mask)
+        else:
+            tl.store(acc_ptr + idx, total, mask=mask)
+
+
 @triton.jit(do_not_specialize=["N", "Kb"])
 def bwd_dh_kernel(
     dz_ptr,
@@ -196,6 +234,7 @@ def bwd_dh_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
     PRECISION: tl.constexpr,
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
@@ -205,36 +244,67 @@ def bwd_dh_kernel(
 
     The running sum lives in ``acc_ptr`` (fp32), or for SPLIT in ``acc_ptr`` (bf16 hi, which is
     also the output) plus ``lo_ptr`` (bf16 remainder). LAST writes the result to ``out_ptr``.
+    The hidden columns are W's contiguous dimension: they are masked, never clamped, so the
+    loads stay vectorised.
     """
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), tl.cdiv(H, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     rows = tl.minimum(offs_m, N - 1)
-    cols = tl.minimum(offs_n, H - 1)
-    part = logits_tile(
-        dz_ptr, w_ptr, rows, cols, Kb, stride_dzm, 1, stride_wk, stride_wv,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
-    )  # fmt: skip
-    mask = (offs_m < N)[:, None] & (offs_n < H)[None, :]
-    idx = offs_m.to(tl.int64)[:, None] * H + offs_n[None, :]
-    if FIRST:
-        total = part
-    else:
-        if SPLIT:
-            prev = tl.load(acc_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-            prev += tl.load(lo_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    col_ok = offs_n < H
+    a_ptrs = dz_ptr + rows.to(tl.int64)[:, None] * stride_dzm + offs_k[None, :]
+    b_ptrs = w_ptr + offs_k[:, None] * stride_wv + offs_n[None, :] * stride_wk
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(Kb, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            if EVEN_N:  # noqa: SIM108 - constexpr branch
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
         else:
-            prev = tl.load(acc_ptr + idx, mask=mask, other=0.0)
-        total = prev + part
-    if LAST:
-        tl.store(out_ptr + idx, total.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        if SPLIT:
-            hi = total.to(acc_ptr.dtype.element_ty)
-            tl.store(acc_ptr + idx, hi, mask=mask)
-            tl.store(
-                lo_ptr + idx, (total - hi.to(tl.float32)).to(lo_ptr.dtype.element_ty), mask=mask
-            )
-        else:
-            tl.store(acc_ptr + idx, total, mask=mask)
+            kmask = offs_k < Kb - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None] & col_ok[None, :], other=0.0)
+        part = tl.dot(a, b, part, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wv
+    _dh_update(part, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+
+
+@triton.jit(do_not_specialize=["N", "Kb"])
+def bwd_dh_tma_kernel(
+    dz_desc,
+    w_desc,
+    acc_ptr,
+    lo_ptr,
+    out_ptr,
+    N,
+    H,
+    Kb,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Persistent TMA variant of ``bwd_dh_kernel`` (descriptors zero-fill past Kb, N and H)."""
+    num_pid_m = tl.cdiv(N, BLOCK_M)
+    num_pid_n = tl.cdiv(H, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    for tile in range(tl.program_id(0), num_tiles, NUM_PROGS):
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(Kb, BLOCK_K)):
+            a = dz_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = w_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
+            part = tl.dot(a, b, part, input_precision=PRECISION)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _dh_update(part, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
