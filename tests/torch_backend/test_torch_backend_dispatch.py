@@ -1,0 +1,173 @@
+"""Every GEMM goes through the dispatcher's ``aten::mm``; nothing ``[N, V]`` is made or saved."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch_backend_helpers import Result, assert_close, make_case, run_backend, run_reference
+
+from fusedhead_torch import TorchBackend, TorchOptions
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"),
+    ),
+]
+
+
+class MMOverride:
+    """Replaces ``aten::mm`` on one dispatch key with ``scale * a @ b`` and records each call.
+
+    The replacement computes through ``bmm`` (another operator), so it never calls itself.
+    """
+
+    def __init__(self, device: str) -> None:
+        self.key = {"cpu": "CPU", "cuda": "CUDA"}[device]
+        self.calls: list[tuple[int, int, int]] = []
+        self._lib: torch.library.Library | None = None
+
+    def install(self, scale: float = 1.0) -> None:
+        def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            self.calls.append((a.shape[0], a.shape[1], b.shape[1]))
+            return torch.bmm(a.unsqueeze(0), b.unsqueeze(0)).squeeze(0).mul_(scale)
+
+        self._lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # torch warns (once) that it overrides a kernel
+            warnings.filterwarnings("ignore", "(?s).*Overriding a previously registered kernel")
+            self._lib.impl("mm", mm, self.key)
+
+    def remove(self) -> None:
+        if self._lib is not None:
+            self._lib._destroy()
+            self._lib = None
+
+
+@pytest.fixture
+def mm_override(device: str) -> Iterator[MMOverride]:
+    """An ``aten::mm`` override for ``device``, installed by the test, always removed after."""
+    override = MMOverride(device)
+    try:
+        yield override
+    finally:
+        override.remove()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_aten_mm_override_steers_forward_and_backward(
+    device: str, mm_override: MMOverride
+) -> None:
+    case = make_case(23, 16, 50)
+    # Under "mm doubles", the backend computes the head of 2 W, as a function of W.
+    want = run_reference(case, weight_scale=2.0)
+    plain = run_reference(case)
+    options = TorchOptions(chunk_rows=10, block_vocab=20)  # 3 x 3 tiles
+    h = case.hidden.float().to(device).requires_grad_()
+    w = case.weight.float().to(device).requires_grad_()
+    mm_override.install(scale=2.0)
+    lp, ent = TorchBackend(options).forward(
+        h,
+        w,
+        case.labels.to(device),
+        temperature=0.7,
+        ignore_index=-100,
+        return_entropy=True,
+        process_group=None,
+        vocab_start=0,
+        vocab_size=50,
+        reduce_hidden_grad=True,
+    )
+    forward_calls = len(mm_override.calls)
+    loss = (lp.double() * case.g_lp.to(device)).sum() + (ent.double() * case.g_ent.to(device)).sum()
+    loss.backward()
+    backward_calls = len(mm_override.calls) - forward_calls
+    mm_override.remove()
+    assert forward_calls == 9  # one logits GEMM per tile
+    assert backward_calls == 27  # recompute, dh and dW per tile
+    got = Result(lp.detach().cpu(), ent.detach().cpu(), h.grad.cpu(), w.grad.cpu())
+    assert_close(got, want, "fp32", "under the override")
+    # ... and the override really changed the numbers.
+    assert (got.log_probs - plain.log_probs).abs().max() > 0.1
+    assert (got.d_hidden - plain.d_hidden).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+@pytest.mark.parametrize(
+    ("grad_hidden", "grad_weight", "per_tile"),
+    [(True, True, 3), (True, False, 2), (False, True, 2)],
+    ids=["both", "hidden-only", "weight-only"],
+)
+def test_backward_computes_only_the_gradients_asked_for(
+    mm_override: MMOverride, grad_hidden: bool, grad_weight: bool, per_tile: int
+) -> None:
+    case = make_case(20, 8, 30)
+    options = TorchOptions(chunk_rows=10, block_vocab=15)  # 2 x 2 tiles
+    h = case.hidden.float().requires_grad_(grad_hidden)
+    w = case.weight.float().requires_grad_(grad_weight)
+    mm_override.install()
+    lp, ent = TorchBackend(options).forward(
+        h,
+        w,
+        case.labels,
+        temperature=0.7,
+        ignore_index=-100,
+        return_entropy=True,
+        process_group=None,
+        vocab_start=0,
+        vocab_size=30,
+        reduce_hidden_grad=True,
+    )
+    (lp.sum() + ent.sum()).backward()
+    assert len(mm_override.calls) == 4 + 4 * per_tile
+    assert (h.grad is not None) == grad_hidden and (w.grad is not None) == grad_weight
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an aten op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_tensor_of_tokens_by_vocabulary_is_ever_made() -> None:
+    n, h, v = 64, 8, 512
+    case = make_case(n, h, v)
+    with _LargestTensor() as seen:
+        run_backend(case, options=TorchOptions(block_vocab=64))
+    assert seen.largest <= max(n * 64, v * h)  # one tile, or the weight gradient
+    assert seen.largest < n * v
+
+
+def test_forward_saves_only_inputs_and_per_row_vectors() -> None:
+    n, h, v = 40, 8, 300
+    case = make_case(n, h, v)
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_backend(case, options=TorchOptions(block_vocab=64))
+    extra = [s for s in shapes if s not in {(n, h), (v, h)}]
+    assert extra and all(s == (n,) for s in extra), shapes
+
+
+def test_workspace_option_bounds_the_tile() -> None:
+    backend = TorchBackend(TorchOptions(workspace_mib=1))
+    tiles = backend.tiles(4096, 50_000, torch.float32, torch.device("cpu"))
+    assert tiles.rows * tiles.cols * 8 <= 1 << 20
+    assert tiles.cols >= 64
