@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import subprocess
 import sys
+from typing import ClassVar
 
 import pydantic
 import pytest
@@ -187,4 +188,67 @@ def test_core_default_options_raise_the_clear_error() -> None:
     api.clear_cache()
     with pytest.raises(BackendUnavailableError) as info:
         api.fused_head(*small(), backend="liger")
+    assert '{"implementation": "fallback"}' in str(info.value)
+
+
+# ----------------------------------------------------------------------------- the native plumbing
+
+
+class FakeSM90:
+    """Stands in for Liger's SM90 function on the CPU: same signature, bf16 entropy, records calls."""
+
+    calls: ClassVar[list[dict]] = []
+
+    @classmethod
+    def apply(
+        cls, hidden, weight, target, temperature, ignore_index, m_tiles_per_cluster, return_entropy
+    ):
+        cls.calls.append(
+            {"target": target.clone(), "m_tiles": m_tiles_per_cluster, "T": temperature}
+        )
+        out = _liger.fallback_function().apply(
+            hidden, weight, target, temperature, ignore_index, return_entropy
+        )
+        if not return_entropy:
+            return out
+        nll, ent = out
+        return nll, ent.bfloat16()
+
+
+@pytest.fixture
+def fake_native(monkeypatch: pytest.MonkeyPatch):
+    FakeSM90.calls.clear()
+    monkeypatch.setattr(availability, "native_reasons", lambda device, dtype: [])
+    monkeypatch.setattr(_liger, "native_function", lambda: FakeSM90)
+    return FakeSM90
+
+
+def test_native_maps_nll_and_entropy_onto_the_contract(fake_native) -> None:
+    hidden, weight, labels = small()
+    labels = torch.tensor([1, 11, -100, -4])  # 11 and -4 are out of range for V=11
+    lp, ent = forward(LigerBackend(), hidden, weight, labels)
+    (call,) = fake_native.calls
+    assert call["m_tiles"] == 1 and call["T"] == 1.0
+    assert call["target"].tolist() == [1, -100, -100, -100]  # Liger never sees a bad label
+    nll, ent_liger = FakeSM90.apply(hidden, weight, call["target"], 1.0, -100, 1, True)
+    assert torch.equal(lp[0], -nll[0]) and lp[2] == 0
+    assert ent.dtype == torch.float32 and torch.equal(ent[0], ent_liger[0].float())
+    assert torch.isnan(lp[[1, 3]]).all() and torch.isnan(ent[[1, 3]]).all()
+
+
+def test_native_without_entropy(fake_native) -> None:
+    hidden, weight, labels = small()
+    lp, ent = LigerBackend().forward(
+        hidden, weight, labels, temperature=0.5, ignore_index=-100, return_entropy=False,
+        process_group=None, vocab_start=0, vocab_size=weight.shape[0], reduce_hidden_grad=True,
+    )  # fmt: skip
+    assert ent is None and lp.dtype == torch.float32 and torch.isfinite(lp).all()
+
+
+def test_native_refuses_a_process_group(fake_native) -> None:
+    with pytest.raises(BackendUnavailableError, match="liger-cute-kernels") as info:
+        LigerBackend().forward(
+            *small(), temperature=1.0, ignore_index=-100, return_entropy=True,
+            process_group=object(), vocab_start=0, vocab_size=11, reduce_hidden_grad=True,
+        )  # fmt: skip
     assert '{"implementation": "fallback"}' in str(info.value)

@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     p.add_argument("--rep-ms", type=int, default=1000, help="do_bench rep per measurement")
     p.add_argument("--ref-chunk", type=int, default=1024, help="rows per fp32 reference chunk")
+    p.add_argument(
+        "--sections", default="", help="comma-separated subset of sections (default: all)"
+    )
     p.add_argument("--dry-run", action="store_true", help="CPU, fp32, fallback, N=600 H=64 V=1000")
     args = p.parse_args(argv)
     if args.dry_run:
@@ -286,6 +289,7 @@ def env_section(entry: dict[str, Any], device: torch.device) -> None:
             return None
 
     entry["python"] = platform.python_version()
+    entry["float32_matmul_precision"] = torch.get_float32_matmul_precision()
     entry["torch"] = torch.__version__
     entry["cuda"] = torch.version.cuda
     for dist in (
@@ -483,36 +487,46 @@ def determinism_section(
     entry["ok"] = True  # informative: the backend declares deterministic=False
 
 
+def describe_section(
+    entry: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> None:
+    entry.update(make_backend(args.impl).describe(device, dtype))
+    entry["ok"] = entry["would_run"] == "yes"
+
+
+SECTIONS: dict[str, Callable[..., None]] = {
+    "describe": describe_section,
+    "fp32_refused": lambda e, a, d, _t: fp32_refused_section(e, a, d),
+    "bitwise": bitwise_section,
+    "accuracy": accuracy_section,
+    "timing": timing_section,
+    "memory": memory_section,
+    "determinism": determinism_section,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
+    wanted = args.sections.split(",") if args.sections else list(SECTIONS)
+    unknown = set(wanted) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {list(SECTIONS)}")
+    if not (args.impl == "native" and device.type == "cuda") and "fp32_refused" in wanted:
+        wanted.remove("fp32_refused")  # the refusal is about native on a GPU
     report = Report(args.out, args)
     with report.section("env") as e:
         env_section(e, device)
-    with report.section("describe") as e:
-        e.update(make_backend(args.impl).describe(device, dtype))
-        e["ok"] = e["would_run"] == "yes"
-    if args.impl == "native" and device.type == "cuda":
-        with report.section("fp32_refused") as e:
-            fp32_refused_section(e, args, device)
-    with report.section("bitwise") as e:
-        bitwise_section(e, args, device, dtype)
-    with report.section("accuracy") as e:
-        accuracy_section(e, args, device, dtype)
-    with report.section("timing") as e:
-        timing_section(e, args, device, dtype)
-    with report.section("memory") as e:
-        memory_section(e, args, device, dtype)
-    with report.section("determinism") as e:
-        determinism_section(e, args, device, dtype)
-    required = ["describe", "bitwise", "accuracy"]
-    required += (
-        ["timing", "fp32_refused"] if args.impl == "native" and device.type == "cuda" else []
+    for name in wanted:
+        with report.section(name) as e:
+            SECTIONS[name](e, args, device, dtype)
+    required = ["describe", "bitwise", "accuracy", "fp32_refused"]
+    required += ["timing"] if device.type == "cuda" else []
+    report.data["required"] = [s for s in required if s in wanted]
+    report.data["passed"] = all(
+        report.data["sections"][s].get("ok") is True for s in report.data["required"]
     )
-    required += ["timing"] if args.impl == "fallback" and device.type == "cuda" else []
-    report.data["required"] = required
-    report.data["passed"] = all(report.data["sections"][s].get("ok") is True for s in required)
     report.write()
     print(f"[gpu_check] passed={report.data['passed']} -> {args.out}", flush=True)
     return 0 if report.data["passed"] else 1

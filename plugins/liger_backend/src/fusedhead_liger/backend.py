@@ -46,6 +46,7 @@ class LigerBackend:
 
     def __init__(self, options: LigerOptions | None = None) -> None:
         self.options = options if options is not None else LigerOptions()
+        self._checked: set[tuple[torch.device, torch.dtype]] = set()
 
     @property
     def implementation(self) -> Implementation:
@@ -148,7 +149,9 @@ class LigerBackend:
             raise BackendUnavailableError(
                 "backend 'liger' takes one float temperature, not a per-token tensor"
             )
-        self.check(hidden.device, hidden.dtype)
+        if (hidden.device, hidden.dtype) not in self._checked:
+            self.check(hidden.device, hidden.dtype)
+            self._checked.add((hidden.device, hidden.dtype))
         temperature = float(temperature)
         safe, bad = _run.guard_labels(labels, ignore_index, vocab_size)
         if process_group is None:
