@@ -51,24 +51,28 @@ ORIG_DEFAULTS = default_configs
 
 _B = TileConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3)
 _T = replace(_B, tma=True)
-#: Forward (and dz) candidates; the first is the shipped default.
+#: Forward candidates (forward-only timing); the first is the shipped default.
 CANDIDATES: dict[str, TileConfig] = {
     "tma_128x256x64_g16_s3": _T,
-    "tma_128x256x64_g16_s4": replace(_T, num_stages=4),
-    "tma_128x256x64_g32_s3": replace(_T, group_m=32),
     "tma_128x256x64_g8_s3": replace(_T, group_m=8),
     "ptr_128x256x64_g16_s3": _B,
 }
-#: dh (hidden-gradient GEMM) candidates, benchmarked with the best forward config.
-DH_CANDIDATES: dict[str, TileConfig] = {
-    "dh_tma_128x256x64_s3": _T,
-    "dh_ptr_128x256x64_s3": _B,
-    "dh_tma_128x256x64_s4": replace(_T, num_stages=4),
+#: Backward variants: (dz config, dh config, backend options), timed as forward + backward.
+VARIANTS: dict[str, tuple[TileConfig, TileConfig, dict[str, Any]]] = {
+    "dhtma_s3_blk128": (_T, _T, {"backward_block_mib": 128}),
+    "dhtma_s4_blk128": (_T, replace(_T, num_stages=4), {"backward_block_mib": 128}),
+    "dhcublas_blk128": (_T, _T, {"backward_block_mib": 128, "dh_gemm": "cublas"}),
+    "dzs4_dhtma_s3_blk128": (replace(_T, num_stages=4), _T, {"backward_block_mib": 128}),
+    "dhtma_s3_blk64": (_T, _T, {"backward_block_mib": 64}),
+    "dhtma_s3_blk256": (_T, _T, {"backward_block_mib": 256}),
 }
 if OPTS.dry:
     _small = dict(block_m=32, block_n=64, block_k=32)
     CANDIDATES = {k: replace(c, **_small) for k, c in list(CANDIDATES.items())[:2]}
-    DH_CANDIDATES = {k: replace(c, **_small) for k, c in list(DH_CANDIDATES.items())[:2]}
+    VARIANTS = {
+        k: (replace(a, **_small), replace(b, **_small), {**o, "backward_block_mib": 0.01})
+        for k, (a, b, o) in list(VARIANTS.items())[:3]
+    }
 
 
 def save() -> None:
@@ -217,70 +221,86 @@ def timeit(fn: Any, rep: int) -> float:
     return sorted(ts)[1]
 
 
-def bench_cfg(
-    name: str,
-    cfg: TileConfig,
-    n: int,
-    hsz: int,
-    v: int,
-    fwd_only: bool,
-    dh: TileConfig | None = None,
-    memory: bool = True,
-) -> None:
-    use_configs(cfg, cfg, dh)
+def bench_forward(name: str, cfg: TileConfig, n: int, hsz: int, v: int) -> None:
+    """Forward alone, in GEMM units."""
+    use_configs(cfg)
     h, w, lab = make(n, hsz, v, LOW, seed=3)
     be = TritonBackend()
-    row: dict[str, Any] = {"config": asdict(cfg), "N": n, "H": hsz, "V": v}
-    if dh is not None:
-        row["dh_config"] = asdict(dh)
     rep = 50 if OPTS.dry else 300
     with torch.no_grad():
         unit = timeit(lambda: torch.mm(h, w.t()), rep)
         fwd = timeit(lambda: call(be, h, w, lab), rep)
-    row.update(unit_ms=unit, fwd_ms=fwd, fwd_units=fwd / unit)
-    if not fwd_only:
-        hh = h.clone().requires_grad_()
-        ww = w.clone().requires_grad_()
-        g1 = torch.randn(n, device=DEV)
-        g2 = torch.randn(n, device=DEV)
-
-        def step() -> Any:
-            lp, ent = call(be, hh, ww, lab)
-            return torch.autograd.grad((lp * g1 + ent * g2).sum(), [hh, ww])
-
-        both = timeit(step, rep * 2)
-        row.update(fwdbwd_ms=both, fwdbwd_units=both / unit)
-        if DEV.type == "cuda" and memory:
-            for mib in (64, 128):
-                be2 = TritonBackend(TritonOptions(backward_block_mib=mib))
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                lp, ent = call(be2, hh, ww, lab)
-                hh.grad, ww.grad = torch.autograd.grad((lp * g1 + ent * g2).sum(), [hh, ww])
-                torch.cuda.synchronize()
-                row[f"peak_extra_gib_blk{mib}"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-                del lp, ent
-                hh.grad = ww.grad = None
-                if mib != 64:
-
-                    def step2(be2: TritonBackend = be2) -> Any:
-                        lp, ent = call(be2, hh, ww, lab)
-                        return torch.autograd.grad((lp * g1 + ent * g2).sum(), [hh, ww])
-
-                    t2 = timeit(step2, rep * 2)
-                    row[f"fwdbwd_units_blk{mib}"] = t2 / unit
-    RESULTS.setdefault("bench", []).append({"name": name, **row})
-    save()
-    log(
-        "bench",
-        name,
-        {k: (f"{x:.3f}" if isinstance(x, float) else x) for k, x in row.items() if k != "config"},
-    )
+    row = {"name": name, "config": asdict(cfg), "N": n, "unit_ms": unit, "fwd_ms": fwd}
+    row["fwd_units"] = fwd / unit
+    RESULTS.setdefault("forward", []).append(row)
+    log("fwd", name, f"N={n} {fwd / unit:.3f} units (unit {unit:.2f} ms)")
     use_configs(None)
+
+
+def bench_variant(name: str, fwd_cfg: TileConfig, n: int, hsz: int, v: int) -> None:
+    """Forward + backward in GEMM units, and peak extra memory (grads included)."""
+    dz_cfg, dh_cfg, opts = VARIANTS[name]
+    use_configs(fwd_cfg, dz_cfg, dh_cfg)
+    h, w, lab = make(n, hsz, v, LOW, seed=3)
+    be = TritonBackend(TritonOptions(**opts))
+    hh = h.clone().requires_grad_()
+    ww = w.clone().requires_grad_()
+    g1 = torch.randn(n, device=DEV)
+    g2 = torch.randn(n, device=DEV)
+
+    def step() -> Any:
+        lp, ent = call(be, hh, ww, lab)
+        return torch.autograd.grad((lp * g1 + ent * g2).sum(), [hh, ww])
+
+    rep = 50 if OPTS.dry else 600
+    with torch.no_grad():
+        unit = timeit(lambda: torch.mm(h, w.t()), rep // 2)
+    both = timeit(step, rep)
+    row: dict[str, Any] = {"name": name, "N": n, "unit_ms": unit, "fwdbwd_ms": both}
+    row.update(fwdbwd_units=both / unit, dz=asdict(dz_cfg), dh=asdict(dh_cfg), opts=opts)
     if DEV.type == "cuda":
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        lp, ent = call(be, hh, ww, lab)
+        hh.grad, ww.grad = torch.autograd.grad((lp * g1 + ent * g2).sum(), [hh, ww])
+        torch.cuda.synchronize()
+        row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        del lp, ent
+        hh.grad = ww.grad = None
+    RESULTS.setdefault("fwdbwd", []).append(row)
+    save()
+    log("fwd+bwd", name, f"N={n} {row['fwdbwd_units']:.3f} units",
+        f"peak {row.get('peak_extra_gib', float('nan')):.3f} GiB (unit {unit:.2f} ms)")  # fmt: skip
+    use_configs(None)
+
+
+def kernel_resources() -> None:
+    """Registers, spills and shared memory of every compiled kernel variant."""
+    from fusedhead_triton import launch
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    for mod in launch.kernels():
+        for name in dir(mod):
+            caches = getattr(getattr(mod, name), "device_caches", None)
+            if not caches:
+                continue
+            for entry in caches.values():
+                kcache = entry[0] if isinstance(entry, tuple) else entry
+                for k in kcache.values():
+                    meta = getattr(k, "metadata", None)
+                    out.setdefault(name, []).append(
+                        {
+                            "n_regs": getattr(k, "n_regs", None),
+                            "n_spills": getattr(k, "n_spills", None),
+                            "shared": getattr(meta, "shared", None),
+                            "warps": getattr(meta, "num_warps", None),
+                        }
+                    )
+    RESULTS["kernels"] = out
+    for name, rows in out.items():
+        print(f"    {name}: " + ", ".join(f"{r['n_regs']}r/{r['n_spills']}sp" for r in rows))
 
 
 def section(fn: Any, *a: Any, **kw: Any) -> None:
@@ -294,13 +314,14 @@ def section(fn: Any, *a: Any, **kw: Any) -> None:
     save()
 
 
-def profile_step(cfg: TileConfig, dh: TileConfig | None, n: int, hsz: int, v: int) -> None:
+def profile_step(name: str, cfg: TileConfig, n: int, hsz: int, v: int) -> None:
     """GPU time per kernel for one forward + backward (torch.profiler), to place the time."""
     from torch.profiler import ProfilerActivity, profile
 
-    use_configs(cfg, cfg, dh)
+    dz_cfg, dh_cfg, opts = VARIANTS[name]
+    use_configs(cfg, dz_cfg, dh_cfg)
     h, w, lab = make(n, hsz, v, LOW, seed=4)
-    be = TritonBackend()
+    be = TritonBackend(TritonOptions(**opts))
     hh = h.clone().requires_grad_()
     ww = w.clone().requires_grad_()
     g1 = torch.randn(n, device=DEV)
@@ -323,7 +344,7 @@ def profile_step(cfg: TileConfig, dh: TileConfig | None, n: int, hsz: int, v: in
     top = dict(sorted(rows.items(), key=lambda kv: -kv[1]["ms"])[:12])
     with torch.no_grad():
         unit = timeit(lambda: torch.mm(h, w.t()), 200)
-    RESULTS["profile"] = {"N": n, "unit_ms": unit, "kernels": top}
+    RESULTS["profile"] = {"variant": name, "N": n, "unit_ms": unit, "kernels": top}
     log(f"profile (unit {unit:.2f} ms)")
     for k, r in top.items():
         print(f"    {r['ms']:9.2f} ms  x{r['calls']:4d}  {k}")
@@ -366,45 +387,37 @@ def main() -> None:
     section(invariance, *inv)
     names = [s for s in OPTS.configs.split(",") if s] or list(CANDIDATES)
     if OPTS.quick:
-        names = names[:2]
-    first_n, hsz, v = bench_shapes[0]
+        names = names[:1]
+    first = bench_shapes[0]
     for name in names:
-        if time.time() - T0 > OPTS.budget_s:
-            log("budget reached, skipping", name)
-            break
-        section(bench_cfg, name, CANDIDATES[name], first_n, hsz, v, True)
-    fwd_rows = [r for r in RESULTS.get("bench", []) if "fwd_units" in r]
+        section(bench_forward, name, CANDIDATES[name], *first)
+    fwd_rows = RESULTS.get("forward", [])
     best = min(fwd_rows, key=lambda r: r["fwd_units"])["name"] if fwd_rows else names[0]
     RESULTS["best_forward"] = best
-    first = bench_shapes[0]
-    dh_rows = []
-    for dname, dcfg in DH_CANDIDATES.items():
+    for vname in VARIANTS:
         if time.time() - T0 > OPTS.budget_s:
-            log("budget reached, skipping", dname)
+            log("budget reached, skipping", vname)
             break
-        section(bench_cfg, f"{best}+{dname}", CANDIDATES[best], *first, False, dcfg, False)
-        rows = [r for r in RESULTS.get("bench", []) if r["name"] == f"{best}+{dname}"]
-        if rows and "fwdbwd_units" in rows[-1]:
-            dh_rows.append((rows[-1]["fwdbwd_units"], dname))
-    best_dh = min(dh_rows)[1] if dh_rows else next(iter(DH_CANDIDATES))
-    RESULTS["best_dh"] = best_dh
+        section(bench_variant, vname, CANDIDATES[best], *first)
+    rows = [r for r in RESULTS.get("fwdbwd", []) if r["N"] == first[0]]
+    best_v = min(rows, key=lambda r: r["fwdbwd_units"])["name"] if rows else next(iter(VARIANTS))
+    RESULTS["best_variant"] = best_v
+    section(kernel_resources)
     if DEV.type == "cuda":
-        section(profile_step, CANDIDATES[best], DH_CANDIDATES[best_dh], *first)
-    for n, hsz, v in bench_shapes:
-        if time.time() - T0 > OPTS.budget_s + 40:
-            log("budget reached, skipping fwd+bwd at", n)
-            break
-        section(
-            bench_cfg, f"{best}+{best_dh}", CANDIDATES[best], n, hsz, v, False,
-            DH_CANDIDATES[best_dh], True,
-        )  # fmt: skip
+        section(profile_step, best_v, CANDIDATES[best], *first)
+    for n, hsz, v in bench_shapes[1:]:
+        for vname in dict.fromkeys([best_v, "dhtma_s3_blk64", "dhtma_s3_blk128"]):
+            if vname in VARIANTS and time.time() - T0 < OPTS.budget_s + 60:
+                section(bench_variant, vname, CANDIDATES[best], n, hsz, v)
     save()
     log("summary")
-    for r in RESULTS.get("bench", []):
-        print(f"  {r['name']:26s} N={r['N']:6d} fwd {r['fwd_units']:.3f} u"
-              + (f"  fwd+bwd {r['fwdbwd_units']:.3f} u" if "fwdbwd_units" in r else "")
-              + (f"  peak {r.get('peak_extra_gib_blk64', float('nan')):.2f} GiB" if "fwdbwd_units" in r else "")
-              + f"  unit {r['unit_ms']:.2f} ms")  # fmt: skip
+    for r in RESULTS.get("forward", []):
+        print(
+            f"  fwd     {r['name']:26s} N={r['N']:6d} {r['fwd_units']:.3f} u  unit {r['unit_ms']:.2f} ms"
+        )
+    for r in RESULTS.get("fwdbwd", []):
+        print(f"  fwd+bwd {r['name']:26s} N={r['N']:6d} {r['fwdbwd_units']:.3f} u  "
+              f"peak {r.get('peak_extra_gib', float('nan')):.3f} GiB  unit {r['unit_ms']:.2f} ms")  # fmt: skip
     for k, r in RESULTS.get("accuracy", {}).items():
         print(f"  acc {k:18s} lp {r['logp_rel']:.1e} ent {r['ent_rel']:.1e} "
               f"dh {r['dh_rel']:.1e} dw {r['dw_rel']:.1e}")  # fmt: skip

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -31,6 +31,10 @@ class TritonOptions(BaseModel):
     tma: bool | None = None
     #: Bound on the backward's ``dz[N, Vb]`` block buffer, in MiB (sets Vb from N).
     backward_block_mib: float = Field(default=64.0, gt=0)
+    #: GEMM that adds ``dz @ W_block`` into the fp32 hidden-gradient sum: this package's Triton
+    #: kernel (bf16 keeps the sum as an exact hi/lo pair: less memory), or cuBLAS with an fp32
+    #: output where torch offers ``addmm(out_dtype=float32)`` (falls back to Triton otherwise).
+    dh_gemm: Literal["triton", "cublas"] = "triton"
 
     @field_validator("block_m", "block_n", "block_k")
     @classmethod
@@ -173,6 +177,7 @@ class TritonBackend:
             reduce_hidden_grad=bool(reduce_hidden_grad),
             configs=configs,
             backward_block_bytes=int(o.backward_block_mib * 2**20),
+            dh_gemm=o.dh_gemm,
         )
         labels = labels.contiguous()
         out = FusedHeadFunction.apply(hidden, weight, labels, temp, spec)

@@ -21,6 +21,7 @@ class CallSpec:
     reduce_hidden_grad: bool
     configs: BackendConfigs
     backward_block_bytes: int
+    dh_gemm: str = "triton"
 
 
 def forward_values(
@@ -90,6 +91,7 @@ class FusedHeadFunction(torch.autograd.Function):
             need_dh=need_dh, need_dw=need_dw,
             dh_fp32=sum_dh and hidden.dtype != torch.float32,
             block_bytes=spec.backward_block_bytes,
+            dh_gemm=spec.dh_gemm,
         )  # fmt: skip
         if sum_dh and dh is not None:
             parallel.all_reduce_sum(dh, group)

@@ -173,6 +173,60 @@ def vocab_block(n: int, v: int, esize: int, budget_bytes: int, align: int) -> in
     return min(cols, math.ceil(v / align) * align)
 
 
+_CUBLAS_FP32_OUT: bool | None = None
+
+
+def cublas_fp32_out_available(device: torch.device) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` runs here (16-bit in, fp32 C)."""
+    global _CUBLAS_FP32_OUT
+    if device.type != "cuda" or interpret_enabled():
+        return False
+    if _CUBLAS_FP32_OUT is None:
+        try:
+            a = torch.ones((16, 16), dtype=torch.bfloat16, device=device)
+            c = torch.ones((16, 16), dtype=torch.float32, device=device)
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+            _CUBLAS_FP32_OUT = bool(c[0, 0].item() == 17.0)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _CUBLAS_FP32_OUT = False
+    return _CUBLAS_FP32_OUT
+
+
+@dataclass
+class _DhState:
+    """Where the hidden gradient accumulates over vocabulary blocks, and how."""
+
+    out: torch.Tensor  # the result (input dtype, or fp32 when asked)
+    acc: torch.Tensor  # running sum: fp32, or the bf16 hi part (== out) when split
+    lo: torch.Tensor  # bf16 remainder when split (else == acc)
+    split: bool
+    cublas: bool
+
+
+def _dh_state(
+    n: int,
+    h: int,
+    dtype: torch.dtype,
+    dev: torch.device,
+    nblocks: int,
+    fp32_out: bool,
+    cublas: bool,
+) -> _DhState:
+    out = torch.empty((n, h), dtype=torch.float32 if fp32_out else dtype, device=dev)
+    if out.dtype == torch.float32:
+        return _DhState(out, out, out, False, cublas)
+    if cublas:
+        acc = torch.empty((n, h), dtype=torch.float32, device=dev)
+        return _DhState(out, acc, acc, False, True)
+    if nblocks == 1:
+        return _DhState(out, out, out, False, False)  # one block writes the output directly
+    if dtype == torch.bfloat16:  # hi is the output itself; lo keeps the remainder exactly
+        lo = torch.empty((n, h), dtype=dtype, device=dev)
+        return _DhState(out, out, lo, True, False)
+    acc = torch.empty((n, h), dtype=torch.float32, device=dev)
+    return _DhState(out, acc, acc, False, False)
+
+
 def backward_grads(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -190,9 +244,12 @@ def backward_grads(
     need_dw: bool,
     dh_fp32: bool,
     block_bytes: int,
+    dh_gemm: str = "triton",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dh, dW) by vocabulary blocks: dz kernel, then dW[block] by cuBLAS, dh += by Triton.
+    """(dh, dW) by vocabulary blocks: dz kernel, then dW[block] by cuBLAS, dh += dz @ W[block].
 
+    The dh sum runs in a fixed block order, in fp32 (Triton kernel, or cuBLAS with an fp32 C
+    when ``dh_gemm="cublas"`` and this torch has it) or as an exact bf16 hi/lo pair.
     ``dh_fp32`` returns dh in fp32 (for a cross-rank sum before rounding).
     """
     _, bwd = kernels()
@@ -200,9 +257,9 @@ def backward_grads(
     v = weight.shape[0]
     dtype = hidden.dtype
     dev = hidden.device
-    dw = torch.empty((v, h), dtype=dtype, device=dev) if need_dw else None
     if not (need_dh or need_dw):
         return None, None
+    dw = torch.empty((v, h), dtype=dtype, device=dev) if need_dw else None
     if v == 0:
         dh0 = torch.zeros((n, h), dtype=torch.float32 if dh_fp32 else dtype, device=dev)
         return (dh0 if need_dh else None), dw
@@ -210,33 +267,28 @@ def backward_grads(
     align = math.lcm(dz_cfg.block_n, dh_cfg.block_k)
     vb = vocab_block(n, v, hidden.element_size(), block_bytes, align)
     nblocks = math.ceil(v / vb)
-    dz_buf = torch.empty(n * min(vb, v), dtype=dtype, device=dev)
+    # rows of dz keep the aligned stride vb (also for the last, narrower block): TMA-ready
+    dz_full = torch.empty((n, min(vb, math.ceil(v / align) * align)), dtype=dtype, device=dev)
 
-    split = False
-    out = acc = lo = None
-    if need_dh:
-        out = torch.empty((n, h), dtype=torch.float32 if dh_fp32 else dtype, device=dev)
-        if nblocks == 1 or out.dtype == torch.float32:
-            acc = out  # one block writes the output directly; fp32 accumulates in place
-        elif dtype == torch.bfloat16:
-            acc = out  # bf16 hi part is the output itself; lo keeps the remainder exactly
-            lo = torch.empty((n, h), dtype=dtype, device=dev)
-            split = True
-        else:
-            acc = torch.empty((n, h), dtype=torch.float32, device=dev)
-        lo = acc if lo is None else lo
+    use_cublas = (
+        need_dh
+        and dh_gemm == "cublas"
+        and dtype != torch.float32
+        and cublas_fp32_out_available(dev)
+    )
+    st = _dh_state(n, h, dtype, dev, nblocks, dh_fp32, use_cublas) if need_dh else None
 
     softcap, inv_softcap = sc.softcap_args
     dummy = lse
-    use_tma = tma_usable(dz_cfg, dtype, h, dev)
-    dh_tma = need_dh and tma_usable(dh_cfg, dtype, h, dev)
-    if use_tma or dh_tma:
+    dz_tma = tma_usable(dz_cfg, dtype, h, dev)
+    dh_tma = st is not None and not st.cublas and tma_usable(dh_cfg, dtype, h, dev)
+    if dz_tma or dh_tma:
         desc = _tensor_descriptor()
         w_tma = _tma_ready(weight)
         nprog = _num_programs(dev)
-    if use_tma:
+    if dz_tma:
         hd = desc.from_tensor(_tma_ready(hidden), [dz_cfg.block_m, dz_cfg.block_k])
-    dz_common = dict(
+    dz_flags = dict(
         BLOCK_M=dz_cfg.block_m,
         BLOCK_N=dz_cfg.block_n,
         BLOCK_K=dz_cfg.block_k,
@@ -249,54 +301,63 @@ def backward_grads(
         num_warps=dz_cfg.num_warps,
         num_stages=dz_cfg.num_stages,
     )
+    row_args = (
+        labels, temp if temp is not None else dummy, lse, ent if ent is not None else dummy,
+        g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy,
+    )  # fmt: skip
     for b in range(nblocks):
         v0 = b * vb
         cols = min(v, v0 + vb) - v0
-        dz = dz_buf[: n * cols].view(n, cols)
+        dz = dz_full[:, :cols]
         wb = weight[v0 : v0 + cols]
         tiles = math.ceil(n / dz_cfg.block_m) * math.ceil(cols / dz_cfg.block_n)
-        tail = (
-            labels, temp if temp is not None else dummy, lse, ent if ent is not None else dummy,
-            g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy, dz,
-        )  # fmt: skip
-        if use_tma:
+        if dz_tma:
             wd = desc.from_tensor(w_tma[v0 : v0 + cols], [dz_cfg.block_n, dz_cfg.block_k])
+            zd = desc.from_tensor(dz, [dz_cfg.block_m, dz_cfg.block_n])
             bwd.bwd_dz_tma_kernel[(min(nprog, tiles),)](
-                hd, wd, *tail, n, cols, h, dz.stride(0), sc.label_offset + v0, sc.ignore_index,
-                sc.inv_temp, softcap, inv_softcap, NUM_PROGS=nprog, **dz_common,
+                hd, wd, zd, *row_args, n, cols, h, sc.label_offset + v0, sc.ignore_index,
+                sc.inv_temp, softcap, inv_softcap, NUM_PROGS=nprog, **dz_flags,
             )  # fmt: skip
         else:
             bwd.bwd_dz_kernel[(tiles,)](
-                hidden, wb, *tail, n, cols, h, hidden.stride(0), hidden.stride(1),
+                hidden, wb, *row_args, dz, n, cols, h, hidden.stride(0), hidden.stride(1),
                 wb.stride(0), wb.stride(1), dz.stride(0), sc.label_offset + v0, sc.ignore_index,
-                sc.inv_temp, softcap, inv_softcap, EVEN_K=h % dz_cfg.block_k == 0, **dz_common,
+                sc.inv_temp, softcap, inv_softcap, EVEN_K=h % dz_cfg.block_k == 0, **dz_flags,
             )  # fmt: skip
         if dw is not None:
             torch.mm(dz.t(), hidden, out=dw[v0 : v0 + cols])
-        if out is not None:
-            dh_flags = dict(
-                BLOCK_M=dh_cfg.block_m,
-                BLOCK_N=dh_cfg.block_n,
-                BLOCK_K=dh_cfg.block_k,
-                GROUP_M=dh_cfg.group_m,
-                PRECISION=_precision(dtype),
-                FIRST=b == 0,
-                LAST=b == nblocks - 1,
-                SPLIT=split,
-                num_warps=dh_cfg.num_warps,
-                num_stages=dh_cfg.num_stages,
+        if st is None:
+            continue
+        if st.cublas:
+            torch.addmm(
+                st.acc, dz, wb, beta=0 if b == 0 else 1, out_dtype=torch.float32, out=st.acc
             )
-            dh_tiles = math.ceil(n / dh_cfg.block_m) * math.ceil(h / dh_cfg.block_n)
-            if dh_tma and (cols * dz.element_size()) % 16 == 0:
-                zd = desc.from_tensor(dz, [dh_cfg.block_m, dh_cfg.block_k])
-                wd2 = desc.from_tensor(w_tma[v0 : v0 + cols], [dh_cfg.block_k, dh_cfg.block_n])
-                bwd.bwd_dh_tma_kernel[(min(nprog, dh_tiles),)](
-                    zd, wd2, acc, lo, out, n, h, cols, NUM_PROGS=nprog, **dh_flags
-                )
-            else:
-                bwd.bwd_dh_kernel[(dh_tiles,)](
-                    dz, wb, acc, lo, out, n, h, cols, dz.stride(0), wb.stride(0), wb.stride(1),
-                    EVEN_K=cols % dh_cfg.block_k == 0, EVEN_N=h % dh_cfg.block_n == 0,
-                    **dh_flags,
-                )  # fmt: skip
-    return out, dw
+            continue
+        dh_flags = dict(
+            BLOCK_M=dh_cfg.block_m,
+            BLOCK_N=dh_cfg.block_n,
+            BLOCK_K=dh_cfg.block_k,
+            GROUP_M=dh_cfg.group_m,
+            PRECISION=_precision(dtype),
+            FIRST=b == 0,
+            LAST=b == nblocks - 1,
+            SPLIT=st.split,
+            num_warps=dh_cfg.num_warps,
+            num_stages=dh_cfg.num_stages,
+        )
+        dh_tiles = math.ceil(n / dh_cfg.block_m) * math.ceil(h / dh_cfg.block_n)
+        if dh_tma:
+            zd2 = desc.from_tensor(dz, [dh_cfg.block_m, dh_cfg.block_k])
+            wd2 = desc.from_tensor(w_tma[v0 : v0 + cols], [dh_cfg.block_k, dh_cfg.block_n])
+            bwd.bwd_dh_tma_kernel[(min(nprog, dh_tiles),)](
+                zd2, wd2, st.acc, st.lo, st.out, n, h, cols, NUM_PROGS=nprog, **dh_flags
+            )
+        else:
+            bwd.bwd_dh_kernel[(dh_tiles,)](
+                dz, wb, st.acc, st.lo, st.out, n, h, cols, dz.stride(0), wb.stride(0),
+                wb.stride(1), EVEN_K=cols % dh_cfg.block_k == 0, EVEN_N=h % dh_cfg.block_n == 0,
+                **dh_flags,
+            )  # fmt: skip
+    if st is not None and st.cublas and st.out is not st.acc:
+        st.out.copy_(st.acc)
+    return (st.out if st is not None else None), dw

@@ -58,7 +58,8 @@ def _stats_epilogue(
     lab = tl.load(labels_ptr + rows) - label_offset
     tile_start = pid_n * BLOCK_N
     hit = row_ok & (lab >= tile_start) & (lab < tile_start + BLOCK_N) & (lab < V)
-    zy = tl.sum(tl.where(offs_n[None, :] == lab[:, None], z, 0.0), axis=1)
+    col = tl.where(hit, lab - tile_start, -1).to(tl.int32)  # int32 compare per element
+    zy = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == col[:, None], z, 0.0), axis=1)
     tl.store(zy_ptr + rows, zy, mask=hit)
 
 
