@@ -1,0 +1,168 @@
+"""Properties of the contract's edges: ignored rows, empty and single rows, requires_grad, bad labels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fusedhead.testing.inputs import FLAT, IGNORE_INDEX, TEMPERATURE, Case, make_case
+from fusedhead.testing.measure import LOSS, check_against_reference, evaluate, reference, zmax
+from fusedhead.testing.outcome import PropertyFailure
+from fusedhead.testing.target import Target
+from fusedhead.testing.tolerances import assert_close
+
+
+def _exactly_zero(what: str, t: torch.Tensor | None, rows: torch.Tensor) -> None:
+    if t is None:
+        return
+    sel = t[rows]
+    if sel.numel() and bool((sel != 0).any()):
+        raise PropertyFailure(
+            f"{what} of ignored rows must be exactly 0, got max |value| {float(sel.abs().max()):.3g}"
+        )
+
+
+def ignore_index(target: Target) -> None:
+    """Rows whose label is ignore_index give 0 log_prob, 0 entropy and exactly zero gradient."""
+    n, h, v = target.sizes.small
+    for index, fraction in ((IGNORE_INDEX, 0.3), (7, 0.3), (IGNORE_INDEX, 1.0)):
+        case = make_case(n, h, v, scale=FLAT, seed=9, ignore_fraction=fraction, ignore_index=index)
+        case = case.to(target.device, target.dtype)
+        label = f"{case.description}, ignore_index={index}, {fraction:.0%} of rows ignored"
+        try:
+            got = evaluate(target, case, target.dtype, temperature=TEMPERATURE, ignore_index=index)
+        except Exception as exc:
+            raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+        ignored = case.labels == index
+        try:
+            _exactly_zero("log_probs", got.log_probs, ignored)
+            _exactly_zero("entropy", got.entropy, ignored)
+            _exactly_zero("grad hidden", got.grad_hidden, ignored)
+            dw = got.grad_weight
+            if fraction == 1.0 and dw is not None and bool((dw != 0).any()):
+                raise PropertyFailure("grad weight must be exactly 0 when every row is ignored")
+        except PropertyFailure as exc:
+            raise PropertyFailure(f"{label}: {exc}") from None
+        check_against_reference(
+            target, case, label=label, temperature=TEMPERATURE, ignore_index=index
+        )
+
+
+def tiny_batches(target: Target) -> None:
+    """N = 0 (2-D and 3-D) gives empty fp32 outputs and zero gradients; N = 1 is right."""
+    _, h, v = target.sizes.small
+    for lead in ((0,), (2, 0)):
+        case = make_case(0, h, v, lead=lead).to(target.device, target.dtype)
+        label = f"N=0, hidden shape {tuple(case.hidden.shape)}"
+        try:
+            got = evaluate(target, case, target.dtype, temperature=TEMPERATURE)
+        except Exception as exc:
+            raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+        for what, out in (("log_probs", got.log_probs), ("entropy", got.entropy)):
+            if out is None or tuple(out.shape) != lead or out.dtype != torch.float32:
+                got_desc = None if out is None else f"{out.dtype} {tuple(out.shape)}"
+                raise PropertyFailure(
+                    f"{label}: {what} must be float32 of shape {lead}, got {got_desc}"
+                )
+        for what, g in (("hidden", got.grad_hidden), ("weight", got.grad_weight)):
+            if g is not None and bool((g != 0).any()):
+                raise PropertyFailure(
+                    f"{label}: grad {what} must be zero, got max {float(g.abs().max()):.3g}"
+                )
+    for ignore in (0.0, 1.0):
+        case = make_case(1, h, v, scale=FLAT, seed=10, ignore_fraction=ignore).to(
+            target.device, target.dtype
+        )
+        label = f"N=1 ({'ignored' if ignore else 'scored'} row), H={h} V={v}"
+        check_against_reference(target, case, label=label, temperature=TEMPERATURE)
+
+
+def requires_grad(target: Target) -> None:
+    """Only hidden, only weight, or neither requiring grad: right values, no gradient nobody asked for."""
+    n, h, v = target.sizes.small
+    case = make_case(n, h, v, scale=FLAT, seed=11).to(target.device, target.dtype)
+    for requires in (("hidden",), ("weight",), ()):
+        label = f"{case.description}, requires_grad on {' and '.join(requires) or 'neither'}"
+        got = check_against_reference(
+            target, case, label=label, temperature=TEMPERATURE, requires=requires, loss=LOSS
+        )
+        if got.requires_grad != bool(requires):
+            raise PropertyFailure(
+                f"{label}: log_probs.requires_grad is {got.requires_grad}, expected {bool(requires)}"
+            )
+        for leaf, g in (("hidden", got.grad_hidden), ("weight", got.grad_weight)):
+            if leaf not in requires and g is not None:
+                raise PropertyFailure(
+                    f"{label}: {leaf}.grad was set although {leaf} does not require grad"
+                )
+
+    def no_grad_call(*args: Any, **kw: Any) -> Any:
+        with torch.no_grad():
+            return target(*args, **kw)
+
+    label = f"{case.description}, under torch.no_grad()"
+    got = evaluate(no_grad_call, case, target.dtype, loss=(), temperature=TEMPERATURE)
+    want = evaluate(reference, case, torch.float64, loss=(), temperature=TEMPERATURE)
+    if got.requires_grad:
+        raise PropertyFailure(f"{label}: log_probs requires grad under torch.no_grad()")
+
+    tol = target.tolerances(h, v, zmax(case, temperature=TEMPERATURE))
+    try:
+        assert_close("log_probs", got.log_probs, want.log_probs, tol.log_probs)
+        assert want.entropy is not None
+        assert_close("entropy", got.entropy, want.entropy, tol.entropy)
+    except PropertyFailure as exc:
+        raise PropertyFailure(f"{label}: {exc}") from None
+
+
+def unchecked_labels(target: Target) -> None:
+    """With check_labels=False, out-of-range labels give NaN log_prob for their rows, no crash, others right."""
+    n, h, v = target.sizes.small
+    base = make_case(n, h, v, scale=FLAT, seed=12)
+    labels = base.labels.clone()
+    bad_rows = torch.tensor([1, 3, 5, 8])
+    labels[bad_rows] = torch.tensor([v, v + 1_000_003, -5, 2**40])
+    case = Case(base.hidden, base.weight, labels, base.description).to(target.device, target.dtype)
+    label = f"{case.description}, labels {v}, {v + 1_000_003}, -5, 2**40 at rows 1, 3, 5, 8, check_labels=False"
+    try:
+        got = evaluate(
+            target, case, target.dtype, loss=(), temperature=TEMPERATURE, check_labels=False
+        )
+    except Exception as exc:
+        raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+    want = evaluate(reference, case, torch.float64, loss=(), temperature=TEMPERATURE)
+    bad = torch.zeros(n, dtype=torch.bool)
+    bad[bad_rows] = True
+    bad = bad.to(target.device)
+    if not bool(torch.isnan(got.log_probs[bad]).all()):
+        raise PropertyFailure(
+            f"{label}: log_probs of out-of-range rows must be NaN, got {got.log_probs[bad].tolist()}"
+        )
+
+    good_case = Case(case.hidden[~bad], case.weight, case.labels[~bad], case.description)
+    tol = target.tolerances(h, v, zmax(good_case, temperature=TEMPERATURE))
+    assert got.entropy is not None and want.entropy is not None
+    try:
+        assert_close(
+            "log_probs of in-range rows", got.log_probs[~bad], want.log_probs[~bad], tol.log_probs
+        )
+        assert_close("entropy of in-range rows", got.entropy[~bad], want.entropy[~bad], tol.entropy)
+        ent_bad = got.entropy[bad]
+        finite = ~torch.isnan(ent_bad)
+        assert_close(
+            "entropy of out-of-range rows (NaN or right)",
+            ent_bad[finite],
+            want.entropy[bad][finite],
+            tol.entropy,
+        )
+    except PropertyFailure as exc:
+        raise PropertyFailure(f"{label}: {exc}") from None
+
+
+CONTRACT = {
+    "ignore_index": ignore_index,
+    "tiny_batches": tiny_batches,
+    "requires_grad": requires_grad,
+    "unchecked_labels": unchecked_labels,
+}

@@ -1,0 +1,122 @@
+"""The thing under test: a backend by name, with options, on a device and an input dtype."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fusedhead.api import FusedHead
+from fusedhead.config import FusedHeadConfig
+from fusedhead.errors import BackendUnavailableError
+from fusedhead.protocol import Capabilities
+from fusedhead.testing.tolerances import Tolerances
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Problem sizes (N, H, V) for a device: small on the CPU, bigger on a GPU."""
+
+    main: tuple[int, int, int]  # powers of two, so a tile-size bug shows up only in ``odd``
+    odd: tuple[tuple[int, int, int], ...]  # V and H multiples of no tile
+    small: tuple[int, int, int]  # for properties that sweep many settings
+    examples: int  # hypothesis examples
+
+
+CPU_SIZES = Sizes(
+    main=(128, 128, 1024), odd=((37, 103, 1037), (5, 3, 5)), small=(48, 64, 512), examples=30
+)
+GPU_SIZES = Sizes(
+    main=(1024, 1024, 8192),
+    odd=((1037, 1027, 4099), (37, 103, 1037), (5, 3, 5)),
+    small=(256, 256, 2048),
+    examples=60,
+)
+
+
+def parse_options(text: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """Backend options from a JSON object string, a mapping or None."""
+    if text is None or text == "":
+        return {}
+    if isinstance(text, Mapping):
+        return dict(text)
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"--options must be a JSON object, got {text!r}")
+    return value
+
+
+@dataclass
+class Target:
+    """A resolved backend that runs on ``device`` with ``dtype`` inputs (else resolve() raises)."""
+
+    backend: str
+    options: dict[str, Any]
+    device: torch.device
+    dtype_name: str
+    head: FusedHead = field(repr=False)
+    caps: Capabilities = field(repr=False)
+
+    @classmethod
+    def resolve(
+        cls,
+        backend: str,
+        options: Mapping[str, Any] | str | None = None,
+        device: str | torch.device = "cpu",
+        dtype: str = "fp32",
+    ) -> Target:
+        """Resolve ``backend`` like a user would; raise ``BackendUnavailableError`` if it cannot run here."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        opts = parse_options(options)
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailableError(
+                "--device cuda was asked for but torch sees no CUDA device here"
+            )
+        head = FusedHead(FusedHeadConfig(backend=backend, options=opts, device=str(dev)))
+        caps = head.capabilities(dev)
+        if dev.type not in caps.devices:
+            raise BackendUnavailableError(
+                f"backend {backend!r} does not run on {dev.type!r} (it declares devices {list(caps.devices)})"
+            )
+        if dtype not in caps.dtypes:
+            raise BackendUnavailableError(
+                f"backend {backend!r} does not take {dtype} inputs (it declares dtypes {list(caps.dtypes)})"
+            )
+        head.backend.check(dev, DTYPES[dtype])
+        return cls(backend, opts, dev, dtype, head, caps)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype_name]
+
+    @property
+    def sizes(self) -> Sizes:
+        return CPU_SIZES if self.device.type == "cpu" else GPU_SIZES
+
+    def describe(self) -> str:
+        opts = f" options={json.dumps(self.options, sort_keys=True)}" if self.options else ""
+        return f"{self.backend} on {self.device} {self.dtype_name}{opts}"
+
+    def tolerances(self, h: int, v: int, zmax: float) -> Tolerances:
+        """The tolerance table for this target's dtype and declared precisions."""
+        return Tolerances.for_case(
+            dtype=self.dtype_name,
+            logits_precision=self.caps.logits_precision,
+            entropy_precision=self.caps.entropy_precision,
+            h=h,
+            v=v,
+            zmax=zmax,
+        )
+
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kw: Any
+    ) -> Any:
+        """Call the backend through the public contract (the core validates and reshapes)."""
+        return self.head(hidden, weight, labels, **kw)
