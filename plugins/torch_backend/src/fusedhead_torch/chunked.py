@@ -132,7 +132,30 @@ def _backward_grads(
     need_h: bool,
     need_w: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Recompute each tile's ``dz`` and accumulate ``dh`` (fp32) and ``dW`` (fp32 per block)."""
+    """``dh`` (summed over the group if asked) and ``dW`` in the input dtype."""
+    dh, dw = _walk_tiles(h, weight, place, scaling, spec, row_max, coefs, need_h, need_w)
+    # The tile buffers are gone by now: only dh (fp32), its cast and dW are alive at the end.
+    if dh is not None and spec.process_group is not None and spec.reduce_hidden_grad:
+        all_reduce_sum_(dh, spec.process_group)
+    return (None if dh is None else dh.to(h.dtype)), dw
+
+
+def _walk_tiles(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    place: LabelPlace,
+    scaling: Scaling,
+    spec: HeadSpec,
+    row_max: torch.Tensor,
+    coefs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+    need_h: bool,
+    need_w: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Recompute each tile's ``dz``; accumulate ``dh`` in fp32 and finish ``dW`` block by block.
+
+    A block's weight gradient is one GEMM over all rows when rows are not chunked (the GEMM
+    accumulates in fp32); otherwise an fp32 ``[block, H]`` buffer sums the row chunks.
+    """
     n, v = h.shape[0], weight.shape[0]
     tiles = spec.tiles
     row_chunks = list(tiles.row_ranges(n))
@@ -141,19 +164,18 @@ def _backward_grads(
     coef_a, coef_b, label_term = coefs
     neg_m = row_max.neg()
     dh = None
-    if need_h:
-        single = len(blocks) == 1 and len(row_chunks) == 1 and h.dtype == FP32
-        dh = None if single else torch.zeros(n, h.shape[1], dtype=FP32, device=h.device)
+    if need_h and not (len(blocks) == 1 and len(row_chunks) == 1 and h.dtype == FP32):
+        dh = torch.zeros(n, h.shape[1], dtype=FP32, device=h.device)
     dw = torch.empty_like(weight) if need_w else None
     for b, (v0, v1) in enumerate(blocks):
         w_block = weight[v0:v1]
         w_acc = None
         for r0, r1 in row_chunks:
             h_rows = h[r0:r1]
-            x = torch.mm(h_rows, w_block.T)
             in_block, col = place.tile(b, r0, r1, v1 - v0)
+            b_rows = None if coef_b is None else coef_b[r0:r1]
             dz = backward_tile(
-                x,
+                torch.mm(h_rows, w_block.T),
                 col,
                 in_block,
                 scaling.rows(r0, r1),
@@ -161,31 +183,29 @@ def _backward_grads(
                 ws,
                 neg_m[r0:r1],
                 coef_a[r0:r1],
-                None if coef_b is None else coef_b[r0:r1],
+                b_rows,
                 label_term[r0:r1],
             )
-            del x
             if need_h:
-                part = torch.mm(dz, w_block)
                 if dh is None:
-                    dh = part
+                    dh = torch.mm(dz, w_block)  # the one and only tile, fp32
                 else:
-                    dh[r0:r1].add_(part)
+                    dh[r0:r1].add_(torch.mm(dz, w_block))
             if dw is not None:
-                part_w = torch.mm(dz.T, h_rows)
+                part = torch.mm(dz.T, h_rows)
                 if len(row_chunks) == 1:
-                    dw[v0:v1].copy_(part_w)
+                    dw[v0:v1].copy_(part)
                 elif w_acc is None:
-                    w_acc = part_w.float()
+                    w_acc = part.float()
                 else:
-                    w_acc.add_(part_w)
+                    w_acc.add_(part)
+                del part
+            del dz
         if dw is not None and w_acc is not None:
             dw[v0:v1].copy_(w_acc)
     if need_h and dh is None:  # an empty shard contributes nothing
         dh = torch.zeros(n, h.shape[1], dtype=FP32, device=h.device)
-    if dh is not None and spec.process_group is not None and spec.reduce_hidden_grad:
-        all_reduce_sum_(dh, spec.process_group)
-    return (None if dh is None else dh.to(h.dtype)), dw
+    return dh, dw
 
 
 class ChunkedFusedHead(torch.autograd.Function):
