@@ -129,56 +129,58 @@ def emit(record: dict, out: Path | None) -> None:
             fh.write(line + "\n")
 
 
+def run_n(n: int, out: Path | None) -> None:
+    """Every variant at ``n`` rows."""
+    default_row_dot = tile_math.row_dot_
+    hidden, weight, labels = inputs(n)
+    unit = bench(lambda: torch.mm(hidden, weight.T))
+    emit({"n": n, "gemm_unit_ms": unit, "device": torch.cuda.get_device_name()}, out)
+    variants = [("default", {}, default_row_dot)]
+    if n == 8192:
+        variants += [
+            ("bmm-rowdot", {}, row_dot_bmm),
+            ("vecdot-rowdot", {}, row_dot_vecdot),
+            ("ws512", {"workspace_mib": 512}, default_row_dot),
+            ("ws2048", {"workspace_mib": 2048}, default_row_dot),
+        ]
+    for name, opts, row_dot in variants:
+        tile_math.row_dot_ = row_dot
+        backend = TorchBackend(TorchOptions(**opts))
+
+        def fwd(b: TorchBackend = backend) -> object:
+            return call(b, hidden, weight, labels, False)
+
+        def fwd_bwd(b: TorchBackend = backend) -> object:
+            return call(b, hidden, weight, labels, True)
+
+        tiles = backend.tiles(n, V, torch.bfloat16, torch.device("cuda"))
+        rec: dict = {"n": n, "variant": name, "tiles": str(tiles)}
+        rec["fwd_units"] = bench(fwd) / unit
+        rec["fwd_bwd_units"] = bench(fwd_bwd) / unit
+        rec["peak_extra_gib"] = peak_extra_gib(fwd_bwd)
+        if name == "default" and n == 8192:
+            rec.update(errors(n, hidden, weight, labels, backend))
+        emit(rec, out)
+    tile_math.row_dot_ = default_row_dot
+    if n == 8192:
+        backend = TorchBackend(TorchOptions())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call(backend, hidden, weight, labels, True)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        print(table, flush=True)
+        if out is not None:
+            (out / "profile.txt").write_text(table)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--ns", default="8192,32768")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    default_row_dot = tile_math.row_dot_
     for n in map(int, args.ns.split(",")):
-        hidden, weight, labels = inputs(n)
-        unit = bench(lambda: torch.mm(hidden, weight.T))
-        emit({"n": n, "gemm_unit_ms": unit, "device": torch.cuda.get_device_name()}, args.out)
-        variants = [("default", {}, default_row_dot)]
-        if n == 8192:
-            variants += [
-                ("bmm-rowdot", {}, row_dot_bmm),
-                ("vecdot-rowdot", {}, row_dot_vecdot),
-                ("ws512", {"workspace_mib": 512}, default_row_dot),
-                ("ws2048", {"workspace_mib": 2048}, default_row_dot),
-            ]
-        for name, opts, row_dot in variants:
-            tile_math.row_dot_ = row_dot
-            backend = TorchBackend(TorchOptions(**opts))
-            rec = {
-                "n": n,
-                "variant": name,
-                "tiles": str(backend.tiles(n, V, torch.bfloat16, torch.device("cuda"))),
-            }
-            rec["fwd_units"] = (
-                bench(lambda b=backend: call(b, hidden, weight, labels, False)) / unit
-            )
-            rec["fwd_bwd_units"] = (
-                bench(lambda b=backend: call(b, hidden, weight, labels, True)) / unit
-            )
-            rec["peak_extra_gib"] = peak_extra_gib(
-                lambda b=backend: call(b, hidden, weight, labels, True)
-            )
-            if name == "default" and n == 8192:
-                rec.update(errors(n, hidden, weight, labels, backend))
-            emit(rec, args.out)
-        tile_math.row_dot_ = default_row_dot
-        if n == 8192:
-            backend = TorchBackend(TorchOptions())
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                call(backend, hidden, weight, labels, True)
-                torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-            print(table, flush=True)
-            if args.out is not None:
-                (args.out / "profile.txt").write_text(table)
-        del hidden, weight, labels
+        run_n(n, args.out)
         torch.cuda.empty_cache()
 
 
