@@ -167,7 +167,10 @@ def run_n(n: int, out: Path | None) -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             call(backend, hidden, weight, labels, True)
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        try:
+            table = prof.key_averages().table(sort_by="device_time_total", row_limit=25)
+        except Exception:  # older key name
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
         print(table, flush=True)
         if out is not None:
             (out / "profile.txt").write_text(table)
