@@ -8,6 +8,7 @@ host-side check) and their rows are set to NaN afterwards, as the contract asks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -51,11 +52,16 @@ def run_native(
     ignore_index: int,
     return_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Liger's SM90 CuTe DSL kernel, called directly (the same call Liger's dispatcher makes)."""
+    """Liger's SM90 CuTe DSL kernel, called directly (the same call Liger's dispatcher makes).
+
+    Liger binds the driver context of the *current* CUDA device, so the call runs with the
+    inputs' device made current (a no-op in the usual one-GPU-per-process case).
+    """
     fn = _liger.native_function()
-    out = fn.apply(
-        hidden, weight, labels, temperature, ignore_index, M_TILES_PER_CLUSTER, return_entropy
-    )
+    with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
+        out = fn.apply(
+            hidden, weight, labels, temperature, ignore_index, M_TILES_PER_CLUSTER, return_entropy
+        )
     return _split(out, return_entropy)
 
 
