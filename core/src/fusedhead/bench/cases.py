@@ -1,0 +1,108 @@
+"""The benchmark grid and its inputs, drawn from a fixed generator as DESIGN.md specifies.
+
+``h ~ N(0, 1)``, ``W ~ N(0, (scale / sqrt(H))^2)`` (scale 1: flat distributions, 4: peaked), labels
+uniform over the vocabulary with a tenth set to ``ignore_index``; upstream gradients of log-probs and
+entropy ~ N(0, 1) so that both terms of the backward are exercised.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One problem shape on one device: what every implementation is measured on."""
+
+    n: int
+    hidden: int
+    vocab: int
+    dtype: str = "fp32"
+    temperature: float = 0.7
+    scale: float = 1.0
+    seed: int = 0
+    device: str = "cpu"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def label(self) -> str:
+        """A short human-readable name of the case."""
+        return f"N={self.n} H={self.hidden} V={self.vocab} {self.dtype} T={self.temperature:g} s={self.scale:g}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Case:
+        return cls(**data)
+
+    def input_bytes(self) -> int:
+        """Bytes of hidden and weight in the case's dtype."""
+        return (self.n + self.vocab) * self.hidden * ELEMENT_BYTES[self.dtype]
+
+
+@dataclass
+class Inputs:
+    """Tensors of one case; ``hidden`` and ``weight`` are leaves that do not require grad."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    labels: torch.Tensor
+    grad_log_probs: torch.Tensor
+    grad_entropy: torch.Tensor
+
+
+def grid(
+    ns: list[int],
+    hiddens: list[int],
+    vocabs: list[int],
+    dtypes: list[str],
+    *,
+    temperature: float,
+    scales: list[float],
+    seed: int,
+    device: str,
+) -> list[Case]:
+    """Every combination, ordered so the cheap cases of a shape family come first."""
+    for d in dtypes:
+        if d not in DTYPES:
+            raise ValueError(f"--dtype {d!r} is not one of {sorted(DTYPES)}")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"--temperature must be a finite float > 0, got {temperature!r}")
+    for name, values in (("--n", ns), ("--hidden", hiddens), ("--vocab", vocabs)):
+        if not values or any(v < 1 for v in values):
+            raise ValueError(f"{name} needs positive integers, got {values}")
+    cases = [
+        Case(n, h, v, d, temperature, s, seed, device)
+        for d, h, v, s, n in itertools.product(dtypes, hiddens, vocabs, scales, sorted(ns))
+    ]
+    return cases
+
+
+def make_inputs(case: Case) -> Inputs:
+    """The case's tensors, drawn on its device from a generator seeded by ``case.seed``."""
+    device = torch.device(case.device)
+    gen = torch.Generator(device=device).manual_seed(case.seed)
+    kw: dict[str, Any] = {"device": device, "generator": gen}
+    dtype = case.torch_dtype
+    hidden = torch.randn(case.n, case.hidden, dtype=torch.float32, **kw).to(dtype)
+    weight = torch.empty(case.vocab, case.hidden, dtype=torch.float32, device=device)
+    weight.normal_(0.0, case.scale / math.sqrt(case.hidden), generator=gen)
+    weight = weight.to(dtype)
+    labels = torch.randint(0, case.vocab, (case.n,), dtype=torch.int64, **kw)
+    ignored = torch.randperm(case.n, **kw)[: case.n // 10]
+    labels[ignored] = IGNORE_INDEX
+    grad_lp = torch.randn(case.n, dtype=torch.float32, **kw)
+    grad_ent = torch.randn(case.n, dtype=torch.float32, **kw)
+    return Inputs(hidden, weight, labels, grad_lp, grad_ent)

@@ -1,0 +1,107 @@
+"""One implementation on one case: accuracy, peak extra memory, forward and forward+backward time.
+
+The first forward + backward (which also compiles and warms up) gives the outputs and gradients
+compared with the reference. Forward is timed as inference (``no_grad`` on inputs that need no
+gradient); forward + backward as training, with gradients accumulated into allocated ``.grad``.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fusedhead.bench import accuracy, memory, timing
+from fusedhead.bench.cases import Case, Inputs
+from fusedhead.bench.peers import Fn, Impl
+
+
+def make_step(fn: Fn, h: torch.Tensor, w: torch.Tensor, inputs: Inputs) -> Callable[[], None]:
+    """Forward + backward of ``fn`` with the case's upstream gradients, accumulating into ``.grad``."""
+    labels, g_lp, g_ent = inputs.labels, inputs.grad_log_probs, inputs.grad_entropy
+
+    def step() -> None:
+        lp, ent = fn(h, w, labels)
+        if ent is None:
+            torch.autograd.backward([lp], [g_lp])
+        else:
+            torch.autograd.backward([lp, ent], [g_lp, g_ent])
+
+    return step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(
+    case: Case,
+    impl: Impl,
+    inputs: Inputs,
+    ref: accuracy.Reference | None,
+    *,
+    unit_ms: float,
+    reps: int,
+    measure_memory: bool = True,
+    forward: bool = True,
+    interleave_gemm: bool = True,
+) -> dict[str, Any]:
+    """The measurements of ``impl`` on ``case`` as a dict (times in ms and GEMM units, bytes).
+
+    ``unit_ms`` is the case's GEMM unit; with ``interleave_gemm`` the CPU pairs every timed
+    repetition with a GEMM instead (see ``timing.timed_units``).
+    """
+    device = inputs.hidden.device
+    fn = impl.build(case)
+    h = inputs.hidden.detach().requires_grad_(True)
+    w = inputs.weight.detach().requires_grad_(True)
+    step = make_step(fn, h, w, inputs)
+    out: dict[str, Any] = {}
+
+    # 1. First forward + backward: compile/warm up, and the outputs the errors are measured on.
+    t0 = time.perf_counter()
+    lp, ent = fn(h, w, inputs.labels)
+    outs, grads = ([lp], [inputs.grad_log_probs]) if ent is None else (
+        [lp, ent], [inputs.grad_log_probs, inputs.grad_entropy])
+    torch.autograd.backward(outs, grads)
+    _sync(device)
+    out["first_call_s"] = time.perf_counter() - t0
+    if ref is not None:
+        out["errors"] = accuracy.compare(
+            ref, lp.detach(), None if ent is None else ent.detach(), h.grad, w.grad)
+    del lp, ent, outs
+    gc.collect()
+
+    # 2. Peak extra memory of one step, with .grad already allocated (from step 1).
+    if measure_memory:
+        if device.type == "cuda":
+            out["peak_extra_bytes"] = memory.cuda_peak_extra_bytes(step, device)
+        elif memory.cpu_peak_supported():
+            out["peak_extra_bytes"] = memory.measure_in_subprocess(case.to_dict(), impl.spec)
+        else:
+            out["peak_extra_bytes"] = None
+            out["peak_extra_note"] = "no resettable peak RSS on this system"
+
+    # 3. Times.
+    h0, w0 = inputs.hidden.detach(), inputs.weight.detach()
+
+    def inference() -> None:
+        with torch.no_grad():
+            fn(h0, w0, inputs.labels)
+
+    gemm = timing.gemm_fn(h0, w0) if interleave_gemm else None
+    if forward:
+        inference()
+        _sync(device)
+        t = timing.timed_units(inference, device, reps=reps, unit_ms=unit_ms, gemm=gemm)
+        out["fwd_ms"], out["fwd_units"] = t["ms"], t["units"]
+    t = timing.timed_units(step, device, reps=reps, unit_ms=unit_ms, gemm=gemm)
+    out["fwd_bwd_ms"], out["fwd_bwd_units"], out["unit_ms"] = t["ms"], t["units"], t["unit_ms"]
+    h.grad = w.grad = None
+    del h, w, step
+    gc.collect()
+    return out

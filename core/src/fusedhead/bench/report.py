@@ -1,0 +1,256 @@
+"""Results out: JSON written case by case, a Markdown table, PNG plots, progress lines.
+
+The JSON file is a list of objects, one per (case, implementation), each carrying the device,
+versions and date, rewritten atomically after every case so it is valid at any moment. Plots need
+matplotlib (``pip install 'fusedhead[bench]'``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fusedhead.bench.peers import dist_version
+
+GiB = float(1 << 30)
+VERSIONED = ("fusedhead", "fusedhead-torch", "fusedhead-triton", "fusedhead-liger", "torch", "triton",
+             "liger-kernel", "nvidia-cutlass-dsl", "cut-cross-entropy")
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (or platform's guess)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {
+            "type": "cuda",
+            "name": torch.cuda.get_device_name(device),
+            "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
+            "memory_gib": round(props.total_memory / GiB, 1),
+            "cuda": torch.version.cuda,
+        }
+    return {
+        "type": "cpu",
+        "name": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    out.update({name: dist_version(name) for name in VERSIONED})
+    return out
+
+
+class JsonWriter:
+    """A JSON list on disk that grows by one object per measurement, valid after each write."""
+
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        self.path = Path(path) if path else None
+        self.records: list[dict[str, Any]] = []
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._flush()
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.records, indent=1, default=_json_default, allow_nan=True) + "\n")
+        tmp.replace(self.path)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+class Progress:
+    """Plain progress lines on stderr: index, elapsed time, what is running or what came out."""
+
+    def __init__(self, total: int, stream: Any = None) -> None:
+        self.total = total
+        self.done = 0
+        self.start = time.monotonic()
+        self.stream = stream or sys.stderr
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def line(self, text: str) -> None:
+        m, s = divmod(int(self.elapsed()), 60)
+        print(f"[{self.done}/{self.total} {m}:{s:02d}] {text}", file=self.stream, flush=True)
+
+
+# --- formatting ---------------------------------------------------------------------------------
+
+
+def _f(value: float | None, fmt: str = ".2f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    return format(value, fmt)
+
+
+def _err(record: dict[str, Any], key: str) -> str:
+    errors = record.get("errors") or {}
+    e = errors.get(key)
+    if e is None:
+        return "n/a"
+    return _f(e["rel"], ".1e")
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    """One line per measurement for the progress display."""
+    name = record["impl"]
+    if record["status"] != "ok":
+        return f"{name}: {record['status']}: {record.get('reason') or record.get('error')}"
+    mem = record.get("peak_extra_bytes")
+    mem_s = "-" if mem is None else f"{mem / GiB:.2f} GiB"
+    return (
+        f"{name}: fwd {_f(record.get('fwd_units'))} u, fwd+bwd {_f(record.get('fwd_bwd_units'))} u "
+        f"({_f(record.get('fwd_bwd_ms'), '.1f')} ms), peak extra {mem_s}, "
+        f"err lp {_err(record, 'log_probs')} ent {_err(record, 'entropy')} "
+        f"dh {_err(record, 'grad_hidden')} dW {_err(record, 'grad_weight')}"
+    )
+
+
+def markdown(records: Iterable[dict[str, Any]]) -> str:
+    """A Markdown table of the measured cases, then the skipped ones with reasons."""
+    records = list(records)
+    if not records:
+        return "(no results)\n"
+    first = records[0]
+    dev = first.get("device", {})
+    ver = first.get("versions", {})
+    shown = ", ".join(f"{k} {v}" for k, v in ver.items() if v)
+    ref_dtype = next((r.get("reference_dtype") for r in records if r.get("reference_dtype")), "-")
+    lines = [
+        f"Measured {first.get('date', '-')} on {dev.get('name', '-')}"
+        + (f" ({dev.get('cores')} cores)" if dev.get("type") == "cpu" else "")
+        + f"; {shown}.",
+        f"Times in GEMM units (one `hidden @ weight.T` of the case's shape and dtype); errors are "
+        f"relative L2 against a {ref_dtype} reference on the same input values.",
+        "",
+        "| N | H | V | dtype | implementation | GEMM unit (ms) | fwd (units) | fwd+bwd (units) | fwd+bwd (ms) "
+        "| peak extra (GiB) | log-prob err | entropy err | grad h err | grad W err |",
+        "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    skipped = []
+    for r in records:
+        c = r["case"]
+        if r["status"] != "ok":
+            skipped.append(r)
+            continue
+        mem = r.get("peak_extra_bytes")
+        name = r["impl"] + ("" if r.get("entropy", True) else " (no entropy)")
+        lines.append(
+            f"| {c['n']} | {c['hidden']} | {c['vocab']} | {c['dtype']} | {name} | {_f(r.get('unit_ms', r.get('gemm_ms')), '.2f')} "
+            f"| {_f(r.get('fwd_units'))} | {_f(r.get('fwd_bwd_units'))} | {_f(r.get('fwd_bwd_ms'), '.1f')} "
+            f"| {'-' if mem is None else format(mem / GiB, '.3g')} | {_err(r, 'log_probs')} "
+            f"| {_err(r, 'entropy')} | {_err(r, 'grad_hidden')} | {_err(r, 'grad_weight')} |"
+        )
+    if skipped:
+        lines += ["", "Not measured:", ""]
+        for r in skipped:
+            c = r["case"]
+            why = r.get("reason") or r.get("error") or ""
+            lines.append(f"- N={c['n']} H={c['hidden']} V={c['vocab']} {c['dtype']} {r['impl']}: "
+                         f"{r['status']}: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> bool:
+    """PNG of fwd+bwd (solid) and fwd (dashed) GEMM units and peak extra memory against N.
+
+    One row of two panels per (H, V, dtype), one line per implementation. Returns False (with a
+    message) when matplotlib is missing.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("fusedhead bench: matplotlib is not installed, no plot (pip install 'fusedhead[bench]')",
+              file=sys.stderr)
+        return False
+    ok = [r for r in records if r["status"] == "ok"]
+    groups: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
+    for r in ok:
+        c = r["case"]
+        groups.setdefault((c["hidden"], c["vocab"], c["dtype"]), []).append(r)
+    rows = max(1, len(groups))
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 4.2 * rows), squeeze=False)
+    colors: dict[str, Any] = {}
+    palette = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+    for row, ((hid, voc, dtype), recs) in enumerate(sorted(groups.items())):
+        ax_t, ax_m = axes[row]
+        for name in dict.fromkeys(r["impl"] for r in recs):
+            color = colors.setdefault(name, palette[len(colors) % len(palette)])
+            pts = sorted((r["case"]["n"], r) for r in recs if r["impl"] == name)
+            ns = [n for n, _ in pts]
+            fb = [r.get("fwd_bwd_units") for _, r in pts]
+            fw = [r.get("fwd_units") for _, r in pts]
+            mem = [None if r.get("peak_extra_bytes") is None else r["peak_extra_bytes"] / GiB for _, r in pts]
+            ax_t.plot(ns, fb, marker="o", color=color, label=f"{name} fwd+bwd")
+            ax_t.plot(ns, fw, marker="x", linestyle="--", color=color, label=f"{name} fwd")
+            if any(m is not None for m in mem):
+                ax_m.plot(ns, mem, marker="o", color=color, label=name)
+        title = f"H={hid}, V={voc}, {dtype}"
+        ax_t.set(xscale="log", xlabel="N (tokens)", ylabel="time (GEMM units)", title=f"time, {title}")
+        ax_m.set(xscale="log", xlabel="N (tokens)", ylabel="peak extra memory (GiB)", title=f"memory, {title}")
+        ticks = sorted({r["case"]["n"] for r in recs})
+        for ax in (ax_t, ax_m):
+            ax.grid(True, which="both", alpha=0.3)
+            ax.set_ylim(bottom=0)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.minorticks_off()
+        ax_t.legend(fontsize=7, ncol=2)
+        if ax_m.lines:
+            ax_m.legend(fontsize=7)
+    if not groups:
+        axes[0][0].text(0.5, 0.5, "no measured cases", ha="center")
+    first = ok[0] if ok else None
+    if first is not None:
+        dev = first.get("device", {}).get("name", "")
+        fig.suptitle(f"fusedhead bench on {dev}, {first.get('date', '')[:10]}", fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,103 @@
+"""Medians of wall time, and the GEMM unit every time is divided by.
+
+The unit is one ``hidden @ weight.T`` of the case's shape and dtype timed in the same process (fp32
+with TF32 off), so ratios hold across machines: forward's floor is 1 unit, forward + backward about 4.
+On a GPU times are ``triton.testing.do_bench`` medians; on the CPU ``time.perf_counter`` medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def disable_tf32() -> None:
+    """fp32 matmuls in full precision on CUDA (the GEMM unit of fp32 cases is defined so)."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = "ieee"
+    else:  # older torch
+        matmul.allow_tf32 = False
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, *, reps: int = 3) -> float:
+    """Median milliseconds of ``fn()``, which must have run once already (compiled, warmed up)."""
+    if device.type == "cuda":
+        return _cuda_median_ms(fn, device, reps=reps)
+    times = []
+    for _ in range(max(1, reps)):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return float(statistics.median(times))
+
+
+def _cuda_median_ms(fn: Callable[[], object], device: torch.device, *, reps: int) -> float:
+    """``do_bench`` median with a repetition window long enough for at least ``reps`` runs."""
+    from triton.testing import do_bench
+
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        estimate = start.elapsed_time(end)
+        rep = max(100.0, (reps + 0.5) * estimate)
+        return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+
+
+def gemm_fn(hidden: torch.Tensor, weight: torch.Tensor) -> Callable[[], object]:
+    """The GEMM of the unit: ``hidden @ weight.T`` in the inputs' dtype and shape, no autograd."""
+    h, w = hidden.detach(), weight.detach()
+
+    def gemm() -> object:
+        with torch.no_grad():
+            return torch.mm(h, w.T)
+
+    return gemm
+
+
+def gemm_ms(hidden: torch.Tensor, weight: torch.Tensor, *, reps: int = 3) -> float:
+    """One GEMM unit: median ms of ``hidden @ weight.T`` in the inputs' dtype and shape."""
+    gemm = gemm_fn(hidden, weight)
+    gemm()  # warm up (cuBLAS handles, heuristics, CPU thread pool)
+    if hidden.device.type == "cuda":
+        torch.cuda.synchronize(hidden.device)
+    return median_ms(gemm, hidden.device, reps=reps)
+
+
+def timed_units(
+    fn: Callable[[], object], device: torch.device, *, reps: int, unit_ms: float,
+    gemm: Callable[[], object] | None = None,
+) -> dict[str, float]:
+    """Median ms of ``fn`` and the same in GEMM units.
+
+    On the CPU, where other processes make the speed drift, each repetition of ``fn`` is paired
+    with one of the GEMM and the units are the median of the per-pair ratios; on a GPU the
+    case's ``unit_ms`` is used.
+    """
+    if device.type == "cuda" or gemm is None:
+        ms = median_ms(fn, device, reps=reps)
+        return {"ms": ms, "unit_ms": unit_ms, "units": ms / unit_ms}
+    pairs = []
+    for _ in range(max(1, reps)):
+        g = median_ms(gemm, device, reps=1)
+        f = median_ms(fn, device, reps=1)
+        pairs.append((f, g))
+    return {
+        "ms": float(statistics.median(f for f, _ in pairs)),
+        "unit_ms": float(statistics.median(g for _, g in pairs)),
+        "units": float(statistics.median(f / g for f, g in pairs)),
+    }
+
+
+def units(ms: float | None, unit_ms: float) -> float | None:
+    """Milliseconds in GEMM units."""
+    if ms is None or unit_ms <= 0:
+        return None
+    return ms / unit_ms

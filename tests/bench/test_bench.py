@@ -1,0 +1,183 @@
+"""``fusedhead bench`` and ``fusedhead demo`` on tiny CPU problems: what they write and check."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedhead import cli
+from fusedhead.bench import accuracy, memory, peers, timing
+from fusedhead.bench.cases import IGNORE_INDEX, Case, make_inputs
+
+TINY = ["--device", "cpu", "--n", "48", "--hidden", "16", "--vocab", "300", "--reps", "1"]
+OUTPUTS = ("log_probs", "entropy", "grad_hidden", "grad_weight")
+
+
+@pytest.fixture
+def torch_backend() -> None:
+    pytest.importorskip("fusedhead_torch", reason="needs fusedhead-torch installed")
+
+
+def test_demo_runs_the_torch_backend_and_passes(torch_backend: None, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["demo", "--n", "96", "--hidden", "32", "--vocab", "500", "--reps", "1", "--no-memory"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "PASS: backend 'torch'" in out
+    for label in ("log-probs", "entropy", "grad hidden", "grad weight", "full-logits reference"):
+        assert label in out
+
+
+def test_demo_model_without_the_integration_module_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fusedhead import demo
+
+    monkeypatch.setattr(demo, "MODEL_MODULE", "fusedhead.integrations.no_such_module")
+    assert cli.main(["demo", "--model", "tiny-llama"]) == 2
+    assert "not available" in capsys.readouterr().out
+
+
+def test_demo_tolerances_widen_only_for_a_coarser_declared_entropy() -> None:
+    from fusedhead.demo import TOLERANCES, tolerances
+
+    assert tolerances("fp32", "fp32") == TOLERANCES["fp32"]
+    assert tolerances("bf16", "fp32") == TOLERANCES["bf16"]
+    assert tolerances("bf16", "bf16")["entropy"] == pytest.approx(2 * 2.0**-8)
+    assert tolerances("fp32", "bf16") == TOLERANCES["fp32"]  # never coarser than the inputs
+
+
+def test_bench_writes_one_json_object_per_measurement(torch_backend: None, tmp_path: Path) -> None:
+    out, md, png = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "r.png"
+    rc = cli.main(["bench", *TINY, "--n", "32", "64", "--impl", "torch", "reference", "liger-direct",
+                   "--no-memory", "--json", str(out), "--markdown", str(md), "--plot", str(png)])
+    assert rc == 0
+    records = json.loads(out.read_text())
+    assert [(r["case"]["n"], r["impl"]) for r in records] == [
+        (n, name) for n in (32, 64) for name in ("torch", "reference", "liger-direct")
+    ]
+    for r in records:
+        for key in ("case", "impl", "kind", "status", "date", "device", "versions"):
+            assert key in r, key
+        assert r["device"]["type"] == "cpu"
+        assert r["versions"]["torch"] == torch.__version__.split("+")[0] or r["versions"]["torch"]
+        assert r["case"]["dtype"] == "fp32" and r["case"]["temperature"] == 0.7
+    ok = [r for r in records if r["status"] == "ok"]
+    assert {r["impl"] for r in ok} == {"torch", "reference"}
+    for r in ok:
+        assert r["reference_dtype"] == "float64"
+        assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
+        assert r["fwd_bwd_units"] == pytest.approx(r["fwd_bwd_ms"] / r["unit_ms"], rel=0.5)
+        for name in OUTPUTS:
+            assert r["errors"][name]["rel"] < 1e-5, (r["impl"], name, r["errors"][name])
+            assert r["errors"][name]["max_abs"] < 1e-4
+    skipped = [r for r in records if r["status"] == "skipped"]
+    assert all("SM90" in r["reason"] for r in skipped)
+    table = md.read_text()
+    assert "| implementation |" in table and "| torch |" in table and "liger-direct: skipped" in table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" or pytest.importorskip("matplotlib") is None
+
+
+def test_bench_json_is_valid_after_every_case(tmp_path: Path) -> None:
+    from fusedhead.bench.report import JsonWriter
+
+    path = tmp_path / "r.json"
+    writer = JsonWriter(path)
+    assert json.loads(path.read_text()) == []
+    writer.add({"impl": "a", "x": math.nan})
+    writer.add({"impl": "b"})
+    assert [r["impl"] for r in json.loads(path.read_text())] == ["a", "b"]
+
+
+def test_unknown_implementation_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", *TINY, "--impl", "verl-chunkd"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown implementation 'verl-chunkd'" in err
+    assert "reference, verl-chunked, liger-direct, cce" in err
+
+
+def test_bad_impl_options_are_errors() -> None:
+    with pytest.raises(ValueError, match="JSON object"):
+        peers.resolve("torch:[1]")
+    with pytest.raises(ValueError, match="takes no options"):
+        peers.resolve('reference:{"a": 1}')
+
+
+def test_time_cap_skips_what_remains(torch_backend: None, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    rc = cli.main(["bench", *TINY, "--impl", "torch", "--max-minutes", "0", "--json", str(out)])
+    assert rc == 0
+    [record] = json.loads(out.read_text())
+    assert record["status"] == "skipped" and "time cap" in record["reason"]
+
+
+def test_reference_is_skipped_where_its_logits_would_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    impl = peers.resolve("reference")
+    case = Case(4096, 64, 50000)
+    monkeypatch.setattr(peers, "_free_bytes", lambda device: 1 << 30)
+    reason = impl.availability(case)
+    assert reason is not None and "GiB" in reason
+    monkeypatch.setattr(peers, "_free_bytes", lambda device: 1 << 40)
+    assert impl.availability(case) is None
+
+
+def test_gemm_units_divide_by_the_paired_gemm_time() -> None:
+    """On the CPU each timed repetition is paired with a GEMM; units are the ratio's median."""
+    work = lambda: time.sleep(0.03)  # noqa: E731
+    gemm = lambda: time.sleep(0.01)  # noqa: E731
+    t = timing.timed_units(work, torch.device("cpu"), reps=3, unit_ms=1.0, gemm=gemm)
+    assert t["units"] == pytest.approx(3.0, rel=0.35)
+    assert t["unit_ms"] == pytest.approx(10.0, rel=0.5)
+    fixed = timing.timed_units(work, torch.device("cpu"), reps=2, unit_ms=15.0)
+    assert fixed["units"] == pytest.approx(fixed["ms"] / 15.0)
+    assert timing.units(30.0, 10.0) == 3.0
+
+
+def test_gemm_unit_times_one_matmul_of_the_case() -> None:
+    inputs = make_inputs(Case(64, 32, 256))
+    assert timing.gemm_ms(inputs.hidden, inputs.weight, reps=2) > 0
+
+
+@pytest.mark.skipif(not memory.cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")
+def test_cpu_peak_memory_sees_an_allocation() -> None:
+    extra = memory.cpu_peak_extra_bytes(lambda: torch.ones(16 << 20, dtype=torch.float32).sum())
+    assert extra >= 60 << 20  # 64 MiB tensor
+
+
+@pytest.mark.skipif(not memory.cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")
+def test_reference_peak_memory_holds_its_full_logits() -> None:
+    case = Case(512, 64, 4000)
+    extra = memory.measure_in_subprocess(case.to_dict(), "reference", timeout=300)
+    assert extra >= case.n * case.vocab * 4  # at least one fp32 [N, V] buffer
+
+
+def test_inputs_follow_the_design() -> None:
+    case = Case(1000, 64, 500, scale=4.0, seed=3)
+    a, b = make_inputs(case), make_inputs(case)
+    assert torch.equal(a.weight, b.weight) and torch.equal(a.labels, b.labels)
+    assert int((a.labels == IGNORE_INDEX).sum()) == 100
+    assert float(a.weight.std()) == pytest.approx(4.0 / 8.0, rel=0.05)
+    assert float(a.hidden.std()) == pytest.approx(1.0, rel=0.05)
+
+
+def test_errors_are_relative_l2_and_max_abs_and_see_nan() -> None:
+    b = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    e = accuracy.error(torch.tensor([3.0, 4.5]), b)
+    assert e["rel"] == pytest.approx(0.5 / 5.0) and e["max_abs"] == pytest.approx(0.5)
+    assert math.isnan(accuracy.error(torch.tensor([math.nan, 4.0]), b)["rel"])
+
+
+def test_reference_gradients_without_entropy_are_the_log_prob_term() -> None:
+    case = Case(40, 8, 50)
+    inputs = make_inputs(case)
+    ref = accuracy.compute_reference(case, inputs, lp_only_grads=True)
+    h = inputs.hidden.double().requires_grad_(True)
+    w = inputs.weight.double().requires_grad_(True)
+    lp, _ = peers.full_logits(h, w, inputs.labels, case.temperature)
+    torch.autograd.backward([lp], [inputs.grad_log_probs.double()])
+    dh, dw = ref.grads(with_entropy=False)
+    assert torch.allclose(dh, h.grad) and torch.allclose(dw, w.grad)
