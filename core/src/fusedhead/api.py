@@ -85,6 +85,7 @@ class FusedHead:
         key = (device, dtype)
         caps = self._caps.get(key)
         if caps is None:
+            self.backend.check(device, dtype)  # first: its message carries the reason and the fix
             caps = self.backend.capabilities(device)
             if device.type not in caps.devices:
                 raise BackendUnavailableError(
@@ -94,7 +95,6 @@ class FusedHead:
                 raise BackendUnavailableError(
                     f"backend {self.name!r} does not take {dtype} inputs (it declares {list(caps.dtypes)})"
                 )
-            self.backend.check(device, dtype)
             self._check_required(caps, device)
             self._caps[key] = caps
         return caps
