@@ -23,8 +23,12 @@ def torch_backend() -> None:
     pytest.importorskip("fusedhead_torch", reason="needs fusedhead-torch installed")
 
 
-def test_demo_runs_the_torch_backend_and_passes(torch_backend: None, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli.main(["demo", "--n", "96", "--hidden", "32", "--vocab", "500", "--reps", "1", "--no-memory"])
+def test_demo_runs_the_torch_backend_and_passes(
+    torch_backend: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = cli.main(
+        ["demo", "--n", "96", "--hidden", "32", "--vocab", "500", "--reps", "1", "--no-memory"]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "PASS: backend 'torch'" in out
@@ -53,8 +57,26 @@ def test_demo_tolerances_widen_only_for_a_coarser_declared_entropy() -> None:
 
 def test_bench_writes_one_json_object_per_measurement(torch_backend: None, tmp_path: Path) -> None:
     out, md, png = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "r.png"
-    rc = cli.main(["bench", *TINY, "--n", "32", "64", "--impl", "torch", "reference", "liger-direct",
-                   "--no-memory", "--json", str(out), "--markdown", str(md), "--plot", str(png)])
+    rc = cli.main(
+        [
+            "bench",
+            *TINY,
+            "--n",
+            "32",
+            "64",
+            "--impl",
+            "torch",
+            "reference",
+            "liger-direct",
+            "--no-memory",
+            "--json",
+            str(out),
+            "--markdown",
+            str(md),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     records = json.loads(out.read_text())
     assert [(r["case"]["n"], r["impl"]) for r in records] == [
@@ -78,7 +100,9 @@ def test_bench_writes_one_json_object_per_measurement(torch_backend: None, tmp_p
     skipped = [r for r in records if r["status"] == "skipped"]
     assert all("SM90" in r["reason"] for r in skipped)
     table = md.read_text()
-    assert "| implementation |" in table and "| torch |" in table and "liger-direct: skipped" in table
+    assert (
+        "| implementation |" in table and "| torch |" in table and "liger-direct: skipped" in table
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" or pytest.importorskip("matplotlib") is None
 
 
@@ -115,7 +139,9 @@ def test_time_cap_skips_what_remains(torch_backend: None, tmp_path: Path) -> Non
     assert record["status"] == "skipped" and "time cap" in record["reason"]
 
 
-def test_reference_is_skipped_where_its_logits_would_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reference_is_skipped_where_its_logits_would_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     impl = peers.resolve("reference")
     case = Case(4096, 64, 50000)
     monkeypatch.setattr(peers, "_free_bytes", lambda device: 1 << 30)

@@ -31,7 +31,8 @@ UNIT_ROUNDOFF = {"fp32": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
 def tolerances(dtype: str, entropy_precision: str) -> dict[str, float]:
     """Targets for ``dtype`` inputs; an entropy held in a coarser precision may be off by 2 u of it."""
     tol = dict(TOLERANCES[dtype])
-    held = min(entropy_precision, dtype, key=UNIT_ROUNDOFF.__getitem__)  # never coarser than the inputs
+    # Never coarser than the inputs.
+    held = min(entropy_precision, dtype, key=UNIT_ROUNDOFF.__getitem__)
     tol["entropy"] = max(tol["entropy"], 2 * UNIT_ROUNDOFF[held] if held != "fp32" else 0.0)
     return tol
 
@@ -39,19 +40,34 @@ def tolerances(dtype: str, entropy_precision: str) -> dict[str, float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fusedhead demo``."""
     parser.add_argument("--backend", default="torch", help="backend name (default: torch)")
-    parser.add_argument("--options", default=None, metavar="JSON", help="the backend's options as a JSON object")
+    parser.add_argument(
+        "--options", default=None, metavar="JSON", help="the backend's options as a JSON object"
+    )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:K")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="input dtype (default fp32)")
+    parser.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "fp16", "bf16"],
+        help="input dtype (default fp32)",
+    )
     parser.add_argument("--n", type=int, default=2048, help="tokens N (default 2048)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size H (default 1024)")
-    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size V (default 32000)")
+    parser.add_argument(
+        "--vocab", type=int, default=32000, help="vocabulary size V (default 32000)"
+    )
     parser.add_argument("--temperature", type=float, default=0.7, help="temperature (default 0.7)")
-    parser.add_argument("--scale", type=float, default=1.0, help="weight scale: 1 flat (default), 4 peaked")
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="weight scale: 1 flat (default), 4 peaked"
+    )
     parser.add_argument("--seed", type=int, default=0, help="generator seed of the inputs")
-    parser.add_argument("--reps", type=int, default=3, help="timed forward+backward repetitions (median)")
+    parser.add_argument(
+        "--reps", type=int, default=3, help="timed forward+backward repetitions (median)"
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak memory measurement")
     parser.add_argument(
-        "--model", default=None, metavar="NAME",
+        "--model",
+        default=None,
+        metavar="NAME",
         help="run a small random causal LM end to end instead (e.g. tiny-llama, tiny-qwen2; needs transformers)",
     )
 
@@ -108,7 +124,16 @@ def _run_problem(args: argparse.Namespace) -> int:
         timing.disable_tf32()
     head = FusedHead(FusedHeadConfig(backend=args.backend, options=options, device=str(device)))
     caps = head.capabilities(device)
-    case = Case(args.n, args.hidden, args.vocab, args.dtype, args.temperature, args.scale, args.seed, str(device))
+    case = Case(
+        args.n,
+        args.hidden,
+        args.vocab,
+        args.dtype,
+        args.temperature,
+        args.scale,
+        args.seed,
+        str(device),
+    )
     spec = args.backend if not options else f"{args.backend}:{json.dumps(options)}"
     backend_impl = peers.resolve(spec)
     reason = backend_impl.availability(case)
@@ -119,27 +144,43 @@ def _run_problem(args: argparse.Namespace) -> int:
 
     dev = report.device_info(device)
     where = dev["name"] + (f", {dev['cores']} cores" if dev["type"] == "cpu" else "")
-    print(f"fusedhead demo: backend {args.backend!r} ({head.distribution or 'in-process'} "
-          f"{head.version or ''}".rstrip() + f") on {device} ({where})")
+    print(
+        f"fusedhead demo: backend {args.backend!r} ({head.distribution or 'in-process'} "
+        f"{head.version or ''}".rstrip()
+        + f") on {device} ({where})"
+    )
     inputs = make_inputs(case)
     ignored = int((inputs.labels == IGNORE_INDEX).sum())
-    print(f"problem: N={case.n} tokens, H={case.hidden}, V={case.vocab}, {case.dtype}, "
-          f"temperature {case.temperature:g}, {ignored} of {case.n} labels ignored ({IGNORE_INDEX})")
+    print(
+        f"problem: N={case.n} tokens, H={case.hidden}, V={case.vocab}, {case.dtype}, "
+        f"temperature {case.temperature:g}, {ignored} of {case.n} labels ignored ({IGNORE_INDEX})"
+    )
 
     ref = accuracy.compute_reference(case, inputs, dtype=torch.float64)
     unit_ms = timing.gemm_ms(inputs.hidden, inputs.weight, reps=1)
-    common = {"unit_ms": unit_ms, "reps": args.reps, "measure_memory": not args.no_memory, "forward": False,
-              "interleave_gemm": False}
+    common = {
+        "unit_ms": unit_ms,
+        "reps": args.reps,
+        "measure_memory": not args.no_memory,
+        "forward": False,
+        "interleave_gemm": False,
+    }
     got = measure(case, backend_impl, inputs, ref, **common)
     ref_reason = reference_impl.availability(case)
     base = None if ref_reason else measure(case, reference_impl, inputs, ref, **common)
 
     tol = tolerances(case.dtype, caps.entropy_precision)
-    rows = [("log-probs", "log_probs", tol["log_probs"]), ("entropy", "entropy", tol["entropy"]),
-            ("grad hidden", "grad_hidden", tol["grad"]), ("grad weight", "grad_weight", tol["grad"])]
+    rows = [
+        ("log-probs", "log_probs", tol["log_probs"]),
+        ("entropy", "entropy", tol["entropy"]),
+        ("grad hidden", "grad_hidden", tol["grad"]),
+        ("grad weight", "grad_weight", tol["grad"]),
+    ]
     print()
-    print(f"errors against a float64 reference on the same inputs (relative L2 and max abs; "
-          f"entropy declared in {caps.entropy_precision})")
+    print(
+        f"errors against a float64 reference on the same inputs (relative L2 and max abs; "
+        f"entropy declared in {caps.entropy_precision})"
+    )
     print(f"  {'':12} {'relative':>9} {'target':>9} {'max abs':>9}   {'full-logits rel':>15}")
     failed = []
     for label, key, bound in rows:
@@ -148,18 +189,24 @@ def _run_problem(args: argparse.Namespace) -> int:
         if not ok:
             failed.append(label)
         base_rel = "-" if base is None else f"{base['errors'][key]['rel']:.1e}"
-        print(f"  {label:12} {err['rel']:9.1e} {bound:9.0e} {err['max_abs']:9.1e}   "
-              f"{base_rel:>15}{'' if ok else '   <- over the target'}")
+        print(
+            f"  {label:12} {err['rel']:9.1e} {bound:9.0e} {err['max_abs']:9.1e}   "
+            f"{base_rel:>15}{'' if ok else '   <- over the target'}"
+        )
 
     print()
-    print(f"one forward + backward (median of {args.reps}; GEMM unit = one hidden @ weight.T, {_fmt_time(unit_ms)})")
+    print(
+        f"one forward + backward (median of {args.reps}; GEMM unit = one hidden @ weight.T, {_fmt_time(unit_ms)})"
+    )
     print(f"  {'':24} {'time':>10} {'GEMM units':>11} {'peak extra memory':>18}")
     for label, res in ((f"{args.backend} backend", got), ("full-logits reference", base)):
         if res is None:
             print(f"  {label:24} skipped: {ref_reason}")
             continue
-        print(f"  {label:24} {_fmt_time(res['fwd_bwd_ms']):>10} {res['fwd_bwd_units']:11.2f} "
-              f"{_fmt_bytes(res.get('peak_extra_bytes')):>18}")
+        print(
+            f"  {label:24} {_fmt_time(res['fwd_bwd_ms']):>10} {res['fwd_bwd_units']:11.2f} "
+            f"{_fmt_bytes(res.get('peak_extra_bytes')):>18}"
+        )
     summary = ""
     if base is not None:
         ratio = got["fwd_bwd_ms"] / base["fwd_bwd_ms"]
@@ -169,7 +216,11 @@ def _run_problem(args: argparse.Namespace) -> int:
             summary += f", {100 * mb / rb:.1f}% of its peak extra memory"
     print()
     if failed:
-        print(f"FAIL: backend {args.backend!r} misses the accuracy target on {', '.join(failed)}{summary}")
+        print(
+            f"FAIL: backend {args.backend!r} misses the accuracy target on {', '.join(failed)}{summary}"
+        )
         return 1
-    print(f"PASS: backend {args.backend!r} matches the float64 reference within the {case.dtype} targets{summary}")
+    print(
+        f"PASS: backend {args.backend!r} matches the float64 reference within the {case.dtype} targets{summary}"
+    )
     return 0

@@ -71,8 +71,12 @@ def compute_reference(
         end = min(n, start + rows)
         h = inputs.hidden[start:end].detach().to(dtype).requires_grad_(True)
         lp, ent = reference_fused_head(
-            h, w, inputs.labels[start:end], temperature=case.temperature,
-            ignore_index=IGNORE_INDEX, compute_dtype=dtype,
+            h,
+            w,
+            inputs.labels[start:end],
+            temperature=case.temperature,
+            ignore_index=IGNORE_INDEX,
+            compute_dtype=dtype,
         )
         assert ent is not None
         g_lp = inputs.grad_log_probs[start:end].to(dtype)

@@ -14,37 +14,69 @@ import time
 import traceback
 from typing import Any
 
-GPU_DEFAULTS = {"n": [1024, 8192, 32768], "hidden": [4096], "vocab": [32000, 128256, 151936],
-                "dtype": ["bf16", "fp32"]}
+GPU_DEFAULTS = {
+    "n": [1024, 8192, 32768],
+    "hidden": [4096],
+    "vocab": [32000, 128256, 151936],
+    "dtype": ["bf16", "fp32"],
+}
 CPU_DEFAULTS = {"n": [2048], "hidden": [1024], "vocab": [32000], "dtype": ["fp32"]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fusedhead bench`` (grid defaults depend on the device: see --help)."""
-    g = parser.add_argument_group("grid (defaults: GPU N 1024 8192 32768, H 4096, V 32000 128256 151936, "
-                                  "bf16 fp32; CPU N 2048, H 1024, V 32000, fp32)")
+    g = parser.add_argument_group(
+        "grid (defaults: GPU N 1024 8192 32768, H 4096, V 32000 128256 151936, "
+        "bf16 fp32; CPU N 2048, H 1024, V 32000, fp32)"
+    )
     g.add_argument("--n", type=int, nargs="+", default=None, help="token counts N")
     g.add_argument("--hidden", type=int, nargs="+", default=None, help="hidden sizes H")
     g.add_argument("--vocab", type=int, nargs="+", default=None, help="vocabulary sizes V")
-    g.add_argument("--dtype", nargs="+", default=None, choices=["fp32", "fp16", "bf16"], help="input dtypes")
+    g.add_argument(
+        "--dtype", nargs="+", default=None, choices=["fp32", "fp16", "bf16"], help="input dtypes"
+    )
     g.add_argument("--temperature", type=float, default=0.7, help="temperature (default 0.7)")
-    g.add_argument("--scale", type=float, nargs="+", default=[1.0],
-                   help="weight scale s, W ~ N(0, (s/sqrt(H))^2): 1 flat, 4 peaked (default 1)")
+    g.add_argument(
+        "--scale",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="weight scale s, W ~ N(0, (s/sqrt(H))^2): 1 flat, 4 peaked (default 1)",
+    )
     g.add_argument("--seed", type=int, default=0, help="generator seed of the inputs")
     parser.add_argument(
-        "--impl", nargs="+", default=None, metavar="NAME",
+        "--impl",
+        nargs="+",
+        default=None,
+        metavar="NAME",
         help="implementations: installed backend names (NAME or 'NAME:{json options}') and peers "
-             "reference, verl-chunked, liger-direct, cce (default: every installed backend and peer)",
+        "reference, verl-chunked, liger-direct, cce (default: every installed backend and peer)",
     )
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:K (default: cuda if present)")
-    parser.add_argument("--reps", type=int, default=3, help="timed repetitions at least (median; default 3)")
-    parser.add_argument("--max-minutes", type=float, default=10.0,
-                        help="skip the remaining measurements once the run has taken this long (default 10)")
+    parser.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:K (default: cuda if present)"
+    )
+    parser.add_argument(
+        "--reps", type=int, default=3, help="timed repetitions at least (median; default 3)"
+    )
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=10.0,
+        help="skip the remaining measurements once the run has taken this long (default 10)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
-    parser.add_argument("--no-accuracy", action="store_true", help="do not compute the reference and errors")
-    parser.add_argument("--json", metavar="PATH", help="write results here, one object per measurement, as they come")
+    parser.add_argument(
+        "--no-accuracy", action="store_true", help="do not compute the reference and errors"
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write results here, one object per measurement, as they come",
+    )
     parser.add_argument("--markdown", metavar="PATH", help="write the Markdown table here")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG plot here (needs fusedhead[bench])")
+    parser.add_argument(
+        "--plot", metavar="PATH", help="write a PNG plot here (needs fusedhead[bench])"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,31 +99,51 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--device must be cpu or cuda[:K], got {device}")
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     cases = grid(
-        args.n or defaults["n"], args.hidden or defaults["hidden"], args.vocab or defaults["vocab"],
-        args.dtype or defaults["dtype"], temperature=args.temperature, scales=args.scale,
-        seed=args.seed, device=str(device),
+        args.n or defaults["n"],
+        args.hidden or defaults["hidden"],
+        args.vocab or defaults["vocab"],
+        args.dtype or defaults["dtype"],
+        temperature=args.temperature,
+        scales=args.scale,
+        seed=args.seed,
+        device=str(device),
     )
     specs = args.impl or peers.default_specs()
-    impls = [peers.resolve(s) for s in specs]  # unknown names and bad options fail here, before any work
-    common = {"device": report.device_info(device), "versions": report.versions(),
-              "environment": peers.environment_note()}
+    # Unknown names and bad options fail here, before any work.
+    impls = [peers.resolve(s) for s in specs]
+    common = {
+        "device": report.device_info(device),
+        "versions": report.versions(),
+        "environment": peers.environment_note(),
+    }
     writer = report.JsonWriter(args.json)
     progress = report.Progress(len(cases) * len(impls))
     deadline = progress.start + 60.0 * args.max_minutes
     failures = 0
-    progress.line(f"{len(cases)} case(s) x {len(impls)} implementation(s) on {common['device']['name']}")
+    progress.line(
+        f"{len(cases)} case(s) x {len(impls)} implementation(s) on {common['device']['name']}"
+    )
     try:
         for case in cases:
             if time.monotonic() > deadline:
                 for impl in impls:
-                    writer.add(_record(case, impl, common, status="skipped",
-                                       reason=f"time cap of {args.max_minutes:g} min reached"))
+                    writer.add(
+                        _record(
+                            case,
+                            impl,
+                            common,
+                            status="skipped",
+                            reason=f"time cap of {args.max_minutes:g} min reached",
+                        )
+                    )
                     progress.done += 1
                 continue
             reasons = {impl.name: impl.availability(case) for impl in impls}
             if all(reasons.values()):
                 for impl in impls:
-                    writer.add(_record(case, impl, common, status="skipped", reason=reasons[impl.name]))
+                    writer.add(
+                        _record(case, impl, common, status="skipped", reason=reasons[impl.name])
+                    )
                     progress.done += 1
                     progress.line(f"{case.label()} {report.summary_line(writer.records[-1])}")
                 continue
@@ -107,27 +159,45 @@ def run(args: argparse.Namespace) -> int:
                 ref_s = time.perf_counter() - t0
             tflops = 2.0 * case.n * case.hidden * case.vocab / (unit_ms * 1e-3) / 1e12
             progress.line(f"{case.label()}: GEMM unit {unit_ms:.3f} ms ({tflops:.1f} TFLOP/s)")
-            extra = {"gemm_ms": unit_ms, "gemm_tflops": tflops, "reference_seconds": ref_s,
-                     "reference_dtype": None if ref is None else str(ref.dtype).replace("torch.", "")}
+            extra = {
+                "gemm_ms": unit_ms,
+                "gemm_tflops": tflops,
+                "reference_seconds": ref_s,
+                "reference_dtype": None if ref is None else str(ref.dtype).replace("torch.", ""),
+            }
             for impl in impls:
                 reason = reasons[impl.name]
                 if not reason and time.monotonic() > deadline:
                     reason = f"time cap of {args.max_minutes:g} min reached"
                 if not reason and impl.name == "reference":
-                    reason = impl.availability(case)  # free memory now, with this case's tensors held
+                    # Free memory now, with this case's tensors held.
+                    reason = impl.availability(case)
                 if reason:
                     rec = _record(case, impl, common, status="skipped", reason=reason, **extra)
                 else:
                     progress.line(f"{case.label()} {impl.name}: running")
                     try:
-                        result = measure(case, impl, inputs, ref, unit_ms=unit_ms, reps=args.reps,
-                                         measure_memory=not args.no_memory)
+                        result = measure(
+                            case,
+                            impl,
+                            inputs,
+                            ref,
+                            unit_ms=unit_ms,
+                            reps=args.reps,
+                            measure_memory=not args.no_memory,
+                        )
                         rec = _record(case, impl, common, status="ok", **extra, **result)
                     except Exception as exc:
                         failures += 1
-                        rec = _record(case, impl, common, status="error",
-                                      error=f"{type(exc).__name__}: {exc}",
-                                      traceback=traceback.format_exc(limit=8), **extra)
+                        rec = _record(
+                            case,
+                            impl,
+                            common,
+                            status="error",
+                            error=f"{type(exc).__name__}: {exc}",
+                            traceback=traceback.format_exc(limit=8),
+                            **extra,
+                        )
                     _free(device)
                 writer.add(rec)
                 progress.done += 1
@@ -139,7 +209,9 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _record(case: Any, impl: Any, common: dict[str, Any], *, status: str, **fields: Any) -> dict[str, Any]:
+def _record(
+    case: Any, impl: Any, common: dict[str, Any], *, status: str, **fields: Any
+) -> dict[str, Any]:
     from fusedhead.bench import report
 
     return {

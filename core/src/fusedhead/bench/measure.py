@@ -65,14 +65,18 @@ def measure(
     # 1. First forward + backward: compile/warm up, and the outputs the errors are measured on.
     t0 = time.perf_counter()
     lp, ent = fn(h, w, inputs.labels)
-    outs, grads = ([lp], [inputs.grad_log_probs]) if ent is None else (
-        [lp, ent], [inputs.grad_log_probs, inputs.grad_entropy])
+    outs, grads = (
+        ([lp], [inputs.grad_log_probs])
+        if ent is None
+        else ([lp, ent], [inputs.grad_log_probs, inputs.grad_entropy])
+    )
     torch.autograd.backward(outs, grads)
     _sync(device)
     out["first_call_s"] = time.perf_counter() - t0
     if ref is not None:
         out["errors"] = accuracy.compare(
-            ref, lp.detach(), None if ent is None else ent.detach(), h.grad, w.grad)
+            ref, lp.detach(), None if ent is None else ent.detach(), h.grad, w.grad
+        )
     del lp, ent, outs
     gc.collect()
 

@@ -69,11 +69,17 @@ def measure_in_subprocess(case: dict[str, Any], spec: str, *, timeout: float | N
     payload = json.dumps({"case": case, "impl": spec})
     proc = subprocess.run(
         [sys.executable, "-m", "fusedhead.bench.memory", payload],
-        capture_output=True, text=True, env=env, timeout=timeout, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
     )
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        raise RuntimeError(f"memory subprocess failed (exit {proc.returncode}): " + " | ".join(tail))
+        raise RuntimeError(
+            f"memory subprocess failed (exit {proc.returncode}): " + " | ".join(tail)
+        )
     last = proc.stdout.strip().splitlines()[-1]
     return int(json.loads(last)["peak_extra_bytes"])
 
@@ -108,8 +114,13 @@ def _warm_up(fn: Callable[..., Any], inputs: Any) -> None:
     from fusedhead.bench.measure import make_step
 
     k = min(64, inputs.hidden.shape[0])
-    small = Inputs(inputs.hidden[:k].clone(), inputs.weight, inputs.labels[:k].clone(),
-                   inputs.grad_log_probs[:k].clone(), inputs.grad_entropy[:k].clone())
+    small = Inputs(
+        inputs.hidden[:k].clone(),
+        inputs.weight,
+        inputs.labels[:k].clone(),
+        inputs.grad_log_probs[:k].clone(),
+        inputs.grad_entropy[:k].clone(),
+    )
     h = small.hidden.detach().requires_grad_(True)
     w = inputs.weight.detach().requires_grad_(True)
     make_step(fn, h, w, small)()

@@ -25,7 +25,9 @@ from fusedhead import registry
 from fusedhead.bench.cases import ELEMENT_BYTES, IGNORE_INDEX, Case
 from fusedhead.errors import BackendUnavailableError
 
-Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, "torch.Tensor | None"]]
+Fn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, "torch.Tensor | None"]
+]
 
 PEERS = ("reference", "verl-chunked", "liger-direct", "cce")
 _LIGER_MODULE = "liger_kernel.ops.fused_linear_scaled_cross_entropy"
@@ -79,7 +81,11 @@ def _backend(name: str, options: dict[str, Any], spec: str) -> Impl:
 
     cand = registry.find(name)  # UnknownBackendError / BackendConflictError, with what is installed
     FusedHeadConfig(backend=name, options=options)  # imports the class, validates the options
-    label = name if not options else f"{name}[{','.join(f'{k}={v}' for k, v in sorted(options.items()))}]"
+    label = (
+        name
+        if not options
+        else f"{name}[{','.join(f'{k}={v}' for k, v in sorted(options.items()))}]"
+    )
 
     def availability(case: Case) -> str | None:
         from fusedhead.config import validate_options
@@ -89,7 +95,9 @@ def _backend(name: str, options: dict[str, Any], spec: str) -> Impl:
         device = torch.device(case.device)
         caps = backend.capabilities(device)
         if device.type not in caps.devices:
-            return f"backend {name!r} does not run on {device.type} (it declares {list(caps.devices)})"
+            return (
+                f"backend {name!r} does not run on {device.type} (it declares {list(caps.devices)})"
+            )
         if case.dtype not in caps.dtypes:
             return f"backend {name!r} does not take {case.dtype} (it declares {list(caps.dtypes)})"
         try:
@@ -104,14 +112,18 @@ def _backend(name: str, options: dict[str, Any], spec: str) -> Impl:
         head = FusedHead(backend=name, options=options, device=case.device)
         temperature = case.temperature
 
-        def fn(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def fn(
+            h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
             out = head(h, w, y, temperature=temperature, ignore_index=IGNORE_INDEX)
             return out.log_probs, out.entropy
 
         return fn
 
     dist = cand.distribution
-    return Impl(label, spec, "backend", True, availability, build, (dist,) if dist else (), options=options)
+    return Impl(
+        label, spec, "backend", True, availability, build, (dist,) if dist else (), options=options
+    )
 
 
 # --- peers --------------------------------------------------------------------------------------
@@ -173,7 +185,12 @@ def _reference() -> Impl:
         return lambda h, w, y: full_logits(h, w, y, t)
 
     return Impl(
-        "reference", "reference", "peer", True, availability, build,
+        "reference",
+        "reference",
+        "peer",
+        True,
+        availability,
+        build,
         note="full fp32 logits from a matmul in the input dtype, autograd",
     )
 
@@ -192,21 +209,31 @@ def _verl_chunked() -> Impl:
         try:
             importlib.import_module(_LIGER_MODULE)._FusedLinearPPOFallbackFunction  # noqa: B018
         except Exception as exc:
-            return f"liger-kernel has no _FusedLinearPPOFallbackFunction: {type(exc).__name__}: {exc}"
+            return (
+                f"liger-kernel has no _FusedLinearPPOFallbackFunction: {type(exc).__name__}: {exc}"
+            )
         return None
 
     def build(case: Case) -> Fn:
         function = importlib.import_module(_LIGER_MODULE)._FusedLinearPPOFallbackFunction
         t = case.temperature
 
-        def fn(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def fn(
+            h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
             nll, ent = function.apply(h, w, y, t, IGNORE_INDEX, True)
             return -nll, ent.float()
 
         return fn
 
     return Impl(
-        "verl-chunked", "verl-chunked", "peer", True, availability, build, ("liger-kernel",),
+        "verl-chunked",
+        "verl-chunked",
+        "peer",
+        True,
+        availability,
+        build,
+        ("liger-kernel",),
         note="verl's 512-row chunked algorithm (liger-kernel _FusedLinearPPOFallbackFunction); entropy in the input dtype",
     )
 
@@ -234,14 +261,21 @@ def _liger_direct() -> Impl:
         function = importlib.import_module(_LIGER_MODULE).LigerFusedLinearScaledCrossEntropyFunction
         t = case.temperature
 
-        def fn(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def fn(
+            h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
             nll, ent = function.apply(h, w, y, t, IGNORE_INDEX, 1, True)
             return -nll, ent.float()
 
         return fn
 
     return Impl(
-        "liger-direct", "liger-direct", "peer", True, availability, build,
+        "liger-direct",
+        "liger-direct",
+        "peer",
+        True,
+        availability,
+        build,
         ("liger-kernel", "nvidia-cutlass-dsl"),
         note="liger-kernel's public LigerFusedLinearScaledCrossEntropyFunction (SM90 CuTe kernel); entropy in bf16",
     )
@@ -263,14 +297,22 @@ def _cce() -> Impl:
         lce = importlib.import_module("cut_cross_entropy").linear_cross_entropy
         t = case.temperature
 
-        def fn(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def fn(
+            h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
             loss = lce(h / t, w, y, ignore_index=IGNORE_INDEX, reduction="none")
             return -loss.float(), None
 
         return fn
 
     return Impl(
-        "cce", "cce", "peer", False, availability, build, ("cut-cross-entropy",),
+        "cce",
+        "cce",
+        "peer",
+        False,
+        availability,
+        build,
+        ("cut-cross-entropy",),
         note="Apple's Cut Cross-Entropy linear_cross_entropy, defaults; no entropy (temperature applied as hidden / T)",
     )
 
@@ -303,9 +345,13 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     try:
         options = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--impl {spec!r}: options after ':' must be a JSON object ({exc})") from exc
+        raise ValueError(
+            f"--impl {spec!r}: options after ':' must be a JSON object ({exc})"
+        ) from exc
     if not isinstance(options, dict):
-        raise ValueError(f"--impl {spec!r}: options after ':' must be a JSON object, got {type(options).__name__}")
+        raise ValueError(
+            f"--impl {spec!r}: options after ':' must be a JSON object, got {type(options).__name__}"
+        )
     return name, options
 
 

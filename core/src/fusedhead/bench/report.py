@@ -23,8 +23,17 @@ import torch
 from fusedhead.bench.peers import dist_version
 
 GiB = float(1 << 30)
-VERSIONED = ("fusedhead", "fusedhead-torch", "fusedhead-triton", "fusedhead-liger", "torch", "triton",
-             "liger-kernel", "nvidia-cutlass-dsl", "cut-cross-entropy")
+VERSIONED = (
+    "fusedhead",
+    "fusedhead-torch",
+    "fusedhead-triton",
+    "fusedhead-liger",
+    "torch",
+    "triton",
+    "liger-kernel",
+    "nvidia-cutlass-dsl",
+    "cut-cross-entropy",
+)
 
 
 def now_iso() -> str:
@@ -86,7 +95,9 @@ class JsonWriter:
         if self.path is None:
             return
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.records, indent=1, default=_json_default, allow_nan=True) + "\n")
+        tmp.write_text(
+            json.dumps(self.records, indent=1, default=_json_default, allow_nan=True) + "\n"
+        )
         tmp.replace(self.path)
 
 
@@ -189,8 +200,10 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
         for r in skipped:
             c = r["case"]
             why = r.get("reason") or r.get("error") or ""
-            lines.append(f"- N={c['n']} H={c['hidden']} V={c['vocab']} {c['dtype']} {r['impl']}: "
-                         f"{r['status']}: {why}")
+            lines.append(
+                f"- N={c['n']} H={c['hidden']} V={c['vocab']} {c['dtype']} {r['impl']}: "
+                f"{r['status']}: {why}"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -206,8 +219,10 @@ def plot(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> boo
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("fusedhead bench: matplotlib is not installed, no plot (pip install 'fusedhead[bench]')",
-              file=sys.stderr)
+        print(
+            "fusedhead bench: matplotlib is not installed, no plot (pip install 'fusedhead[bench]')",
+            file=sys.stderr,
+        )
         return False
     ok = [r for r in records if r["status"] == "ok"]
     groups: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
@@ -226,14 +241,24 @@ def plot(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> boo
             ns = [n for n, _ in pts]
             fb = [r.get("fwd_bwd_units") for _, r in pts]
             fw = [r.get("fwd_units") for _, r in pts]
-            mem = [None if r.get("peak_extra_bytes") is None else r["peak_extra_bytes"] / GiB for _, r in pts]
+            mem = [
+                None if r.get("peak_extra_bytes") is None else r["peak_extra_bytes"] / GiB
+                for _, r in pts
+            ]
             ax_t.plot(ns, fb, marker="o", color=color, label=f"{name} fwd+bwd")
             ax_t.plot(ns, fw, marker="x", linestyle="--", color=color, label=f"{name} fwd")
             if any(m is not None for m in mem):
                 ax_m.plot(ns, mem, marker="o", color=color, label=name)
         title = f"H={hid}, V={voc}, {dtype}"
-        ax_t.set(xscale="log", xlabel="N (tokens)", ylabel="time (GEMM units)", title=f"time, {title}")
-        ax_m.set(xscale="log", xlabel="N (tokens)", ylabel="peak extra memory (GiB)", title=f"memory, {title}")
+        ax_t.set(
+            xscale="log", xlabel="N (tokens)", ylabel="time (GEMM units)", title=f"time, {title}"
+        )
+        ax_m.set(
+            xscale="log",
+            xlabel="N (tokens)",
+            ylabel="peak extra memory (GiB)",
+            title=f"memory, {title}",
+        )
         ticks = sorted({r["case"]["n"] for r in recs})
         for ax in (ax_t, ax_m):
             ax.grid(True, which="both", alpha=0.3)

@@ -72,7 +72,11 @@ def gemm_ms(hidden: torch.Tensor, weight: torch.Tensor, *, reps: int = 3) -> flo
 
 
 def timed_units(
-    fn: Callable[[], object], device: torch.device, *, reps: int, unit_ms: float,
+    fn: Callable[[], object],
+    device: torch.device,
+    *,
+    reps: int,
+    unit_ms: float,
     gemm: Callable[[], object] | None = None,
 ) -> dict[str, float]:
     """Median ms of ``fn`` and the same in GEMM units.
