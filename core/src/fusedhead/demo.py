@@ -122,7 +122,11 @@ def _run_problem(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise ValueError(f"--device {args.device}: CUDA is not available here")
         timing.disable_tf32()
-    head = FusedHead(FusedHeadConfig(backend=args.backend, options=options, device=str(device)))
+    head = FusedHead(
+        FusedHeadConfig.from_dict(
+            {"backend": args.backend, "options": options, "device": str(device)}
+        )
+    )
     caps = head.capabilities(device)
     case = Case(
         args.n,

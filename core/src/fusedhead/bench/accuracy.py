@@ -120,10 +120,9 @@ def compare(
     grad_weight: torch.Tensor | None,
 ) -> dict[str, Any]:
     """Errors of every output an implementation gave; entropy None means "not computed"."""
-    with_entropy = entropy is not None
-    dh_ref, dw_ref = ref.grads(with_entropy)
+    dh_ref, dw_ref = ref.grads(entropy is not None)
     out: dict[str, Any] = {"log_probs": error(log_probs, ref.log_probs)}
-    out["entropy"] = error(entropy, ref.entropy) if with_entropy else None
+    out["entropy"] = error(entropy, ref.entropy) if entropy is not None else None
     out["grad_hidden"] = error(grad_hidden, dh_ref) if grad_hidden is not None else None
     out["grad_weight"] = error(grad_weight, dw_ref) if grad_weight is not None else None
     return out

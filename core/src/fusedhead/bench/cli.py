@@ -14,13 +14,18 @@ import time
 import traceback
 from typing import Any
 
-GPU_DEFAULTS = {
+GPU_DEFAULTS: dict[str, list[Any]] = {
     "n": [1024, 8192, 32768],
     "hidden": [4096],
     "vocab": [32000, 128256, 151936],
     "dtype": ["bf16", "fp32"],
 }
-CPU_DEFAULTS = {"n": [2048], "hidden": [1024], "vocab": [32000], "dtype": ["fp32"]}
+CPU_DEFAULTS: dict[str, list[Any]] = {
+    "n": [2048],
+    "hidden": [1024],
+    "vocab": [32000],
+    "dtype": ["fp32"],
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

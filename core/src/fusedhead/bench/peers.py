@@ -80,7 +80,9 @@ def _backend(name: str, options: dict[str, Any], spec: str) -> Impl:
     from fusedhead.config import FusedHeadConfig
 
     cand = registry.find(name)  # UnknownBackendError / BackendConflictError, with what is installed
-    FusedHeadConfig(backend=name, options=options)  # imports the class, validates the options
+    FusedHeadConfig.from_dict(
+        {"backend": name, "options": options}
+    )  # imports the class, validates the options
     label = (
         name
         if not options

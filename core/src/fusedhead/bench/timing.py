@@ -40,7 +40,8 @@ def _cuda_median_ms(fn: Callable[[], object], device: torch.device, *, reps: int
     from triton.testing import do_bench
 
     with torch.cuda.device(device):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         torch.cuda.synchronize()
         start.record()
         fn()
