@@ -1,0 +1,74 @@
+"""Fixtures for the kit's own tests: the in-process kit backends and the example installed with pip."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+HERE = Path(__file__).parent
+REPO = HERE.parents[1]
+EXAMPLE = REPO / "examples" / "third_party_backend"
+if str(HERE) not in sys.path:  # kit_backends by module name, here and in the kit's spawned ranks
+    sys.path.insert(0, str(HERE))
+
+
+@pytest.fixture
+def kit_backends() -> Iterator[ModuleType]:
+    """The kit test backends, registered in-process for one test."""
+    import kit_backends
+
+    kit_backends.register_all()
+    yield kit_backends
+    kit_backends.unregister_all()
+
+
+@pytest.fixture(scope="session")
+def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``pip install examples/third_party_backend`` into a fresh target folder (the venv stays clean)."""
+    target = tmp_path_factory.mktemp("example-site")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(EXAMPLE),
+        ],
+        check=True,
+    )
+    return target
+
+
+@pytest.fixture
+def with_example(example_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The example distribution on sys.path (and PYTHONPATH for subprocesses) for one test."""
+    from fusedhead import api, registry
+
+    monkeypatch.syspath_prepend(str(example_site))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(example_site), os.environ.get("PYTHONPATH", "")])
+    )
+    registry.refresh()
+    api.clear_cache()
+    yield example_site
+    registry.refresh()
+    api.clear_cache()
+
+
+def installed(name: str) -> bool:
+    """Whether a backend distribution providing ``name`` is installed in this environment."""
+    from fusedhead import registry
+
+    return name in registry.candidates()

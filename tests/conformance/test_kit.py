@@ -1,0 +1,110 @@
+"""The kit passes a correct backend and fails each wrong one on the property it breaks."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from fusedhead.errors import BackendUnavailableError
+from fusedhead.testing import PROPERTIES, Outcome, check, check_property
+from fusedhead.testing.target import Target
+
+
+def test_correct_backend_passes_every_property_it_declares(kit_backends):
+    results = {r.property: r for r in check("kit-ref")}
+    assert set(results) == set(PROPERTIES)
+    failed = [r.line() for r in results.values() if r.outcome is Outcome.FAIL]
+    assert not failed
+    not_run = {name for name, r in results.items() if r.outcome is Outcome.NOT_RUN}
+    assert not_run == {"batch_invariance"}, "kit-ref declares everything but batch invariance"
+    assert "does not declare batch_invariant" in results["batch_invariance"].message
+
+
+@pytest.mark.parametrize(
+    ("backend", "prop", "words"),
+    [
+        ("wrong-padded-vocab", "odd_shapes", ["V=1037", "log_probs"]),
+        ("wrong-ignored-rows", "ignore_index", ["ignored rows must be exactly 0"]),
+        ("wrong-entropy-grad", "backward_accuracy", ["through entropy only", "grad"]),
+        ("wrong-temperature-backward", "temperature", ["temperature", "grad hidden"]),
+        ("wrong-batch-invariance", "batch_invariance", ["not bitwise equal"]),
+    ],
+)
+def test_each_wrong_backend_fails_on_its_property(kit_backends, backend, prop, words):
+    result = check_property(prop, backend)
+    assert result.outcome is Outcome.FAIL, result.line()
+    line = result.line()
+    assert line.startswith(f"FAIL {prop}: ")
+    for word in words:
+        assert word in line
+
+
+def test_padded_vocabulary_is_caught_only_where_v_is_no_multiple_of_a_tile(kit_backends):
+    assert check_property("forward_accuracy", "wrong-padded-vocab").outcome is Outcome.PASS
+    assert check_property("odd_shapes", "wrong-padded-vocab").outcome is Outcome.FAIL
+
+
+def test_batch_invariance_declared_but_absent_is_a_failure_not_a_skip(kit_backends):
+    results = {r.property: r for r in check("wrong-batch-invariance")}
+    assert results["batch_invariance"].outcome is Outcome.FAIL
+    others = [
+        r.line()
+        for name, r in results.items()
+        if name != "batch_invariance" and r.outcome is Outcome.FAIL
+    ]
+    assert not others, "apart from its false claim, this backend is correct"
+
+
+def test_undeclared_capabilities_are_not_run_with_the_reason(kit_backends):
+    for prop in (
+        "determinism",
+        "per_token_temperature",
+        "softcap",
+        "vocab_parallel",
+        "batch_invariance",
+    ):
+        result = check_property(prop, "wrong-padded-vocab")
+        assert result.outcome is Outcome.NOT_RUN
+        assert "does not declare" in result.message
+
+
+def test_a_backend_that_cannot_run_here_is_an_error_not_a_pass(kit_backends, monkeypatch):
+    def unavailable(self, device, dtype):
+        raise BackendUnavailableError("no such accelerator here; install the driver")
+
+    monkeypatch.setattr(kit_backends.KitRef, "check", unavailable)
+    with pytest.raises(BackendUnavailableError, match="no such accelerator"):
+        Target.resolve("kit-ref")
+
+
+def _run(argv):
+    from fusedhead.testing import runner
+
+    parser = argparse.ArgumentParser()
+    runner.add_arguments(parser)
+    return runner.run(parser.parse_args(argv))
+
+
+def test_runner_prints_one_line_per_property_and_exits_1_on_a_failure(kit_backends, capsys):
+    assert _run(["wrong-ignored-rows", "-k", "ignore_index,determinism"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("FAIL ignore_index: ")
+    assert lines[2] == "NOT RUN determinism: the backend does not declare deterministic on cpu"
+    assert lines[3].endswith("0 pass, 1 fail, 1 not run")
+
+
+def test_runner_exits_0_when_nothing_failed(kit_backends, capsys):
+    assert _run(["kit-ref", "-k", "forward_accuracy,tiny", "--dtype", "bf16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:3] == ["PASS forward_accuracy", "PASS tiny_batches"]
+
+
+def test_runner_selection_that_matches_nothing_is_an_error(kit_backends):
+    with pytest.raises(ValueError, match="matches no property"):
+        _run(["kit-ref", "-k", "no_such_property"])
+
+
+def test_options_are_validated_against_the_backends_options_model(kit_backends):
+    with pytest.raises(ValueError, match="not valid"):
+        Target.resolve("kit-ref", '{"chunk": 3}')
