@@ -1,0 +1,130 @@
+"""The plugin surface: entry point, cheap import, options, capabilities, check() and the core."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from fusedhead.errors import BackendUnavailableError
+from fusedhead_triton import TritonBackend, TritonOptions
+
+
+def test_entry_point_names_the_backend_class() -> None:
+    eps = [ep for ep in entry_points(group="fusedhead.backends") if ep.name == "triton"]
+    assert [ep.value for ep in eps] == ["fusedhead_triton:TritonBackend"]
+    assert TritonBackend.name == "triton"
+    assert TritonBackend.plugin_api_version == 1
+
+
+def test_import_does_not_import_triton() -> None:
+    code = "import sys, fusedhead_triton; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_options_are_validated() -> None:
+    assert TritonOptions().backward_block_mib > 0
+    with pytest.raises(ValidationError, match="power"):
+        TritonOptions(block_m=24)
+    with pytest.raises(ValidationError):
+        TritonOptions(block_n=8)
+    with pytest.raises(ValidationError):
+        TritonOptions(not_an_option=1)
+    with pytest.raises(ValidationError):
+        TritonOptions(dh_gemm="magma")
+
+
+def test_capabilities_under_the_interpreter() -> None:
+    caps = TritonBackend().capabilities(torch.device("cpu"))
+    assert caps.devices == ("cuda", "cpu")
+    assert caps.dtypes == ("fp32", "fp16")
+    assert caps.batch_invariant and caps.deterministic and caps.vocab_parallel
+    assert caps.per_token_temperature and caps.softcap and caps.uneven_shards
+    assert caps.entropy_precision == "fp32" and caps.logits_precision == "fp32"
+
+
+def test_capabilities_without_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET")
+    caps = TritonBackend().capabilities(torch.device("cuda"))
+    assert caps.devices == ("cuda",)
+    assert caps.dtypes == ("fp32", "fp16", "bf16")
+
+
+def test_check_on_the_cpu_without_the_interpreter_says_how(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(BackendUnavailableError) as err:
+        TritonBackend().check(torch.device("cpu"), torch.float32)
+    assert "TRITON_INTERPRET=1" in str(err.value) and "backend='torch'" in str(err.value)
+
+
+def test_check_refuses_bf16_under_the_interpreter() -> None:
+    TritonBackend().check(torch.device("cpu"), torch.float32)
+    TritonBackend().check(torch.device("cpu"), torch.float16)
+    with pytest.raises(BackendUnavailableError, match="bf16"):
+        TritonBackend().check(torch.device("cpu"), torch.bfloat16)
+
+
+def test_check_refuses_other_devices_and_dtypes() -> None:
+    with pytest.raises(BackendUnavailableError, match="CUDA"):
+        TritonBackend().check(torch.device("meta"), torch.float32)
+    with pytest.raises(BackendUnavailableError, match="fp32, fp16 or bf16"):
+        TritonBackend().check(torch.device("cpu"), torch.float64)
+
+
+def test_check_refuses_cuda_while_the_interpreter_is_on() -> None:
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET"):
+        TritonBackend().check(torch.device("cuda"), torch.bfloat16)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message on a machine without CUDA"
+)
+def test_check_without_cuda_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(BackendUnavailableError, match="no CUDA device"):
+        TritonBackend().check(torch.device("cuda"), torch.bfloat16)
+
+
+def test_kernels_follow_the_interpreter_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel modules are rebuilt when TRITON_INTERPRET changes (it is read at @jit time)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fusedhead_triton import launch
+
+    fwd, _ = launch.kernels()
+    assert isinstance(fwd.fwd_stats_kernel, InterpretedFunction)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    fwd, _ = launch.kernels()
+    assert not isinstance(fwd.fwd_stats_kernel, InterpretedFunction)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fwd, _ = launch.kernels()
+    assert isinstance(fwd.fwd_stats_kernel, InterpretedFunction)
+
+
+def test_through_the_core_api() -> None:
+    """fusedhead.fused_head(backend="triton") validates, reshapes 3-D inputs and differentiates."""
+    import fusedhead
+    from fusedhead.reference import reference_fused_head
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 9, 40, generator=g, requires_grad=True)
+    w = (torch.randn(300, 40, generator=g) / 40**0.5).requires_grad_()
+    lab = torch.randint(0, 300, (2, 9), generator=g)
+    lab[0, 3] = -100
+    out = fusedhead.fused_head(h, w, lab, backend="triton", temperature=0.7)
+    assert out.log_probs.shape == (2, 9) and out.entropy.shape == (2, 9)
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    hr = h.detach().double().requires_grad_()
+    wr = w.detach().double().requires_grad_()
+    rl, re = reference_fused_head(hr, wr, lab, temperature=0.7, compute_dtype=torch.float64)
+    (rl.sum() + re.sum()).backward()
+    assert torch.allclose(out.log_probs.double(), rl, rtol=0, atol=1e-5)
+    assert torch.allclose(h.grad.double(), hr.grad, rtol=0, atol=1e-5)
+    assert torch.allclose(w.grad.double(), wr.grad, rtol=0, atol=1e-5)

@@ -1,0 +1,93 @@
+"""Worker for the vocab-parallel tests: one gloo rank runs every case on its vocabulary shard."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+N, H, V = 29, 40, 192
+BAD_ROW = 4  # its label is past the vocabulary: NaN log-prob on every rank
+IGNORE = -100
+#: name -> shard bounds for 2 ranks, reduce_hidden_grad, and call keywords
+CASES: dict[str, dict[str, Any]] = {
+    "equal": {"bounds": [0, 96, 192], "reduce": True, "kwargs": {}},
+    "uneven_partial_dh": {"bounds": [0, 70, 192], "reduce": False, "kwargs": {}},
+    "uneven_softcap_token_t": {
+        "bounds": [0, 130, 192],
+        "reduce": True,
+        "kwargs": {"softcap": 2.0, "per_token": True},
+    },
+    "no_entropy": {"bounds": [0, 96, 192], "reduce": True, "kwargs": {"entropy": False}},
+}
+TILES = {"block_m": 32, "block_n": 64, "block_k": 32, "backward_block_mib": 1e-3}
+
+
+def full_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[::5] = IGNORE
+    labels[BAD_ROW] = V + 3
+    return {
+        "hidden": torch.randn(N, H, generator=g),
+        "weight": torch.randn(V, H, generator=g) / H**0.5,
+        "labels": labels,
+        "temps": torch.rand(N, generator=g) + 0.5,
+        "g_lp": torch.randn(N, generator=g),
+        "g_ent": torch.randn(N, generator=g),
+    }
+
+
+def run_case(
+    x: dict[str, torch.Tensor],
+    lo: int,
+    hi: int,
+    reduce: bool,
+    group: Any,
+    *,
+    softcap: float | None = None,
+    per_token: bool = False,
+    entropy: bool = True,
+) -> dict[str, Any]:
+    """Forward + backward on rows [lo, hi) of the weight; outputs and both gradients."""
+    from fusedhead_triton import TritonBackend, TritonOptions
+
+    h = x["hidden"].clone().requires_grad_()
+    w = x["weight"][lo:hi].clone().requires_grad_()
+    temp = x["temps"] if per_token else 0.7
+    lp, ent = TritonBackend(TritonOptions(**TILES)).forward(
+        h, w, x["labels"], temperature=temp, ignore_index=IGNORE, return_entropy=entropy,
+        process_group=group, vocab_start=lo, vocab_size=V, reduce_hidden_grad=reduce,
+        softcap=softcap,
+    )  # fmt: skip
+    loss = (lp * x["g_lp"]).nansum()
+    if ent is not None:
+        loss = loss + (ent * x["g_ent"]).sum()
+    loss.backward()
+    return {
+        "log_probs": lp.detach(),
+        "entropy": None if ent is None else ent.detach(),
+        "d_hidden": h.grad,
+        "d_weight": w.grad,
+    }
+
+
+def worker(rank: int, world: int, port: int, out: str) -> None:
+    """mp.spawn target: join the gloo group, run every case on this rank's shard, save."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        x = full_inputs()
+        results = {}
+        for name, case in CASES.items():
+            lo, hi = case["bounds"][rank], case["bounds"][rank + 1]
+            results[name] = run_case(x, lo, hi, case["reduce"], dist.group.WORLD, **case["kwargs"])
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
