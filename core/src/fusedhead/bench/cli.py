@@ -78,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="write results here, one object per measurement, as they come",
     )
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add to the results already in --json (the table and plot then show them all)",
+    )
     parser.add_argument("--markdown", metavar="PATH", help="write the Markdown table here")
     parser.add_argument(
         "--plot", metavar="PATH", help="write a PNG plot here (needs fusedhead[bench])"
@@ -121,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         "versions": report.versions(),
         "environment": peers.environment_note(),
     }
-    writer = report.JsonWriter(args.json)
+    writer = report.JsonWriter(args.json, append=args.append)
     progress = report.Progress(len(cases) * len(impls))
     deadline = progress.start + 60.0 * args.max_minutes
     failures = 0

@@ -80,9 +80,14 @@ def versions() -> dict[str, str | None]:
 class JsonWriter:
     """A JSON list on disk that grows by one object per measurement, valid after each write."""
 
-    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None, *, append: bool = False) -> None:
         self.path = Path(path) if path else None
         self.records: list[dict[str, Any]] = []
+        if self.path is not None and append and self.path.exists():
+            loaded = json.loads(self.path.read_text() or "[]")
+            if not isinstance(loaded, list):
+                raise ValueError(f"--append: {self.path} does not hold a JSON list")
+            self.records = loaded
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._flush()
@@ -160,6 +165,11 @@ def summary_line(record: dict[str, Any]) -> str:
     )
 
 
+def _case_key(record: dict[str, Any]) -> tuple[Any, ...]:
+    c = record["case"]
+    return (c["dtype"], c["hidden"], c["vocab"], c.get("scale", 1.0), c["n"])
+
+
 def markdown(records: Iterable[dict[str, Any]]) -> str:
     """A Markdown table of the measured cases, then the skipped ones with reasons."""
     records = list(records)
@@ -182,7 +192,7 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
         "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     skipped = []
-    for r in records:
+    for r in sorted(records, key=_case_key):
         c = r["case"]
         if r["status"] != "ok":
             skipped.append(r)

@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# run_all.sh [PARTS_DIR ...]: the one GPU call that measures everything, on one H200.
+#
+# Run from the repository root on the GPU host (Python 3.12, torch, triton, no internet), with
+# .gpu-wheels/small and .gpu-wheels/install-wheels carried. PARTS_DIR are folders holding the
+# pieces (NAME.whl.part-aa, NAME.whl.part-ab, ...) of the CuTe DSL runtime wheel that Liger's SM90
+# kernel needs; pieces from several folders are joined (one may have been stashed on the machine by
+# scripts/gpu/stash_part.sh in an earlier call). Without complete pieces everything still runs and
+# the Liger native kernel is reported unavailable.
+#
+# Steps, each with its own time limit, each failing on its own (status in summary.txt):
+#   install   wheels, then core + the three backends (pip, no index, no deps, no build isolation)
+#   list      fusedhead list --check --device cuda
+#   bench     fusedhead bench, N=8192 and 32768, H=4096, V=151936, bf16, T=0.7: liger, liger-direct,
+#             torch, verl-chunked, cce, reference (8192 only: it is skipped where it would not
+#   bench-last  fit), then triton in a second process appending to the same JSON
+#   check-*   fusedhead check {triton,liger,torch} --device cuda --dtype bf16  (in parallel with:)
+#   pytest    pytest -m gpu over tests/
+#   liger-gpu-check, triton-gpu-check   plugins/*/tools/gpu_check.py when present (one at a time)
+# Results in $OUT (at most 8 files; anything more is packed into extra.tar.gz):
+#   summary.txt bench.json bench.md bench.png bench.log checks.log  + the tools' JSON files.
+#
+# Environment knobs: DEADLINE_S (whole run, default 560), BENCH_MINUTES (default 2.5) and
+# BENCH_IMPLS (first bench process), BENCH_LAST_MINUTES (1.2) and BENCH_LAST_IMPLS (triton; empty
+# for none) (second bench process), BENCH_SHAPE, DEVICE (cuda), DTYPE (bf16), LIGER_CHECK_ARGS, TRITON_CHECK_ARGS,
+# WHEELS (default .gpu-wheels), STEPS (default "install bench checks tools": the groups to run). DEVICE=cpu DTYPE=fp32 with a tiny BENCH_SHAPE rehearses the script
+# on a CPU (tests/bench/test_gpu_script.py does, with pip and nvidia-smi stubbed).
+set -uo pipefail
+
+START=$SECONDS
+DEADLINE_S=${DEADLINE_S:-560}
+RESERVE_S=15
+OUT=${OUT:-$PWD/.gpu-out}
+WHEELS=${WHEELS:-.gpu-wheels}
+BENCH_MINUTES=${BENCH_MINUTES:-2.5}
+BENCH_IMPLS=${BENCH_IMPLS:-liger liger-direct torch verl-chunked cce reference}
+BENCH_LAST_MINUTES=${BENCH_LAST_MINUTES:-1.2}
+BENCH_LAST_IMPLS=${BENCH_LAST_IMPLS-triton}
+BENCH_SHAPE=${BENCH_SHAPE:---n 8192 32768 --hidden 4096 --vocab 151936}
+DEVICE=${DEVICE:-cuda}
+DTYPE=${DTYPE:-bf16}
+LIGER_CHECK_ARGS=${LIGER_CHECK_ARGS:-}
+TRITON_CHECK_ARGS=${TRITON_CHECK_ARGS:---quick --budget-s 45}
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+STEPS=${STEPS:-install bench checks tools}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+mkdir -p "$OUT"
+rm -f "$OUT/bench.json"  # bench appends: start from nothing
+WORK=$(mktemp -d)
+SUMMARY=$OUT/summary.txt
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+: >"$SUMMARY"
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+left() { echo $((DEADLINE_S - (SECONDS - START) - RESERVE_S)); }
+
+# step NAME LOG LIMIT_S CMD...: run CMD with its output appended to LOG, limited to LIMIT_S seconds
+# (or what is left of the whole run); record exit status and time. Never fails the script.
+step() {
+  local name=$1 log=$2 limit=$3
+  shift 3
+  local t
+  t=$(left)
+  ((t < limit)) && limit=$t
+  if ((limit < 10)); then
+    note "$(printf '%-18s %-10s %5ss  %s' "$name" "skipped" 0 "no time left")"
+    return 0
+  fi
+  local t0=$SECONDS
+  {
+    echo "===== $name: $* (limit ${limit}s) ====="
+    timeout -k 10 "$limit" "$@"
+  } >>"$log" 2>&1
+  local rc=$?
+  local status=ok
+  ((rc == 124 || rc == 137)) && status=timeout
+  ((rc != 0 && rc != 124 && rc != 137)) && status="exit $rc"
+  echo "===== $name: $status after $((SECONDS - t0))s =====" >>"$log"
+  note "$(printf '%-18s %-10s %5ss  %s' "$name" "$status" $((SECONDS - t0)) "${SHOWN_LOG:-$(basename "$log")}")"
+  return 0
+}
+
+note "fusedhead GPU run $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+note "$(nvidia-smi -L 2>&1 | head -4)"
+note "step               status      time  log"
+
+# --- install -------------------------------------------------------------------------------------
+SETUP=$WORK/setup.log
+PARTS=$WORK/parts
+: >"$SETUP"
+if want install; then
+  bash "$HERE/join_parts.sh" "$PARTS" "$@" >>"$SETUP" 2>&1 || true
+  if [[ -n $(ls "$PARTS" 2>/dev/null) ]]; then
+    step install-wheels "$SETUP" 180 bash "$WHEELS/install-wheels" "$WHEELS/small" "$PARTS"
+    if ! python3 -c "import pydantic, hatchling" >>"$SETUP" 2>&1; then
+      note "retrying the wheels without the CuTe DSL pieces"
+      step install-wheels2 "$SETUP" 120 bash "$WHEELS/install-wheels" "$WHEELS/small"
+    fi
+  else
+    note "no complete CuTe DSL wheel pieces: Liger's native kernel will be unavailable"
+    step install-wheels "$SETUP" 120 bash "$WHEELS/install-wheels" "$WHEELS/small"
+  fi
+  step install-project "$SETUP" 120 python3 -m pip install -q --no-index --no-deps \
+    --no-build-isolation ./core ./plugins/torch_backend ./plugins/triton_backend \
+    ./plugins/liger_backend
+fi
+step env "$SETUP" 60 python3 "$HERE/env_report.py"
+step list "$SETUP" 60 python3 -m fusedhead.cli list --check --device "$DEVICE"
+
+# --- bench (alone on the GPU: it times) ----------------------------------------------------------
+# Two processes appending to one JSON: the Triton backend's own kernels run last and apart, so a
+# crash or a hang there (a sticky CUDA error poisons a process) costs nobody else's numbers.
+bench() { # bench NAME MINUTES IMPLS...
+  local name=$1 minutes=$2
+  shift 2
+  local limit
+  limit=$(python3 -c "print(int(${minutes} * 60 + 60))" 2>/dev/null || echo 210)
+  step "$name" "$OUT/bench.log" "$limit" python3 -m fusedhead.cli bench --device "$DEVICE" \
+    --dtype "$DTYPE" $BENCH_SHAPE --temperature 0.7 --impl "$@" --max-minutes "$minutes" \
+    --append --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png"
+}
+if want bench; then
+  # shellcheck disable=SC2086
+  bench bench "$BENCH_MINUTES" $BENCH_IMPLS
+  # shellcheck disable=SC2086
+  [[ -n $BENCH_LAST_IMPLS ]] && bench bench-last "$BENCH_LAST_MINUTES" $BENCH_LAST_IMPLS
+fi
+
+# --- correctness, in parallel (nothing here is timed) -------------------------------------------
+CHECKS=$OUT/checks.log
+par() { # par NAME LIMIT CMD...: a step in the background with its own log
+  local name=$1 limit=$2
+  shift 2
+  (SHOWN_LOG=checks.log step "$name" "$WORK/$name.log" "$limit" "$@") &
+}
+if want checks; then
+  par check-triton 170 python3 -m fusedhead.cli check triton --device "$DEVICE" --dtype "$DTYPE"
+  par check-liger 170 python3 -m fusedhead.cli check liger --device "$DEVICE" --dtype "$DTYPE"
+  par check-torch 170 python3 -m fusedhead.cli check torch --device "$DEVICE" --dtype "$DTYPE"
+  par pytest-gpu 170 python3 -m pytest -m gpu tests -q -rfEs -p no:cacheprovider \
+    --continue-on-collection-errors
+  wait
+  for name in check-triton check-liger check-torch pytest-gpu; do
+    [[ -f $WORK/$name.log ]] && cat "$WORK/$name.log" >>"$CHECKS"
+  done
+fi
+
+# --- the backends' own GPU checks (one at a time: they time) ------------------------------------
+if want tools && [[ -f plugins/liger_backend/tools/gpu_check.py ]]; then
+  # shellcheck disable=SC2086
+  step liger-gpu-check "$CHECKS" 120 python3 plugins/liger_backend/tools/gpu_check.py \
+    "$OUT/liger_gpu_check.json" $LIGER_CHECK_ARGS
+fi
+if want tools && [[ -f plugins/triton_backend/tools/gpu_check.py ]]; then
+  mkdir -p "$WORK/triton"
+  # shellcheck disable=SC2086
+  step triton-gpu-check "$CHECKS" 150 python3 plugins/triton_backend/tools/gpu_check.py \
+    --out "$WORK/triton" $TRITON_CHECK_ARGS
+  [[ -f $WORK/triton/gpu_check.json ]] && mv "$WORK/triton/gpu_check.json" "$OUT/triton_gpu_check.json"
+  if [[ -n $(ls -A "$WORK/triton") ]]; then
+    mkdir -p "$OUT/extra" && cp -r "$WORK/triton" "$OUT/extra/triton"
+  fi
+fi
+
+# --- summary and packing -------------------------------------------------------------------------
+note "total $((SECONDS - START))s"
+{
+  echo
+  echo "----- setup log -----"
+  cat "$SETUP"
+  for f in "$OUT/bench.log" "$CHECKS"; do
+    [[ -f $f ]] || continue
+    echo
+    echo "----- last lines of $(basename "$f") -----"
+    tail -n 40 "$f"
+  done
+} >>"$SUMMARY"
+python3 "$HERE/pack_out.py" "$OUT" 8 summary.txt bench.json bench.md bench.png bench.log checks.log \
+  triton_gpu_check.json liger_gpu_check.json || ls -la "$OUT"
+rm -rf "$WORK"
+echo "----- summary (full: summary.txt) -----"
+sed -n '/^step /,/^total /p' "$SUMMARY"
+[[ -f $OUT/bench.md ]] && cat "$OUT/bench.md"
+exit 0
