@@ -13,7 +13,7 @@ from fusedhead_torch.chunked import ChunkedFusedHead, HeadSpec
 from fusedhead_torch.tiling import Tiles, plan_tiles
 
 #: Default workspace for the logit tiles, per device type, in MiB.
-DEFAULT_WORKSPACE_MIB = {"cuda": 1024, "cpu": 32}
+DEFAULT_WORKSPACE_MIB = {"cuda": 1024, "cpu": 64}
 SUPPORTED_DEVICES = ("cpu", "cuda")
 SUPPORTED_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -26,7 +26,7 @@ class TorchOptions(BaseModel):
     workspace_mib: PositiveInt | None = Field(
         default=None,
         description="Bound on the fp32/input-dtype buffers of one logit tile, in MiB "
-        "(default: 1024 on CUDA, 32 on the CPU).",
+        "(default: 1024 on CUDA, 64 on the CPU).",
     )
     block_vocab: PositiveInt | None = Field(
         default=None, description="Vocabulary columns per block (default: from the workspace)."
@@ -94,7 +94,7 @@ class TorchBackend:
     ) -> Tiles:
         """The tiles a call with ``n`` rows and ``v`` local vocabulary columns walks."""
         opts = self.options
-        mib = opts.workspace_mib or DEFAULT_WORKSPACE_MIB.get(device.type, 32)
+        mib = opts.workspace_mib or DEFAULT_WORKSPACE_MIB.get(device.type, DEFAULT_WORKSPACE_MIB["cpu"])
         return plan_tiles(
             n,
             v,
