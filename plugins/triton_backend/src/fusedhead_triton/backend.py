@@ -29,8 +29,11 @@ class TritonOptions(BaseModel):
     block_k: int | None = None
     #: Persistent grid with TMA loads for the logits GEMMs (Hopper+); None: shipped default.
     tma: bool | None = None
-    #: Bound on the backward's ``dz[N, Vb]`` block buffer, in MiB (sets Vb from N).
-    backward_block_mib: float = Field(default=64.0, gt=0)
+    #: Bound on the backward's ``dz[N, Vb]`` block buffer, in MiB (sets Vb from N). Wider blocks
+    #: are faster (fewer launches, less hidden-gradient traffic) and cost memory.
+    backward_block_mib: float = Field(default=256.0, gt=0)
+    #: Upper bound on Vb, the vocabulary columns per backward block.
+    backward_block_max_cols: int = Field(default=8192, ge=16)
     #: GEMM that adds ``dz @ W_block`` into the fp32 hidden-gradient sum: this package's Triton
     #: kernel (bf16 keeps the sum as an exact hi/lo pair: less memory), or cuBLAS with an fp32
     #: output where torch offers ``addmm(out_dtype=float32)`` (falls back to Triton otherwise).
@@ -177,6 +180,7 @@ class TritonBackend:
             reduce_hidden_grad=bool(reduce_hidden_grad),
             configs=configs,
             backward_block_bytes=int(o.backward_block_mib * 2**20),
+            backward_block_max_cols=o.backward_block_max_cols,
             dh_gemm=o.dh_gemm,
         )
         labels = labels.contiguous()

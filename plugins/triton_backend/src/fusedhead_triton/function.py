@@ -21,6 +21,7 @@ class CallSpec:
     reduce_hidden_grad: bool
     configs: BackendConfigs
     backward_block_bytes: int
+    backward_block_max_cols: int = 8192
     dh_gemm: str = "triton"
 
 
@@ -91,6 +92,7 @@ class FusedHeadFunction(torch.autograd.Function):
             need_dh=need_dh, need_dw=need_dw,
             dh_fp32=sum_dh and hidden.dtype != torch.float32,
             block_bytes=spec.backward_block_bytes,
+            block_max_cols=spec.backward_block_max_cols,
             dh_gemm=spec.dh_gemm,
         )  # fmt: skip
         if sum_dh and dh is not None:

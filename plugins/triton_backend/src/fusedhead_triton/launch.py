@@ -166,9 +166,10 @@ def combine(
     return outs[0], outs[1], outs[2]
 
 
-def vocab_block(n: int, v: int, esize: int, budget_bytes: int, align: int) -> int:
-    """Columns of the backward's ``dz[N, Vb]`` block: fits the budget, multiple of ``align``."""
-    cols = budget_bytes // max(1, n * esize)
+def vocab_block(n: int, v: int, esize: int, budget_bytes: int, align: int, max_cols: int) -> int:
+    """Columns of the backward's ``dz[N, Vb]`` block: within the byte budget and ``max_cols``,
+    a multiple of ``align`` (at least one), never wider than the vocabulary needs."""
+    cols = min(budget_bytes // max(1, n * esize), max_cols)
     cols = max(align, cols // align * align)
     return min(cols, math.ceil(v / align) * align)
 
@@ -244,6 +245,7 @@ def backward_grads(
     need_dw: bool,
     dh_fp32: bool,
     block_bytes: int,
+    block_max_cols: int = 8192,
     dh_gemm: str = "triton",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dh, dW) by vocabulary blocks: dz kernel, then dW[block] by cuBLAS, dh += dz @ W[block].
@@ -265,7 +267,7 @@ def backward_grads(
         return (dh0 if need_dh else None), dw
 
     align = math.lcm(dz_cfg.block_n, dh_cfg.block_k)
-    vb = vocab_block(n, v, hidden.element_size(), block_bytes, align)
+    vb = vocab_block(n, v, hidden.element_size(), block_bytes, align, block_max_cols)
     nblocks = math.ceil(v / vb)
     # rows of dz keep the aligned stride vb (also for the last, narrower block): TMA-ready
     dz_full = torch.empty((n, min(vb, math.ceil(v / align) * align)), dtype=dtype, device=dev)
