@@ -191,11 +191,20 @@ def test_tiling_changes_nothing_beyond_rounding() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_matches_float64_reference(dtype: str) -> None:
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("feature", ["plain", "per-token-T", "softcap", "no-entropy"])
+def test_cuda_matches_float64_reference(dtype: str, feature: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
-    case = make_case(300, 64, 1000)
-    got = run_backend(
-        case, dtype=DTYPES[dtype], device="cuda", options=TorchOptions(block_vocab=256)
-    )
-    assert_close(got, run_reference(case, dtype=DTYPES[dtype]), dtype)
+    case = make_case(300, 64, 1000, peak=4.0 if feature == "softcap" else 1.0)
+    kwargs: dict = {}
+    if feature == "per-token-T":
+        kwargs["temperature"] = torch.linspace(0.1, 5.0, 300)
+    if feature == "softcap":
+        kwargs["softcap"] = 3.0
+    if feature == "no-entropy":
+        kwargs["return_entropy"] = False
+    # "plain" also chunks rows, so a block's weight gradient sums row chunks in fp32.
+    rows = 128 if feature == "plain" else None
+    options = TorchOptions(block_vocab=256, chunk_rows=rows)
+    got = run_backend(case, dtype=DTYPES[dtype], device="cuda", options=options, **kwargs)
+    assert_close(got, run_reference(case, dtype=DTYPES[dtype], **kwargs), dtype, feature)
