@@ -80,6 +80,7 @@ class Target:
                 "--device cuda was asked for but torch sees no CUDA device here"
             )
         head = FusedHead(FusedHeadConfig(backend=backend, options=opts, device=str(dev)))
+        head.backend.check(dev, DTYPES[dtype])  # first: its own reason and fix reach the user
         caps = head.capabilities(dev)
         if dev.type not in caps.devices:
             raise BackendUnavailableError(
@@ -89,7 +90,6 @@ class Target:
             raise BackendUnavailableError(
                 f"backend {backend!r} does not take {dtype} inputs (it declares dtypes {list(caps.dtypes)})"
             )
-        head.backend.check(dev, DTYPES[dtype])
         return cls(backend, opts, dev, dtype, head, caps)
 
     @property
