@@ -9,6 +9,7 @@ import torch
 from torch_backend_helpers import (
     DTYPES,
     IGNORE,
+    Result,
     assert_close,
     make_case,
     rel_err,
@@ -16,7 +17,7 @@ from torch_backend_helpers import (
     run_reference,
 )
 
-from fusedhead_torch import TorchOptions
+from fusedhead_torch import TorchBackend, TorchOptions
 
 #: Small tiles whose sizes divide neither N nor V, so every loop has a ragged last tile.
 RAGGED = TorchOptions(chunk_rows=10, block_vocab=16)
@@ -166,6 +167,29 @@ def test_out_of_range_labels_give_nan_rows_and_never_index_out_of_bounds() -> No
     # The caller's loss skips NaN rows (nansum): their entropy term still flows, like the
     # reference's rows whose label is ignored but whose entropy is kept.
     assert torch.isfinite(got.d_hidden).all() and torch.isfinite(got.d_weight).all()
+
+
+def test_backward_under_autocast_keeps_the_input_precision() -> None:
+    case = make_case(30, 16, 60)
+    h = case.hidden.float().requires_grad_()
+    w = case.weight.float().requires_grad_()
+    lp, ent = TorchBackend(RAGGED).forward(
+        h,
+        w,
+        case.labels,
+        temperature=0.7,
+        ignore_index=IGNORE,
+        return_entropy=True,
+        process_group=None,
+        vocab_start=0,
+        vocab_size=60,
+        reduce_hidden_grad=True,
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ((lp.double() * case.g_lp).sum() + (ent.double() * case.g_ent).sum()).backward()
+    got = Result(lp.detach(), ent.detach(), h.grad, w.grad)
+    assert h.grad.dtype == torch.float32
+    assert_close(got, run_reference(case), "fp32", "backward under autocast")
 
 
 def test_deterministic_bits_run_to_run() -> None:

@@ -208,6 +208,11 @@ def _walk_tiles(
     return dh, dw
 
 
+def _no_autocast(device: torch.device) -> torch.autocast:
+    """GEMMs in the dtype of the tensors given, whatever autocast region the caller is in."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 class ChunkedFusedHead(torch.autograd.Function):
     """``(log_probs, entropy)`` of ``hidden [N, H]`` and ``weight [V_local, H]``; see module doc."""
 
@@ -224,7 +229,8 @@ class ChunkedFusedHead(torch.autograd.Function):
         h = hidden.contiguous()
         scaling = Scaling(inv_t, spec.softcap)
         place = LabelPlace.locate(labels, weight.shape[0], spec)
-        stats, z_label = _forward_stats(h, weight, place, scaling, spec)
+        with _no_autocast(h.device):
+            stats, z_label = _forward_stats(h, weight, place, scaling, spec)
         if spec.process_group is not None:
             stats, z_label = all_reduce_row_stats(stats, z_label, spec.process_group)
         zero = torch.zeros((), dtype=FP32, device=h.device)
@@ -262,7 +268,9 @@ class ChunkedFusedHead(torch.autograd.Function):
         scaling = Scaling(inv_t, spec.softcap)
         place = LabelPlace.locate(labels, weight.shape[0], spec)
         coefs = _coefficients(g_lp, g_ent, (row_sum, entropy), place, inv_t)
-        dh, dw = _backward_grads(
-            hidden.contiguous(), weight, place, scaling, spec, row_max, coefs, need_h, need_w
-        )
+        # A backward() called under autocast must not turn the gradient GEMMs to lower precision.
+        with _no_autocast(hidden.device):
+            dh, dw = _backward_grads(
+                hidden.contiguous(), weight, place, scaling, spec, row_max, coefs, need_h, need_w
+            )
         return dh, dw, None, None, None
