@@ -207,3 +207,30 @@ def test_reference_gradients_without_entropy_are_the_log_prob_term() -> None:
     torch.autograd.backward([lp], [inputs.grad_log_probs.double()])
     dh, dw = ref.grads(with_entropy=False)
     assert torch.allclose(dh, h.grad) and torch.allclose(dw, w.grad)
+
+
+def test_a_backend_that_does_not_load_costs_only_its_own_rows(
+    with_fixture_dists: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "r.json"
+    rc = cli.main(["bench", *TINY, "--impl", "broken", "dup", "reference", "--no-memory",
+                   "--json", str(out)])  # fmt: skip
+    assert rc == 1  # errors were recorded
+    by_impl = {r["impl"]: r for r in json.loads(out.read_text())}
+    assert by_impl["broken"]["status"] == "error" and "broken" in by_impl["broken"]["error"]
+    assert by_impl["dup"]["status"] == "error" and "claimed by 2" in by_impl["dup"]["error"]
+    assert by_impl["reference"]["status"] == "ok"
+
+
+def test_report_only_rewrites_table_and_plot_from_json(tmp_path: Path) -> None:
+    record = {
+        "case": {"n": 8, "hidden": 4, "vocab": 10, "dtype": "bf16", "scale": 1.0},
+        "impl": "x", "status": "ok", "fwd_units": 1.1, "fwd_bwd_units": 4.2, "unit_ms": 2.0,
+        "fwd_bwd_ms": 8.4, "peak_extra_bytes": 1 << 30, "errors": None,
+        "device": {"name": "GPU", "type": "cuda"}, "versions": {"torch": "2"}, "date": "2026",
+    }  # fmt: skip
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps([record]))
+    md = tmp_path / "t.md"
+    assert cli.main(["bench", "--report-only", "--json", str(src), "--markdown", str(md)]) == 0
+    assert "| 8 | 4 | 10 | bf16 | x | 2.00 | 1.10 | 4.20 | 8.4 | 1 |" in md.read_text()

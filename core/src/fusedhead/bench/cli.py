@@ -83,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="add to the results already in --json (the table and plot then show them all)",
     )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="measure nothing: write the table and plot of the results in --json",
+    )
     parser.add_argument("--markdown", metavar="PATH", help="write the Markdown table here")
     parser.add_argument(
         "--plot", metavar="PATH", help="write a PNG plot here (needs fusedhead[bench])"
@@ -91,6 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the grid; exit 0 when every attempted measurement succeeded, 1 otherwise."""
+    if args.report_only:
+        return _report_only(args)
     import torch
 
     from fusedhead.bench import accuracy, peers, report, timing
@@ -148,12 +155,13 @@ def run(args: argparse.Namespace) -> int:
                     )
                     progress.done += 1
                 continue
-            reasons = {impl.name: impl.availability(case) for impl in impls}
-            if all(reasons.values()):
+            blocked = {impl.name: _blocked(impl, case) for impl in impls}
+            if all(blocked.values()):
                 for impl in impls:
-                    writer.add(
-                        _record(case, impl, common, status="skipped", reason=reasons[impl.name])
-                    )
+                    status, why = blocked[impl.name]  # type: ignore[misc]
+                    failures += status == "error"
+                    key = "error" if status == "error" else "reason"
+                    writer.add(_record(case, impl, common, status=status, **{key: why}))
                     progress.done += 1
                     progress.line(f"{case.label()} {report.summary_line(writer.records[-1])}")
                 continue
@@ -164,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             ref_s = None
             if not args.no_accuracy:
                 t0 = time.perf_counter()
-                need_lp = any(not i.entropy and not reasons[i.name] for i in impls)
+                need_lp = any(not i.entropy and not blocked[i.name] for i in impls)
                 ref = accuracy.compute_reference(case, inputs, lp_only_grads=need_lp)
                 ref_s = time.perf_counter() - t0
             tflops = 2.0 * case.n * case.hidden * case.vocab / (unit_ms * 1e-3) / 1e12
@@ -176,14 +184,15 @@ def run(args: argparse.Namespace) -> int:
                 "reference_dtype": None if ref is None else str(ref.dtype).replace("torch.", ""),
             }
             for impl in impls:
-                reason = reasons[impl.name]
-                if not reason and time.monotonic() > deadline:
-                    reason = f"time cap of {args.max_minutes:g} min reached"
-                if not reason and impl.name == "reference":
-                    # Free memory now, with this case's tensors held.
-                    reason = impl.availability(case)
-                if reason:
-                    rec = _record(case, impl, common, status="skipped", reason=reason, **extra)
+                block = blocked[impl.name]
+                if not block and time.monotonic() > deadline:
+                    block = ("skipped", f"time cap of {args.max_minutes:g} min reached")
+                if not block and impl.name == "reference":
+                    block = _blocked(impl, case)  # free memory now, with this case's tensors held
+                if block:
+                    failures += block[0] == "error"
+                    key = "error" if block[0] == "error" else "reason"
+                    rec = _record(case, impl, common, status=block[0], **{key: block[1]}, **extra)
                 else:
                     progress.line(f"{case.label()} {impl.name}: running")
                     try:
@@ -217,6 +226,30 @@ def run(args: argparse.Namespace) -> int:
     finally:
         _finish(args, writer.records, report)
     return 1 if failures else 0
+
+
+def _report_only(args: argparse.Namespace) -> int:
+    from fusedhead.bench import report
+
+    if not args.json:
+        raise ValueError("--report-only needs --json PATH with earlier results")
+    import json
+    from pathlib import Path
+
+    records = json.loads(Path(args.json).read_text())
+    if not isinstance(records, list):
+        raise ValueError(f"{args.json} does not hold a JSON list of results")
+    _finish(args, records, report)
+    return 0
+
+
+def _blocked(impl: Any, case: Any) -> tuple[str, str] | None:
+    """Why ``impl`` will not be measured on ``case``: ("skipped", reason), ("error", what), or None."""
+    try:
+        reason = impl.availability(case)
+    except Exception as exc:  # a backend that does not load or whose probe breaks
+        return ("error", f"{type(exc).__name__}: {exc}")
+    return ("skipped", reason) if reason else None
 
 
 def _record(

@@ -23,7 +23,7 @@ import torch
 
 from fusedhead import registry
 from fusedhead.bench.cases import ELEMENT_BYTES, IGNORE_INDEX, Case
-from fusedhead.errors import BackendUnavailableError
+from fusedhead.errors import BackendConflictError, BackendLoadError, BackendUnavailableError
 
 Fn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, "torch.Tensor | None"]
@@ -76,13 +76,24 @@ def _installed(module: str) -> bool:
 
 
 def _backend(name: str, options: dict[str, Any], spec: str) -> Impl:
-    """A fusedhead backend by its exact name; unknown names and bad options raise now."""
-    from fusedhead.config import FusedHeadConfig
+    """A fusedhead backend by its exact name; unknown names and bad options raise now.
 
-    cand = registry.find(name)  # UnknownBackendError / BackendConflictError, with what is installed
-    FusedHeadConfig.from_dict(
-        {"backend": name, "options": options}
-    )  # imports the class, validates the options
+    A backend that is installed but does not load (broken, incompatible, conflicting) gives an
+    implementation that reports the load error on every case, so one broken plugin costs only its
+    own rows of the table.
+    """
+    from fusedhead.config import validate_options
+    from fusedhead.errors import BackendError
+
+    try:
+        cand = registry.find(name)  # an unknown name raises, listing what is installed
+    except BackendConflictError as exc:
+        return _broken(name, spec, f"{type(exc).__name__}: {exc}", None)
+    try:
+        cls = registry.load_class(name)
+    except BackendError as exc:
+        return _broken(name, spec, f"{type(exc).__name__}: {exc}", cand.distribution)
+    validate_options(name, cls, options)  # a ValueError naming the backend and the option
     label = (
         name
         if not options
@@ -126,6 +137,16 @@ def _backend(name: str, options: dict[str, Any], spec: str) -> Impl:
     return Impl(
         label, spec, "backend", True, availability, build, (dist,) if dist else (), options=options
     )
+
+
+def _broken(name: str, spec: str, error: str, distribution: str | None) -> Impl:
+    """An installed backend that does not load: every case reports ``error``."""
+
+    def fail(case: Case) -> Any:
+        raise BackendLoadError(error)
+
+    dists = (distribution,) if distribution else ()
+    return Impl(name, spec, "backend", True, fail, fail, dists, note="does not load")
 
 
 # --- peers --------------------------------------------------------------------------------------

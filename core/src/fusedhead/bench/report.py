@@ -165,6 +165,12 @@ def summary_line(record: dict[str, Any]) -> str:
     )
 
 
+def _dtype_scale(case: dict[str, Any]) -> str:
+    """The dtype, with the weight scale when it is not the flat default (s=4: peaked)."""
+    scale = case.get("scale", 1.0)
+    return str(case["dtype"]) if scale == 1.0 else f"{case['dtype']} s={scale:g}"
+
+
 def _case_key(record: dict[str, Any]) -> tuple[Any, ...]:
     c = record["case"]
     return (c["dtype"], c["hidden"], c["vocab"], c.get("scale", 1.0), c["n"])
@@ -200,7 +206,7 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
         mem = r.get("peak_extra_bytes")
         name = r["impl"] + ("" if r.get("entropy", True) else " (no entropy)")
         lines.append(
-            f"| {c['n']} | {c['hidden']} | {c['vocab']} | {c['dtype']} | {name} | {_f(r.get('unit_ms', r.get('gemm_ms')), '.2f')} "
+            f"| {c['n']} | {c['hidden']} | {c['vocab']} | {_dtype_scale(c)} | {name} | {_f(r.get('unit_ms', r.get('gemm_ms')), '.2f')} "
             f"| {_f(r.get('fwd_units'))} | {_f(r.get('fwd_bwd_units'))} | {_f(r.get('fwd_bwd_ms'), '.1f')} "
             f"| {'-' if mem is None else format(mem / GiB, '.3g')} | {_err(r, 'log_probs')} "
             f"| {_err(r, 'entropy')} | {_err(r, 'grad_hidden')} | {_err(r, 'grad_weight')} |"
