@@ -129,8 +129,8 @@ def emit(record: dict, out: Path | None) -> None:
             fh.write(line + "\n")
 
 
-def run_n(n: int, out: Path | None) -> None:
-    """Every variant at ``n`` rows."""
+def run_n(n: int, out: Path | None, only: set[str] | None = None) -> None:
+    """Every variant (or those in ``only``) at ``n`` rows."""
     default_row_dot = tile_math.row_dot_
     hidden, weight, labels = inputs(n)
     unit = bench(lambda: torch.mm(hidden, weight.T))
@@ -144,6 +144,8 @@ def run_n(n: int, out: Path | None) -> None:
             ("ws2048", {"workspace_mib": 2048}, default_row_dot),
         ]
     for name, opts, row_dot in variants:
+        if only is not None and name not in only:
+            continue
         tile_math.row_dot_ = row_dot
         backend = TorchBackend(TorchOptions(**opts))
 
@@ -162,7 +164,7 @@ def run_n(n: int, out: Path | None) -> None:
             rec.update(errors(n, hidden, weight, labels, backend))
         emit(rec, out)
     tile_math.row_dot_ = default_row_dot
-    if n == 8192:
+    if n == 8192 and only is None:
         backend = TorchBackend(TorchOptions())
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             call(backend, hidden, weight, labels, True)
@@ -180,10 +182,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--ns", default="8192,32768")
+    p.add_argument("--variants", default=None, help="comma-separated variant names to run")
     args = p.parse_args()
+    only = None if args.variants is None else set(args.variants.split(","))
     torch.backends.cuda.matmul.allow_tf32 = False
     for n in map(int, args.ns.split(",")):
-        run_n(n, args.out)
+        run_n(n, args.out, only)
         torch.cuda.empty_cache()
 
 
