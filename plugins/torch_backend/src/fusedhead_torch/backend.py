@@ -143,7 +143,7 @@ class TorchBackend:
             process_group=process_group,
             reduce_hidden_grad=bool(reduce_hidden_grad),
         )
-        out = ChunkedFusedHead.apply(hidden, weight, labels, inv_t, spec)
+        out = ChunkedFusedHead.apply(hidden, weight, labels, inv_t, spec)  # type: ignore[no-untyped-call]
         if return_entropy:
             log_probs, entropy = out
             return log_probs, entropy

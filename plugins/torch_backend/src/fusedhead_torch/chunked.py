@@ -106,7 +106,7 @@ def _coefficients(
     gl = None if g_lp is None else torch.where(place.valid, g_lp.float(), zero)
     gh = None if g_ent is None or entropy is None else torch.where(place.valid, g_ent.float(), zero)
     inv_s = s.reciprocal()
-    if gh is not None:
+    if gh is not None and entropy is not None:
         a = gh * entropy if gl is None else torch.addcmul(gl, gh, entropy)
         b = (gh * inv_t).neg_()
         a = a.mul_(inv_t).neg_().sub_(b * torch.log(s))
@@ -217,7 +217,7 @@ class ChunkedFusedHead(torch.autograd.Function):
     """``(log_probs, entropy)`` of ``hidden [N, H]`` and ``weight [V_local, H]``; see module doc."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
