@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from fusedhead import registry
 from fusedhead.testing import Outcome, check
 
@@ -16,7 +18,7 @@ def test_example_is_discovered_through_its_entry_point(with_example):
 
 
 def test_example_passes_the_kit_including_batch_invariance(with_example):
-    results = {r.property: r for r in check("example-bi")}
+    results = {r.name: r for r in check("example-bi")}
     assert not [r.line() for r in results.values() if r.outcome is Outcome.FAIL]
     assert results["batch_invariance"].outcome is Outcome.PASS
     assert results["determinism"].outcome is Outcome.PASS
@@ -24,6 +26,7 @@ def test_example_passes_the_kit_including_batch_invariance(with_example):
     assert not_run == {"per_token_temperature", "softcap", "vocab_parallel"}
 
 
+@pytest.mark.slow
 def test_example_passes_in_half_precision_too(with_example):
     for dtype in ("fp16", "bf16"):
         results = check(

@@ -12,7 +12,7 @@ from fusedhead.testing.target import Target
 
 
 def test_correct_backend_passes_every_property_it_declares(kit_backends):
-    results = {r.property: r for r in check("kit-ref")}
+    results = {r.name: r for r in check("kit-ref")}
     assert set(results) == set(PROPERTIES)
     failed = [r.line() for r in results.values() if r.outcome is Outcome.FAIL]
     assert not failed
@@ -46,7 +46,7 @@ def test_padded_vocabulary_is_caught_only_where_v_is_no_multiple_of_a_tile(kit_b
 
 
 def test_batch_invariance_declared_but_absent_is_a_failure_not_a_skip(kit_backends):
-    results = {r.property: r for r in check("wrong-batch-invariance")}
+    results = {r.name: r for r in check("wrong-batch-invariance")}
     assert results["batch_invariance"].outcome is Outcome.FAIL
     others = [
         r.line()

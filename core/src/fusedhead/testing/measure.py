@@ -67,7 +67,7 @@ def evaluate(
         if "entropy" in loss and ent is not None:
             total = total + (ent.double() * g_ent.to(ent.device, torch.float64)).sum()
         if total.requires_grad:
-            total.backward()
+            torch.autograd.backward([total])
     return Outputs(
         lp.detach(),
         None if ent is None else ent.detach(),
@@ -183,7 +183,7 @@ def gradient_magnitudes(
     h_abs = case.hidden.detach().double().abs().requires_grad_(True)
     w_abs = case.weight.detach().double().abs().requires_grad_(True)
     hv, wv, _ = views(h_abs, w_abs, case.labels)
-    (d * (hv.reshape(-1, wv.shape[1]) @ wv.T)).sum().backward()
+    torch.autograd.backward([(d * (hv.reshape(-1, wv.shape[1]) @ wv.T)).sum()])
     assert h_abs.grad is not None and w_abs.grad is not None
     return h_abs.grad, w_abs.grad
 

@@ -18,7 +18,7 @@ class Outcome(str, Enum):
 class Result:
     """The outcome of one property on one (backend, options, device, dtype), with a one-line reason."""
 
-    property: str
+    name: str
     outcome: Outcome
     message: str = ""
     seconds: float = 0.0
@@ -30,7 +30,7 @@ class Result:
 
     def line(self) -> str:
         """``PASS name``, ``FAIL name: why`` or ``NOT RUN name: why``."""
-        head = f"{self.outcome.value.upper()} {self.property}"
+        head = f"{self.outcome.value.upper()} {self.name}"
         return f"{head}: {self.message}" if self.message else head
 
 

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             json.dumps(
                 [
                     {
-                        "property": r.property,
+                        "property": r.name,
                         "outcome": r.outcome.value,
                         "message": r.message,
                         "seconds": round(r.seconds, 3),

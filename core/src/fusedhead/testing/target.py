@@ -79,7 +79,9 @@ class Target:
             raise BackendUnavailableError(
                 "--device cuda was asked for but torch sees no CUDA device here"
             )
-        head = FusedHead(FusedHeadConfig(backend=backend, options=opts, device=str(dev)))
+        head = FusedHead(
+            FusedHeadConfig.from_dict({"backend": backend, "options": opts, "device": str(dev)})
+        )
         head.backend.check(dev, DTYPES[dtype])  # first: its own reason and fix reach the user
         caps = head.capabilities(dev)
         if dev.type not in caps.devices:
