@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from fusedhead.testing.inputs import FLAT, PEAKED, TEMPERATURE, Case, make_case
-from fusedhead.testing.measure import BOTH, LOSS, check_against_reference
+from fusedhead.testing.measure import LOSS, Views, check_against_reference
 from fusedhead.testing.target import Target
+
+Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def forward_accuracy(target: Target) -> None:
@@ -61,44 +63,32 @@ def odd_shapes(target: Target) -> None:
         check_against_reference(target, case, temperature=TEMPERATURE)
 
 
-def _layouts() -> list[tuple[str, int, object]]:
+def _layouts() -> list[tuple[str, int, Views]]:
     """(description, rows factor, views) for each layout; views map contiguous leaves to the call."""
 
-    def three_d(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def three_d(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Triple:
         return h.reshape(4, -1, h.shape[-1]), w, y.reshape(4, -1)
 
-    def seq_first(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def seq_first(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Triple:
         s = h.shape[0] // 4
         return h.reshape(s, 4, h.shape[-1]).transpose(0, 1), w, y.reshape(s, 4).T
 
-    def every_other_row(
-        h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
+    def every_other_row(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Triple:
         return h[::2], w, y[::2]
 
-    def hidden_column_major(
-        h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
+    def hidden_column_major(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Triple:
         return h.T.contiguous().T, w, y
 
-    def hidden_in_wider_rows(
-        h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
+    def hidden_in_wider_rows(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Triple:
         return torch.cat([h, h], dim=1)[:, : h.shape[1]], w, y
 
-    def weight_column_major(
-        h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
+    def weight_column_major(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Triple:
         return h, w.T.contiguous().T, y
 
-    def weight_strided_rows(
-        h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
+    def weight_strided_rows(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Triple:
         return h, torch.stack([w, torch.zeros_like(w)], dim=1).reshape(-1, w.shape[1])[::2], y
 
-    def labels_int32_strided(
-        h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
+    def labels_int32_strided(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Triple:
         return h, w, torch.stack([y, y], dim=1).to(torch.int32)[:, 0]
 
     return [
@@ -123,7 +113,7 @@ def input_layouts(target: Target) -> None:
             case,
             label=f"{case.description}, {description}",
             temperature=TEMPERATURE,
-            views=views,  # type: ignore[arg-type]
+            views=views,
         )
 
 
@@ -168,4 +158,3 @@ ACCURACY = {
     "input_layouts": input_layouts,
     "extreme_logits": extreme_logits,
 }
-__all__ = ["ACCURACY", "BOTH"]
