@@ -234,3 +234,28 @@ def test_report_only_rewrites_table_and_plot_from_json(tmp_path: Path) -> None:
     md = tmp_path / "t.md"
     assert cli.main(["bench", "--report-only", "--json", str(src), "--markdown", str(md)]) == 0
     assert "| 8 | 4 | 10 | bf16 | x | 2.00 | 1.10 | 4.20 | 8.4 | 1 |" in md.read_text()
+
+
+def test_a_terminated_bench_still_writes_its_table(tmp_path: Path) -> None:
+    """``timeout`` sends SIGTERM: the results so far still reach the JSON and the Markdown table."""
+    import signal
+    import subprocess
+    import sys
+
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    cmd = [sys.executable, "-m", "fusedhead.cli", "bench", *TINY, "--n", *map(str, range(16, 400, 16)),
+           "--impl", "reference", "--reps", "20", "--no-memory", "--json", str(out),
+           "--markdown", str(md)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if out.exists() and json.loads(out.read_text() or "[]"):
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert rc == 128 + signal.SIGTERM
+    assert "| reference |" in md.read_text()

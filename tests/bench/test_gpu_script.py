@@ -143,7 +143,8 @@ def test_run_all_rehearsal_on_the_cpu(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (out / "summary.txt").read_text()
-    for step in ("install-wheels", "install-project", "env", "list", "bench", "bench-last"):
+    for step in ("install-wheels", "install-project", "env", "list", "bench", "bench-last",
+                 "bench-report"):  # fmt: skip
         assert any(
             line.startswith(step + " ") and " ok " in line for line in summary.splitlines()
         ), (step, summary)

@@ -98,7 +98,14 @@ def run(args: argparse.Namespace) -> int:
     """Run the grid; exit 0 when every attempted measurement succeeded, 1 otherwise."""
     if args.report_only:
         return _report_only(args)
+    import signal
+
     import torch
+
+    def _terminated(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds through `finally`: the table and plot get written
+
+    signal.signal(signal.SIGTERM, _terminated)
 
     from fusedhead.bench import accuracy, peers, report, timing
     from fusedhead.bench.cases import grid, make_inputs

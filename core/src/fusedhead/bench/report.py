@@ -226,7 +226,7 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
 def plot(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> bool:
     """PNG of fwd+bwd (solid) and fwd (dashed) GEMM units and peak extra memory against N.
 
-    One row of two panels per (H, V, dtype), one line per implementation. Returns False (with a
+    One row of two panels per (H, V, dtype, weight scale), one line per implementation. Returns False (with a
     message) when matplotlib is missing.
     """
     try:
@@ -241,15 +241,16 @@ def plot(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> boo
         )
         return False
     ok = [r for r in records if r["status"] == "ok"]
-    groups: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[int, int, str, float], list[dict[str, Any]]] = {}
     for r in ok:
         c = r["case"]
-        groups.setdefault((c["hidden"], c["vocab"], c["dtype"]), []).append(r)
+        key = (c["hidden"], c["vocab"], c["dtype"], c.get("scale", 1.0))
+        groups.setdefault(key, []).append(r)
     rows = max(1, len(groups))
     fig, axes = plt.subplots(rows, 2, figsize=(12, 4.2 * rows), squeeze=False)
     colors: dict[str, Any] = {}
     palette = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
-    for row, ((hid, voc, dtype), recs) in enumerate(sorted(groups.items())):
+    for row, ((hid, voc, dtype, scale), recs) in enumerate(sorted(groups.items())):
         ax_t, ax_m = axes[row]
         for name in dict.fromkeys(r["impl"] for r in recs):
             color = colors.setdefault(name, palette[len(colors) % len(palette)])
@@ -265,7 +266,7 @@ def plot(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> boo
             ax_t.plot(ns, fw, marker="x", linestyle="--", color=color, label=f"{name} fwd")
             if any(m is not None for m in mem):
                 ax_m.plot(ns, mem, marker="o", color=color, label=name)
-        title = f"H={hid}, V={voc}, {dtype}"
+        title = f"H={hid}, V={voc}, {_dtype_scale({'dtype': dtype, 'scale': scale})}"
         ax_t.set(
             xscale="log", xlabel="N (tokens)", ylabel="time (GEMM units)", title=f"time, {title}"
         )
