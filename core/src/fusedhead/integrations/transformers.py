@@ -1,0 +1,207 @@
+"""Next-token log-probs and entropy of a Hugging Face causal LM without ``[N, V]`` logits.
+
+``causal_lm_logprobs(model, input_ids, attention_mask)`` is what an RL trainer (verl, TRL,
+OpenRLHF) computes for its policy and reference models: position ``t`` scores token ``t + 1``
+under the model's next-token distribution. It runs the model's decoder body for the last hidden
+states and hands them with the LM-head weight to a fused head; the logits are never formed.
+
+Needs ``transformers`` only for the model passed in (``pip install 'fusedhead[transformers]'``);
+this module imports nothing from it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusedhead.api import FusedHead, FusedHeadOutput
+from fusedhead.config import FusedHeadConfig
+from fusedhead.module import (
+    FusedLMHead,
+    call_in_forward,
+    head_forward,
+    model_softcap,
+    output_head,
+    owned,
+    resolve_head,
+)
+
+__all__ = ["causal_lm_logprobs", "shifted_labels"]
+
+
+def shifted_labels(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Labels of a causal LM: ``labels[:, t] = input_ids[:, t + 1]``.
+
+    The last position has no next token, and a position is ignored (``ignore_index``) when it or
+    the token it predicts is padding (``attention_mask == 0``): that covers left and right padding.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape [B, T], got shape {tuple(input_ids.shape)}")
+    labels = torch.full_like(input_ids, ignore_index)
+    labels[:, :-1] = input_ids[:, 1:]
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        keep = attention_mask.bool()
+        valid = torch.zeros_like(keep)
+        valid[:, :-1] = keep[:, :-1] & keep[:, 1:]
+        labels = labels.masked_fill(~valid, ignore_index)
+    return labels
+
+
+def causal_lm_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    config: FusedHeadConfig | Mapping[str, Any] | FusedHead | None = None,
+    return_entropy: bool = True,
+    softcap: float | None = None,
+    position_ids: torch.Tensor | None = None,
+    pack: bool = True,
+    **model_kwargs: Any,
+) -> FusedHeadOutput:
+    """Per-token log-prob of the next token and entropy of the next-token distribution, ``[B, T]`` fp32.
+
+    ``log_probs[b, t] = log p(input_ids[b, t + 1] | input_ids[b, :t + 1])`` under
+    ``softcap(logits) / temperature``; the last position and padding positions give 0 (and no
+    gradient). ``temperature`` is a float or a tensor broadcastable to ``input_ids`` (per sample:
+    ``[B, 1]``); its value at position ``t`` scales the distribution predicting token ``t + 1``.
+    ``softcap`` defaults to ``model.config.final_logit_softcapping``. ``config`` names the backend
+    (default ``"torch"``). ``position_ids`` and ``model_kwargs`` go to the decoder as they would to
+    ``model(...)``. ``pack=True`` runs the head only on the scored positions (one host sync);
+    ``pack=False`` keeps every position, sync-free, for CUDA graphs and ``torch.compile``.
+    """
+    lm_head = output_head(model)
+    if config is None and isinstance(lm_head, FusedLMHead):
+        config = lm_head.head  # a model whose lm_head was replaced keeps that head's backend
+    head = _cached_head(config)
+    cfg = head.config
+    labels = shifted_labels(input_ids, attention_mask, ignore_index=cfg.ignore_index)
+    temp = _temperature(temperature, input_ids)
+    cap = softcap if softcap is not None else model_softcap(model)
+    decoder = _decoder(model)
+
+    def body() -> FusedHeadOutput:
+        out = decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **model_kwargs,
+        )
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return _score(head, lm_head, hidden, labels, temp, cap, return_entropy, pack)
+
+    # Under FSDP2 the root's parameters (embeddings, final norm, often the LM head) are unsharded
+    # only inside the root's forward: run the body there.
+    return call_in_forward(model, body)
+
+
+def _score(
+    head: FusedHead,
+    lm_head: nn.Linear | FusedLMHead,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    softcap: float | None,
+    return_entropy: bool,
+    pack: bool,
+) -> FusedHeadOutput:
+    """The fused head on the decoder's last hidden states; outputs in ``labels``' shape."""
+    ignore = head.config.ignore_index
+    valid = labels != ignore
+    if isinstance(temperature, torch.Tensor):
+        # Values at ignored positions are never used: keep them out of the core's validation.
+        temperature = torch.where(valid, temperature.to(hidden.device), 1.0)
+    kwargs: dict[str, Any] = {"return_entropy": return_entropy, "softcap": softcap}
+
+    def run(h: torch.Tensor, y: torch.Tensor, t: float | torch.Tensor) -> FusedHeadOutput:
+        # The LM head's weight is read here, inside its own forward if FSDP2 shards it alone.
+        return call_in_forward(
+            lm_head,
+            lambda: head_forward(
+                head, h, lm_head.weight, getattr(lm_head, "bias", None), y, temperature=t, **kwargs
+            ),
+        )
+
+    if not pack:
+        return owned(run(hidden, labels, temperature))
+    where = valid.nonzero(as_tuple=True)  # one host sync; padding rows never reach the head
+    t = temperature[where] if isinstance(temperature, torch.Tensor) else temperature
+    out = run(hidden[where], labels[where], t)
+    zeros = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
+    log_probs = zeros.index_put(where, out.log_probs)
+    entropy = None if out.entropy is None else zeros.index_put(where, out.entropy)
+    return FusedHeadOutput(log_probs, entropy)
+
+
+def _temperature(value: float | torch.Tensor, input_ids: torch.Tensor) -> float | torch.Tensor:
+    """A float as is; a tensor broadcast to ``input_ids``' shape (the core validates the values)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.broadcast_to(value, input_ids.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"temperature tensor of shape {tuple(value.shape)} must broadcast to input_ids' shape "
+            f"{tuple(input_ids.shape)}; a per-sample temperature has shape [B, 1]"
+        ) from None
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The decoder body of a causal LM (``get_decoder()`` or ``.model``), never the LM itself."""
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    if decoder is None or decoder is model:
+        decoder = getattr(model, "model", None)
+    if not isinstance(decoder, nn.Module) or decoder is model:
+        raise ValueError(
+            f"cannot find the decoder body of {type(model).__name__} (tried get_decoder() and .model); "
+            "pass a causal LM such as LlamaForCausalLM"
+        )
+    return decoder
+
+
+_heads: dict[str, FusedHead] = {}
+_lock = threading.Lock()
+
+
+def _cached_head(config: FusedHeadConfig | Mapping[str, Any] | FusedHead | None) -> FusedHead:
+    """One resolved ``FusedHead`` per distinct configuration in this process."""
+    if isinstance(config, FusedHead):
+        return config
+    if config is None:
+        config = FusedHeadConfig.from_dict({})
+    elif isinstance(config, Mapping):
+        config = FusedHeadConfig.from_dict(config)
+    elif not isinstance(config, FusedHeadConfig):
+        raise TypeError(
+            "config must be a FusedHeadConfig, a mapping, a FusedHead or None, "
+            f"got {type(config).__name__}"
+        )
+    key = json.dumps(config.to_dict(), sort_keys=True, default=repr)
+    with _lock:
+        head = _heads.get(key)
+        if head is None:
+            head = _heads[key] = resolve_head(config)
+    return head
+
+
+def clear_cache() -> None:
+    """Forget resolved heads (after registry changes in tests or notebooks)."""
+    _heads.clear()

@@ -1,0 +1,297 @@
+"""``FusedLMHead``: an ``nn.Module`` LM head whose forward returns per-token log-probs and entropy.
+
+It holds the LM head's ``weight`` Parameter (shared, never copied: tied input/output embeddings
+stay tied) and reads it inside its own ``forward``. Under FSDP2 (``fully_shard``) that is where
+the weight is a plain unsharded tensor: FSDP's pre-forward hook all-gathers it and its
+post-forward hook reshards it, exactly as for the ``nn.Linear`` it replaces.
+
+Bias: an ``nn.Linear`` with a bias is supported by folding the bias into an augmented column,
+``[h, 1] @ [W, b].T == h @ W.T + b``. That costs a ``[V, H + 1]`` copy of the weight per call;
+heads without bias (Llama, Qwen, Gemma, Mistral) pay nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from fusedhead.api import FusedHead, FusedHeadOutput
+from fusedhead.config import FusedHeadConfig
+
+ConfigLike = FusedHeadConfig | Mapping[str, Any] | FusedHead | None
+T = TypeVar("T")
+
+
+def resolve_head(config: ConfigLike, **overrides: Any) -> FusedHead:
+    """A ``FusedHead`` from a config, a mapping, an existing ``FusedHead`` or None (defaults)."""
+    if isinstance(config, FusedHead):
+        if overrides:
+            return FusedHead(config.config, **overrides)
+        return config
+    if config is not None and not isinstance(config, (FusedHeadConfig, Mapping)):
+        raise TypeError(
+            "config must be a FusedHeadConfig, a mapping, a FusedHead or None, "
+            f"got {type(config).__name__}"
+        )
+    return FusedHead(config, **overrides)
+
+
+def _is_dtensor(t: object) -> bool:
+    return any(c.__name__ == "DTensor" for c in type(t).__mro__)
+
+
+class FusedLMHead(nn.Module):
+    """LM head computing ``log_softmax(softcap(hidden @ W.T [+ b]) / T)[label]`` and the entropy.
+
+    Build it from an ``nn.Linear`` (``FusedLMHead.from_linear``), from a weight Parameter (tied
+    embeddings: pass ``embedding.weight``), or from a model (``FusedLMHead.from_model``). The
+    backend is the one named by ``config`` (default ``"torch"``), resolved once here. Its
+    parameters are named ``weight`` and ``bias`` like ``nn.Linear``'s, so it can replace a
+    model's ``lm_head`` with the same state-dict keys.
+    """
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        config: ConfigLike = None,
+        *,
+        bias: nn.Parameter | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(weight, nn.Parameter):
+            raise TypeError(
+                f"weight must be an nn.Parameter (shared with the model, so FSDP and optimizers see one "
+                f"tensor), got {type(weight).__name__}; wrap a tensor with nn.Parameter(t)"
+            )
+        if _is_dtensor(weight):
+            raise TypeError(
+                "weight is already a DTensor (sharded by FSDP2): build FusedLMHead from the model's "
+                "parameters before calling fully_shard, and put it inside the sharded model"
+            )
+        if weight.dim() != 2:
+            raise ValueError(f"weight must have shape [V, H], got shape {tuple(weight.shape)}")
+        if bias is not None:
+            if not isinstance(bias, nn.Parameter):
+                raise TypeError(f"bias must be an nn.Parameter or None, got {type(bias).__name__}")
+            if tuple(bias.shape) != (weight.shape[0],):
+                raise ValueError(
+                    f"bias must have shape [V]=({weight.shape[0]},) to match weight {tuple(weight.shape)}, "
+                    f"got {tuple(bias.shape)}"
+                )
+        self.weight = weight
+        self.bias = bias
+        self.head = resolve_head(config)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: ConfigLike = None) -> FusedLMHead:
+        """Share an ``nn.Linear`` LM head's weight (and bias, if any)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"expected an nn.Linear LM head, got {type(linear).__name__}")
+        return cls(_param(linear.weight), config, bias=getattr(linear, "bias", None))
+
+    @classmethod
+    def from_model(cls, model: nn.Module, config: ConfigLike = None) -> FusedLMHead:
+        """Share the LM head of ``model`` (``model.lm_head`` or ``model.get_output_embeddings()``).
+
+        A ``softcap`` left unset in ``config`` is taken from ``model.config.final_logit_softcapping``
+        (Gemma-2 style models), so the head scores what the model's logits would.
+        """
+        head = output_head(model)
+        cfg = _with_model_softcap(config, model)
+        if isinstance(head, FusedLMHead):
+            return cls(head.weight, cfg if cfg is not None else head.head, bias=head.bias)
+        return cls.from_linear(head, cfg)
+
+    @property
+    def config(self) -> FusedHeadConfig:
+        """The resolved configuration (backend, options, call defaults)."""
+        return self.head.config
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def extra_repr(self) -> str:
+        cfg = self.head.config
+        text = f"in_features={self.in_features}, out_features={self.out_features}, "
+        text += f"bias={self.bias is not None}, backend={cfg.backend!r}"
+        if cfg.softcap is not None:
+            text += f", softcap={cfg.softcap}"
+        return text
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        temperature: float | torch.Tensor | None = None,
+        *,
+        ignore_index: int | None = None,
+        return_entropy: bool | None = None,
+        softcap: float | None = None,
+        check_labels: bool | None = None,
+        process_group: Any = None,
+        vocab_start: int | None = None,
+        vocab_size: int | None = None,
+        reduce_hidden_grad: bool = True,
+    ) -> Any:
+        """``FusedHeadOutput(log_probs, entropy)`` of ``labels`` (fp32, the labels' shape).
+
+        Without ``labels`` it behaves as the ``nn.Linear`` it replaced and returns the logits
+        ``hidden @ W.T + b`` (for generation or evaluation code that calls ``lm_head(h)``).
+        Arguments left as None take the config's defaults.
+        """
+        weight, bias = self.weight, self.bias
+        if _is_dtensor(weight):
+            raise RuntimeError(
+                "FusedLMHead.weight is a DTensor inside forward, so FSDP2 did not unshard it: call the "
+                "module (head(h, labels)), not head.forward(...), and make sure it was part of the model "
+                "when fully_shard was applied (fully_shard the head itself or a parent module that "
+                "contains it, e.g. the root for tied embeddings)"
+            )
+        if labels is None:
+            return nn.functional.linear(hidden, weight, bias)
+        return owned(
+            head_forward(
+                self.head,
+                hidden,
+                weight,
+                bias,
+                labels,
+                temperature=temperature,
+                ignore_index=ignore_index,
+                return_entropy=return_entropy,
+                softcap=softcap,
+                check_labels=check_labels,
+                process_group=process_group,
+                vocab_start=vocab_start,
+                vocab_size=vocab_size,
+                reduce_hidden_grad=reduce_hidden_grad,
+            )
+        )
+
+
+def owned(out: FusedHeadOutput) -> FusedHeadOutput:
+    """Outputs that are not views (a copy of N floats at most).
+
+    FSDP2 hooks its pre-backward all-gather onto a module's outputs; an in-place op on an output
+    that is a view would drop that hook, so FSDP2 warns about view outputs. The core returns
+    views (the reshape to the labels' shape), hence this.
+    """
+    lp, ent = out
+    return FusedHeadOutput(
+        lp.clone() if lp._is_view() else lp,
+        None if ent is None else (ent.clone() if ent._is_view() else ent),
+    )
+
+
+def head_forward(
+    head: FusedHead,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    **kwargs: Any,
+) -> FusedHeadOutput:
+    """``head`` on ``hidden @ weight.T + bias``; a bias is folded in as one more column."""
+    if bias is not None:
+        # [h, 1] @ [W, b].T == h @ W.T + b
+        ones = hidden.new_ones((*hidden.shape[:-1], 1))
+        hidden = torch.cat([hidden, ones], dim=-1)
+        weight = torch.cat([weight, bias.to(weight.dtype).unsqueeze(-1)], dim=-1)
+    return head(hidden, weight, labels, **kwargs)
+
+
+def _param(t: object) -> nn.Parameter:
+    if not isinstance(t, nn.Parameter):
+        raise TypeError(
+            f"expected the LM head's weight to be an nn.Parameter, got {type(t).__name__}"
+        )
+    return t
+
+
+def output_head(model: nn.Module) -> nn.Linear | FusedLMHead:
+    """The module producing ``model``'s logits: ``lm_head`` or ``get_output_embeddings()``."""
+    head = getattr(model, "lm_head", None)
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    if head is None and callable(get_output_embeddings):
+        head = get_output_embeddings()
+    if head is None:
+        raise ValueError(
+            f"{type(model).__name__} has neither an lm_head nor get_output_embeddings(); build "
+            "FusedLMHead(weight_parameter, config) from the head's weight instead"
+        )
+    if not isinstance(head, (nn.Linear, FusedLMHead)):
+        raise TypeError(
+            f"{type(model).__name__}'s output head is a {type(head).__name__}, not an nn.Linear; build "
+            "FusedLMHead(weight_parameter, config) from its weight instead"
+        )
+    return head
+
+
+def model_softcap(model: nn.Module) -> float | None:
+    """``model.config.final_logit_softcapping`` when the model has one set (Gemma-2 style)."""
+    value = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return float(value) if value else None
+
+
+def _with_model_softcap(config: ConfigLike, model: nn.Module) -> ConfigLike:
+    """``config`` with ``softcap`` from the model's config when the caller left it unset."""
+    cap = model_softcap(model)
+    if cap is None:
+        return config
+    if isinstance(config, FusedHead):
+        return (
+            config if config.config.softcap is not None else FusedHead(config.config, softcap=cap)
+        )
+    if isinstance(config, FusedHeadConfig):
+        return (
+            config
+            if config.softcap is not None
+            else FusedHeadConfig(**{**config.to_dict(), "softcap": cap})
+        )
+    data = dict(config or {})
+    if data.get("softcap") is None:
+        data["softcap"] = cap
+    return data
+
+
+def _is_fsdp_module(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def call_in_forward(module: nn.Module, fn: Callable[[], T]) -> T:
+    """``fn()`` run as ``module``'s forward when FSDP2 shards ``module``, else simply ``fn()``.
+
+    FSDP2 unshards a module's parameters in its pre-forward hook and reshards them (and arranges
+    the gradient reduce-scatter) around its forward and backward. Code that reads those parameters
+    outside ``module(...)`` sees DTensors; running it as the module's forward, through
+    ``module.__call__`` so every hook fires, gives it the unsharded tensors.
+    """
+    if not _is_fsdp_module(module):
+        return fn()
+    # An instance attribute shadows the class's forward for this one call; restored after.
+    own = module.__dict__
+    had_own, previous = "forward" in own, own.get("forward")
+    own["forward"] = lambda *args, **kwargs: fn()
+    try:
+        result: T = module()
+        return result
+    finally:
+        if had_own:
+            own["forward"] = previous
+        else:
+            del own["forward"]

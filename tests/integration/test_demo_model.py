@@ -1,0 +1,32 @@
+"""``fusedhead demo --model``: the transformers helper end to end on a tiny random model."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+def test_cli_demo_tiny_llama_passes() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedhead.cli", "demo", "--model", "tiny-llama"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "LlamaForCausalLM" in proc.stdout and "PASS" in proc.stdout
+    assert "per sample" in proc.stdout  # the torch backend takes a per-sample temperature
+
+
+def test_unknown_model_cannot_run() -> None:
+    from fusedhead.integrations.demo_model import run
+
+    args = argparse.Namespace(
+        model="tiny-nope", backend="torch", device="cpu", dtype="fp32", options=None
+    )
+    assert run(args) == 2

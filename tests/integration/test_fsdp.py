@@ -1,0 +1,74 @@
+"""FSDP2 (``fully_shard``) on two gloo CPU processes: sharded results equal the unsharded ones.
+
+FusedLMHead reads its weight inside its own forward, where FSDP2 has unsharded it; the
+transformers helper runs the decoder body and the head inside the root's (and a separately
+sharded lm_head's) forward. Outputs and gradients (gathered with ``full_tensor()``) are compared
+with an unsharded copy of the same model run on both ranks' batches.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed"),
+]
+
+
+#: Seconds the two ranks get before the test fails as a hang.
+TIMEOUT_S = 300
+
+
+def _spawn(scenarios: list[str], tmp_path: Path) -> None:
+    """Run the scenarios on 2 gloo ranks (file rendezvous: no port to race for)."""
+    import torch.multiprocessing as mp
+    from fsdp_worker import worker
+
+    init = f"file://{tmp_path / 'rendezvous'}"
+    ctx = mp.start_processes(
+        worker, args=(2, init, scenarios, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not ctx.join(timeout=2):  # re-raises a rank's exception with its traceback
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.terminate()
+                pytest.fail(f"the 2 ranks did not finish {scenarios} within {TIMEOUT_S} s")
+    except Exception as exc:
+        logs = "\n".join(
+            f"--- {p.name} ---\n{p.read_text()}" for p in sorted(tmp_path.glob("rank*.log"))
+        )
+        raise AssertionError(f"{exc}\n{logs}") from exc
+
+
+def test_fused_lm_head_alone_and_tied_embeddings_under_fsdp2(tmp_path: Path) -> None:
+    _spawn(["head_only", "tied"], tmp_path)
+
+
+def test_transformers_helper_under_fsdp2(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    _spawn(["llama", "llama_head_sharded", "gemma2_tied_softcap"], tmp_path)
+
+
+def test_a_dtensor_weight_outside_fsdp_forward_is_refused_with_the_fix() -> None:
+    """Calling forward directly on a sharded head (bypassing FSDP's hooks) gives a clear error."""
+    from fusedhead import FusedLMHead
+    from fusedhead.module import _is_dtensor
+
+    class FakeDTensor(torch.nn.Parameter):
+        pass
+
+    FakeDTensor.__name__ = "DTensor"
+    head = FusedLMHead(torch.nn.Parameter(torch.randn(5, 4)), {"backend": "torch"})
+    head.weight = FakeDTensor(torch.randn(5, 4))
+    assert _is_dtensor(head.weight)
+    with pytest.raises(RuntimeError, match="FSDP2 did not unshard it"):
+        head(torch.randn(3, 4), torch.zeros(3, dtype=torch.long))

@@ -1,0 +1,209 @@
+"""FusedLMHead: the contract's numbers through an nn.Module that shares the LM head's Parameter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from integration_helpers import BACKEND, assert_close64, full_logits_reference
+from torch import nn
+
+from fusedhead import FusedHeadConfig, FusedLMHead
+from fusedhead.api import FusedHeadOutput
+
+H, V, N = 24, 37, 10
+
+
+def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, N // 2, H, generator=g)
+    labels = torch.randint(0, V, (2, N // 2), generator=g)
+    labels[0, 1] = -100
+    return hidden, labels
+
+
+def _linear(bias: bool, seed: int = 1) -> nn.Linear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(H, V, bias=bias)
+    with torch.no_grad():
+        lin.weight.mul_(4.0)
+        if bias:
+            lin.bias.normal_(0, 1)
+    return lin
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize(
+    ("temperature", "softcap"),
+    [(1.0, None), (0.7, None), ("per-token", None), (0.7, 3.0), ("per-token", 3.0)],
+)
+def test_outputs_and_grads_match_full_logits(
+    bias: bool, temperature: object, softcap: float | None
+) -> None:
+    lin = _linear(bias)
+    head = FusedLMHead.from_linear(lin, {"backend": BACKEND, "softcap": softcap})
+    hidden, labels = _inputs()
+    if temperature == "per-token":
+        temperature = torch.rand(labels.shape, generator=torch.Generator().manual_seed(3)) + 0.5
+    h = hidden.clone().requires_grad_(True)
+    out = head(h, labels, temperature=temperature)
+    assert isinstance(out, FusedHeadOutput)
+    assert out.log_probs.shape == labels.shape and out.log_probs.dtype == torch.float32
+
+    h64 = hidden.double().requires_grad_(True)
+    w64 = lin.weight.detach().double().requires_grad_(True)
+    b64 = lin.bias.detach().double().requires_grad_(True) if bias else None
+    lp, ent = full_logits_reference(
+        h64, w64, labels, bias=b64, temperature=temperature, softcap=softcap
+    )
+    assert_close64(out.log_probs, lp)
+    assert_close64(out.entropy, ent)
+
+    g = torch.Generator().manual_seed(5)
+    g_lp, g_ent = torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g)
+    ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+    ((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()).backward()
+    assert_close64(h.grad, h64.grad)
+    assert_close64(lin.weight.grad, w64.grad)  # the head's Parameter is the Linear's
+    if bias:
+        assert_close64(lin.bias.grad, b64.grad)
+    assert torch.all(h.grad[0, 1] == 0), "an ignored row must get no gradient"
+
+
+def test_shares_the_linear_parameters_and_state_dict_keys() -> None:
+    lin = _linear(bias=True)
+    head = FusedLMHead.from_linear(lin, FusedHeadConfig(backend=BACKEND))
+    assert head.weight is lin.weight and head.bias is lin.bias
+    assert set(head.state_dict()) == set(lin.state_dict()) == {"weight", "bias"}
+    assert [p for p in head.parameters()] == [lin.weight, lin.bias]
+    assert "backend='torch'" in repr(head)
+
+
+def test_without_labels_it_is_the_linear() -> None:
+    lin = _linear(bias=True)
+    head = FusedLMHead.from_linear(lin, {"backend": BACKEND})
+    hidden, _ = _inputs()
+    torch.testing.assert_close(head(hidden), lin(hidden), rtol=0, atol=0)
+
+
+def test_config_defaults_and_per_call_overrides() -> None:
+    lin = _linear(bias=False)
+    head = FusedLMHead.from_linear(
+        lin, {"backend": BACKEND, "temperature": 0.5, "return_entropy": False}
+    )
+    hidden, labels = _inputs()
+    out = head(hidden, labels)
+    assert out.entropy is None
+    lp, _ = full_logits_reference(hidden, lin.weight.detach(), labels, temperature=0.5)
+    assert_close64(out.log_probs, lp)
+    out = head(hidden, labels, temperature=2.0, return_entropy=True)
+    lp, ent = full_logits_reference(hidden, lin.weight.detach(), labels, temperature=2.0)
+    assert_close64(out.log_probs, lp)
+    assert_close64(out.entropy, ent)
+
+
+def test_softcap_applies_before_temperature() -> None:
+    """z = c * tanh(h @ W.T / c), then / T (Gemma-2's final_logit_softcapping, then sampling temperature)."""
+    lin = _linear(bias=False)
+    c, t = 2.0, 0.5
+    head = FusedLMHead.from_linear(lin, {"backend": BACKEND, "softcap": c})
+    hidden, labels = _inputs()
+    out = head(hidden, labels, temperature=t)
+    z = hidden.double() @ lin.weight.detach().double().T
+    right = torch.log_softmax(c * torch.tanh(z / c) / t, -1)
+    wrong = torch.log_softmax(c * torch.tanh(z / t / c), -1)
+    valid = labels != -100
+    want = right.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    other = wrong.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    assert_close64(out.log_probs[valid], want[valid])
+    assert (out.log_probs[valid].double() - other[valid]).abs().max() > 1e-2
+
+
+class _TiedLM(nn.Module):
+    """Embedding and LM head sharing one Parameter, as in GPT-2 and Gemma."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.embed = nn.Embedding(V, H)
+        self.body = nn.Linear(H, H)
+        self.head = FusedLMHead(self.embed.weight, {"backend": BACKEND})
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> FusedHeadOutput:
+        return self.head(torch.tanh(self.body(self.embed(ids))), labels)
+
+
+def test_tied_embeddings_gradient_reaches_the_shared_parameter_from_both_uses() -> None:
+    model = _TiedLM()
+    assert model.head.weight is model.embed.weight
+    assert len(list(model.parameters())) == 3  # embed/head weight once, body weight and bias
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, V, (2, 6), generator=g)
+    labels = torch.randint(0, V, (2, 6), generator=g)
+    out = model(ids, labels)
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+
+    w = model.embed.weight.detach().double().requires_grad_(True)
+    body_w = model.body.weight.detach().double()
+    body_b = model.body.bias.detach().double()
+    hidden = torch.tanh(w[ids] @ body_w.T + body_b)
+    lp, ent = full_logits_reference(hidden, w, labels)
+    assert_close64(out.log_probs, lp)
+    (lp.sum() + ent.sum()).backward()
+    assert_close64(model.embed.weight.grad, w.grad)
+    # Both uses contribute: the head part alone differs from the total.
+    w_head = model.embed.weight.detach().double().requires_grad_(True)
+    lp2, ent2 = full_logits_reference(hidden.detach(), w_head, labels)
+    (lp2.sum() + ent2.sum()).backward()
+    assert (w_head.grad - w.grad).abs().max() > 1e-3
+
+
+def test_from_model_finds_the_head_and_reads_softcap_from_the_model_config() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = _linear(bias=False)
+            self.config = type("Cfg", (), {"final_logit_softcapping": 3.0})()
+
+    model = Model()
+    head = FusedLMHead.from_model(model, {"backend": BACKEND})
+    assert head.weight is model.lm_head.weight
+    assert head.config.softcap == 3.0
+    hidden, labels = _inputs()
+    lp, _ = full_logits_reference(hidden, model.lm_head.weight.detach(), labels, softcap=3.0)
+    assert_close64(head(hidden, labels).log_probs, lp)
+    explicit = FusedLMHead.from_model(model, {"backend": BACKEND, "softcap": 7.0})
+    assert explicit.config.softcap == 7.0
+
+
+def test_from_model_via_get_output_embeddings() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.out = _linear(bias=False)
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.out
+
+    model = Model()
+    assert FusedLMHead.from_model(model, {"backend": BACKEND}).weight is model.out.weight
+
+
+def test_refusals_say_what_to_do() -> None:
+    lin = _linear(bias=False)
+    with pytest.raises(TypeError, match=r"nn\.Parameter"):
+        FusedLMHead(lin.weight.detach(), {"backend": BACKEND})
+    with pytest.raises(ValueError, match=r"bias must have shape \[V\]"):
+        FusedLMHead(lin.weight, {"backend": BACKEND}, bias=nn.Parameter(torch.zeros(3)))
+    with pytest.raises(TypeError, match=r"nn\.Linear"):
+        FusedLMHead.from_linear(nn.Embedding(3, 4), {"backend": BACKEND})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="config must be"):
+        FusedLMHead(lin.weight, 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="neither an lm_head"):
+        FusedLMHead.from_model(nn.Sequential(), {"backend": BACKEND})
+
+
+def test_unknown_backend_fails_at_construction() -> None:
+    from fusedhead.errors import BackendError
+
+    with pytest.raises(BackendError, match="unknown fusedhead backend"):
+        FusedLMHead(_linear(bias=False).weight, {"backend": "no-such-backend"})
