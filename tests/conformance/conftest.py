@@ -65,10 +65,3 @@ def with_example(example_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
     yield example_site
     registry.refresh()
     api.clear_cache()
-
-
-def installed(name: str) -> bool:
-    """Whether a backend distribution providing ``name`` is installed in this environment."""
-    from fusedhead import registry
-
-    return name in registry.candidates()

@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import installed
+
+from fusedhead import registry
 
 
 def fusedhead_check(
@@ -29,6 +30,11 @@ def assert_passes(proc: subprocess.CompletedProcess[str]) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not [line for line in lines if line.startswith("FAIL ")]
     assert sum(line.startswith("PASS ") for line in lines) >= 12, proc.stdout
+
+
+def installed(name: str) -> bool:
+    """Whether a distribution providing backend ``name`` is installed in this environment."""
+    return name in registry.candidates()
 
 
 def needs(name: str) -> pytest.MarkDecorator:
