@@ -36,9 +36,12 @@ class Capabilities(BaseModel):
     deterministic: bool = False
     #: A row's forward outputs do not depend on the other rows of the batch or on N.
     batch_invariant: bool = False
-    #: Precision in which entropy is computed before being returned in fp32.
+    #: Coarsest precision in which entropy is computed before being returned in fp32. A backend that
+    #: computes "in the input dtype" declares the coarsest it accepts; tolerances (conformance kit)
+    #: use the finer of this and the input dtype.
     entropy_precision: Precision = "fp32"
-    #: Precision in which logits are materialised inside the backend.
+    #: Coarsest precision in which logits are materialised inside the backend; read like
+    #: ``entropy_precision`` (the finer of it and the input dtype applies).
     logits_precision: Precision = "fp32"
     #: ``temperature`` may be a tensor broadcastable to the labels' shape.
     per_token_temperature: bool = False
