@@ -66,7 +66,7 @@ def test_an_aten_mm_override_steers_forward_and_backward(
     # Under "mm doubles", the backend computes the head of 2 W, as a function of W.
     want = run_reference(case, weight_scale=2.0)
     plain = run_reference(case)
-    options = TorchOptions(chunk_rows=10, block_vocab=20)  # 3 x 3 tiles
+    options = TorchOptions(chunk_rows=10, block_vocab=20, skip_ignored_rows=False)  # 3 x 3 tiles
     h = case.hidden.float().to(device).requires_grad_()
     w = case.weight.float().to(device).requires_grad_()
     mm_override.install(scale=2.0)
@@ -106,7 +106,7 @@ def test_backward_computes_only_the_gradients_asked_for(
     mm_override: MMOverride, grad_hidden: bool, grad_weight: bool, per_tile: int
 ) -> None:
     case = make_case(20, 8, 30)
-    options = TorchOptions(chunk_rows=10, block_vocab=15)  # 2 x 2 tiles
+    options = TorchOptions(chunk_rows=10, block_vocab=15, skip_ignored_rows=False)  # 2 x 2 tiles
     h = case.hidden.float().requires_grad_(grad_hidden)
     w = case.weight.float().requires_grad_(grad_weight)
     mm_override.install()
@@ -125,6 +125,19 @@ def test_backward_computes_only_the_gradients_asked_for(
     (lp.sum() + ent.sum()).backward()
     assert len(mm_override.calls) == 4 + 4 * per_tile
     assert (h.grad is not None) == grad_hidden and (w.grad is not None) == grad_weight
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+def test_ignored_rows_are_left_out_of_the_gemms_when_skipping(mm_override: MMOverride) -> None:
+    case = make_case(30, 8, 40, ignore_every=3)  # 10 of 30 rows ignored
+    kept = int((case.labels != -100).sum())
+    mm_override.install()
+    got = run_backend(case, options=TorchOptions(skip_ignored_rows=True))
+    mm_override.remove()
+    rows_seen = {m for m, k, n in mm_override.calls if k == 8}  # logits GEMMs: [rows, H] @ [H, V]
+    assert rows_seen == {kept}
+    assert torch.equal(got.d_hidden[case.labels == -100], torch.zeros(10, 8))
+    assert_close(got, run_reference(case), "fp32", "skipping ignored rows")
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -151,7 +164,8 @@ def test_no_tensor_of_tokens_by_vocabulary_is_ever_made() -> None:
     assert seen.largest < n * v
 
 
-def test_forward_saves_only_inputs_and_per_row_vectors() -> None:
+@pytest.mark.parametrize("skip", [False, True], ids=["all-rows", "skip-ignored"])
+def test_forward_saves_only_inputs_and_per_row_vectors(skip: bool) -> None:
     n, h, v = 40, 8, 300
     case = make_case(n, h, v)
     shapes: list[tuple[int, ...]] = []
@@ -161,9 +175,10 @@ def test_forward_saves_only_inputs_and_per_row_vectors() -> None:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run_backend(case, options=TorchOptions(block_vocab=64))
-    extra = [s for s in shapes if s not in {(n, h), (v, h)}]
-    assert extra and all(s == (n,) for s in extra), shapes
+        run_backend(case, options=TorchOptions(block_vocab=64, skip_ignored_rows=skip))
+    # hidden (or its scored rows), the weight, and per-row vectors: nothing [N, V]-sized.
+    extra = [s for s in shapes if s != (v, h) and not (len(s) == 2 and s[0] <= n and s[1] == h)]
+    assert extra and all(len(s) == 1 and s[0] <= n for s in extra), shapes
 
 
 def test_workspace_option_bounds_the_tile() -> None:

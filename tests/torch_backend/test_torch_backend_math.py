@@ -86,12 +86,31 @@ def test_ignored_rows_give_zero_and_no_gradient() -> None:
     assert_close(got, run_reference(case), "fp32")
 
 
-def test_all_rows_ignored_gives_zero_gradients() -> None:
+@pytest.mark.parametrize("skip", [False, True], ids=["computed", "skipped"])
+def test_all_rows_ignored_gives_zero_gradients(skip: bool) -> None:
     case = make_case(12, 8, 20)
     case.labels[:] = IGNORE
-    got = run_backend(case, options=RAGGED)
+    got = run_backend(case, options=TorchOptions(block_vocab=16, skip_ignored_rows=skip))
     assert not got.log_probs.any() and not got.entropy.any()
     assert not got.d_hidden.any() and not got.d_weight.any()
+
+
+@pytest.mark.parametrize("temperature", [0.7, "per-token"])
+def test_skipping_ignored_rows_changes_nothing_beyond_rounding(temperature: object) -> None:
+    case = make_case(45, 16, 90, ignore_every=4)
+    temp = torch.linspace(0.3, 3.0, 45) if temperature == "per-token" else 0.7
+    results = [
+        run_backend(
+            case, options=TorchOptions(block_vocab=32, skip_ignored_rows=skip), temperature=temp
+        )
+        for skip in (False, True)
+    ]
+    a, b = results
+    for x, y in zip(
+        (a.log_probs, a.entropy, a.d_hidden, a.d_weight),
+        (b.log_probs, b.entropy, b.d_hidden, b.d_weight),
+    ):
+        assert rel_err(x, y) <= 2e-6
 
 
 @pytest.mark.parametrize(

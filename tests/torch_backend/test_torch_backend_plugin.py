@@ -45,6 +45,7 @@ def test_options_defaults_and_round_trip() -> None:
         "workspace_mib": None,
         "block_vocab": None,
         "chunk_rows": None,
+        "skip_ignored_rows": None,
     }
 
 

@@ -30,6 +30,11 @@ CASES: dict[str, dict[str, Any]] = {
         "reduce": True,
         "kwargs": {"softcap": 2.0, "per_token": True},
     },
+    "all-rows-computed": {
+        "bounds": {2: [0, 17, 120], 3: [0, 70, 71, 120]},
+        "reduce": False,
+        "kwargs": {"skip_ignored_rows": False},
+    },
     "no-entropy": {
         "bounds": {2: [0, 60, 120], 3: [0, 40, 80, 120]},
         "reduce": True,
@@ -62,9 +67,10 @@ def run_case(
 
     per_token = kwargs.pop("per_token", False)
     return_entropy = kwargs.pop("return_entropy", True)
+    options = TorchOptions(**OPTIONS, skip_ignored_rows=kwargs.pop("skip_ignored_rows", None))
     h = x["hidden"].clone().requires_grad_()
     w = x["weight"][start:stop].clone().requires_grad_()
-    lp, ent = TorchBackend(TorchOptions(**OPTIONS)).forward(
+    lp, ent = TorchBackend(options).forward(
         h,
         w,
         x["labels"],

@@ -135,7 +135,7 @@ def _backward_grads(
     """``dh`` (summed over the group if asked) and ``dW`` in the input dtype."""
     dh, dw = _walk_tiles(h, weight, place, scaling, spec, row_max, coefs, need_h, need_w)
     # The tile buffers are gone by now: only dh (fp32), its cast and dW are alive at the end.
-    if dh is not None and spec.process_group is not None and spec.reduce_hidden_grad:
+    if dh is not None and dh.numel() and spec.process_group is not None and spec.reduce_hidden_grad:
         all_reduce_sum_(dh, spec.process_group)
     return (None if dh is None else dh.to(h.dtype)), dw
 
@@ -166,7 +166,9 @@ def _walk_tiles(
     dh = None
     if need_h and not (len(blocks) == 1 and len(row_chunks) == 1 and h.dtype == FP32):
         dh = torch.zeros(n, h.shape[1], dtype=FP32, device=h.device)
-    dw = torch.empty_like(weight) if need_w else None
+    dw = None
+    if need_w:  # every block is written below, unless there are no rows at all
+        dw = torch.empty_like(weight) if row_chunks else torch.zeros_like(weight)
     for b, (v0, v1) in enumerate(blocks):
         w_block = weight[v0:v1]
         w_acc = None
@@ -231,7 +233,7 @@ class ChunkedFusedHead(torch.autograd.Function):
         place = LabelPlace.locate(labels, weight.shape[0], spec)
         with _no_autocast(h.device):
             stats, z_label = _forward_stats(h, weight, place, scaling, spec)
-        if spec.process_group is not None:
+        if spec.process_group is not None and h.shape[0] > 0:  # every rank has the same rows
             stats, z_label = all_reduce_row_stats(stats, z_label, spec.process_group)
         zero = torch.zeros((), dtype=FP32, device=h.device)
         # (z_y - m) - log s, not z_y - lse: lse = m + log s would round away a small log s.

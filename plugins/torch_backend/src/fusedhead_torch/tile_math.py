@@ -140,27 +140,27 @@ def backward_tile(
     capped = scaling.softcap is not None
     if capped:
         src = scaling.source(x, out=ws.get(0, rows, cols) if low else x)
-        d_out, p_out = ws.get(1, rows, cols), ws.get(2, rows, cols)
+        d_out, e_out = ws.get(1, rows, cols), ws.get(2, rows, cols)
     else:
         src = x
-        d_out, p_out = (ws.get(0, rows, cols) if low else x), ws.get(1, rows, cols)
+        d_out, e_out = (ws.get(0, rows, cols) if low else x), ws.get(1, rows, cols)
     d = affine(src, k, neg_m, out=d_out)
-    p = torch.exp(d, out=p_out)
-    p_label = p.gather(1, col).squeeze(1)
+    e = torch.exp(d, out=e_out)
+    e_label = e.gather(1, col).squeeze(1)
     if coef_b is not None:
         u: torch.Tensor = torch.addcmul(coef_a.unsqueeze(1), d, coef_b.unsqueeze(1), out=d)
         u_label = u.gather(1, col).squeeze(1)
     else:
         u, u_label = coef_a.unsqueeze(1), coef_a
-    dz_label = torch.addcmul(label_term, p_label, u_label)
-    dz_out = x if low else p
+    dz_label = torch.addcmul(label_term, e_label, u_label)
+    dz_out = x if low else e
     if capped:
         t_label = src.gather(1, col).squeeze(1)
         dz_label = dz_label - dz_label * t_label * t_label
-        p.mul_(u)
-        dz = torch.addcmul(p, p, src.square_(), value=-1.0, out=dz_out)
+        e.mul_(u)
+        dz = torch.addcmul(e, e, src.square_(), value=-1.0, out=dz_out)
     else:
-        dz = torch.mul(p, u, out=dz_out)
+        dz = torch.mul(e, u, out=dz_out)
     current = dz.gather(1, col).squeeze(1)
     patched = torch.where(in_block, dz_label.to(dz.dtype), current)
     return dz.scatter_(1, col, patched.unsqueeze(1))
