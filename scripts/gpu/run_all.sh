@@ -8,23 +8,27 @@
 # scripts/gpu/stash_part.sh in an earlier call). Without complete pieces everything still runs and
 # the Liger native kernel is reported unavailable.
 #
-# Steps, each with its own time limit, each failing on its own (status in summary.txt):
-#   install   wheels, then core + the three backends (pip, no index, no deps, no build isolation)
-#   list      fusedhead list --check --device cuda
-#   bench     fusedhead bench, N=8192 and 32768, H=4096, V=151936, bf16, T=0.7: liger, liger-direct,
-#             torch, verl-chunked, cce, reference (8192 only: it is skipped where it would not
-#   bench-last  fit), then triton in a second process appending to the same JSON
-#   check-*   fusedhead check {triton,liger,torch} --device cuda --dtype bf16  (in parallel with:)
-#   pytest    pytest -m gpu over tests/
-#   liger-gpu-check, triton-gpu-check   plugins/*/tools/gpu_check.py when present (one at a time)
-# Results in $OUT (at most 8 files; anything more is packed into extra.tar.gz):
-#   summary.txt bench.json bench.md bench.png bench.log checks.log  + the tools' JSON files.
+# Steps, each with its own time limit and failing on its own (statuses in summary.txt), all
+# within DEADLINE_S of the start:
+#   install-*     the wheels, then core + the three backends (pip: no index, deps, build isolation)
+#   env, list     versions and `fusedhead list --check --device cuda`
+#   bench         fusedhead bench, N=8192 and 32768, H=4096, V=151936, bf16, T=0.7: liger,
+#                 liger-direct, torch, verl-chunked, cce, reference (skipped where it would not fit)
+#   bench-last    triton, in a second process appending to the same JSON
+#   bench-report  the table and plot of the whole JSON
+#   check-*       fusedhead check {triton,liger,torch} --device cuda --dtype bf16, in parallel with
+#   pytest-gpu    pytest -m gpu over tests/ (nothing of these four is timed)
+#   *-gpu-check   plugins/{liger,triton}_backend/tools/gpu_check.py when present, one at a time
+# Results in $OUT, at most 8 files (anything more is packed into extra.tar.gz): summary.txt,
+# bench.json, bench.md, bench.png, bench.log, checks.log, liger_gpu_check.json,
+# triton_gpu_check.json.
 #
-# Environment knobs: DEADLINE_S (whole run, default 570), BENCH_MINUTES (default 2.5) and
-# BENCH_IMPLS (first bench process), BENCH_LAST_MINUTES (1.2) and BENCH_LAST_IMPLS (triton; empty
-# for none) (second bench process), BENCH_SHAPE, DEVICE (cuda), DTYPE (bf16), LIGER_CHECK_ARGS, TRITON_CHECK_ARGS,
-# WHEELS (default .gpu-wheels), STEPS (default "install bench checks tools": the groups to run). DEVICE=cpu DTYPE=fp32 with a tiny BENCH_SHAPE rehearses the script
-# on a CPU (tests/bench/test_gpu_script.py does, with pip and nvidia-smi stubbed).
+# Knobs (environment): DEADLINE_S (570), STEPS ("install bench checks tools": the groups to run),
+# BENCH_MINUTES (2.5) and BENCH_IMPLS (first bench process), BENCH_LAST_MINUTES (1.2) and
+# BENCH_LAST_IMPLS (triton; empty: no second process), BENCH_SHAPE, DEVICE (cuda), DTYPE (bf16),
+# LIGER_CHECK_ARGS, TRITON_CHECK_ARGS, WHEELS (.gpu-wheels). DEVICE=cpu DTYPE=fp32 with a tiny
+# BENCH_SHAPE rehearses the whole script on a CPU (tests/bench/test_gpu_script.py does, with pip
+# and nvidia-smi stubbed).
 set -uo pipefail
 
 START=$SECONDS

@@ -246,6 +246,9 @@ def plot(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> boo
         c = r["case"]
         key = (c["hidden"], c["vocab"], c["dtype"], c.get("scale", 1.0))
         groups.setdefault(key, []).append(r)
+    # Single-N groups (accuracy-only extras such as a peaked case) only clutter a plot against N.
+    multi = {k: v for k, v in groups.items() if len({r["case"]["n"] for r in v}) > 1}
+    groups = multi or groups
     rows = max(1, len(groups))
     fig, axes = plt.subplots(rows, 2, figsize=(12, 4.2 * rows), squeeze=False)
     colors: dict[str, Any] = {}
@@ -282,7 +285,9 @@ def plot(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> boo
             ax.set_ylim(bottom=0)
             ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.minorticks_off()
-        ax_t.legend(fontsize=7, ncol=2)
+        top = max((y for line in ax_t.lines for y in line.get_ydata() if y is not None), default=1)
+        ax_t.set_ylim(0, 1.45 * float(top))  # room for the legend above the lines
+        ax_t.legend(fontsize=7, ncol=3, loc="upper center")
         if ax_m.lines:
             ax_m.legend(fontsize=7)
     if not groups:
