@@ -12,9 +12,20 @@ print("python", platform.python_version())
 print("torch", torch.__version__, "cuda", torch.version.cuda)
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
-for dist in ("fusedhead", "fusedhead-torch", "fusedhead-triton", "fusedhead-liger", "triton",
-             "liger-kernel", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13",
-             "cut-cross-entropy", "pydantic", "matplotlib", "pytest"):
+for dist in (
+    "fusedhead",
+    "fusedhead-torch",
+    "fusedhead-triton",
+    "fusedhead-liger",
+    "triton",
+    "liger-kernel",
+    "nvidia-cutlass-dsl",
+    "nvidia-cutlass-dsl-libs-cu13",
+    "cut-cross-entropy",
+    "pydantic",
+    "matplotlib",
+    "pytest",
+):
     try:
         print(dist, md.version(dist))
     except md.PackageNotFoundError:
