@@ -97,6 +97,7 @@ def main() -> None:
             pass
         torch.save(results, out)
     finally:
+        dist.barrier()  # gloo can abort a process torn down while a peer still talks
         dist.destroy_process_group()
 
 

@@ -116,4 +116,5 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
             )
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
+        dist.barrier()  # gloo can abort a process torn down while a peer still talks
         dist.destroy_process_group()

@@ -90,4 +90,5 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
             results[name] = run_case(x, lo, hi, case["reduce"], dist.group.WORLD, **case["kwargs"])
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
+        dist.barrier()  # gloo can abort a process torn down while a peer still talks
         dist.destroy_process_group()

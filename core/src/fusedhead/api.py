@@ -158,10 +158,10 @@ class FusedHead:
         if return_entropy:
             self._check_output("entropy", entropy, n)
             assert entropy is not None
-            entropy = entropy.view(call.out_shape)
+            entropy = _shaped(entropy, call.out_shape)
         else:
             entropy = None
-        return FusedHeadOutput(log_probs.view(call.out_shape), entropy)
+        return FusedHeadOutput(_shaped(log_probs, call.out_shape), entropy)
 
     def _check_call_capabilities(self, call: Call, caps: Capabilities, process_group: Any) -> None:
         if isinstance(call.temperature, torch.Tensor) and not caps.per_token_temperature:
@@ -209,10 +209,17 @@ class _nullcontext:
         return None
 
 
+def _shaped(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``out`` in the labels' shape, never as a view (FSDP2 and in-place ops mishandle view outputs)."""
+    if tuple(out.shape) == shape:
+        return out
+    return out.reshape(shape).clone()
+
+
 def _empty(call: Call, return_entropy: bool) -> FusedHeadOutput:
     """N = 0: empty fp32 outputs that still belong to the autograd graph (zero gradients)."""
     zero = call.hidden.sum(-1).float() * 0 + call.weight.sum().float() * 0
-    out = zero.view(call.out_shape)
+    out = _shaped(zero, call.out_shape)
     return FusedHeadOutput(out, out.clone() if return_entropy else None)
 
 

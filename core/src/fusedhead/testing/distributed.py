@@ -124,6 +124,7 @@ def _worker(rank: int, spec: dict[str, Any]) -> None:
                     "grad_weight": None if weight.grad is None else weight.grad.cpu(),
                 }
         torch.save(results, out / f"rank{rank}.pt")
+        dist.barrier()  # gloo can abort a process torn down while a peer still talks
         dist.destroy_process_group()
     except BaseException as exc:  # reported to the parent, which decides fail or not run
         last = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
