@@ -72,9 +72,28 @@ def device_info(device: torch.device) -> dict[str, Any]:
 
 
 def versions() -> dict[str, str | None]:
+    """Versions of Python and the distributions that matter, and the git commit of the cwd if any."""
     out: dict[str, str | None] = {"python": platform.python_version()}
     out.update({name: dist_version(name) for name in VERSIONED})
+    out["git_commit"] = _git_commit()
     return out
+
+
+def _git_commit() -> str | None:
+    """Short commit of the git checkout in the current directory, ``+dirty`` with local changes."""
+    import subprocess
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return None
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
 class JsonWriter:
