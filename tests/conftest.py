@@ -9,6 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton decides when ``@triton.jit`` runs, its own standard library (tl.cdiv, tl.max, ...)
+# included, whether a function is compiled or interpreted; a later switch cannot reach functions
+# made earlier. Without a GPU, every Triton kernel in this session runs under the interpreter, so
+# the switch is made here, before any test module can import triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FIXTURE_DISTS = Path(__file__).parent / "fixtures" / "dists"
 

@@ -1,9 +1,10 @@
-"""Triton backend tests: where the kernels run is decided per test, never for the whole session.
+"""Triton backend tests: where the kernels run is decided per test.
 
-CPU tests run the kernels under the Triton interpreter: ``TRITON_INTERPRET=1`` is set for the
-duration of each such test only (monkeypatch), so no other test module sees it. The backend
-rebuilds its kernel modules whenever the setting differs from the one they were built under.
-Tests marked ``gpu`` run with the interpreter off, and are skipped with the reason without CUDA.
+Without CUDA the root conftest sets ``TRITON_INTERPRET=1`` for the whole session before triton is
+imported (Triton fixes compiled-or-interpreted when each ``@triton.jit`` function is made, its own
+standard library included); CPU tests here also set it explicitly. The backend rebuilds its kernel
+modules whenever the setting differs from the one they were built under. Tests marked ``gpu`` run
+with the interpreter off, and are skipped with the reason without CUDA.
 """
 
 from __future__ import annotations
