@@ -36,8 +36,8 @@ fused_head:
 
 def _type(field: Any) -> str:
     ann = field.annotation
-    text = getattr(ann, "__name__", None) or str(ann)
-    return text.replace("typing.", "")
+    text = ann.__name__ if isinstance(ann, type) else str(ann)
+    return text.replace("typing.", "").replace("|", "\\|")
 
 
 def table(model: type[BaseModel]) -> str:

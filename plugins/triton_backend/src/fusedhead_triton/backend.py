@@ -21,23 +21,37 @@ class TritonOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    #: Rows per tile (power of two >= 16); None keeps the shipped per-dtype config.
-    block_m: int | None = None
-    #: Vocabulary columns per tile (power of two >= 16).
-    block_n: int | None = None
-    #: Hidden (reduction) step per tile iteration (power of two >= 16).
-    block_k: int | None = None
-    #: Persistent grid with TMA loads for the logits GEMMs (Hopper+); None: shipped default.
-    tma: bool | None = None
-    #: Bound on the backward's ``dz[N, Vb]`` block buffer, in MiB (sets Vb from N). Wider blocks
-    #: are faster (fewer launches, less hidden-gradient traffic) and cost memory.
-    backward_block_mib: float = Field(default=256.0, gt=0)
-    #: Upper bound on Vb, the vocabulary columns per backward block.
-    backward_block_max_cols: int = Field(default=8192, ge=16)
-    #: GEMM that adds ``dz @ W_block`` into the fp32 hidden-gradient sum: this package's Triton
-    #: kernel (bf16 keeps the sum as an exact hi/lo pair: less memory), or cuBLAS with an fp32
-    #: output where torch offers ``addmm(out_dtype=float32)`` (falls back to Triton otherwise).
-    dh_gemm: Literal["triton", "cublas"] = "triton"
+    block_m: int | None = Field(
+        None,
+        description="Rows per tile (power of two >= 16); None keeps the shipped per-dtype config.",
+    )
+    block_n: int | None = Field(
+        None, description="Vocabulary columns per tile (power of two >= 16)."
+    )
+    block_k: int | None = Field(
+        None, description="Hidden (reduction) step per tile iteration (power of two >= 16)."
+    )
+    tma: bool | None = Field(
+        None,
+        description="Persistent grid with TMA loads for the logits GEMMs (Hopper+); None: shipped default.",
+    )
+    backward_block_mib: float = Field(
+        default=256.0,
+        gt=0,
+        description="Bound on the backward's dz[N, Vb] block buffer, in MiB (sets Vb from N). Wider blocks "
+        "are faster (fewer launches, less hidden-gradient traffic) and cost memory.",
+    )
+    backward_block_max_cols: int = Field(
+        default=8192,
+        ge=16,
+        description="Upper bound on Vb, the vocabulary columns per backward block.",
+    )
+    dh_gemm: Literal["triton", "cublas"] = Field(
+        "triton",
+        description="GEMM that adds dz @ W_block into the hidden-gradient sum: this package's Triton kernel "
+        "(bf16 keeps the sum as an exact hi/lo pair: less memory), or cuBLAS with an fp32 output where "
+        "torch offers addmm(out_dtype=float32) (falls back to Triton otherwise).",
+    )
 
     @field_validator("block_m", "block_n", "block_k")
     @classmethod
