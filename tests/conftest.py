@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -50,19 +50,29 @@ def fixture_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def with_fixture_dists(fixture_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Put the fixture distributions on sys.path (and PYTHONPATH for subprocesses) for one test."""
+def site_on_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path], Path]]:
+    """``put(site)``: a folder of installed distributions on sys.path (and PYTHONPATH for
+    subprocesses) for one test, with the registry's discovery refreshed on entry and exit."""
     from fusedhead import api, registry
 
-    monkeypatch.syspath_prepend(str(fixture_site))
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(fixture_site), os.environ.get("PYTHONPATH", "")])
-    )
+    def put(site: Path) -> Path:
+        monkeypatch.syspath_prepend(str(site))
+        monkeypatch.setenv(
+            "PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+        )
+        registry.refresh()
+        api.clear_cache()
+        return site
+
+    yield put
     registry.refresh()
     api.clear_cache()
-    yield fixture_site
-    registry.refresh()
-    api.clear_cache()
+
+
+@pytest.fixture
+def with_fixture_dists(fixture_site: Path, site_on_path: Callable[[Path], Path]) -> Path:
+    """Put the fixture distributions on sys.path (and PYTHONPATH for subprocesses) for one test."""
+    return site_on_path(fixture_site)
 
 
 @pytest.fixture

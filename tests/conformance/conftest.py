@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -52,16 +51,6 @@ def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def with_example(example_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def with_example(example_site: Path, site_on_path: Callable[[Path], Path]) -> Path:
     """The example distribution on sys.path (and PYTHONPATH for subprocesses) for one test."""
-    from fusedhead import api, registry
-
-    monkeypatch.syspath_prepend(str(example_site))
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(example_site), os.environ.get("PYTHONPATH", "")])
-    )
-    registry.refresh()
-    api.clear_cache()
-    yield example_site
-    registry.refresh()
-    api.clear_cache()
+    return site_on_path(example_site)
