@@ -121,8 +121,14 @@ def test_run_all_rehearsal_on_the_cpu(tmp_path: Path) -> None:
     first.rename(parts_a / first.name)
     second.rename(parts_b / second.name)
     out = tmp_path / "out"
+    # The real install-wheels lives in the git-ignored .gpu-wheels of a developer's tree; a clean
+    # clone (CI) has none, so the rehearsal brings a stand-in that installs nothing.
+    wheels = tmp_path / "wheels"
+    (wheels / "small").mkdir(parents=True)
+    (wheels / "install-wheels").write_text('#!/usr/bin/env bash\necho "install-wheels (stand-in): $*"\n')
     env = {
         **os.environ,
+        "WHEELS": str(wheels),
         "PATH": f"{_stub_bin(tmp_path)}{os.pathsep}{os.environ['PATH']}",
         "OUT": str(out),
         "DEVICE": "cpu",
