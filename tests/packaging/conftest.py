@@ -1,4 +1,4 @@
-"""The packaging test runs when asked for (``pytest -m packaging tests/packaging``) and in CI (CI=true)."""
+"""The packaging test runs when asked for: ``pytest -m packaging tests/packaging`` (``.ci/run`` does) or FUSEDHEAD_PACKAGING=1."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if asked:
         return
     skip = pytest.mark.skip(
-        reason="packaging test (minutes, needs PyPI): run it with `pytest -m packaging tests/packaging`; CI=true runs it"
+        reason="packaging test (minutes, needs PyPI): run it with `pytest -m packaging tests/packaging` (.ci/run does)"
     )
     for item in items:
         if "packaging" in item.keywords:
