@@ -2,45 +2,73 @@
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 scripts/gpu/vocab_parallel_nccl.py OUT.json
 
-For each backend (torch, triton, liger native), N=8192, H=4096, V=151936, bf16, T=0.7: equal and
-uneven shards (where the backend declares ``uneven_shards``), ``reduce_hidden_grad`` True and
-False (False: the sum of the ranks' partial hidden gradients must equal the full one). Each rank
-compares outputs and both gradients with the same backend run on its own GPU with the whole
-weight, times forward+backward in GEMM units of its local shard, and measures peak extra memory.
-A backend that does not declare vocab_parallel is recorded with its reason. Rank 0 writes JSON.
+For each backend (torch, triton, liger native and liger fallback), N=8192, H=4096, V=151936,
+bf16, T=0.7: equal and uneven shards (where the backend declares ``uneven_shards``),
+``reduce_hidden_grad`` True and False (False: the sum of the ranks' partial hidden gradients must
+equal the full one). Each rank compares outputs and both gradients with the same backend run on
+its own GPU with the whole weight, times forward+backward in GEMM units of its local shard, and
+measures peak extra memory. A backend that does not declare vocab_parallel is recorded with its
+reason. Rank 0 writes JSON.
+
+``VP_REHEARSE=1`` runs the same plumbing on the CPU with gloo, fp32 and a tiny shape (the Triton
+kernels under ``TRITON_INTERPRET=1``): tests/bench/test_vocab_parallel_script.py does.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-N, H, V, T = 8192, 4096, 151936, 0.7
+REHEARSE = os.environ.get("VP_REHEARSE") == "1"
+if REHEARSE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    N, H, V, T, DTYPE = 24, 32, 200, 0.7, torch.float32
+    UNEVEN_SHIFT, WARMUP, REPS = 17, 1, 2
+else:
+    N, H, V, T, DTYPE = 8192, 4096, 151936, 0.7, torch.bfloat16
+    UNEVEN_SHIFT, WARMUP, REPS = 9024, 3, 15
 #: The single-GPU acceptance tolerances of the backend issues (relative L2 against a reference).
 TOL = {"log_probs": 3e-4, "entropy": 1e-4, "grad_hidden": 5e-3, "grad_weight": 5e-3}
-BACKENDS = {"torch": {}, "triton": {}, "liger": {"implementation": "native"}}
+BACKENDS: list[tuple[str, dict[str, Any]]] = [
+    ("torch", {}),
+    ("triton", {}),
+    ("liger", {"implementation": "native"}),
+    ("liger", {"implementation": "fallback"}),
+]
+
+
+def device() -> torch.device:
+    return torch.device("cpu") if REHEARSE else torch.device("cuda", torch.cuda.current_device())
+
+
+def sync() -> None:
+    if not REHEARSE:
+        torch.cuda.synchronize()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def inputs(
-    rank: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(0)  # the same full inputs on every rank
-    h = torch.randn(N, H, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).bfloat16()
-    y = torch.randint(0, V, (N,), device="cuda", generator=g)
-    y[torch.rand(N, device="cuda", generator=g) < 0.1] = -100
-    g_lp = torch.randn(N, device="cuda", generator=g)
-    g_ent = torch.randn(N, device="cuda", generator=g)
+def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same full inputs on every rank (one seeded generator on each)."""
+    dev = device()
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(N, H, device=dev, generator=g).to(DTYPE)
+    w = (torch.randn(V, H, device=dev, generator=g) / H**0.5).to(DTYPE)
+    y = torch.randint(0, V, (N,), device=dev, generator=g)
+    y[torch.rand(N, device=dev, generator=g) < 0.1] = -100
+    g_lp = torch.randn(N, device=dev, generator=g)
+    g_ent = torch.randn(N, device=dev, generator=g)
     return h, w, y, g_lp, g_ent
 
 
@@ -54,6 +82,7 @@ def step(
     g_ent: torch.Tensor,
     **kw: Any,
 ) -> dict[str, torch.Tensor]:
+    """One forward + backward with fresh leaves; outputs and both gradients."""
     from fusedhead import fused_head
 
     hh = h.detach().clone().requires_grad_()
@@ -70,15 +99,50 @@ def step(
     }
 
 
-def timed(fn: Any) -> float:
-    from triton.testing import do_bench
+def timed_ms(fn: Callable[[], object]) -> float:
+    """Median ms over a fixed number of runs, the same on every rank.
 
-    return float(do_bench(fn, warmup=200, rep=2000, return_mode="median"))
+    Not ``do_bench``: it sizes its repetitions from each rank's own estimate, and ranks that run
+    a collective a different number of times deadlock.
+    """
+    for _ in range(WARMUP):
+        fn()
+    sync()
+    dist.barrier()
+    times = []
+    for _ in range(REPS):
+        if REHEARSE:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    dist.barrier()
+    return float(statistics.median(times))
 
 
-def run_case(name: str, options: dict[str, Any], bounds: list[int], reduce: bool) -> dict[str, Any]:
+def peak_extra_gib(fn: Callable[[], object]) -> float | None:
+    if REHEARSE:
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def run_case(
+    name: str, options: dict[str, Any], bounds: list[int], reduce: bool, timing: bool
+) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    h, w, y, g_lp, g_ent = inputs(rank)
+    h, w, y, g_lp, g_ent = inputs()
     lo, hi = bounds[rank], bounds[rank + 1]
     single = step(name, options, h, w, y, g_lp, g_ent)
     shard = w[lo:hi].contiguous()
@@ -88,12 +152,7 @@ def run_case(name: str, options: dict[str, Any], bounds: list[int], reduce: bool
         "vocab_size": V,
         "reduce_hidden_grad": reduce,
     }
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
     par = step(name, options, h, shard, y, g_lp, g_ent, **kw)
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     dh = par["grad_hidden"].float()
     if not reduce:  # partial gradients: their sum is the full one
         dist.all_reduce(dh)
@@ -103,9 +162,8 @@ def run_case(name: str, options: dict[str, Any], bounds: list[int], reduce: bool
         "grad_hidden": rel(dh, single["grad_hidden"].float()),
         "grad_weight": rel(par["grad_weight"], single["grad_weight"][lo:hi]),
     }
-    unit = timed(lambda: torch.mm(h, shard.T))
-    ms = timed(lambda: step(name, options, h, shard, y, g_lp, g_ent, **kw))
-    return {
+    del single
+    rec: dict[str, Any] = {
         "backend": name,
         "options": options,
         "rank": rank,
@@ -114,62 +172,89 @@ def run_case(name: str, options: dict[str, Any], bounds: list[int], reduce: bool
         "reduce_hidden_grad": reduce,
         "errors_vs_single_gpu": errs,
         "pass": all(errs[k] <= TOL[k] for k in TOL),
-        "fwd_bwd_ms": ms,
-        "local_gemm_unit_ms": unit,
-        "fwd_bwd_units_local": ms / unit,
-        "peak_extra_gib": peak,
     }
+    if timing:
+        hd, sd = h.detach(), shard.detach()
+        unit = timed_ms(lambda: torch.mm(hd, sd.T))
+        ms = timed_ms(lambda: step(name, options, h, shard, y, g_lp, g_ent, **kw))
+        single_ms = timed_ms(lambda: step(name, options, h, w, y, g_lp, g_ent))
+        full_unit = timed_ms(lambda: torch.mm(hd, w.T))
+        rec.update(
+            fwd_bwd_ms=ms,
+            local_gemm_unit_ms=unit,
+            fwd_bwd_units_local=ms / unit,
+            single_gpu_fwd_bwd_ms=single_ms,
+            single_gpu_units=single_ms / full_unit,
+            speedup_vs_single_gpu=single_ms / ms,
+            peak_extra_gib=peak_extra_gib(lambda: step(name, options, h, shard, y, g_lp, g_ent, **kw)),
+        )
+    return rec
+
+
+def shard_layouts(world: int) -> dict[str, list[int]]:
+    """Equal shards, and shards shifted by ``UNEVEN_SHIFT`` rows (the first rank larger)."""
+    equal = [r * V // world for r in range(world + 1)]
+    uneven = list(equal)
+    for r in range(1, world):
+        uneven[r] = min(V, equal[r] + (UNEVEN_SHIFT if r == 1 else 0))
+    return {"equal": equal, "uneven": uneven}
 
 
 def main() -> int:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group("nccl")
+    if REHEARSE:
+        dist.init_process_group("gloo")
+    else:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(dist.get_rank())
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
     from fusedhead import FusedHead
 
     records: list[dict[str, Any]] = []
-    equal = [r * V // world for r in range(world + 1)]
-    uneven = [
-        0,
-        *[min(V, (r + 1) * V // world + 9024 * (1 if r == 0 else -1)) for r in range(world - 1)],
-        V,
-    ]
-    for name, options in BACKENDS.items():
-        caps = FusedHead({"backend": name, "options": options}).capabilities("cuda")
-        if not caps.vocab_parallel:
-            records.append(
-                {
-                    "backend": name,
-                    "options": options,
-                    "rank": rank,
-                    "declared": False,
-                    "reason": "does not declare vocab_parallel",
-                }
-            )
+    layouts = shard_layouts(world)
+    for name, options in BACKENDS:
+        base = {"backend": name, "options": options, "rank": rank}
+        try:
+            caps = FusedHead({"backend": name, "options": options}).capabilities(device())
+        except Exception as exc:  # not installed or not loadable: recorded, not fatal
+            records.append({**base, "error": f"{type(exc).__name__}: {exc}"})
             continue
-        layouts = {"equal": equal, **({"uneven": uneven} if caps.uneven_shards else {})}
+        if not caps.vocab_parallel:
+            records.append({**base, "declared": False, "reason": "does not declare vocab_parallel"})
+            continue
         for layout, bounds in layouts.items():
+            if layout == "uneven" and not caps.uneven_shards:
+                records.append({**base, "layout": layout, "declared": False,
+                                "reason": "does not declare uneven_shards"})  # fmt: skip
+                continue
             for reduce in (True, False):
                 try:
-                    rec = run_case(name, options, bounds, reduce)
-                except Exception as exc:  # record and go on: one backend's failure is its own
-                    rec = {"backend": name, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
+                    rec = run_case(name, options, bounds, reduce, timing=layout == "equal")
+                except Exception as exc:  # one backend's failure is its own
+                    rec = {**base, "error": f"{type(exc).__name__}: {exc}"}
                 rec["layout"] = layout
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
-                torch.cuda.empty_cache()
+                if not REHEARSE:
+                    torch.cuda.empty_cache()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, records)
     if rank == 0:
+        import triton
+
         meta = {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(0),
+            "device": "cpu (rehearsal)" if REHEARSE else torch.cuda.get_device_name(0),
+            "world": world,
+            "backend": dist.get_backend(),
             "torch": torch.__version__,
-            "shape": {"N": N, "H": H, "V": V, "dtype": "bf16", "temperature": T},
+            "triton": triton.__version__,
+            "shape": {"N": N, "H": H, "V": V, "dtype": str(DTYPE), "temperature": T},
             "tolerances": TOL,
+            "timing": f"median of {REPS} runs after {WARMUP} warm-up runs, same count on every rank",
         }
-        with open(sys.argv[1] if len(sys.argv) > 1 else "vocab_parallel_nccl.json", "w") as f:
+        path = sys.argv[1] if len(sys.argv) > 1 else "vocab_parallel_nccl.json"
+        with open(path, "w") as f:
             json.dump({"meta": meta, "records": [r for rs in gathered for r in rs]}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()

@@ -13,6 +13,10 @@ from collections.abc import Callable
 
 import torch
 
+#: GPU timing: warm-up and timed window (ms) at least; do_bench fits its run count in them.
+CUDA_WARMUP_MS = 200.0
+CUDA_WINDOW_MS = 1000.0
+
 
 def disable_tf32() -> None:
     """fp32 matmuls in full precision on CUDA (the GEMM unit of fp32 cases is defined so)."""
@@ -36,7 +40,12 @@ def median_ms(fn: Callable[[], object], device: torch.device, *, reps: int = 3) 
 
 
 def _cuda_median_ms(fn: Callable[[], object], device: torch.device, *, reps: int) -> float:
-    """``do_bench`` median with a repetition window long enough for at least ``reps`` runs."""
+    """``do_bench`` median over a window of at least ``CUDA_WINDOW_MS`` and ``reps`` runs.
+
+    The warm-up is as long as a few runs (clocks settle, the allocator reaches its steady
+    state); a window of a few runs of a long step measured 5-8% slow on an H200, against the
+    same step timed over a longer window.
+    """
     from triton.testing import do_bench
 
     with torch.cuda.device(device):
@@ -48,8 +57,9 @@ def _cuda_median_ms(fn: Callable[[], object], device: torch.device, *, reps: int
         end.record()
         torch.cuda.synchronize()
         estimate = start.elapsed_time(end)
-        rep = max(100.0, (reps + 0.5) * estimate)
-        return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+        warmup = max(CUDA_WARMUP_MS, 3 * estimate)
+        rep = max(CUDA_WINDOW_MS, (reps + 0.5) * estimate)
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
 def gemm_fn(hidden: torch.Tensor, weight: torch.Tensor) -> Callable[[], object]:
@@ -82,13 +92,18 @@ def timed_units(
 ) -> dict[str, float]:
     """Median ms of ``fn`` and the same in GEMM units.
 
-    On the CPU, where other processes make the speed drift, each repetition of ``fn`` is paired
-    with one of the GEMM and the units are the median of the per-pair ratios; on a GPU the
-    case's ``unit_ms`` is used.
+    With ``gemm``: on the CPU, where other processes make the speed drift, each repetition of
+    ``fn`` is paired with one of the GEMM and the units are the median of the per-pair ratios; on
+    a GPU the GEMM is timed again right before ``fn`` and that unit is used. Without it, the
+    case's ``unit_ms``.
     """
-    if device.type == "cuda" or gemm is None:
+    if gemm is None:
         ms = median_ms(fn, device, reps=reps)
         return {"ms": ms, "unit_ms": unit_ms, "units": ms / unit_ms}
+    if device.type == "cuda":  # the unit timed again just before: no drift between the two
+        adjacent = median_ms(gemm, device, reps=reps)
+        ms = median_ms(fn, device, reps=reps)
+        return {"ms": ms, "unit_ms": adjacent, "units": ms / adjacent}
     pairs = []
     for _ in range(max(1, reps)):
         g = median_ms(gemm, device, reps=1)
