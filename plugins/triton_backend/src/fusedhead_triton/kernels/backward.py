@@ -183,7 +183,7 @@ def bwd_dz_tma_kernel(
 
 #: Smallest power of two a low-part step is taken relative to: below it lo holds nothing useful
 #: and the pair is as precise as bf16 (such gradient entries are 2^-100 of the sum's others).
-_LO_MIN_POW2: tl.constexpr = 2.0**-100
+_LO_MIN_POW2 = tl.constexpr(2.0**-100)
 
 
 @triton.jit
