@@ -199,7 +199,7 @@ class _DhState:
 
     out: torch.Tensor  # the result (input dtype, or fp32 when asked)
     acc: torch.Tensor  # running sum: fp32, or the bf16 hi part (== out) when split
-    lo: torch.Tensor  # int8 remainder when split (else == acc)
+    lo: torch.Tensor  # bf16 remainder when split (else == acc)
     split: bool
     cublas: bool
 
@@ -221,8 +221,8 @@ def _dh_state(
         return _DhState(out, acc, acc, False, True)
     if nblocks == 1:
         return _DhState(out, out, out, False, False)  # one block writes the output directly
-    if dtype == torch.bfloat16:  # hi is the output itself; lo: int8 remainder, 2^-15 of hi
-        lo = torch.empty((n, h), dtype=torch.int8, device=dev)
+    if dtype == torch.bfloat16:  # hi is the output itself; lo keeps the remainder exactly
+        lo = torch.empty((n, h), dtype=dtype, device=dev)
         return _DhState(out, out, lo, True, False)
     acc = torch.empty((n, h), dtype=torch.float32, device=dev)
     return _DhState(out, acc, acc, False, False)
@@ -251,7 +251,7 @@ def backward_grads(
     """(dh, dW) by vocabulary blocks: dz kernel, then dW[block] by cuBLAS, dh += dz @ W[block].
 
     The dh sum runs in a fixed block order, in fp32 (Triton kernel, or cuBLAS with an fp32 C
-    when ``dh_gemm="cublas"`` and this torch has it) or as a bf16 hi + int8 lo pair (15 bits).
+    when ``dh_gemm="cublas"`` and this torch has it) or as an exact bf16 hi/lo pair.
     ``dh_fp32`` returns dh in fp32 (for a cross-rank sum before rounding).
     """
     _, bwd = kernels()

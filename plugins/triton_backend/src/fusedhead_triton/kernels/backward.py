@@ -2,8 +2,7 @@
 
 ``dz`` is the gradient w.r.t. the raw logits ``h @ W.T`` of one vocabulary block (temperature
 and softcap derivative folded in), computed in fp32 and stored in the input dtype for the GEMMs.
-``dh`` is accumulated over blocks in a fixed order, in fp32 or, for bf16, as a (hi, lo) pair: the bf16
-output itself plus an int8 remainder in steps of 1/128 of hi's ulp (15 significant bits, 3 bytes).
+``dh`` is accumulated over blocks in a fixed order, in fp32 or as an exact-sum bf16 (hi, lo) pair.
 """
 
 from __future__ import annotations
@@ -181,46 +180,6 @@ def bwd_dz_tma_kernel(
         dz_desc.store([off_m, off_n], g.to(dz_desc.dtype))
 
 
-#: Smallest power of two a low-part step is taken relative to: below it lo holds nothing useful
-#: and the pair is as precise as bf16 (such gradient entries are 2^-100 of the sum's others).
-_LO_MIN_POW2 = tl.constexpr(2.0**-100)
-
-
-@triton.jit
-def _lo_inv_step(hi):
-    """1 / (value of one int8 step of the low part): 128 steps per bf16 ulp of ``hi``.
-
-    A bf16 ulp is 2^-7 of the power of two at or below |hi|, so a step is 2^-14 of it. Powers of
-    two are exact in fp32, so the pair decodes to the same value wherever it is read.
-    """
-    pow2 = (hi.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    return 16384.0 / tl.maximum(pow2, _LO_MIN_POW2)
-
-
-@triton.jit
-def split_store(total, hi_ptrs, lo_ptrs, mask):
-    """Store fp32 ``total`` as bf16 hi and an int8 remainder lo, in steps of 1/128 of hi's ulp.
-
-    |total - hi| is at most half an ulp (64 steps) when the cast rounds to nearest, as on GPUs,
-    and under one ulp (128 steps, clamped to 127) when it truncates, as Triton's CPU interpreter
-    does; either way the pair holds total to within a step, 2^-14 of |hi|, and 2^-15 typically.
-    """
-    hi = total.to(hi_ptrs.dtype.element_ty)
-    hi32 = hi.to(tl.float32)
-    q = tl.floor((total - hi32) * _lo_inv_step(hi32) + 0.5)
-    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-    tl.store(hi_ptrs, hi, mask=mask)
-    tl.store(lo_ptrs, q.to(tl.int8), mask=mask)
-
-
-@triton.jit
-def split_load(hi_ptrs, lo_ptrs, mask):
-    """The fp32 value of a pair stored by ``split_store`` (0 where masked)."""
-    hi32 = tl.load(hi_ptrs, mask=mask, other=0.0).to(tl.float32)
-    q = tl.load(lo_ptrs, mask=mask, other=0).to(tl.float32)
-    return hi32 + q / _lo_inv_step(hi32)
-
-
 @triton.jit
 def _dh_update(
     part,
@@ -235,14 +194,15 @@ def _dh_update(
     LAST: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    """Add this block's tile to the running dh sum (fp32, or bf16 hi + int8 lo) or write the result."""
+    """Add this block's tile to the running dh sum (fp32, or bf16 hi + lo) or write the result."""
     mask = (offs_m < N)[:, None] & (offs_n < H)[None, :]
     idx = offs_m.to(tl.int64)[:, None] * H + offs_n[None, :]
     if FIRST:
         total = part
     else:
         if SPLIT:
-            prev = split_load(acc_ptr + idx, lo_ptr + idx, mask)
+            prev = tl.load(acc_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            prev += tl.load(lo_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         else:
             prev = tl.load(acc_ptr + idx, mask=mask, other=0.0)
         total = prev + part
@@ -250,7 +210,10 @@ def _dh_update(
         tl.store(out_ptr + idx, total.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         if SPLIT:
-            split_store(total, acc_ptr + idx, lo_ptr + idx, mask)
+            hi = total.to(acc_ptr.dtype.element_ty)
+            tl.store(acc_ptr + idx, hi, mask=mask)
+            lo = (total - hi.to(tl.float32)).to(lo_ptr.dtype.element_ty)
+            tl.store(lo_ptr + idx, lo, mask=mask)
         else:
             tl.store(acc_ptr + idx, total, mask=mask)
 
@@ -282,7 +245,7 @@ def bwd_dh_kernel(
     """acc[N, H] += dz[N, Kb] @ W[0:Kb, :] for one vocabulary block, tile by tile.
 
     The running sum lives in ``acc_ptr`` (fp32), or for SPLIT in ``acc_ptr`` (bf16 hi, which is
-    also the output) plus ``lo_ptr`` (int8 remainder). LAST writes the result to ``out_ptr``.
+    also the output) plus ``lo_ptr`` (bf16 remainder). LAST writes the result to ``out_ptr``.
     The hidden columns are W's contiguous dimension: they are masked, never clamped, so the
     loads stay vectorised.
     """
