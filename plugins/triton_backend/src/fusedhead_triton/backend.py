@@ -46,11 +46,12 @@ class TritonOptions(BaseModel):
         ge=16,
         description="Upper bound on Vb, the vocabulary columns per backward block.",
     )
-    dh_gemm: Literal["triton", "cublas"] = Field(
-        "triton",
+    dh_gemm: Literal["auto", "triton", "cublas"] = Field(
+        "auto",
         description="GEMM that adds dz @ W_block into the hidden-gradient sum: this package's Triton kernel "
-        "(bf16 keeps the sum as an exact hi/lo pair: less memory), or cuBLAS with an fp32 output where "
-        "torch offers addmm(out_dtype=float32) (falls back to Triton otherwise).",
+        "(bf16 keeps the sum as an exact hi/lo pair: less memory), or cuBLAS with an fp32 accumulator where "
+        "torch offers addmm(out_dtype=float32) (falls back to Triton otherwise); auto: cuBLAS while that "
+        "accumulator (N x H fp32) is at most 256 MiB, else Triton.",
     )
 
     @field_validator("block_m", "block_n", "block_k")

@@ -22,7 +22,7 @@ class CallSpec:
     configs: BackendConfigs
     backward_block_bytes: int
     backward_block_max_cols: int = 8192
-    dh_gemm: str = "triton"
+    dh_gemm: str = "auto"
 
 
 def forward_values(
