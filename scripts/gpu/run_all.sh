@@ -30,6 +30,9 @@
 # BENCH_SHAPE rehearses the whole script on a CPU (tests/bench/test_gpu_script.py does, with pip
 # and nvidia-smi stubbed).
 set -uo pipefail
+# The tree's commit, stamped here before the call (scripts/gpu/stamp.sh; carry .gpu-stamp):
+# the machine's copy of .git can be older than the files it received.
+[[ -f .gpu-stamp ]] && export FUSEDHEAD_GIT_COMMIT=$(<.gpu-stamp)
 
 START=$SECONDS
 DEADLINE_S=${DEADLINE_S:-570}

@@ -6,6 +6,9 @@
 # property uses NCCL on two GPUs), then, if time is left, `fusedhead bench` on GPU 0 (BENCH_IMPLS).
 # Results in $OUT: vocab_parallel_nccl.json, vp.log, checks.log, setup.log, bench.json, bench.log.
 set -uo pipefail
+# The tree's commit, stamped here before the call (scripts/gpu/stamp.sh; carry .gpu-stamp):
+# the machine's copy of .git can be older than the files it received.
+[[ -f .gpu-stamp ]] && export FUSEDHEAD_GIT_COMMIT=$(<.gpu-stamp)
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-$PWD/.gpu-out}

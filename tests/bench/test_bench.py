@@ -259,3 +259,13 @@ def test_a_terminated_bench_still_writes_its_table(tmp_path: Path) -> None:
         proc.kill()
     assert rc == 128 + signal.SIGTERM
     assert "| reference |" in md.read_text()
+
+
+def test_git_commit_is_the_stamped_one_where_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU machine gets the files but an older .git: the stamp made here names the tree."""
+    from fusedhead.bench import report
+
+    monkeypatch.setenv(report.GIT_COMMIT_ENV, "abc1234+dirty")
+    assert report.versions()["git_commit"] == "abc1234+dirty"
+    monkeypatch.setenv(report.GIT_COMMIT_ENV, "")
+    assert report.versions()["git_commit"] != "abc1234+dirty"

@@ -79,9 +79,20 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+#: Names the tree a run measured where the checkout's own ``.git`` cannot be trusted (a GPU
+#: machine that receives the files but an older copy of ``.git``): set by scripts/gpu/*.sh from
+#: the ``.gpu-stamp`` file that scripts/gpu/stamp.sh writes before the call.
+GIT_COMMIT_ENV = "FUSEDHEAD_GIT_COMMIT"
+
+
 def _git_commit() -> str | None:
-    """Short commit of the git checkout in the current directory, ``+dirty`` with local changes."""
+    """``$FUSEDHEAD_GIT_COMMIT`` if set, else the short commit of the git checkout in the current
+    directory, ``+dirty`` with local changes."""
     import subprocess
+
+    stamped = os.environ.get(GIT_COMMIT_ENV, "").strip()
+    if stamped:
+        return stamped
 
     def git(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10)
