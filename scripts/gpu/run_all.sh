@@ -78,7 +78,10 @@ step() {
   fi
   local t0=$SECONDS
   {
-    echo "===== $name: $* (limit ${limit}s) ====="
+    local shown="${*//$PWD\//}" # logs that get committed name no path of the machine
+    shown="${shown//$OUT/\$OUT}"
+    shown="${shown//$WORK/\$WORK}"
+    echo "===== $name: $shown (limit ${limit}s) ====="
     timeout -k 10 "$limit" "$@"
   } >>"$log" 2>&1
   local rc=$?

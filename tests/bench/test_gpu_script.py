@@ -155,6 +155,10 @@ def test_run_all_rehearsal_on_the_cpu(tmp_path: Path) -> None:
             line.startswith(step + " ") and " ok " in line for line in summary.splitlines()
         ), (step, summary)
     assert "demo_pkg-1.0-py3-none-any.whl: 2 pieces" in summary
+    # The logs are committed beside the figures: they name no path of the machine they ran on.
+    step_lines = [line for line in summary.splitlines() if line.startswith("===== ")]
+    shown_paths = (str(ROOT), str(out), "/tmp/tmp.")  # the checkout, $OUT, the script's mktemp -d
+    assert step_lines and not [x for x in step_lines if any(p in x for p in shown_paths)], step_lines
     records = json.loads((out / "bench.json").read_text())
     assert [(r["case"]["n"], r["impl"]) for r in records] == [
         (24, "torch"),
