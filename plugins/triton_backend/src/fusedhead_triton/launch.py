@@ -176,7 +176,8 @@ def vocab_block(n: int, v: int, esize: int, budget_bytes: int, align: int, max_c
 
 _CUBLAS_FP32_OUT: bool | None = None
 #: ``dh_gemm="auto"`` uses cuBLAS up to this fp32 accumulator size (N * H * 4 bytes): N = 16384 at
-#: H = 4096. H200, N = 8192: 4.08 units and 1.47 GiB against 4.2-4.3 and 1.41 with the Triton pair.
+#: H = 4096. H200, N = 8192 (docs/bench/h200-dh-auto.json): 4.13 units and 1.47 GiB, against 4.26
+#: and 1.41 GiB with the Triton pair in the same run.
 AUTO_CUBLAS_ACC_BYTES = 256 * 2**20
 
 
