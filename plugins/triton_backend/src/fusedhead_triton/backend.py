@@ -54,6 +54,14 @@ class TritonOptions(BaseModel):
         "accumulator (N x H fp32) is at most 256 MiB, else Triton.",
     )
 
+    stash_dh_sum: bool = Field(
+        False,
+        description="Keep the hidden-gradient running sum (bf16: the pair's low half, N x H x 2 bytes; "
+        "fp16 or cuBLAS: the fp32 accumulator, N x H x 4) in the weight gradient's last rows until the sum "
+        "is final, then recompute those rows' logits to write them: saves that memory for about N/V (2N/V "
+        "with an fp32 sum) more GEMM units. Applies when both gradients are asked and dW has the rows.",
+    )
+
     @field_validator("block_m", "block_n", "block_k")
     @classmethod
     def _power_of_two(cls, v: int | None) -> int | None:
@@ -197,6 +205,7 @@ class TritonBackend:
             backward_block_bytes=int(o.backward_block_mib * 2**20),
             backward_block_max_cols=o.backward_block_max_cols,
             dh_gemm=o.dh_gemm,
+            stash_dh_sum=o.stash_dh_sum,
         )
         labels = labels.contiguous()
         out = FusedHeadFunction.apply(hidden, weight, labels, temp, spec)

@@ -23,6 +23,7 @@ class CallSpec:
     backward_block_bytes: int
     backward_block_max_cols: int = 8192
     dh_gemm: str = "auto"
+    stash_dh_sum: bool = False
 
 
 def forward_values(
@@ -94,6 +95,7 @@ class FusedHeadFunction(torch.autograd.Function):
             block_bytes=spec.backward_block_bytes,
             block_max_cols=spec.backward_block_max_cols,
             dh_gemm=spec.dh_gemm,
+            stash_dh_sum=spec.stash_dh_sum,
         )  # fmt: skip
         if sum_dh and dh is not None:
             parallel.all_reduce_sum(dh, group)

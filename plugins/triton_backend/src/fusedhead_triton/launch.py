@@ -216,20 +216,72 @@ def _dh_state(
     nblocks: int,
     fp32_out: bool,
     cublas: bool,
+    spare: SpareRows | None = None,
 ) -> _DhState:
+    """The output and the running sum's buffers; ``spare`` lends the sum dW's last rows."""
+
+    def buffer(kind: torch.dtype) -> torch.Tensor:
+        if spare is not None:
+            return spare.take(kind)
+        return torch.empty((n, h), dtype=kind, device=dev)
+
     out = torch.empty((n, h), dtype=torch.float32 if fp32_out else dtype, device=dev)
     if out.dtype == torch.float32:
         return _DhState(out, out, out, False, cublas)
     if cublas:
-        acc = torch.empty((n, h), dtype=torch.float32, device=dev)
+        acc = buffer(torch.float32)
         return _DhState(out, acc, acc, False, True)
     if nblocks == 1:
         return _DhState(out, out, out, False, False)  # one block writes the output directly
     if dtype == torch.bfloat16:  # hi is the output itself; lo keeps the remainder exactly
-        lo = torch.empty((n, h), dtype=dtype, device=dev)
+        lo = buffer(dtype)
         return _DhState(out, out, lo, True, False)
-    acc = torch.empty((n, h), dtype=torch.float32, device=dev)
+    acc = buffer(torch.float32)
     return _DhState(out, acc, acc, False, False)
+
+
+@dataclass
+class SpareRows:
+    """dW's last rows, lent as the hidden-gradient sum's buffer until every block has added to it.
+
+    ``first`` is the first row lent (``v`` while nothing is): rows from there on are written only
+    after the sum is final, from their logits recomputed once more.
+    """
+
+    dw: torch.Tensor
+    n: int
+    first: int
+
+    @staticmethod
+    def need_rows(dw: torch.Tensor, n: int, kind: torch.dtype) -> int | None:
+        """First row of the smallest 16-byte aligned tail of dW that holds ``[n, H]`` of ``kind``."""
+        v, h = dw.shape
+        row_bytes = h * dw.element_size()
+        need = n * h * kind.itemsize
+        first = v - math.ceil(need / row_bytes)
+        while first > 0 and (first * row_bytes) % 16:
+            first -= 1
+        if first < 0 or (first * row_bytes) % 16 or dw.data_ptr() % 16:
+            return None
+        return first
+
+    def take(self, kind: torch.dtype) -> torch.Tensor:
+        """The ``[n, H]`` view of ``kind`` over rows ``first`` on (found by ``need_rows``)."""
+        h = self.dw.shape[1]
+        count = self.n * h * kind.itemsize // self.dw.element_size()
+        flat = self.dw.view(-1)[self.first * h : self.first * h + count]
+        return flat.view(kind).view(self.n, h)
+
+
+def _sum_kind(dtype: torch.dtype, nblocks: int, fp32_out: bool, cublas: bool) -> torch.dtype | None:
+    """The dtype of the hidden-gradient sum's own buffer (as ``_dh_state`` builds it), or None."""
+    if fp32_out or dtype == torch.float32:
+        return None
+    if cublas:
+        return torch.float32
+    if nblocks == 1:
+        return None
+    return dtype if dtype == torch.bfloat16 else torch.float32
 
 
 def backward_grads(
@@ -251,6 +303,7 @@ def backward_grads(
     block_bytes: int,
     block_max_cols: int = 8192,
     dh_gemm: str = "auto",
+    stash_dh_sum: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dh, dW) by vocabulary blocks: dz kernel, then dW[block] by cuBLAS, dh += dz @ W[block].
 
@@ -258,6 +311,8 @@ def backward_grads(
     when ``dh_gemm`` asks for it and this torch has it) or as an exact bf16 hi/lo pair. ``"auto"``
     takes cuBLAS while its fp32 accumulator is at most ``AUTO_CUBLAS_ACC_BYTES``: faster, and the
     accumulator costs 2 bytes a value more than the pair.
+    ``stash_dh_sum`` keeps that sum's buffer in dW's last rows (``SpareRows``); once the sum is
+    final those rows' dz blocks are recomputed and their dW written.
     ``dh_fp32`` returns dh in fp32 (for a cross-rank sum before rounding).
     """
     _, bwd = kernels()
@@ -284,7 +339,13 @@ def backward_grads(
         and dtype != torch.float32
         and cublas_fp32_out_available(dev)
     )
-    st = _dh_state(n, h, dtype, dev, nblocks, dh_fp32, use_cublas) if need_dh else None
+    spare = None
+    kind = _sum_kind(dtype, nblocks, dh_fp32, use_cublas)
+    if stash_dh_sum and need_dh and dw is not None and kind is not None:
+        first = SpareRows.need_rows(dw, n, kind)
+        spare = SpareRows(dw, n, first) if first is not None else None
+    tail = spare.first if spare is not None else v  # dW rows written after the dh sum is final
+    st = _dh_state(n, h, dtype, dev, nblocks, dh_fp32, use_cublas, spare) if need_dh else None
 
     softcap, inv_softcap = sc.softcap_args
     dummy = lse
@@ -313,9 +374,9 @@ def backward_grads(
         labels, temp if temp is not None else dummy, lse, ent if ent is not None else dummy,
         g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy,
     )  # fmt: skip
-    for b in range(nblocks):
-        v0 = b * vb
-        cols = min(v, v0 + vb) - v0
+
+    def dz_block(v0: int, cols: int) -> torch.Tensor:
+        """dz for vocabulary rows [v0, v0 + cols), into the shared block buffer."""
         dz = dz_full[:, :cols]
         wb = weight[v0 : v0 + cols]
         tiles = math.ceil(n / dz_cfg.block_m) * math.ceil(cols / dz_cfg.block_n)
@@ -332,8 +393,16 @@ def backward_grads(
                 wb.stride(0), wb.stride(1), dz.stride(0), sc.label_offset + v0, sc.ignore_index,
                 sc.inv_temp, softcap, inv_softcap, EVEN_K=h % dz_cfg.block_k == 0, **dz_flags,
             )  # fmt: skip
-        if dw is not None:
-            torch.mm(dz.t(), hidden, out=dw[v0 : v0 + cols])
+        return dz
+
+    for b in range(nblocks):
+        v0 = b * vb
+        cols = min(v, v0 + vb) - v0
+        dz = dz_block(v0, cols)
+        wb = weight[v0 : v0 + cols]
+        if dw is not None and v0 < tail:
+            end = min(v0 + cols, tail)
+            torch.mm(dz[:, : end - v0].t(), hidden, out=dw[v0:end])
         if st is None:
             continue
         if st.cublas:
@@ -368,4 +437,8 @@ def backward_grads(
             )  # fmt: skip
     if st is not None and st.cublas and st.out is not st.acc:
         st.out.copy_(st.acc)
+    if dw is not None:  # the rows that held the dh sum: their logits once more
+        for v0 in range(tail, v, vb):
+            cols = min(v, v0 + vb) - v0
+            torch.mm(dz_block(v0, cols).t(), hidden, out=dw[v0 : v0 + cols])
     return (st.out if st is not None else None), dw
