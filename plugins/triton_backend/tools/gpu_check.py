@@ -31,6 +31,13 @@ ARGS.add_argument("--quick", action="store_true", help="fewer configs and shapes
 ARGS.add_argument("--configs", default="", help="comma-separated config names to benchmark")
 ARGS.add_argument("--bench-n", default="8192,32768", help="token counts to benchmark")
 ARGS.add_argument("--budget-s", type=float, default=240.0, help="stop benchmarking after this")
+ARGS.add_argument(
+    "--large-variants",
+    default="default,blk128",
+    help="backward variants timed at the larger token counts (the best at the first is added)",
+)
+ARGS.add_argument("--skip-variants", default="", help="variants not timed at the first token count")
+ARGS.add_argument("--profile", default="default@first", help="VARIANT@N (first: the first count)")
 ARGS.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder")
 OPTS = ARGS.parse_args()
 if OPTS.dry:
@@ -66,6 +73,18 @@ VARIANTS: dict[str, tuple[TileConfig, TileConfig, dict[str, Any]]] = {
     "blk128": (_T, _T, {"backward_block_mib": 128}),
     "dhcublas": (_T, _T, {"dh_gemm": "cublas"}),
     "dhtma_s4": (_T, replace(_T, num_stages=4), {}),
+    "stash": (_T, _T, {"stash_dh_sum": True}),
+    "stash_blk128": (_T, _T, {"stash_dh_sum": True, "backward_block_mib": 128}),
+    "stash_blk64": (_T, _T, {"stash_dh_sum": True, "backward_block_mib": 64}),
+    "stash_cublas": (_T, _T, {"stash_dh_sum": True, "dh_gemm": "cublas"}),
+    "flat": (_T, replace(_T, flatten=True), {"dh_gemm": "triton"}),
+    "halves": (_T, replace(_T, epilogue_halves=True), {"dh_gemm": "triton"}),
+    "blk64": (_T, _T, {"backward_block_mib": 64}),
+    "flat_blk64": (_T, replace(_T, flatten=True), {"backward_block_mib": 64}),
+    "halves_blk64": (_T, replace(_T, epilogue_halves=True), {"backward_block_mib": 64}),
+    "stash_flat_blk64": (
+        _T, replace(_T, flatten=True), {"stash_dh_sum": True, "backward_block_mib": 64}
+    ),
 }
 if OPTS.dry:
     _small = dict(block_m=32, block_n=64, block_k=32)
@@ -366,7 +385,8 @@ def profile_step(name: str, cfg: TileConfig, n: int, hsz: int, v: int) -> None:
         lp, ent = call(be, hh, ww, lab)
         return torch.autograd.grad((lp * g1 + ent * g2).sum(), [hh, ww])
 
-    step()
+    for _ in range(max(3, int(1500 / max(1.0, n / 8192 * 60)))):  # ~1.5 s: clocks as in do_bench
+        step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
@@ -435,7 +455,10 @@ def main() -> None:
     fwd_rows = RESULTS.get("forward", [])
     best = min(fwd_rows, key=lambda r: r["fwd_units"])["name"] if fwd_rows else names[0]
     RESULTS["best_forward"] = best
+    skip = {x for x in OPTS.skip_variants.split(",") if x}
     for vname in VARIANTS:
+        if vname in skip:
+            continue
         if time.time() - T0 > OPTS.budget_s:
             log("budget reached, skipping", vname)
             break
@@ -444,10 +467,13 @@ def main() -> None:
     best_v = min(rows, key=lambda r: r["fwdbwd_units"])["name"] if rows else next(iter(VARIANTS))
     RESULTS["best_variant"] = best_v
     section(kernel_resources)
-    if DEV.type == "cuda":
-        section(profile_step, "default", CANDIDATES[best], *first)
+    pvar, _, pn = OPTS.profile.partition("@")
+    pshape = first if pn in ("", "first") else (int(pn), first[1], first[2])
+    if DEV.type == "cuda" and pvar in VARIANTS:
+        section(profile_step, pvar, CANDIDATES[best], *pshape)
+    large = [x for x in OPTS.large_variants.split(",") if x]
     for n, hsz, v in bench_shapes[1:]:
-        for vname in dict.fromkeys(["default", "blk128", best_v]):
+        for vname in dict.fromkeys([*large, best_v]):
             if vname in VARIANTS and time.time() - T0 < OPTS.budget_s + 60:
                 section(bench_variant, vname, CANDIDATES[best], n, hsz, v)
     save()

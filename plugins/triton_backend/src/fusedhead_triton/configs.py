@@ -24,6 +24,12 @@ class TileConfig:
     num_stages: int = 3
     #: Persistent grid loading through TMA descriptors (Hopper and newer, 16-byte aligned rows).
     tma: bool = False
+    #: Persistent dh kernel only: one flattened software pipeline over tiles and K steps, so the
+    #: next tile's loads overlap this tile's read-modify-write of the running sum.
+    flatten: bool = False
+    #: Persistent dh kernel only: read-modify-write the running sum in two column halves
+    #: (fewer live registers in the epilogue).
+    epilogue_halves: bool = False
 
 
 @dataclass(frozen=True)

@@ -427,8 +427,9 @@ def backward_grads(
             zd2 = desc.from_tensor(dz, [dh_cfg.block_m, dh_cfg.block_k])
             wd2 = desc.from_tensor(w_tma[v0 : v0 + cols], [dh_cfg.block_k, dh_cfg.block_n])
             bwd.bwd_dh_tma_kernel[(min(nprog, dh_tiles),)](
-                zd2, wd2, st.acc, st.lo, st.out, n, h, cols, NUM_PROGS=nprog, **dh_flags
-            )
+                zd2, wd2, st.acc, st.lo, st.out, n, h, cols, NUM_PROGS=nprog,
+                FLATTEN=dh_cfg.flatten, EPILOGUE_HALVES=dh_cfg.epilogue_halves, **dh_flags,
+            )  # fmt: skip
         else:
             bwd.bwd_dh_kernel[(dh_tiles,)](
                 dz, wb, st.acc, st.lo, st.out, n, h, cols, dz.stride(0), wb.stride(0),

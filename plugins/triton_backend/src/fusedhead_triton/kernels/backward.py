@@ -295,12 +295,18 @@ def bwd_dh_tma_kernel(
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
     SPLIT: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    EPILOGUE_HALVES: tl.constexpr,
 ):
-    """Persistent TMA variant of ``bwd_dh_kernel`` (descriptors zero-fill past Kb, N and H)."""
+    """Persistent TMA variant of ``bwd_dh_kernel`` (descriptors zero-fill past Kb, N and H).
+
+    FLATTEN pipelines the tile loop with the K loop; EPILOGUE_HALVES updates the sum in two
+    column halves. Neither changes a value: each tile's K order is the same.
+    """
     num_pid_m = tl.cdiv(N, BLOCK_M)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    for tile in range(tl.program_id(0), num_tiles, NUM_PROGS):
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=FLATTEN):
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(Kb, BLOCK_K)):
@@ -308,5 +314,12 @@ def bwd_dh_tma_kernel(
             b = w_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
             part = tl.dot(a, b, part, input_precision=PRECISION)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _dh_update(part, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+        if EPILOGUE_HALVES:
+            left, right = part.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+            offs_l = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            _dh_update(left, offs_m, offs_l, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+            offs_r = offs_l + BLOCK_N // 2
+            _dh_update(right, offs_m, offs_r, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+        else:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _dh_update(part, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)

@@ -1,0 +1,50 @@
+"""Pipelining knobs of the persistent dh kernel change its schedule, never a value: every tile
+still sums its K steps in the same order, so gradients are bitwise equal to the plain kernel's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from triton_backend_helpers import SMALL_TILES, make_case, run_triton
+
+from fusedhead_triton import backend as backend_mod
+from fusedhead_triton.configs import BackendConfigs, default_configs
+
+
+def _with_dh(monkeypatch: pytest.MonkeyPatch, **knobs: bool) -> None:
+    def pick(dtype: torch.dtype) -> BackendConfigs:
+        base = default_configs(dtype)
+        return replace(base, dh=replace(base.dh, **knobs))
+
+    monkeypatch.setattr(backend_mod, "default_configs", pick)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"flatten": True}, {"epilogue_halves": True}, {"flatten": True, "epilogue_halves": True}],
+    ids=["flatten", "halves", "both"],
+)
+def test_dh_kernel_knobs_keep_the_bits(monkeypatch: pytest.MonkeyPatch, knobs: dict) -> None:
+    case = make_case(70, 64, 333, seed=31)  # 3 row tiles, ragged H tiles, 6 vocabulary blocks
+    opts = {**SMALL_TILES, "tma": True, "backward_block_mib": 1e-4, "dh_gemm": "triton"}
+    plain = run_triton(case, torch.float16, options=opts)
+    _with_dh(monkeypatch, **knobs)
+    got = run_triton(case, torch.float16, options=opts)
+    assert torch.equal(got.d_hidden, plain.d_hidden)
+    assert torch.equal(got.d_weight, plain.d_weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [{"flatten": True}, {"epilogue_halves": True}])
+def test_dh_kernel_knobs_keep_the_bits_on_the_gpu(
+    monkeypatch: pytest.MonkeyPatch, knobs: dict
+) -> None:
+    case = make_case(1000, 512, 20000, seed=32)
+    opts = {"backward_block_mib": 2, "dh_gemm": "triton"}  # the bf16 pair over many blocks
+    plain = run_triton(case, torch.bfloat16, device="cuda", options=opts)
+    _with_dh(monkeypatch, **knobs)
+    got = run_triton(case, torch.bfloat16, device="cuda", options=opts)
+    assert torch.equal(got.d_hidden, plain.d_hidden)
+    assert torch.equal(got.d_weight, plain.d_weight)
