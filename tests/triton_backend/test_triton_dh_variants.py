@@ -13,7 +13,7 @@ from fusedhead_triton import backend as backend_mod
 from fusedhead_triton.configs import BackendConfigs, default_configs
 
 
-def _with_dh(monkeypatch: pytest.MonkeyPatch, **knobs: bool) -> None:
+def _with_dh(monkeypatch: pytest.MonkeyPatch, **knobs: bool | int) -> None:
     def pick(dtype: torch.dtype) -> BackendConfigs:
         base = default_configs(dtype)
         return replace(base, dh=replace(base.dh, **knobs))
@@ -23,8 +23,14 @@ def _with_dh(monkeypatch: pytest.MonkeyPatch, **knobs: bool) -> None:
 
 @pytest.mark.parametrize(
     "knobs",
-    [{"flatten": True}, {"epilogue_halves": True}, {"flatten": True, "epilogue_halves": True}],
-    ids=["flatten", "halves", "both"],
+    [
+        {"flatten": True},
+        {"epilogue_halves": True},
+        {"flatten": True, "epilogue_halves": True},
+        {"prefetch_sum": True},
+        {"prefetch_sum": True, "programs_per_sm": 2},
+    ],
+    ids=["flatten", "halves", "flatten-halves", "prefetch", "prefetch-2-per-sm"],
 )
 def test_dh_kernel_knobs_keep_the_bits(monkeypatch: pytest.MonkeyPatch, knobs: dict) -> None:
     case = make_case(70, 64, 333, seed=31)  # 3 row tiles, ragged H tiles, 6 vocabulary blocks
@@ -37,14 +43,23 @@ def test_dh_kernel_knobs_keep_the_bits(monkeypatch: pytest.MonkeyPatch, knobs: d
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{"flatten": True}, {"epilogue_halves": True}])
+@pytest.mark.parametrize(
+    ("tile", "knobs"),
+    [
+        ({}, {"flatten": True}),
+        ({}, {"epilogue_halves": True}),
+        ({"block_n": 128}, {"prefetch_sum": True, "programs_per_sm": 2}),
+    ],
+    ids=["flatten", "halves", "128-prefetch-2-per-sm"],
+)
 def test_dh_kernel_knobs_keep_the_bits_on_the_gpu(
-    monkeypatch: pytest.MonkeyPatch, knobs: dict
+    monkeypatch: pytest.MonkeyPatch, tile: dict, knobs: dict
 ) -> None:
     case = make_case(1000, 512, 20000, seed=32)
     opts = {"backward_block_mib": 2, "dh_gemm": "triton"}  # the bf16 pair over many blocks
+    _with_dh(monkeypatch, **tile)
     plain = run_triton(case, torch.bfloat16, device="cuda", options=opts)
-    _with_dh(monkeypatch, **knobs)
+    _with_dh(monkeypatch, **tile, **knobs)
     got = run_triton(case, torch.bfloat16, device="cuda", options=opts)
     assert torch.equal(got.d_hidden, plain.d_hidden)
     assert torch.equal(got.d_weight, plain.d_weight)

@@ -37,6 +37,7 @@ ARGS.add_argument(
     help="backward variants timed at the larger token counts (the best at the first is added)",
 )
 ARGS.add_argument("--skip-variants", default="", help="variants not timed at the first token count")
+ARGS.add_argument("--first-variants", default="", help="only these at the first token count")
 ARGS.add_argument("--profile", default="default@first", help="VARIANT@N (first: the first count)")
 ARGS.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder")
 OPTS = ARGS.parse_args()
@@ -86,6 +87,22 @@ VARIANTS: dict[str, tuple[TileConfig, TileConfig, dict[str, Any]]] = {
         _T, replace(_T, flatten=True), {"stash_dh_sum": True, "backward_block_mib": 64}
     ),
 }
+#: dh kernels for small dz budgets (many blocks: the running sum's read-modify-write dominates).
+_DH_KERNELS: dict[str, TileConfig] = {
+    "halves": replace(_T, epilogue_halves=True),
+    "q128": replace(_T, block_n=128),
+    "q128_p2": replace(_T, block_n=128, programs_per_sm=2),
+    "q128_pre": replace(_T, block_n=128, prefetch_sum=True),
+    "q128_p2_pre": replace(_T, block_n=128, programs_per_sm=2, prefetch_sum=True),
+}
+for _k, _dh in _DH_KERNELS.items():
+    VARIANTS.setdefault(_k, (_T, _dh, {"dh_gemm": "triton"}))
+    for _mib in (64, 80):
+        VARIANTS.setdefault(f"{_k}_blk{_mib}", (_T, _dh, {"backward_block_mib": _mib}))
+        VARIANTS[f"stash_{_k}_blk{_mib}"] = (
+            _T, _dh, {"backward_block_mib": _mib, "stash_dh_sum": True}
+        )  # fmt: skip
+    VARIANTS[f"stash_{_k}"] = (_T, _dh, {"stash_dh_sum": True, "dh_gemm": "triton"})
 if OPTS.dry:
     _small = dict(block_m=32, block_n=64, block_k=32)
     CANDIDATES = {k: replace(c, **_small) for k, c in list(CANDIDATES.items())[:2]}
@@ -456,7 +473,8 @@ def main() -> None:
     best = min(fwd_rows, key=lambda r: r["fwd_units"])["name"] if fwd_rows else names[0]
     RESULTS["best_forward"] = best
     skip = {x for x in OPTS.skip_variants.split(",") if x}
-    for vname in VARIANTS:
+    only = [x for x in OPTS.first_variants.split(",") if x]
+    for vname in only or VARIANTS:
         if vname in skip:
             continue
         if time.time() - T0 > OPTS.budget_s:

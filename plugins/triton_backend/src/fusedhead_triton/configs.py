@@ -30,6 +30,12 @@ class TileConfig:
     #: Persistent dh kernel only: read-modify-write the running sum in two column halves
     #: (fewer live registers in the epilogue).
     epilogue_halves: bool = False
+    #: Persistent dh kernel only: load the tile's running sum before its K loop (takes
+    #: registers: meant for 128 x 128 tiles).
+    prefetch_sum: bool = False
+    #: Persistent dh kernel only: programs per SM (2 lets one program's epilogue overlap the
+    #: other's main loop, where the shared memory of two fits).
+    programs_per_sm: int = 1
 
 
 @dataclass(frozen=True)

@@ -426,9 +426,11 @@ def backward_grads(
         if dh_tma:
             zd2 = desc.from_tensor(dz, [dh_cfg.block_m, dh_cfg.block_k])
             wd2 = desc.from_tensor(w_tma[v0 : v0 + cols], [dh_cfg.block_k, dh_cfg.block_n])
-            bwd.bwd_dh_tma_kernel[(min(nprog, dh_tiles),)](
-                zd2, wd2, st.acc, st.lo, st.out, n, h, cols, NUM_PROGS=nprog,
-                FLATTEN=dh_cfg.flatten, EPILOGUE_HALVES=dh_cfg.epilogue_halves, **dh_flags,
+            dh_progs = nprog * dh_cfg.programs_per_sm
+            bwd.bwd_dh_tma_kernel[(min(dh_progs, dh_tiles),)](
+                zd2, wd2, st.acc, st.lo, st.out, n, h, cols, NUM_PROGS=dh_progs,
+                FLATTEN=dh_cfg.flatten, EPILOGUE_HALVES=dh_cfg.epilogue_halves,
+                PREFETCH=dh_cfg.prefetch_sum, **dh_flags,
             )  # fmt: skip
         else:
             bwd.bwd_dh_kernel[(dh_tiles,)](

@@ -181,6 +181,34 @@ def bwd_dz_tma_kernel(
 
 
 @triton.jit
+def _dh_store(
+    total,
+    offs_m,
+    offs_n,
+    N,
+    H,
+    acc_ptr,
+    lo_ptr,
+    out_ptr,
+    LAST: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Store the tile's new running sum (fp32, or bf16 hi + lo), or the result on the last block."""
+    mask = (offs_m < N)[:, None] & (offs_n < H)[None, :]
+    idx = offs_m.to(tl.int64)[:, None] * H + offs_n[None, :]
+    if LAST:
+        tl.store(out_ptr + idx, total.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        if SPLIT:
+            hi = total.to(acc_ptr.dtype.element_ty)
+            tl.store(acc_ptr + idx, hi, mask=mask)
+            lo = (total - hi.to(tl.float32)).to(lo_ptr.dtype.element_ty)
+            tl.store(lo_ptr + idx, lo, mask=mask)
+        else:
+            tl.store(acc_ptr + idx, total, mask=mask)
+
+
+@triton.jit
 def _dh_update(
     part,
     offs_m,
@@ -206,16 +234,7 @@ def _dh_update(
         else:
             prev = tl.load(acc_ptr + idx, mask=mask, other=0.0)
         total = prev + part
-    if LAST:
-        tl.store(out_ptr + idx, total.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        if SPLIT:
-            hi = total.to(acc_ptr.dtype.element_ty)
-            tl.store(acc_ptr + idx, hi, mask=mask)
-            lo = (total - hi.to(tl.float32)).to(lo_ptr.dtype.element_ty)
-            tl.store(lo_ptr + idx, lo, mask=mask)
-        else:
-            tl.store(acc_ptr + idx, total, mask=mask)
+    _dh_store(total, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, LAST, SPLIT)
 
 
 @triton.jit(do_not_specialize=["N", "Kb"])
@@ -297,24 +316,39 @@ def bwd_dh_tma_kernel(
     SPLIT: tl.constexpr,
     FLATTEN: tl.constexpr,
     EPILOGUE_HALVES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Persistent TMA variant of ``bwd_dh_kernel`` (descriptors zero-fill past Kb, N and H).
 
     FLATTEN pipelines the tile loop with the K loop; EPILOGUE_HALVES updates the sum in two
-    column halves. Neither changes a value: each tile's K order is the same.
+    column halves; PREFETCH loads the tile's running sum before its K loop. None changes a
+    value: each tile's K order and its one addition to the sum stay the same.
     """
     num_pid_m = tl.cdiv(N, BLOCK_M)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=FLATTEN):
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if PREFETCH and not FIRST:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = (offs_m < N)[:, None] & (offs_n < H)[None, :]
+            idx = offs_m.to(tl.int64)[:, None] * H + offs_n[None, :]
+            prev_hi = tl.load(acc_ptr + idx, mask=mask, other=0.0)
+            if SPLIT:
+                prev_lo = tl.load(lo_ptr + idx, mask=mask, other=0.0)
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(Kb, BLOCK_K)):
             a = dz_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
             b = w_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
             part = tl.dot(a, b, part, input_precision=PRECISION)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        if EPILOGUE_HALVES:
+        if PREFETCH and not FIRST:
+            prev = prev_hi.to(tl.float32)
+            if SPLIT:
+                prev += prev_lo.to(tl.float32)
+            total = prev + part
+            _dh_store(total, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, LAST, SPLIT)
+        elif EPILOGUE_HALVES:
             left, right = part.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
             offs_l = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
             _dh_update(left, offs_m, offs_l, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
