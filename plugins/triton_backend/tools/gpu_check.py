@@ -68,8 +68,10 @@ CANDIDATES: dict[str, TileConfig] = {
 }
 #: Backward variants: (dz config, dh config, backend options), timed as forward + backward.
 #: The first is the shipped default.
+_TH = replace(_T, epilogue_halves=True)  # the shipped dh kernel
 VARIANTS: dict[str, tuple[TileConfig, TileConfig, dict[str, Any]]] = {
-    "default": (_T, _T, {}),
+    "default": (_T, _TH, {}),
+    "whole_tile_epilogue": (_T, _T, {}),
     "cols16384": (_T, _T, {"backward_block_max_cols": 16384}),
     "blk128": (_T, _T, {"backward_block_mib": 128}),
     "dhcublas": (_T, _T, {"dh_gemm": "cublas"}),
@@ -94,6 +96,8 @@ _DH_KERNELS: dict[str, TileConfig] = {
     "q128_p2": replace(_T, block_n=128, programs_per_sm=2),
     "q128_pre": replace(_T, block_n=128, prefetch_sum=True),
     "q128_p2_pre": replace(_T, block_n=128, programs_per_sm=2, prefetch_sum=True),
+    "ws": replace(_TH, warp_specialize=True),
+    "ws_whole": replace(_T, warp_specialize=True),
 }
 for _k, _dh in _DH_KERNELS.items():
     VARIANTS.setdefault(_k, (_T, _dh, {"dh_gemm": "triton"}))

@@ -50,10 +50,9 @@ class TritonOptions(BaseModel):
         "auto",
         description="GEMM that adds dz @ W_block into the hidden-gradient sum: this package's Triton kernel "
         "(bf16 keeps the sum as an exact hi/lo pair: less memory), or cuBLAS with an fp32 accumulator where "
-        "torch offers addmm(out_dtype=float32) (falls back to Triton otherwise); auto: cuBLAS while that "
-        "accumulator (N x H fp32) is at most 256 MiB, else Triton.",
+        "torch offers addmm(out_dtype=float32) (falls back to Triton otherwise); auto: the Triton pair for "
+        "bf16, and for fp16 cuBLAS while its accumulator (N x H fp32) is at most 256 MiB, else Triton.",
     )
-
     stash_dh_sum: bool = Field(
         False,
         description="Keep the hidden-gradient running sum (bf16: the pair's low half, N x H x 2 bytes; "

@@ -175,9 +175,10 @@ def vocab_block(n: int, v: int, esize: int, budget_bytes: int, align: int, max_c
 
 
 _CUBLAS_FP32_OUT: bool | None = None
-#: ``dh_gemm="auto"`` uses cuBLAS up to this fp32 accumulator size (N * H * 4 bytes): N = 16384 at
-#: H = 4096. H200, N = 8192 (docs/bench/h200-dh-auto.json): 4.13 units and 1.47 GiB, against 4.26
-#: and 1.41 GiB with the Triton pair in the same run.
+#: ``dh_gemm="auto"`` with fp16 inputs uses cuBLAS up to this fp32 accumulator size (N * H * 4
+#: bytes). bf16 takes the Triton hi/lo pair: since its sum is updated in two column halves it beat
+#: cuBLAS on an H200 at N = 8192 (4.08 against 4.26 units, 1.41 against 1.47 GiB;
+#: docs/bench/h200-dh-kernels.json) and is within 3 % of it at N = 32768 with 0.25 GiB less.
 AUTO_CUBLAS_ACC_BYTES = 256 * 2**20
 
 
@@ -309,8 +310,8 @@ def backward_grads(
 
     The dh sum runs in a fixed block order, in fp32 (Triton kernel, or cuBLAS with an fp32 C
     when ``dh_gemm`` asks for it and this torch has it) or as an exact bf16 hi/lo pair. ``"auto"``
-    takes cuBLAS while its fp32 accumulator is at most ``AUTO_CUBLAS_ACC_BYTES``: faster, and the
-    accumulator costs 2 bytes a value more than the pair.
+    takes the pair for bf16, and cuBLAS for fp16 while its fp32 accumulator is at most
+    ``AUTO_CUBLAS_ACC_BYTES``.
     ``stash_dh_sum`` keeps that sum's buffer in dW's last rows (``SpareRows``); once the sum is
     final those rows' dz blocks are recomputed and their dW written.
     ``dh_fp32`` returns dh in fp32 (for a cross-rank sum before rounding).
@@ -335,7 +336,10 @@ def backward_grads(
 
     use_cublas = (
         need_dh
-        and (dh_gemm == "cublas" or (dh_gemm == "auto" and n * h * 4 <= AUTO_CUBLAS_ACC_BYTES))
+        and (
+            dh_gemm == "cublas"
+            or (dh_gemm == "auto" and dtype == torch.float16 and n * h * 4 <= AUTO_CUBLAS_ACC_BYTES)
+        )
         and dtype != torch.float32
         and cublas_fp32_out_available(dev)
     )
@@ -429,8 +433,8 @@ def backward_grads(
             dh_progs = nprog * dh_cfg.programs_per_sm
             bwd.bwd_dh_tma_kernel[(min(dh_progs, dh_tiles),)](
                 zd2, wd2, st.acc, st.lo, st.out, n, h, cols, NUM_PROGS=dh_progs,
-                FLATTEN=dh_cfg.flatten, EPILOGUE_HALVES=dh_cfg.epilogue_halves,
-                PREFETCH=dh_cfg.prefetch_sum, **dh_flags,
+                FLATTEN=dh_cfg.flatten, EPILOGUE_HALVES=dh_cfg.epilogue_halves and dh_cfg.block_n >= 32,
+                PREFETCH=dh_cfg.prefetch_sum, WARP_SPECIALIZE=dh_cfg.warp_specialize, **dh_flags,
             )  # fmt: skip
         else:
             bwd.bwd_dh_kernel[(dh_tiles,)](

@@ -317,12 +317,14 @@ def bwd_dh_tma_kernel(
     FLATTEN: tl.constexpr,
     EPILOGUE_HALVES: tl.constexpr,
     PREFETCH: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Persistent TMA variant of ``bwd_dh_kernel`` (descriptors zero-fill past Kb, N and H).
 
     FLATTEN pipelines the tile loop with the K loop; EPILOGUE_HALVES updates the sum in two
-    column halves; PREFETCH loads the tile's running sum before its K loop. None changes a
-    value: each tile's K order and its one addition to the sum stay the same.
+    column halves; PREFETCH loads the tile's running sum before its K loop; WARP_SPECIALIZE
+    splits loads and MMAs across warps. None changes a value: each tile's K order and its one
+    addition to the sum stay the same.
     """
     num_pid_m = tl.cdiv(N, BLOCK_M)
     num_pid_n = tl.cdiv(H, BLOCK_N)
@@ -338,7 +340,7 @@ def bwd_dh_tma_kernel(
             if SPLIT:
                 prev_lo = tl.load(lo_ptr + idx, mask=mask, other=0.0)
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(Kb, BLOCK_K)):
+        for k in tl.range(0, tl.cdiv(Kb, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
             a = dz_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
             b = w_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
             part = tl.dot(a, b, part, input_precision=PRECISION)
