@@ -26,7 +26,7 @@
 # Knobs (environment): DEADLINE_S (570), STEPS ("install bench checks tools": the groups to run),
 # BENCH_MINUTES (2.5) and BENCH_IMPLS (first bench process), BENCH_LAST_MINUTES (1.2) and
 # BENCH_LAST_IMPLS (triton; empty: no second process), BENCH_SHAPE, DEVICE (cuda), DTYPE (bf16),
-# LIGER_CHECK_ARGS, TRITON_CHECK_ARGS, WHEELS (.gpu-wheels). DEVICE=cpu DTYPE=fp32 with a tiny
+# LIGER_CHECK_ARGS, TRITON_CHECK_ARGS, TRITON_CHECK_LIMIT (150 s), WHEELS (.gpu-wheels). DEVICE=cpu DTYPE=fp32 with a tiny
 # BENCH_SHAPE rehearses the whole script on a CPU (tests/bench/test_gpu_script.py does, with pip
 # and nvidia-smi stubbed).
 set -uo pipefail
@@ -170,7 +170,7 @@ fi
 if want tools && [[ -f plugins/triton_backend/tools/gpu_check.py ]]; then
   mkdir -p "$WORK/triton"
   # shellcheck disable=SC2086
-  step triton-gpu-check "$CHECKS" 150 python3 plugins/triton_backend/tools/gpu_check.py \
+  step triton-gpu-check "$CHECKS" "${TRITON_CHECK_LIMIT:-150}" python3 plugins/triton_backend/tools/gpu_check.py \
     --out "$WORK/triton" $TRITON_CHECK_ARGS
   [[ -f $WORK/triton/gpu_check.json ]] && mv "$WORK/triton/gpu_check.json" "$OUT/triton_gpu_check.json"
   if [[ -n $(ls -A "$WORK/triton") ]]; then
