@@ -63,9 +63,10 @@ _HALF = TileConfig(
 _FP32 = TileConfig(block_m=64, block_n=128, block_k=32, group_m=8, num_warps=8, num_stages=3)
 
 
-# The dh kernel updates its running sum in two column halves: the whole 128 x 256 tile's
-# read-modify-write spilled registers. H200, N = 32768, bf16 pair: 4.27 against 4.38 units, and
-# 4.80 against 5.26 with a 64 MiB dz budget (docs/bench/h200-dh-kernels.json).
+# The dh kernel updates its running sum in two column halves (the whole 128 x 256 tile's
+# read-modify-write needs more registers than a thread has). H200, N = 32768, bf16 pair: 4.27 against 4.38 units
+# (docs/bench/h200-dh-kernels.json), 4.74 against 5.26 with a 64 MiB dz budget
+# (docs/bench/h200-stash-explore.json).
 _HALF_DH = replace(_HALF, epilogue_halves=True)
 
 
