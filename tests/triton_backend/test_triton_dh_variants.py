@@ -25,12 +25,26 @@ def _with_dh(monkeypatch: pytest.MonkeyPatch, **knobs: bool | int) -> None:
     "knobs",
     [
         {"flatten": True},
-        {"epilogue_halves": True},
-        {"flatten": True, "epilogue_halves": True},
+        {"epilogue_splits": 2},
+        {"flatten": True, "epilogue_splits": 2},
         {"prefetch_sum": True},
         {"prefetch_sum": True, "programs_per_sm": 2},
+        {"epilogue_splits": 4},
+        {"epilogue_splits": 1, "tma_sum": True},
+        {"epilogue_splits": 2, "tma_sum": True},
+        {"epilogue_splits": 4, "tma_sum": True},
     ],
-    ids=["flatten", "halves", "flatten-halves", "prefetch", "prefetch-2-per-sm"],
+    ids=[
+        "flatten",
+        "halves",
+        "flatten-halves",
+        "prefetch",
+        "prefetch-2-per-sm",
+        "quarters",
+        "tma-sum",
+        "tma-sum-halves",
+        "tma-sum-quarters",
+    ],
 )
 def test_dh_kernel_knobs_keep_the_bits(monkeypatch: pytest.MonkeyPatch, knobs: dict) -> None:
     case = make_case(70, 64, 333, seed=31)  # 3 row tiles, ragged H tiles, 6 vocabulary blocks
@@ -47,10 +61,13 @@ def test_dh_kernel_knobs_keep_the_bits(monkeypatch: pytest.MonkeyPatch, knobs: d
     ("tile", "knobs"),
     [
         ({}, {"flatten": True}),
-        ({}, {"epilogue_halves": True}),
+        ({}, {"epilogue_splits": 2}),
         ({"block_n": 128}, {"prefetch_sum": True, "programs_per_sm": 2}),
+        ({}, {"epilogue_splits": 4}),
+        ({}, {"tma_sum": True}),
+        ({}, {"tma_sum": True, "epilogue_splits": 4}),
     ],
-    ids=["flatten", "halves", "128-prefetch-2-per-sm"],
+    ids=["flatten", "halves", "128-prefetch-2-per-sm", "quarters", "tma-sum", "tma-sum-quarters"],
 )
 def test_dh_kernel_knobs_keep_the_bits_on_the_gpu(
     monkeypatch: pytest.MonkeyPatch, tile: dict, knobs: dict

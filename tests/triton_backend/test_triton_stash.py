@@ -4,13 +4,16 @@ cannot hold the sum."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 from triton_backend_helpers import SMALL_TILES, assert_close, make_case, run_reference, run_triton
 
+from fusedhead_triton import backend as backend_mod
 from fusedhead_triton import launch
+from fusedhead_triton.configs import BackendConfigs
 
 #: Vb = one 64-column tile: 6 vocabulary blocks at V = 333, so the sum spans several blocks.
 MANY_BLOCKS: dict[str, Any] = {**SMALL_TILES, "backward_block_mib": 1e-4}
@@ -29,10 +32,18 @@ def _spy_take(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.dtype, int]]:
     return taken
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
-def test_stashed_sum_gives_the_same_gradients(monkeypatch: pytest.MonkeyPatch, tma: bool) -> None:
+@pytest.mark.parametrize("tma", ["pointer", "tma", "tma-sum"])
+def test_stashed_sum_gives_the_same_gradients(monkeypatch: pytest.MonkeyPatch, tma: str) -> None:
     case = make_case(40, 64, 333, seed=21)
-    opts = {**MANY_BLOCKS, "tma": tma}
+    opts = {**MANY_BLOCKS, "tma": tma != "pointer"}
+    if tma == "tma-sum":  # the sum read and written through TMA descriptors over dW's rows
+        pick = backend_mod.default_configs
+
+        def with_tma_sum(dtype: torch.dtype) -> BackendConfigs:
+            base = pick(dtype)
+            return replace(base, dh=replace(base.dh, tma_sum=True))
+
+        monkeypatch.setattr(backend_mod, "default_configs", with_tma_sum)
     plain = run_triton(case, torch.float16, options=opts)
     taken = _spy_take(monkeypatch)
     stashed = run_triton(case, torch.float16, options={**opts, "stash_dh_sum": True})

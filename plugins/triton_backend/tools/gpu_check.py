@@ -68,7 +68,7 @@ CANDIDATES: dict[str, TileConfig] = {
 }
 #: Backward variants: (dz config, dh config, backend options), timed as forward + backward.
 #: The first is the shipped default.
-_TH = replace(_T, epilogue_halves=True)  # the shipped dh kernel
+_TH = replace(_T, epilogue_splits=2)  # the shipped dh kernel
 VARIANTS: dict[str, tuple[TileConfig, TileConfig, dict[str, Any]]] = {
     "default": (_T, _TH, {}),
     "whole_tile_epilogue": (_T, _T, {}),
@@ -81,21 +81,25 @@ VARIANTS: dict[str, tuple[TileConfig, TileConfig, dict[str, Any]]] = {
     "stash_blk64": (_T, _T, {"stash_dh_sum": True, "backward_block_mib": 64}),
     "stash_cublas": (_T, _T, {"stash_dh_sum": True, "dh_gemm": "cublas"}),
     "flat": (_T, replace(_T, flatten=True), {"dh_gemm": "triton"}),
-    "halves": (_T, replace(_T, epilogue_halves=True), {"dh_gemm": "triton"}),
+    "halves": (_T, replace(_T, epilogue_splits=2), {"dh_gemm": "triton"}),
     "blk64": (_T, _T, {"backward_block_mib": 64}),
     "flat_blk64": (_T, replace(_T, flatten=True), {"backward_block_mib": 64}),
-    "halves_blk64": (_T, replace(_T, epilogue_halves=True), {"backward_block_mib": 64}),
+    "halves_blk64": (_T, replace(_T, epilogue_splits=2), {"backward_block_mib": 64}),
     "stash_flat_blk64": (
         _T, replace(_T, flatten=True), {"stash_dh_sum": True, "backward_block_mib": 64}
     ),
 }
 #: dh kernels for small dz budgets (many blocks: the running sum's read-modify-write dominates).
 _DH_KERNELS: dict[str, TileConfig] = {
-    "halves": replace(_T, epilogue_halves=True),
+    "halves": replace(_T, epilogue_splits=2),
     "q128": replace(_T, block_n=128),
     "q128_p2": replace(_T, block_n=128, programs_per_sm=2),
     "q128_pre": replace(_T, block_n=128, prefetch_sum=True),
     "q128_p2_pre": replace(_T, block_n=128, programs_per_sm=2, prefetch_sum=True),
+    "s4": replace(_T, epilogue_splits=4),
+    "tsum1": replace(_T, tma_sum=True),
+    "tsum2": replace(_T, epilogue_splits=2, tma_sum=True),
+    "tsum4": replace(_T, epilogue_splits=4, tma_sum=True),
     "ws": replace(_TH, warp_specialize=True),
     "ws_whole": replace(_T, warp_specialize=True),
 }

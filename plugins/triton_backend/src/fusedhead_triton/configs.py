@@ -27,9 +27,9 @@ class TileConfig:
     #: Persistent dh kernel only: one flattened software pipeline over tiles and K steps, so the
     #: next tile's loads overlap this tile's read-modify-write of the running sum.
     flatten: bool = False
-    #: Persistent dh kernel only: read-modify-write the running sum in two column halves
-    #: (fewer live registers in the epilogue).
-    epilogue_halves: bool = False
+    #: Persistent dh kernel only: read-modify-write the running sum in this many column slices
+    #: (1, 2 or 4; fewer live registers in the epilogue).
+    epilogue_splits: int = 1
     #: Persistent dh kernel only: load the tile's running sum before its K loop (takes
     #: registers: meant for 128 x 128 tiles).
     prefetch_sum: bool = False
@@ -38,6 +38,8 @@ class TileConfig:
     programs_per_sm: int = 1
     #: Persistent dh kernel only: Triton's warp specialization of the K loop.
     warp_specialize: bool = False
+    #: Persistent dh kernel only: read and write the running sum through TMA descriptors.
+    tma_sum: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ _FP32 = TileConfig(block_m=64, block_n=128, block_k=32, group_m=8, num_warps=8, 
 # read-modify-write needs more registers than a thread has). H200, N = 32768, bf16 pair: 4.27 against 4.38 units
 # (docs/bench/h200-dh-kernels.json), 4.74 against 5.26 with a 64 MiB dz budget
 # (docs/bench/h200-stash-explore.json).
-_HALF_DH = replace(_HALF, epilogue_halves=True)
+_HALF_DH = replace(_HALF, epilogue_splits=2)
 
 
 def default_configs(dtype: torch.dtype) -> BackendConfigs:

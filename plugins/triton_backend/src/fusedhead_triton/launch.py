@@ -69,6 +69,14 @@ def tma_usable(cfg: TileConfig, dtype: torch.dtype, hidden_size: int, device: to
     return interpret_enabled()
 
 
+def _epilogue_splits(cfg: TileConfig) -> int:
+    """Column slices of the dh epilogue: as configured (1, 2 or 4), each at least 16 wide."""
+    splits = cfg.epilogue_splits if cfg.epilogue_splits in (1, 2, 4) else 1
+    while splits > 1 and cfg.block_n // splits < 16:
+        splits //= 2
+    return splits
+
+
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """A TMA-compatible layout of ``t`` (unit inner stride, 16-byte aligned base and rows)."""
     esize = t.element_size()
@@ -274,6 +282,13 @@ class SpareRows:
         return flat.view(kind).view(self.n, h)
 
 
+def _sum_descriptors(st: _DhState, cfg: TileConfig) -> tuple[Any, Any, Any]:
+    """TMA descriptors of the dh sum's buffers and output, in the epilogue's column slices."""
+    desc = _tensor_descriptor()
+    block = [cfg.block_m, cfg.block_n // _epilogue_splits(cfg)]
+    return tuple(desc.from_tensor(t, block) for t in (st.acc, st.lo, st.out))  # type: ignore[return-value]
+
+
 def _sum_kind(dtype: torch.dtype, nblocks: int, fp32_out: bool, cublas: bool) -> torch.dtype | None:
     """The dtype of the hidden-gradient sum's own buffer (as ``_dh_state`` builds it), or None."""
     if fp32_out or dtype == torch.float32:
@@ -399,6 +414,7 @@ def backward_grads(
             )  # fmt: skip
         return dz
 
+    sum_descs: tuple[Any, Any, Any] | None = None
     for b in range(nblocks):
         v0 = b * vb
         cols = min(v, v0 + vb) - v0
@@ -431,9 +447,12 @@ def backward_grads(
             zd2 = desc.from_tensor(dz, [dh_cfg.block_m, dh_cfg.block_k])
             wd2 = desc.from_tensor(w_tma[v0 : v0 + cols], [dh_cfg.block_k, dh_cfg.block_n])
             dh_progs = nprog * dh_cfg.programs_per_sm
+            if sum_descs is None:
+                sum_descs = _sum_descriptors(st, dh_cfg) if dh_cfg.tma_sum else (None,) * 3
             bwd.bwd_dh_tma_kernel[(min(dh_progs, dh_tiles),)](
-                zd2, wd2, st.acc, st.lo, st.out, n, h, cols, NUM_PROGS=dh_progs,
-                FLATTEN=dh_cfg.flatten, EPILOGUE_HALVES=dh_cfg.epilogue_halves and dh_cfg.block_n >= 32,
+                zd2, wd2, st.acc, st.lo, st.out, *sum_descs, n, h, cols, NUM_PROGS=dh_progs,
+                TMA_SUM=dh_cfg.tma_sum,
+                FLATTEN=dh_cfg.flatten, EPILOGUE_SPLITS=_epilogue_splits(dh_cfg),
                 PREFETCH=dh_cfg.prefetch_sum, WARP_SPECIALIZE=dh_cfg.warp_specialize, **dh_flags,
             )  # fmt: skip
         else:

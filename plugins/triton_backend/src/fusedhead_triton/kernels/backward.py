@@ -181,6 +181,12 @@ def bwd_dz_tma_kernel(
 
 
 @triton.jit
+def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Columns [0, COLS/2) and [COLS/2, COLS) of a [ROWS, COLS] tile."""
+    return x.reshape(ROWS, 2, COLS // 2).permute(0, 2, 1).split()
+
+
+@triton.jit
 def _dh_store(
     total,
     offs_m,
@@ -235,6 +241,38 @@ def _dh_update(
             prev = tl.load(acc_ptr + idx, mask=mask, other=0.0)
         total = prev + part
     _dh_store(total, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, LAST, SPLIT)
+
+
+@triton.jit
+def _dh_update_tma(
+    part,
+    off_m,
+    off_n,
+    acc_desc,
+    lo_desc,
+    out_desc,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """``_dh_update`` through tensor descriptors: no per-value addresses held in registers,
+    edges clipped by the descriptors, stores asynchronous."""
+    if FIRST:
+        total = part
+    else:
+        prev = acc_desc.load([off_m, off_n]).to(tl.float32)
+        if SPLIT:
+            prev += lo_desc.load([off_m, off_n]).to(tl.float32)
+        total = prev + part
+    if LAST:
+        out_desc.store([off_m, off_n], total.to(out_desc.dtype))
+    else:
+        if SPLIT:
+            hi = total.to(acc_desc.dtype)
+            acc_desc.store([off_m, off_n], hi)
+            lo_desc.store([off_m, off_n], (total - hi.to(tl.float32)).to(lo_desc.dtype))
+        else:
+            acc_desc.store([off_m, off_n], total)
 
 
 @triton.jit(do_not_specialize=["N", "Kb"])
@@ -302,6 +340,9 @@ def bwd_dh_tma_kernel(
     acc_ptr,
     lo_ptr,
     out_ptr,
+    acc_desc,
+    lo_desc,
+    out_desc,
     N,
     H,
     Kb,
@@ -315,16 +356,18 @@ def bwd_dh_tma_kernel(
     LAST: tl.constexpr,
     SPLIT: tl.constexpr,
     FLATTEN: tl.constexpr,
-    EPILOGUE_HALVES: tl.constexpr,
+    EPILOGUE_SPLITS: tl.constexpr,
     PREFETCH: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    TMA_SUM: tl.constexpr,
 ):
     """Persistent TMA variant of ``bwd_dh_kernel`` (descriptors zero-fill past Kb, N and H).
 
-    FLATTEN pipelines the tile loop with the K loop; EPILOGUE_HALVES updates the sum in two
-    column halves; PREFETCH loads the tile's running sum before its K loop; WARP_SPECIALIZE
-    splits loads and MMAs across warps. None changes a value: each tile's K order and its one
-    addition to the sum stay the same.
+    FLATTEN pipelines the tile loop with the K loop; EPILOGUE_SPLITS (1, 2 or 4) updates the sum
+    in that many column slices; TMA_SUM reads and writes the sum through the ``*_desc``
+    descriptors (blocks of ``[BLOCK_M, BLOCK_N / EPILOGUE_SPLITS]``), not pointers; PREFETCH
+    loads the tile's running sum before its K loop; WARP_SPECIALIZE splits loads and MMAs across
+    warps. None changes a value: each tile's K order and its one addition to the sum stay the same.
     """
     num_pid_m = tl.cdiv(N, BLOCK_M)
     num_pid_n = tl.cdiv(H, BLOCK_N)
@@ -344,18 +387,54 @@ def bwd_dh_tma_kernel(
             a = dz_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
             b = w_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
             part = tl.dot(a, b, part, input_precision=PRECISION)
-        if PREFETCH and not FIRST:
+        if TMA_SUM:
+            step: tl.constexpr = BLOCK_N // EPILOGUE_SPLITS
+            if EPILOGUE_SPLITS == 1:
+                _dh_update_tma(part, pid_m * BLOCK_M, pid_n * BLOCK_N, acc_desc, lo_desc,
+                               out_desc, FIRST, LAST, SPLIT)  # fmt: skip
+            elif EPILOGUE_SPLITS == 2:
+                left, right = _halves(part, BLOCK_M, BLOCK_N)
+                _dh_update_tma(left, pid_m * BLOCK_M, pid_n * BLOCK_N, acc_desc, lo_desc,
+                               out_desc, FIRST, LAST, SPLIT)  # fmt: skip
+                _dh_update_tma(right, pid_m * BLOCK_M, pid_n * BLOCK_N + step, acc_desc, lo_desc,
+                               out_desc, FIRST, LAST, SPLIT)  # fmt: skip
+            else:
+                left, right = _halves(part, BLOCK_M, BLOCK_N)
+                q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 2)
+                q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 2)
+                col = pid_n * BLOCK_N
+                _dh_update_tma(q0, pid_m * BLOCK_M, col, acc_desc, lo_desc, out_desc,
+                               FIRST, LAST, SPLIT)  # fmt: skip
+                _dh_update_tma(q1, pid_m * BLOCK_M, col + step, acc_desc, lo_desc, out_desc,
+                               FIRST, LAST, SPLIT)  # fmt: skip
+                _dh_update_tma(q2, pid_m * BLOCK_M, col + 2 * step, acc_desc, lo_desc, out_desc,
+                               FIRST, LAST, SPLIT)  # fmt: skip
+                _dh_update_tma(q3, pid_m * BLOCK_M, col + 3 * step, acc_desc, lo_desc, out_desc,
+                               FIRST, LAST, SPLIT)  # fmt: skip
+        elif PREFETCH and not FIRST:
             prev = prev_hi.to(tl.float32)
             if SPLIT:
                 prev += prev_lo.to(tl.float32)
             total = prev + part
             _dh_store(total, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, LAST, SPLIT)
-        elif EPILOGUE_HALVES:
-            left, right = part.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-            offs_l = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-            _dh_update(left, offs_m, offs_l, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
-            offs_r = offs_l + BLOCK_N // 2
-            _dh_update(right, offs_m, offs_r, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+        elif EPILOGUE_SPLITS == 2:
+            left, right = _halves(part, BLOCK_M, BLOCK_N)
+            offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            _dh_update(left, offs_m, offs, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+            offs += BLOCK_N // 2
+            _dh_update(right, offs_m, offs, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+        elif EPILOGUE_SPLITS == 4:
+            left, right = _halves(part, BLOCK_M, BLOCK_N)
+            q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 2)
+            q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 2)
+            offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 4)
+            _dh_update(q0, offs_m, offs, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+            offs += BLOCK_N // 4
+            _dh_update(q1, offs_m, offs, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+            offs += BLOCK_N // 4
+            _dh_update(q2, offs_m, offs, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+            offs += BLOCK_N // 4
+            _dh_update(q3, offs_m, offs, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
         else:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             _dh_update(part, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
