@@ -48,6 +48,9 @@ BACKENDS: list[tuple[str, dict[str, Any]]] = [
     ("liger", {"implementation": "native"}),
     ("liger", {"implementation": "fallback"}),
 ]
+#: ``VP_BACKENDS=triton,torch`` keeps only those backends (all of them when unset).
+_ONLY = {b for b in os.environ.get("VP_BACKENDS", "").split(",") if b}
+BACKENDS = [(name, opts) for name, opts in BACKENDS if not _ONLY or name in _ONLY]
 
 
 def device() -> torch.device:
