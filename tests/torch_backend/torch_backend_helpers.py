@@ -1,63 +1,22 @@
-"""Inputs, a direct call of the torch backend, and the float64 reference it is measured against."""
+"""A direct call of the torch backend, the float64 reference it is measured against, and bounds
+(the inputs and comparisons shared with the other backends live in tests/head_cases.py)."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+from head_cases import IGNORE, Case, Result, case_loss, make_case, rel_err
 
 from fusedhead.reference import reference_fused_head
 from fusedhead_torch import TorchBackend, TorchOptions
 
-IGNORE = -100
+__all__ = ["IGNORE", "Case", "Result", "make_case", "rel_err"]  # re-exported for the tests
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: Relative-error bounds against float64 on the same input values: outputs, gradients.
 #: fp32: the issue's 1e-5. fp16/bf16: a few unit roundoffs (2^-11, 2^-8) of the logits/gradients.
 TOLERANCE = {"fp32": (1e-5, 1e-5), "fp16": (1e-3, 4e-3), "bf16": (8e-3, 3e-2)}
-
-
-@dataclass
-class Case:
-    """Inputs of one call, kept in float64 so every dtype sees the same values."""
-
-    hidden: torch.Tensor
-    weight: torch.Tensor
-    labels: torch.Tensor
-    g_lp: torch.Tensor
-    g_ent: torch.Tensor
-
-
-@dataclass
-class Result:
-    log_probs: torch.Tensor
-    entropy: torch.Tensor | None
-    d_hidden: torch.Tensor | None
-    d_weight: torch.Tensor | None
-
-
-def make_case(
-    n: int, h: int, v: int, *, seed: int = 0, peak: float = 1.0, ignore_every: int = 7
-) -> Case:
-    """DESIGN.md's inputs: h ~ N(0, 1), W ~ N(0, (peak / sqrt(H))^2), some labels ignored."""
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
-    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * (peak / math.sqrt(h))
-    labels = torch.randint(0, v, (n,), generator=g)
-    if ignore_every:
-        labels[::ignore_every] = IGNORE
-    g_lp = torch.randn(n, generator=g, dtype=torch.float64)
-    g_ent = torch.randn(n, generator=g, dtype=torch.float64)
-    return Case(hidden, weight, labels, g_lp, g_ent)
-
-
-def _loss(lp: torch.Tensor, ent: torch.Tensor | None, case: Case) -> torch.Tensor:
-    # nansum: a NaN row (out-of-range label) is the caller's to skip; outputs are checked apart.
-    loss = (lp.double() * case.g_lp.to(lp.device)).nansum()
-    if ent is not None:
-        loss = loss + (ent.double() * case.g_ent.to(ent.device)).sum()
-    return loss
 
 
 def run_backend(
@@ -100,7 +59,7 @@ def run_backend(
         **kwargs,
     )
     if grad_hidden or grad_weight:
-        _loss(lp, ent, case).backward()
+        case_loss(lp, ent, case).backward()
     return Result(lp.detach(), None if ent is None else ent.detach(), h.grad, w.grad)
 
 
@@ -129,14 +88,8 @@ def run_reference(
         softcap=softcap,
         compute_dtype=torch.float64,
     )
-    _loss(lp, ent, case).backward()
+    case_loss(lp, ent, case).backward()
     return Result(lp.detach(), None if ent is None else ent.detach(), h.grad, w.grad)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """DESIGN.md's relative error ``||a - b|| / ||b||``."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).norm() / b.norm())
 
 
 def assert_close(got: Result, want: Result, dtype_name: str, what: str = "") -> None:

@@ -1,70 +1,24 @@
-"""Inputs, a direct call of the triton backend, and the float64 reference it is measured against."""
+"""A direct call of the triton backend, the float64 reference it is measured against, and bounds
+(the inputs and comparisons shared with the other backends live in tests/head_cases.py)."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+from head_cases import IGNORE, Case, Result, case_loss, make_case, rel_err
 
 from fusedhead.reference import reference_fused_head
 from fusedhead_triton import TritonBackend, TritonOptions
 
-IGNORE = -100
+__all__ = ["IGNORE", "Case", "Result", "make_case", "rel_err"]  # re-exported for the tests
+
 #: Small tiles so that tiny shapes still span several row and vocabulary tiles (ragged ones too).
 SMALL_TILES: dict[str, Any] = {"block_m": 32, "block_n": 64, "block_k": 32}
 #: Relative-error bounds against float64 on the same input values: (outputs, gradients).
 #: fp32: the issue's 1e-5 (exact fp32 dots, fp32 statistics). fp16: outputs are computed in fp32
 #: from fp16 values (so near fp32); gradients pass through dz stored in fp16 (2^-11 roundoff).
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-5, 2e-3)}
-
-
-@dataclass
-class Case:
-    """Inputs of one call, kept in float64 so every dtype sees the same values."""
-
-    hidden: torch.Tensor
-    weight: torch.Tensor
-    labels: torch.Tensor
-    g_lp: torch.Tensor
-    g_ent: torch.Tensor
-
-
-@dataclass
-class Result:
-    log_probs: torch.Tensor
-    entropy: torch.Tensor | None
-    d_hidden: torch.Tensor | None
-    d_weight: torch.Tensor | None
-
-
-def make_case(
-    n: int, h: int, v: int, *, seed: int = 0, peak: float = 1.0, ignore_every: int = 7
-) -> Case:
-    """DESIGN.md's inputs: h ~ N(0, 1), W ~ N(0, (peak / sqrt(H))^2), some labels ignored."""
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
-    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * (peak / math.sqrt(h))
-    labels = torch.randint(0, v, (n,), generator=g)
-    if ignore_every:
-        labels[::ignore_every] = IGNORE
-    g_lp = torch.randn(n, generator=g, dtype=torch.float64)
-    g_ent = torch.randn(n, generator=g, dtype=torch.float64)
-    return Case(hidden, weight, labels, g_lp, g_ent)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64."""
-    a64, b64 = a.detach().double(), b.detach().double()
-    return float((a64 - b64).norm() / b64.norm().clamp_min(1e-300))
-
-
-def _loss(lp: torch.Tensor, ent: torch.Tensor | None, case: Case) -> torch.Tensor:
-    loss = (lp.double() * case.g_lp.to(lp.device)).nansum()
-    if ent is not None:
-        loss = loss + (ent.double() * case.g_ent.to(ent.device)).sum()
-    return loss
 
 
 def run_triton(
@@ -92,7 +46,7 @@ def run_triton(
     )  # fmt: skip
     dh = dw = None
     if grad_hidden or grad_weight:
-        _loss(lp, ent, case).backward()
+        case_loss(lp, ent, case).backward()
         dh, dw = h.grad, w.grad
     return Result(lp.detach(), None if ent is None else ent.detach(), dh, dw)
 
@@ -115,7 +69,7 @@ def run_reference(
         h, w, lab, temperature=t, ignore_index=IGNORE, return_entropy=entropy, softcap=softcap,
         compute_dtype=torch.float64,
     )  # fmt: skip
-    _loss(lp, ent, case).backward()
+    case_loss(lp, ent, case).backward()
     return Result(lp.detach(), None if ent is None else ent.detach(), h.grad, w.grad)
 
 
