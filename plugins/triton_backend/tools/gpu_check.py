@@ -38,6 +38,7 @@ ARGS.add_argument(
 )
 ARGS.add_argument("--skip-variants", default="", help="variants not timed at the first token count")
 ARGS.add_argument("--first-variants", default="", help="only these at the first token count")
+ARGS.add_argument("--accuracy-variants", default="", help="accuracy of these variants too")
 ARGS.add_argument("--profile", default="default@first", help="VARIANT@N (first: the first count)")
 ARGS.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder")
 OPTS = ARGS.parse_args()
@@ -86,7 +87,9 @@ VARIANTS: dict[str, tuple[TileConfig, TileConfig, dict[str, Any]]] = {
     "flat_blk64": (_T, replace(_T, flatten=True), {"backward_block_mib": 64}),
     "halves_blk64": (_T, replace(_T, epilogue_splits=2), {"backward_block_mib": 64}),
     "stash_flat_blk64": (
-        _T, replace(_T, flatten=True), {"stash_dh_sum": True, "backward_block_mib": 64}
+        _T,
+        replace(_T, flatten=True),
+        {"stash_dh_sum": True, "backward_block_mib": 64},
     ),
 }
 #: dh kernels for small dz budgets (many blocks: the running sum's read-modify-write dominates).
@@ -100,6 +103,32 @@ _DH_KERNELS: dict[str, TileConfig] = {
     "tsum1": replace(_T, tma_sum=True),
     "tsum2": replace(_T, epilogue_splits=2, tma_sum=True),
     "tsum4": replace(_T, epilogue_splits=4, tma_sum=True),
+    # two programs per SM, each small enough for the pair to share it (registers, shared memory):
+    # one's read-modify-write of the sum can overlap the other's MMAs
+    "c8": replace(
+        _T, block_n=128, num_stages=2, epilogue_splits=2, tma_sum=True, programs_per_sm=2
+    ),
+    "c8s3": replace(
+        _T, block_n=128, num_stages=3, epilogue_splits=2, tma_sum=True, programs_per_sm=2
+    ),
+    "c4": replace(
+        _T,
+        block_n=128,
+        num_warps=4,
+        num_stages=2,
+        epilogue_splits=2,
+        tma_sum=True,
+        programs_per_sm=2,
+    ),
+    "w64": replace(
+        _T,
+        block_m=64,
+        num_warps=4,
+        num_stages=2,
+        epilogue_splits=2,
+        tma_sum=True,
+        programs_per_sm=2,
+    ),
     "ws": replace(_TH, warp_specialize=True),
     "ws_whole": replace(_T, warp_specialize=True),
 }
@@ -171,9 +200,17 @@ def call(be: TritonBackend, h, w, lab, *, temperature=0.7, softcap=None, entropy
 
 
 def accuracy(name: str, n: int, hsz: int, v: int, dtype: torch.dtype, **kw: Any) -> None:
-    """Forward and gradients against an fp32 (GPU) / fp64 (CPU) reference on the same values."""
+    """Forward and gradients against an fp32 (GPU) / fp64 (CPU) reference on the same values.
+
+    ``variant=NAME`` runs a backward variant's configs and options instead of the defaults.
+    """
+    variant = kw.pop("variant", None)
     h, w, lab = make(n, hsz, v, dtype, scale=kw.pop("scale", 1.0))
     be = TritonBackend()
+    if variant is not None:
+        dz_cfg, dh_cfg, opts = VARIANTS[variant]
+        use_configs(_T, dz_cfg, dh_cfg)
+        be = TritonBackend(TritonOptions(**opts))
     hh = h.clone().requires_grad_()
     ww = w.clone().requires_grad_()
     lp, ent = call(be, hh, ww, lab, **kw)
@@ -202,6 +239,8 @@ def accuracy(name: str, n: int, hsz: int, v: int, dtype: torch.dtype, **kw: Any)
     }
     RESULTS.setdefault("accuracy", {})[name] = row
     log("acc", name, {k: (f"{x:.2e}" if isinstance(x, float) else x) for k, x in row.items()})
+    if variant is not None:
+        use_configs(None)
     del hr, wr, rl, re, rdh, rdw
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
@@ -463,6 +502,9 @@ def main() -> None:
         shapes = dict(list(shapes.items())[:1])
     for name, shp in shapes.items():
         section(accuracy, name, *shp, LOW)
+    for vname in [x for x in OPTS.accuracy_variants.split(",") if x]:
+        section(accuracy, f"{vname}@{next(iter(shapes))}", *next(iter(shapes.values())), LOW,
+                variant=vname)  # fmt: skip
     mid = (96, 80, 900) if OPTS.dry else (1024, 1000, 50257)
     if not OPTS.quick:
         section(accuracy, "peaked_s4", *mid, LOW, scale=4.0)
