@@ -482,6 +482,8 @@ def main() -> None:
         "triton": triton.__version__,
         "python": sys.version.split()[0],
         "dry": OPTS.dry,
+        # the tree the GPU machine ran (scripts/gpu/stamp.sh; its copy of .git can be stale)
+        "git_commit": os.environ.get("FUSEDHEAD_GIT_COMMIT"),
     }
     log(RESULTS["env"])
     if OPTS.dry:
