@@ -275,6 +275,35 @@ def _dh_update_tma(
             acc_desc.store([off_m, off_n], total)
 
 
+@triton.jit
+def _dh_slice(
+    part,
+    offs_m,
+    row0,
+    col,
+    N,
+    H,
+    acc_ptr,
+    lo_ptr,
+    out_ptr,
+    acc_desc,
+    lo_desc,
+    out_desc,
+    WIDTH: tl.constexpr,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
+    SPLIT: tl.constexpr,
+    TMA_SUM: tl.constexpr,
+):
+    """Update the sum's columns [col, col + WIDTH) of the tile at row ``row0`` (rows ``offs_m``),
+    through the descriptors (TMA_SUM) or through pointers."""
+    if TMA_SUM:
+        _dh_update_tma(part, row0, col, acc_desc, lo_desc, out_desc, FIRST, LAST, SPLIT)
+    else:
+        offs_n = col + tl.arange(0, WIDTH)
+        _dh_update(part, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+
+
 @triton.jit(do_not_specialize=["N", "Kb"])
 def bwd_dh_kernel(
     dz_ptr,
@@ -387,54 +416,34 @@ def bwd_dh_tma_kernel(
             a = dz_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
             b = w_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
             part = tl.dot(a, b, part, input_precision=PRECISION)
-        if TMA_SUM:
-            step: tl.constexpr = BLOCK_N // EPILOGUE_SPLITS
-            if EPILOGUE_SPLITS == 1:
-                _dh_update_tma(part, pid_m * BLOCK_M, pid_n * BLOCK_N, acc_desc, lo_desc,
-                               out_desc, FIRST, LAST, SPLIT)  # fmt: skip
-            elif EPILOGUE_SPLITS == 2:
-                left, right = _halves(part, BLOCK_M, BLOCK_N)
-                _dh_update_tma(left, pid_m * BLOCK_M, pid_n * BLOCK_N, acc_desc, lo_desc,
-                               out_desc, FIRST, LAST, SPLIT)  # fmt: skip
-                _dh_update_tma(right, pid_m * BLOCK_M, pid_n * BLOCK_N + step, acc_desc, lo_desc,
-                               out_desc, FIRST, LAST, SPLIT)  # fmt: skip
-            else:
-                left, right = _halves(part, BLOCK_M, BLOCK_N)
-                q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 2)
-                q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 2)
-                col = pid_n * BLOCK_N
-                _dh_update_tma(q0, pid_m * BLOCK_M, col, acc_desc, lo_desc, out_desc,
-                               FIRST, LAST, SPLIT)  # fmt: skip
-                _dh_update_tma(q1, pid_m * BLOCK_M, col + step, acc_desc, lo_desc, out_desc,
-                               FIRST, LAST, SPLIT)  # fmt: skip
-                _dh_update_tma(q2, pid_m * BLOCK_M, col + 2 * step, acc_desc, lo_desc, out_desc,
-                               FIRST, LAST, SPLIT)  # fmt: skip
-                _dh_update_tma(q3, pid_m * BLOCK_M, col + 3 * step, acc_desc, lo_desc, out_desc,
-                               FIRST, LAST, SPLIT)  # fmt: skip
-        elif PREFETCH and not FIRST:
+        if PREFETCH and not FIRST and not TMA_SUM:
             prev = prev_hi.to(tl.float32)
             if SPLIT:
                 prev += prev_lo.to(tl.float32)
             total = prev + part
             _dh_store(total, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, LAST, SPLIT)
-        elif EPILOGUE_SPLITS == 2:
-            left, right = _halves(part, BLOCK_M, BLOCK_N)
-            offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-            _dh_update(left, offs_m, offs, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
-            offs += BLOCK_N // 2
-            _dh_update(right, offs_m, offs, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
-        elif EPILOGUE_SPLITS == 4:
-            left, right = _halves(part, BLOCK_M, BLOCK_N)
-            q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 2)
-            q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 2)
-            offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 4)
-            _dh_update(q0, offs_m, offs, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
-            offs += BLOCK_N // 4
-            _dh_update(q1, offs_m, offs, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
-            offs += BLOCK_N // 4
-            _dh_update(q2, offs_m, offs, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
-            offs += BLOCK_N // 4
-            _dh_update(q3, offs_m, offs, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
         else:
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            _dh_update(part, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+            row0 = pid_m * BLOCK_M
+            col = pid_n * BLOCK_N
+            w: tl.constexpr = BLOCK_N // EPILOGUE_SPLITS
+            if EPILOGUE_SPLITS == 1:
+                _dh_slice(part, offs_m, row0, col, N, H, acc_ptr, lo_ptr, out_ptr, acc_desc,
+                          lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
+            else:
+                left, right = _halves(part, BLOCK_M, BLOCK_N)
+                if EPILOGUE_SPLITS == 2:
+                    _dh_slice(left, offs_m, row0, col, N, H, acc_ptr, lo_ptr, out_ptr, acc_desc,
+                              lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
+                    _dh_slice(right, offs_m, row0, col + w, N, H, acc_ptr, lo_ptr, out_ptr,
+                              acc_desc, lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
+                else:  # 4
+                    q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 2)
+                    q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 2)
+                    _dh_slice(q0, offs_m, row0, col, N, H, acc_ptr, lo_ptr, out_ptr, acc_desc,
+                              lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
+                    _dh_slice(q1, offs_m, row0, col + w, N, H, acc_ptr, lo_ptr, out_ptr,
+                              acc_desc, lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
+                    _dh_slice(q2, offs_m, row0, col + 2 * w, N, H, acc_ptr, lo_ptr, out_ptr,
+                              acc_desc, lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
+                    _dh_slice(q3, offs_m, row0, col + 3 * w, N, H, acc_ptr, lo_ptr, out_ptr,
+                              acc_desc, lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
