@@ -48,20 +48,27 @@ def cuobjdump() -> str:
     return path
 
 
-def compile_dh(cfg: TileConfig, *, arch: int = 90, first: bool = False, last: bool = False) -> Any:
-    """``bwd_dh_tma_kernel`` for bf16 with the hi/lo pair, as the launcher would build it."""
+#: Element types of the sum's (high, low) parts for each SUM_LO (launch.SUM_FORMATS).
+SUM_TYPES = {0: ("bf16", "bf16"), 16: ("i16", "i16"), 8: ("i16", "i8")}
+
+
+def compile_dh(
+    cfg: TileConfig, *, arch: int = 90, first: bool = False, last: bool = False, sum_lo: int = 0
+) -> Any:
+    """``bwd_dh_tma_kernel`` for bf16 with a split sum (``sum_lo``), as the launcher builds it."""
     splits = cfg.epilogue_splits
-    desc_sum = f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n // splits}]>"
+    hi_ty, lo_ty = SUM_TYPES[sum_lo]
+    shape = f"[{cfg.block_m}, {cfg.block_n // splits}]"
     kernel = backward.bwd_dh_tma_kernel
     signature: dict[str, str] = {
         "dz_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
         "w_desc": f"tensordesc<bf16[{cfg.block_k}, {cfg.block_n}]>",
-        "acc_ptr": "*bf16",
-        "lo_ptr": "*bf16",
+        "acc_ptr": f"*{hi_ty}",
+        "lo_ptr": f"*{lo_ty}",
         "out_ptr": "*bf16",
-        "acc_desc": desc_sum if cfg.tma_sum else "constexpr",
-        "lo_desc": desc_sum if cfg.tma_sum else "constexpr",
-        "out_desc": desc_sum if cfg.tma_sum else "constexpr",
+        "acc_desc": f"tensordesc<{hi_ty}{shape}>" if cfg.tma_sum else "constexpr",
+        "lo_desc": f"tensordesc<{lo_ty}{shape}>" if cfg.tma_sum else "constexpr",
+        "out_desc": f"tensordesc<bf16{shape}>" if cfg.tma_sum else "constexpr",
         "N": "i32",
         "H": "i32",
         "Kb": "i32",
@@ -69,7 +76,7 @@ def compile_dh(cfg: TileConfig, *, arch: int = 90, first: bool = False, last: bo
     consts: dict[str, Any] = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGS=132 * cfg.programs_per_sm, PRECISION="tf32", FIRST=first, LAST=last, SPLIT=True,
-        FLATTEN=cfg.flatten, EPILOGUE_SPLITS=splits, PREFETCH=cfg.prefetch_sum,
+        SUM_LO=sum_lo, FLATTEN=cfg.flatten, EPILOGUE_SPLITS=splits, PREFETCH=cfg.prefetch_sum,
         WARP_SPECIALIZE=cfg.warp_specialize, TMA_SUM=cfg.tma_sum,
     )  # fmt: skip
     if not cfg.tma_sum:
@@ -100,18 +107,26 @@ def resources(compiled: Any) -> Resources:
     return Resources(int(match[1]), int(match[2]), int(compiled.metadata.shared))
 
 
-def candidates() -> dict[str, TileConfig]:
-    """The shipped dh config and the knobs tried on the H200 (docs/benchmarks.md)."""
+def candidates() -> dict[str, tuple[TileConfig, int]]:
+    """The shipped dh config, the knobs tried on the H200 (docs/benchmarks.md) and the sum
+    formats: name -> (config, SUM_LO)."""
     import torch
 
-    base = replace(default_configs(torch.bfloat16).dh, epilogue_splits=1)
+    shipped = default_configs(torch.bfloat16).dh
+    base = replace(shipped, epilogue_splits=1)
     return {
-        "whole_tile": base,
-        "shipped": default_configs(torch.bfloat16).dh,
-        "quarters": replace(base, epilogue_splits=4),
-        "tma_sum_halves": replace(base, epilogue_splits=2, tma_sum=True),
-        "two_per_sm_128x128": replace(
-            base, block_n=128, num_stages=2, epilogue_splits=2, tma_sum=True, programs_per_sm=2
+        "whole_tile": (base, 0),
+        "shipped": (shipped, 0),
+        "shipped_fp32_sum": (shipped, 16),
+        "shipped_fp24_sum": (shipped, 8),
+        "quarters": (replace(base, epilogue_splits=4), 0),
+        "tma_sum_halves": (replace(base, epilogue_splits=2, tma_sum=True), 0),
+        "tma_sum_fp24": (replace(base, epilogue_splits=2, tma_sum=True), 8),
+        "two_per_sm_128x128": (
+            replace(
+                base, block_n=128, num_stages=2, epilogue_splits=2, tma_sum=True, programs_per_sm=2
+            ),
+            0,
         ),
     }
 
@@ -124,11 +139,11 @@ def main() -> None:
     opts = args.parse_args()
     only = {x for x in opts.only.split(",") if x}
     rows = []
-    for name, cfg in candidates().items():
+    for name, (cfg, sum_lo) in candidates().items():
         if only and name not in only:
             continue
-        res = resources(compile_dh(cfg, arch=opts.arch))
-        rows.append({"name": name, "config": asdict(cfg), **asdict(res)})
+        res = resources(compile_dh(cfg, arch=opts.arch, sum_lo=sum_lo))
+        rows.append({"name": name, "config": asdict(cfg), "sum_lo": sum_lo, **asdict(res)})
         print(
             f"{name:22s} regs {res.registers:3d}  stack {res.stack_bytes:5d} B  "
             f"shared {res.shared_bytes / 1024:6.1f} KiB",

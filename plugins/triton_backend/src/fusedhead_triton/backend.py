@@ -60,6 +60,19 @@ class TritonOptions(BaseModel):
         "is final, then recompute those rows' logits to write them: saves that memory for about N/V (2N/V "
         "with an fp32 sum) more GEMM units. Applies when both gradients are asked and dW has the rows.",
     )
+    dh_sum: Literal["auto", "pair", "fp32", "fp24"] = Field(
+        "auto",
+        description="How the Triton dh GEMM keeps its running sum between vocabulary blocks, the high 16 bits "
+        "always in the output's own buffer: 'pair' a bf16 value plus a bf16 remainder (fp16 inputs: a separate "
+        "fp32 buffer), 'fp32' exact fp32 (2 more bytes per value), 'fp24' fp32 rounded to a 16-bit "
+        "significand (1 more byte: halves what stash_dh_sum recomputes); auto: fp24 with stash_dh_sum, else pair.",
+    )
+    lend_dw_rows: bool = Field(
+        False,
+        description="Put each backward dz block in weight-gradient rows not written yet where it fits (early "
+        "blocks up to backward_block_max_cols wide at no memory cost), the block buffer elsewhere: fewer "
+        "read-modify-writes of the hidden-gradient sum. Applies when the weight gradient is asked.",
+    )
 
     @field_validator("block_m", "block_n", "block_k")
     @classmethod
@@ -205,6 +218,8 @@ class TritonBackend:
             backward_block_max_cols=o.backward_block_max_cols,
             dh_gemm=o.dh_gemm,
             stash_dh_sum=o.stash_dh_sum,
+            dh_sum=o.dh_sum,
+            lend_dw_rows=o.lend_dw_rows,
         )
         labels = labels.contiguous()
         out = FusedHeadFunction.apply(hidden, weight, labels, temp, spec)

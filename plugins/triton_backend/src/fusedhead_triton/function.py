@@ -24,6 +24,8 @@ class CallSpec:
     backward_block_max_cols: int = 8192
     dh_gemm: str = "auto"
     stash_dh_sum: bool = False
+    dh_sum: str = "auto"
+    lend_dw_rows: bool = False
 
 
 def forward_values(
@@ -96,6 +98,8 @@ class FusedHeadFunction(torch.autograd.Function):
             block_max_cols=spec.backward_block_max_cols,
             dh_gemm=spec.dh_gemm,
             stash_dh_sum=spec.stash_dh_sum,
+            dh_sum=spec.dh_sum,
+            lend_dw_rows=spec.lend_dw_rows,
         )  # fmt: skip
         if sum_dh and dh is not None:
             parallel.all_reduce_sum(dh, group)

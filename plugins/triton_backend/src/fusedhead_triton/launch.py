@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from . import schedule
 from .configs import TileConfig, interpret_enabled
 
 _KERNEL_MODULES = ("common", "forward", "backward")
@@ -206,15 +207,37 @@ def cublas_fp32_out_available(device: torch.device) -> bool:
     return _CUBLAS_FP32_OUT
 
 
+#: The hidden-gradient sum's formats when split (``SUM_LO`` of the dh kernels): the bf16 pair
+#: (bf16 inputs; fp16 keeps a plain fp32 buffer), exact fp32 as two 16-bit halves, or fp32 rounded
+#: to a 16-bit significand in three bytes. The high half always lives in the output's buffer.
+SUM_FORMATS = {"pair": 0, "fp32": 16, "fp24": 8}
+
+
 @dataclass
 class _DhState:
     """Where the hidden gradient accumulates over vocabulary blocks, and how."""
 
     out: torch.Tensor  # the result (input dtype, or fp32 when asked)
-    acc: torch.Tensor  # running sum: fp32, or the bf16 hi part (== out) when split
-    lo: torch.Tensor  # bf16 remainder when split (else == acc)
+    acc: torch.Tensor  # running sum: fp32, or the high part (the output's buffer) when split
+    lo: torch.Tensor  # the low part when split (else == acc)
     split: bool
     cublas: bool
+    sum_lo: int = 0  # SUM_LO of the kernels
+
+
+def _sum_layout(
+    dtype: torch.dtype, steps: int, fp32_out: bool, cublas: bool, fmt: str
+) -> tuple[torch.dtype | None, int]:
+    """(dtype of the running sum's own buffer, or None when it needs none; SUM_LO)."""
+    if fp32_out or dtype == torch.float32 or (steps == 1 and not cublas):
+        return None, 0  # the output is the sum, or one block writes it directly
+    if cublas:
+        return torch.float32, 0
+    if fmt == "fp32":
+        return torch.int16, 16
+    if fmt == "fp24":
+        return torch.int8, 8
+    return (dtype, 0) if dtype == torch.bfloat16 else (torch.float32, 0)
 
 
 def _dh_state(
@@ -222,31 +245,21 @@ def _dh_state(
     h: int,
     dtype: torch.dtype,
     dev: torch.device,
-    nblocks: int,
+    layout: tuple[torch.dtype | None, int],
     fp32_out: bool,
     cublas: bool,
     spare: SpareRows | None = None,
 ) -> _DhState:
     """The output and the running sum's buffers; ``spare`` lends the sum dW's last rows."""
-
-    def buffer(kind: torch.dtype) -> torch.Tensor:
-        if spare is not None:
-            return spare.take(kind)
-        return torch.empty((n, h), dtype=kind, device=dev)
-
     out = torch.empty((n, h), dtype=torch.float32 if fp32_out else dtype, device=dev)
-    if out.dtype == torch.float32:
-        return _DhState(out, out, out, False, cublas)
-    if cublas:
-        acc = buffer(torch.float32)
-        return _DhState(out, acc, acc, False, True)
-    if nblocks == 1:
-        return _DhState(out, out, out, False, False)  # one block writes the output directly
-    if dtype == torch.bfloat16:  # hi is the output itself; lo keeps the remainder exactly
-        lo = buffer(dtype)
-        return _DhState(out, out, lo, True, False)
-    acc = buffer(torch.float32)
-    return _DhState(out, acc, acc, False, False)
+    kind, sum_lo = layout
+    if kind is None:
+        return _DhState(out, out, out, False, False)
+    buf = spare.take(kind) if spare is not None else torch.empty((n, h), dtype=kind, device=dev)
+    if kind == torch.float32:
+        return _DhState(out, buf, buf, False, cublas)
+    hi = out.view(torch.int16) if sum_lo else out  # packed formats keep raw bits in the output
+    return _DhState(out, hi, buf, True, False, sum_lo)
 
 
 @dataclass
@@ -289,15 +302,9 @@ def _sum_descriptors(st: _DhState, cfg: TileConfig) -> tuple[Any, Any, Any]:
     return tuple(desc.from_tensor(t, block) for t in (st.acc, st.lo, st.out))  # type: ignore[return-value]
 
 
-def _sum_kind(dtype: torch.dtype, nblocks: int, fp32_out: bool, cublas: bool) -> torch.dtype | None:
-    """The dtype of the hidden-gradient sum's own buffer (as ``_dh_state`` builds it), or None."""
-    if fp32_out or dtype == torch.float32:
-        return None
-    if cublas:
-        return torch.float32
-    if nblocks == 1:
-        return None
-    return dtype if dtype == torch.bfloat16 else torch.float32
+def _row_quantum(h: int, esize: int) -> int:
+    """dW rows whose start is 16-byte aligned are the multiples of this."""
+    return 16 // math.gcd(16, h * esize)
 
 
 def backward_grads(
@@ -320,15 +327,19 @@ def backward_grads(
     block_max_cols: int = 8192,
     dh_gemm: str = "auto",
     stash_dh_sum: bool = False,
+    dh_sum: str = "auto",
+    lend_dw_rows: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dh, dW) by vocabulary blocks: dz kernel, then dW[block] by cuBLAS, dh += dz @ W[block].
 
-    The dh sum runs in a fixed block order, in fp32 (Triton kernel, or cuBLAS with an fp32 C
-    when ``dh_gemm`` asks for it and this torch has it) or as an exact bf16 hi/lo pair. ``"auto"``
-    takes the pair for bf16, and cuBLAS for fp16 while its fp32 accumulator is at most
+    The dh sum runs in the schedule's fixed block order, in fp32 (Triton kernel, or cuBLAS with
+    an fp32 C when ``dh_gemm`` asks for it and this torch has it) or split in two parts
+    (``dh_sum``: ``SUM_FORMATS``; ``"auto"``: fp24 when stashed, else the bf16 pair). ``"auto"``
+    GEMM takes Triton for bf16, and cuBLAS for fp16 while its fp32 accumulator is at most
     ``AUTO_CUBLAS_ACC_BYTES``.
-    ``stash_dh_sum`` keeps that sum's buffer in dW's last rows (``SpareRows``); once the sum is
-    final those rows' dz blocks are recomputed and their dW written.
+    ``stash_dh_sum`` keeps that sum's own buffer in dW's last rows (``SpareRows``); once the sum
+    is final those rows' dz blocks are recomputed and their dW written. ``lend_dw_rows`` puts dz
+    blocks in dW rows not yet written (``schedule``).
     ``dh_fp32`` returns dh in fp32 (for a cross-rank sum before rounding).
     """
     _, bwd = kernels()
@@ -344,11 +355,11 @@ def backward_grads(
         return (dh0 if need_dh else None), dw
 
     align = math.lcm(dz_cfg.block_n, dh_cfg.block_k)
-    vb = vocab_block(n, v, hidden.element_size(), block_bytes, align, block_max_cols)
-    nblocks = math.ceil(v / vb)
-    # rows of dz keep the aligned stride vb (also for the last, narrower block): TMA-ready
-    dz_full = torch.empty((n, min(vb, math.ceil(v / align) * align)), dtype=dtype, device=dev)
-
+    esize = hidden.element_size()
+    buffer_cols = vocab_block(n, v, esize, block_bytes, align, block_max_cols)
+    geom = schedule.Geometry(
+        n, h, v, align, buffer_cols, max(block_max_cols, align), _row_quantum(h, esize)
+    )
     use_cublas = (
         need_dh
         and (
@@ -358,13 +369,30 @@ def backward_grads(
         and dtype != torch.float32
         and cublas_fp32_out_available(dev)
     )
+    fmt = ("fp24" if stash_dh_sum else "pair") if dh_sum == "auto" else dh_sum
+    stash_ok = stash_dh_sum and need_dh and dw is not None and dw.is_contiguous()
+
+    def make_plan(stash: int | None) -> list[schedule.Step]:
+        return schedule.plan(
+            geom, need_dw=need_dw, need_dh=need_dh, stash=stash, lend_rows=lend_dw_rows
+        )
+
+    steps = make_plan(None)
+    layout = _sum_layout(dtype, sum(s.add_dh for s in steps), dh_fp32, use_cublas, fmt)
     spare = None
-    kind = _sum_kind(dtype, nblocks, dh_fp32, use_cublas)
-    if stash_dh_sum and need_dh and dw is not None and kind is not None:
-        first = SpareRows.need_rows(dw, n, kind)
-        spare = SpareRows(dw, n, first) if first is not None else None
-    tail = spare.first if spare is not None else v  # dW rows written after the dh sum is final
-    st = _dh_state(n, h, dtype, dev, nblocks, dh_fp32, use_cublas, spare) if need_dh else None
+    if stash_ok and layout[0] is not None:
+        assert dw is not None
+        first = SpareRows.need_rows(dw, n, layout[0])
+        if first is not None:
+            spare = SpareRows(dw, n, first)
+            steps = make_plan(first)
+    if not (dw is not None and dw.is_contiguous()):
+        steps = [replace(s, dz_row=None) for s in steps]
+    st = _dh_state(n, h, dtype, dev, layout, dh_fp32, use_cublas, spare) if need_dh else None
+    dh_steps = [i for i, s in enumerate(steps) if s.add_dh]
+    # rows of a buffer block keep its aligned stride (also for a narrower block): TMA-ready
+    buf_cols = min(buffer_cols, math.ceil(v / align) * align)
+    dz_buf: torch.Tensor | None = None
 
     softcap, inv_softcap = sc.softcap_args
     dummy = lse
@@ -394,9 +422,21 @@ def backward_grads(
         g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy,
     )  # fmt: skip
 
-    def dz_block(v0: int, cols: int) -> torch.Tensor:
-        """dz for vocabulary rows [v0, v0 + cols), into the shared block buffer."""
-        dz = dz_full[:, :cols]
+    def dz_storage(step: schedule.Step) -> torch.Tensor:
+        """The block's ``[n, cols]`` dz: in dW rows from ``dz_row`` on, or in the buffer."""
+        nonlocal dz_buf
+        if step.dz_row is not None and dw is not None:
+            start = step.dz_row * h
+            flat = dw.view(-1)[start : start + n * step.stride]
+            return flat.view(n, step.stride)[:, : step.cols]
+        if dz_buf is None:
+            dz_buf = torch.empty((n, buf_cols), dtype=dtype, device=dev)
+        return dz_buf[:, : step.cols]
+
+    def dz_block(step: schedule.Step) -> torch.Tensor:
+        """dz for vocabulary rows [v0, v0 + cols)."""
+        v0, cols = step.v0, step.cols
+        dz = dz_storage(step)
         wb = weight[v0 : v0 + cols]
         tiles = math.ceil(n / dz_cfg.block_m) * math.ceil(cols / dz_cfg.block_n)
         if dz_tma:
@@ -415,20 +455,21 @@ def backward_grads(
         return dz
 
     sum_descs: tuple[Any, Any, Any] | None = None
-    for b in range(nblocks):
-        v0 = b * vb
-        cols = min(v, v0 + vb) - v0
-        dz = dz_block(v0, cols)
+    for i, step in enumerate(steps):
+        v0, cols = step.v0, step.cols
+        dz = dz_block(step)
         wb = weight[v0 : v0 + cols]
-        if dw is not None and v0 < tail:
-            end = min(v0 + cols, tail)
-            torch.mm(dz[:, : end - v0].t(), hidden, out=dw[v0:end])
-        if st is None:
+        if dw is not None and step.write_dw:
+            torch.mm(dz.t(), hidden, out=dw[v0 : v0 + cols])
+        if st is None or not step.add_dh:
             continue
+        first, last = i == dh_steps[0], i == dh_steps[-1]
         if st.cublas:
             torch.addmm(
-                st.acc, dz, wb, beta=0 if b == 0 else 1, out_dtype=torch.float32, out=st.acc
+                st.acc, dz, wb, beta=0 if first else 1, out_dtype=torch.float32, out=st.acc
             )
+            if last and st.out is not st.acc:
+                st.out.copy_(st.acc)
             continue
         dh_flags = dict(
             BLOCK_M=dh_cfg.block_m,
@@ -436,9 +477,10 @@ def backward_grads(
             BLOCK_K=dh_cfg.block_k,
             GROUP_M=dh_cfg.group_m,
             PRECISION=_precision(dtype),
-            FIRST=b == 0,
-            LAST=b == nblocks - 1,
+            FIRST=first,
+            LAST=last,
             SPLIT=st.split,
+            SUM_LO=st.sum_lo,
             num_warps=dh_cfg.num_warps,
             num_stages=dh_cfg.num_stages,
         )
@@ -461,10 +503,4 @@ def backward_grads(
                 wb.stride(1), EVEN_K=cols % dh_cfg.block_k == 0, EVEN_N=h % dh_cfg.block_n == 0,
                 **dh_flags,
             )  # fmt: skip
-    if st is not None and st.cublas and st.out is not st.acc:
-        st.out.copy_(st.acc)
-    if dw is not None:  # the rows that held the dh sum: their logits once more
-        for v0 in range(tail, v, vb):
-            cols = min(v, v0 + vb) - v0
-            torch.mm(dz_block(v0, cols).t(), hidden, out=dw[v0 : v0 + cols])
     return (st.out if st is not None else None), dw

@@ -2,7 +2,8 @@
 
 ``dz`` is the gradient w.r.t. the raw logits ``h @ W.T`` of one vocabulary block (temperature
 and softcap derivative folded in), computed in fp32 and stored in the input dtype for the GEMMs.
-``dh`` is accumulated over blocks in a fixed order, in fp32 or as an exact-sum bf16 (hi, lo) pair.
+``dh`` is accumulated over blocks in a fixed order, in fp32: one fp32 buffer, or split into a high
+half (16 bits, kept in the output's own buffer) and a low part (see ``_sum_join``).
 """
 
 from __future__ import annotations
@@ -187,6 +188,40 @@ def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def _sum_join(hi, lo, SUM_LO: tl.constexpr):
+    """The running sum's fp32 value from its two stored parts.
+
+    SUM_LO 16: ``hi``/``lo`` are the top and bottom 16 bits of the fp32 value (exact fp32).
+    SUM_LO 8: ``lo`` holds bits 8-15 (a 16-bit significand, rounded). SUM_LO 0: a bf16 pair.
+    """
+    if SUM_LO == 0:
+        return hi.to(tl.float32) + lo.to(tl.float32)
+    bits = hi.to(tl.int32) << 16  # sign-extended int16: the shift leaves exactly its 16 bits
+    if SUM_LO == 16:  # noqa: SIM108 - constexpr branch
+        bits = bits | (lo.to(tl.int32) & 0xFFFF)
+    else:
+        bits = bits | ((lo.to(tl.int32) & 0xFF) << 8)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sum_split(total, hi_ty: tl.constexpr, lo_ty: tl.constexpr, SUM_LO: tl.constexpr):
+    """(hi, lo) to store for the fp32 running sum ``total`` (the inverse of ``_sum_join``)."""
+    if SUM_LO == 0:
+        hi = total.to(hi_ty)
+        lo = (total - hi.to(tl.float32)).to(lo_ty)
+    else:
+        bits = total.to(tl.int32, bitcast=True)
+        if SUM_LO == 8:
+            bits = bits + 0x80  # round the magnitude to 24 bits (sign-magnitude format)
+            lo = (bits >> 8).to(tl.int8)  # integer narrowing keeps the low bits
+        else:
+            lo = bits.to(tl.int16)
+        hi = (bits >> 16).to(tl.int16)
+    return hi, lo
+
+
+@triton.jit
 def _dh_store(
     total,
     offs_m,
@@ -198,17 +233,19 @@ def _dh_store(
     out_ptr,
     LAST: tl.constexpr,
     SPLIT: tl.constexpr,
+    SUM_LO: tl.constexpr,
 ):
-    """Store the tile's new running sum (fp32, or bf16 hi + lo), or the result on the last block."""
+    """Store the tile's new running sum (fp32, or split in hi + lo), or the result on the last block."""
     mask = (offs_m < N)[:, None] & (offs_n < H)[None, :]
     idx = offs_m.to(tl.int64)[:, None] * H + offs_n[None, :]
     if LAST:
         tl.store(out_ptr + idx, total.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         if SPLIT:
-            hi = total.to(acc_ptr.dtype.element_ty)
+            hi, lo = _sum_split(
+                total, acc_ptr.dtype.element_ty, lo_ptr.dtype.element_ty, SUM_LO
+            )
             tl.store(acc_ptr + idx, hi, mask=mask)
-            lo = (total - hi.to(tl.float32)).to(lo_ptr.dtype.element_ty)
             tl.store(lo_ptr + idx, lo, mask=mask)
         else:
             tl.store(acc_ptr + idx, total, mask=mask)
@@ -227,20 +264,23 @@ def _dh_update(
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
     SPLIT: tl.constexpr,
+    SUM_LO: tl.constexpr,
 ):
-    """Add this block's tile to the running dh sum (fp32, or bf16 hi + lo) or write the result."""
+    """Add this block's tile to the running dh sum (fp32, or split in hi + lo) or write the result."""
     mask = (offs_m < N)[:, None] & (offs_n < H)[None, :]
     idx = offs_m.to(tl.int64)[:, None] * H + offs_n[None, :]
     if FIRST:
         total = part
     else:
         if SPLIT:
-            prev = tl.load(acc_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-            prev += tl.load(lo_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            prev = _sum_join(
+                tl.load(acc_ptr + idx, mask=mask, other=0), tl.load(lo_ptr + idx, mask=mask, other=0),
+                SUM_LO,
+            )  # fmt: skip
         else:
             prev = tl.load(acc_ptr + idx, mask=mask, other=0.0)
         total = prev + part
-    _dh_store(total, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, LAST, SPLIT)
+    _dh_store(total, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, LAST, SPLIT, SUM_LO)
 
 
 @triton.jit
@@ -254,23 +294,27 @@ def _dh_update_tma(
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
     SPLIT: tl.constexpr,
+    SUM_LO: tl.constexpr,
 ):
     """``_dh_update`` through tensor descriptors: no per-value addresses held in registers,
     edges clipped by the descriptors, stores asynchronous."""
     if FIRST:
         total = part
     else:
-        prev = acc_desc.load([off_m, off_n]).to(tl.float32)
         if SPLIT:
-            prev += lo_desc.load([off_m, off_n]).to(tl.float32)
+            prev = _sum_join(
+                acc_desc.load([off_m, off_n]), lo_desc.load([off_m, off_n]), SUM_LO
+            )
+        else:
+            prev = acc_desc.load([off_m, off_n])
         total = prev + part
     if LAST:
         out_desc.store([off_m, off_n], total.to(out_desc.dtype))
     else:
         if SPLIT:
-            hi = total.to(acc_desc.dtype)
+            hi, lo = _sum_split(total, acc_desc.dtype, lo_desc.dtype, SUM_LO)
             acc_desc.store([off_m, off_n], hi)
-            lo_desc.store([off_m, off_n], (total - hi.to(tl.float32)).to(lo_desc.dtype))
+            lo_desc.store([off_m, off_n], lo)
         else:
             acc_desc.store([off_m, off_n], total)
 
@@ -293,15 +337,18 @@ def _dh_slice(
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
     SPLIT: tl.constexpr,
+    SUM_LO: tl.constexpr,
     TMA_SUM: tl.constexpr,
 ):
     """Update the sum's columns [col, col + WIDTH) of the tile at row ``row0`` (rows ``offs_m``),
     through the descriptors (TMA_SUM) or through pointers."""
     if TMA_SUM:
-        _dh_update_tma(part, row0, col, acc_desc, lo_desc, out_desc, FIRST, LAST, SPLIT)
+        _dh_update_tma(part, row0, col, acc_desc, lo_desc, out_desc, FIRST, LAST, SPLIT, SUM_LO)
     else:
         offs_n = col + tl.arange(0, WIDTH)
-        _dh_update(part, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+        _dh_update(
+            part, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT, SUM_LO
+        )
 
 
 @triton.jit(do_not_specialize=["N", "Kb"])
@@ -327,11 +374,12 @@ def bwd_dh_kernel(
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
     SPLIT: tl.constexpr,
+    SUM_LO: tl.constexpr,
 ):
     """acc[N, H] += dz[N, Kb] @ W[0:Kb, :] for one vocabulary block, tile by tile.
 
-    The running sum lives in ``acc_ptr`` (fp32), or for SPLIT in ``acc_ptr`` (bf16 hi, which is
-    also the output) plus ``lo_ptr`` (bf16 remainder). LAST writes the result to ``out_ptr``.
+    The running sum lives in ``acc_ptr`` (fp32), or for SPLIT in ``acc_ptr`` (the high part, in
+    the output's own buffer) plus ``lo_ptr`` (``_sum_join``). LAST writes the result to ``out_ptr``.
     The hidden columns are W's contiguous dimension: they are masked, never clamped, so the
     loads stay vectorised.
     """
@@ -359,7 +407,7 @@ def bwd_dh_kernel(
         part = tl.dot(a, b, part, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wv
-    _dh_update(part, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT)
+    _dh_update(part, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT, SUM_LO)
 
 
 @triton.jit(do_not_specialize=["N", "Kb"])
@@ -384,6 +432,7 @@ def bwd_dh_tma_kernel(
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
     SPLIT: tl.constexpr,
+    SUM_LO: tl.constexpr,
     FLATTEN: tl.constexpr,
     EPILOGUE_SPLITS: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -408,42 +457,43 @@ def bwd_dh_tma_kernel(
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = (offs_m < N)[:, None] & (offs_n < H)[None, :]
             idx = offs_m.to(tl.int64)[:, None] * H + offs_n[None, :]
-            prev_hi = tl.load(acc_ptr + idx, mask=mask, other=0.0)
+            prev_hi = tl.load(acc_ptr + idx, mask=mask, other=0)
             if SPLIT:
-                prev_lo = tl.load(lo_ptr + idx, mask=mask, other=0.0)
+                prev_lo = tl.load(lo_ptr + idx, mask=mask, other=0)
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in tl.range(0, tl.cdiv(Kb, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
             a = dz_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
             b = w_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
             part = tl.dot(a, b, part, input_precision=PRECISION)
         if PREFETCH and not FIRST and not TMA_SUM:
-            prev = prev_hi.to(tl.float32)
-            if SPLIT:
-                prev += prev_lo.to(tl.float32)
+            if SPLIT:  # noqa: SIM108 - constexpr branch
+                prev = _sum_join(prev_hi, prev_lo, SUM_LO)
+            else:
+                prev = prev_hi
             total = prev + part
-            _dh_store(total, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, LAST, SPLIT)
+            _dh_store(total, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, LAST, SPLIT, SUM_LO)
         else:
             row0 = pid_m * BLOCK_M
             col = pid_n * BLOCK_N
             w: tl.constexpr = BLOCK_N // EPILOGUE_SPLITS
             if EPILOGUE_SPLITS == 1:
                 _dh_slice(part, offs_m, row0, col, N, H, acc_ptr, lo_ptr, out_ptr, acc_desc,
-                          lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
+                          lo_desc, out_desc, w, FIRST, LAST, SPLIT, SUM_LO, TMA_SUM)  # fmt: skip
             else:
                 left, right = _halves(part, BLOCK_M, BLOCK_N)
                 if EPILOGUE_SPLITS == 2:
                     _dh_slice(left, offs_m, row0, col, N, H, acc_ptr, lo_ptr, out_ptr, acc_desc,
-                              lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
+                              lo_desc, out_desc, w, FIRST, LAST, SPLIT, SUM_LO, TMA_SUM)  # fmt: skip
                     _dh_slice(right, offs_m, row0, col + w, N, H, acc_ptr, lo_ptr, out_ptr,
-                              acc_desc, lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
+                              acc_desc, lo_desc, out_desc, w, FIRST, LAST, SPLIT, SUM_LO, TMA_SUM)  # fmt: skip
                 else:  # 4
                     q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 2)
                     q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 2)
                     _dh_slice(q0, offs_m, row0, col, N, H, acc_ptr, lo_ptr, out_ptr, acc_desc,
-                              lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
+                              lo_desc, out_desc, w, FIRST, LAST, SPLIT, SUM_LO, TMA_SUM)  # fmt: skip
                     _dh_slice(q1, offs_m, row0, col + w, N, H, acc_ptr, lo_ptr, out_ptr,
-                              acc_desc, lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
+                              acc_desc, lo_desc, out_desc, w, FIRST, LAST, SPLIT, SUM_LO, TMA_SUM)  # fmt: skip
                     _dh_slice(q2, offs_m, row0, col + 2 * w, N, H, acc_ptr, lo_ptr, out_ptr,
-                              acc_desc, lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
+                              acc_desc, lo_desc, out_desc, w, FIRST, LAST, SPLIT, SUM_LO, TMA_SUM)  # fmt: skip
                     _dh_slice(q3, offs_m, row0, col + 3 * w, N, H, acc_ptr, lo_ptr, out_ptr,
-                              acc_desc, lo_desc, out_desc, w, FIRST, LAST, SPLIT, TMA_SUM)  # fmt: skip
+                              acc_desc, lo_desc, out_desc, w, FIRST, LAST, SPLIT, SUM_LO, TMA_SUM)  # fmt: skip
