@@ -55,8 +55,9 @@ def test_auto_picks_cublas_for_fp16_only_under_the_accumulator_limit(
 
 
 @pytest.mark.gpu
-def test_auto_sums_bf16_in_the_triton_pair(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16: the hi/lo pair, never cuBLAS's fp32 accumulator, whatever N; both within bounds."""
+def test_auto_sums_bf16_in_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16: the Triton kernel's split sum, never cuBLAS's fp32 accumulator, whatever N; both
+    within bounds."""
     if not launch.cublas_fp32_out_available(torch.device("cuda")):
         pytest.skip("this torch has no addmm(out_dtype=float32) on CUDA")
     calls = _count_addmm(monkeypatch)

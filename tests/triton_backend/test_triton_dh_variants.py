@@ -73,7 +73,7 @@ def test_dh_kernel_knobs_keep_the_bits_on_the_gpu(
     monkeypatch: pytest.MonkeyPatch, tile: dict, knobs: dict
 ) -> None:
     case = make_case(1000, 512, 20000, seed=32)
-    opts = {"backward_block_mib": 2, "dh_gemm": "triton"}  # the bf16 pair over many blocks
+    opts = {"backward_block_mib": 2, "dh_gemm": "triton"}  # the split sum over many blocks
     _with_dh(monkeypatch, **tile)
     plain = run_triton(case, torch.bfloat16, device="cuda", options=opts)
     _with_dh(monkeypatch, **tile, **knobs)

@@ -42,7 +42,7 @@ def _call(be, h, w, lab, temperature=0.7, softcap=None):
         (1937, 3584, 152064, {}),
         (4099, 1000, 50257, {}),
         (1, 4096, 151936, {}),
-        (700, 896, 151936, {"backward_block_mib": 2}),  # many blocks: bf16 hi/lo sum
+        (700, 896, 151936, {"backward_block_mib": 2}),  # many blocks: the split sum
     ],
 )
 def test_accuracy_against_fp32(n, h, v, options, dtype, grad_tol) -> None:

@@ -33,4 +33,6 @@ def test_kernel_module_globals_are_made_with_tl_constexpr() -> None:
             )
             if isinstance(node, ast.AnnAssign) or not made:
                 bad.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
-    assert not bad, "module globals a kernel could read must be tl.constexpr(...):\n" + "\n".join(bad)
+    assert not bad, "module globals a kernel could read must be tl.constexpr(...):\n" + "\n".join(
+        bad
+    )

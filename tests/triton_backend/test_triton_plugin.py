@@ -28,7 +28,9 @@ def test_import_does_not_import_triton() -> None:
 
 
 def test_options_are_validated() -> None:
-    assert TritonOptions().backward_block_mib > 0
+    assert TritonOptions().backward_block_mib is None  # the launcher's default, by layout
+    with pytest.raises(ValidationError, match="backward_block_mib"):
+        TritonOptions(backward_block_mib=0)
     with pytest.raises(ValidationError, match="power"):
         TritonOptions(block_m=24)
     with pytest.raises(ValidationError):

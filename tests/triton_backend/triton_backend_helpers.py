@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -87,3 +88,34 @@ def assert_close(got: Result, want: Result, dtype: torch.dtype, what: str = "") 
     if got.d_weight is not None:
         assert got.d_weight.dtype == dtype
         assert rel_err(got.d_weight, want.d_weight) <= grad_tol, what
+
+
+#: Relative rounding of the hidden-gradient running sum at each store between vocabulary blocks:
+#: exact fp32 (fp16's fp32 buffer, dh_sum "fp32", cuBLAS's accumulator), fp24's 16-bit
+#: significand, and the bf16 pair (bf16 hi + bf16 remainder: at least 16 significant bits).
+SUM_UNIT = {"fp32": 2.0**-24, "fp24": 2.0**-16, "bf16 pair": 2.0**-16}
+
+
+def sum_slack(want: torch.Tensor, adds: int, unit: float) -> float:
+    """How far ``adds`` roundings of a running sum to ``unit`` can move a result, its partial
+    sums taken as large as ``want``'s largest value: for values that cancel to far less."""
+    return adds * unit * float(want.detach().abs().max())
+
+
+def assert_within_one_ulp(
+    got: torch.Tensor, want: torch.Tensor, *, slack: float = 0.0, what: str = ""
+) -> None:
+    """Every element of ``got`` at most one ulp of the dtype away from ``want`` (``want``'s
+    neighbours by ``torch.nextafter``), give or take ``slack`` (absolute)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    a, b = got.detach().cpu(), want.detach().cpu()
+    assert bool(torch.isfinite(b).all()), what
+    inf = torch.full_like(b, math.inf)
+    lo = torch.nextafter(b, -inf).double() - slack
+    hi = torch.nextafter(b, inf).double() + slack
+    x = a.double()
+    bad = (x < lo) | (x > hi) | ~torch.isfinite(x)
+    assert not bool(bad.any()), (
+        f"{what} {int(bad.sum())} of {b.numel()} values more than one ulp (+ {slack:.3g}) apart, "
+        f"e.g. {a[bad][:4].tolist()} against {b[bad][:4].tolist()}"
+    )

@@ -35,11 +35,12 @@ class TritonOptions(BaseModel):
         None,
         description="Persistent grid with TMA loads for the logits GEMMs (Hopper+); None: shipped default.",
     )
-    backward_block_mib: float = Field(
-        default=256.0,
+    backward_block_mib: float | None = Field(
+        default=None,
         gt=0,
         description="Bound on the backward's dz[N, Vb] block buffer, in MiB (sets Vb from N). Wider blocks "
-        "are faster (fewer launches, less hidden-gradient traffic) and cost memory.",
+        "are faster (fewer launches, less hidden-gradient traffic) and cost memory. None: 64 MiB when dz blocks "
+        "can also live in the weight gradient's unwritten rows (lend_dw_rows), else 256 MiB.",
     )
     backward_block_max_cols: int = Field(
         default=8192,
@@ -49,26 +50,26 @@ class TritonOptions(BaseModel):
     dh_gemm: Literal["auto", "triton", "cublas"] = Field(
         "auto",
         description="GEMM that adds dz @ W_block into the hidden-gradient sum: this package's Triton kernel "
-        "(bf16 keeps the sum as an exact hi/lo pair: less memory), or cuBLAS with an fp32 accumulator where "
-        "torch offers addmm(out_dtype=float32) (falls back to Triton otherwise); auto: the Triton pair for "
-        "bf16, and for fp16 cuBLAS while its accumulator (N x H fp32) is at most 256 MiB, else Triton.",
+        "(its running sum split in two parts, see dh_sum: less memory), or cuBLAS with an fp32 accumulator "
+        "where torch offers addmm(out_dtype=float32) (falls back to Triton otherwise); auto: Triton for bf16, "
+        "and for fp16 cuBLAS while its accumulator (N x H fp32) is at most 256 MiB, else Triton.",
     )
     stash_dh_sum: bool = Field(
-        False,
-        description="Keep the hidden-gradient running sum (bf16: the pair's low half, N x H x 2 bytes; "
-        "fp16 or cuBLAS: the fp32 accumulator, N x H x 4) in the weight gradient's last rows until the sum "
-        "is final, then recompute those rows' logits to write them: saves that memory for about N/V (2N/V "
-        "with an fp32 sum) more GEMM units. Applies when both gradients are asked and dW has the rows.",
+        True,
+        description="Keep the hidden-gradient running sum's own part (fp24: N x H bytes; fp32 or pair: "
+        "N x H x 2; cuBLAS: N x H x 4) in the weight gradient's last rows until the sum is final, then "
+        "recompute those rows' logits to write them: saves that memory for about N/(2V) (N/V, 2N/V) more "
+        "GEMM units. Applies when both gradients are asked and dW has the rows.",
     )
-    dh_sum: Literal["auto", "pair", "fp32", "fp24"] = Field(
+    dh_sum: Literal["auto", "fp32", "fp24", "pair"] = Field(
         "auto",
         description="How the Triton dh GEMM keeps its running sum between vocabulary blocks, the high 16 bits "
-        "always in the output's own buffer: 'pair' a bf16 value plus a bf16 remainder (fp16 inputs: a separate "
-        "fp32 buffer), 'fp32' exact fp32 (2 more bytes per value), 'fp24' fp32 rounded to a 16-bit "
-        "significand (1 more byte: halves what stash_dh_sum recomputes); auto: fp24 with stash_dh_sum, else pair.",
+        "in the output's own buffer: 'fp32' exact fp32 (2 more bytes per value), 'fp24' fp32 rounded to a "
+        "16-bit significand (1 more byte: halves what stash_dh_sum recomputes), 'pair' a bf16 value plus a "
+        "bf16 remainder (fp16 inputs: a separate fp32 buffer); auto: fp24 when the sum is stashed, else fp32.",
     )
     lend_dw_rows: bool = Field(
-        False,
+        True,
         description="Put each backward dz block in weight-gradient rows not written yet where it fits (early "
         "blocks up to backward_block_max_cols wide at no memory cost), the block buffer elsewhere: fewer "
         "read-modify-writes of the hidden-gradient sum. Applies when the weight gradient is asked.",
@@ -214,7 +215,9 @@ class TritonBackend:
             process_group=process_group,
             reduce_hidden_grad=bool(reduce_hidden_grad),
             configs=configs,
-            backward_block_bytes=int(o.backward_block_mib * 2**20),
+            backward_block_bytes=(
+                None if o.backward_block_mib is None else int(o.backward_block_mib * 2**20)
+            ),
             backward_block_max_cols=o.backward_block_max_cols,
             dh_gemm=o.dh_gemm,
             stash_dh_sum=o.stash_dh_sum,

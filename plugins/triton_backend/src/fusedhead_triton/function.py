@@ -20,12 +20,12 @@ class CallSpec:
     process_group: Any
     reduce_hidden_grad: bool
     configs: BackendConfigs
-    backward_block_bytes: int
+    backward_block_bytes: int | None
     backward_block_max_cols: int = 8192
     dh_gemm: str = "auto"
-    stash_dh_sum: bool = False
+    stash_dh_sum: bool = True
     dh_sum: str = "auto"
-    lend_dw_rows: bool = False
+    lend_dw_rows: bool = True
 
 
 def forward_values(

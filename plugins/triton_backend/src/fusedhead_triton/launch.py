@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -207,6 +207,12 @@ def cublas_fp32_out_available(device: torch.device) -> bool:
     return _CUBLAS_FP32_OUT
 
 
+#: The dz block buffer's default bound: alone, and beside dW's lent rows (which hold the wide
+#: early blocks). H200, N = 32768, bf16, stashed fp24 sum: 64 MiB 4.38 units / 1.47 GiB, 32 MiB
+#: 4.43 / 1.44 GiB (docs/bench/h200-lend.json).
+BLOCK_BYTES = 256 * 2**20
+BLOCK_BYTES_LENT = 64 * 2**20
+
 #: The hidden-gradient sum's formats when split (``SUM_LO`` of the dh kernels): the bf16 pair
 #: (bf16 inputs; fp16 keeps a plain fp32 buffer), exact fp32 as two 16-bit halves, or fp32 rounded
 #: to a 16-bit significand in three bytes. The high half always lives in the output's buffer.
@@ -323,24 +329,25 @@ def backward_grads(
     need_dh: bool,
     need_dw: bool,
     dh_fp32: bool,
-    block_bytes: int,
+    block_bytes: int | None,
     block_max_cols: int = 8192,
     dh_gemm: str = "auto",
-    stash_dh_sum: bool = False,
+    stash_dh_sum: bool = True,
     dh_sum: str = "auto",
-    lend_dw_rows: bool = False,
+    lend_dw_rows: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dh, dW) by vocabulary blocks: dz kernel, then dW[block] by cuBLAS, dh += dz @ W[block].
 
     The dh sum runs in the schedule's fixed block order, in fp32 (Triton kernel, or cuBLAS with
     an fp32 C when ``dh_gemm`` asks for it and this torch has it) or split in two parts
-    (``dh_sum``: ``SUM_FORMATS``; ``"auto"``: fp24 when stashed, else the bf16 pair). ``"auto"``
+    (``dh_sum``: ``SUM_FORMATS``; ``"auto"``: fp24 when stashed, else exact fp32). ``"auto"``
     GEMM takes Triton for bf16, and cuBLAS for fp16 while its fp32 accumulator is at most
     ``AUTO_CUBLAS_ACC_BYTES``.
     ``stash_dh_sum`` keeps that sum's own buffer in dW's last rows (``SpareRows``); once the sum
     is final those rows' dz blocks are recomputed and their dW written. ``lend_dw_rows`` puts dz
     blocks in dW rows not yet written (``schedule``).
-    ``dh_fp32`` returns dh in fp32 (for a cross-rank sum before rounding).
+    ``block_bytes`` bounds the dz block buffer (None: ``BLOCK_BYTES_LENT`` where dW rows are lent,
+    else ``BLOCK_BYTES``). ``dh_fp32`` returns dh in fp32 (for a cross-rank sum before rounding).
     """
     _, bwd = kernels()
     n, h = hidden.shape
@@ -356,10 +363,13 @@ def backward_grads(
 
     align = math.lcm(dz_cfg.block_n, dh_cfg.block_k)
     esize = hidden.element_size()
+    if block_bytes is None:
+        block_bytes = BLOCK_BYTES_LENT if (lend_dw_rows and need_dw) else BLOCK_BYTES
     buffer_cols = vocab_block(n, v, esize, block_bytes, align, block_max_cols)
     geom = schedule.Geometry(
-        n, h, v, align, buffer_cols, max(block_max_cols, align), _row_quantum(h, esize)
-    )
+        n, h, v, align, buffer_cols, max(block_max_cols // align * align, align),
+        _row_quantum(h, esize),
+    )  # fmt: skip
     use_cublas = (
         need_dh
         and (
@@ -369,8 +379,8 @@ def backward_grads(
         and dtype != torch.float32
         and cublas_fp32_out_available(dev)
     )
-    fmt = ("fp24" if stash_dh_sum else "pair") if dh_sum == "auto" else dh_sum
-    stash_ok = stash_dh_sum and need_dh and dw is not None and dw.is_contiguous()
+    fmt = ("fp24" if stash_dh_sum else "fp32") if dh_sum == "auto" else dh_sum
+    stash_ok = stash_dh_sum and need_dh and dw is not None
 
     def make_plan(stash: int | None) -> list[schedule.Step]:
         return schedule.plan(
@@ -386,8 +396,6 @@ def backward_grads(
         if first is not None:
             spare = SpareRows(dw, n, first)
             steps = make_plan(first)
-    if not (dw is not None and dw.is_contiguous()):
-        steps = [replace(s, dz_row=None) for s in steps]
     st = _dh_state(n, h, dtype, dev, layout, dh_fp32, use_cublas, spare) if need_dh else None
     dh_steps = [i for i, s in enumerate(steps) if s.add_dh]
     # rows of a buffer block keep its aligned stride (also for a narrower block): TMA-ready
@@ -455,6 +463,8 @@ def backward_grads(
         return dz
 
     sum_descs: tuple[Any, Any, Any] | None = None
+    # the sum through descriptors needs 16-byte rows in each of its buffers (fp24's are H bytes)
+    tma_sum = dh_cfg.tma_sum and st is not None and (h * st.lo.element_size()) % 16 == 0
     for i, step in enumerate(steps):
         v0, cols = step.v0, step.cols
         dz = dz_block(step)
@@ -465,9 +475,7 @@ def backward_grads(
             continue
         first, last = i == dh_steps[0], i == dh_steps[-1]
         if st.cublas:
-            torch.addmm(
-                st.acc, dz, wb, beta=0 if first else 1, out_dtype=torch.float32, out=st.acc
-            )
+            torch.addmm(st.acc, dz, wb, beta=0 if first else 1, out_dtype=torch.float32, out=st.acc)
             if last and st.out is not st.acc:
                 st.out.copy_(st.acc)
             continue
@@ -490,10 +498,10 @@ def backward_grads(
             wd2 = desc.from_tensor(w_tma[v0 : v0 + cols], [dh_cfg.block_k, dh_cfg.block_n])
             dh_progs = nprog * dh_cfg.programs_per_sm
             if sum_descs is None:
-                sum_descs = _sum_descriptors(st, dh_cfg) if dh_cfg.tma_sum else (None,) * 3
+                sum_descs = _sum_descriptors(st, dh_cfg) if tma_sum else (None,) * 3
             bwd.bwd_dh_tma_kernel[(min(dh_progs, dh_tiles),)](
                 zd2, wd2, st.acc, st.lo, st.out, *sum_descs, n, h, cols, NUM_PROGS=dh_progs,
-                TMA_SUM=dh_cfg.tma_sum,
+                TMA_SUM=tma_sum,
                 FLATTEN=dh_cfg.flatten, EPILOGUE_SPLITS=_epilogue_splits(dh_cfg),
                 PREFETCH=dh_cfg.prefetch_sum, WARP_SPECIALIZE=dh_cfg.warp_specialize, **dh_flags,
             )  # fmt: skip

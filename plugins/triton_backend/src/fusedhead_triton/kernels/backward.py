@@ -213,7 +213,9 @@ def _sum_split(total, hi_ty: tl.constexpr, lo_ty: tl.constexpr, SUM_LO: tl.const
     else:
         bits = total.to(tl.int32, bitcast=True)
         if SUM_LO == 8:
-            bits = bits + 0x80  # round the magnitude to 24 bits (sign-magnitude format)
+            # round the magnitude to 24 bits (sign-magnitude format); a NaN stays one (quiet
+            # bit set: its payload may lie in the dropped bits)
+            bits = tl.where(total != total, bits | 0x400000, bits + 0x80)
             lo = (bits >> 8).to(tl.int8)  # integer narrowing keeps the low bits
         else:
             lo = bits.to(tl.int16)
@@ -242,9 +244,7 @@ def _dh_store(
         tl.store(out_ptr + idx, total.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         if SPLIT:
-            hi, lo = _sum_split(
-                total, acc_ptr.dtype.element_ty, lo_ptr.dtype.element_ty, SUM_LO
-            )
+            hi, lo = _sum_split(total, acc_ptr.dtype.element_ty, lo_ptr.dtype.element_ty, SUM_LO)
             tl.store(acc_ptr + idx, hi, mask=mask)
             tl.store(lo_ptr + idx, lo, mask=mask)
         else:
@@ -302,9 +302,7 @@ def _dh_update_tma(
         total = part
     else:
         if SPLIT:
-            prev = _sum_join(
-                acc_desc.load([off_m, off_n]), lo_desc.load([off_m, off_n]), SUM_LO
-            )
+            prev = _sum_join(acc_desc.load([off_m, off_n]), lo_desc.load([off_m, off_n]), SUM_LO)
         else:
             prev = acc_desc.load([off_m, off_n])
         total = prev + part
@@ -346,9 +344,7 @@ def _dh_slice(
         _dh_update_tma(part, row0, col, acc_desc, lo_desc, out_desc, FIRST, LAST, SPLIT, SUM_LO)
     else:
         offs_n = col + tl.arange(0, WIDTH)
-        _dh_update(
-            part, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT, SUM_LO
-        )
+        _dh_update(part, offs_m, offs_n, N, H, acc_ptr, lo_ptr, out_ptr, FIRST, LAST, SPLIT, SUM_LO)
 
 
 @triton.jit(do_not_specialize=["N", "Kb"])
