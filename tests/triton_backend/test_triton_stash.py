@@ -11,9 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+from head_cases import case_loss
 from triton_backend_helpers import (
+    IGNORE,
     SMALL_TILES,
     SUM_UNIT,
+    Case,
+    Result,
     assert_close,
     assert_within_one_ulp,
     make_case,
@@ -22,8 +26,8 @@ from triton_backend_helpers import (
     sum_slack,
 )
 
+from fusedhead_triton import TritonBackend, TritonOptions, launch
 from fusedhead_triton import backend as backend_mod
-from fusedhead_triton import launch
 from fusedhead_triton.configs import BackendConfigs
 
 #: Vb = one 64-column tile: 6 vocabulary blocks at V = 333, so the sum spans several blocks;
@@ -164,14 +168,26 @@ def test_no_stash_for_fp32_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_close(got, run_reference(case, torch.float32), torch.float32)
 
 
-def _peak_extra(fn: Any) -> int:
+def _run_with_peak(case: Case, options: dict[str, Any]) -> tuple[Result, int]:
+    """bf16 forward + backward on the GPU, and the peak memory it takes beyond its inputs (made
+    first: converting the float64 case would otherwise set the peak)."""
+    h = case.hidden.to(torch.bfloat16).cuda().requires_grad_()
+    w = case.weight.to(torch.bfloat16).cuda().requires_grad_()
+    lab = case.labels.cuda()
+    be = TritonBackend(TritonOptions(**options))
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    fn()
+    lp, ent = be.forward(
+        h, w, lab, temperature=0.7, ignore_index=IGNORE, return_entropy=True, process_group=None,
+        vocab_start=0, vocab_size=w.shape[0], reduce_hidden_grad=True,
+    )  # fmt: skip
+    case_loss(lp, ent, case).backward()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    peak = torch.cuda.max_memory_allocated() - base
+    assert ent is not None and h.grad is not None and w.grad is not None
+    return Result(lp.detach(), ent.detach(), h.grad, w.grad), peak
 
 
 @pytest.mark.gpu
@@ -198,12 +214,7 @@ def test_stash_on_the_gpu_saves_the_sum_and_keeps_the_values(
     peaks = {}
     results = {}
     for stash in (False, True):
-        o = {**opts, "stash_dh_sum": stash}
-
-        def go(stash: bool = stash, o: dict = o) -> None:
-            results[stash] = run_triton(case, torch.bfloat16, device="cuda", options=o)
-
-        peaks[stash] = _peak_extra(go)
+        results[stash], peaks[stash] = _run_with_peak(case, {**opts, "stash_dh_sum": stash})
     assert peaks[True] <= peaks[False] - sum_bytes * 0.9, peaks
     plain, stashed = results[False], results[True]
     # the stashed rows' blocks add first: not the same order, so not the same bits
