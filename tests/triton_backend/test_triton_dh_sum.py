@@ -312,3 +312,19 @@ def test_options_take_every_format() -> None:
         o = TritonOptions(dh_sum=fmt, lend_dw_rows=True)
         assert (o.dh_sum, o.lend_dw_rows) == (fmt, True)
     assert set(launch.SUM_FORMATS) == {"pair", "fp32", "fp24"}
+
+
+@pytest.mark.parametrize(
+    ("lend", "stash", "need_dw", "need_dh", "mib"),
+    [
+        (True, True, True, True, 64),  # the low-memory layout: dz mostly in dW's rows
+        (True, False, True, True, 256),  # the sum not stashed: speed over memory
+        (False, True, True, True, 256),  # no lent rows: the buffer holds every block
+        (True, True, False, True, 256),  # no dW to lend (a frozen head)
+        (True, True, True, False, 256),  # no dh sum to stash
+    ],
+)
+def test_the_dz_buffer_is_small_only_in_the_low_memory_layout(
+    lend: bool, stash: bool, need_dw: bool, need_dh: bool, mib: int
+) -> None:
+    assert launch.default_block_bytes(lend, stash, need_dw, need_dh) == mib * 2**20

@@ -40,7 +40,8 @@ class TritonOptions(BaseModel):
         gt=0,
         description="Bound on the backward's dz[N, Vb] block buffer, in MiB (sets Vb from N). Wider blocks "
         "are faster (fewer launches, less hidden-gradient traffic) and cost memory. None: 64 MiB when dz blocks "
-        "can also live in the weight gradient's unwritten rows (lend_dw_rows), else 256 MiB.",
+        "can also live in the weight gradient's unwritten rows and the sum is stashed (lend_dw_rows and "
+        "stash_dh_sum, both gradients asked), else 256 MiB.",
     )
     backward_block_max_cols: int = Field(
         default=8192,

@@ -207,11 +207,20 @@ def cublas_fp32_out_available(device: torch.device) -> bool:
     return _CUBLAS_FP32_OUT
 
 
-#: The dz block buffer's default bound: alone, and beside dW's lent rows (which hold the wide
-#: early blocks). H200, N = 32768, bf16, stashed fp24 sum: 64 MiB 4.38 units / 1.47 GiB, 32 MiB
+#: The dz block buffer's default bound: alone, and in the low-memory layout (dz blocks in dW's
+#: lent rows, which hold the wide early blocks, and the sum stashed). H200, N = 32768, bf16, stashed fp24 sum: 64 MiB 4.38 units / 1.47 GiB, 32 MiB
 #: 4.43 / 1.44 GiB (docs/bench/h200-lend.json).
 BLOCK_BYTES = 256 * 2**20
 BLOCK_BYTES_LENT = 64 * 2**20
+
+
+def default_block_bytes(
+    lend_dw_rows: bool, stash_dh_sum: bool, need_dw: bool, need_dh: bool
+) -> int:
+    """The dz buffer's bound when none is configured: small only in the low-memory layout."""
+    low_memory = lend_dw_rows and stash_dh_sum and need_dw and need_dh
+    return BLOCK_BYTES_LENT if low_memory else BLOCK_BYTES
+
 
 #: The hidden-gradient sum's formats when split (``SUM_LO`` of the dh kernels): the bf16 pair
 #: (bf16 inputs; fp16 keeps a plain fp32 buffer), exact fp32 as two 16-bit halves, or fp32 rounded
@@ -346,8 +355,8 @@ def backward_grads(
     ``stash_dh_sum`` keeps that sum's own buffer in dW's last rows (``SpareRows``); once the sum
     is final those rows' dz blocks are recomputed and their dW written. ``lend_dw_rows`` puts dz
     blocks in dW rows not yet written (``schedule``).
-    ``block_bytes`` bounds the dz block buffer (None: ``BLOCK_BYTES_LENT`` where dW rows are lent,
-    else ``BLOCK_BYTES``). ``dh_fp32`` returns dh in fp32 (for a cross-rank sum before rounding).
+    ``block_bytes`` bounds the dz block buffer (None: ``BLOCK_BYTES_LENT`` where dW's rows are lent
+    and the sum stashed, else ``BLOCK_BYTES``). ``dh_fp32`` returns dh in fp32 (for a cross-rank sum before rounding).
     """
     _, bwd = kernels()
     n, h = hidden.shape
@@ -364,7 +373,7 @@ def backward_grads(
     align = math.lcm(dz_cfg.block_n, dh_cfg.block_k)
     esize = hidden.element_size()
     if block_bytes is None:
-        block_bytes = BLOCK_BYTES_LENT if (lend_dw_rows and need_dw) else BLOCK_BYTES
+        block_bytes = default_block_bytes(lend_dw_rows, stash_dh_sum, need_dw, need_dh)
     buffer_cols = vocab_block(n, v, esize, block_bytes, align, block_max_cols)
     geom = schedule.Geometry(
         n, h, v, align, buffer_cols, max(block_max_cols // align * align, align),
