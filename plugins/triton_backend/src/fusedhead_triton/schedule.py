@@ -12,7 +12,6 @@ recomputed once the sum no longer needs those rows.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 
@@ -48,7 +47,7 @@ class Geometry:
 
 def rows_needed(g: Geometry, stride: int) -> int:
     """dW rows that a dz block of ``stride`` columns occupies (dz and dW share a dtype)."""
-    return math.ceil(g.n * stride / g.h) if g.h else 0
+    return -(-g.n * stride // g.h) if g.h else 0  # integer ceiling: exact at any size
 
 
 def _round_up(x: int, q: int) -> int:
