@@ -26,7 +26,8 @@
 # Knobs (environment): DEADLINE_S (570), STEPS ("install bench checks tools": the groups to run),
 # BENCH_MINUTES (2.5) and BENCH_IMPLS (first bench process), BENCH_LAST_MINUTES (1.2) and
 # BENCH_LAST_IMPLS (triton; empty: no second process), BENCH_SHAPE, DEVICE (cuda), DTYPE (bf16),
-# LIGER_CHECK_ARGS, TRITON_CHECK_ARGS, TRITON_CHECK_LIMIT (150 s), WHEELS (.gpu-wheels). DEVICE=cpu DTYPE=fp32 with a tiny
+# LIGER_CHECK_ARGS, TRITON_CHECK_ARGS, TRITON_CHECK_LIMIT (150 s), CHECKS_LIMIT (240 s: each of the
+# four parallel checks; pytest -m gpu alone took 207 s on an H200), WHEELS (.gpu-wheels). DEVICE=cpu DTYPE=fp32 with a tiny
 # BENCH_SHAPE rehearses the whole script on a CPU (tests/bench/test_gpu_script.py does, with pip
 # and nvidia-smi stubbed).
 set -uo pipefail
@@ -48,6 +49,7 @@ DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bf16}
 LIGER_CHECK_ARGS=${LIGER_CHECK_ARGS:-}
 TRITON_CHECK_ARGS=${TRITON_CHECK_ARGS:---quick --budget-s 45}
+CHECKS_LIMIT=${CHECKS_LIMIT:-240}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
@@ -150,10 +152,10 @@ par() { # par NAME LIMIT CMD...: a step in the background with its own log
   (SHOWN_LOG=checks.log step "$name" "$WORK/$name.log" "$limit" "$@") &
 }
 if want checks; then
-  par check-triton 170 python3 -m fusedhead.cli check triton --device "$DEVICE" --dtype "$DTYPE"
-  par check-liger 170 python3 -m fusedhead.cli check liger --device "$DEVICE" --dtype "$DTYPE"
-  par check-torch 170 python3 -m fusedhead.cli check torch --device "$DEVICE" --dtype "$DTYPE"
-  par pytest-gpu 170 python3 -m pytest -m gpu tests -q -rfEs -p no:cacheprovider \
+  par check-triton "$CHECKS_LIMIT" python3 -m fusedhead.cli check triton --device "$DEVICE" --dtype "$DTYPE"
+  par check-liger "$CHECKS_LIMIT" python3 -m fusedhead.cli check liger --device "$DEVICE" --dtype "$DTYPE"
+  par check-torch "$CHECKS_LIMIT" python3 -m fusedhead.cli check torch --device "$DEVICE" --dtype "$DTYPE"
+  par pytest-gpu "$CHECKS_LIMIT" python3 -m pytest -m gpu tests -q -rfEs -p no:cacheprovider \
     --continue-on-collection-errors
   wait
   for name in check-triton check-liger check-torch pytest-gpu; do
