@@ -1,6 +1,6 @@
 """``dh_gemm``: which GEMM sums the hidden gradient over vocabulary blocks. "auto" takes the Triton
-bf16 hi/lo pair for bf16, and for fp16 cuBLAS (fp32 accumulator) only while that accumulator is
-small."""
+kernel (its sum split in two parts) for bf16, and for fp16 cuBLAS (fp32 accumulator) only while
+that accumulator is small."""
 
 from __future__ import annotations
 

@@ -185,9 +185,9 @@ def vocab_block(n: int, v: int, esize: int, budget_bytes: int, align: int, max_c
 
 _CUBLAS_FP32_OUT: bool | None = None
 #: ``dh_gemm="auto"`` with fp16 inputs uses cuBLAS up to this fp32 accumulator size (N * H * 4
-#: bytes). bf16 takes the Triton hi/lo pair: since its sum is updated in two column halves it beat
-#: cuBLAS on an H200 at N = 8192 (4.08 against 4.26 units, 1.41 against 1.47 GiB;
-#: docs/bench/h200-dh-kernels.json) and is within 3 % of it at N = 32768 with 0.25 GiB less.
+#: bytes). bf16 takes the Triton kernel and its split sum: with the bf16 pair, updated in two
+#: column halves, it beat cuBLAS on an H200 at N = 8192 (4.08 against 4.26 units, 1.41 against
+#: 1.47 GiB; docs/bench/h200-dh-kernels.json), within 3 % of it at N = 32768 with 0.25 GiB less.
 AUTO_CUBLAS_ACC_BYTES = 256 * 2**20
 
 
