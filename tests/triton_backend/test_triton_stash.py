@@ -105,6 +105,25 @@ def test_stashed_sum_gives_the_same_gradients(
     assert_close(stashed, run_reference(case, torch.float16), torch.float16)
 
 
+@pytest.mark.parametrize("lend", [False, True], ids=["buffer", "lent-rows"])
+def test_stashed_exact_halves_give_the_stashed_fp32_buffers_bits(
+    monkeypatch: pytest.MonkeyPatch, lend: bool
+) -> None:
+    """Both stashed: the fp32 sum kept as two int16 halves (the low one in dW's rows) is as exact
+    as a plain fp32 buffer in dW's rows. The stashes differ in size, so the block orders differ:
+    within one fp16 ulp plus fp32 rounding (a lost low half would be 2^-8 off)."""
+    case = make_case(40, 64, 333, seed=27)
+    opts = {**MANY_BLOCKS, "tma": True, "stash_dh_sum": True, "lend_dw_rows": lend}
+    taken = _spy_take(monkeypatch)
+    buffer = run_triton(case, torch.float16, options={**opts, "dh_sum": "pair"})
+    halves = run_triton(case, torch.float16, options={**opts, "dh_sum": "fp32"})
+    assert [kind for kind, _ in taken] == [torch.float32, torch.int16]
+    slack = sum_slack(buffer.d_hidden, ADDS, SUM_UNIT["fp32"])
+    assert_within_one_ulp(halves.d_hidden, buffer.d_hidden, slack=slack)
+    assert torch.equal(halves.log_probs, buffer.log_probs)
+    assert_close(halves, run_reference(case, torch.float16), torch.float16)
+
+
 def test_stash_with_a_ragged_tail_and_softcap(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows of 50 x 2 bytes: the lent tail starts on a 16-byte boundary, not where it would fit."""
     case = make_case(30, 50, 333, seed=22, peak=3.0)
