@@ -43,7 +43,11 @@ def _type(field: Any) -> str:
 def table(model: type[BaseModel]) -> str:
     rows = ["| field | type | default | description |", "| --- | --- | --- | --- |"]
     for name, field in model.model_fields.items():
-        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        default = (
+            "required"
+            if field.is_required()
+            else repr(field.get_default(call_default_factory=True))
+        )
         desc = (field.description or "").replace("\n", " ")
         rows.append(f"| `{name}` | `{_type(field)}` | `{default}` | {desc} |")
     return "\n".join(rows)
@@ -54,7 +58,12 @@ def render() -> str:
     for name in FIRST_PARTY:
         cls = load_class(name)
         doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-        parts += [f"## Backend `{name}` options\n", doc + "\n" if doc else "", table(cls.Options), ""]
+        parts += [
+            f"## Backend `{name}` options\n",
+            doc + "\n" if doc else "",
+            table(cls.Options),
+            "",
+        ]
     return "\n".join(parts).rstrip() + "\n"
 
 

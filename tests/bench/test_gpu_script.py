@@ -125,7 +125,9 @@ def test_run_all_rehearsal_on_the_cpu(tmp_path: Path) -> None:
     # clone (CI) has none, so the rehearsal brings a stand-in that installs nothing.
     wheels = tmp_path / "wheels"
     (wheels / "small").mkdir(parents=True)
-    (wheels / "install-wheels").write_text('#!/usr/bin/env bash\necho "install-wheels (stand-in): $*"\n')
+    (wheels / "install-wheels").write_text(
+        '#!/usr/bin/env bash\necho "install-wheels (stand-in): $*"\n'
+    )
     env = {
         **os.environ,
         "WHEELS": str(wheels),
@@ -158,7 +160,9 @@ def test_run_all_rehearsal_on_the_cpu(tmp_path: Path) -> None:
     # The logs are committed beside the figures: they name no path of the machine they ran on.
     step_lines = [line for line in summary.splitlines() if line.startswith("===== ")]
     shown_paths = (str(ROOT), str(out), "/tmp/tmp.")  # the checkout, $OUT, the script's mktemp -d
-    assert step_lines and not [x for x in step_lines if any(p in x for p in shown_paths)], step_lines
+    assert step_lines and not [x for x in step_lines if any(p in x for p in shown_paths)], (
+        step_lines
+    )
     records = json.loads((out / "bench.json").read_text())
     assert [(r["case"]["n"], r["impl"]) for r in records] == [
         (24, "torch"),

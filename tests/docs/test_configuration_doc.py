@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_configuration_reference_matches_the_models() -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gen_config_docs.py"), "--check"], capture_output=True, text=True
+        [sys.executable, str(ROOT / "scripts" / "gen_config_docs.py"), "--check"],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, (
         "docs/configuration.md is out of date with FusedHeadConfig or a backend's Options: "

@@ -15,7 +15,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
-BLOCK = re.compile(r"(?:<!--\s*docs-test:\s*(?P<mark>[^>]*?)\s*-->\s*\n)?```python\n(?P<code>.*?)```", re.S)
+BLOCK = re.compile(
+    r"(?:<!--\s*docs-test:\s*(?P<mark>[^>]*?)\s*-->\s*\n)?```python\n(?P<code>.*?)```", re.S
+)
 
 
 def blocks() -> list[object]:
@@ -31,7 +33,9 @@ def blocks() -> list[object]:
             elif mark.startswith("skip"):
                 marks.append(pytest.mark.skip(reason=f"marked in the doc: {mark}"))
             rel = path.relative_to(ROOT)
-            found.append(pytest.param(path, m.group("code"), mark, id=f"{rel}:{line}#{i}", marks=marks))
+            found.append(
+                pytest.param(path, m.group("code"), mark, id=f"{rel}:{line}#{i}", marks=marks)
+            )
     return found
 
 
@@ -40,8 +44,14 @@ def test_doc_block_runs(path: Path, code: str, mark: str, tmp_path: Path) -> Non
     if mark.startswith("gpu"):
         torch = pytest.importorskip("torch")
         if not torch.cuda.is_available():
-            pytest.skip("block needs a CUDA device (run with pytest -m gpu on a GPU before release)")
+            pytest.skip(
+                "block needs a CUDA device (run with pytest -m gpu on a GPU before release)"
+            )
     script = tmp_path / "block.py"
     script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{path.name} block failed:\n{code}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, (
+        f"{path.name} block failed:\n{code}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    )
