@@ -1,38 +1,169 @@
-"""Every error the registry raises derives from ``BackendError``; each says what to do next."""
+"""Every error about a backend derives from ``BackendError`` and carries its facts as fields.
+
+The message is built from the fields (``backend``, ``distribution``, ``version``, ``reason``,
+``hint``), so the CLI, ``--json`` and callers read the fields instead of parsing text. A backend
+raises with a ``reason`` (and a ``hint``); the core fills in who it is when the error passes
+through it (:meth:`BackendError.attach`).
+"""
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 
 class BackendError(RuntimeError):
-    """Base of all backend selection and loading errors."""
+    """Base of all backend selection, loading and contract errors."""
+
+    #: What ``fusedhead list`` and ``--json`` show for a backend that raised this.
+    status: ClassVar[str] = "error"
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        backend: str | None = None,
+        distribution: str | None = None,
+        version: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.backend = backend
+        self.distribution = distribution
+        self.version = version
+        self.hint = hint
+
+    def attach(
+        self, *, backend: str | None, distribution: str | None, version: str | None
+    ) -> BackendError:
+        """Fill in the backend's identity where the raiser left it out; returns ``self``."""
+        if self.backend is None:
+            self.backend = backend
+        if self.distribution is None:
+            self.distribution = distribution
+            if self.version is None:
+                self.version = version
+        return self
+
+    @property
+    def where(self) -> str:
+        """``backend 'name' (distribution version)``, or '' when no backend is known."""
+        if self.backend is None:
+            return ""
+        text = f"backend {self.backend!r}"
+        if self.distribution is not None:
+            text += f" ({self.distribution}" + (f" {self.version})" if self.version else ")")
+        return text
+
+    @property
+    def message(self) -> str:
+        """The message built from the fields: who, why, and the fix."""
+        text = f"{self.where}: {self.reason}" if self.where else self.reason
+        if self.hint:
+            text += f" Fix: {self.hint}"
+        return text
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields, for ``--json`` and logs."""
+        return {
+            "error": type(self).__name__,
+            "status": self.status,
+            "backend": self.backend,
+            "distribution": self.distribution,
+            "version": self.version,
+            "reason": self.reason,
+            "hint": self.hint,
+            "message": self.message,
+        }
 
 
 class UnknownBackendError(BackendError, KeyError):
     """No installed or registered backend has the configured name."""
 
+    status = "unknown"
+
     def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
+        return self.message
 
 
 class MissingDependencyError(BackendError, ImportError):
     """The backend's distribution is installed but a package it needs is not."""
 
+    status = "broken"
+
+    def __init__(self, reason: str, *, missing: str | None = None, **fields: Any) -> None:
+        BackendError.__init__(self, reason, **fields)
+        #: The top-level package that could not be imported, when known.
+        self.missing = missing
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "missing": self.missing}
+
 
 class BackendLoadError(BackendError):
-    """Importing or instantiating the backend failed."""
+    """Importing the backend failed, or its class does not have the shape the plugin API asks."""
+
+    status = "broken"
 
 
 class BackendConflictError(BackendError):
-    """Two distributions register the same backend name."""
+    """Two distributions claim one backend name, or a reserved name comes from a third party."""
+
+    status = "conflict"
+
+    def __init__(self, reason: str, *, claimants: tuple[str, ...] = (), **fields: Any) -> None:
+        super().__init__(reason, **fields)
+        #: Each claim's origin, ``distribution version (module:Class)``.
+        self.claimants = claimants
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "claimants": list(self.claimants)}
 
 
 class IncompatibleBackendError(BackendError):
     """The backend speaks a plugin API version outside the supported window."""
 
+    status = "incompatible"
+
 
 class BackendUnavailableError(BackendError):
-    """The backend loads but cannot run on this device or dtype; the message says why and the fix."""
+    """The backend loads but cannot run on this device or dtype; says why and the fix."""
+
+    status = "unavailable"
 
 
 class CapabilityError(BackendError):
-    """A required capability is missing from the selected backend (or is not a known capability)."""
+    """The call or ``require=[...]`` asks for a capability the backend does not declare."""
+
+    status = "missing-capability"
+
+    def __init__(self, reason: str, *, capability: str | None = None, **fields: Any) -> None:
+        super().__init__(reason, **fields)
+        #: The capability that is missing, when one is named.
+        self.capability = capability
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "capability": self.capability}
+
+
+class BackendContractError(BackendError):
+    """A backend broke the plugin contract at run time (wrong outputs, a raw exception from check)."""
+
+    status = "broken"
+
+
+#: Every error class, for docs and tests.
+ERROR_CLASSES: tuple[type[BackendError], ...] = (
+    BackendError,
+    UnknownBackendError,
+    MissingDependencyError,
+    BackendLoadError,
+    BackendConflictError,
+    IncompatibleBackendError,
+    BackendUnavailableError,
+    CapabilityError,
+    BackendContractError,
+)
