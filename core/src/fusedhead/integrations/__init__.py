@@ -2,4 +2,31 @@
 
 - ``fusedhead.integrations.transformers``: ``causal_lm_logprobs`` for Hugging Face causal LMs.
 - ``fusedhead.integrations.demo_model``: ``fusedhead demo --model tiny-llama|tiny-qwen2``.
+- ``fusedhead.integrations.lm_head``: ``lm_head_logprobs`` for a trainer's own LM head and hidden
+  states with already-shifted labels (packed or padded); ``parse_backend_spec`` for
+  ``"fusedhead:<name>"`` config values. Both are importable from here (loaded on first use).
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {
+    "lm_head_logprobs": "fusedhead.integrations.lm_head",
+    "parse_backend_spec": "fusedhead.integrations.lm_head",
+    "is_fusedhead_spec": "fusedhead.integrations.lm_head",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    """Load the names above on first use (importing this package imports no torch)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fusedhead.integrations' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

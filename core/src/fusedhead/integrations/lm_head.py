@@ -1,0 +1,321 @@
+"""Score already-shifted labels from a trainer's own LM-head module and hidden states.
+
+RL trainers (verl, VeOmni, OpenRLHF, TRL) run their decoder themselves and hold the last hidden
+states, packed ``[1, total, H]`` (remove-padding) or padded ``[B, T, H]``, with labels already
+rolled so that ``labels[..., t]`` is the token position ``t`` predicts. ``lm_head_logprobs`` turns
+those into per-token log-probs and entropies without forming ``[tokens, vocab]`` logits:
+
+- the LM head's weight (and bias) is read inside that module's own call, so FSDP2
+  (``fully_shard``) and ZeRO-3 style parameter hooks gather it as they would for ``lm_head(h)``;
+- only the scored rows (``label != ignore_index``) reach the backend; ignored rows give 0 and no
+  gradient;
+- the backend is the one named (a ``FusedHead``, a ``FusedHeadConfig``, a mapping or a name), and
+  every resolution goes through ``FusedHead``, which fires the ``fusedhead_backend_resolved`` hook.
+
+``parse_backend_spec`` reads the trainer-config spellings ``"fusedhead"`` / ``"fusedhead:<name>"``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from fusedhead.api import FusedHead, FusedHeadOutput
+from fusedhead.config import FusedHeadConfig
+from fusedhead.module import FusedLMHead, call_in_forward, head_forward, owned
+
+__all__ = [
+    "SPEC_PREFIX",
+    "HeadLike",
+    "is_fusedhead_spec",
+    "lm_head_logprobs",
+    "parse_backend_spec",
+    "resolve_lm_head",
+]
+
+#: What ``head=`` accepts: a resolved head, a config, a plain mapping, a backend name or None.
+HeadLike = FusedHead | FusedHeadConfig | Mapping[str, Any] | str | None
+
+#: The prefix that marks a trainer-config value as meant for fusedhead.
+SPEC_PREFIX = "fusedhead"
+
+#: The backend ``"fusedhead"`` (no ``:<name>``) stands for: ``FusedHeadConfig``'s own default.
+DEFAULT_BACKEND: str = FusedHeadConfig.model_fields["backend"].default
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_ACCEPTED = "'fusedhead' (the default backend, 'torch') or 'fusedhead:<backend name>', e.g. 'fusedhead:triton'"
+
+T = TypeVar("T")
+
+
+def is_fusedhead_spec(value: object) -> bool:
+    """True when a trainer-config value is meant for fusedhead (it starts with ``fusedhead``).
+
+    Case and surrounding spaces are ignored here on purpose: ``"FusedHead:triton"`` is claimed
+    by fusedhead so that :func:`parse_backend_spec` rejects it loudly instead of the trainer
+    treating it as one of its own names.
+    """
+    return isinstance(value, str) and value.strip().lower().startswith(SPEC_PREFIX)
+
+
+def parse_backend_spec(spec: object) -> str:
+    """The backend name in a trainer-config spelling: ``"fusedhead:triton"`` -> ``"triton"``.
+
+    ``"fusedhead"`` alone means the default backend (``"torch"``). Anything else, a plain
+    ``"triton"``, ``"FusedHead:triton"``, ``"fusedhead:"`` or ``"fusedhead-triton"``, is a
+    ValueError naming the value and the accepted forms. Whether the name is installed is the
+    registry's question, asked when the head is resolved (``UnknownBackendError`` lists them).
+    """
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"backend spec must be a str such as {_ACCEPTED}, got {type(spec).__name__} {spec!r}"
+        )
+    if spec == SPEC_PREFIX:
+        return DEFAULT_BACKEND
+    prefix, sep, name = spec.partition(":")
+    if prefix != SPEC_PREFIX or not sep or not _NAME.fullmatch(name):
+        raise ValueError(f"backend spec {spec!r} is not one of the accepted forms: {_ACCEPTED}")
+    return name
+
+
+_heads: dict[str, FusedHead] = {}
+_lock = threading.Lock()
+
+
+def resolve_lm_head(head: HeadLike, lm_head: nn.Module | None = None) -> FusedHead:
+    """The ``FusedHead`` that ``head`` names, resolved once per distinct configuration.
+
+    A string is a backend name (``"triton"``) or a trainer spelling (``"fusedhead:triton"``);
+    a mapping or ``FusedHeadConfig`` is a full config; a ``FusedHead`` is used as is. With
+    ``head=None`` a ``FusedLMHead`` keeps its own head, anything else gets the default config.
+    Every new resolution is a ``FusedHead(...)``, so the provenance hook always fires.
+    """
+    if isinstance(head, FusedHead):
+        return head
+    if head is None and isinstance(lm_head, FusedLMHead):
+        return lm_head.head
+    if head is None:
+        config = FusedHeadConfig()
+    elif isinstance(head, str):
+        name = parse_backend_spec(head) if is_fusedhead_spec(head) else head
+        config = FusedHeadConfig(backend=name)
+    elif isinstance(head, FusedHeadConfig):
+        config = head
+    elif isinstance(head, Mapping):
+        config = FusedHeadConfig.from_dict(head)
+    else:
+        raise TypeError(
+            "head must be a FusedHead, a FusedHeadConfig, a mapping, a backend name (str) or None, "
+            f"got {type(head).__name__} {head!r}"
+        )
+    key = json.dumps(config.to_dict(), sort_keys=True, default=repr)
+    with _lock:
+        resolved = _heads.get(key)
+        if resolved is None:
+            resolved = _heads[key] = FusedHead(config)
+    return resolved
+
+
+def clear_cache() -> None:
+    """Forget resolved heads (after registry changes in tests or notebooks)."""
+    _heads.clear()
+
+
+def lm_head_logprobs(
+    lm_head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    head: HeadLike = None,
+    temperature: float | torch.Tensor = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = True,
+    softcap: float | None = None,
+    select_rows: bool = True,
+) -> FusedHeadOutput:
+    """Log-prob of each already-shifted label and entropy of each row, fp32 in ``labels``' shape.
+
+    ``lm_head``: an ``nn.Linear``, a ``FusedLMHead`` or any module with a ``weight [V, H]`` (and
+    optionally ``bias [V]``), e.g. a tied ``nn.Embedding``. ``hidden [..., H]`` (packed
+    ``[1, total, H]`` or padded ``[B, T, H]``), ``labels`` of ``hidden``'s leading shape, already
+    rolled by the trainer; rows equal to ``ignore_index`` give 0 and zero gradient.
+    ``temperature``: a float or a tensor broadcastable to ``labels`` (per token or ``[B, 1]`` per
+    sample); ``softcap`` defaults to the head config's. ``head`` names the backend (see
+    :func:`resolve_lm_head`). ``select_rows=True`` sends only scored rows to the backend (one host
+    sync); ``False`` sends every row, sync-free, for CUDA graphs and ``torch.compile``.
+    """
+    weight_of = _check_lm_head(lm_head)
+    _check_inputs(hidden, labels, ignore_index, return_entropy, select_rows)
+    fused = resolve_lm_head(head, lm_head)
+    temp = _temperature(temperature, labels, hidden.device)
+    shape = tuple(labels.shape)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    valid = flat_labels != ignore_index
+    flat_temp: float | torch.Tensor = temp
+    if isinstance(temp, torch.Tensor):
+        # Values at ignored rows are never used: keep them out of the core's validation.
+        flat_temp = torch.where(valid, temp.reshape(-1), 1.0)
+    kwargs: dict[str, Any] = {
+        "ignore_index": ignore_index,
+        "return_entropy": return_entropy,
+        "softcap": softcap,
+    }
+
+    def run(h: torch.Tensor, y: torch.Tensor, t: float | torch.Tensor) -> FusedHeadOutput:
+        # Inside lm_head's own call: parameter-gathering hooks (FSDP2, ZeRO-3) have run.
+        def body() -> FusedHeadOutput:
+            weight, bias = weight_of()
+            return head_forward(fused, h, weight, bias, y, temperature=t, **kwargs)
+
+        return in_module_call(lm_head, body)
+
+    if not select_rows:
+        out = run(flat_hidden, flat_labels, flat_temp)
+        entropy = None if out.entropy is None else out.entropy.reshape(shape)
+        return owned(FusedHeadOutput(out.log_probs.reshape(shape), entropy))
+    rows = valid.nonzero().squeeze(1)  # one host sync; ignored rows never reach the backend
+    t = flat_temp.index_select(0, rows) if isinstance(flat_temp, torch.Tensor) else flat_temp
+    out = run(flat_hidden.index_select(0, rows), flat_labels.index_select(0, rows), t)
+    zeros = torch.zeros(flat_labels.shape, dtype=torch.float32, device=hidden.device)
+    log_probs = zeros.index_put((rows,), out.log_probs).reshape(shape)
+    entropy = None
+    if out.entropy is not None:
+        entropy = zeros.index_put((rows,), out.entropy).reshape(shape)
+    return FusedHeadOutput(log_probs, entropy)
+
+
+def in_module_call(module: nn.Module, fn: Callable[[], T]) -> T:
+    """``fn()`` run as ``module``'s forward, through ``module.__call__``, so its hooks fire.
+
+    FSDP2 goes through ``call_in_forward``. Any other module with forward hooks (DeepSpeed
+    ZeRO-3 registers pre-forward hooks that gather a partitioned weight and post-forward hooks
+    that release it) gets the same treatment here; a module without hooks just runs ``fn()``.
+    """
+    if not _has_forward_hooks(module):
+        return call_in_forward(module, fn)
+    own = module.__dict__
+    had_own, previous = "forward" in own, own.get("forward")
+    own["forward"] = lambda *args, **kwargs: fn()
+    try:
+        result: T = module()
+        return result
+    finally:
+        if had_own:
+            own["forward"] = previous
+        else:
+            del own["forward"]
+
+
+def _has_forward_hooks(module: nn.Module) -> bool:
+    from torch.nn.modules import module as module_mod
+
+    own = bool(module._forward_pre_hooks or module._forward_hooks)
+    glob = bool(
+        getattr(module_mod, "_global_forward_pre_hooks", None)
+        or getattr(module_mod, "_global_forward_hooks", None)
+    )
+    return own or glob
+
+
+def _check_lm_head(
+    lm_head: object,
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
+    """A reader of ``(weight, bias)`` for the LM-head module, called inside its forward."""
+    if not isinstance(lm_head, nn.Module):
+        raise TypeError(
+            "lm_head must be an nn.Module (an nn.Linear, a FusedLMHead or a module with a .weight "
+            f"[V, H]), got {type(lm_head).__name__}"
+        )
+    if not isinstance(getattr(lm_head, "weight", None), torch.Tensor):
+        raise TypeError(
+            f"lm_head {type(lm_head).__name__} has no .weight tensor; expected an nn.Linear, a "
+            "FusedLMHead or a module with a .weight [V, H]"
+        )
+    name = type(lm_head).__name__
+
+    def read() -> tuple[torch.Tensor, torch.Tensor | None]:
+        weight = lm_head.weight
+        if any(c.__name__ == "DTensor" for c in type(weight).__mro__):
+            raise RuntimeError(
+                f"lm_head ({name}) .weight is still a DTensor inside its own call, so FSDP2 did not "
+                "unshard it: fully_shard the LM head itself or a parent module that contains it"
+            )
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"lm_head ({name}) .weight must have shape [V, H], got {got}")
+        bias = getattr(lm_head, "bias", None)
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            raise TypeError(
+                f"lm_head ({name}) .bias must be a tensor or None, got {type(bias).__name__}"
+            )
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"lm_head ({name}) .bias must have shape [V]=({weight.shape[0]},), "
+                f"got {tuple(bias.shape)}"
+            )
+        return weight, bias
+
+    return read
+
+
+def _check_inputs(
+    hidden: object, labels: object, ignore_index: object, return_entropy: object, select: object
+) -> None:
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden must be a torch.Tensor [..., H], got {type(hidden).__name__}")
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(
+            f"labels must be a torch.Tensor of hidden's leading shape, got {type(labels).__name__}"
+        )
+    if hidden.dim() < 2:
+        raise ValueError(
+            f"hidden must have shape [..., H] with at least 2 dims (packed [1, total, H] or padded "
+            f"[B, T, H]), got shape {tuple(hidden.shape)}"
+        )
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])} (already shifted), "
+            f"got shape {tuple(labels.shape)}"
+        )
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
+    if labels.device != hidden.device:
+        raise ValueError(f"labels must be on hidden's device {hidden.device}, got {labels.device}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(
+            f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}"
+        )
+    for arg, value in (("return_entropy", return_entropy), ("select_rows", select)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _temperature(value: object, labels: torch.Tensor, device: torch.device) -> float | torch.Tensor:
+    """A float as is (the core checks it); a tensor broadcast to ``labels``' shape."""
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(
+                f"temperature must be a float or a tensor of the labels' shape, got "
+                f"{type(value).__name__} {value!r}"
+            )
+        return float(value)
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"temperature tensor must be floating point, got dtype {value.dtype}")
+    if value.device != device:
+        raise ValueError(
+            f"temperature tensor must be on hidden's device {device}, got {value.device}"
+        )
+    try:
+        return torch.broadcast_to(value, labels.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"temperature tensor of shape {tuple(value.shape)} must broadcast to the labels' shape "
+            f"{tuple(labels.shape)} (per token, or [B, 1] per sample)"
+        ) from None
