@@ -125,16 +125,22 @@ def test_matches_full_logits_with_gradients(shape: tuple[int, ...], bias: bool) 
     assert got[0][~ignored].abs().sum() > 0
 
 
+class _Spy(FusedHead):
+    """A head that records the shapes and labels of every call it gets."""
+
+    seen: list[tuple[tuple[int, ...], torch.Tensor]]
+
+    def __call__(  # type: ignore[override]
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kw: Any
+    ) -> Any:
+        self.seen.append((tuple(hidden.shape), labels.clone()))
+        return super().__call__(hidden, weight, labels, **kw)
+
+
 def test_only_scored_rows_reach_the_backend() -> None:
-    head = FusedHead({"backend": "torch"})
+    head = _Spy({"backend": "torch"})
     seen: list[tuple[tuple[int, ...], torch.Tensor]] = []
-    forward = head.backend.forward
-
-    def spy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kw: Any) -> Any:
-        seen.append((tuple(hidden.shape), labels.clone()))
-        return forward(hidden, weight, labels, **kw)
-
-    head.backend.forward = spy  # type: ignore[method-assign]
+    head.seen = seen
     hidden, labels = _inputs((3, 9))
     lm_head_logprobs(_linear(), hidden, labels, head=head)
     n_valid = int((labels != IGNORE).sum())
@@ -189,6 +195,32 @@ def test_softcap_and_float_temperature() -> None:
     torch.testing.assert_close(out.log_probs.double(), ref_lp, rtol=0, atol=ATOL)
     assert out.entropy is not None
     torch.testing.assert_close(out.entropy.double(), ref_ent, rtol=0, atol=ATOL)
+
+
+def test_logit_scale_with_bias_and_softcap() -> None:
+    lin = _linear(bias=True)
+    hidden, labels = _inputs((2, 7))
+    out = lm_head_logprobs(lin, hidden, labels, logit_scale=0.25, softcap=2.0, temperature=0.9)
+    assert lin.bias is not None
+    ref_lp, ref_ent = _reference(
+        hidden * 0.25, lin.weight, lin.bias * 0.25, labels, 0.9, softcap=2.0
+    )
+    torch.testing.assert_close(out.log_probs.double(), ref_lp, rtol=0, atol=ATOL)
+    assert out.entropy is not None
+    torch.testing.assert_close(out.entropy.double(), ref_ent, rtol=0, atol=ATOL)
+
+
+def test_compute_dtype_casts_inside_the_call() -> None:
+    lin = _linear(bias=True).to(torch.bfloat16)
+    hidden, labels = _inputs((2, 7))
+    with pytest.raises(TypeError, match="share a dtype"):
+        lm_head_logprobs(lin, hidden, labels)  # float32 hidden, bfloat16 head
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # compute_dtype wins over autocast
+        out = lm_head_logprobs(lin, hidden, labels, compute_dtype=torch.float32)
+    ref_lp, _ = _reference(hidden, lin.weight.float(), lin.bias.float(), labels)
+    torch.testing.assert_close(out.log_probs.double(), ref_lp, rtol=0, atol=ATOL)
+    _loss(out.log_probs, out.entropy).backward()
+    assert lin.weight.grad is not None and lin.weight.grad.dtype == torch.bfloat16
 
 
 def test_no_entropy_and_all_rows_ignored() -> None:
@@ -350,6 +382,9 @@ def test_resolution_reports_provenance_once_per_config() -> None:
         ({"lm_head": "lm_head"}, TypeError, "lm_head must be an nn.Module"),
         ({"head": 3}, TypeError, "head must be a FusedHead"),
         ({"return_entropy": 1}, TypeError, "return_entropy must be a bool"),
+        ({"logit_scale": 0.0}, ValueError, "logit_scale must be a finite non-zero"),
+        ({"logit_scale": "1"}, TypeError, "logit_scale must be a float"),
+        ({"compute_dtype": "float32"}, TypeError, "compute_dtype must be a torch.dtype"),
     ],
 )
 def test_bad_inputs(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:

@@ -18,6 +18,7 @@ those into per-token log-probs and entropies without forming ``[tokens, vocab]``
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -137,6 +138,8 @@ def lm_head_logprobs(
     ignore_index: int = -100,
     return_entropy: bool = True,
     softcap: float | None = None,
+    logit_scale: float = 1.0,
+    compute_dtype: torch.dtype | None = None,
     select_rows: bool = True,
 ) -> FusedHeadOutput:
     """Log-prob of each already-shifted label and entropy of each row, fp32 in ``labels``' shape.
@@ -146,12 +149,21 @@ def lm_head_logprobs(
     ``[1, total, H]`` or padded ``[B, T, H]``), ``labels`` of ``hidden``'s leading shape, already
     rolled by the trainer; rows equal to ``ignore_index`` give 0 and zero gradient.
     ``temperature``: a float or a tensor broadcastable to ``labels`` (per token or ``[B, 1]`` per
-    sample); ``softcap`` defaults to the head config's. ``head`` names the backend (see
-    :func:`resolve_lm_head`). ``select_rows=True`` sends only scored rows to the backend (one host
+    sample); ``softcap`` defaults to the head config's; ``logit_scale`` multiplies the logits
+    before the softcap (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``).
+    ``compute_dtype`` casts hidden, weight and bias to one dtype inside the call, outside autocast
+    (e.g. float32 for an fp32 head projection); None keeps them as given (autocast applies).
+    ``head`` names the backend (see :func:`resolve_lm_head`). ``select_rows=True`` sends only scored rows to the backend (one host
     sync); ``False`` sends every row, sync-free, for CUDA graphs and ``torch.compile``.
     """
     weight_of = _check_lm_head(lm_head)
     _check_inputs(hidden, labels, ignore_index, return_entropy, select_rows)
+    scale = _logit_scale(logit_scale)
+    if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
+        raise TypeError(
+            f"compute_dtype must be a torch.dtype or None, got {type(compute_dtype).__name__} "
+            f"{compute_dtype!r}"
+        )
     fused = resolve_lm_head(head, lm_head)
     temp = _temperature(temperature, labels, hidden.device)
     shape = tuple(labels.shape)
@@ -172,7 +184,17 @@ def lm_head_logprobs(
         # Inside lm_head's own call: parameter-gathering hooks (FSDP2, ZeRO-3) have run.
         def body() -> FusedHeadOutput:
             weight, bias = weight_of()
-            return head_forward(fused, h, weight, bias, y, temperature=t, **kwargs)
+            h_ = h
+            if compute_dtype is not None:
+                weight, h_ = weight.to(compute_dtype), h.to(compute_dtype)
+                bias = None if bias is None else bias.to(compute_dtype)
+            if scale != 1.0:  # s * (h @ W.T + b) == (s * h) @ W.T + s * b
+                h_ = h_ * scale
+                bias = None if bias is None else bias * scale
+            if compute_dtype is None:
+                return head_forward(fused, h_, weight, bias, y, temperature=t, **kwargs)
+            with torch.autocast(h_.device.type, enabled=False):
+                return head_forward(fused, h_, weight, bias, y, temperature=t, **kwargs)
 
         return in_module_call(lm_head, body)
 
@@ -295,6 +317,14 @@ def _check_inputs(
     for arg, value in (("return_entropy", return_entropy), ("select_rows", select)):
         if not isinstance(value, bool):
             raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _logit_scale(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"logit_scale must be a float, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value == 0:
+        raise ValueError(f"logit_scale must be a finite non-zero float, got {value!r}")
+    return float(value)
 
 
 def _temperature(value: object, labels: torch.Tensor, device: torch.device) -> float | torch.Tensor:
