@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from fusedhead.config import FusedHeadConfig
+from fusedhead.config import FusedHeadConfig, describe_type
 from fusedhead.registry import load_class
 
 FIRST_PARTY = ("torch", "triton", "liger")
@@ -20,9 +20,11 @@ HEADER = """# Configuration reference
 Generated from the models by `python scripts/gen_config_docs.py`; a test fails when this file and
 the code disagree.
 
-A `FusedHeadConfig` loads from a dict (`FusedHeadConfig.from_dict`), YAML text (`from_yaml`) or an
-OmegaConf/Hydra node (`from_omegaconf`), and round-trips through `to_dict()`. Unknown keys are
-errors, in the config and in every backend's `options`.
+A `FusedHeadConfig` loads from a dict (`FusedHeadConfig.from_dict`), YAML text or a YAML file
+(`from_yaml(text)`, `from_yaml(pathlib.Path(...))`) or an OmegaConf/Hydra node
+(`from_omegaconf`), and round-trips through `to_dict()`. In a YAML file the fields sit under one
+`fused_head:` key, as below, or at the top; `from_dict` and `from_omegaconf` take the fields
+themselves (pass the `fused_head` section).
 
 ```yaml
 fused_head:
@@ -31,13 +33,20 @@ fused_head:
   require: [batch_invariant] # capabilities checked at resolution; never used to pick a backend
   temperature: 0.7
 ```
+
+Types are strict, in the config and in every backend's `options`, as they are in `fused_head`'s
+arguments: no bool or string where a number is expected (YAML `temperature: yes` or
+`workspace_mib: "3"` is an error, not 1.0 or 3), no number where a bool is; an int is taken for a
+float.
+Unknown keys are errors. A malformed file names the file, the line and the column; a bad value
+names the field or option, the value and what it takes, and a bad option lists every option of
+that backend (`name: type = default`), as `fusedhead info NAME` shows them.
 """
 
 
 def _type(field: Any) -> str:
-    ann = field.annotation
-    text = ann.__name__ if isinstance(ann, type) else str(ann)
-    return text.replace("typing.", "").replace("|", "\\|")
+    """The field's allowed values in words (``int > 0 or None``), escaped for a Markdown table."""
+    return describe_type(field.annotation, field.metadata).replace("|", "\\|")
 
 
 def table(model: type[BaseModel]) -> str:

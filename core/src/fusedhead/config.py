@@ -1,31 +1,242 @@
 """``FusedHeadConfig``: which backend, its options and required capabilities, from dict/YAML/OmegaConf.
 
 The backend's own options are validated against its ``Options`` model when the config is built, so
-a typo in an option fails where the config is read, not on the first training step.
+a typo in an option fails where the config is read, not on the first training step. Types are
+strict everywhere (no bool or str where a number is expected, no str where a bool is), the same
+rules ``fused_head`` applies to its arguments: a YAML ``temperature: yes`` is an error, not 1.0.
 """
 
 from __future__ import annotations
 
+import difflib
+import enum
 import math
-from collections.abc import Mapping
-from typing import Any
+import os
+import types
+import typing
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from fusedhead.errors import BackendError
 from fusedhead.protocol import REQUIRABLE_CAPABILITIES
+
+#: The one key a YAML file may wrap the fields in (as a trainer's config file holds them).
+YAML_SECTION = "fused_head"
+
+
+class OptionsError(BackendError, ValueError):
+    """A backend's options do not validate: names the option, the value, what was expected and
+    every valid option of that backend (``name: type = default``)."""
+
+    status: ClassVar[str] = "invalid-options"
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        option: str | None = None,
+        expected: str | None = None,
+        valid_options: Sequence[str] = (),
+        **fields: Any,
+    ) -> None:
+        super().__init__(reason, **fields)
+        #: The first offending option's name, when one is named.
+        self.option = option
+        #: What that option takes, e.g. ``int > 0 or None``.
+        self.expected = expected
+        #: Every option of the backend as ``name: type = default``.
+        self.valid_options = tuple(valid_options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **super().to_dict(),
+            "option": self.option,
+            "expected": self.expected,
+            "valid_options": list(self.valid_options),
+        }
+
+
+# --- type descriptions: what a field takes, in words (for errors, `fusedhead info` and the docs) --
+
+
+def _bounds(metadata: Sequence[Any]) -> list[str]:
+    out: list[str] = []
+    for meta in metadata:
+        for attr, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            bound = getattr(meta, attr, None)
+            if bound is not None:
+                out.append(f"{sym} {bound}")
+        for attr, word in (
+            ("multiple_of", "a multiple of"),
+            ("min_length", "length >="),
+            ("max_length", "length <="),
+        ):
+            bound = getattr(meta, attr, None)
+            if bound is not None:
+                out.append(f"{word} {bound}")
+    return out
+
+
+def describe_type(annotation: Any, metadata: Sequence[Any] = ()) -> str:
+    """A field's allowed values in words: ``int > 0 or None``, ``one of 'a', 'b'``, ``bool``."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return describe_type(args[0], [*args[1:], *metadata])
+    if origin is typing.Union or origin is types.UnionType:
+        # Bounds of an optional field (``Field(gt=0)`` on ``float | None``) bound its values.
+        parts = [describe_type(a, metadata) for a in args if a is not type(None)]
+        text = " or ".join(parts)
+        return text + " or None" if type(None) in args else text
+    if origin is typing.Literal:
+        text = "one of " + ", ".join(repr(a) for a in args) if len(args) > 1 else repr(args[0])
+    elif annotation is type(None) or annotation is None:
+        text = "None"
+    elif annotation is Any:
+        text = "any value"
+    elif isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        text = "one of " + ", ".join(repr(m.value) for m in annotation)
+    elif isinstance(annotation, type) and origin is None:
+        text = annotation.__name__
+    else:
+        text = str(annotation).replace("typing.", "")
+    bounds = _bounds(metadata)
+    return " ".join([text, *bounds]) if bounds else text
+
+
+def _field_default(field: Any) -> Any:
+    return None if field.is_required() else field.get_default(call_default_factory=True)
+
+
+def option_rows(model: type[BaseModel]) -> list[dict[str, Any]]:
+    """Each field of ``model``: name, allowed values in words, default, description."""
+    return [
+        {
+            "name": name,
+            "type": describe_type(field.annotation, field.metadata),
+            "default": "required" if field.is_required() else _field_default(field),
+            "description": field.description or "",
+        }
+        for name, field in model.model_fields.items()
+    ]
+
+
+def option_signatures(model: type[BaseModel]) -> list[str]:
+    """``name: type = default`` for every field of ``model`` (what an options error lists)."""
+    return [f"{r['name']}: {r['type']} = {r['default']!r}" for r in option_rows(model)]
+
+
+# --- turning pydantic's errors into one line that names the field, the value and the expectation --
+
+
+def _show(value: Any) -> str:
+    """A value as an error shows it: its repr (cut short) and its type."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**20:
+        return f"an int of {len(str(abs(value)))} digits"
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+_NO_DETAIL = ("_type", "literal_error", "greater_than", "less_than", "multiple_of", "enum")
+
+
+def _problems(
+    exc: ValidationError, model: type[BaseModel], what: str
+) -> tuple[list[str], str | None, str | None, bool]:
+    """(one phrase per field, the first field, its expectation, whether all are type errors)."""
+    phrases: list[str] = []
+    seen: set[str] = set()
+    first: str | None = None
+    first_expected: str | None = None
+    all_type = True
+    fields = model.model_fields
+    for err in exc.errors():
+        loc = err.get("loc", ())
+        name = str(loc[0]) if loc else ""
+        if name in seen:  # one phrase per field (a union reports once per member)
+            continue
+        seen.add(name)
+        kind = str(err.get("type", ""))
+        all_type = all_type and kind.endswith("_type")
+        ctx_error = (err.get("ctx") or {}).get("error")
+        detail = str(ctx_error) if ctx_error is not None else str(err.get("msg", ""))
+        if kind == "extra_forbidden":
+            close = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.6)
+            phrase = f"unknown {what} {name!r} = {_show(err.get('input'))}" + (
+                f" (did you mean {close[0]!r}?)" if close else ""
+            )
+            expected = None
+        elif name in fields:
+            field = fields[name]
+            expected = describe_type(field.annotation, field.metadata)
+            if kind == "missing":
+                phrase = f"{what} {name!r} is required: expected {expected}"
+            elif kind == "value_error":  # the field's own check says what it takes
+                phrase = f"{what} {name!r} = {_show(err.get('input'))}: {detail}"
+            else:
+                phrase = f"{what} {name!r} = {_show(err.get('input'))}: expected {expected}"
+                if not any(kind.endswith(s) or kind.startswith(s) for s in _NO_DETAIL):
+                    phrase += f" ({detail})"
+        else:  # a model-level check
+            expected = None
+            phrase = detail
+        if first is None:
+            first, first_expected = name or None, expected
+        phrases.append(phrase)
+    return phrases, first, first_expected, all_type
+
+
+def _backend_error_inside(exc: ValidationError) -> BackendError | None:
+    for err in exc.errors():
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, BackendError):
+            return inner
+    return None
+
+
+@contextmanager
+def _clean_errors() -> Iterator[None]:
+    """Re-raise pydantic's errors on FusedHeadConfig as one line per field (no dumps, no links)."""
+    try:
+        yield
+    except ValidationError as exc:
+        inner = _backend_error_inside(exc)
+        if inner is not None:  # the backend's options: already names backend and options
+            raise inner from None
+        phrases, _first, _expected, all_type = _problems(exc, FusedHeadConfig, "field")
+        message = "FusedHeadConfig: " + "; ".join(phrases)
+        if any(p.startswith("unknown field") for p in phrases):
+            message += f". Fields: {', '.join(FusedHeadConfig.model_fields)}"
+        raise (TypeError if all_type else ValueError)(message) from None
+
+
+# --- the config ---------------------------------------------------------------------------------
 
 
 class FusedHeadConfig(BaseModel):
     """Configuration of a ``FusedHead``: the backend by exact name, its options, call defaults."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     backend: str = Field(
         "torch", description="Exact backend name (entry-point name); never chosen for you."
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
-        description="The backend's own options, validated against its Options model.",
+        description="The backend's own options, validated strictly against its Options model.",
     )
     require: list[str] = Field(
         default_factory=list,
@@ -42,12 +253,28 @@ class FusedHeadConfig(BaseModel):
     )
     softcap: float | None = Field(
         None,
-        description="Default logit softcap c: z = c * tanh(z / c) before the temperature division.",
+        description="Default logit softcap c: z = c * tanh(z / c) before the temperature division; finite, > 0.",
     )
     device: str | None = Field(
         None,
-        description="Device on which `require` is checked at resolution; default CUDA if present, else CPU.",
+        description="Device on which `require` is checked at resolution (a torch device string: 'cpu', 'cuda', 'cuda:1'); default CUDA if present, else CPU.",
     )
+
+    def __init__(self, **data: Any) -> None:
+        with _clean_errors():
+            super().__init__(**data)
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _options_mapping(cls, value: Any) -> Any:
+        if isinstance(value, Mapping) and not isinstance(value, dict):
+            return dict(value)
+        return {} if value is None else value
+
+    @field_validator("require", mode="before")
+    @classmethod
+    def _require_sequence(cls, value: Any) -> Any:
+        return list(value) if isinstance(value, tuple) else value
 
     @field_validator("require")
     @classmethod
@@ -55,15 +282,41 @@ class FusedHeadConfig(BaseModel):
         unknown = [c for c in value if c not in REQUIRABLE_CAPABILITIES]
         if unknown:
             raise ValueError(
-                f"require names unknown capabilities {unknown}; known: {sorted(REQUIRABLE_CAPABILITIES)}"
+                f"names unknown capabilities {unknown}; known: {sorted(REQUIRABLE_CAPABILITIES)}"
             )
+        return value
+
+    @field_validator("temperature", "softcap", mode="before")
+    @classmethod
+    def _int_to_float(cls, value: Any) -> Any:
+        # An int is a number here (not a bool); one beyond the float range is infinite.
+        if isinstance(value, int) and not isinstance(value, bool):
+            try:
+                return float(value)
+            except OverflowError:
+                return math.inf
         return value
 
     @field_validator("temperature", "softcap")
     @classmethod
     def _positive(cls, value: float | None) -> float | None:
         if value is not None and (not math.isfinite(value) or value <= 0):
-            raise ValueError(f"must be a finite float > 0, got {value!r}")
+            raise ValueError("must be a finite float > 0")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        import torch
+
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError(
+                "must be a torch device string such as 'cpu', 'cuda' or 'cuda:1'"
+            ) from None
         return value
 
     @model_validator(mode="after")
@@ -77,18 +330,68 @@ class FusedHeadConfig(BaseModel):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FusedHeadConfig:
-        """Build from a plain mapping (as found in a trainer's config)."""
+        """Build from a plain mapping of the fields (as found in a trainer's config)."""
         if not isinstance(data, Mapping):
             raise TypeError(f"config must be a mapping, got {type(data).__name__}")
-        return cls.model_validate(dict(data))
+        bad = [k for k in data if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"config keys must be field names (str), got {bad[0]!r}")
+        return cls(**dict(data))
 
     @classmethod
-    def from_yaml(cls, text: str) -> FusedHeadConfig:
-        """Build from YAML text (needs PyYAML: ``pip install fusedhead[yaml]``)."""
+    def from_yaml(
+        cls, text: str | os.PathLike[str], *, source: str | None = None
+    ) -> FusedHeadConfig:
+        """Build from YAML text, or from a YAML file when given a path (``pathlib.Path``).
+
+        The fields sit at the top, or under one ``fused_head:`` key (the shape of
+        docs/configuration.md). A malformed file is a ``ValueError`` naming the file (``source``)
+        and the line and column. Needs PyYAML: ``pip install 'fusedhead[yaml]'``.
+        """
         import yaml
 
-        data = yaml.safe_load(text)
-        return cls.from_dict(data or {})
+        if isinstance(text, os.PathLike):
+            source = source or os.fspath(text)
+            text = Path(text).read_text()
+        elif not isinstance(text, str):
+            raise TypeError(f"text must be YAML text (str) or a path, got {type(text).__name__}")
+        where = source or "<yaml text>"
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            context = getattr(exc, "context", None)
+            raise ValueError(
+                f"{where}: not valid YAML{at}: {problem}" + (f" ({context})" if context else "")
+            ) from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise TypeError(
+                f"{where}: a fusedhead config is a mapping of fields (or one {YAML_SECTION!r} key "
+                f"holding them), got a YAML {type(data).__name__}"
+            )
+        if YAML_SECTION in data:
+            others = sorted(str(k) for k in data if k != YAML_SECTION)
+            if others:
+                raise ValueError(
+                    f"{where}: holds {YAML_SECTION!r} beside other keys {others}: give the "
+                    f"{YAML_SECTION!r} section alone, or the fields at the top"
+                )
+            data = data[YAML_SECTION] if data[YAML_SECTION] is not None else {}
+            if not isinstance(data, dict):
+                raise TypeError(
+                    f"{where}: {YAML_SECTION!r} must hold a mapping of fields, got a YAML "
+                    f"{type(data).__name__}"
+                )
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError) as exc:
+            if isinstance(exc, BackendError) or source is None:
+                raise
+            raise type(exc)(f"{where}: {exc}") from None
 
     @classmethod
     def from_omegaconf(cls, node: Any) -> FusedHeadConfig:
@@ -105,8 +408,27 @@ class FusedHeadConfig(BaseModel):
         return self.model_dump(mode="json")
 
 
+def _identity(name: str) -> tuple[str | None, str | None]:
+    """(distribution, version) of the backend ``name`` from metadata; (None, None) if unknown."""
+    try:
+        from fusedhead.registry import candidates
+
+        claims = candidates().get(name) or []
+    except Exception:  # an error message must not fail on the lookup
+        return None, None
+    if len(claims) != 1:
+        return None, None
+    return claims[0].distribution, claims[0].version
+
+
 def validate_options(name: str, cls: type, options: Any) -> BaseModel:
-    """The backend's ``Options`` instance for ``options`` (a mapping, an Options instance or None)."""
+    """The backend's ``Options`` instance for ``options`` (a mapping, an Options instance or None).
+
+    Strict: a value must already have the option's type (an int is taken for a float); ``True`` is
+    not ``1`` and ``"3"`` is not ``3``. A JSON-shaped value (a list for a tuple) is accepted.
+    Raises ``OptionsError`` (a ``ValueError``) naming the backend, its distribution, the option,
+    the value, what was expected and every valid option.
+    """
     model: type[BaseModel] = cls.Options  # type: ignore[attr-defined]
     if options is None:
         options = {}
@@ -116,9 +438,35 @@ def validate_options(name: str, cls: type, options: Any) -> BaseModel:
         options = options.model_dump()
     if not isinstance(options, Mapping):
         raise TypeError(
-            f"options for backend {name!r} must be a mapping, got {type(options).__name__}"
+            f"options for backend {name!r} must be a mapping of option names to values, "
+            f"got {type(options).__name__}"
         )
+    data = dict(options)
     try:
-        return model.model_validate(dict(options))
-    except ValueError as exc:
-        raise ValueError(f"options for backend {name!r} are not valid: {exc}") from exc
+        return model.model_validate(data, strict=True)
+    except ValidationError as exc:
+        first_error = exc
+    try:  # JSON-shaped values (lists for tuples, enum values) are what a config file holds
+        import json
+
+        return model.model_validate_json(json.dumps(data), strict=True)
+    except (ValidationError, TypeError, ValueError):
+        pass
+    phrases, option, expected, _ = _problems(first_error, model, "option")
+    distribution, version = _identity(name)
+    valid = option_signatures(model)
+    raise OptionsError(
+        "; ".join(phrases) + ".",
+        option=option,
+        expected=expected,
+        valid_options=valid,
+        backend=name,
+        distribution=distribution,
+        version=version,
+        hint=(
+            f"valid options of {name!r}: {', '.join(valid)}"
+            if valid
+            else f"backend {name!r} takes no options"
+        )
+        + " (values are taken as given: no conversion from bool or str).",
+    ) from None
