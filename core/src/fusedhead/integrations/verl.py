@@ -1,0 +1,323 @@
+"""verl (tested with 0.9.1): ``fused_kernel_options.impl_backend: fusedhead:<name>``.
+
+verl picks its fused LM head by name in ``verl.models.transformers.monkey_patch.
+patch_forward_with_backends``, against a hard-coded list (``torch``, ``triton``, ``liger``), and
+only *prints* "Skipping monkey patch" for any other name. It has no registry for the head; what
+it has is the ``verl.plugins`` entry-point group, loaded by ``import verl``. fusedhead's entry
+point there (``fusedhead.integrations._verl_plugin``) calls :func:`install`, which replaces that
+one public function, as soon as verl imports its module, with :func:`patch_forward_with_backends`:
+
+- ``impl_backend: fusedhead:<name>`` (or ``fusedhead`` for the default backend) with
+  ``use_fused_kernels: true``: the model's forward becomes :func:`forward_with_fusedhead_backend`,
+  which scores verl's rolled labels (``shift_labels`` = the engine's ``input_ids_rmpad_rolled``)
+  through :func:`fusedhead.integrations.lm_head.lm_head_logprobs`. The LM-head weight is read
+  inside ``lm_head``'s own call, so it also works when FSDP2 shards an untied ``lm_head`` on its
+  own (``apply_fsdp2`` does), where verl's own fused path reads a DTensor (verl #5633);
+- verl's own names go to verl's own function, unchanged;
+- anything else with ``use_fused_kernels: true`` (a typo, ``None``) raises ``ValueError`` instead
+  of verl's silent skip, and so does a fusedhead name with fused kernels off.
+
+The backend is resolved (``FusedHead``) when the model is patched, so an unknown name fails at
+model build with the installed names listed, and the ``fusedhead_backend_resolved`` hook reports
+provenance then. Nothing here imports verl or torch at import time.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = [
+    "MONKEY_PATCH_MODULE",
+    "VERL_BACKENDS",
+    "forward_with_fusedhead_backend",
+    "install",
+    "is_installed",
+    "patch_forward_with_backends",
+    "uninstall",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The verl module whose ``patch_forward_with_backends`` picks the fused head by name.
+MONKEY_PATCH_MODULE = "verl.models.transformers.monkey_patch"
+
+#: ``impl_backend`` values verl 0.9.1 handles itself (``patch_forward_with_backends``).
+VERL_BACKENDS: tuple[str, ...] = ("torch", "triton", "liger")
+
+#: Model types for which verl swaps in its own multimodal forward; fusedhead's forward is the
+#: text-only one (``self.model`` then ``self.lm_head``), so these are refused, not mis-scored.
+VERL_MULTIMODAL_MODEL_TYPES = frozenset(
+    {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5", "qwen3_5_moe"}
+)
+
+_lock = threading.Lock()
+_original: dict[str, Callable[..., Any]] = {}
+_finder: _PatchOnImport | None = None
+
+
+def install() -> None:
+    """Make verl accept ``impl_backend: fusedhead:<name>``; idempotent, imports nothing heavy.
+
+    If verl's ``monkey_patch`` module is already imported it is patched now; otherwise a
+    ``sys.meta_path`` finder patches it right after verl imports it, so no one holds the
+    original function.
+    """
+    global _finder
+    with _lock:
+        module = sys.modules.get(MONKEY_PATCH_MODULE)
+        if module is not None:
+            _patch_module(module)
+            return
+        if _finder is None:
+            _finder = _PatchOnImport()
+            sys.meta_path.insert(0, _finder)
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: verl's own ``patch_forward_with_backends`` again, finder removed.
+
+    Model classes already patched keep their forward (verl patches classes the same way).
+    """
+    global _finder
+    with _lock:
+        if _finder is not None and _finder in sys.meta_path:
+            sys.meta_path.remove(_finder)
+        _finder = None
+        module = sys.modules.get(MONKEY_PATCH_MODULE)
+        original = _original.pop("patch_forward_with_backends", None)
+        if module is not None and original is not None:
+            module.patch_forward_with_backends = original  # type: ignore[attr-defined]
+
+
+def is_installed() -> bool:
+    """True when verl's ``patch_forward_with_backends`` is (or will be, on import) fusedhead's."""
+    module = sys.modules.get(MONKEY_PATCH_MODULE)
+    if module is None:
+        return _finder is not None and _finder in sys.meta_path
+    return getattr(module, "patch_forward_with_backends", None) is patch_forward_with_backends
+
+
+def _patch_module(module: types.ModuleType) -> None:
+    current = getattr(module, "patch_forward_with_backends", None)
+    if current is None:
+        raise RuntimeError(
+            f"{MONKEY_PATCH_MODULE} has no patch_forward_with_backends: this verl is not one "
+            "fusedhead's integration supports (tested with verl 0.9.1)"
+        )
+    if current is patch_forward_with_backends:
+        return
+    _original["patch_forward_with_backends"] = current
+    module.patch_forward_with_backends = patch_forward_with_backends  # type: ignore[attr-defined]
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs verl's module as its own loader would, then patches it."""
+
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self._inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._inner.exec_module(module)
+        with _lock:
+            _patch_module(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tools
+        return getattr(self._inner, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds verl's ``monkey_patch`` through the other finders and wraps its loader."""
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: types.ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != MONKEY_PATCH_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and not isinstance(spec.loader, _PatchingLoader):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+def _installed_names() -> list[str]:
+    from fusedhead import registry
+
+    return sorted({row.name for row in registry.listing()})
+
+
+def _accepted_names() -> str:
+    ours = ", ".join(f"'fusedhead:{n}'" for n in _installed_names()) or "none installed"
+    theirs = ", ".join(f"'{n}'" for n in VERL_BACKENDS)
+    return f"verl's own {theirs}; fusedhead's {ours}"
+
+
+def patch_forward_with_backends(
+    model: Any,
+    use_fused_kernels: bool = False,
+    fused_kernels_backend: str | None = None,
+) -> None:
+    """verl's ``patch_forward_with_backends`` with fusedhead's names added and no silent skip.
+
+    ``fused_kernels_backend`` is ``actor_rollout_ref.model.fused_kernel_options.impl_backend``.
+    A ``fusedhead:<name>`` value patches the model's forward to fusedhead's; verl's own names
+    go to verl's function; any other value with ``use_fused_kernels`` on raises ``ValueError``.
+    """
+    from fusedhead.integrations.lm_head import is_fusedhead_spec
+
+    if is_fusedhead_spec(fused_kernels_backend):
+        assert isinstance(fused_kernels_backend, str)
+        if not use_fused_kernels:
+            raise ValueError(
+                f"fused_kernel_options.impl_backend={fused_kernels_backend!r} has no effect with "
+                "use_fused_kernels=False: set actor_rollout_ref.model.use_fused_kernels=True, or "
+                "drop the fusedhead impl_backend"
+            )
+        _patch_model(model, fused_kernels_backend)
+        return
+    if use_fused_kernels and fused_kernels_backend not in VERL_BACKENDS:
+        raise ValueError(
+            f"fused_kernel_options.impl_backend={fused_kernels_backend!r} is not a fused-kernel "
+            f"backend (use_fused_kernels=True); accepted: {_accepted_names()}. verl itself would "
+            "skip the patch silently and compute full logits"
+        )
+    original: Callable[..., Any] | None = _original.get("patch_forward_with_backends")
+    if original is None:
+        from verl.models.transformers import monkey_patch
+
+        original = monkey_patch.patch_forward_with_backends
+        if original is patch_forward_with_backends:  # pragma: no cover - defensive
+            raise RuntimeError("verl's own patch_forward_with_backends was lost")
+    original(
+        model, use_fused_kernels=use_fused_kernels, fused_kernels_backend=fused_kernels_backend
+    )
+
+
+def _patch_model(model: Any, spec: str) -> None:
+    """Resolve the backend ``spec`` names and give ``model``'s class fusedhead's forward."""
+    from torch import nn
+
+    from fusedhead.integrations.lm_head import parse_backend_spec, resolve_lm_head
+
+    name = parse_backend_spec(spec)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in VERL_MULTIMODAL_MODEL_TYPES:
+        raise ValueError(
+            f"impl_backend={spec!r}: model_type {model_type!r} uses verl's own multimodal forward, "
+            "which fusedhead's verl integration does not replace (text-only causal LMs: a "
+            "self.model decoder and a self.lm_head); use impl_backend 'torch' or 'triton' for it"
+        )
+    lm_head = getattr(model, "lm_head", None)
+    decoder = getattr(model, "model", None)
+    if not isinstance(lm_head, nn.Module) or not isinstance(decoder, nn.Module):
+        raise TypeError(
+            f"impl_backend={spec!r} needs a causal LM with a .model decoder and an .lm_head "
+            f"module, got {type(model).__name__} (lm_head={type(lm_head).__name__}, "
+            f"model={type(decoder).__name__})"
+        )
+    head = resolve_lm_head(name)  # unknown names raise here, listing what is installed
+    model._verl_fused_kernels_backend = spec
+    model._fusedhead_head = head
+    type(model).forward = forward_with_fusedhead_backend
+    logger.info(
+        "fusedhead: %s uses backend %r for verl's fused log-probs/entropy (impl_backend=%r)",
+        type(model).__name__,
+        head.config.backend,
+        spec,
+    )
+
+
+def forward_with_fusedhead_backend(
+    self: Any,
+    input_ids: Any = None,
+    attention_mask: Any = None,
+    position_ids: Any = None,
+    past_key_values: Any = None,
+    inputs_embeds: Any = None,
+    labels: Any = None,
+    use_cache: bool | None = None,
+    output_attentions: bool | None = None,
+    output_hidden_states: bool | None = None,
+    return_dict: bool | None = None,
+    cache_position: Any = None,
+    logits_to_keep: Any = 0,
+    temperature: Any = 1.0,
+    shift_labels: Any = None,
+    **loss_kwargs: Any,
+) -> Any:
+    """verl's fused-kernel forward contract (``CausalLMOutputForPPO``) computed by fusedhead.
+
+    Same signature and label choice as verl's ``dense_common.forward_with_torch_backend``:
+    ``shift_labels`` (the engine's globally rolled ``input_ids_rmpad_rolled``) verbatim, else
+    ``labels`` rolled by one, else ``input_ids`` rolled by one. Labels equal to -100 give 0.
+    ``log_probs`` and ``entropy`` are fp32 in the labels' shape, packed ``[1, total]`` or
+    ``[B, T]``.
+    """
+    import torch
+    from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
+
+    from fusedhead.integrations.lm_head import lm_head_logprobs
+
+    head = getattr(self, "_fusedhead_head", None)
+    if head is None:
+        raise RuntimeError(
+            f"{type(self).__name__}.forward was patched by fusedhead for another instance; this "
+            "one was not given a backend: build every model of this class through verl's "
+            "apply_monkey_patch with the same impl_backend"
+        )
+    if not return_dict:
+        raise ValueError(
+            "forward_with_fusedhead_backend returns verl's CausalLMOutputForPPO: call it with "
+            f"return_dict=True (verl's engine does), got return_dict={return_dict!r}"
+        )
+    outputs = forward_base_model(
+        self,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        output_attentions=output_attentions,
+        output_hidden_states=output_hidden_states,
+        cache_position=cache_position,
+    )
+    hidden_states = outputs[0]
+    if shift_labels is not None:
+        rolled = shift_labels
+    elif labels is not None:
+        rolled = torch.roll(labels, shifts=-1, dims=-1)
+    elif input_ids is not None:
+        rolled = torch.roll(input_ids, shifts=-1, dims=-1)
+    else:
+        raise ValueError(
+            "forward_with_fusedhead_backend needs shift_labels, labels or input_ids to score"
+        )
+    out = lm_head_logprobs(
+        self.lm_head, hidden_states, rolled.to(torch.int64), head=head, temperature=temperature
+    )
+    output_cls: Any = CausalLMOutputForPPO
+    return output_cls(
+        log_probs=out.log_probs,
+        entropy=out.entropy,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
