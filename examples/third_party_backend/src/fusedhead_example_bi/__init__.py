@@ -6,4 +6,6 @@ pydantic (both declared dependencies) and nothing else.
 
 from fusedhead_example_bi.backend import BatchInvariantBackend, Options
 
-__all__ = ["BatchInvariantBackend", "Options"]
+__all__ = ["BatchInvariantBackend", "Options", "__version__"]
+# The one source of the distribution's version (pyproject.toml: [tool.hatch.version]).
+__version__ = "1.0.0"

@@ -7,5 +7,5 @@ from __future__ import annotations
 
 from fusedhead_liger.backend import LigerBackend, LigerOptions
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 __all__ = ["LigerBackend", "LigerOptions"]

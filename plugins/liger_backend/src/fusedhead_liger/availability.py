@@ -13,7 +13,7 @@ from fusedhead_liger import _liger
 
 NATIVE_CAPABILITY = (9, 0)
 INSTALL_HINT = (
-    'pip install "fusedhead-liger[sm90]" (what fusedhead[liger] installs; Linux x86-64 only: '
+    'pip install "fusedhead[liger-sm90]" (= fusedhead-liger[sm90], opt-in; Linux x86-64 only: '
     f"it pins nvidia-cutlass-dsl=={_liger.TESTED_CUTE_DSL})"
 )
 

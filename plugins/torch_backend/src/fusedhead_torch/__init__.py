@@ -5,4 +5,4 @@ from __future__ import annotations
 from fusedhead_torch.backend import TorchBackend, TorchOptions
 
 __all__ = ["TorchBackend", "TorchOptions"]
-__version__ = "0.1.0"
+__version__ = "1.0.0"

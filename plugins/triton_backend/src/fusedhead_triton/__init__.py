@@ -9,4 +9,4 @@ from __future__ import annotations
 from .backend import TritonBackend, TritonOptions
 
 __all__ = ["TritonBackend", "TritonOptions"]
-__version__ = "0.1.0"
+__version__ = "1.0.0"
