@@ -86,7 +86,7 @@ def test_h200_without_the_cute_dsl(fake_gpu, monkeypatch: pytest.MonkeyPatch) ->
         LigerBackend().check(CUDA, torch.bfloat16)
     msg = str(info.value)
     assert "CuTe DSL (nvidia-cutlass-dsl) is not installed" in msg
-    assert "fusedhead-liger[sm90]" in msg and "fusedhead[liger]" in msg
+    assert "fusedhead-liger[sm90]" in msg and "fusedhead[liger-sm90]" in msg
     assert "compute capability" not in msg
 
 
