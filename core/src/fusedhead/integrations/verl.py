@@ -31,7 +31,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "MONKEY_PATCH_MODULE",
@@ -202,7 +202,7 @@ def patch_forward_with_backends(
     if original is None:
         from verl.models.transformers import monkey_patch
 
-        original = monkey_patch.patch_forward_with_backends
+        original = cast(Callable[..., Any], monkey_patch.patch_forward_with_backends)
         if original is patch_forward_with_backends:  # pragma: no cover - defensive
             raise RuntimeError("verl's own patch_forward_with_backends was lost")
     original(

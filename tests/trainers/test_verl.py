@@ -1,0 +1,238 @@
+"""fusedhead inside verl 0.9.1: ``fused_kernel_options.impl_backend: fusedhead:<name>``.
+
+The batches go through verl's own ``FSDPEngineWithLMHead.prepare_model_inputs`` /
+``prepare_model_outputs`` (packed remove-padding micro-batches, ``shift_labels`` =
+``input_ids_rmpad_rolled``), and the model is patched by verl's own ``apply_monkey_patch``, which
+reaches fusedhead only through the ``verl.plugins`` entry point.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("verl", reason="verl is not installed (bash scripts/trainers/verl.sh)")
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+from verl_helpers import (
+    apply_verl_monkey_patch,
+    assert_fp32_close,
+    packed_micro_batch,
+    restored_verl_patches,
+    scored,
+    tiny_qwen2,
+)
+
+from fusedhead.errors import UnknownBackendError
+from fusedhead.integrations import verl as fh_verl
+
+HERE = Path(__file__).parent
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
+
+
+def test_import_verl_installs_fusedhead_through_its_plugin_entry_point() -> None:
+    code = (
+        "import verl\n"
+        "from verl.models.transformers import monkey_patch\n"
+        "from fusedhead.integrations import verl as fv\n"
+        "print(monkey_patch.patch_forward_with_backends is fv.patch_forward_with_backends)\n"
+    )
+    done = _python(code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"
+    # verl's own switch turns plugins off, and with it fusedhead's patch.
+    off = _python(code, VERL_USE_EXTERNAL_PLUGINS="none")
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert off.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_the_entry_point_module_imports_neither_torch_nor_verl() -> None:
+    code = (
+        "import sys\n"
+        "import fusedhead.integrations._verl_plugin\n"
+        "from fusedhead.integrations import verl as fv\n"
+        "print(sorted(m for m in ('torch', 'verl', 'transformers') if m in sys.modules))\n"
+        "print(fv.is_installed())\n"
+    )
+    done = _python(code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["[]", "True"]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_batch_matches_verls_own_torch_path(temperature: float) -> None:
+    """log_probs, entropy and every parameter's gradient equal verl's fused torch path."""
+    base = tiny_qwen2(0)
+    batch = packed_micro_batch([5, 9, 3, 1], seed=1, temperature=temperature)
+    theirs = scored(base, "torch", batch)
+    ours = scored(base, "fusedhead:torch", batch)
+    assert theirs.keys() == ours.keys()
+    assert ours["log_probs"].shape == (18,)  # the packed tokens, total_nnz
+    assert bool((ours["log_probs"] < 0).all()) and bool((ours["entropy"] > 0).all())
+    for key in ours:
+        assert_fp32_close(ours[key], theirs[key], key)
+    # The head's gradient is not zero: the comparison above could not pass vacuously.
+    assert float(ours["grad:lm_head.weight"].abs().max()) > 1e-3
+
+
+def test_fusedhead_uses_the_engines_shift_labels_verbatim() -> None:
+    """The engine's globally rolled labels are scored, not a local re-roll of input_ids."""
+    base = tiny_qwen2(0)
+    model = base
+    ids = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
+    shifted = torch.roll(ids, -1, dims=-1)
+    shifted[0, -1] = (ids[0, 0] + 1) % 300  # differs from torch.roll(input_ids) at the end
+    with restored_verl_patches(type(model)), torch.no_grad():
+        apply_verl_monkey_patch(model, "fusedhead:torch")
+        out = model(input_ids=ids, shift_labels=shifted, temperature=1.0, return_dict=True)
+        hidden = model.model(input_ids=ids)[0]
+    logits = (hidden.double() @ model.lm_head.weight.double().T).log_softmax(-1)
+    expected = logits.gather(-1, shifted.unsqueeze(-1)).squeeze(-1).float()
+    torch.testing.assert_close(out.log_probs, expected, atol=1e-6, rtol=0)
+
+
+def test_an_unknown_impl_backend_raises_instead_of_verls_silent_skip() -> None:
+    model = tiny_qwen2(0)
+    forward = type(model).forward
+    with restored_verl_patches(type(model)):
+        with pytest.raises(ValueError, match=r"'tritonn' is not a fused-kernel backend") as info:
+            apply_verl_monkey_patch(model, "tritonn")
+        assert "'fusedhead:torch'" in str(info.value) and "'liger'" in str(info.value)
+        with pytest.raises(UnknownBackendError, match="no-such-backend"):
+            apply_verl_monkey_patch(model, "fusedhead:no-such-backend")
+        with pytest.raises(ValueError, match="not one of the accepted forms"):
+            apply_verl_monkey_patch(model, "fusedhead:")
+        assert type(model).forward is forward  # nothing was patched on the way
+
+
+def test_a_fusedhead_backend_with_fused_kernels_off_raises() -> None:
+    from verl.models.transformers import monkey_patch
+
+    model = tiny_qwen2(0)
+    with pytest.raises(ValueError, match="use_fused_kernels=False"):
+        monkey_patch.patch_forward_with_backends(
+            model, use_fused_kernels=False, fused_kernels_backend="fusedhead:torch"
+        )
+    # verl's own default (fused kernels off, impl_backend torch) is left to verl: no patch.
+    forward = type(model).forward
+    monkey_patch.patch_forward_with_backends(
+        model, use_fused_kernels=False, fused_kernels_backend="torch"
+    )
+    assert type(model).forward is forward
+
+
+def test_verls_own_backends_still_go_to_verl() -> None:
+    from verl.models.transformers.dense_common import forward_with_torch_backend
+
+    model = tiny_qwen2(0)
+    with restored_verl_patches(type(model)):
+        apply_verl_monkey_patch(model, "torch")
+        assert type(model).forward is forward_with_torch_backend
+        assert not hasattr(model, "_fusedhead_head")
+
+
+def test_a_multimodal_model_type_is_refused() -> None:
+    model = tiny_qwen2(0)
+    model.config.model_type = "qwen2_vl"
+    forward = type(model).forward
+    with pytest.raises(ValueError, match="qwen2_vl"):
+        fh_verl.patch_forward_with_backends(model, True, "fusedhead:torch")
+    assert type(model).forward is forward
+
+
+def test_the_resolution_hook_reports_provenance_when_verl_patches_the_model() -> None:
+    from fusedhead.hooks import hookimpl, register_hooks, unregister_hooks
+    from fusedhead.integrations.lm_head import clear_cache
+
+    seen: list[dict[str, Any]] = []
+
+    class Recorder:
+        @hookimpl
+        def fusedhead_backend_resolved(
+            self, name: str, distribution: str | None, version: str | None, **_: Any
+        ) -> None:
+            seen.append({"name": name, "distribution": distribution, "version": version})
+
+    recorder = Recorder()
+    register_hooks(recorder)
+    clear_cache()
+    model = tiny_qwen2(0)
+    try:
+        with restored_verl_patches(type(model)):
+            apply_verl_monkey_patch(model, "fusedhead:torch")
+    finally:
+        unregister_hooks(recorder)
+        clear_cache()
+    assert seen and seen[-1]["name"] == "torch"
+    assert seen[-1]["distribution"] == "fusedhead-torch"
+
+
+def test_calculate_entropy_off_reads_only_log_probs() -> None:
+    base = tiny_qwen2(0)
+    batch = packed_micro_batch([4, 7], seed=2, entropy=False)
+    from verl_helpers import engine
+
+    with restored_verl_patches(type(base)):
+        apply_verl_monkey_patch(base, "fusedhead:torch")
+        eng = engine()
+        inputs, args = eng.prepare_model_inputs(batch)
+        result = eng.prepare_model_outputs(base(**inputs), args, batch, None)
+    assert "entropy" not in result and result["log_probs"].values().shape == (11,)
+
+
+#: Seconds the two ranks get before the test fails as a hang.
+TIMEOUT_S = 300
+
+
+def _spawn(scenarios: list[str], tmp_path: Path, world: int = 2) -> None:
+    import torch.multiprocessing as mp
+    from verl_fsdp_worker import worker
+
+    init = f"file://{tmp_path / 'rendezvous'}"
+    ctx = mp.start_processes(
+        worker,
+        args=(world, init, scenarios, str(tmp_path)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.terminate()
+                pytest.fail(f"{world} ranks did not finish {scenarios} within {TIMEOUT_S} s")
+    except Exception as exc:
+        logs = "\n".join(
+            f"--- {p.name} ---\n{p.read_text()[-4000:]}" for p in sorted(tmp_path.glob("rank*.log"))
+        )
+        raise AssertionError(f"{exc}\n{logs}") from exc
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_under_verls_apply_fsdp2_on_two_gloo_ranks(tmp_path: Path) -> None:
+    """fusedhead matches the unsharded model where verl's own torch path reads a DTensor."""
+    _spawn(["fusedhead_matches_unsharded", "verl_torch_path_reads_a_dtensor"], tmp_path)
+    for log in sorted(tmp_path.glob("rank*.log")):
+        text = log.read_text()
+        assert "fusedhead under apply_fsdp2 matches the unsharded model" in text
+        assert "failed as in verl #5633" in text
