@@ -1,0 +1,406 @@
+"""TRL: its fused-LM-head contract served by a fusedhead backend chosen by name from the config.
+
+TRL's trainers (GRPO, RLOO, DPO, KTO, SFT) call ``trl.trainer.utils.add_fused_lm_head(model, ...)``
+in their ``__init__``; it replaces ``model.forward`` so that ``model(..., labels=labels,
+fused_lm_head=True)`` returns a ``FusedCausalLMOutput`` (per-token log-probs, entropy, loss)
+computed by TRL's own chunked kernel. This module keeps that contract and swaps the kernel:
+
+- :func:`add_fused_lm_head`: the same signature plus ``head=`` (a backend name or config);
+- :class:`FusedHeadTrainerMixin`: after the TRL trainer's ``__init__``, every model that TRL gave
+  its fused head (policy and reference) gets fusedhead's instead, with the same temperature and
+  fp32 setting, the backend read from ``args.fused_head_backend`` (and
+  ``args.fused_head_options``) or the ``fused_head=`` keyword;
+- ``FusedHeadGRPOTrainer``/``FusedHeadGRPOConfig`` and ``FusedHeadRLOOTrainer``/
+  ``FusedHeadRLOOConfig``: the mixin and the two config fields on TRL's own classes.
+
+Nothing in TRL is patched: the model's ``forward`` is layered exactly as TRL itself layers it
+(calls without ``fused_lm_head=True`` go through TRL's forward unchanged, so generation is
+untouched). TRL is imported only when one of these names is used. Tested with TRL 1.16.0.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusedhead.api import FusedHead
+from fusedhead.integrations.lm_head import HeadLike, lm_head_logprobs, resolve_lm_head
+
+__all__ = [
+    "SUPPORTED_OUTPUTS",
+    "TESTED_TRL",
+    "FusedHeadTrainerMixin",
+    "add_fused_lm_head",
+    "fused_head_from_args",
+    "fused_head_of",
+    "replace_trl_fused_heads",
+]
+
+#: TRL versions this module was tested against.
+TESTED_TRL = ">=1.16.0,<1.17"
+#: ``FusedCausalLMOutput`` fields fusedhead computes; TRL's others (mean_logits, is_top1,
+#: log_sum_sq_probs) are statistics a fused head does not produce.
+SUPPORTED_OUTPUTS = ("log_probs", "entropy")
+_TRL_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+#: Marks a forward installed here (the installing head is the value).
+_MARK = "__fusedhead_head__"
+
+
+def _trl_utils() -> types.ModuleType:
+    try:
+        import trl.trainer.utils as utils
+    except ImportError as exc:
+        raise ImportError(
+            f"fusedhead.integrations.trl needs TRL ({TESTED_TRL} tested): pip install 'trl{TESTED_TRL}' "
+            f"({exc})"
+        ) from exc
+    return utils
+
+
+def _check_outputs(outputs: object) -> tuple[str, ...]:
+    if isinstance(outputs, str) or not isinstance(outputs, (tuple, list)):
+        raise TypeError(
+            f"outputs must be a tuple of field names, got {type(outputs).__name__} {outputs!r}"
+        )
+    unknown = [o for o in outputs if o not in _TRL_OUTPUTS]
+    if unknown:
+        raise ValueError(f"outputs {unknown} are not fields TRL knows; known: {list(_TRL_OUTPUTS)}")
+    unsupported = [o for o in outputs if o not in SUPPORTED_OUTPUTS]
+    if unsupported:
+        raise ValueError(
+            f"outputs {unsupported} (asked for by the trainer) are not computed by fusedhead, which "
+            f"returns {list(SUPPORTED_OUTPUTS)}: use it with trainers that need only those (GRPO, "
+            "RLOO), or keep TRL's own kernel for this trainer"
+        )
+    return tuple(outputs)
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _logit_scale(text_config: Any) -> float:
+    """The multiplier a model applies to its logits before any softcap (1.0 for most models)."""
+    for attr in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        value = getattr(text_config, attr, None)
+        if value is not None:
+            return float(value)
+    scaling = getattr(text_config, "logits_scaling", None)
+    if scaling is not None:
+        # Granite / MiniCPM3 divide by it; HyperCLOVA X multiplies by it.
+        model_type = getattr(text_config, "model_type", None)
+        return float(scaling) if model_type == "hyperclovax" else 1.0 / float(scaling)
+    return 1.0
+
+
+def _backbone(model: nn.Module, text_config: Any) -> nn.Module:
+    """The decoder body: ``model.base_model`` (vision-language models on transformers < 5: ``.model``)."""
+    import transformers
+    from packaging.version import Version
+
+    if text_config is not getattr(model, "config", None) and Version(
+        transformers.__version__
+    ) < Version("5.0.0"):
+        body = getattr(model, "model", None)
+    else:
+        body = getattr(model, "base_model", None)
+    if not isinstance(body, nn.Module) or body is model:
+        raise ValueError(
+            f"cannot find the backbone of {type(model).__name__} (base_model); pass a causal LM"
+        )
+    return body
+
+
+def add_fused_lm_head(
+    model: nn.Module,
+    temperature: float = 1.0,
+    cast_lm_head_to_fp32: bool = False,
+    outputs: tuple[str, ...] = ("log_probs",),
+    *,
+    head: HeadLike = None,
+) -> None:
+    """TRL's ``add_fused_lm_head`` contract on a fusedhead backend (``head``: a name or config).
+
+    Afterwards ``model(..., labels=labels, fused_lm_head=True)`` returns TRL's
+    ``FusedCausalLMOutput`` (``log_probs``, ``entropy`` when in ``outputs``, ``loss``,
+    ``label_mask``, ``aux_loss`` for MoE) without forming ``[B, T, V]`` logits; ``shift_labels``
+    are scored without shifting. Any other call goes to the forward the model had, unchanged.
+    The LM head's weight is read inside the head module's call (FSDP2 / ZeRO-3 gather it there).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(
+            f"temperature must be a float, got {type(temperature).__name__} {temperature!r}"
+        )
+    if not isinstance(cast_lm_head_to_fp32, bool):
+        raise TypeError(
+            f"cast_lm_head_to_fp32 must be a bool, got {type(cast_lm_head_to_fp32).__name__}"
+        )
+    wanted = _check_outputs(outputs)
+    fused = resolve_lm_head(head)
+    utils = _trl_utils()
+    output_cls = utils.FusedCausalLMOutput
+    previous = model.forward
+    text_config = _text_config(model)
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    scale = _logit_scale(text_config)
+    entropy = "entropy" in wanted
+    temp = float(temperature)
+
+    # functools.wraps keeps the model class's signature: `generate` checks kwargs against it.
+    @functools.wraps(type(model).forward)
+    def forward(
+        self: nn.Module,
+        *args: Any,
+        fused_lm_head: bool = False,
+        labels: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
+        num_items_in_batch: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        if not fused_lm_head:
+            for name, value in (
+                ("labels", labels),
+                ("shift_labels", shift_labels),
+                ("num_items_in_batch", num_items_in_batch),
+            ):
+                if value is not None:
+                    kwargs[name] = value
+            return previous(*args, **kwargs)
+        if labels is None and shift_labels is None:
+            raise ValueError("fused_lm_head=True needs labels (or shift_labels)")
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)
+        body_out = _backbone(self, text_config)(*args, **kwargs)
+        hidden = body_out.last_hidden_state
+        if shift_labels is None:
+            assert labels is not None
+            hidden, targets = hidden[:, :-1], labels[:, 1:]
+        else:
+            targets = shift_labels
+        lm_head: nn.Module = self.get_output_embeddings()  # type: ignore[operator]
+        device: torch.device = lm_head.weight.device  # type: ignore[assignment]
+        hidden, targets = hidden.to(device), targets.to(device)
+        out = lm_head_logprobs(
+            lm_head,
+            hidden,
+            targets,
+            head=fused,
+            temperature=temp,
+            return_entropy=entropy,
+            softcap=softcap,
+            logit_scale=scale,
+            compute_dtype=torch.float32 if cast_lm_head_to_fp32 else None,
+        )
+        mask = targets != -100
+        denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss = -out.log_probs.sum() / denom
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            aux_loss = _load_balancing_loss(self, text_config, body_out, kwargs)
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return output_cls(
+            loss=loss,
+            log_probs=out.log_probs,
+            entropy=out.entropy,
+            label_mask=mask,
+            aux_loss=aux_loss,
+        )
+
+    setattr(forward, _MARK, fused)
+    model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
+
+
+def fused_head_of(forward: object) -> FusedHead | None:
+    """The ``FusedHead`` behind a forward (or a model's) that :func:`add_fused_lm_head` installed."""
+    if isinstance(forward, nn.Module):
+        forward = forward.forward
+    head = getattr(getattr(forward, "__func__", forward), _MARK, None)
+    return head if isinstance(head, FusedHead) else None
+
+
+def _load_balancing_loss(
+    model: nn.Module, text_config: Any, body_out: Any, kwargs: Mapping[str, Any]
+) -> torch.Tensor:
+    """MoE load-balancing loss as the model's own forward adds it (Mixtral's formula)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    experts = getattr(text_config, "num_experts", None) or getattr(model, "num_experts", None)
+    per_token = getattr(text_config, "num_experts_per_tok", None) or getattr(
+        model, "num_experts_per_tok", None
+    )
+    loss: torch.Tensor = load_balancing_loss_func(  # type: ignore[assignment]
+        body_out.router_logits, experts, per_token, kwargs.get("attention_mask")
+    )
+    return loss
+
+
+def _trl_fused_closure(forward: object) -> dict[str, Any] | None:
+    """The arguments TRL's ``add_fused_lm_head`` was given, read from the forward it installed."""
+    fn = getattr(forward, "__func__", forward)
+    # Unwrap accelerate's autocast/fp32-output wrappers, stopping at TRL's own function (whose
+    # __wrapped__ is the model class's forward, kept by functools.wraps).
+    while callable(fn):
+        code = getattr(fn, "__code__", None)
+        if (
+            code is not None
+            and code.co_name == "_fused_forward"
+            and code.co_filename.replace("\\", "/").endswith("trl/trainer/utils.py")
+        ):
+            nonlocals = inspect.getclosurevars(fn).nonlocals
+            if not {"temperature", "cast_lm_head_to_fp32", "outputs"} <= set(nonlocals):
+                raise RuntimeError(
+                    "TRL's fused LM head no longer keeps (temperature, cast_lm_head_to_fp32, "
+                    f"outputs); fusedhead.integrations.trl was tested with TRL {TESTED_TRL}"
+                )
+            return dict(nonlocals)
+        fn = getattr(fn, "__wrapped__", None)
+    return None
+
+
+def replace_trl_fused_heads(trainer: Any, head: HeadLike) -> list[nn.Module]:
+    """Give every model of ``trainer`` that carries TRL's fused head fusedhead's instead.
+
+    The temperature, fp32 setting and outputs are the ones the trainer passed to TRL's
+    ``add_fused_lm_head``. Returns the models switched; raises when there is none (the trainer
+    does not use TRL's fused head, or TRL changed how it installs it).
+    """
+    fused = resolve_lm_head(head)
+    candidates: list[nn.Module] = []
+    for attr in ("model", "ref_model", "teacher_model"):
+        m = getattr(trainer, attr, None)
+        if isinstance(m, nn.Module):
+            get_base = getattr(m, "get_base_model", None)
+            candidates += [m, get_base()] if callable(get_base) else [m]
+    switched: list[nn.Module] = []
+    for m in {id(c): c for c in candidates}.values():
+        if fused_head_of(m) is not None:
+            switched.append(m)  # already fusedhead's
+            continue
+        args = _trl_fused_closure(m.__dict__.get("forward"))
+        if args is None:
+            continue
+        if args.get("logit_scale", 1.0) != _logit_scale(_text_config(m)):
+            raise RuntimeError(
+                f"TRL scales {type(m).__name__}'s logits by {args['logit_scale']}, fusedhead read "
+                f"{_logit_scale(_text_config(m))}; refusing to score a different distribution"
+            )
+        add_fused_lm_head(
+            m,
+            temperature=args["temperature"],
+            cast_lm_head_to_fp32=args["cast_lm_head_to_fp32"],
+            outputs=tuple(args["outputs"]),
+            head=fused,
+        )
+        switched.append(m)
+    if not switched:
+        raise RuntimeError(
+            f"{type(trainer).__name__} has no model with TRL's fused LM head (add_fused_lm_head); "
+            f"fusedhead.integrations.trl was tested with TRL {TESTED_TRL}"
+        )
+    return switched
+
+
+def fused_head_from_args(args: Any) -> HeadLike:
+    """The head named by a trainer config's ``fused_head_backend`` / ``fused_head_options``.
+
+    ``fused_head_backend`` is a backend name (``"triton"``) or ``"fusedhead:<name>"``;
+    ``fused_head_options`` a mapping or its JSON text (the backend's own options).
+    """
+    name = getattr(args, "fused_head_backend", None)
+    if name is None:
+        raise ValueError(
+            f"{type(args).__name__} has no fused_head_backend: use FusedHeadGRPOConfig / "
+            "FusedHeadRLOOConfig, or pass fused_head='triton' (a backend name) to the trainer"
+        )
+    options = getattr(args, "fused_head_options", None)
+    if isinstance(options, str):
+        try:
+            options = json.loads(options)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"fused_head_options is not valid JSON: {options!r} ({exc})") from None
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(
+            f"fused_head_options must be a mapping or JSON text, got {type(options).__name__}"
+        )
+    if not options:
+        return str(name)
+    backend = resolve_lm_head(str(name)).name  # parses "fusedhead:<name>"
+    return {"backend": backend, "options": dict(options)}
+
+
+class FusedHeadTrainerMixin:
+    """Put before a TRL trainer class: its fused LM heads run on the fusedhead backend named
+    by ``fused_head=`` or by ``args.fused_head_backend``; ``self.fused_head`` is the head."""
+
+    fused_head: FusedHead
+
+    def __init__(self, *args: Any, fused_head: HeadLike = None, **kwargs: Any) -> None:
+        if fused_head is None:  # read (and check) the config before the trainer's costly init
+            bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
+            fused_head = fused_head_from_args(bound.arguments.get("args"))
+        head = resolve_lm_head(fused_head)
+        super().__init__(*args, **kwargs)
+        self.fused_head = head
+        replace_trl_fused_heads(self, head)
+
+
+@dataclass
+class _FusedHeadFields:
+    """The config fields the FusedHead*Config classes add to TRL's."""
+
+    fused_head_backend: str = field(
+        default="torch",
+        metadata={"help": "fusedhead backend: a name ('triton') or 'fusedhead:<name>'."},
+    )
+    fused_head_options: str | None = field(
+        default=None,
+        metadata={"help": "The backend's options as JSON text (or a dict in Python)."},
+    )
+
+
+_BUILT: dict[str, Any] = {}
+_TRAINERS = {"GRPO": "GRPOTrainer", "RLOO": "RLOOTrainer"}
+
+
+def _build(name: str) -> Any:
+    """``FusedHead{GRPO,RLOO}{Trainer,Config}``, made on first use (imports TRL)."""
+    _trl_utils()
+    import trl
+
+    kind, what = name[len("FusedHead") : -len("Trainer")], "Trainer"
+    if name.endswith("Config"):
+        kind, what = name[len("FusedHead") : -len("Config")], "Config"
+    base = getattr(trl, f"{kind}{what}")
+    cls: Any
+    if what == "Config":
+        cls = dataclass(type(name, (base, _FusedHeadFields), {"__module__": __name__}))
+    else:
+        cls = type(name, (FusedHeadTrainerMixin, base), {"__module__": __name__})
+    cls.__doc__ = (
+        f"TRL's {base.__name__} with its fused LM head on a fusedhead backend ({__name__})."
+    )
+    return cls
+
+
+_LAZY = {f"FusedHead{k}{w}" for k in _TRAINERS for w in ("Trainer", "Config")}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _BUILT:
+        _BUILT[name] = _build(name)
+    return _BUILT[name]

@@ -1,0 +1,305 @@
+"""TRL: fusedhead behind TRL's ``add_fused_lm_head`` contract, the backend named by the config.
+
+The acceptance run: ``GRPOTrainer`` for 2 offline steps on a tiny random Llama (reference model
+on, beta > 0) with TRL's own kernel and with ``FusedHeadGRPOTrainer`` on the ``torch`` backend;
+every fused call's log-probs and the logged loss, KL and entropy must agree. The drop-in is also
+checked call by call against TRL's kernel and full float64 logits (gradients, softcap, logit
+scale, ``shift_labels``, MoE auxiliary loss), and for its errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="TRL is not installed (bash scripts/trainers/trl.sh)")
+
+from trl_helpers import make_model_dir, run_grpo
+
+from fusedhead.errors import UnknownBackendError
+from fusedhead.hooks import hookimpl, register_hooks, unregister_hooks
+from fusedhead.integrations import lm_head as lm_head_mod
+from fusedhead.integrations import trl as fh_trl
+
+IGNORE = -100
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    lm_head_mod.clear_cache()
+    yield
+    lm_head_mod.clear_cache()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("trl-model"))
+
+
+def test_grpo_two_steps_match_trls_own_kernel(model_dir: Path, tmp_path: Path) -> None:
+    resolved: list[str] = []
+
+    class Recorder:
+        @hookimpl
+        def fusedhead_backend_resolved(self, name: str) -> None:
+            resolved.append(name)
+
+    rec = Recorder()
+    register_hooks(rec)
+    try:
+        theirs = run_grpo(model_dir, tmp_path / "trl", backend=None)
+        ours = run_grpo(model_dir, tmp_path / "fusedhead", backend="fusedhead:torch")
+    finally:
+        unregister_hooks(rec)
+    assert resolved == ["torch"], "the backend is resolved once, through the provenance hook"
+    trainer = ours["trainer"]
+    assert trainer.fused_head.name == "torch"
+    for model in (trainer.model, trainer.ref_model):
+        # our forward sits under the recorder the helper added; TRL's is no longer reached
+        assert fh_trl.fused_head_of(model.forward.previous) is trainer.fused_head
+
+    tags = [t for t, _ in theirs["calls"]]
+    assert tags == [t for t, _ in ours["calls"]]
+    assert tags.count("ref") == 2 and tags.count("policy") == 2, tags
+    for (tag, a), (_, b) in zip(theirs["calls"], ours["calls"], strict=True):
+        assert a.shape == b.shape
+        err = float((a - b).abs().max())
+        assert err <= 1e-6, f"{tag} call: log-probs differ by {err:.3g}"
+        assert a.abs().max() > 0.5  # real log-probs, not zeros
+    assert len(theirs["logs"]) == len(ours["logs"]) == 2
+    for step, (a, b) in enumerate(zip(theirs["logs"], ours["logs"], strict=True), 1):
+        for key in ("loss", "kl", "entropy"):
+            assert round(a[key], 6) == round(b[key], 6), (step, key, a[key], b[key])
+    assert ours["logs"][1]["kl"] > 1e-4, "step 2 must see a policy that moved from the reference"
+
+
+def _pair(model_dir: Path, **attrs: Any) -> tuple[Any, Any]:
+    """Two copies of the tiny model: one with TRL's fused head, one with fusedhead's."""
+    from transformers import AutoModelForCausalLM
+
+    models = []
+    for _ in range(2):
+        m = AutoModelForCausalLM.from_pretrained(model_dir)
+        for k, v in attrs.items():
+            setattr(m.config, k, v)
+        models.append(m)
+    return models[0], models[1]
+
+
+def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 43, (3, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    mask[2, 7:] = 0  # right padding
+    labels = ids.masked_fill(mask == 0, IGNORE)
+    labels[:, :3] = IGNORE  # a prompt
+    return ids, mask, labels
+
+
+def _grads(model: Any) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.double(), b.double()
+    return float((a64 - b64).norm() / b64.norm().clamp_min(1e-300))
+
+
+def _float64_grads(
+    model_dir: Path,
+    attrs: dict[str, Any],
+    temperature: float,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    labels: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Gradients of the same loss (mean NLL + 0.3 * entropy sum) from float64 full logits."""
+    model, _ = _pair(model_dir, **attrs)
+    model = model.double()
+    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+    z = model.lm_head(hidden) * attrs.get("logit_scale", 1.0)
+    cap = attrs.get("final_logit_softcapping")
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
+    logp = torch.log_softmax(z / temperature, -1)
+    y = labels[:, 1:]
+    valid = y != IGNORE
+    tok = logp.gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    loss = -(tok * valid).sum() / valid.sum() + 0.3 * (ent * valid).sum()
+    loss.backward()
+    return _grads(model)
+
+
+@pytest.mark.parametrize(
+    ("attrs", "temperature"),
+    [({}, 1.0), ({}, 0.7), ({"final_logit_softcapping": 4.0, "logit_scale": 0.5}, 0.9)],
+    ids=["plain", "temperature", "softcap-scale"],
+)
+def test_drop_in_matches_trl_kernel_and_full_logits(
+    model_dir: Path, attrs: dict[str, Any], temperature: float
+) -> None:
+    from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head
+
+    theirs, ours = _pair(model_dir, **attrs)
+    outputs = ("log_probs", "entropy")
+    trl_add_fused_lm_head(theirs, temperature=temperature, outputs=outputs)
+    fh_trl.add_fused_lm_head(ours, temperature=temperature, outputs=outputs, head="torch")
+    ids, mask, labels = _batch()
+    results = []
+    for model in (theirs, ours):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        (out.loss + 0.3 * out.entropy.sum()).backward()
+        results.append((out, _grads(model)))
+    (a, ga), (b, gb) = results
+    assert type(a) is type(b) and b.log_probs.shape == (3, 9)
+    # TRL's kernel multiplies by a rounded 1 / T: at T = 0.7 it is 2.2e-6 from float64 here, where
+    # fusedhead equals full float32 logits (1.3e-6, checked below); at T = 1 the two agree to 1e-6.
+    tol = 1e-6 if temperature == 1.0 else 4e-6
+    torch.testing.assert_close(b.log_probs, a.log_probs, rtol=0, atol=tol)
+    torch.testing.assert_close(b.entropy, a.entropy, rtol=0, atol=tol)
+    torch.testing.assert_close(b.loss, a.loss, rtol=0, atol=1e-6)
+    assert torch.equal(b.label_mask, a.label_mask)
+    assert ga.keys() == gb.keys() and "lm_head.weight" in gb
+    g64 = _float64_grads(model_dir, attrs, temperature, ids, mask, labels)
+    for name in ga:  # fp32 rounding gives ~1e-7 relative; a wrong gradient gives far more
+        assert _rel(gb[name], g64[name]) <= 1e-5, (name, _rel(gb[name], g64[name]))
+        assert _rel(gb[name], ga[name]) <= 1e-5, (name, _rel(gb[name], ga[name]))
+
+    # and both against float64 logits of the same hidden states
+    with torch.no_grad():
+        hidden = ours.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+        z = hidden.double() @ ours.lm_head.weight.double().T * attrs.get("logit_scale", 1.0)
+        cap = attrs.get("final_logit_softcapping")
+        if cap is not None:
+            z = cap * torch.tanh(z / cap)
+        logp = torch.log_softmax(z / temperature, -1)
+        z32 = hidden @ ours.lm_head.weight.T * attrs.get("logit_scale", 1.0)
+        if cap is not None:
+            z32 = cap * torch.tanh(z32 / cap)
+        logp32 = torch.log_softmax(z32 / temperature, -1)  # what the model's own logits give
+    y = labels[:, 1:]
+    want32 = logp32.gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1).masked_fill(y == IGNORE, 0)
+    torch.testing.assert_close(b.log_probs, want32, rtol=0, atol=1e-6)
+    want = logp.gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1).masked_fill(y == IGNORE, 0)
+    want_ent = (-(logp.exp() * logp).sum(-1)).masked_fill(y == IGNORE, 0)
+    torch.testing.assert_close(b.log_probs.double(), want, rtol=0, atol=2e-6)
+    torch.testing.assert_close(b.entropy.double(), want_ent, rtol=0, atol=2e-6)
+    assert torch.all(b.log_probs[y == IGNORE] == 0)
+
+
+def test_shift_labels_num_items_and_plain_forward(model_dir: Path) -> None:
+    from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head
+
+    theirs, ours = _pair(model_dir)
+    trl_add_fused_lm_head(theirs)
+    plain_logits = ours(input_ids=_batch()[0]).logits
+    fh_trl.add_fused_lm_head(ours, head="fusedhead:torch")
+    ids, mask, labels = _batch(1)
+    shifted = torch.roll(labels, -1, dims=1)
+    shifted[:, -1] = IGNORE
+    kw = dict(input_ids=ids, attention_mask=mask, shift_labels=shifted, fused_lm_head=True)
+    a = theirs(**kw, num_items_in_batch=torch.tensor(7))
+    b = ours(**kw, num_items_in_batch=torch.tensor(7))
+    assert b.log_probs.shape == (3, 10) and b.entropy is None  # not asked for
+    torch.testing.assert_close(b.log_probs, a.log_probs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(b.loss, a.loss, rtol=0, atol=1e-6)
+    # without fused_lm_head the model is the one it was (generation is untouched)
+    torch.testing.assert_close(ours(input_ids=_batch()[0]).logits, plain_logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="needs labels"):
+        ours(input_ids=ids, fused_lm_head=True)
+
+
+def test_moe_auxiliary_loss_matches(tmp_path: Path) -> None:
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head
+
+    cfg = MixtralConfig(
+        vocab_size=43,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+    )
+    torch.manual_seed(0)
+    theirs = MixtralForCausalLM(cfg)
+    ours = MixtralForCausalLM(cfg)
+    ours.load_state_dict(theirs.state_dict())
+    trl_add_fused_lm_head(theirs)
+    fh_trl.add_fused_lm_head(ours, head="torch")
+    ids, mask, labels = _batch(2)
+    a = theirs(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    b = ours(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    assert a.aux_loss is not None and b.aux_loss is not None
+    torch.testing.assert_close(b.aux_loss, a.aux_loss, rtol=0, atol=1e-7)
+    torch.testing.assert_close(b.loss, a.loss, rtol=0, atol=1e-6)
+
+
+def test_outputs_fusedhead_does_not_compute_are_refused(model_dir: Path) -> None:
+    _, ours = _pair(model_dir)
+    with pytest.raises(ValueError, match=r"\['is_top1'\].*not computed by fusedhead"):
+        fh_trl.add_fused_lm_head(ours, outputs=("log_probs", "is_top1"), head="torch")
+    with pytest.raises(ValueError, match="not fields TRL knows"):
+        fh_trl.add_fused_lm_head(ours, outputs=("log_prob",), head="torch")
+    with pytest.raises(TypeError, match="outputs must be a tuple"):
+        fh_trl.add_fused_lm_head(ours, outputs="log_probs", head="torch")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="temperature must be a float"):
+        fh_trl.add_fused_lm_head(ours, temperature="1", head="torch")  # type: ignore[arg-type]
+
+
+def test_backend_names_from_the_config_are_strict(model_dir: Path) -> None:
+    _, ours = _pair(model_dir)
+    with pytest.raises(UnknownBackendError, match="'tritonn'") as info:
+        fh_trl.add_fused_lm_head(ours, head="tritonn")
+    assert "torch" in str(info.value)
+    with pytest.raises(ValueError, match="accepted forms"):
+        fh_trl.add_fused_lm_head(ours, head="FusedHead:torch")
+
+    cfg = fh_trl.FusedHeadGRPOConfig(
+        output_dir="unused",
+        fused_head_backend="fusedhead:torch",
+        fused_head_options='{"chunk_rows": 16}',
+        report_to="none",
+        use_cpu=True,
+    )
+    head = fh_trl.fused_head_from_args(cfg)
+    assert head == {"backend": "torch", "options": {"chunk_rows": 16}}
+    assert lm_head_mod.resolve_lm_head(head).options.model_dump()["chunk_rows"] == 16
+    bad = fh_trl.FusedHeadGRPOConfig(
+        output_dir="unused", fused_head_options="{oops", report_to="none", use_cpu=True
+    )
+    with pytest.raises(ValueError, match="fused_head_options is not valid JSON"):
+        fh_trl.fused_head_from_args(bad)
+
+
+def test_trainer_without_the_field_fails_before_building(model_dir: Path) -> None:
+    from trl import GRPOConfig
+
+    args = GRPOConfig(output_dir="unused", report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match="has no fused_head_backend"):
+        fh_trl.FusedHeadGRPOTrainer(model=str(model_dir), reward_funcs=[], args=args)
+    with pytest.raises(AttributeError, match="FusedHeadSFTTrainer"):
+        fh_trl.FusedHeadSFTTrainer  # noqa: B018
+
+
+def test_replace_refuses_a_trainer_without_trls_fused_head(model_dir: Path) -> None:
+    _, ours = _pair(model_dir)
+
+    class NotATrainer:
+        model = ours
+        ref_model = None
+
+    with pytest.raises(RuntimeError, match="no model with TRL's fused LM head"):
+        fh_trl.replace_trl_fused_heads(NotATrainer(), "torch")
