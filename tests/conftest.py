@@ -53,7 +53,7 @@ def fixture_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def site_on_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path], Path]]:
     """``put(site)``: a folder of installed distributions on sys.path (and PYTHONPATH for
     subprocesses) for one test, with the registry's discovery refreshed on entry and exit."""
-    from fusedhead import api, registry
+    from fusedhead import registry
 
     def put(site: Path) -> Path:
         monkeypatch.syspath_prepend(str(site))
@@ -61,12 +61,10 @@ def site_on_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path], P
             "PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
         )
         registry.refresh()
-        api.clear_cache()
         return site
 
     yield put
     registry.refresh()
-    api.clear_cache()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
-from fusedhead.protocol import Capabilities
+from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
 from fusedhead.reference import reference_fused_head
 
 
@@ -54,7 +54,7 @@ class KitRef:
 
     name: ClassVar[str] = "kit-ref"
     Options: ClassVar[type[BaseModel]] = NoOptions
-    plugin_api_version: ClassVar[int] = 1
+    plugin_api_version: ClassVar[int] = 2
     declared: ClassVar[dict[str, Any]] = {
         "deterministic": True,
         "per_token_temperature": True,
@@ -81,7 +81,23 @@ class KitRef:
         t = temperature.unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
         return z / t
 
-    def forward(
+    def forward(self, call: HeadCall) -> HeadOutput:
+        lp, ent = self.compute(
+            call.hidden,
+            call.weight,
+            call.labels,
+            temperature=call.temperature,
+            ignore_index=call.ignore_index,
+            return_entropy=call.return_entropy,
+            process_group=call.process_group,
+            vocab_start=call.vocab_start,
+            vocab_size=call.vocab_size,
+            reduce_hidden_grad=call.reduce_hidden_grad,
+            softcap=call.softcap,
+        )
+        return HeadOutput(lp, ent)
+
+    def compute(
         self,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -165,7 +181,7 @@ class IgnoredNotZeroed(_Plain):
 
 
 class EntropyGradDropped(_Plain):
-    """Wrong: the entropy output is detached, so its gradient never reaches hidden or weight."""
+    """Wrong: the entropy's gradient is zero (still attached to the graph, so only the kit sees it)."""
 
     name: ClassVar[str] = "wrong-entropy-grad"
 
@@ -173,7 +189,7 @@ class EntropyGradDropped(_Plain):
         lp, ent = super().single(
             hidden, weight, labels, temperature, ignore_index, return_entropy, softcap
         )
-        return lp, None if ent is None else ent.detach()
+        return lp, None if ent is None else ent.detach() + 0 * ent
 
 
 class TemperatureMissingInBackward(_Plain):
@@ -230,19 +246,19 @@ ALL: tuple[type, ...] = (KitRef, *WRONG)
 
 
 def register_all() -> None:
-    from fusedhead import api, registry
+    from fusedhead import registry
 
     for cls in ALL:
         registry.register_backend(cls.name, cls, replace=True)
-    api.clear_cache()
+    registry.refresh()
 
 
 def unregister_all() -> None:
-    from fusedhead import api, registry
+    from fusedhead import registry
 
     for cls in ALL:
         registry.unregister_backend(cls.name)
-    api.clear_cache()
+    registry.refresh()
 
 
 def pytest_configure(config: Any) -> None:

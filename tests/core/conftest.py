@@ -9,8 +9,8 @@ import pytest
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from fusedhead import api, registry
-from fusedhead.protocol import Capabilities
+from fusedhead import registry
+from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
 from fusedhead.reference import reference_fused_head
 
 
@@ -24,7 +24,7 @@ class RefBackend:
 
     name: ClassVar[str] = "ref-test"
     Options: ClassVar[type[BaseModel]] = RefOptions
-    plugin_api_version: ClassVar[int] = 1
+    plugin_api_version: ClassVar[int] = 2
     calls: ClassVar[list[dict[str, Any]]] = []
     caps: ClassVar[dict[str, Any]] = {}
 
@@ -37,13 +37,19 @@ class RefBackend:
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         return None
 
-    def forward(
-        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kw: Any
-    ) -> Any:
-        self.calls.append({"hidden": hidden, "weight": weight, "labels": labels, **kw})
-        for key in ("process_group", "vocab_start", "vocab_size", "reduce_hidden_grad"):
-            kw.pop(key)
-        return reference_fused_head(hidden, weight, labels, compute_dtype=torch.float32, **kw)
+    def forward(self, call: HeadCall) -> HeadOutput:
+        self.calls.append({**vars(call), "return_entropy": call.return_entropy})
+        lp, ent = reference_fused_head(
+            call.hidden,
+            call.weight,
+            call.labels,
+            temperature=call.temperature,
+            ignore_index=call.ignore_index,
+            return_entropy=call.return_entropy,
+            softcap=call.softcap,
+            compute_dtype=torch.float32,
+        )
+        return HeadOutput(lp, ent)
 
 
 @pytest.fixture
@@ -51,10 +57,10 @@ def ref_backend() -> Iterator[type[RefBackend]]:
     RefBackend.calls.clear()
     RefBackend.caps = {}
     registry.register_backend("ref-test", RefBackend, replace=True)
-    api.clear_cache()
+    registry.refresh()
     yield RefBackend
     registry.unregister_backend("ref-test")
-    api.clear_cache()
+    registry.refresh()
 
 
 def make_inputs(

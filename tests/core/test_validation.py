@@ -9,6 +9,7 @@ import torch
 
 from fusedhead import fused_head
 from fusedhead.errors import BackendError, CapabilityError
+from fusedhead.protocol import HeadOutput
 
 
 def call(h, w, y, **kw):
@@ -177,8 +178,8 @@ def test_autocast_computes_in_the_autocast_dtype(ref_backend, inputs):
 
 
 def test_a_backend_breaking_the_output_contract_is_caught(ref_backend, inputs, monkeypatch):
-    def bad_forward(self, hidden, weight, labels, **kw):
-        return torch.zeros(labels.shape[0], dtype=torch.float64), None
+    def bad_forward(self, call):
+        return HeadOutput(torch.zeros(call.labels.shape[0], dtype=torch.float64))
 
     monkeypatch.setattr(ref_backend, "forward", bad_forward)
     with pytest.raises(BackendError, match="log_probs must be float32"):

@@ -12,6 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from fusedhead.protocol import call_backend
+
 N, H, V, T = 600, 32, 1000, 0.7
 IGNORE = -100
 BAD_ROW = 5  # gets a label >= V: NaN on every rank, never a crash
@@ -39,7 +41,8 @@ def run(rank: int, world: int, x: dict[str, torch.Tensor], reduce_hidden_grad: b
     local = V // world
     h = x["hidden"].clone().requires_grad_()
     w = x["weight"][rank * local : (rank + 1) * local].clone().requires_grad_()
-    lp, ent = backend.forward(
+    lp, ent = call_backend(
+        backend,
         h,
         w,
         x["labels"],

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fusedhead import registry
 from fusedhead.errors import BackendUnavailableError
+from fusedhead.protocol import call_backend
 from fusedhead.reference import reference_fused_head
 from fusedhead_liger import LigerBackend, LigerOptions
 
@@ -35,7 +37,7 @@ def inputs(seed: int = 0, scale: float = 1.0, dtype: torch.dtype = torch.float32
 def call(
     backend, hidden, weight, labels, *, temperature=0.7, return_entropy=True, ignore_index=IGNORE
 ):
-    return backend.forward(
+    return call_backend(backend,
         hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
         return_entropy=return_entropy, process_group=None, vocab_start=0,
         vocab_size=weight.shape[0], reduce_hidden_grad=True,
@@ -227,7 +229,7 @@ def test_temperature_tensor_and_softcap_are_refused() -> None:
     with pytest.raises(BackendUnavailableError, match="per-token"):
         call(fallback(), hidden, weight, labels, temperature=torch.full((N,), 0.7))
     with pytest.raises(BackendUnavailableError, match="softcap"):
-        fallback().forward(
+        call_backend(fallback(),
             hidden, weight, labels, temperature=1.0, ignore_index=IGNORE, return_entropy=True,
             process_group=None, vocab_start=0, vocab_size=V, reduce_hidden_grad=True, softcap=30.0,
         )  # fmt: skip
@@ -251,7 +253,7 @@ def test_n_equal_one_and_odd_shapes() -> None:
 @pytest.fixture
 def fused_head():
     api = pytest.importorskip("fusedhead.api", reason="the core's fused_head is not there yet")
-    api.clear_cache()
+    registry.refresh()
     return api.fused_head
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fusedhead.errors import BackendUnavailableError
+from fusedhead.protocol import call_backend
 from fusedhead_liger import LigerBackend, LigerOptions, availability
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +40,7 @@ def inputs(dtype=torch.bfloat16):
 
 
 def adapter(backend, h, w, y):
-    return backend.forward(
+    return call_backend(backend,
         h, w, y, temperature=T, ignore_index=-100, return_entropy=True, process_group=None,
         vocab_start=0, vocab_size=w.shape[0], reduce_hidden_grad=True,
     )  # fmt: skip

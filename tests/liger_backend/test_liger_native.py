@@ -15,7 +15,9 @@ import pydantic
 import pytest
 import torch
 
+from fusedhead import registry
 from fusedhead.errors import BackendUnavailableError
+from fusedhead.protocol import call_backend
 from fusedhead_liger import LigerBackend, LigerOptions, _liger, availability
 
 CPU = torch.device("cpu")
@@ -32,7 +34,7 @@ def small():
 
 
 def forward(backend, hidden, weight, labels):
-    return backend.forward(
+    return call_backend(backend,
         hidden, weight, labels, temperature=1.0, ignore_index=-100, return_entropy=True,
         process_group=None, vocab_start=0, vocab_size=weight.shape[0], reduce_hidden_grad=True,
     )  # fmt: skip
@@ -185,7 +187,7 @@ def test_install_hint_names_the_extra() -> None:
 
 def test_core_default_options_raise_the_clear_error() -> None:
     api = pytest.importorskip("fusedhead.api", reason="the core's fused_head is not there yet")
-    api.clear_cache()
+    registry.refresh()
     with pytest.raises(BackendUnavailableError) as info:
         api.fused_head(*small(), backend="liger")
     assert '{"implementation": "fallback"}' in str(info.value)
@@ -238,7 +240,7 @@ def test_native_maps_nll_and_entropy_onto_the_contract(fake_native) -> None:
 
 def test_native_without_entropy(fake_native) -> None:
     hidden, weight, labels = small()
-    lp, ent = LigerBackend().forward(
+    lp, ent = call_backend(LigerBackend(),
         hidden, weight, labels, temperature=0.5, ignore_index=-100, return_entropy=False,
         process_group=None, vocab_start=0, vocab_size=weight.shape[0], reduce_hidden_grad=True,
     )  # fmt: skip
@@ -247,7 +249,7 @@ def test_native_without_entropy(fake_native) -> None:
 
 def test_native_refuses_a_process_group(fake_native) -> None:
     with pytest.raises(BackendUnavailableError, match="liger-cute-kernels") as info:
-        LigerBackend().forward(
+        call_backend(LigerBackend(),
             *small(), temperature=1.0, ignore_index=-100, return_entropy=True,
             process_group=object(), vocab_start=0, vocab_size=11, reduce_hidden_grad=True,
         )  # fmt: skip

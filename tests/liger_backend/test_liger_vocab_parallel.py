@@ -15,6 +15,7 @@ import liger_tp_worker as worker
 import pytest
 import torch
 
+from fusedhead.protocol import call_backend
 from fusedhead.reference import reference_fused_head
 
 pytestmark = pytest.mark.multiprocess
@@ -134,7 +135,7 @@ def test_matches_one_process_of_the_same_backend(ranks: list[dict]) -> None:
     x = worker.full_inputs()
     h = x["hidden"].clone().requires_grad_()
     w = x["weight"].clone().requires_grad_()
-    lp, ent = LigerBackend(LigerOptions(implementation="fallback")).forward(
+    lp, ent = call_backend(LigerBackend(LigerOptions(implementation="fallback")),
         h, w, x["labels"], temperature=worker.T, ignore_index=worker.IGNORE, return_entropy=True,
         process_group=None, vocab_start=0, vocab_size=worker.V, reduce_hidden_grad=True,
     )  # fmt: skip

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch_backend_helpers import Result, assert_close, make_case, run_backend, run_reference
 
+from fusedhead.protocol import call_backend
 from fusedhead_torch import TorchBackend, TorchOptions
 
 DEVICES = [
@@ -70,7 +71,8 @@ def test_an_aten_mm_override_steers_forward_and_backward(
     h = case.hidden.float().to(device).requires_grad_()
     w = case.weight.float().to(device).requires_grad_()
     mm_override.install(scale=2.0)
-    lp, ent = TorchBackend(options).forward(
+    lp, ent = call_backend(
+        TorchBackend(options),
         h,
         w,
         case.labels.to(device),
@@ -110,7 +112,8 @@ def test_backward_computes_only_the_gradients_asked_for(
     h = case.hidden.float().requires_grad_(grad_hidden)
     w = case.weight.float().requires_grad_(grad_weight)
     mm_override.install()
-    lp, ent = TorchBackend(options).forward(
+    lp, ent = call_backend(
+        TorchBackend(options),
         h,
         w,
         case.labels,

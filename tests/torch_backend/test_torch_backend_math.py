@@ -17,6 +17,7 @@ from torch_backend_helpers import (
     run_reference,
 )
 
+from fusedhead.protocol import call_backend
 from fusedhead_torch import TorchBackend, TorchOptions
 
 #: Small tiles whose sizes divide neither N nor V, so every loop has a ragged last tile.
@@ -192,7 +193,8 @@ def test_backward_under_autocast_keeps_the_input_precision() -> None:
     case = make_case(30, 16, 60)
     h = case.hidden.float().requires_grad_()
     w = case.weight.float().requires_grad_()
-    lp, ent = TorchBackend(RAGGED).forward(
+    lp, ent = call_backend(
+        TorchBackend(RAGGED),
         h,
         w,
         case.labels,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from head_cases import IGNORE, Case, Result, case_loss, make_case, rel_err
 
+from fusedhead.protocol import call_backend
 from fusedhead.reference import reference_fused_head
 from fusedhead_torch import TorchBackend, TorchOptions
 
@@ -48,7 +49,8 @@ def run_backend(
     kwargs.update(parallel)
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.to(device=device, dtype=torch.float32)
-    lp, ent = TorchBackend(options or TorchOptions()).forward(
+    lp, ent = call_backend(
+        TorchBackend(options or TorchOptions()),
         h,
         w,
         case.labels.to(device),

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fusedhead.protocol import call_backend
+
 N, H, V = 64, 16, 120
 IGNORE = -100
 BAD_ROW = 5  # gets a label >= V: NaN on every rank, never a crash
@@ -70,7 +72,8 @@ def run_case(
     options = TorchOptions(**OPTIONS, skip_ignored_rows=kwargs.pop("skip_ignored_rows", None))
     h = x["hidden"].clone().requires_grad_()
     w = x["weight"][start:stop].clone().requires_grad_()
-    lp, ent = TorchBackend(options).forward(
+    lp, ent = call_backend(
+        TorchBackend(options),
         h,
         w,
         x["labels"],

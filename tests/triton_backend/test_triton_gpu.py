@@ -7,6 +7,7 @@ import pytest
 import torch
 from triton_backend_helpers import IGNORE, rel_err
 
+from fusedhead.protocol import call_backend
 from fusedhead.reference import reference_fused_head
 from fusedhead.testing import PROPERTIES, Outcome, check_property
 from fusedhead_triton import TritonBackend, TritonOptions
@@ -24,7 +25,7 @@ def _inputs(n: int, h: int, v: int, dtype: torch.dtype, seed: int = 0):
 
 
 def _call(be, h, w, lab, temperature=0.7, softcap=None):
-    return be.forward(
+    return call_backend(be,
         h, w, lab, temperature=temperature, ignore_index=IGNORE, return_entropy=True,
         process_group=None, vocab_start=0, vocab_size=w.shape[0], reduce_hidden_grad=True,
         softcap=softcap,

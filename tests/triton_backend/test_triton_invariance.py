@@ -11,6 +11,7 @@ import pytest
 import torch
 from triton_backend_helpers import IGNORE, SMALL_TILES, make_case
 
+from fusedhead.protocol import call_backend
 from fusedhead_triton import TritonBackend, TritonOptions
 
 N, H, V = 70, 72, 333
@@ -19,7 +20,7 @@ N, H, V = 70, 72, 333
 def _forward(h: torch.Tensor, w: torch.Tensor, lab: torch.Tensor, t: float | torch.Tensor):
     be = TritonBackend(TritonOptions(**SMALL_TILES))
     with torch.no_grad():
-        return be.forward(
+        return call_backend(be,
             h, w, lab, temperature=t, ignore_index=IGNORE, return_entropy=True,
             process_group=None, vocab_start=0, vocab_size=w.shape[0], reduce_hidden_grad=True,
         )  # fmt: skip
@@ -65,7 +66,7 @@ def test_forward_and_backward_are_deterministic() -> None:
         h = case.hidden.float().requires_grad_()
         w = case.weight.float().requires_grad_()
         be = TritonBackend(TritonOptions(**SMALL_TILES, backward_block_mib=1e-3))
-        lp, ent = be.forward(
+        lp, ent = call_backend(be,
             h, w, case.labels, temperature=0.7, ignore_index=IGNORE, return_entropy=True,
             process_group=None, vocab_start=0, vocab_size=V, reduce_hidden_grad=True,
         )  # fmt: skip

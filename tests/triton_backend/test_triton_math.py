@@ -19,6 +19,7 @@ from triton_backend_helpers import (
     run_triton,
 )
 
+from fusedhead.protocol import call_backend
 from fusedhead_triton import TritonBackend, TritonOptions
 
 DTYPES = [torch.float32, torch.float16]
@@ -154,7 +155,7 @@ def test_temperature_tensor_that_requires_grad_is_refused() -> None:
     w = torch.randn(32, 16)
     t = torch.ones(4, requires_grad=True)
     with pytest.raises(ValueError, match="temperature"):
-        be.forward(
+        call_backend(be,
             h, w, torch.zeros(4, dtype=torch.long), temperature=t, ignore_index=IGNORE,
             return_entropy=True, process_group=None, vocab_start=0, vocab_size=32,
             reduce_hidden_grad=True,

@@ -26,6 +26,7 @@ from triton_backend_helpers import (
     sum_slack,
 )
 
+from fusedhead.protocol import call_backend
 from fusedhead_triton import TritonBackend, TritonOptions, launch
 from fusedhead_triton import backend as backend_mod
 from fusedhead_triton.configs import BackendConfigs
@@ -198,7 +199,7 @@ def _run_with_peak(case: Case, options: dict[str, Any]) -> tuple[Result, int]:
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    lp, ent = be.forward(
+    lp, ent = call_backend(be,
         h, w, lab, temperature=0.7, ignore_index=IGNORE, return_entropy=True, process_group=None,
         vocab_start=0, vocab_size=w.shape[0], reduce_hidden_grad=True,
     )  # fmt: skip

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from head_cases import IGNORE, Case, Result, case_loss, make_case, rel_err
 
+from fusedhead.protocol import call_backend
 from fusedhead.reference import reference_fused_head
 from fusedhead_triton import TritonBackend, TritonOptions
 
@@ -40,7 +41,7 @@ def run_triton(
     w = case.weight.to(device=device, dtype=dtype).requires_grad_(grad_weight)
     lab = (case.labels if labels is None else labels).to(device)
     be = TritonBackend(TritonOptions(**(options or {})))
-    lp, ent = be.forward(
+    lp, ent = call_backend(be,
         h, w, lab, temperature=temperature, ignore_index=IGNORE, return_entropy=entropy,
         process_group=None, vocab_start=0, vocab_size=w.shape[0], reduce_hidden_grad=True,
         softcap=softcap,

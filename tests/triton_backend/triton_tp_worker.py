@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from fusedhead.protocol import call_backend
+
 N, H, V = 29, 40, 192
 BAD_ROW = 4  # its label is past the vocabulary: NaN log-prob on every rank
 IGNORE = -100
@@ -57,7 +59,7 @@ def run_case(
     h = x["hidden"].clone().requires_grad_()
     w = x["weight"][lo:hi].clone().requires_grad_()
     temp = x["temps"] if per_token else 0.7
-    lp, ent = TritonBackend(TritonOptions(**TILES)).forward(
+    lp, ent = call_backend(TritonBackend(TritonOptions(**TILES)),
         h, w, x["labels"], temperature=temp, ignore_index=IGNORE, return_entropy=entropy,
         process_group=group, vocab_start=lo, vocab_size=V, reduce_hidden_grad=reduce,
         softcap=softcap,

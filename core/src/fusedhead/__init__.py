@@ -18,6 +18,9 @@ _LAZY = {
     "register_backend": "fusedhead.registry",
     "unregister_backend": "fusedhead.registry",
     "Capabilities": "fusedhead.protocol",
+    "HeadCall": "fusedhead.protocol",
+    "HeadOutput": "fusedhead.protocol",
+    "refresh": "fusedhead.registry",
     "FusedHeadBackend": "fusedhead.protocol",
     "PLUGIN_API_VERSION": "fusedhead.protocol",
     "reference_fused_head": "fusedhead.reference",
@@ -32,9 +35,12 @@ __all__ = [
     "FusedHeadConfig",
     "FusedHeadOutput",
     "FusedLMHead",
+    "HeadCall",
+    "HeadOutput",
     "__version__",
     "fused_head",
     "reference_fused_head",
+    "refresh",
     "register_backend",
     "unregister_backend",
 ]
@@ -43,9 +49,15 @@ if TYPE_CHECKING:
     from fusedhead.api import FusedHead, FusedHeadOutput, fused_head
     from fusedhead.config import FusedHeadConfig
     from fusedhead.module import FusedLMHead
-    from fusedhead.protocol import PLUGIN_API_VERSION, Capabilities, FusedHeadBackend
+    from fusedhead.protocol import (
+        PLUGIN_API_VERSION,
+        Capabilities,
+        FusedHeadBackend,
+        HeadCall,
+        HeadOutput,
+    )
     from fusedhead.reference import reference_fused_head
-    from fusedhead.registry import register_backend, unregister_backend
+    from fusedhead.registry import refresh, register_backend, unregister_backend
 
 
 def __getattr__(name: str) -> Any:

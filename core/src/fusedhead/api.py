@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from pydantic import BaseModel
 
 from fusedhead import registry
 from fusedhead.config import FusedHeadConfig, validate_options
-from fusedhead.errors import BackendError, BackendUnavailableError, CapabilityError
+from fusedhead.errors import (
+    BackendContractError,
+    BackendError,
+    BackendUnavailableError,
+    CapabilityError,
+)
 from fusedhead.hooks import plugin_manager
-from fusedhead.protocol import Capabilities
-from fusedhead.validation import Call, dtype_name, validate
+from fusedhead.protocol import OUTPUTS, Capabilities, HeadCall, HeadOutput
+from fusedhead.validation import dtype_name, validate
 
 
 class FusedHeadOutput(NamedTuple):
@@ -35,22 +41,25 @@ class FusedHead:
             config = FusedHeadConfig(**overrides)
         elif isinstance(config, Mapping):
             config = FusedHeadConfig.from_dict({**config, **overrides})
-        elif overrides:
-            config = FusedHeadConfig.from_dict({**config.to_dict(), **overrides})
-        if not isinstance(config, FusedHeadConfig):
+        elif isinstance(config, FusedHeadConfig):
+            if overrides:
+                config = FusedHeadConfig.from_dict({**config.to_dict(), **overrides})
+        else:
             raise TypeError(
                 f"config must be a FusedHeadConfig or a mapping, got {type(config).__name__}"
             )
         self.config = config
         cand = registry.find(config.backend)
         cls = registry.load_class(config.backend)
-        self.options = validate_options(config.backend, cls, config.options)
-        self.backend = cls(self.options)
         self.distribution = cand.distribution
         self.version = cand.version
+        self.options = validate_options(config.backend, cls, config.options)
+        with self._identified():
+            self.backend = cls(self.options)
         self._caps: dict[tuple[torch.device, torch.dtype], Capabilities] = {}
         device = torch.device(config.device) if config.device else registry.default_device()
-        caps = self.backend.capabilities(device)
+        with self._identified():
+            caps = self.backend.capabilities(device)
         self._check_required(caps, device)
         plugin_manager().hook.fusedhead_backend_resolved(
             name=config.backend,
@@ -67,17 +76,42 @@ class FusedHead:
     def __repr__(self) -> str:
         return f"FusedHead(backend={self.name!r}, distribution={self.distribution!r}, version={self.version!r})"
 
+    def _identity(self) -> dict[str, str | None]:
+        return {"backend": self.name, "distribution": self.distribution, "version": self.version}
+
+    @contextmanager
+    def _identified(self, what: str | None = None) -> Iterator[None]:
+        """Errors from the backend carry its identity; with ``what``, other exceptions become
+        ``BackendContractError`` (a backend method that must only raise ``BackendError``)."""
+        try:
+            yield
+        except BackendError as exc:
+            raise exc.attach(**self._identity()) from None
+        except Exception as exc:
+            if what is None:
+                raise
+            raise BackendContractError(
+                f"{what} raised {type(exc).__name__}: {exc}",
+                hint="a backend's check() must raise fusedhead.errors.BackendUnavailableError with "
+                "the reason and the fix; report this to the backend's authors",
+                **self._identity(),
+            ) from exc
+
     def capabilities(self, device: torch.device | str) -> Capabilities:
         """The backend's capabilities on ``device``."""
-        caps: Capabilities = self.backend.capabilities(torch.device(device))
+        with self._identified():
+            caps: Capabilities = self.backend.capabilities(torch.device(device))
         return caps
 
     def _check_required(self, caps: Capabilities, device: torch.device) -> None:
         missing = [c for c in self.config.require if not getattr(caps, c, False)]
         if missing:
             raise CapabilityError(
-                f"backend {self.name!r} does not declare required capabilities {missing} on {device}; "
-                "fusedhead never picks another backend for you: choose one that declares them or drop the requirement"
+                f"does not declare the required capabilities {missing} on {device}",
+                capability=missing[0],
+                hint="fusedhead never picks another backend for you: choose one that declares "
+                "them, or drop the requirement",
+                **self._identity(),
             )
 
     def _ready(self, device: torch.device, dtype: torch.dtype) -> Capabilities:
@@ -85,15 +119,23 @@ class FusedHead:
         key = (device, dtype)
         caps = self._caps.get(key)
         if caps is None:
-            self.backend.check(device, dtype)  # first: its message carries the reason and the fix
-            caps = self.backend.capabilities(device)
+            with self._identified("check()"):
+                self.backend.check(
+                    device, dtype
+                )  # first: its message carries the reason and the fix
+            caps = self.capabilities(device)
             if device.type not in caps.devices:
                 raise BackendUnavailableError(
-                    f"backend {self.name!r} does not run on device type {device.type!r} (it declares {list(caps.devices)})"
+                    f"does not run on device type {device.type!r} (it declares {list(caps.devices)})",
+                    hint=f"move hidden and weight to one of {list(caps.devices)}, or name a backend "
+                    f"that runs on {device.type!r}",
+                    **self._identity(),
                 )
             if dtype_name(dtype) not in caps.dtypes:
                 raise BackendUnavailableError(
-                    f"backend {self.name!r} does not take {dtype} inputs (it declares {list(caps.dtypes)})"
+                    f"does not take {dtype} inputs (it declares {list(caps.dtypes)})",
+                    hint=f"cast hidden and weight to one of {list(caps.dtypes)}",
+                    **self._identity(),
                 )
             self._check_required(caps, device)
             self._caps[key] = caps
@@ -116,14 +158,13 @@ class FusedHead:
         softcap: float | None = None,
     ) -> FusedHeadOutput:
         cfg = self.config
-        return_entropy = cfg.return_entropy if return_entropy is None else return_entropy
-        call = validate(
+        call, shape = validate(
             hidden,
             weight,
             labels,
             temperature=cfg.temperature if temperature is None else temperature,
             ignore_index=cfg.ignore_index if ignore_index is None else ignore_index,
-            return_entropy=return_entropy,
+            return_entropy=cfg.return_entropy if return_entropy is None else return_entropy,
             process_group=process_group,
             vocab_start=vocab_start,
             vocab_size=vocab_size,
@@ -131,82 +172,116 @@ class FusedHead:
             check_labels=cfg.check_labels if check_labels is None else check_labels,
             softcap=cfg.softcap if softcap is None else softcap,
         )
-        caps = self._ready(call.hidden.device, call.hidden.dtype)
-        self._check_call_capabilities(call, caps, process_group)
+        h = call.hidden
+        caps = self._ready(h.device, h.dtype)
+        self._check_call_capabilities(call, caps)
         if call.labels.numel() == 0:
-            return _empty(call, return_entropy)
-        extra: dict[str, Any] = {} if call.softcap is None else {"softcap": call.softcap}
-        dev = call.hidden.device.type
-        with (
-            torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else _nullcontext()
-        ):
-            log_probs, entropy = self.backend.forward(
-                call.hidden,
-                call.weight,
-                call.labels,
-                temperature=call.temperature,
-                ignore_index=cfg.ignore_index if ignore_index is None else ignore_index,
-                return_entropy=return_entropy,
-                process_group=process_group,
-                vocab_start=call.vocab_start,
-                vocab_size=call.vocab_size,
-                reduce_hidden_grad=reduce_hidden_grad,
-                **extra,
-            )
-        n = call.labels.shape[0]
-        self._check_output("log_probs", log_probs, n)
-        if return_entropy:
-            self._check_output("entropy", entropy, n)
-            assert entropy is not None
-            entropy = _shaped(entropy, call.out_shape)
+            return _empty(call, shape)
+        dev = h.device.type
+        if dev in _AUTOCAST_DEVICES and torch.is_autocast_enabled(dev):
+            with torch.autocast(dev, enabled=False), self._identified():
+                out = self.backend.forward(call)
         else:
-            entropy = None
-        return FusedHeadOutput(_shaped(log_probs, call.out_shape), entropy)
+            with self._identified():
+                out = self.backend.forward(call)
+        self._check_output(call, out)
+        entropy = out.entropy
+        return FusedHeadOutput(
+            _shaped(out.log_probs, shape), None if entropy is None else _shaped(entropy, shape)
+        )
 
-    def _check_call_capabilities(self, call: Call, caps: Capabilities, process_group: Any) -> None:
-        if isinstance(call.temperature, torch.Tensor) and not caps.per_token_temperature:
+    def _check_call_capabilities(self, call: HeadCall, caps: Capabilities) -> None:
+        if call.temperature.__class__ is not float and not caps.per_token_temperature:
             raise CapabilityError(
-                f"backend {self.name!r} does not support a per-token temperature tensor "
-                "(capability per_token_temperature); pass a float or use a backend that declares it, e.g. 'torch'"
+                "does not support a per-token temperature tensor",
+                capability="per_token_temperature",
+                hint="pass a float, or name a backend that declares per_token_temperature, e.g. 'torch'",
+                **self._identity(),
             )
         if call.softcap is not None and not caps.softcap:
             raise CapabilityError(
-                f"backend {self.name!r} does not support softcap (capability softcap); use one that declares it, e.g. 'torch'"
+                "does not support softcap",
+                capability="softcap",
+                hint="name a backend that declares softcap, e.g. 'torch'",
+                **self._identity(),
             )
-        if process_group is not None:
+        missing = call.outputs.difference(caps.outputs)
+        if missing:
+            raise CapabilityError(
+                f"does not compute the requested outputs {sorted(missing)} (it declares "
+                f"{list(caps.outputs)})",
+                capability=sorted(missing)[0],
+                hint="drop them from the call, or name a backend that declares them",
+                **self._identity(),
+            )
+        group = call.process_group
+        if group is not None:
             if not caps.vocab_parallel:
                 raise CapabilityError(
-                    f"backend {self.name!r} does not support process_group (capability vocab_parallel)"
+                    "does not support process_group",
+                    capability="vocab_parallel",
+                    hint="name a backend that declares vocab_parallel, e.g. 'torch' or 'triton'",
+                    **self._identity(),
                 )
             if not caps.uneven_shards:
                 import torch.distributed as dist
 
                 v = call.weight.shape[0]
-                rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+                rank, world = dist.get_rank(group), dist.get_world_size(group)
                 if (call.vocab_start, call.vocab_size) != (rank * v, world * v):
                     raise CapabilityError(
-                        f"backend {self.name!r} needs equal contiguous vocabulary shards (capability uneven_shards); "
-                        f"got vocab_start={call.vocab_start}, vocab_size={call.vocab_size} for {v} local rows on rank {rank} of {world}"
+                        f"needs equal contiguous vocabulary shards; got vocab_start={call.vocab_start}, "
+                        f"vocab_size={call.vocab_size} for {v} local rows on rank {rank} of {world}",
+                        capability="uneven_shards",
+                        hint="shard the vocabulary evenly, or name a backend that declares uneven_shards",
+                        **self._identity(),
                     )
 
-    def _check_output(self, what: str, out: object, n: int) -> None:
-        if (
-            not isinstance(out, torch.Tensor)
-            or out.dtype != torch.float32
-            or tuple(out.shape) != (n,)
-        ):
-            got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else repr(out)
-            raise BackendError(
-                f"backend {self.name!r} broke the contract: {what} must be float32 [{n}], got {got}"
+    def _check_output(self, call: HeadCall, out: object) -> None:
+        """The backend's output against the contract; any breach is a ``BackendContractError``."""
+        if out.__class__ is not HeadOutput and not isinstance(out, HeadOutput):
+            self._broke(
+                f"forward() must return a fusedhead.protocol.HeadOutput, got {_describe(out)}"
             )
+        n = call.labels.shape[0]
+        h, w = call.hidden, call.weight
+        needs_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
+        for what in (o for o in OUTPUTS if o in call.outputs):
+            t = getattr(out, what)
+            if not isinstance(t, torch.Tensor):
+                self._broke(
+                    f"{what} was requested and must be a float32 [{n}] tensor, got {_describe(t)}"
+                )
+            if t.dtype != torch.float32 or t.shape != (n,) or t.device != h.device:
+                self._broke(
+                    f"{what} must be float32 [{n}] on {h.device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+                )
+            if needs_grad and not t.requires_grad:
+                self._broke(
+                    f"{what} does not require grad although hidden or weight does: the backend "
+                    "detached it, so no gradient would reach the model"
+                )
+        if "entropy" not in call.outputs and out.entropy is not None:
+            self._broke("entropy was not requested and must be None")
+
+    def _broke(self, reason: str) -> NoReturn:
+        raise BackendContractError(
+            f"broke the plugin contract: {reason}",
+            hint="report this to the backend's authors; `fusedhead check NAME` runs the conformance kit",
+            **self._identity(),
+        )
 
 
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    if isinstance(value, tuple):
+        return f"a {len(value)}-tuple"
+    return f"{type(value).__name__} {value!r}"[:120]
 
-    def __exit__(self, *exc: object) -> None:
-        return None
+
+#: Device types with an autocast mode (``torch.is_autocast_enabled`` raises for others, e.g. meta).
+_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "xla", "mtia", "ipu"})
 
 
 def _shaped(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -216,11 +291,11 @@ def _shaped(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return out.reshape(shape).clone()
 
 
-def _empty(call: Call, return_entropy: bool) -> FusedHeadOutput:
+def _empty(call: HeadCall, shape: tuple[int, ...]) -> FusedHeadOutput:
     """N = 0: empty fp32 outputs that still belong to the autograd graph (zero gradients)."""
     zero = call.hidden.sum(-1).float() * 0 + call.weight.sum().float() * 0
-    out = _shaped(zero, call.out_shape)
-    return FusedHeadOutput(out, out.clone() if return_entropy else None)
+    out = _shaped(zero, shape)
+    return FusedHeadOutput(out, out.clone() if call.return_entropy else None)
 
 
 _cache: dict[tuple[str, str], FusedHead] = {}
@@ -253,9 +328,30 @@ def get_fused_head(backend: str, options: Mapping[str, Any] | BaseModel | None =
     return head
 
 
-def clear_cache() -> None:
-    """Forget resolved backends (after registry changes in tests or notebooks)."""
-    _cache.clear()
+def cached_head(config: FusedHeadConfig | Mapping[str, Any] | FusedHead | None) -> FusedHead:
+    """The process-wide ``FusedHead`` for a whole configuration (integrations call this per step)."""
+    if isinstance(config, FusedHead):
+        return config
+    if config is None:
+        config = FusedHeadConfig()
+    elif isinstance(config, Mapping):
+        config = FusedHeadConfig.from_dict(config)
+    elif not isinstance(config, FusedHeadConfig):
+        raise TypeError(
+            "config must be a FusedHeadConfig, a mapping, a FusedHead or None, "
+            f"got {type(config).__name__}"
+        )
+    key = ("config", json.dumps(config.to_dict(), sort_keys=True, default=repr))
+    head = _cache.get(key)
+    if head is None:
+        with _lock:
+            head = _cache.get(key)
+            if head is None:
+                head = _cache[key] = FusedHead(config)
+    return head
+
+
+registry.on_refresh(_cache.clear)
 
 
 def fused_head(
@@ -278,7 +374,7 @@ def fused_head(
     """Log-prob of each label and entropy of each row of ``hidden @ weight.T / temperature``.
 
     ``hidden [..., H]``, ``weight [V, H]``, ``labels [...]``; outputs fp32 of the labels' shape.
-    The backend is the one named, always; see DESIGN.md for the full contract.
+    The backend is the one named, always; docs/design.md states the full contract.
     """
     if not isinstance(backend, str):
         raise TypeError(

@@ -85,6 +85,10 @@ class UnknownBackendError(BackendError, KeyError):
 
     status = "unknown"
 
+    @property
+    def where(self) -> str:  # the reason names the unknown backend itself
+        return ""
+
     def __str__(self) -> str:  # KeyError would quote the message
         return self.message
 

@@ -1,13 +1,18 @@
-"""The plugin API: what a backend distribution implements, and the capabilities it declares.
+"""The plugin API (version 2): what a backend distribution implements, and what it declares.
 
-A backend is a class registered under the entry-point group ``fusedhead.backends``; the entry-point
-name is the backend name. The core validates every call before a backend sees it, so ``forward``
-receives 2-D ``hidden [N, H]``, ``weight [V_local, H]`` of the same dtype and device, 1-D int64
-``labels [N]``, and resolved ``vocab_start``/``vocab_size`` integers.
+A backend is a class registered under the entry-point group ``fusedhead.backends``; the
+entry-point name is the backend name. The core validates every call and hands the backend one
+frozen :class:`HeadCall` (2-D ``hidden [N, H]``, ``weight [V_local, H]`` of one dtype and device,
+1-D int64 ``labels [N]``, resolved shard bounds, the requested outputs); the backend returns one
+:class:`HeadOutput`. New outputs become new fields of both, never a new signature.
+
+Version 1 (a 13-argument ``forward``) is refused with ``IncompatibleBackendError``: no v1 backend
+was ever published outside this repository, so 1.x carries no shim.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
@@ -16,12 +21,15 @@ if TYPE_CHECKING:
     import torch
 
 #: Version of the plugin API this core speaks. A backend declares ``plugin_api_version``.
-PLUGIN_API_VERSION = 1
+PLUGIN_API_VERSION = 2
 #: Inclusive window of plugin API versions this core can load.
-SUPPORTED_PLUGIN_API = (1, 1)
+SUPPORTED_PLUGIN_API = (2, 2)
 
 Precision = Literal["fp32", "fp16", "bf16"]
 DTypeName = Literal["fp32", "fp16", "bf16"]
+
+#: Outputs a call may request. ``log_probs`` is always computed.
+OUTPUTS: tuple[str, ...] = ("log_probs", "entropy")
 
 
 class Capabilities(BaseModel):
@@ -31,6 +39,8 @@ class Capabilities(BaseModel):
 
     devices: tuple[str, ...] = ("cpu",)
     dtypes: tuple[DTypeName, ...] = ("fp32", "fp16", "bf16")
+    #: Outputs the backend computes (``log_probs`` always); a call asking for another is refused.
+    outputs: tuple[str, ...] = ("log_probs", "entropy")
     vocab_parallel: bool = False
     #: Forward and backward give the same bits run to run.
     deterministic: bool = False
@@ -63,9 +73,73 @@ class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+@dataclass(frozen=True)
+class HeadCall:
+    """One validated call, as every backend receives it."""
+
+    hidden: torch.Tensor  #: [N, H]
+    weight: torch.Tensor  #: [V_local, H], hidden's dtype and device
+    labels: torch.Tensor  #: [N] int64, contiguous; ``ignore_index`` rows give 0
+    temperature: float | torch.Tensor  #: a float > 0, or fp32 [N] (never differentiated)
+    softcap: float | None  #: ``c * tanh(z / c)`` before the temperature division
+    ignore_index: int
+    vocab_start: int  #: first global vocabulary id of ``weight``'s rows
+    vocab_size: int  #: the global vocabulary size (``V_local`` without a process group)
+    process_group: Any  #: None, or the group the vocabulary is sharded over
+    reduce_hidden_grad: bool  #: all-reduce the hidden gradient over ``process_group``
+    outputs: frozenset[str]  #: requested outputs, a subset of :data:`OUTPUTS`
+
+    @property
+    def return_entropy(self) -> bool:
+        """Whether the entropy was asked for."""
+        return "entropy" in self.outputs
+
+    @classmethod
+    def make(
+        cls,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        temperature: float | torch.Tensor = 1.0,
+        ignore_index: int = -100,
+        return_entropy: bool = True,
+        process_group: Any = None,
+        vocab_start: int = 0,
+        vocab_size: int | None = None,
+        reduce_hidden_grad: bool = True,
+        softcap: float | None = None,
+    ) -> HeadCall:
+        """A call with defaults, for a backend's own unit tests (the core validates real calls)."""
+        return cls(
+            hidden=hidden,
+            weight=weight,
+            labels=labels,
+            temperature=temperature,
+            softcap=softcap,
+            ignore_index=ignore_index,
+            vocab_start=vocab_start,
+            vocab_size=weight.shape[0] if vocab_size is None else vocab_size,
+            process_group=process_group,
+            reduce_hidden_grad=reduce_hidden_grad,
+            outputs=frozenset({"log_probs", "entropy"} if return_entropy else {"log_probs"}),
+        )
+
+
+@dataclass(frozen=True)
+class HeadOutput:
+    """What ``forward`` returns: fp32 ``[N]`` tensors, differentiable in hidden and weight.
+
+    A field is set exactly when its output was requested (``log_probs`` always).
+    """
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+
+
 @runtime_checkable
 class FusedHeadBackend(Protocol):
-    """A named implementation of the fused LM-head log-prob/entropy computation."""
+    """A named implementation of the fused LM-head computation (plugin API version 2)."""
 
     name: ClassVar[str]
     Options: ClassVar[type[BaseModel]]  # extra fields forbidden
@@ -81,19 +155,22 @@ class FusedHeadBackend(Protocol):
         """Raise ``BackendUnavailableError`` (with the reason and the fix) if it cannot run here."""
         ...
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        temperature: float | torch.Tensor,
-        ignore_index: int,
-        return_entropy: bool,
-        process_group: Any,
-        vocab_start: int,
-        vocab_size: int,
-        reduce_hidden_grad: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return fp32 ``log_probs [N]`` and ``entropy [N]`` (or None), differentiable."""
+    def forward(self, call: HeadCall) -> HeadOutput:
+        """The requested outputs of ``call``, fp32 ``[N]``, differentiable."""
         ...
+
+
+def call_backend(
+    backend: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``backend.forward(HeadCall.make(...))`` as ``(log_probs, entropy)``: tests and tools."""
+    out = backend.forward(HeadCall.make(hidden, weight, labels, **kwargs))
+    return out.log_probs, out.entropy
+
+
+#: Each method a backend class must define, with its parameters after ``self``.
+METHOD_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "capabilities": ("device",),
+    "check": ("device", "dtype"),
+    "forward": ("call",),
+}

@@ -11,9 +11,11 @@ import difflib
 import functools
 import importlib
 import importlib.metadata as md
+import importlib.util
+import inspect
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -35,6 +37,12 @@ FIRST_PARTY_EXTRAS = {
     "torch": "fusedhead[torch]",
     "triton": "fusedhead[triton]",
     "liger": "fusedhead[liger]",
+}
+#: Reserved names: each may only come from the project's own distribution (normalized name).
+RESERVED_NAMES = {
+    "torch": "fusedhead-torch",
+    "triton": "fusedhead-triton",
+    "liger": "fusedhead-liger",
 }
 
 
@@ -124,14 +132,29 @@ def _discover_entry_points() -> tuple[Candidate, ...]:
     return tuple(sorted(found, key=lambda c: (c.name, _normalize(c.distribution or ""))))
 
 
+_refresh_callbacks: list[Callable[[], None]] = []
+
+
+def on_refresh(callback: Callable[[], None]) -> None:
+    """Have :func:`refresh` call ``callback`` (a module's cache of resolved heads, say)."""
+    _refresh_callbacks.append(callback)
+
+
 def refresh() -> None:
-    """Forget cached discovery (after installing or removing a distribution in this process)."""
+    """Forget every cache: discovery, loaded classes, resolved heads, hook plugins.
+
+    Call it after installing or removing a distribution in this process, or after changing
+    ``FUSEDHEAD_BACKENDS``. ``importlib.invalidate_caches`` also clears importlib.metadata's
+    directory listings.
+    """
     _discover_entry_points.cache_clear()
     _load_class.cache_clear()
     importlib.invalidate_caches()
-    clear = getattr(getattr(getattr(md, "FastPath", None), "__new__", None), "cache_clear", None)
-    if clear is not None:  # importlib.metadata caches directory listings
-        clear()
+    for callback in _refresh_callbacks:
+        callback()
+    from fusedhead.hooks import reload_entry_points
+
+    reload_entry_points()
 
 
 def candidates() -> dict[str, list[Candidate]]:
@@ -159,16 +182,29 @@ def register_backend(name: str, cls: type, *, replace: bool = False) -> None:
         raise ValueError(
             f"name {name!r} must equal the class attribute {cls.__qualname__}.name ({cls_name!r})"
         )
+    if name in RESERVED_NAMES:
+        raise BackendConflictError(
+            f"cannot register {cls.__qualname__} in-process as {name!r}: the name is reserved for "
+            f"the first-party distribution {RESERVED_NAMES[name]}",
+            backend=name,
+            claimants=(f"registered in-process ({cls.__module__}:{cls.__qualname__})",),
+            hint="register it under another name",
+        )
     installed = [c for c in _discover_entry_points() if c.name == name]
     if installed:
         raise BackendConflictError(
-            f"cannot register backend {name!r} in-process: it is installed by "
-            + ", ".join(c.origin for c in installed)
+            "cannot be registered in-process: it is installed by "
+            + ", ".join(c.origin for c in installed),
+            backend=name,
+            claimants=tuple(c.origin for c in installed),
+            hint="register it under another name, or uninstall the distribution",
         )
     if name in _registered and not replace:
         raise BackendConflictError(
-            f"backend {name!r} is already registered in-process ({_registered[name].value}); "
-            "pass replace=True to replace it"
+            f"is already registered in-process ({_registered[name].value})",
+            backend=name,
+            claimants=(_registered[name].origin,),
+            hint="pass replace=True to replace it",
         )
     value = f"{cls.__module__}:{cls.__qualname__}"
     _registered[name] = Candidate(name, value, cls=cls)
@@ -177,9 +213,15 @@ def register_backend(name: str, cls: type, *, replace: bool = False) -> None:
 def unregister_backend(name: str) -> None:
     """Remove an in-process registration; installed entry points cannot be removed."""
     if name not in _registered:
-        raise UnknownBackendError(f"backend {name!r} is not registered in-process")
+        raise UnknownBackendError(
+            "is not registered in-process",
+            backend=name,
+            hint="installed entry points are removed by uninstalling their distribution",
+        )
     del _registered[name]
     _load_class.cache_clear()
+    for callback in _refresh_callbacks:  # heads resolved to the removed class go too
+        callback()
 
 
 def _check_name(name: object) -> None:
@@ -213,25 +255,67 @@ def unknown_name_message(name: str, available: Iterable[str]) -> str:
     return msg
 
 
+def _reserved_violation(cand: Candidate) -> str | None:
+    """Why ``cand`` may not claim its name (a reserved name from another distribution), or None."""
+    owner = RESERVED_NAMES.get(cand.name)
+    if owner is None or _normalize(cand.distribution or "") == owner:
+        return None
+    return (
+        f"the name {cand.name!r} is reserved for the first-party distribution {owner}, "
+        f"and {cand.origin} claims it"
+    )
+
+
+def _name_violation(cand: Candidate) -> str | None:
+    if NAME_PATTERN.match(cand.name):
+        return None
+    return (
+        f"entry-point name {cand.name!r} of {cand.origin} breaks the name rule "
+        "(lowercase [a-z0-9_-]+); its distribution must rename it"
+    )
+
+
+def _claims(name: str, claims: list[Candidate]) -> list[Candidate]:
+    """The claims that may hold ``name``: a reserved name's owner wins over third parties."""
+    return [c for c in claims if _reserved_violation(c) is None]
+
+
 def find(name: str) -> Candidate:
-    """The one candidate for exactly ``name``; unknown and conflicting names raise."""
+    """The one candidate for exactly ``name``; unknown, reserved and conflicting names raise."""
     _check_name(name)
     table = candidates()
     claims = table.get(name)
     if not claims:
-        raise UnknownBackendError(unknown_name_message(name, table))
-    if len(claims) > 1:
+        raise UnknownBackendError(unknown_name_message(name, table), backend=name)
+    allowed = _claims(name, claims)
+    if not allowed:
+        bad = claims[0]
         raise BackendConflictError(
-            f"backend {name!r} is claimed by {len(claims)} distributions: "
-            + "; ".join(c.origin for c in claims)
-            + ". Uninstall one of them; fusedhead never picks one for you."
+            _reserved_violation(bad) or "reserved",
+            backend=name,
+            distribution=bad.distribution,
+            version=bad.version,
+            claimants=tuple(c.origin for c in claims),
+            hint=f"install the first-party backend with pip install '{FIRST_PARTY_EXTRAS[name]}' "
+            f"and uninstall {bad.distribution}",
         )
-    return claims[0]
+    if len(allowed) > 1:
+        raise BackendConflictError(
+            f"is claimed by {len(allowed)} distributions: " + "; ".join(c.origin for c in allowed),
+            backend=name,
+            claimants=tuple(c.origin for c in allowed),
+            hint="uninstall all but one of them; fusedhead never picks one for you",
+        )
+    return allowed[0]
 
 
 def load_class(name: str) -> type[Any]:
     """Import and check the backend class selected by exactly ``name``."""
     return _load_class(find(name))
+
+
+def _fields(cand: Candidate) -> dict[str, Any]:
+    return {"backend": cand.name, "distribution": cand.distribution, "version": cand.version}
 
 
 @functools.cache
@@ -243,74 +327,157 @@ def _load_class(cand: Candidate) -> type[Any]:
         try:
             cls = cand.entry_point.load()
         except ImportError as exc:
-            missing = getattr(exc, "name", None)
-            dist = f"{cand.distribution} {cand.version}"
-            raise MissingDependencyError(
-                f"backend {cand.name!r} ({dist}) could not be imported: {type(exc).__name__}: {exc}. "
-                + (
-                    f"Install the missing package {missing!r}"
-                    if missing
-                    else "Install its missing dependency"
-                )
-                + (
-                    f" or reinstall with pip install '{FIRST_PARTY_EXTRAS[cand.name]}'."
-                    if cand.name in FIRST_PARTY_EXTRAS
-                    else "."
-                )
-            ) from exc
+            raise _import_error(cand, exc) from exc
         except Exception as exc:
             raise BackendLoadError(
-                f"backend {cand.name!r} ({cand.distribution} {cand.version}, entry point {cand.value}) "
-                f"failed to import: {type(exc).__name__}: {exc}"
+                f"entry point {cand.value} failed to import: {type(exc).__name__}: {exc}",
+                hint="report this to the backend's authors",
+                **_fields(cand),
             ) from exc
-    _check_class(cand, cls)
+    verify_backend_class(cls, **_fields(cand))
     return cls
 
 
-def _check_class(cand: Candidate, cls: Any) -> None:
+def _import_error(cand: Candidate, exc: ImportError) -> Exception:
+    """A missing package becomes ``MissingDependencyError``; a missing name, ``BackendLoadError``."""
+    reinstall = (
+        f"pip install '{FIRST_PARTY_EXTRAS[cand.name]}'"
+        if cand.name in FIRST_PARTY_EXTRAS
+        else f"reinstall {cand.distribution}"
+    )
+    missing = getattr(exc, "name", None)
+    top = missing.split(".")[0] if missing else None
+    if isinstance(exc, ModuleNotFoundError) and top:
+        try:
+            present = importlib.util.find_spec(top) is not None
+        except (ImportError, ValueError):
+            present = False
+        if not present:
+            return MissingDependencyError(
+                f"could not be imported: the package {top!r} is not installed ({exc})",
+                missing=top,
+                hint=f"pip install {top}, or {reinstall} to get its dependencies",
+                **_fields(cand),
+            )
+    return BackendLoadError(
+        f"could not be imported: {type(exc).__name__}: {exc}",
+        hint=f"the installed packages do not match what {cand.distribution or 'the backend'} was "
+        f"built for; upgrade fusedhead and the backend together, or {reinstall}",
+        **_fields(cand),
+    )
+
+
+def verify_backend_class(cls: Any, **fields: Any) -> None:
+    """Check a backend class's shape against the plugin API, as pluggy checks hook implementations.
+
+    Attributes (``name``, ``plugin_api_version``, ``Options``), and each method's parameters
+    (``__init__(options)``, ``capabilities(device)``, ``check(device, dtype)``, ``forward(call)``).
+    Raises ``BackendLoadError``/``IncompatibleBackendError`` carrying ``fields``.
+    """
     from pydantic import BaseModel
 
-    from fusedhead.protocol import SUPPORTED_PLUGIN_API
+    from fusedhead.protocol import METHOD_PARAMETERS, SUPPORTED_PLUGIN_API
 
-    where = f"backend {cand.name!r} ({cand.origin})"
+    name = fields.get("backend")
+
+    def broken(reason: str, hint: str) -> BackendLoadError:
+        return BackendLoadError(reason, hint=hint, **fields)
+
     if not isinstance(cls, type):
-        raise BackendLoadError(f"{where} must be a class, got {type(cls).__name__}")
-    if getattr(cls, "name", None) != cand.name:
-        raise BackendLoadError(
-            f"{where}: class attribute name is {getattr(cls, 'name', None)!r}, expected {cand.name!r} "
-            "(the entry-point name is the backend name)"
+        raise broken(
+            f"the entry point must name a class, got {type(cls).__name__}",
+            "point the entry point at the backend class",
+        )
+    if getattr(cls, "name", None) != name:
+        raise broken(
+            f"class attribute {cls.__qualname__}.name is {getattr(cls, 'name', None)!r}, expected "
+            f"{name!r} (the entry-point name is the backend name)",
+            "make the two names equal",
         )
     version = getattr(cls, "plugin_api_version", None)
     lo, hi = SUPPORTED_PLUGIN_API
-    if not isinstance(version, int) or not lo <= version <= hi:
+    if isinstance(version, bool) or not isinstance(version, int) or not lo <= version <= hi:
         raise IncompatibleBackendError(
-            f"{where} speaks plugin API version {version!r}; this fusedhead supports {lo}..{hi}. "
-            "Upgrade fusedhead or the backend so that their versions match."
+            f"speaks plugin API version {version!r}; this fusedhead supports {lo}..{hi}",
+            hint="upgrade fusedhead or the backend so that their versions match "
+            "(docs/writing-a-backend.md describes version 2)",
+            **fields,
         )
     options = getattr(cls, "Options", None)
     if not (isinstance(options, type) and issubclass(options, BaseModel)):
-        raise BackendLoadError(f"{where}: Options must be a pydantic BaseModel subclass")
-    if options.model_config.get("extra") != "forbid":
-        raise BackendLoadError(
-            f"{where}: Options must forbid extra fields (model_config extra='forbid')"
+        raise broken(
+            f"{cls.__qualname__}.Options must be a pydantic BaseModel subclass, got {options!r}",
+            "declare Options = fusedhead.protocol.NoOptions for a backend without options",
         )
-    for method in ("capabilities", "check", "forward"):
-        if not callable(getattr(cls, method, None)):
-            raise BackendLoadError(f"{where}: missing method {method}()")
+    if options.model_config.get("extra") != "forbid":
+        raise broken(
+            f"{cls.__qualname__}.Options must forbid extra fields",
+            "set model_config = ConfigDict(extra='forbid', frozen=True)",
+        )
+    for method, params in {"__init__": ("options",), **METHOD_PARAMETERS}.items():
+        fn = getattr(cls, method, None)
+        if not callable(fn):
+            raise broken(
+                f"{cls.__qualname__} has no method {method}()",
+                f"define {method}(self, {', '.join(params)})",
+            )
+        if method == "__init__" and fn is object.__init__:
+            raise broken(
+                f"{cls.__qualname__}.__init__ must take the validated options",
+                "define __init__(self, options)",
+            )
+        if not _accepts(fn, len(params)):
+            raise broken(
+                f"{cls.__qualname__}.{method}{_signature(fn)} does not take "
+                f"({', '.join(params)}) as plugin API {version} calls it",
+                f"define {method}(self, {', '.join(params)})",
+            )
+
+
+def _signature(fn: Any) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _accepts(fn: Any, n_positional: int) -> bool:
+    """Whether ``fn(self, *n_positional args)`` binds (unknown signatures pass)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        sig.bind(object(), *([None] * n_positional))
+    except TypeError:
+        return False
+    return True
 
 
 def listing(*, probe: bool = False, device: Any = None) -> list[BackendListing]:
-    """Rows for ``fusedhead list``; with ``probe`` each backend is imported and checked on ``device``."""
+    """Rows for ``fusedhead list``; with ``probe`` each backend is imported and checked on ``device``.
+
+    Name-rule and reserved-name violations are shown from metadata alone; the plugin API version
+    and the class's shape need the import (``probe``).
+    """
     rows: list[BackendListing] = []
     for name, claims in candidates().items():
-        first = claims[0]
-        if len(claims) > 1:
-            why = "claimed by " + "; ".join(c.origin for c in claims)
-            for c in claims:
+        allowed = _claims(name, claims)
+        for c in claims:
+            why = _name_violation(c) or _reserved_violation(c)
+            if why is not None:
+                status = Status.BROKEN if _name_violation(c) else Status.CONFLICT
+                rows.append(BackendListing(name, c.distribution, c.version, c.value, status, why))
+        if len(allowed) > 1:
+            why = "claimed by " + "; ".join(c.origin for c in allowed)
+            for c in allowed:
                 rows.append(
                     BackendListing(name, c.distribution, c.version, c.value, Status.CONFLICT, why)
                 )
             continue
+        if not allowed or _name_violation(allowed[0]):
+            continue
+        first = allowed[0]
         status, reason = (Status.INSTALLED, None) if not probe else _probe(first, device)
         rows.append(
             BackendListing(name, first.distribution, first.version, first.value, status, reason)
@@ -319,12 +486,13 @@ def listing(*, probe: bool = False, device: Any = None) -> list[BackendListing]:
 
 
 def _probe(cand: Candidate, device: Any) -> tuple[Status, str | None]:
-    from fusedhead.errors import BackendUnavailableError
+    from fusedhead.errors import BackendError, BackendUnavailableError
 
     try:
         cls = _load_class(cand)
-    except IncompatibleBackendError as exc:
-        return Status.INCOMPATIBLE, str(exc)
+    except BackendError as exc:
+        status = Status(exc.status) if exc.status in _STATUSES else Status.BROKEN
+        return status, exc.reason + (f" Fix: {exc.hint}" if exc.hint else "")
     except Exception as exc:  # a broken plugin never breaks the listing
         return Status.BROKEN, str(exc)
     try:
@@ -336,10 +504,15 @@ def _probe(cand: Candidate, device: Any) -> tuple[Status, str | None]:
         dtype = torch.float32 if "fp32" in caps.dtypes else _dtype_of(caps.dtypes[0])
         backend.check(dev, dtype)
     except BackendUnavailableError as exc:
-        return Status.UNAVAILABLE, str(exc)
+        return Status.UNAVAILABLE, exc.attach(**_fields(cand)).reason + (
+            f" Fix: {exc.hint}" if exc.hint else ""
+        )
     except Exception as exc:
         return Status.BROKEN, f"probe failed: {type(exc).__name__}: {exc}"
     return Status.OK, None
+
+
+_STATUSES = {s.value for s in Status}
 
 
 def _dtype_of(name: str) -> Any:

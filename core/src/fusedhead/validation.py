@@ -7,26 +7,13 @@ was expected.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from fusedhead.protocol import HeadCall
+
 _FLOAT_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-@dataclass(frozen=True)
-class Call:
-    """A validated call in the 2-D form backends receive."""
-
-    hidden: torch.Tensor  # [N, H]
-    weight: torch.Tensor  # [V_local, H]
-    labels: torch.Tensor  # [N] int64, contiguous
-    temperature: float | torch.Tensor  # float, or fp32 [N]
-    softcap: float | None
-    vocab_start: int
-    vocab_size: int
-    out_shape: tuple[int, ...]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -53,9 +40,18 @@ def _tensor(arg: str, value: object) -> torch.Tensor:
 def _positive_float(arg: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{arg} must be a float, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{arg} must be a finite float > 0, got {value!r}")
-    return float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond the float range
+        out = math.inf
+    if not math.isfinite(out) or out <= 0:
+        shown = (
+            value
+            if isinstance(value, float) or abs(value) < 10**20
+            else f"an int of {len(str(abs(value)))} digits"
+        )
+        raise ValueError(f"{arg} must be a finite float > 0, got {shown}")
+    return out
 
 
 def _flag(arg: str, value: object) -> bool:
@@ -78,13 +74,13 @@ def validate(
     reduce_hidden_grad: object,
     check_labels: object,
     softcap: object,
-) -> Call:
-    """Check a call against the contract and bring it to the backend's 2-D form."""
+) -> tuple[HeadCall, tuple[int, ...]]:
+    """Check a call against the contract: the backend's 2-D call and the labels' shape."""
     h = _tensor("hidden", hidden)
     w = _tensor("weight", weight)
     y = _tensor("labels", labels)
-    _flag("return_entropy", return_entropy)
-    _flag("reduce_hidden_grad", reduce_hidden_grad)
+    want_entropy = _flag("return_entropy", return_entropy)
+    reduce = _flag("reduce_hidden_grad", reduce_hidden_grad)
     do_check = _flag("check_labels", check_labels)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(
@@ -137,24 +133,36 @@ def validate(
     cap = None if softcap is None else _positive_float("softcap", softcap)
 
     labels_flat = y.reshape(-1).to(torch.int64).contiguous()
-    if do_check and labels_flat.numel():
+    if do_check and labels_flat.numel() and labels_flat.device.type != "meta":
         _check_label_range(labels_flat, ignore_index, size)
-    return Call(
+    call = HeadCall(
         hidden=h.reshape(-1, H),
         weight=w,
         labels=labels_flat,
         temperature=temp,
         softcap=cap,
+        ignore_index=ignore_index,
         vocab_start=start,
         vocab_size=size,
-        out_shape=tuple(y.shape),
+        process_group=process_group,
+        reduce_hidden_grad=reduce,
+        outputs=_WITH_ENTROPY if want_entropy else _LOG_PROBS_ONLY,
     )
+    return call, tuple(y.shape)
+
+
+_WITH_ENTROPY = frozenset({"log_probs", "entropy"})
+_LOG_PROBS_ONLY = frozenset({"log_probs"})
 
 
 def _apply_autocast(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Under autocast, compute in the autocast dtype like the matmul this replaces; else insist on one dtype."""
     dev = h.device.type
-    if torch.is_autocast_enabled(dev):
+    try:
+        autocast = torch.is_autocast_enabled(dev)
+    except RuntimeError:  # a device type autocast does not know (meta): no autocast there
+        autocast = False
+    if autocast:
         dt = torch.get_autocast_dtype(dev)
         return h.to(dt), w.to(dt)
     if h.dtype != w.dtype:
@@ -180,7 +188,7 @@ def _temperature(value: object, labels: torch.Tensor, device: torch.device) -> f
             f"temperature tensor of shape {tuple(t.shape)} must broadcast to the labels' shape {tuple(labels.shape)}"
         ) from None
     t = t.detach().reshape(-1).to(torch.float32).contiguous()
-    if t.numel() and not bool(torch.isfinite(t).all() & (t > 0).all()):
+    if t.numel() and t.device.type != "meta" and not bool(torch.isfinite(t).all() & (t > 0).all()):
         raise ValueError("temperature tensor must hold finite values > 0, got a value that is not")
     return t
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from fusedhead.protocol import call_backend
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IGNORE_INDEX = -100
 OVERHEAD_LIMIT = 0.03
@@ -109,7 +111,8 @@ def adapter_call(
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the core hands the backend (2-D, resolved vocab range)."""
-    lp, ent = backend.forward(
+    lp, ent = call_backend(
+        backend,
         hidden,
         weight,
         labels,

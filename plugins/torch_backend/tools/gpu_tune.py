@@ -20,6 +20,7 @@ import torch
 from triton.testing import do_bench
 
 import fusedhead_torch.tile_math as tile_math
+from fusedhead.protocol import call_backend
 from fusedhead.reference import reference_fused_head
 from fusedhead_torch import TorchBackend, TorchOptions
 
@@ -38,7 +39,8 @@ def inputs(n: int):
 def call(backend, hidden, weight, labels, grad: bool):
     h = hidden.detach().requires_grad_(grad)
     w = weight.detach().requires_grad_(grad)
-    lp, ent = backend.forward(
+    lp, ent = call_backend(
+        backend,
         h,
         w,
         labels,
@@ -97,7 +99,8 @@ def errors(n: int, hidden, weight, labels, backend) -> dict:
         weight.float(),
     )
     got = run(
-        lambda h, w: backend.forward(
+        lambda h, w: call_backend(
+            backend,
             h,
             w,
             labels,

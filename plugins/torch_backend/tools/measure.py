@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import torch
 
+from fusedhead.protocol import call_backend
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -40,7 +42,8 @@ def run_torch_backend(hidden, weight, labels, temperature, options=None):
     from fusedhead_torch import TorchBackend, TorchOptions
 
     backend = TorchBackend(TorchOptions(**(options or {})))
-    return backend.forward(
+    return call_backend(
+        backend,
         hidden,
         weight,
         labels,

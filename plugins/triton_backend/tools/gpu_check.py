@@ -48,6 +48,7 @@ if OPTS.dry:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from fusedhead.protocol import call_backend  # noqa: E402
 from fusedhead.reference import reference_fused_head  # noqa: E402
 from fusedhead_triton import TritonBackend, TritonOptions  # noqa: E402
 from fusedhead_triton import backend as backend_mod  # noqa: E402
@@ -192,7 +193,7 @@ def make(n: int, h: int, v: int, dtype: torch.dtype, scale: float = 1.0, seed: i
 
 
 def call(be: TritonBackend, h, w, lab, *, temperature=0.7, softcap=None, entropy=True) -> tuple:
-    return be.forward(
+    return call_backend(be,
         h, w, lab, temperature=temperature, ignore_index=-100, return_entropy=entropy,
         process_group=None, vocab_start=0, vocab_size=w.shape[0], reduce_hidden_grad=True,
         softcap=softcap,

@@ -11,15 +11,13 @@ this module imports nothing from it.
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from fusedhead.api import FusedHead, FusedHeadOutput
+from fusedhead.api import FusedHead, FusedHeadOutput, cached_head
 from fusedhead.config import FusedHeadConfig
 from fusedhead.module import (
     FusedLMHead,
@@ -28,7 +26,6 @@ from fusedhead.module import (
     model_softcap,
     output_head,
     owned,
-    resolve_head,
 )
 
 __all__ = ["causal_lm_logprobs", "shifted_labels"]
@@ -177,31 +174,6 @@ def _decoder(model: nn.Module) -> nn.Module:
     return decoder
 
 
-_heads: dict[str, FusedHead] = {}
-_lock = threading.Lock()
-
-
 def _cached_head(config: FusedHeadConfig | Mapping[str, Any] | FusedHead | None) -> FusedHead:
     """One resolved ``FusedHead`` per distinct configuration in this process."""
-    if isinstance(config, FusedHead):
-        return config
-    if config is None:
-        config = FusedHeadConfig.from_dict({})
-    elif isinstance(config, Mapping):
-        config = FusedHeadConfig.from_dict(config)
-    elif not isinstance(config, FusedHeadConfig):
-        raise TypeError(
-            "config must be a FusedHeadConfig, a mapping, a FusedHead or None, "
-            f"got {type(config).__name__}"
-        )
-    key = json.dumps(config.to_dict(), sort_keys=True, default=repr)
-    with _lock:
-        head = _heads.get(key)
-        if head is None:
-            head = _heads[key] = resolve_head(config)
-    return head
-
-
-def clear_cache() -> None:
-    """Forget resolved heads (after registry changes in tests or notebooks)."""
-    _heads.clear()
+    return cached_head(config)

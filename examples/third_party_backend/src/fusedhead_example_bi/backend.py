@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from fusedhead.errors import BackendUnavailableError
-from fusedhead.protocol import PLUGIN_API_VERSION, Capabilities
+from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
 from fusedhead_example_bi.rowwise import RowwiseFusedHead
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -31,7 +31,7 @@ class BatchInvariantBackend:
 
     name: ClassVar[str] = "example-bi"
     Options: ClassVar[type[BaseModel]] = Options
-    plugin_api_version: ClassVar[int] = PLUGIN_API_VERSION
+    plugin_api_version: ClassVar[int] = 2
 
     def __init__(self, options: Options) -> None:
         self.options = options
@@ -62,27 +62,19 @@ class BatchInvariantBackend:
                 f"backend 'example-bi' takes fp32, fp16 or bf16 inputs, not {dtype}"
             )
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        temperature: float | torch.Tensor,
-        ignore_index: int,
-        return_entropy: bool,
-        process_group: Any,
-        vocab_start: int,
-        vocab_size: int,
-        reduce_hidden_grad: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """fp32 log-probs and entropy of ``hidden [N, H]`` against ``weight [V, H]``.
+    def forward(self, call: HeadCall) -> HeadOutput:
+        """fp32 log-probs and entropy of ``call.hidden [N, H]`` against ``call.weight [V, H]``.
 
         The core never passes a process group, a temperature tensor or a softcap here, since the
         capabilities do not declare vocab_parallel, per_token_temperature or softcap.
         """
-        assert process_group is None and isinstance(temperature, float)
+        assert call.process_group is None and isinstance(call.temperature, float)
         log_probs, entropy = RowwiseFusedHead.apply(
-            hidden, weight, labels, temperature, ignore_index, self.options.vocab_block
+            call.hidden,
+            call.weight,
+            call.labels,
+            call.temperature,
+            call.ignore_index,
+            self.options.vocab_block,
         )
-        return log_probs, entropy if return_entropy else None
+        return HeadOutput(log_probs, entropy if call.return_entropy else None)

@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from fusedhead.errors import BackendUnavailableError
-from fusedhead.protocol import PLUGIN_API_VERSION, Capabilities
+from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
 from fusedhead_liger import _liger, _run, availability
 
 Implementation = Literal["native", "fallback"]
@@ -42,7 +42,7 @@ class LigerBackend:
 
     name: ClassVar[str] = "liger"
     Options: ClassVar[type[BaseModel]] = LigerOptions
-    plugin_api_version: ClassVar[int] = PLUGIN_API_VERSION
+    plugin_api_version: ClassVar[int] = 2
 
     def __init__(self, options: LigerOptions | None = None) -> None:
         self.options = options if options is not None else LigerOptions()
@@ -127,23 +127,21 @@ class LigerBackend:
         info["cute_dsl"] = _liger.distribution_version("nvidia-cutlass-dsl") or "not installed"
         return info
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        temperature: float | torch.Tensor,
-        ignore_index: int,
-        return_entropy: bool,
-        process_group: Any,
-        vocab_start: int,
-        vocab_size: int,
-        reduce_hidden_grad: bool,
-        softcap: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, call: HeadCall) -> HeadOutput:
         """fp32 ``(log_probs, entropy)`` from Liger's ``(nll, entropy)``."""
-        if softcap is not None:
+        hidden, weight, labels, temperature = (
+            call.hidden,
+            call.weight,
+            call.labels,
+            call.temperature,
+        )
+        ignore_index, return_entropy, process_group = (
+            call.ignore_index,
+            call.return_entropy,
+            call.process_group,
+        )
+        vocab_start, vocab_size = call.vocab_start, call.vocab_size
+        if call.softcap is not None:
             raise BackendUnavailableError("backend 'liger' has no softcap; use backend='torch'")
         if isinstance(temperature, torch.Tensor):
             raise BackendUnavailableError(
@@ -167,9 +165,9 @@ class LigerBackend:
                 ignore_index,
                 return_entropy,
                 process_group,
-                reduce_hidden_grad,
+                call.reduce_hidden_grad,
             )
-        return _run.to_contract(nll, entropy, bad)
+        return HeadOutput(*_run.to_contract(nll, entropy, bad))
 
     def _check_shards(
         self, weight: torch.Tensor, process_group: Any, vocab_start: int, vocab_size: int

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from fusedhead.errors import BackendUnavailableError
-from fusedhead.protocol import PLUGIN_API_VERSION, Capabilities
+from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
 from fusedhead_torch.chunked import ChunkedFusedHead, HeadSpec
 from fusedhead_torch.tiling import Tiles, plan_tiles
 
@@ -59,7 +59,7 @@ class TorchBackend:
 
     name: ClassVar[str] = "torch"
     Options: ClassVar[type[BaseModel]] = TorchOptions
-    plugin_api_version: ClassVar[int] = PLUGIN_API_VERSION
+    plugin_api_version: ClassVar[int] = 2
 
     def __init__(self, options: TorchOptions | None = None) -> None:
         self.options = options if options is not None else TorchOptions()
@@ -116,22 +116,11 @@ class TorchBackend:
             block_vocab=opts.block_vocab,
         )
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        temperature: float | torch.Tensor,
-        ignore_index: int,
-        return_entropy: bool,
-        process_group: Any,
-        vocab_start: int,
-        vocab_size: int,
-        reduce_hidden_grad: bool,
-        softcap: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, call: HeadCall) -> HeadOutput:
         """fp32 ``log_probs [N]`` and ``entropy [N]`` (or None), differentiable in hidden/weight."""
+        hidden, weight, labels = call.hidden, call.weight, call.labels
+        temperature, ignore_index, softcap = call.temperature, call.ignore_index, call.softcap
+        return_entropy = call.return_entropy
         n = hidden.shape[0]
         if isinstance(temperature, torch.Tensor):
             # Not differentiable: the temperature is a sampling setting, not a parameter.
@@ -158,10 +147,10 @@ class TorchBackend:
             tiles=self.tiles(
                 hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device, softcap
             ),
-            vocab_start=int(vocab_start),
-            vocab_size=int(vocab_size),
-            process_group=process_group,
-            reduce_hidden_grad=bool(reduce_hidden_grad),
+            vocab_start=call.vocab_start,
+            vocab_size=call.vocab_size,
+            process_group=call.process_group,
+            reduce_hidden_grad=call.reduce_hidden_grad,
         )
         out = ChunkedFusedHead.apply(hidden, weight, labels, inv_t, spec)  # type: ignore[no-untyped-call]
         log_probs, entropy = out if return_entropy else (out, None)
@@ -169,4 +158,4 @@ class TorchBackend:
             log_probs = log_probs.new_zeros(n).index_copy(0, keep, log_probs)
             if entropy is not None:
                 entropy = entropy.new_zeros(n).index_copy(0, keep, entropy)
-        return log_probs, entropy
+        return HeadOutput(log_probs, entropy)

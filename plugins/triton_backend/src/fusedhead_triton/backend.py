@@ -9,7 +9,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fusedhead.errors import BackendUnavailableError
-from fusedhead.protocol import Capabilities
+from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
 
 from .configs import default_configs, interpret_enabled, with_overrides
 
@@ -89,7 +89,7 @@ class TritonBackend:
 
     name: ClassVar[str] = "triton"
     Options: ClassVar[type[BaseModel]] = TritonOptions
-    plugin_api_version: ClassVar[int] = 1
+    plugin_api_version: ClassVar[int] = 2
 
     def __init__(self, options: TritonOptions | None = None) -> None:
         self.options = options if options is not None else TritonOptions()
@@ -166,24 +166,13 @@ class TritonBackend:
             f"the triton backend runs on CUDA devices, not {device.type!r}; use backend='torch'"
         )
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        temperature: float | torch.Tensor,
-        ignore_index: int,
-        return_entropy: bool,
-        process_group: Any,
-        vocab_start: int,
-        vocab_size: int,
-        reduce_hidden_grad: bool,
-        softcap: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, call: HeadCall) -> HeadOutput:
         """fp32 log_probs [N] and entropy [N] (or None), differentiable in hidden and weight."""
         from .function import CallSpec, FusedHeadFunction
         from .launch import HeadScalars
+
+        hidden, weight, labels = call.hidden, call.weight, call.labels
+        temperature, softcap, return_entropy = call.temperature, call.softcap, call.return_entropy
 
         temp: torch.Tensor | None = None
         inv_temp = 1.0
@@ -207,14 +196,14 @@ class TritonBackend:
         )
         spec = CallSpec(
             scalars=HeadScalars(
-                label_offset=int(vocab_start),
-                ignore_index=int(ignore_index),
+                label_offset=call.vocab_start,
+                ignore_index=call.ignore_index,
                 inv_temp=inv_temp,
                 softcap=float(softcap) if softcap is not None else None,
             ),
             return_entropy=bool(return_entropy),
-            process_group=process_group,
-            reduce_hidden_grad=bool(reduce_hidden_grad),
+            process_group=call.process_group,
+            reduce_hidden_grad=call.reduce_hidden_grad,
             configs=configs,
             backward_block_bytes=(
                 None if o.backward_block_mib is None else int(o.backward_block_mib * 2**20)
@@ -229,5 +218,5 @@ class TritonBackend:
         out = FusedHeadFunction.apply(hidden, weight, labels, temp, spec)
         if return_entropy:
             logp, ent = out
-            return logp, ent
-        return out, None
+            return HeadOutput(logp, ent)
+        return HeadOutput(out)
