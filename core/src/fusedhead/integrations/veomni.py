@@ -1,0 +1,299 @@
+"""VeOmni (tested with 0.1.12): ``cross_entropy_loss_implementation: fusedhead:<name>``.
+
+VeOmni selects its kernels by name from ``model.ops_implementation`` through a real registry:
+``KERNEL_REGISTRY.register(KernelSpec(...))`` entries, resolved into the ``OpSlot``s of its
+generated modeling code by ``build_foundation_model``. fusedhead registers one
+``cross_entropy_loss`` kernel per installed backend there, named ``fusedhead:<name>`` (variant
+``causal``; variant ``seq_cls`` gets VeOmni's eager sequence-classification loss, as its own
+``chunk_loss`` does). The kernel serves both of VeOmni's paths: the loss, and per-token
+log-probs and entropy (``return_log_probs=True``, VeOmni's DPO trainer and verl's VeOmni engine),
+with ``shift_labels`` used verbatim, as ``chunk_logprobs_function`` does.
+
+One thing the registry cannot do: ``apply_ops_config`` first calls
+``veomni.ops.kernels.cross_entropy.install_loss_mapping``, which accepts only VeOmni's built-in
+names and raises for any other. :func:`install` therefore wraps that one public function
+(opt-in: nothing happens until you call it): fusedhead names install fusedhead's loss into
+``LOSS_MAPPING``, every other name goes to VeOmni's own function. Unknown fusedhead names raise
+``UnknownBackendError`` listing what is installed; the backend resolves (and the
+``fusedhead_backend_resolved`` provenance hook fires) inside ``build_foundation_model``.
+Nothing here imports VeOmni or torch at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = [
+    "OP_NAME",
+    "fusedhead_causal_lm_loss",
+    "install",
+    "is_installed",
+    "register",
+    "uninstall",
+]
+
+#: VeOmni's op whose ``{op}_implementation`` config field selects the kernel.
+OP_NAME = "cross_entropy_loss"
+
+_lock = threading.Lock()
+_original: dict[str, Callable[..., Any]] = {}
+
+
+def _installed_names() -> list[str]:
+    from fusedhead import registry
+
+    return sorted({row.name for row in registry.listing()})
+
+
+def _resolve(spec: str) -> Any:
+    from fusedhead.integrations.lm_head import parse_backend_spec, resolve_lm_head
+
+    return resolve_lm_head(parse_backend_spec(spec))
+
+
+def _causal_factory(spec: str) -> Callable[..., Any]:
+    """What ``KERNEL_REGISTRY.resolve`` returns for ``spec``: the loss bound to its head."""
+    return functools.partial(fusedhead_causal_lm_loss, head=_resolve(spec))
+
+
+def _seq_cls_factory() -> Callable[..., Any]:
+    """Sequence classification has no per-token log-probs: VeOmni's eager wrapper, as chunk_loss."""
+    from veomni.ops.kernels.cross_entropy import ForSequenceClassificationLoss, eager_cross_entropy
+
+    return functools.partial(ForSequenceClassificationLoss, cross_entropy_fn=eager_cross_entropy)
+
+
+def _register_spec(spec: str) -> bool:
+    """Register ``spec`` under both variants unless present; True if it was added."""
+    from veomni.ops.kernel_registry import KERNEL_REGISTRY, HardwareRequirement, KernelSpec
+
+    if spec in KERNEL_REGISTRY.list_available(OP_NAME, "causal"):
+        return False
+    # The backend checks its own device; VeOmni's gate would only duplicate it.
+    anywhere = HardwareRequirement(device_type="any")
+    KERNEL_REGISTRY.register(
+        KernelSpec(
+            name=spec,
+            op_name=OP_NAME,
+            variant="causal",
+            factory=functools.partial(_causal_factory, spec),
+            hardware=anywhere,
+            description=f"fusedhead backend {spec.partition(':')[2] or 'default'!r}: "
+            "log-probs, entropy and loss without [tokens, vocab] logits",
+        )
+    )
+    if spec not in KERNEL_REGISTRY.list_available(OP_NAME, "seq_cls"):
+        KERNEL_REGISTRY.register(
+            KernelSpec(
+                name=spec,
+                op_name=OP_NAME,
+                variant="seq_cls",
+                factory=_seq_cls_factory,
+                hardware=anywhere,
+                description="eager sequence-classification loss (fusedhead is causal-only)",
+            )
+        )
+    return True
+
+
+def register(names: Iterable[str] | None = None) -> list[str]:
+    """Register ``fusedhead:<name>`` kernels in VeOmni's ``KERNEL_REGISTRY``; idempotent.
+
+    ``names``: backend names (default: every installed fusedhead backend, from metadata, no
+    import). Returns the specs added now. Registering resolves nothing: a backend is resolved
+    when VeOmni binds the kernel (``build_foundation_model``).
+    """
+    from fusedhead.integrations.lm_head import SPEC_PREFIX, parse_backend_spec
+
+    chosen = _installed_names() if names is None else list(names)
+    added = []
+    for name in chosen:
+        if not isinstance(name, str):
+            raise TypeError(f"names must be backend names (str), got {type(name).__name__}")
+        spec = f"{SPEC_PREFIX}:{name}"
+        parse_backend_spec(spec)  # a malformed name is a ValueError naming it
+        if _register_spec(spec):
+            added.append(spec)
+    return added
+
+
+def install() -> None:
+    """Opt in: register the kernels and let ``install_loss_mapping`` accept fusedhead names.
+
+    Call it once before ``build_foundation_model`` (a trainer script's first lines). Idempotent.
+    """
+    with _lock:
+        from veomni.ops.kernels import cross_entropy
+
+        register()
+        current = cross_entropy.install_loss_mapping
+        if current is not install_loss_mapping:
+            _original["install_loss_mapping"] = current
+            cross_entropy.install_loss_mapping = install_loss_mapping
+
+
+def uninstall() -> None:
+    """Put VeOmni's own ``install_loss_mapping`` back (registered kernels stay registered)."""
+    with _lock:
+        original = _original.pop("install_loss_mapping", None)
+        if original is not None:
+            from veomni.ops.kernels import cross_entropy
+
+            cross_entropy.install_loss_mapping = original
+
+
+def is_installed() -> bool:
+    """True when VeOmni's ``install_loss_mapping`` is fusedhead's wrapper."""
+    import sys
+
+    module = sys.modules.get("veomni.ops.kernels.cross_entropy")
+    return getattr(module, "install_loss_mapping", None) is install_loss_mapping
+
+
+def install_loss_mapping(impl: str = "eager") -> str:
+    """VeOmni's ``install_loss_mapping`` plus ``fusedhead[:<name>]``; other names go to VeOmni.
+
+    For a fusedhead name: the backend is resolved (unknown: ``UnknownBackendError``), the name
+    is registered if it was not (``fusedhead`` alone, or a backend registered after
+    :func:`install`), and ``LOSS_MAPPING`` gets fusedhead's loss for ``ForCausalLM`` and
+    ``ForConditionalGeneration`` and VeOmni's eager loss for ``ForSequenceClassification``.
+    """
+    from fusedhead.integrations.lm_head import is_fusedhead_spec
+
+    if not is_fusedhead_spec(impl):
+        original = _original.get("install_loss_mapping")
+        if original is None:
+            from veomni.ops.kernels import cross_entropy
+
+            original = cross_entropy.install_loss_mapping
+            if original is install_loss_mapping:  # pragma: no cover - defensive
+                raise RuntimeError("VeOmni's own install_loss_mapping was lost")
+        label: str = original(impl)
+        return label
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    causal = _causal_factory(impl)  # resolves: unknown names raise here
+    _register_spec(impl)
+    LOSS_MAPPING["ForCausalLM"] = causal
+    LOSS_MAPPING["ForConditionalGeneration"] = causal
+    LOSS_MAPPING["ForSequenceClassification"] = _seq_cls_factory()
+    return f"CrossEntropy ({impl})"
+
+
+def _weight_holder(weights: Any) -> Any:
+    """A module around VeOmni's ``weights`` tensor so ``lm_head_logprobs`` can read it."""
+    from torch import nn
+
+    if any(c.__name__ == "DTensor" for c in type(weights).__mro__):
+        raise RuntimeError(
+            "VeOmni passed the LM-head weight as a DTensor shard: its modeling code reads "
+            "self.lm_head.weight in the root's forward, which is unsharded only while lm_head "
+            "belongs to the root FSDP unit (VeOmni's parallelize_model_fsdp2 keeps it there); "
+            "do not fully_shard lm_head on its own with fusedhead's VeOmni kernel"
+        )
+    holder = nn.Module()
+    object.__setattr__(holder, "weight", weights)  # not a Parameter of the holder: no copy
+    return holder
+
+
+def fusedhead_causal_lm_loss(
+    logits: Any = None,
+    labels: Any = None,
+    vocab_size: int | None = None,
+    num_items_in_batch: Any = None,
+    ignore_index: int = -100,
+    shift_labels: Any = None,
+    *,
+    head: Any,
+    hidden_states: Any = None,
+    weights: Any = None,
+    return_log_probs: bool = False,
+    temperature: Any = 1.0,
+    **kwargs: Any,
+) -> tuple[Any, Any, Any]:
+    """VeOmni's causal-LM loss contract, ``(loss, logits, fused_linear_aux)``, from fusedhead.
+
+    ``return_log_probs=True``: ``(None, None, FusedLinearAuxOutput(log_probs, entropy))``,
+    fp32, the shape of ``shift_labels`` when given (used verbatim), else of ``labels`` with the
+    causal shift applied here and a 0 in the last slot (none under sequence parallelism, whose
+    collator shifted already); ``ignore_index`` rows give 0.
+    Otherwise ``(loss, None, None)``: the mean negative log-likelihood of the shifted labels
+    (over ``num_items_in_batch`` when given), reduced across the sequence-parallel group as
+    VeOmni's ``ForCausalLMLoss`` does. Top-k distillation is not supported.
+    """
+    import torch
+    from veomni.distributed.parallel_state import get_parallel_state
+    from veomni.utils.model_outputs import FusedLinearAuxOutput
+
+    from fusedhead.integrations.lm_head import lm_head_logprobs
+
+    if (
+        kwargs.get("teacher_topk_ids") is not None
+        or kwargs.get("teacher_topk_log_probs") is not None
+    ):
+        raise ValueError(
+            "fusedhead's VeOmni kernel does not compute top-k distillation (teacher_topk_ids / "
+            "teacher_topk_log_probs were given): use cross_entropy_loss_implementation "
+            "'chunk_loss' for distillation runs"
+        )
+    if hidden_states is None or weights is None:
+        raise ValueError(
+            "fusedhead's VeOmni kernel needs hidden_states= and weights= (VeOmni's patched "
+            f"modeling code passes them), got hidden_states={type(hidden_states).__name__}, "
+            f"weights={type(weights).__name__}"
+        )
+    if labels is None and shift_labels is None:
+        raise ValueError("fusedhead's VeOmni kernel needs labels= or shift_labels=, got neither")
+    lm_head = _weight_holder(weights)
+    sp_enabled = bool(get_parallel_state().sp_enabled)
+    if return_log_probs:
+        pad = shift_labels is None and not sp_enabled
+        if shift_labels is not None:
+            hidden, target = hidden_states, shift_labels
+        elif sp_enabled:
+            hidden, target = hidden_states, labels
+        else:
+            hidden, target = hidden_states[..., :-1, :], labels[..., 1:]
+        log_probs, entropy = lm_head_logprobs(
+            lm_head,
+            hidden,
+            target.to(torch.int64),
+            head=head,
+            temperature=float(temperature),
+            ignore_index=ignore_index,
+        )
+        assert entropy is not None  # return_entropy defaults to True
+        if pad:
+            log_probs = torch.nn.functional.pad(log_probs, (0, 1), value=0.0)
+            entropy = torch.nn.functional.pad(entropy, (0, 1), value=0.0)
+        return None, None, FusedLinearAuxOutput(log_probs=log_probs, entropy=entropy)
+
+    if sp_enabled:
+        target = labels  # the sequence-parallel collator shifted them
+    elif shift_labels is not None:
+        target = shift_labels
+    else:
+        target = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    log_probs, _ = lm_head_logprobs(
+        lm_head,
+        hidden_states,
+        target.to(hidden_states.device, torch.int64),
+        head=head,
+        ignore_index=ignore_index,
+        return_entropy=False,
+    )
+    total = -log_probs.sum()
+    if num_items_in_batch is None:
+        loss = total / (target != ignore_index).sum()
+    else:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        loss = total / num_items_in_batch
+    if sp_enabled:
+        from veomni.distributed.sequence_parallel import reduce_sequence_parallel_loss
+
+        loss = reduce_sequence_parallel_loss(loss, (labels != ignore_index).sum())
+    return loss, None, None

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# verl 0.9.1 for tests/trainers/test_verl*.py, on the CPU, into the .venv of scripts/setup.sh.
+# verl itself goes in without its dependencies (ray[default], vllm, wandb, ... pull CUDA wheels and
+# minutes of downloads); then only what `import verl`, its FSDP engine module and apply_fsdp2
+# import. torch stays as setup.sh installed it (FUSEDHEAD_PIP_CONSTRAINTS, from setup-trainers.sh).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+constraints=()
+[ -n "${FUSEDHEAD_PIP_CONSTRAINTS:-}" ] && constraints=(-c "$FUSEDHEAD_PIP_CONSTRAINTS")
+pip() { .venv/bin/python -m pip "$@"; }
+pip install -q "${constraints[@]}" --no-deps verl==0.9.1
+# import verl: ray, tensordict (verl wants <=0.10); the engine module: peft, datasets, codetiming.
+pip install -q "${constraints[@]}" ray==2.60.0 tensordict==0.10.0 peft==0.21.2 codetiming==1.4.0 \
+    "datasets>=4.7" "transformers>=5.5.3"
+.venv/bin/python -c "import verl, verl.workers.engine.fsdp.transformer_impl, verl.utils.fsdp_utils; print('verl', verl.__version__)"

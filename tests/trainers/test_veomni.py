@@ -1,0 +1,196 @@
+"""fusedhead inside VeOmni 0.1.12: ``cross_entropy_loss_implementation: fusedhead:<name>``.
+
+Models are built by VeOmni's own ``build_foundation_model`` from an ``OpsImplementationConfig``,
+so the kernel is found through VeOmni's ``KERNEL_REGISTRY`` and bound into the OpSlot of its
+generated Qwen2 code; the reference is the same model built with VeOmni's ``chunk_loss``
+(whose log-probs path is ``chunk_logprobs_function``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("veomni", reason="VeOmni is not installed (bash scripts/trainers/veomni.sh)")
+
+from veomni_helpers import (
+    IGNORE,
+    assert_fp32_close,
+    build,
+    packed_batch,
+    padded_batch,
+    run,
+    veomni_state,
+)
+
+from fusedhead.errors import UnknownBackendError
+from fusedhead.integrations import veomni as fh_veomni
+
+
+@pytest.fixture(autouse=True)
+def _installed() -> Iterator[None]:
+    with veomni_state():
+        yield
+
+
+def _slot(model: Any) -> Any:
+    return sys.modules[type(model).__module__].veomni_causal_lm_loss
+
+
+def _compare(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert_fp32_close(ours[key], theirs[key], key)
+    assert float(ours["grad:lm_head.weight"].abs().max()) > 1e-4  # not vacuous
+
+
+def test_install_registers_a_kernel_per_installed_backend() -> None:
+    from veomni.ops.kernel_registry import KERNEL_REGISTRY
+
+    from fusedhead import registry
+
+    names = {row.name for row in registry.listing()}
+    for variant in ("causal", "seq_cls"):
+        available = set(KERNEL_REGISTRY.list_available("cross_entropy_loss", variant))
+        assert {f"fusedhead:{n}" for n in names} <= available, variant
+    assert fh_veomni.register() == []  # idempotent
+    assert fh_veomni.is_installed()
+
+
+def test_build_foundation_model_resolves_the_registered_kernel_by_name() -> None:
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    from fusedhead.hooks import hookimpl, register_hooks, unregister_hooks
+
+    seen: list[str] = []
+
+    class Recorder:
+        @hookimpl
+        def fusedhead_backend_resolved(self, name: str, **_: Any) -> None:
+            seen.append(name)
+
+    recorder = Recorder()
+    register_hooks(recorder)
+    try:
+        model = build("fusedhead:torch")
+    finally:
+        unregister_hooks(recorder)
+    slot = _slot(model)
+    assert slot.use_non_eager_impl and slot._impl_name == "fusedhead:torch"
+    kernel = slot.bound_kernel()
+    assert kernel.func is fh_veomni.fusedhead_causal_lm_loss
+    assert kernel.keywords["head"].config.backend == "torch"
+    assert LOSS_MAPPING["ForCausalLM"].func is fh_veomni.fusedhead_causal_lm_loss
+    assert seen and seen[0] == "torch"  # provenance, reported while VeOmni built the model
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[Any, Any]:
+    """The same weights twice; the second build rebinds the (module-global) slot, so each test
+    rebinds it to the model it runs (see :func:`_bind`)."""
+    with veomni_state():
+        theirs = build("chunk_loss")
+        ours = build("fusedhead:torch", theirs.state_dict())
+    return theirs, ours
+
+
+def _bind(model: Any, impl: str) -> Any:
+    _slot(model).bind(impl)
+    return model
+
+
+def test_packed_batch_loss_with_shift_labels_matches_chunk_loss(models: tuple[Any, Any]) -> None:
+    theirs, ours = models
+    batch = packed_batch([6, 9, 4], seed=1)
+    expected = run(_bind(theirs, "chunk_loss"), batch)
+    got = run(_bind(ours, "fusedhead:torch"), batch)
+    _compare(got, expected)
+
+
+def test_packed_batch_log_probs_with_shift_labels_match_chunk_logprobs(
+    models: tuple[Any, Any],
+) -> None:
+    theirs, ours = models
+    batch = packed_batch([6, 9, 4], seed=2)
+    kwargs = {"return_log_probs": True, "temperature": 0.7}
+    expected = run(_bind(theirs, "chunk_loss"), batch, **kwargs)
+    got = run(_bind(ours, "fusedhead:torch"), batch, **kwargs)
+    _compare(got, expected)
+    # shift_labels verbatim: ignored targets give 0, and the output has the labels' shape.
+    ignored = batch["shift_labels"] == IGNORE
+    assert got["log_probs"].shape == (1, 19)
+    assert bool((got["log_probs"][ignored] == 0).all()) and bool(
+        (got["log_probs"][~ignored] < 0).all()
+    )
+
+
+@pytest.mark.parametrize("log_probs", [False, True], ids=["loss", "log_probs"])
+def test_padded_batch_matches_chunk_loss(models: tuple[Any, Any], log_probs: bool) -> None:
+    theirs, ours = models
+    batch = padded_batch([8, 5, 2], width=8, seed=3)
+    kwargs = {"return_log_probs": True} if log_probs else {}
+    expected = run(_bind(theirs, "chunk_loss"), batch, **kwargs)
+    got = run(_bind(ours, "fusedhead:torch"), batch, **kwargs)
+    _compare(got, expected)
+    if log_probs:  # the causal shift: the last slot and padding give 0
+        assert bool((got["log_probs"][:, -1] == 0).all())
+        assert bool((got["log_probs"][2, 1:] == 0).all())
+
+
+def test_an_unknown_fusedhead_name_fails_the_build_loudly() -> None:
+    with pytest.raises(UnknownBackendError, match="no-such-backend"):
+        build("fusedhead:no-such-backend")
+    with pytest.raises(ValueError, match="not one of the accepted forms"):
+        build("fusedhead:")
+
+
+def test_veomni_names_still_go_to_veomni() -> None:
+    from veomni.ops.kernels import cross_entropy
+
+    assert cross_entropy.install_loss_mapping("eager") == "CrossEntropy (eager)"
+    with pytest.raises(ValueError, match="Unknown cross_entropy_loss_implementation: 'bogus'"):
+        cross_entropy.install_loss_mapping("bogus")
+
+
+def test_top_k_distillation_is_refused_not_ignored(models: tuple[Any, Any]) -> None:
+    _, ours = models
+    batch = packed_batch([4, 4], seed=4)
+    ids = torch.zeros(1, 8, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="top-k distillation"):
+        _bind(ours, "fusedhead:torch")(
+            **batch,
+            return_log_probs=True,
+            teacher_topk_ids=ids,
+            teacher_topk_log_probs=torch.zeros(1, 8, 2),
+        )
+
+
+def test_nothing_is_patched_until_install_is_called() -> None:
+    code = (
+        "import sys\n"
+        "import fusedhead.integrations.veomni as fv\n"
+        "print('OUT', sorted(m for m in ('torch', 'veomni') if m in sys.modules))\n"
+        "from veomni.ops.kernels import cross_entropy\n"
+        "try:\n"
+        "    cross_entropy.install_loss_mapping('fusedhead:torch')\n"
+        "except ValueError as e:\n"
+        "    print('OUT', 'Unknown cross_entropy_loss_implementation' in str(e))\n"
+        "fv.install()\n"
+        "print('OUT', cross_entropy.install_loss_mapping('fusedhead:torch'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("OUT ")]
+    assert lines == ["OUT []", "OUT True", "OUT CrossEntropy (fusedhead:torch)"]
