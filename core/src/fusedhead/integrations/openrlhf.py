@@ -1,0 +1,240 @@
+"""OpenRLHF: an opt-in patch of ``Actor.forward`` that scores with a fusedhead backend by name.
+
+OpenRLHF's ``openrlhf.models.actor.Actor.forward`` always runs the whole causal LM, casts its
+``[B, T, V]`` logits to float32 and takes log-softmax and entropy from them; it has no hook for
+another head. :func:`patch_actor` is the one public function that changes that, on one ``Actor``
+instance only (never the class): its forward runs the decoder body for the last hidden states
+and hands them, with labels rolled exactly as OpenRLHF rolls them, to ``lm_head_logprobs``. The
+packed (``packing_samples``) layout is built and undone by OpenRLHF's own
+``unpad_and_slice_tensor`` / ``gather_and_pad_tensor``, so positions line up with its path.
+
+Which rows are scored: by default only positions whose next token is real
+(``attention_mask[:, t + 1] == 1``), the only ones OpenRLHF's losses read (the action window, SFT
+and DPO masks); other positions are 0. ``score_all_positions=True`` scores every position as
+OpenRLHF does (padding included). Calls that ask for logits (no ``action_mask``, no
+``return_logprobs``) and vision-language inputs are not the head's job: the former go to the
+original forward, the latter are refused. Tested with OpenRLHF 0.11.2.
+
+The upstream change that would remove this patch: a ``logprobs_fn`` hook on ``Actor`` (see
+docs/integrations/openrlhf.md).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusedhead.api import FusedHead
+from fusedhead.integrations.lm_head import HeadLike, lm_head_logprobs, resolve_lm_head
+
+__all__ = ["TESTED_OPENRLHF", "is_patched", "patch_actor", "unpatch_actor"]
+
+#: OpenRLHF versions this module was tested against.
+TESTED_OPENRLHF = ">=0.11.2,<0.12"
+_ATTR = "_fusedhead_head"
+
+
+def _ring_utils() -> types.ModuleType:
+    try:
+        from openrlhf.models import ring_attn_utils
+    except ImportError as exc:
+        raise ImportError(
+            f"fusedhead.integrations.openrlhf needs OpenRLHF ({TESTED_OPENRLHF} tested) and the "
+            f"modules its models import: {exc}"
+        ) from exc
+    return ring_attn_utils  # type: ignore[no-any-return]
+
+
+def _parts(actor: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(causal LM, its decoder body, its LM head) of ``actor.model`` (PEFT unwrapped)."""
+    model = getattr(actor, "model", None)
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"actor must be an openrlhf Actor with a .model, got {type(actor).__name__}"
+        )
+    get_base = getattr(model, "get_base_model", None)
+    lm = get_base() if callable(get_base) else model
+    get_decoder = getattr(lm, "get_decoder", None)
+    body = get_decoder() if callable(get_decoder) else None
+    if not isinstance(body, nn.Module) or body is lm:
+        body = getattr(lm, "model", None)
+    if not isinstance(body, nn.Module) or body is lm:
+        raise ValueError(f"cannot find the decoder body of {type(lm).__name__}: pass a causal LM")
+    head = lm.get_output_embeddings()  # type: ignore[operator]
+    if not isinstance(head, nn.Linear):
+        raise TypeError(
+            f"{type(lm).__name__}'s output head is a {type(head).__name__}, not an nn.Linear (a LoRA "
+            "adapter on the LM head is not supported): fusedhead scores head.weight [+ head.bias]"
+        )
+    return lm, body, head
+
+
+def is_patched(actor: nn.Module) -> bool:
+    """Whether :func:`patch_actor` patched this actor."""
+    return isinstance(actor.__dict__.get(_ATTR), FusedHead)
+
+
+def unpatch_actor(actor: nn.Module) -> None:
+    """Give the actor back its own forward."""
+    if is_patched(actor):
+        del actor.__dict__["forward"]
+        del actor.__dict__[_ATTR]
+
+
+def patch_actor(
+    actor: nn.Module, backend: HeadLike = None, *, score_all_positions: bool = False
+) -> FusedHead:
+    """Make ``actor.forward`` score log-probs and entropy with the fusedhead backend named.
+
+    ``backend``: a name (``"triton"``), a trainer spelling (``"fusedhead:triton"``), a config
+    mapping, a ``FusedHeadConfig`` or a ``FusedHead``; None is the default backend (``torch``).
+    Returns the resolved head. Patching twice replaces the head. See the module docstring for
+    which positions are scored and which calls keep the original forward.
+    """
+    if not isinstance(actor, nn.Module):
+        raise TypeError(f"actor must be an openrlhf Actor, got {type(actor).__name__}")
+    if not isinstance(score_all_positions, bool):
+        raise TypeError(
+            f"score_all_positions must be a bool, got {type(score_all_positions).__name__}"
+        )
+    if getattr(actor, "is_vlm", False):
+        raise NotImplementedError(
+            "patch_actor does not handle vision-language actors (is_vlm): their forward feeds "
+            "multimodal inputs and M-RoPE positions fusedhead does not reproduce"
+        )
+    ring = _ring_utils()
+    _parts(actor)  # fail now, not on the first step
+    head = resolve_lm_head(backend)
+    unpatch_actor(actor)
+    original = actor.forward
+
+    def forward(
+        self: nn.Module,
+        sequences: torch.Tensor,
+        action_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        return_output: bool = False,
+        allgather_logits: bool = False,
+        return_logprobs: bool = False,
+        ring_attn_group: Any = None,
+        packed_seq_lens: list[int] | None = None,
+        return_entropy: bool = False,
+        **mm_inputs: Any,
+    ) -> Any:
+        if action_mask is None and not return_logprobs:  # the caller wants the logits
+            return original(
+                sequences,
+                action_mask,
+                attention_mask=attention_mask,
+                return_output=return_output,
+                allgather_logits=allgather_logits,
+                return_logprobs=return_logprobs,
+                ring_attn_group=ring_attn_group,
+                packed_seq_lens=packed_seq_lens,
+                return_entropy=return_entropy,
+                **mm_inputs,
+            )
+        if mm_inputs:
+            raise ValueError(
+                f"patch_actor's forward takes no multimodal inputs, got {sorted(mm_inputs)}"
+            )
+        if return_entropy and not return_output:
+            raise ValueError("return_entropy=True needs return_output=True (as in OpenRLHF)")
+        if attention_mask is None:
+            raise ValueError("attention_mask is required (OpenRLHF's Actor.forward needs it too)")
+        lm, body, lm_head = _parts(self)
+        batch, seqlen = sequences.shape
+        # Positions whose next token is real: the only ones OpenRLHF's losses read.
+        needed = torch.zeros_like(attention_mask, dtype=torch.bool)
+        needed[:, :-1] = attention_mask[:, 1:].bool()
+        if getattr(self, "packing_samples", False):
+            ids, position_ids, labels, pad_len, indices = ring.unpad_and_slice_tensor(
+                sequences, attention_mask, ring_attn_group
+            )
+            if not score_all_positions and ring_attn_group is None:
+                keep = needed.reshape(-1)[indices].unsqueeze(0)
+                labels = labels.masked_fill(~keep, -100)
+            body_mask = None
+        else:
+            ids = sequences
+            labels = torch.roll(sequences, shifts=-1, dims=1)
+            if not score_all_positions:
+                labels = labels.masked_fill(~needed, -100)
+            position_ids = attention_mask.long().cumsum(-1) - 1
+            position_ids.masked_fill_(attention_mask == 0, 1)
+            body_mask = attention_mask
+        text_config = getattr(lm.config, "get_text_config", lambda: lm.config)()
+        extra: dict[str, Any] = {}
+        if getattr(text_config, "output_router_logits", False):
+            extra["output_router_logits"] = True
+        body_out = body(
+            input_ids=ids,
+            attention_mask=body_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **extra,
+        )
+        out = lm_head_logprobs(
+            lm_head,
+            body_out.last_hidden_state,
+            labels,
+            head=head,
+            temperature=float(getattr(self, "temperature", 1.0)),
+            return_entropy=return_entropy,
+        )
+        log_probs, entropy = out.log_probs, out.entropy
+        if getattr(self, "packing_samples", False):
+            log_probs = ring.gather_and_pad_tensor(
+                log_probs, ring_attn_group, pad_len, indices, batch, seqlen
+            )
+            if entropy is not None:
+                entropy = ring.gather_and_pad_tensor(
+                    entropy, ring_attn_group, pad_len, indices, batch, seqlen
+                )
+        log_probs = log_probs[:, :-1]
+        output = None
+        if return_output:
+            output = _model_output(lm, text_config, body_out, body_mask, extra)
+            if entropy is not None:
+                output.entropy = entropy[:, :-1]
+        if action_mask is None:
+            return (log_probs, output) if return_output else log_probs
+        action_log_probs = log_probs[:, -action_mask.shape[1] :] * action_mask.float()
+        return (action_log_probs, output) if return_output else action_log_probs
+
+    actor.forward = types.MethodType(forward, actor)  # type: ignore[method-assign]
+    actor.__dict__[_ATTR] = head
+    return head
+
+
+def _model_output(
+    lm: nn.Module,
+    text_config: Any,
+    body_out: Any,
+    attention_mask: torch.Tensor | None,
+    extra: dict[str, Any],
+) -> Any:
+    """The model output OpenRLHF's callers read (``entropy``, ``aux_loss``), without logits."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    if not extra.get("output_router_logits"):
+        return CausalLMOutputWithPast(logits=None)
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    experts = getattr(text_config, "num_local_experts", None) or getattr(
+        text_config, "num_experts", None
+    )
+    aux = load_balancing_loss_func(
+        body_out.router_logits,
+        experts,
+        getattr(text_config, "num_experts_per_tok", None),
+        attention_mask,
+    )
+    return MoeCausalLMOutputWithPast(
+        logits=None,
+        aux_loss=aux,  # type: ignore[arg-type]
+        router_logits=body_out.router_logits,
+    )

@@ -1,0 +1,3 @@
+"""A CPU stand-in for the padding helpers of flash-attn that OpenRLHF imports (tests only)."""
+
+__version__ = "0.0.0+fusedhead-test-stub"

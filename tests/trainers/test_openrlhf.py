@@ -1,0 +1,209 @@
+"""OpenRLHF: ``patch_actor`` makes ``Actor.forward`` score with a fusedhead backend.
+
+Log-probs, entropy and gradients of the patched actor are compared with OpenRLHF's own path
+(full float32 logits) on the same model, packed (``packing_samples``) and not, at two
+temperatures: on the positions OpenRLHF's losses read by default, on every position with
+``score_all_positions=True``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+STUBS = Path(__file__).parent / "openrlhf_stubs"
+if (
+    importlib.util.find_spec("openrlhf") is not None
+    and importlib.util.find_spec("flash_attn") is None
+):
+    # flash-attn needs CUDA to build; OpenRLHF imports only its padding helpers (see the README).
+    sys.path.insert(0, str(STUBS))
+
+pytest.importorskip(
+    "openrlhf.models.actor", reason="OpenRLHF is not installed (bash scripts/trainers/openrlhf.sh)"
+)
+
+from openrlhf.models.actor import Actor  # noqa: E402
+
+from fusedhead.errors import UnknownBackendError  # noqa: E402
+from fusedhead.integrations import lm_head as lm_head_mod  # noqa: E402
+from fusedhead.integrations.openrlhf import is_patched, patch_actor, unpatch_actor  # noqa: E402
+
+V = 53
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Iterator[None]:
+    lm_head_mod.clear_cache()
+    yield
+    lm_head_mod.clear_cache()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.3)
+    path = tmp_path_factory.mktemp("openrlhf-model") / "tiny-llama"
+    model.save_pretrained(path)
+    return path
+
+
+def _actor(model_dir: Path, packing: bool, temperature: float) -> Any:
+    actor = Actor(
+        str(model_dir),
+        attn_implementation="eager",
+        param_dtype="bf16",  # OpenRLHF loads bf16 or fp16; the test runs in float32
+        packing_samples=packing,
+        temperature=temperature,
+    )
+    return actor.float()
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompts, right-padded responses, as OpenRLHF's experience maker builds them."""
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(1, V, (3, 14), generator=g)
+    mask = torch.ones_like(seq)
+    mask[0, :3] = 0
+    mask[1, :1] = 0
+    mask[1, 12:] = 0
+    mask[2, 10:] = 0
+    seq = seq.masked_fill(mask == 0, 0)
+    action_mask = mask[:, -6:].clone()
+    return seq, mask, action_mask
+
+
+def _entropy64(out: Any, packing: bool, seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Entropy ``[B, T - 1]`` in float64 of the float32 logits OpenRLHF's own forward returned."""
+    from openrlhf.models.ring_attn_utils import gather_and_pad_tensor, unpad_and_slice_tensor
+
+    logp = torch.log_softmax(out["logits"].detach().double(), -1)
+    ent = -(logp.exp() * logp).sum(-1)
+    if packing:
+        indices = unpad_and_slice_tensor(seq, mask, None)[4]
+        ent = gather_and_pad_tensor(ent, None, 0, indices, *seq.shape)
+    return ent[:, :-1]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+def _grads(actor: Any) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in actor.named_parameters() if p.grad is not None}
+    actor.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_actor_forward_matches_openrlhf(model_dir: Path, packing: bool, temperature: float) -> None:
+    theirs = _actor(model_dir, packing, temperature)
+    ours = _actor(model_dir, packing, temperature)
+    head = patch_actor(ours, "fusedhead:torch")
+    assert head.name == "torch" and is_patched(ours) and not is_patched(theirs)
+    seq, mask, action_mask = _batch()
+    needed = mask[:, 1:].bool()  # positions whose next token is real
+
+    results = []
+    for actor in (theirs, ours):
+        lp, out = actor(
+            seq, action_mask, attention_mask=mask, return_output=True, return_entropy=True
+        )
+        (lp.sum() + 0.1 * (out.entropy * needed).sum()).backward()
+        results.append((lp, out, _grads(actor)))
+    (lp_a, out_a, g_a), (lp_b, out_b, g_b) = results
+    ent_a, ent_b = out_a.entropy, out_b.entropy
+    assert lp_b.shape == lp_a.shape == action_mask.shape
+    torch.testing.assert_close(lp_b, lp_a, rtol=0, atol=1e-6)
+    assert ent_b.shape == ent_a.shape == (3, 13)
+    # OpenRLHF's entropy, logsumexp(z) - sum(p * z) in float32, subtracts two values near 5 here and
+    # lands up to ~1.2e-6 off; both are held to float64 of OpenRLHF's own float32 logits.
+    ent64 = _entropy64(out_a, packing, seq, mask)
+    assert float((ent_b.double() - ent64)[needed].abs().max()) <= 1e-6
+    assert float((ent_a.double() - ent64)[needed].abs().max()) <= 2e-6
+    assert torch.all(ent_b[~needed] == 0)
+    real = needed & mask[:, :-1].bool()  # both tokens real
+    assert lp_a.abs().max() > 0.5 and ent_a[real].min() > 0.1
+    assert g_a.keys() == g_b.keys() and "model.lm_head.weight" in g_b
+    for name in g_a:
+        assert _rel(g_b[name], g_a[name]) <= 1e-5, (name, _rel(g_b[name], g_a[name]))
+
+    # all next-token log-probs (SFT / DPO): equal wherever the next token is real
+    with torch.no_grad():
+        full_a = theirs(seq, attention_mask=mask, return_logprobs=True)
+        full_b = ours(seq, attention_mask=mask, return_logprobs=True)
+    assert full_b.shape == full_a.shape == (3, 13)
+    torch.testing.assert_close(full_b[needed], full_a[needed], rtol=0, atol=1e-6)
+    assert torch.all(full_b[~needed] == 0)
+
+    # every position, as OpenRLHF scores them (padding and wrap-around labels included)
+    patch_actor(ours, "torch", score_all_positions=True)
+    with torch.no_grad():
+        lp_all, out_all = ours(
+            seq, attention_mask=mask, return_logprobs=True, return_output=True, return_entropy=True
+        )
+        ref_lp, ref_out = theirs(
+            seq, attention_mask=mask, return_logprobs=True, return_output=True, return_entropy=True
+        )
+    torch.testing.assert_close(lp_all, ref_lp, rtol=0, atol=1e-6)
+    ent64 = _entropy64(ref_out, packing, seq, mask)
+    assert float((out_all.entropy.double() - ent64).abs().max()) <= 1e-6
+    assert float((ref_out.entropy.double() - ent64).abs().max()) <= 2e-6
+
+
+def test_logits_calls_keep_the_original_forward(model_dir: Path) -> None:
+    theirs = _actor(model_dir, False, 1.0)
+    ours = _actor(model_dir, False, 1.0)
+    patch_actor(ours, "torch")
+    seq, mask, _ = _batch()
+    with torch.no_grad():
+        a = theirs(seq, attention_mask=mask, return_output=True)
+        b = ours(seq, attention_mask=mask, return_output=True)
+    assert b["logits"].shape == (3, 14, V)
+    torch.testing.assert_close(b["logits"], a["logits"], rtol=0, atol=0)
+    unpatch_actor(ours)
+    assert not is_patched(ours) and "forward" not in ours.__dict__
+
+
+def test_bad_backends_and_inputs(model_dir: Path) -> None:
+    actor = _actor(model_dir, False, 1.0)
+    with pytest.raises(UnknownBackendError, match="'nope'") as info:
+        patch_actor(actor, "fusedhead:nope")
+    assert "torch" in str(info.value)
+    assert not is_patched(actor)
+    with pytest.raises(ValueError, match="accepted forms"):
+        patch_actor(actor, "FusedHead:torch")
+    with pytest.raises(TypeError, match="score_all_positions must be a bool"):
+        patch_actor(actor, "torch", score_all_positions=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="openrlhf Actor"):
+        patch_actor("actor", "torch")  # type: ignore[arg-type]
+    patch_actor(actor, "torch")
+    seq, mask, action_mask = _batch()
+    with pytest.raises(ValueError, match="multimodal"):
+        actor(seq, action_mask, attention_mask=mask, pixel_values=torch.zeros(1))
+    with pytest.raises(ValueError, match="needs return_output=True"):
+        actor(seq, action_mask, attention_mask=mask, return_entropy=True)
+    with pytest.raises(ValueError, match="attention_mask is required"):
+        actor(seq, action_mask)
