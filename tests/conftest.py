@@ -19,6 +19,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FIXTURE_DISTS = Path(__file__).parent / "fixtures" / "dists"
+#: Distributions that break the plugin rules on purpose (tests/core/test_faults.py).
+FAULT_DISTS = Path(__file__).parent / "fixtures" / "faults"
 
 
 def pip_install_target(target: Path, *projects: Path) -> None:
@@ -49,6 +51,14 @@ def fixture_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
+@pytest.fixture(scope="session")
+def fault_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the fault distributions (and the good fixture they build on) pip-installed."""
+    target = tmp_path_factory.mktemp("fault-site")
+    pip_install_target(target, FIXTURE_DISTS / "good", *sorted(FAULT_DISTS.iterdir()))
+    return target
+
+
 @pytest.fixture
 def site_on_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path], Path]]:
     """``put(site)``: a folder of installed distributions on sys.path (and PYTHONPATH for
@@ -63,7 +73,10 @@ def site_on_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path], P
         registry.refresh()
         return site
 
+    before = set(sys.modules)
     yield put
+    for name in [m for m in sys.modules if m.startswith("fh_") and m not in before]:
+        del sys.modules[name]  # fixture plugins imported here must not leak into later tests
     registry.refresh()
 
 

@@ -1,0 +1,290 @@
+"""Broken plugins and bad inputs: each gets an error that names who and what, never a raw crash.
+
+The fault fixtures (tests/fixtures/faults) are installed like real distributions: a hooks plugin
+that fails on import, an entry-point name that breaks the name rule, an import of a missing
+*name*, and a third party claiming the reserved name ``torch``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from pydantic import BaseModel
+
+from fusedhead import fused_head, registry
+from fusedhead.errors import (
+    BackendConflictError,
+    BackendContractError,
+    BackendLoadError,
+    BackendUnavailableError,
+    IncompatibleBackendError,
+    MissingDependencyError,
+)
+from fusedhead.hooks import HookPluginWarning
+from fusedhead.protocol import Capabilities, HeadCall, HeadOutput, NoOptions
+from fusedhead.registry import Status
+
+
+@pytest.fixture
+def with_faults(fault_site: Path, site_on_path: Callable[[Path], Path]) -> Iterator[Path]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HookPluginWarning)
+        yield site_on_path(fault_site)
+
+
+def rows(**kw: Any) -> dict[tuple[str, str | None], registry.BackendListing]:
+    return {(r.name, r.distribution): r for r in registry.listing(**kw)}
+
+
+# --- plugin faults -----------------------------------------------------------------------------
+
+
+def test_a_hooks_plugin_that_fails_to_import_does_not_break_selection(fault_site, site_on_path):
+    from fusedhead import hooks
+
+    with pytest.warns(HookPluginWarning, match="broken-hooks.*fails on import on purpose"):
+        site_on_path(fault_site)  # reloads hook plugins if they were loaded already
+        hooks.plugin_manager()  # loads them otherwise
+    assert "broken-hooks" in hooks.skipped
+    out = fused_head(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2]), backend="good")
+    assert out.log_probs.shape == (3,)
+
+
+def test_a_misnamed_entry_point_is_listed_broken_without_importing_it(with_faults):
+    row = rows()[("Bad.Name", "fh-fault-badname")]
+    assert row.status is Status.BROKEN
+    assert "breaks the name rule" in (row.reason or "")
+
+
+def test_a_third_party_claiming_torch_is_refused_and_the_first_party_one_stays(with_faults):
+    listed = rows()
+    claim = listed[("torch", "fh-fault-claims-torch")]
+    assert claim.status is Status.CONFLICT
+    assert "fusedhead-torch" in (claim.reason or "") and "fh-fault-claims-torch" in (
+        claim.reason or ""
+    )
+    assert listed[("torch", "fusedhead-torch")].status is Status.INSTALLED
+    assert registry.find("torch").distribution == "fusedhead-torch"
+
+
+def test_a_missing_name_is_not_reported_as_a_missing_package(with_faults):
+    with pytest.raises(BackendLoadError) as info:
+        registry.load_class("missing-name")
+    assert not isinstance(info.value, MissingDependencyError)
+    assert "NoSuchThingInTheProtocol" in str(info.value)
+    assert "install the missing package" not in str(info.value)
+    assert info.value.distribution == "fh-fault-missing-name"
+
+
+def test_a_missing_package_names_the_top_level_package(with_fixture_dists):
+    with pytest.raises(MissingDependencyError) as info:
+        registry.load_class("missing")
+    assert info.value.missing == "fh_no_such_package_xyz"
+    assert info.value.distribution == "fh-fixture-missing"
+
+
+def test_list_check_shows_incompatible_and_misnamed_plugins_with_their_reason(
+    with_faults, fixture_site
+):
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(with_faults), str(fixture_site)])}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from fusedhead.cli import main; sys.exit(main(sys.argv[1:]))",
+            "list",
+            "--check",
+            "--device",
+            "cpu",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    listed = {(r["name"], r["distribution"]): r for r in json.loads(proc.stdout)}
+    assert listed[("incompatible", "fh-fixture-incompatible")]["status"] == "incompatible"
+    assert "plugin API version 99" in listed[("incompatible", "fh-fixture-incompatible")]["reason"]
+    assert listed[("Bad.Name", "fh-fault-badname")]["status"] == "broken"
+    assert "name rule" in listed[("Bad.Name", "fh-fault-badname")]["reason"]
+    assert listed[("torch", "fh-fault-claims-torch")]["status"] == "conflict"
+
+
+# --- the class's shape, checked at load ----------------------------------------------------------
+
+
+class _Shape:
+    name: ClassVar[str] = "shape-test"
+    Options: ClassVar[type[BaseModel]] = NoOptions
+    plugin_api_version: ClassVar[int] = 2
+
+    def __init__(self, options: NoOptions) -> None:
+        self.options = options
+
+    def capabilities(self, device: torch.device) -> Capabilities:
+        return Capabilities()
+
+    def check(self, device: torch.device, dtype: torch.dtype) -> None:
+        return None
+
+    def forward(self, call: HeadCall) -> HeadOutput:
+        raise AssertionError("not called")
+
+
+def _variant(**attrs: Any) -> type:
+    return type("Variant", (_Shape,), attrs)
+
+
+@pytest.mark.parametrize(
+    ("attrs", "error", "words"),
+    [
+        ({"forward": lambda self, hidden, weight, labels, **kw: None}, BackendLoadError, "forward"),
+        ({"check": lambda self, device: None}, BackendLoadError, "check"),
+        ({"capabilities": None}, BackendLoadError, "capabilities"),
+        ({"plugin_api_version": 1}, IncompatibleBackendError, "version 1"),
+        ({"plugin_api_version": True}, IncompatibleBackendError, "version True"),
+        ({"Options": dict}, BackendLoadError, "Options"),
+    ],
+    ids=[
+        "v1-forward",
+        "check-params",
+        "no-capabilities",
+        "v1",
+        "bool-version",
+        "options-not-model",
+    ],
+)
+def test_a_class_whose_shape_breaks_the_plugin_api_is_refused_at_load(attrs, error, words):
+    registry.register_backend("shape-test", _variant(**attrs), replace=True)
+    try:
+        with pytest.raises(error, match=words) as info:
+            registry.load_class("shape-test")
+        assert info.value.backend == "shape-test" and info.value.hint
+    finally:
+        registry.unregister_backend("shape-test")
+
+
+def test_reserved_names_cannot_be_registered_in_process():
+    with pytest.raises(BackendConflictError, match="reserved"):
+        registry.register_backend("torch", _variant(name="torch"))
+
+
+def test_refresh_and_unregister_leave_no_stale_head(inputs):
+    first = _variant(
+        forward=lambda self, call: HeadOutput(call.hidden.new_zeros(call.labels.shape[0]).float())
+    )
+    second = _variant(
+        forward=lambda self, call: HeadOutput(call.hidden.new_ones(call.labels.shape[0]).float())
+    )
+    h, w, y = inputs()
+    registry.register_backend("shape-test", first)
+    try:
+        assert fused_head(h, w, y, backend="shape-test", return_entropy=False).log_probs.sum() == 0
+    finally:
+        registry.unregister_backend("shape-test")
+    registry.register_backend("shape-test", second)
+    try:
+        assert fused_head(
+            h, w, y, backend="shape-test", return_entropy=False
+        ).log_probs.sum() == len(y)
+    finally:
+        registry.unregister_backend("shape-test")
+
+
+# --- a backend that misbehaves at run time --------------------------------------------------------
+
+
+def test_check_raising_a_plain_error_becomes_a_contract_error(ref_backend, inputs, monkeypatch):
+    def bad_check(self, device, dtype):
+        raise RuntimeError("driver exploded")
+
+    monkeypatch.setattr(ref_backend, "check", bad_check)
+    with pytest.raises(
+        BackendContractError, match="check\\(\\) raised RuntimeError: driver exploded"
+    ) as info:
+        fused_head(*inputs(), backend="ref-test")
+    assert info.value.backend == "ref-test" and "BackendUnavailableError" in (info.value.hint or "")
+
+
+def test_check_raising_unavailable_carries_the_backend(ref_backend, inputs, monkeypatch):
+    def no(self, device, dtype):
+        raise BackendUnavailableError("no such device here", hint="use cpu")
+
+    monkeypatch.setattr(ref_backend, "check", no)
+    with pytest.raises(BackendUnavailableError) as info:
+        fused_head(*inputs(), backend="ref-test")
+    assert str(info.value) == "backend 'ref-test': no such device here Fix: use cpu"
+
+
+def _outputs(n: int, like: torch.Tensor) -> dict[str, Callable[[], object]]:
+    good = (like.float().sum(-1) * 0)[:n]
+    return {
+        "3-tuple": lambda: (good, good, good),
+        "None": lambda: None,
+        "v1 pair": lambda: (good, good),
+        "meta": lambda: HeadOutput(torch.zeros(n, device="meta"), torch.zeros(n, device="meta")),
+        "detached": lambda: HeadOutput(good.detach(), good.detach()),
+        "float64": lambda: HeadOutput(good.double(), good.double()),
+        "wrong length": lambda: HeadOutput(good[:-1], good[:-1]),
+        "entropy missing": lambda: HeadOutput(good),
+        "2-d": lambda: HeadOutput(good.unsqueeze(0), good.unsqueeze(0)),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_outputs(1, torch.zeros(1, 1))))
+def test_a_backend_breaking_the_output_contract_is_caught(ref_backend, inputs, monkeypatch, kind):
+    h, w, y = inputs()
+    h.requires_grad_(True)
+    make = _outputs(len(y), h)[kind]
+    monkeypatch.setattr(ref_backend, "forward", lambda self, call: make())
+    with pytest.raises(BackendContractError, match="broke the plugin contract") as info:
+        fused_head(h, w, y, backend="ref-test")
+    assert info.value.backend == "ref-test"
+
+
+# --- bad inputs ----------------------------------------------------------------------------------
+
+
+def test_a_meta_device_call_is_refused_by_the_backend_not_inside_autocast():
+    h = torch.randn(4, 8, device="meta")
+    w = torch.randn(16, 8, device="meta")
+    y = torch.zeros(4, dtype=torch.long, device="meta")
+    with pytest.raises(BackendUnavailableError, match="meta") as info:
+        fused_head(h, w, y, backend="torch")
+    assert info.value.backend == "torch" and info.value.distribution == "fusedhead-torch"
+
+
+def test_a_meta_device_call_runs_on_a_backend_that_declares_meta(ref_backend):
+    h = torch.randn(4, 8, device="meta")
+    w = torch.randn(16, 8, device="meta")
+    y = torch.zeros(4, dtype=torch.long, device="meta")
+    out = fused_head(h, w, y, backend="ref-test")
+    assert out.log_probs.device.type == "meta" and out.log_probs.shape == (4,)
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400), float("inf"), float("nan"), 0, -1.0])
+def test_an_out_of_range_temperature_is_a_value_error_naming_it(inputs, value):
+    with pytest.raises(ValueError, match="temperature must be a finite float > 0"):
+        fused_head(*inputs(), backend="torch", temperature=value)
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 10**400])
+def test_an_ignore_index_beyond_int64_is_a_value_error_naming_it(inputs, value):
+    with pytest.raises(ValueError, match="ignore_index must fit in int64"):
+        fused_head(*inputs(), backend="torch", ignore_index=value)
+
+
+@pytest.mark.parametrize("value", [10**400, float("inf")])
+def test_an_out_of_range_softcap_is_a_value_error_naming_it(inputs, value):
+    with pytest.raises(ValueError, match="softcap must be a finite float > 0"):
+        fused_head(*inputs(), backend="torch", softcap=value)
