@@ -236,3 +236,23 @@ def test_under_verls_apply_fsdp2_on_two_gloo_ranks(tmp_path: Path) -> None:
         text = log.read_text()
         assert "fusedhead under apply_fsdp2 matches the unsharded model" in text
         assert "failed as in verl #5633" in text
+
+
+def _doc_blocks(name: str) -> list[str]:
+    import re
+
+    text = (HERE.parents[1] / "docs" / "integrations" / name).read_text()
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def test_the_docs_example_runs(tmp_path: Path) -> None:
+    """docs/integrations/verl.md's example (skipped by the docs test without verl) runs here."""
+    (block,) = _doc_blocks("verl.md")
+    script = tmp_path / "example.py"
+    script.write_text(block)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch.Size([1, 12]) torch.Size([1, 12])" in done.stdout
+    assert "'tritonn' is not a fused-kernel backend" in done.stdout
