@@ -303,3 +303,32 @@ def test_replace_refuses_a_trainer_without_trls_fused_head(model_dir: Path) -> N
 
     with pytest.raises(RuntimeError, match="no model with TRL's fused LM head"):
         fh_trl.replace_trl_fused_heads(NotATrainer(), "torch")
+
+
+def test_grpo_bench_script_smoke(tmp_path: Path) -> None:
+    """scripts/gpu/trl_grpo_bench.py on the CPU, TRL's kernel file loaded alone (as on a GPU box
+    where TRL is installed with --no-deps): both heads run and agree with float32 logits."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[2] / "scripts" / "gpu" / "trl_grpo_bench.py"
+    cmd = [sys.executable, str(script), str(tmp_path), "--device", "cpu", "--small"]
+    proc = subprocess.run(
+        [*cmd, "--backend", "torch", "--standalone-trl"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "loaded alone" in proc.stdout and "fwd+bwd ms" in proc.stdout
+    record = json.loads((tmp_path / "trl_grpo_bench.json").read_text())
+    assert record["shape"]["scored_tokens"] == 64 and record["fusedhead_backend"] == "torch"
+    for name in ("trl", "fusedhead"):
+        r = record["results"][name]
+        assert r["forward"]["ms_median"] > 0 and r["forward_backward"]["ms_median"] > 0
+        assert r["logprob_max_abs_err"] < 1e-5 and r["entropy_max_abs_err"] < 1e-5
+    diff = record["results"]["fusedhead"]["grad_rel_diff_vs_trl"]
+    assert diff["hidden"] < 1e-5 and diff["weight"] < 1e-5
