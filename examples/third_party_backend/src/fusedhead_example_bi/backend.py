@@ -14,7 +14,7 @@ from fusedhead_example_bi.rowwise import RowwiseFusedHead
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-class Options(BaseModel):
+class ExampleOptions(BaseModel):
     """Options of ``example-bi``; unknown keys are refused, so a typo fails when the config is read."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -30,10 +30,10 @@ class BatchInvariantBackend:
     """Row by row, vocabulary block by block, with fixed-shape ops: forward is batch invariant."""
 
     name: ClassVar[str] = "example-bi"
-    Options: ClassVar[type[BaseModel]] = Options
+    Options: ClassVar[type[BaseModel]] = ExampleOptions
     plugin_api_version: ClassVar[int] = 2
 
-    def __init__(self, options: Options) -> None:
+    def __init__(self, options: ExampleOptions) -> None:
         self.options = options
 
     def capabilities(self, device: torch.device) -> Capabilities:
@@ -69,7 +69,7 @@ class BatchInvariantBackend:
         capabilities do not declare vocab_parallel, per_token_temperature or softcap.
         """
         assert call.process_group is None and isinstance(call.temperature, float)
-        log_probs, entropy = RowwiseFusedHead.apply(
+        log_probs, entropy = RowwiseFusedHead.apply(  # type: ignore[no-untyped-call]
             call.hidden,
             call.weight,
             call.labels,
@@ -78,3 +78,7 @@ class BatchInvariantBackend:
             self.options.vocab_block,
         )
         return HeadOutput(log_probs, entropy if call.return_entropy else None)
+
+
+#: The name users import (``fusedhead_example_bi.Options``).
+Options = ExampleOptions

@@ -33,7 +33,8 @@ def _row_stats(
     outs = [torch.empty(b.shape[0], dtype=torch.float32, device=hidden.device) for b in blocks]
     for i in range(n):
         row.copy_(hidden[i])
-        m = s = sz = None
+        m: torch.Tensor | None = None
+        s = sz = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for block, z in zip(blocks, outs):
             torch.mv(block, row, out=z)
             z.div_(temperature)
