@@ -46,6 +46,7 @@ def test_options_defaults_and_round_trip() -> None:
         "block_vocab": None,
         "chunk_rows": None,
         "skip_ignored_rows": None,
+        "fp32_logits": None,
     }
 
 

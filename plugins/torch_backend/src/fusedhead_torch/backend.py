@@ -18,6 +18,8 @@ from fusedhead_torch.tiling import Tiles, plan_tiles
 #: otherwise keeps resident (peak extra ~170 MiB at N=2048, V=32000, H=1024 fp32: 14% of full
 #: logits); larger budgets were at most ~10% faster there.
 DEFAULT_WORKSPACE_MIB = {"cuda": 1024, "cpu": 32}
+#: bf16/fp16 logits GEMMs write fp32 unless ``fp32_logits=False`` (measured: plugin README).
+DEFAULT_FP32_LOGITS = True
 SUPPORTED_DEVICES = ("cpu", "cuda")
 SUPPORTED_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -44,6 +46,12 @@ class TorchOptions(BaseModel):
         description="Leave rows whose label is ignore_index out of every GEMM (they give 0 "
         "anyway). Finding them costs a device-to-host sync, so the default is on for the CPU "
         "and off for CUDA (CUDA graphs, torch.compile).",
+    )
+    fp32_logits: bool | None = Field(
+        default=None,
+        description="bf16/fp16 inputs: the logits GEMMs accumulate and write fp32 (torch.mm "
+        "with out_dtype=float32 on CUDA, upcast operands elsewhere) instead of rounding the "
+        "logits to the input dtype. Default: on (see the plugin README for time and memory).",
     )
 
 
@@ -73,12 +81,17 @@ class TorchBackend:
             deterministic=True,
             batch_invariant=False,
             entropy_precision="fp32",
-            # The GEMM writes logits in the input dtype (bf16 is the lowest), then fp32 math.
-            logits_precision="bf16",
+            # fp32_logits: the GEMMs write fp32; otherwise logits in the input dtype, then fp32.
+            logits_precision="fp32" if self.fp32_logits(device) else "bf16",
             per_token_temperature=True,
             softcap=True,
             uneven_shards=True,
         )
+
+    def fp32_logits(self, device: torch.device) -> bool:
+        """Whether bf16/fp16 logits are accumulated and written in fp32 on ``device``."""
+        opt = self.options.fp32_logits
+        return DEFAULT_FP32_LOGITS if opt is None else opt
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         """Raise ``BackendUnavailableError`` if ``device``/``dtype`` cannot run here."""
@@ -151,6 +164,7 @@ class TorchBackend:
             vocab_size=call.vocab_size,
             process_group=call.process_group,
             reduce_hidden_grad=call.reduce_hidden_grad,
+            fp32_logits=self.fp32_logits(hidden.device),
         )
         out = ChunkedFusedHead.apply(hidden, weight, labels, inv_t, spec)  # type: ignore[no-untyped-call]
         log_probs, entropy = out if return_entropy else (out, None)

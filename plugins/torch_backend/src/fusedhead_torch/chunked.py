@@ -1,10 +1,15 @@
 """The autograd Function: forward keeps per-row statistics, backward recomputes logit tiles.
 
-Every GEMM is a plain ``torch.mm`` in the input dtype, so dispatcher overrides of ``aten::mm``
-(batch-invariant or deterministic modes) take effect in forward and backward alike. Softmax and
-entropy math runs in fp32 on one tile at a time; nothing of size ``[N, V]`` is ever held. The
-weight gradient of a vocabulary block is finished (accumulated in fp32 over row chunks when there
-are several) before the next block starts, so no ``[V, H]`` fp32 buffer exists.
+Every GEMM is an aten ``mm`` through the dispatcher (``aten::mm``; with ``fp32_logits`` on CUDA
+the logits GEMMs are ``aten::mm.dtype``, elsewhere upcast operands and ``aten::mm``), so dispatcher
+overrides (batch-invariant or deterministic modes) take effect in forward and backward alike.
+Softmax and entropy math runs in fp32 on one tile at a time; nothing of size ``[N, V]`` is ever
+held. The weight gradient of a vocabulary block is finished (accumulated in fp32 over row chunks
+when there are several) before the next block starts, so no ``[V, H]`` fp32 buffer exists.
+
+Ignored rows (label ``ignore_index``) get exactly zero gradients even when their hidden state holds
+NaN or inf: backward reads their hidden rows and row max as zeros, so every product with them is a
+finite zero (the weight gradient never sees them).
 """
 
 from __future__ import annotations
@@ -17,7 +22,15 @@ import torch
 
 from fusedhead_torch.parallel import all_reduce_row_stats, all_reduce_sum_
 from fusedhead_torch.rowstats import RowStats
-from fusedhead_torch.tile_math import FP32, Scaling, Workspace, backward_tile, forward_tile
+from fusedhead_torch.tile_math import (
+    FP32,
+    Scaling,
+    Workspace,
+    backward_tile,
+    clamp_scale,
+    forward_tile,
+    logits_mm,
+)
 from fusedhead_torch.tiling import Tiles
 
 
@@ -33,6 +46,8 @@ class HeadSpec:
     vocab_size: int
     process_group: Any = None
     reduce_hidden_grad: bool = True
+    #: Logits GEMMs accumulate and write fp32 (bf16/fp16 inputs); gradient GEMMs stay as they are.
+    fp32_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,7 +91,7 @@ def _forward_stats(
         k = scaling.rows(r0, r1)
         run = RowStats.empty(r1 - r0, h.device)
         for b, (v0, v1) in enumerate(tiles.col_ranges(v)):
-            x = torch.mm(h_rows, weight[v0:v1].T)
+            x = logits_mm(h_rows, weight[v0:v1].T, spec.fp32_logits)
             in_block, col = place.tile(b, r0, r1, v1 - v0)
             stats, z_y = forward_tile(x, col, k, scaling, ws, spec.return_entropy)
             del x
@@ -162,7 +177,6 @@ def _walk_tiles(
     blocks = list(tiles.col_ranges(v))
     ws = Workspace(tiles.rows * tiles.cols, h.device)
     coef_a, coef_b, label_term = coefs
-    neg_m = row_max.neg()
     dh = None
     if need_h and not (len(blocks) == 1 and len(row_chunks) == 1 and h.dtype == FP32):
         dh = torch.zeros(n, h.shape[1], dtype=FP32, device=h.device)
@@ -177,16 +191,17 @@ def _walk_tiles(
             in_block, col = place.tile(b, r0, r1, v1 - v0)
             b_rows = None if coef_b is None else coef_b[r0:r1]
             dz = backward_tile(
-                torch.mm(h_rows, w_block.T),
+                logits_mm(h_rows, w_block.T, spec.fp32_logits),
                 col,
                 in_block,
                 scaling.rows(r0, r1),
                 scaling,
                 ws,
-                neg_m[r0:r1],
+                row_max[r0:r1],
                 coef_a[r0:r1],
                 b_rows,
                 label_term[r0:r1],
+                dz_dtype=h.dtype,
             )
             if need_h:
                 if dh is None:
@@ -229,6 +244,7 @@ class ChunkedFusedHead(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         ctx.set_materialize_grads(False)
         h = hidden.contiguous()
+        inv_t = clamp_scale(inv_t)  # T below 1 / MAX_SCALE acts as 1 / MAX_SCALE
         scaling = Scaling(inv_t, spec.softcap)
         place = LabelPlace.locate(labels, weight.shape[0], spec)
         with _no_autocast(h.device):
@@ -269,10 +285,22 @@ class ChunkedFusedHead(torch.autograd.Function):
         inv_t = inv_t_tensor if inv_t_tensor is not None else ctx.inv_t
         scaling = Scaling(inv_t, spec.softcap)
         place = LabelPlace.locate(labels, weight.shape[0], spec)
+        h = hidden.contiguous()
+        # On the CPU, checking is free; on CUDA it would sync, so the rows are always masked there.
+        if h.device.type != "cpu" or not bool(place.valid.all()):
+            # Ignored rows read as zeros: a NaN in one (whose coefficients are 0) must reach
+            # neither dh nor dW through 0 * NaN; their statistics become those of zero logits.
+            valid = place.valid
+            zero = torch.zeros((), dtype=h.dtype, device=h.device)
+            h = torch.where(valid.unsqueeze(1), h, zero)
+            row_max = torch.where(valid, row_max, torch.zeros_like(row_max))
+            row_sum = torch.where(valid, row_sum, torch.ones_like(row_sum))
+            if entropy is not None:
+                entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
         coefs = _coefficients(g_lp, g_ent, (row_sum, entropy), place, inv_t)
         # A backward() called under autocast must not turn the gradient GEMMs to lower precision.
         with _no_autocast(hidden.device):
             dh, dw = _backward_grads(
-                hidden.contiguous(), weight, place, scaling, spec, row_max, coefs, need_h, need_w
+                h, weight, place, scaling, spec, row_max, coefs, need_h, need_w
             )
         return dh, dw, None, None, None

@@ -1,45 +1,86 @@
 """The fp32 math on one logit tile ``x = h_rows @ W_block.T``: forward statistics and backward dz.
 
-Each function takes the tile as the GEMM wrote it (input dtype) and makes as few passes over it as
-it can: the temperature (and softcap scale) and the max subtraction fold into one pass that also
-upcasts; fp32 tiles are worked in place; the label column is patched with a gather and a scatter
-(no host sync, no out-of-range index).
+Each function takes the tile as the GEMM wrote it (the input dtype, or fp32 with ``fp32_logits``).
+The scaled logits are formed by a plain product ``z = k * src`` (correctly rounded everywhere, no
+fused multiply-add), and a row's max is that same product of the row's largest ``src``: so the
+largest entry gets ``d = z - m = 0`` exactly at any temperature (a fused ``k * src - m`` is off by
+the rounding of ``m``, about ``u |z|``, which at ``T = 1e-10`` is thousands and zeroed whole rows).
+Products that could overflow are formed in a bounded order (``e * d`` before a per-row factor).
+fp32 tiles are worked in place; the label column is patched with a gather and a scatter (no host
+sync).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
 from fusedhead_torch.rowstats import RowStats
 
 FP32 = torch.float32
+#: Largest ``1 / T`` (and ``c / T``) used: 2^100 ~ 1.3e30, so ``k * (src - max)`` stays finite for
+#: raw logit gaps under ~2.7e8. Temperatures below 7.9e-31 act as 7.9e-31 (a one-hot softmax).
+MAX_SCALE = 2.0**100
+
+
+def clamp_scale(k: float | torch.Tensor) -> float | torch.Tensor:
+    """``k`` limited to ``MAX_SCALE`` (a Python float stays one; a tensor is clamped)."""
+    if isinstance(k, torch.Tensor):
+        return k.clamp(max=MAX_SCALE)
+    return min(k, MAX_SCALE)
 
 
 class Workspace:
-    """Flat fp32 buffers reused by every tile of a call, each viewed at the tile's shape."""
+    """Flat buffers reused by every tile of a call, each viewed at the tile's shape."""
 
     def __init__(self, numel: int, device: torch.device) -> None:
         self._numel = numel
         self._device = device
-        self._flat: dict[int, torch.Tensor] = {}
+        self._flat: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-    def get(self, slot: int, rows: int, cols: int) -> torch.Tensor:
-        """A contiguous fp32 ``[rows, cols]`` view of buffer ``slot``."""
-        flat = self._flat.get(slot)
+    def get(self, slot: int, rows: int, cols: int, dtype: torch.dtype = FP32) -> torch.Tensor:
+        """A contiguous ``[rows, cols]`` view of buffer ``slot`` (fp32 unless ``dtype``)."""
+        flat = self._flat.get((slot, dtype))
         if flat is None:
-            flat = torch.empty(self._numel, dtype=FP32, device=self._device)
-            self._flat[slot] = flat
+            flat = torch.empty(self._numel, dtype=dtype, device=self._device)
+            self._flat[(slot, dtype)] = flat
         return flat[: rows * cols].view(rows, cols)
+
+
+@cache
+def _mm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs for ``dtype`` on ``device``."""
+    if device.type != "cuda" or not hasattr(torch.ops.aten.mm, "dtype"):
+        return False
+    a = torch.ones(2, 2, dtype=dtype, device=device)
+    try:
+        return bool(torch.mm(a, a, out_dtype=FP32).dtype == FP32)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def logits_mm(a: torch.Tensor, b: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """``a @ b`` through the dispatcher; with ``fp32``, accumulated *and written* in fp32.
+
+    fp32 output of fp16/bf16 inputs: ``aten::mm.dtype`` where torch has it for the device (CUDA,
+    torch >= 2.8: the same tensor-core GEMM, an fp32 epilogue); otherwise both operands upcast
+    and an fp32 ``aten::mm`` (exact products, since fp16/bf16 values are exact in fp32 and TF32).
+    """
+    if not fp32 or a.dtype == FP32:
+        return torch.mm(a, b)
+    if _mm_out_dtype_works(a.device, a.dtype):
+        return torch.mm(a, b, out_dtype=FP32)
+    return torch.mm(a.float(), b.float())
 
 
 @dataclass(frozen=True)
 class Scaling:
-    """Maps raw logits ``x`` to scaled logits ``z = k * src``, ``src = x`` or ``tanh(x / c)``.
+    """Maps raw logits ``x`` to ``src`` (``x``, or ``tanh(x / c)`` with a softcap) and ``z = k src``.
 
-    ``inv_t`` is ``1 / temperature``: a float, or an fp32 ``[N]`` tensor for per-token temperature.
-    With a softcap ``c``, ``z = c * tanh(x / c) / T`` and ``k = c / T``.
+    ``inv_t`` is ``1 / temperature`` (clamped to ``MAX_SCALE``): a float, or an fp32 ``[N]`` tensor
+    for per-token temperature. With a softcap ``c``, ``z = c * tanh(x / c) / T`` and ``k = c / T``.
     """
 
     inv_t: float | torch.Tensor
@@ -50,15 +91,15 @@ class Scaling:
         c = 1.0 if self.softcap is None else self.softcap
         if isinstance(self.inv_t, torch.Tensor):
             k = self.inv_t[start:stop]
-            return k if self.softcap is None else k * c
-        return self.inv_t * c
+            return k if self.softcap is None else clamp_scale(k * c)
+        return clamp_scale(self.inv_t * c)
 
     def inv_t_rows(self, start: int, stop: int) -> float | torch.Tensor:
         """``1 / T`` for rows ``[start, stop)``."""
         return self.inv_t[start:stop] if isinstance(self.inv_t, torch.Tensor) else self.inv_t
 
     def source(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``src`` of a tile in fp32: ``x`` itself (upcast only if ``out`` is not ``x``) or tanh."""
+        """``src`` of a tile in fp32: ``x`` itself (no softcap) or ``tanh(x / c)`` into ``out``."""
         if self.softcap is None:
             return x
         # A [1, 1] fp32 factor (not a Python float) makes a bf16/fp16 tile compute in fp32.
@@ -66,10 +107,31 @@ class Scaling:
         return torch.mul(x, inv_c, out=out).tanh_()
 
     def scaled(self, raw: torch.Tensor, k: float | torch.Tensor) -> torch.Tensor:
-        """``z`` of a few raw fp32 values, one per row (the same formula as the tiles)."""
+        """``z`` of a few raw fp32 values, one per row (for callers that need ``z`` itself)."""
         if self.softcap is not None:
             raw = torch.tanh(raw * (1.0 / self.softcap))
         return raw * k
+
+
+def scale_factor(k: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``k`` as an fp32 tensor broadcasting over a tile's columns (``[R, 1]`` or ``[1, 1]``).
+
+    A tensor, not a Python float, so that a bf16/fp16 tile is multiplied in fp32, and the row max
+    and the tile are multiplied by the very same fp32 value.
+    """
+    if isinstance(k, torch.Tensor):
+        return k.to(FP32).unsqueeze(1)
+    return torch.full((1, 1), k, dtype=FP32, device=device)
+
+
+def offsets(
+    src: torch.Tensor, k_col: torch.Tensor, row_max: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``d = k * src - row_max[:, None]`` in fp32 (``out`` may be ``src``): two rounded ops.
+
+    ``row_max`` must be ``k * max(src)`` as ``scale_factor`` multiplies, so the max gives 0.
+    """
+    return torch.mul(src, k_col, out=out).sub_(row_max.unsqueeze(1))
 
 
 def affine(
@@ -96,23 +158,23 @@ def forward_tile(
 ) -> tuple[RowStats, torch.Tensor]:
     """Row statistics of one tile and each row's scaled logit at ``label_col`` (clamped in range).
 
-    Passes over the tile: max (input dtype), scale-and-shift into fp32 (in place for fp32), exp,
-    sum, and for entropy one more product-and-sum.
+    Passes over the tile: [tanh,] max, scale into fp32 (in place for fp32), subtract, exp, sum, and
+    for entropy one more product-and-sum.
     """
     rows, cols = x.shape
     col = label_col.unsqueeze(1)
-    x_max = x.amax(dim=1).float()
-    x_label = x.gather(1, col).squeeze(1).float()
-    src = scaling.source(x, out=x if x.dtype == FP32 else ws.get(0, rows, cols))
-    m = scaling.scaled(x_max, k)
-    z_label = scaling.scaled(x_label, k)
-    d = affine(src, k, -m, out=src if src.dtype == FP32 else ws.get(0, rows, cols))
+    low = x.dtype != FP32
+    k_col = scale_factor(k, x.device)
+    src = scaling.source(x, out=ws.get(0, rows, cols) if low else x)
+    m = (src.amax(dim=1, keepdim=True).float() * k_col).squeeze(1)
+    z_label = (src.gather(1, col).float() * k_col).squeeze(1)
+    d = offsets(src, k_col, m, out=src if src.dtype == FP32 else ws.get(0, rows, cols))
     if not with_entropy:
         s = d.exp_().sum(dim=1)
         return RowStats(m, s, torch.zeros_like(s)), z_label
     e = torch.exp(d, out=ws.get(1, rows, cols))
     s = e.sum(dim=1)
-    t = row_dot_(d, e)
+    t = row_dot_(d, e)  # each e * d is at most 1/e in size, whatever k is
     return RowStats(m, s, t), z_label
 
 
@@ -123,20 +185,23 @@ def backward_tile(
     k: float | torch.Tensor,
     scaling: Scaling,
     ws: Workspace,
-    neg_m: torch.Tensor,
+    row_max: torch.Tensor,
     coef_a: torch.Tensor,
     coef_b: torch.Tensor | None,
     label_term: torch.Tensor,
+    dz_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``dz`` of one tile, in the input dtype, ready for the two gradient GEMMs (may reuse ``x``).
+    """``dz`` of one tile in ``dz_dtype`` (default ``x.dtype``), for the two gradient GEMMs.
 
-    With ``d = z - m`` and ``e = exp(d)``: ``dz = e * (a + b * d) [* (1 - tanh^2)] + onehot *
-    label_term``, where the per-row ``a``, ``b`` and ``label_term`` fold in the upstream gradients,
-    ``1 / T`` and the softmax normaliser (see ``chunked._coefficients``).
+    ``row_max`` is the forward's ``m`` (scaled). With ``d = k src - m`` and ``e = exp(d)``: ``dz = (a e + b (e d)) [* (1 - tanh^2)] + onehot
+    * label_term``, where the per-row ``a``, ``b`` and ``label_term`` fold in the upstream gradients,
+    ``1 / T`` and the softmax normaliser (see ``chunked._coefficients``). ``e d`` is formed first:
+    ``b d`` alone can overflow at tiny temperatures where ``e`` is 0.
     """
     rows, cols = x.shape
     col = label_col.unsqueeze(1)
     low = x.dtype != FP32
+    out_dtype = x.dtype if dz_dtype is None else dz_dtype
     capped = scaling.softcap is not None
     if capped:
         src = scaling.source(x, out=ws.get(0, rows, cols) if low else x)
@@ -144,23 +209,31 @@ def backward_tile(
     else:
         src = x
         d_out, e_out = (ws.get(0, rows, cols) if low else x), ws.get(1, rows, cols)
-    d = affine(src, k, neg_m, out=d_out)
+    d = offsets(src, scale_factor(k, x.device), row_max, out=d_out)
     e = torch.exp(d, out=e_out)
     e_label = e.gather(1, col).squeeze(1)
-    if coef_b is not None:
-        u: torch.Tensor = torch.addcmul(coef_a.unsqueeze(1), d, coef_b.unsqueeze(1), out=d)
-        u_label = u.gather(1, col).squeeze(1)
+    if out_dtype == FP32:
+        dz_out = e  # worked in place
+    elif x.dtype == out_dtype:
+        dz_out = x  # the GEMM's own buffer, free once src and d are formed
     else:
-        u, u_label = coef_a.unsqueeze(1), coef_a
-    dz_label = torch.addcmul(label_term, e_label, u_label)
-    dz_out = x if low else e
+        dz_out = ws.get(3, rows, cols, out_dtype)
+    # The last product of each branch writes dz_out; a softcap first needs the fp32 values.
+    final = e if capped else dz_out
+    a_col = coef_a.unsqueeze(1)
+    dz_label = torch.addcmul(label_term, e_label, coef_a)
+    if coef_b is not None:
+        ed = d.mul_(e)
+        dz_label.addcmul_(ed.gather(1, col).squeeze(1), coef_b)
+        g = torch.addcmul(e.mul_(a_col), ed, coef_b.unsqueeze(1), out=final)
+    else:
+        g = torch.mul(e, a_col, out=final)
     if capped:
         t_label = src.gather(1, col).squeeze(1)
         dz_label = dz_label - dz_label * t_label * t_label
-        e.mul_(u)
-        dz = torch.addcmul(e, e, src.square_(), value=-1.0, out=dz_out)
+        dz = torch.addcmul(g, g, src.square_(), value=-1.0, out=dz_out)
     else:
-        dz = torch.mul(e, u, out=dz_out)
+        dz = g
     current = dz.gather(1, col).squeeze(1)
     patched = torch.where(in_block, dz_label.to(dz.dtype), current)
     return dz.scatter_(1, col, patched.unsqueeze(1))
