@@ -28,8 +28,24 @@ SUPPORTED_PLUGIN_API = (2, 2)
 Precision = Literal["fp32", "fp16", "bf16"]
 DTypeName = Literal["fp32", "fp16", "bf16"]
 
-#: Outputs a call may request. ``log_probs`` is always computed.
-OUTPUTS: tuple[str, ...] = ("log_probs", "entropy")
+#: Outputs a call may request. ``log_probs`` is always computed. ``lse``: the log-sum-exp of the
+#: scaled logits (z-loss); ``sum_p2``: the sum of squared probabilities; ``argmax``: the most
+#: likely id (token accuracy); ``topk``: the ``top_k`` most likely ids and their log-probs;
+#: ``gather``: the log-probs at ``gather_ids``.
+OUTPUTS: tuple[str, ...] = ("log_probs", "entropy", "lse", "sum_p2", "argmax", "topk", "gather")
+#: The ``HeadOutput`` fields each output fills.
+OUTPUT_FIELDS: dict[str, tuple[str, ...]] = {
+    "log_probs": ("log_probs",),
+    "entropy": ("entropy",),
+    "lse": ("lse",),
+    "sum_p2": ("sum_p2",),
+    "argmax": ("argmax",),
+    "topk": ("topk_ids", "topk_log_probs"),
+    "gather": ("gathered",),
+}
+#: Directions of the per-token KL between two heads: forward ``KL(p_teacher || p_student)``,
+#: reverse ``KL(p_student || p_teacher)``.
+KL_DIRECTIONS: tuple[str, ...] = ("forward", "reverse")
 
 
 class Capabilities(BaseModel):
@@ -59,6 +75,12 @@ class Capabilities(BaseModel):
     softcap: bool = False
     #: Vocabulary shards may have unequal sizes under ``process_group``.
     uneven_shards: bool = False
+    #: Outputs the backend also computes under ``process_group`` (a subset of ``outputs``).
+    vocab_parallel_outputs: tuple[str, ...] = ("log_probs", "entropy")
+    #: Largest ``top_k`` the backend takes (when it declares the ``topk`` output).
+    max_top_k: int = 0
+    #: KL directions ``kl(KLCall)`` computes; empty: the backend has no two-head KL.
+    kl_directions: tuple[str, ...] = ()
 
 
 #: Boolean capability names that ``require=[...]`` may ask for.
@@ -87,6 +109,9 @@ class HeadCall:
     vocab_size: int  #: the global vocabulary size (``V_local`` without a process group)
     process_group: Any  #: None, or the group the vocabulary is sharded over
     reduce_hidden_grad: bool  #: all-reduce the hidden gradient over ``process_group``
+    top_k: int = 0  #: ids per row of the ``topk`` output (> 0 exactly when it is requested)
+    #: int64 ``[N, K]`` global ids of the ``gather`` output (set exactly when it is requested)
+    gather_ids: torch.Tensor | None = None
     outputs: frozenset[str]  #: requested outputs, a subset of :data:`OUTPUTS`
 
     @property
@@ -108,9 +133,22 @@ class HeadCall:
         vocab_start: int = 0,
         vocab_size: int | None = None,
         reduce_hidden_grad: bool = True,
+        extras: frozenset[str] = frozenset(),
+        top_k: int = 0,
+        gather_ids: torch.Tensor | None = None,
         softcap: float | None = None,
     ) -> HeadCall:
-        """A call with defaults, for a backend's own unit tests (the core validates real calls)."""
+        """A call with defaults, for a backend's own unit tests (the core validates real calls).
+
+        ``extras`` names further outputs (``lse``, ``sum_p2``, ``argmax``); ``top_k > 0`` and
+        ``gather_ids`` request ``topk`` and ``gather``.
+        """
+        outputs = {"log_probs", "entropy"} if return_entropy else {"log_probs"}
+        outputs |= set(extras)
+        if top_k:
+            outputs.add("topk")
+        if gather_ids is not None:
+            outputs.add("gather")
         return cls(
             hidden=hidden,
             weight=weight,
@@ -122,7 +160,9 @@ class HeadCall:
             vocab_size=weight.shape[0] if vocab_size is None else vocab_size,
             process_group=process_group,
             reduce_hidden_grad=reduce_hidden_grad,
-            outputs=frozenset({"log_probs", "entropy"} if return_entropy else {"log_probs"}),
+            outputs=frozenset(outputs),
+            top_k=top_k,
+            gather_ids=gather_ids,
         )
 
 
@@ -134,6 +174,37 @@ class HeadOutput:
     """
 
     log_probs: torch.Tensor
+    lse: torch.Tensor | None = None  #: fp32 [N] log-sum-exp of the scaled logits
+    sum_p2: torch.Tensor | None = None  #: fp32 [N] sum of squared probabilities
+    argmax: torch.Tensor | None = None  #: int64 [N] most likely id (lower id on ties)
+    topk_ids: torch.Tensor | None = None  #: int64 [N, k], most likely first, lower id on ties
+    topk_log_probs: torch.Tensor | None = None  #: fp32 [N, k], differentiable
+    gathered: torch.Tensor | None = None  #: fp32 [N, K] log-probs at ``gather_ids``
+
+
+@dataclass(frozen=True)
+class KLCall:
+    """One validated two-head KL call: a student head and a teacher (or reference) head.
+
+    Both heads share the vocabulary (``weight`` and ``teacher_weight`` have V rows); their hidden
+    sizes may differ. Gradients reach the student (``hidden``, ``weight``) only.
+    """
+
+    hidden: torch.Tensor  #: student [N, H]
+    weight: torch.Tensor  #: student [V, H]
+    teacher_hidden: torch.Tensor  #: [N, H_t], the student's dtype and device
+    teacher_weight: torch.Tensor  #: [V, H_t]
+    valid: torch.Tensor  #: bool [N]; rows where it is False give 0
+    temperature: float | torch.Tensor  #: the student's: a float > 0, or fp32 [N]
+    teacher_temperature: float | torch.Tensor  #: the teacher's, likewise
+    direction: str  #: one of :data:`KL_DIRECTIONS`
+
+
+@dataclass(frozen=True)
+class KLOutput:
+    """What ``kl`` returns: the fp32 ``[N]`` per-token KL, differentiable in the student."""
+
+    kl: torch.Tensor
     entropy: torch.Tensor | None = None
 
 
@@ -158,6 +229,8 @@ class FusedHeadBackend(Protocol):
     def forward(self, call: HeadCall) -> HeadOutput:
         """The requested outputs of ``call``, fp32 ``[N]``, differentiable."""
         ...
+    # Optional: ``kl(self, call: KLCall) -> KLOutput`` when ``capabilities().kl_directions`` is set.
+
 
 
 def call_backend(

@@ -6,12 +6,13 @@ was expected.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import torch
 
-from fusedhead.protocol import HeadCall
+from fusedhead.protocol import KL_DIRECTIONS, HeadCall, KLCall
 
 _FLOAT_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -224,3 +225,193 @@ def _check_label_range(labels: torch.Tensor, ignore_index: int, vocab_size: int)
             f"at flat position {idx} ({count} label(s) out of range); pass check_labels=False to skip "
             "this check (such rows then give NaN)"
         )
+
+
+def _top_k(value: object, vocab_size: int) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"top_k must be an int or None, got {type(value).__name__} {value!r}")
+    if not 1 <= value <= vocab_size:
+        raise ValueError(f"top_k must be in [1, vocab_size={vocab_size}] or None, got {value}")
+    return value
+
+
+def _gather_ids(
+    value: object,
+    shape: tuple[int, ...],
+    call: HeadCall,
+    do_check: bool,
+) -> torch.Tensor | None:
+    """``gather_ids [..., K]`` as a contiguous int64 ``[N, K]``; ids in range where they count."""
+    if value is None:
+        return None
+    ids = _tensor("gather_ids", value)
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise TypeError(f"gather_ids must be an integer tensor, got dtype {ids.dtype}")
+    if ids.dim() != len(shape) + 1 or tuple(ids.shape[:-1]) != shape or ids.shape[-1] < 1:
+        raise ValueError(
+            f"gather_ids must have the labels' shape {shape} plus a last dimension K >= 1, got "
+            f"shape {tuple(ids.shape)}"
+        )
+    if ids.device != call.hidden.device:
+        raise ValueError(
+            f"gather_ids must be on hidden's device {call.hidden.device}, got {ids.device}"
+        )
+    flat = ids.reshape(-1, ids.shape[-1]).to(torch.int64).contiguous()
+    if do_check and flat.numel() and flat.device.type != "meta":
+        scored = (call.labels != call.ignore_index).unsqueeze(1)
+        counted = scored & (flat != call.ignore_index)
+        bad = counted & ((flat < 0) | (flat >= call.vocab_size))
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"gather_ids must be in [0, {call.vocab_size}) or ignore_index={call.ignore_index} "
+                f"on scored rows, got {int(flat[row, col])} at flat row {row}, position {col} "
+                f"({int(bad.sum())} id(s) out of range); pass check_labels=False to skip this "
+                "check (such ids then give NaN)"
+            )
+    return flat
+
+
+def with_outputs(
+    call: HeadCall,
+    shape: tuple[int, ...],
+    *,
+    top_k: object = None,
+    gather_ids: object = None,
+    return_lse: object = False,
+    return_sum_p2: object = False,
+    return_argmax: object = False,
+    check_labels: object = True,
+) -> HeadCall:
+    """``call`` with the further outputs asked for (top-k, gather, lse, sum_p2, argmax) validated."""
+
+    outputs = set(call.outputs)
+    for arg, flag, name in (
+        ("return_lse", return_lse, "lse"),
+        ("return_sum_p2", return_sum_p2, "sum_p2"),
+        ("return_argmax", return_argmax, "argmax"),
+    ):
+        if _flag(arg, flag):
+            outputs.add(name)
+    k = _top_k(top_k, call.vocab_size)
+    if k:
+        outputs.add("topk")
+    ids = _gather_ids(gather_ids, shape, call, _flag("check_labels", check_labels))
+    if ids is not None:
+        outputs.add("gather")
+    if outputs == call.outputs:
+        return call
+    changes: dict[str, Any] = {"outputs": frozenset(outputs), "top_k": k, "gather_ids": ids}
+    if hasattr(call, "_replace"):  # HeadCall is a NamedTuple
+        return call._replace(**changes)  # type: ignore[no-any-return]
+    return dataclasses.replace(call, **changes)  # type: ignore[type-var]
+
+
+def validate_kl(
+    hidden: object,
+    weight: object,
+    teacher_hidden: object,
+    teacher_weight: object,
+    labels: object,
+    *,
+    temperature: object,
+    teacher_temperature: object,
+    ignore_index: object,
+    direction: object,
+) -> tuple[KLCall, tuple[int, ...]]:
+    """Check a two-head KL call: the backend's 2-D call and the rows' shape."""
+
+    h = _tensor("hidden", hidden)
+    w = _tensor("weight", weight)
+    th = _tensor("teacher_hidden", teacher_hidden)
+    tw = _tensor("teacher_weight", teacher_weight)
+    if not isinstance(direction, str) or direction not in KL_DIRECTIONS:
+        raise ValueError(
+            f"direction must be one of {list(KL_DIRECTIONS)} (forward: KL(p_teacher || p_student), "
+            f"reverse: KL(p_student || p_teacher)), got {direction!r}"
+        )
+    if ignore_index.__class__ is not int:
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(
+                f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}"
+            )
+        ignore_index = int(ignore_index)
+    if not _INT64_MIN <= ignore_index <= _INT64_MAX:
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
+    for arg, t in (("hidden", h), ("teacher_hidden", th)):
+        if t.dim() < 1:
+            raise ValueError(f"{arg} must have shape [..., H], got a 0-d tensor")
+    for arg, t in (("weight", w), ("teacher_weight", tw)):
+        if t.dim() != 2 or 0 in t.shape:
+            raise ValueError(f"{arg} must be non-empty [V, H], got shape {tuple(t.shape)}")
+    if h.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"hidden's last dimension must equal weight's H={w.shape[1]}, got hidden shape "
+            f"{tuple(h.shape)}"
+        )
+    if th.shape[-1] != tw.shape[1]:
+        raise ValueError(
+            f"teacher_hidden's last dimension must equal teacher_weight's H={tw.shape[1]}, got "
+            f"teacher_hidden shape {tuple(th.shape)}"
+        )
+    if tw.shape[0] != w.shape[0]:
+        raise ValueError(
+            f"teacher_weight must have the student's vocabulary V={w.shape[0]} rows, got shape "
+            f"{tuple(tw.shape)}"
+        )
+    shape = tuple(h.shape[:-1])
+    if tuple(th.shape[:-1]) != shape:
+        raise ValueError(
+            f"teacher_hidden must have hidden's leading shape {shape}, got {tuple(th.shape[:-1])}"
+        )
+    for arg, t in (("hidden", h), ("weight", w), ("teacher_hidden", th), ("teacher_weight", tw)):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{arg} must be float32, float16 or bfloat16, got dtype {t.dtype}")
+        if t.device != h.device:
+            raise ValueError(f"{arg} must be on hidden's device {h.device}, got {t.device}")
+    h, w = _apply_autocast(h, w)
+    th, tw = _apply_autocast(th, tw)
+    if th.dtype != h.dtype:
+        raise TypeError(
+            f"teacher_hidden and teacher_weight must share the student's dtype {h.dtype}, got "
+            f"{th.dtype}; cast the teacher head"
+        )
+    if labels is None:
+        rows = torch.zeros(shape, dtype=torch.int64, device=h.device)
+        valid = torch.ones(math.prod(shape), dtype=torch.bool, device=h.device)
+    else:
+        rows = _tensor("labels", labels)
+        if tuple(rows.shape) != shape:
+            raise ValueError(
+                f"labels must have hidden's leading shape {shape}, got {tuple(rows.shape)}"
+            )
+        if rows.dtype == torch.bool or rows.is_floating_point() or rows.is_complex():
+            raise TypeError(f"labels must be an integer tensor, got dtype {rows.dtype}")
+        if rows.device != h.device:
+            raise ValueError(f"labels must be on hidden's device {h.device}, got {rows.device}")
+        valid = (rows.reshape(-1) != ignore_index).contiguous()
+    call = KLCall(
+        hidden=h.reshape(-1, h.shape[-1]),
+        weight=w,
+        teacher_hidden=th.reshape(-1, th.shape[-1]),
+        teacher_weight=tw,
+        valid=valid,
+        temperature=_temperature(temperature, rows, h.device),
+        teacher_temperature=_temperature_named(
+            "teacher_temperature", teacher_temperature, rows, h.device
+        ),
+        direction=direction,
+    )
+    return call, shape
+
+
+def _temperature_named(
+    arg: str, value: object, rows: torch.Tensor, device: torch.device
+) -> float | torch.Tensor:
+    """``_temperature`` with errors naming ``arg``."""
+    try:
+        return _temperature(value, rows, device)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(str(exc).replace("temperature", arg, 1)) from None

@@ -8,8 +8,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from fusedhead.errors import BackendUnavailableError
-from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
+from fusedhead.protocol import Capabilities, HeadCall, HeadOutput, KLCall, KLOutput
 from fusedhead_torch.chunked import ChunkedFusedHead, HeadSpec
+from fusedhead_torch.kl import KL_DIRECTIONS, forward_kl
+from fusedhead_torch.outputs import EXTRA_OUTPUTS, MAX_TOP_K, forward_outputs
 from fusedhead_torch.tiling import Tiles, plan_tiles
 
 #: Default workspace for the logit tiles, per device type, in MiB. CUDA: 12 vocabulary blocks at
@@ -22,6 +24,7 @@ DEFAULT_WORKSPACE_MIB = {"cuda": 1024, "cpu": 32}
 DEFAULT_FP32_LOGITS = True
 SUPPORTED_DEVICES = ("cpu", "cuda")
 SUPPORTED_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_BASIC_OUTPUTS = frozenset({"log_probs", "entropy"})
 
 
 class TorchOptions(BaseModel):
@@ -86,6 +89,9 @@ class TorchBackend:
             per_token_temperature=True,
             softcap=True,
             uneven_shards=True,
+            outputs=("log_probs", "entropy", *EXTRA_OUTPUTS),
+            max_top_k=MAX_TOP_K,
+            kl_directions=KL_DIRECTIONS,
         )
 
     def fp32_logits(self, device: torch.device) -> bool:
@@ -131,6 +137,8 @@ class TorchBackend:
 
     def forward(self, call: HeadCall) -> HeadOutput:
         """fp32 ``log_probs [N]`` and ``entropy [N]`` (or None), differentiable in hidden/weight."""
+        if not call.outputs <= _BASIC_OUTPUTS:  # top-k, gather, lse, sum_p2, argmax: outputs.py
+            return forward_outputs(self, call)
         hidden, weight, labels = call.hidden, call.weight, call.labels
         temperature, ignore_index, softcap = call.temperature, call.ignore_index, call.softcap
         return_entropy = call.return_entropy
@@ -173,3 +181,7 @@ class TorchBackend:
             if entropy is not None:
                 entropy = entropy.new_zeros(n).index_copy(0, keep, entropy)
         return HeadOutput(log_probs, entropy)
+
+    def kl(self, call: KLCall) -> KLOutput:
+        """Per-token KL between the student and the teacher head (fusedhead_torch.kl)."""
+        return forward_kl(self, call)

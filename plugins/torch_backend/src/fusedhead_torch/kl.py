@@ -1,0 +1,278 @@
+"""Per-token KL between a student head and a teacher head, streamed over vocabulary blocks.
+
+Each tile computes the student's and the teacher's scaled logits ``z = x / T`` of the same rows and
+vocabulary columns (two GEMMs; the heads' hidden sizes may differ) and keeps per row, for each
+head, the running max ``m`` and ``s = sum exp(z - m)``, plus the cross term of the direction:
+
+- forward ``KL(p_t || p_s) = sum e_t (z_t - z_s) / s_t - lse_t + lse_s``;
+- reverse ``KL(p_s || p_t) = sum e_s (z_s - z_t) / s_s - lse_s + lse_t``.
+
+The cross term is weighted by one head's ``e`` and so rebases with that head's max only. Backward
+recomputes both tiles: ``dz_s = g (p_s - p_t)`` (forward) or ``g p_s (log p_s - log p_t - KL)``
+(reverse), then ``dz_s / T_s`` enters the two gradient GEMMs. The teacher gets no gradient.
+Nothing of size ``[N, V]`` exists; memory is the tile workspace plus ``O(N)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fusedhead.protocol import KLCall, KLOutput
+from fusedhead_torch.tile_math import FP32, Workspace
+from fusedhead_torch.tiling import Tiles, plan_tiles
+
+if TYPE_CHECKING:
+    from fusedhead_torch.backend import TorchBackend
+
+KL_DIRECTIONS = ("forward", "reverse")
+#: Workspace bytes per tile element: two GEMM outputs (input dtype) and four fp32 buffers.
+_BYTES_PER_ELEMENT = 2 * 4 + 4 * 4
+
+
+@dataclass(frozen=True)
+class KLSpec:
+    """Everything about one KL call except its tensors."""
+
+    direction: str
+    tiles: Tiles
+
+
+def _rows(inv_t: float | torch.Tensor, r0: int, r1: int) -> float | torch.Tensor:
+    """``1 / T`` of rows ``[r0, r1)``, shaped to scale a ``[R, C]`` tile."""
+    return inv_t[r0:r1].unsqueeze(1) if isinstance(inv_t, torch.Tensor) else inv_t
+
+
+def _scaled(x: torch.Tensor, inv_t: float | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``x / T`` computed in fp32 into ``out`` (a ``[1, 1]`` fp32 factor promotes a bf16 tile)."""
+    if not isinstance(inv_t, torch.Tensor):
+        inv_t = torch.full((1, 1), inv_t, dtype=FP32, device=x.device)
+    return torch.mul(x, inv_t, out=out)
+
+
+def _forward_walk(
+    hs: torch.Tensor,
+    ws_: torch.Tensor,
+    ht: torch.Tensor,
+    wt: torch.Tensor,
+    inv_s: float | torch.Tensor,
+    inv_t: float | torch.Tensor,
+    spec: KLSpec,
+) -> tuple[torch.Tensor, ...]:
+    """Per row: student ``m, s``, teacher ``m, s`` and the cross term, over the whole vocabulary."""
+    n, v = hs.shape[0], ws_.shape[0]
+    tiles = spec.tiles
+    buf = Workspace(tiles.rows * tiles.cols, hs.device)
+    out = [torch.empty(n, dtype=FP32, device=hs.device) for _ in range(5)]
+    forward = spec.direction == "forward"
+    for r0, r1 in tiles.row_ranges(n):
+        rows = r1 - r0
+        run: list[torch.Tensor] | None = None  # m_s, s_s, m_t, s_t, cross
+        for v0, v1 in tiles.col_ranges(v):
+            cols = v1 - v0
+            x_s = torch.mm(hs[r0:r1], ws_[v0:v1].T)
+            zs = _scaled(x_s, _rows(inv_s, r0, r1), buf.get(0, rows, cols))
+            del x_s
+            x_t = torch.mm(ht[r0:r1], wt[v0:v1].T)
+            zt = _scaled(x_t, _rows(inv_t, r0, r1), buf.get(1, rows, cols))
+            del x_t
+            ms, mt = zs.amax(dim=1), zt.amax(dim=1)
+            # forward: sum e_t (z_t - z_s); reverse: sum e_s (z_s - z_t)
+            diff = torch.sub(zt, zs, out=buf.get(2, rows, cols)) if forward else None
+            if not forward:
+                diff = torch.sub(zs, zt, out=buf.get(2, rows, cols))
+            assert diff is not None
+            es = zs.sub_(ms.unsqueeze(1)).exp_()
+            et = zt.sub_(mt.unsqueeze(1)).exp_()
+            ss, st = es.sum(dim=1), et.sum(dim=1)
+            cross = diff.mul_(et if forward else es).sum(dim=1)
+            if run is None:
+                run = [ms, ss, mt, st, cross]
+                continue
+            m_s = torch.maximum(run[0], ms)
+            a_s, b_s = torch.exp(run[0] - m_s), torch.exp(ms - m_s)
+            m_t = torch.maximum(run[2], mt)
+            a_t, b_t = torch.exp(run[2] - m_t), torch.exp(mt - m_t)
+            a_c, b_c = (a_t, b_t) if forward else (a_s, b_s)
+            run = [
+                m_s,
+                run[1] * a_s + ss * b_s,
+                m_t,
+                run[3] * a_t + st * b_t,
+                run[4] * a_c + cross * b_c,
+            ]
+        assert run is not None
+        for i, val in enumerate(run):
+            out[i][r0:r1] = val
+    return tuple(out)
+
+
+def _backward_walk(
+    saved: tuple[torch.Tensor, ...],
+    inv_s: float | torch.Tensor,
+    inv_t: float | torch.Tensor,
+    coef: torch.Tensor,
+    spec: KLSpec,
+    need_h: bool,
+    need_w: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Student ``dh`` and ``dW`` from recomputed tiles of both heads."""
+    hs, ws_, ht, wt, m_s, s_s, m_t, s_t, kl = saved
+    n, v = hs.shape[0], ws_.shape[0]
+    tiles = spec.tiles
+    buf = Workspace(tiles.rows * tiles.cols, hs.device)
+    row_chunks = list(tiles.row_ranges(n))
+    low = hs.dtype != FP32
+    dh = torch.zeros(n, hs.shape[1], dtype=FP32, device=hs.device) if need_h else None
+    dw = (torch.empty_like(ws_) if row_chunks else torch.zeros_like(ws_)) if need_w else None
+    forward = spec.direction == "forward"
+    lse_s = torch.log(s_s).add_(m_s)
+    lse_t = torch.log(s_t).add_(m_t)
+    # forward: dz = g (e_s / s_s - e_t / s_t); reverse: dz = g e_s / s_s (z_s - z_t + lse_t - lse_s - KL)
+    a_s = coef / s_s
+    a_t = coef / s_t
+    shift = lse_t - lse_s - kl
+    for v0, v1 in tiles.col_ranges(v):
+        cols = v1 - v0
+        w_acc = None
+        for r0, r1 in row_chunks:
+            rows = r1 - r0
+            h_rows = hs[r0:r1]
+            zs = _scaled(
+                torch.mm(h_rows, ws_[v0:v1].T), _rows(inv_s, r0, r1), buf.get(0, rows, cols)
+            )
+            zt = _scaled(
+                torch.mm(ht[r0:r1], wt[v0:v1].T), _rows(inv_t, r0, r1), buf.get(1, rows, cols)
+            )
+            es = torch.exp(zs - m_s[r0:r1].unsqueeze(1), out=buf.get(2, rows, cols))
+            if forward:
+                et = zt.sub_(m_t[r0:r1].unsqueeze(1)).exp_()
+                dz = es.mul_(a_s[r0:r1].unsqueeze(1))
+                dz.addcmul_(et, a_t[r0:r1].unsqueeze(1), value=-1.0)
+            else:
+                u = torch.sub(zs, zt, out=zt).add_(shift[r0:r1].unsqueeze(1))
+                dz = es.mul_(u).mul_(a_s[r0:r1].unsqueeze(1))
+            dz.mul_(_rows(inv_s, r0, r1))
+            dz_in = dz.to(hs.dtype) if low else dz
+            if dh is not None:
+                dh[r0:r1].add_(torch.mm(dz_in, ws_[v0:v1]))
+            if dw is not None:
+                part = torch.mm(dz_in.T, h_rows)
+                if len(row_chunks) == 1:
+                    dw[v0:v1].copy_(part)
+                elif w_acc is None:
+                    w_acc = part.float()
+                else:
+                    w_acc.add_(part)
+        if dw is not None and w_acc is not None:
+            dw[v0:v1].copy_(w_acc)
+    return (None if dh is None else dh.to(hs.dtype)), dw
+
+
+class ChunkedKL(torch.autograd.Function):
+    """Per-row KL of two heads; gradients to the student's hidden and weight only."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        teacher_hidden: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        valid: torch.Tensor,
+        inv_s: float | torch.Tensor,
+        inv_t: float | torch.Tensor,
+        spec: KLSpec,
+    ) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
+        hs, ht = hidden.contiguous(), teacher_hidden.detach().contiguous()
+        wt = teacher_weight.detach()
+        with torch.no_grad(), torch.autocast(device_type=hs.device.type, enabled=False):
+            m_s, s_s, m_t, s_t, cross = _forward_walk(hs, weight, ht, wt, inv_s, inv_t, spec)
+        lse_s = torch.log(s_s).add_(m_s)
+        lse_t = torch.log(s_t).add_(m_t)
+        if spec.direction == "forward":
+            kl = (cross / s_t).add_(lse_s - lse_t)
+        else:
+            kl = (cross / s_s).add_(lse_t - lse_s)
+        kl = torch.where(valid, kl, torch.zeros((), dtype=FP32, device=kl.device))
+        ctx.spec = spec
+        ctx.inv = tuple(None if isinstance(t, torch.Tensor) else t for t in (inv_s, inv_t))
+        ctx.save_for_backward(
+            hidden,
+            weight,
+            ht,
+            wt,
+            valid,
+            m_s,
+            s_s,
+            m_t,
+            s_t,
+            kl,
+            *(t if isinstance(t, torch.Tensor) else None for t in (inv_s, inv_t)),
+        )
+        return kl
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor | None) -> tuple[Any, ...]:
+        hidden, weight, ht, wt, valid, m_s, s_s, m_t, s_t, kl, t_s, t_t = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        nothing = (None,) * 8
+        if g is None or not (need_h or need_w):
+            return nothing
+        inv_s = t_s if t_s is not None else ctx.inv[0]
+        inv_t = t_t if t_t is not None else ctx.inv[1]
+        coef = torch.where(valid, g.float(), torch.zeros((), dtype=FP32, device=g.device))
+        saved = (hidden.contiguous(), weight, ht, wt, m_s, s_s, m_t, s_t, kl)
+        with torch.no_grad(), torch.autocast(device_type=hidden.device.type, enabled=False):
+            dh, dw = _backward_walk(saved, inv_s, inv_t, coef, ctx.spec, need_h, need_w)
+        return dh, dw, None, None, None, None, None, None
+
+
+def _inverse(
+    temperature: float | torch.Tensor, n: int, device: torch.device
+) -> float | torch.Tensor:
+    if isinstance(temperature, torch.Tensor):
+        return temperature.detach().to(device=device, dtype=FP32).expand(n).reciprocal()
+    return 1.0 / float(temperature)
+
+
+def forward_kl(backend: TorchBackend, call: KLCall) -> KLOutput:
+    """The per-token KL of ``call`` on the torch backend (ignored rows left out on the CPU)."""
+    hs, ws_, ht, wt, valid = (
+        call.hidden,
+        call.weight,
+        call.teacher_hidden,
+        call.teacher_weight,
+        call.valid,
+    )
+    n = hs.shape[0]
+    inv_s = _inverse(call.temperature, n, hs.device)
+    inv_t = _inverse(call.teacher_temperature, n, hs.device)
+    skip = backend.options.skip_ignored_rows
+    if skip is None:
+        skip = hs.device.type == "cpu"
+    keep = valid.nonzero().squeeze(1) if skip else None
+    if keep is not None and keep.numel() < n:
+        hs, ht, valid = hs.index_select(0, keep), ht.index_select(0, keep), valid[keep]
+        inv_s = inv_s.index_select(0, keep) if isinstance(inv_s, torch.Tensor) else inv_s
+        inv_t = inv_t.index_select(0, keep) if isinstance(inv_t, torch.Tensor) else inv_t
+    else:
+        keep = None
+    opts = backend.options
+    mib = opts.workspace_mib or (1024 if hs.device.type == "cuda" else 32)
+    tiles = plan_tiles(
+        hs.shape[0],
+        ws_.shape[0],
+        bytes_per_element=_BYTES_PER_ELEMENT,
+        budget_bytes=mib << 20,
+        chunk_rows=opts.chunk_rows,
+        block_vocab=opts.block_vocab,
+    )
+    spec = KLSpec(call.direction, tiles)
+    kl = ChunkedKL.apply(hs, ws_, ht, wt, valid, inv_s, inv_t, spec)  # type: ignore[no-untyped-call]
+    if keep is not None:
+        kl = kl.new_zeros(n).index_copy(0, keep, kl)
+    return KLOutput(kl)

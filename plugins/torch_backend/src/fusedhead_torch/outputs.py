@@ -1,0 +1,548 @@
+"""The outputs past (log_probs, entropy): top-k, argmax, gather, log-sum-exp, sum of squared p.
+
+One autograd Function walks the same tiles as ``chunked.ChunkedFusedHead`` and calls the same
+``forward_tile`` for the row statistics, so its ``log_probs`` and ``entropy`` are the bits of the
+plain call; the extras are read off each logit tile before ``forward_tile`` reuses it:
+
+- gather: each id's raw logit, scaled like the label's, so ``gathered`` at ``K = 1`` on the labels
+  is bitwise ``log_probs``;
+- top-k / argmax: a per-block ``torch.topk`` on the raw logits (softcap and temperature keep the
+  order), ties resolved to the lower id, merged into a running ``[N, k]`` candidate list;
+- sum of squared p: ``q = sum exp(2 (z - m))`` per tile, merged like ``s``; ``sum_p2 = q / s^2``.
+
+Backward recomputes each tile once and forms, in fp32, ``dz = e (A + B d + C e)`` plus the sparse
+one-hot terms (label, gathered ids, top-k ids), with ``d = z - m``, ``e = exp(d)``, per-row
+``A, B, C`` folding every upstream gradient. Memory: ``O(N k + N K)`` plus the tile workspace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fusedhead.protocol import HeadCall, HeadOutput
+from fusedhead_torch.chunked import HeadSpec, LabelPlace
+from fusedhead_torch.rowstats import RowStats
+from fusedhead_torch.tile_math import (
+    FP32,
+    Scaling,
+    Workspace,
+    clamp_scale,
+    forward_tile,
+    logits_mm,
+)
+
+if TYPE_CHECKING:
+    from fusedhead_torch.backend import TorchBackend
+
+#: Outputs this module adds to the torch backend.
+EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "topk", "gather")
+#: Largest ``top_k`` the torch backend takes (the candidate lists are ``[N, 2k]`` per merge).
+MAX_TOP_K = 4096
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What one call asks for beyond ``HeadSpec``."""
+
+    head: HeadSpec
+    lse: bool
+    sum_p2: bool
+    argmax: bool
+    top_k: int  #: 0: no top-k output
+    gather: bool
+
+    @property
+    def candidates(self) -> int:
+        """Ids kept per row while walking the blocks (top-k, or 1 for the argmax alone)."""
+        return self.top_k or (1 if self.argmax else 0)
+
+
+def _rank_desc(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(vals, ids)`` per row by value, largest first, equal values by the lower id."""
+    ids, order = ids.sort(dim=1, stable=True)
+    vals, order2 = vals.gather(1, order).sort(dim=1, descending=True, stable=True)
+    return vals, ids.gather(1, order2)
+
+
+def block_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``min(k, C)`` largest entries of each row of ``x [R, C]`` (fp32) and their columns.
+
+    ``torch.topk`` leaves open which of several equal values at the boundary it keeps; rows where
+    the boundary value occurs more often than it was chosen are redone exactly (all larger
+    values, then the equal ones of lowest column), so ties always go to the lower id.
+    """
+    k = min(k, x.shape[1])
+    vals, cols = torch.topk(x, k, dim=1, largest=True, sorted=True)
+    kth = vals[:, -1:]
+    ambiguous = (x == kth).sum(1) > (vals == kth).sum(1)
+    if bool(ambiguous.any()):
+        rows = ambiguous.nonzero().squeeze(1)
+        xs, th = x[rows], kth[rows]
+        greater = xs > th
+        equal = xs == th
+        need = k - greater.sum(1, keepdim=True)
+        take = greater | (equal & (equal.cumsum(1) <= need))
+        chosen = take.nonzero()[:, 1].view(rows.numel(), k)  # row-major: ascending columns
+        cols = cols.index_copy(0, rows, chosen)
+        vals = vals.index_copy(0, rows, xs.gather(1, chosen))
+    return _rank_desc(vals.float(), cols)
+
+
+def merge_topk(
+    run: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor], k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best of two ranked candidate lists; ``run``'s ids are all lower than ``new``'s."""
+    vals = torch.cat([run[0], new[0]], dim=1)
+    ids = torch.cat([run[1], new[1]], dim=1)
+    # A stable sort keeps run before new among equal values: the lower id first.
+    vals, order = vals.sort(dim=1, descending=True, stable=True)
+    return vals[:, :k], ids.gather(1, order[:, :k])
+
+
+def _k_col(k: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``k`` as an fp32 ``[R, 1]`` (or ``[1, 1]``) tensor: a tensor, so that a bf16 tile is
+    multiplied in fp32, and the same factor ``forward_tile`` multiplies the label's ``src`` by."""
+    if isinstance(k, torch.Tensor):
+        return k.to(FP32).unsqueeze(1)
+    return torch.full((1, 1), k, dtype=FP32, device=device)
+
+
+def _shifted(
+    src: torch.Tensor, k_col: torch.Tensor, row_max: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``d = k * src - m`` in fp32 as two rounded operations (the row's max gives exactly 0)."""
+    return torch.mul(src, k_col, out=out).sub_(row_max.unsqueeze(1))
+
+
+@dataclass
+class _Walk:
+    """What the forward walk gathers, for all rows."""
+
+    stats: RowStats
+    z_label: torch.Tensor
+    q: torch.Tensor | None  #: sum exp(2 (z - m))
+    z_gather: (
+        torch.Tensor | None
+    )  #: [N, K] scaled logits at the gather ids (0 where no block has them)
+    cand_vals: torch.Tensor | None  #: [N, k] raw logits of the best ids so far
+    cand_ids: torch.Tensor | None  #: [N, k] their global ids
+
+
+def _forward_walk(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    place: LabelPlace,
+    gather_ids: torch.Tensor | None,
+    scaling: Scaling,
+    spec: OutputSpec,
+) -> _Walk:
+    n, v = h.shape[0], weight.shape[0]
+    hs = spec.head
+    tiles = hs.tiles
+    dev = h.device
+    ws = Workspace(tiles.rows * tiles.cols, dev)
+    # Own buffers: src of a softcapped tile (gather), and d of the sum_p2 pass.
+    extra = spec.sum_p2 or (spec.gather and hs.softcap is not None)
+    mine = Workspace(tiles.rows * tiles.cols, dev) if extra else None
+    m, s, t = (torch.empty(n, dtype=FP32, device=dev) for _ in range(3))
+    z_label = torch.zeros(n, dtype=FP32, device=dev)
+    q = torch.empty(n, dtype=FP32, device=dev) if spec.sum_p2 else None
+    z_gather = None
+    if gather_ids is not None:
+        z_gather = torch.zeros(gather_ids.shape, dtype=FP32, device=dev)
+        gather_local = gather_ids - hs.vocab_start
+    kk = spec.candidates
+    width = min(kk, v)
+    cand_vals = torch.empty(n, width, dtype=FP32, device=dev) if kk else None
+    cand_ids = torch.empty(n, width, dtype=torch.int64, device=dev) if kk else None
+    for r0, r1 in tiles.row_ranges(n):
+        h_rows = h[r0:r1]
+        k = scaling.rows(r0, r1)
+        run = RowStats.empty(r1 - r0, dev)
+        q_run = q_max = None
+        best: tuple[torch.Tensor, torch.Tensor] | None = None
+        for b, (v0, v1) in enumerate(tiles.col_ranges(v)):
+            x = logits_mm(h_rows, weight[v0:v1].T, hs.fp32_logits)
+            cols = v1 - v0
+            rows = r1 - r0
+            k_col = _k_col(k, dev)
+            src = None
+            if mine is not None and (z_gather is not None or spec.sum_p2):
+                # src exactly as forward_tile forms it (same op, same tile shape: same bits).
+                src = scaling.source(x, out=mine.get(0, rows, cols))
+            if z_gather is not None:
+                local = gather_local[r0:r1] - v0
+                here = (local >= 0) & (local < cols)
+                picked = (x if src is None else src).gather(1, local.clamp(0, cols - 1))
+                z_gather[r0:r1] = torch.where(here, picked.float() * k_col, z_gather[r0:r1])
+            if kk:
+                vals, ids = block_topk(x, kk)
+                ids = ids + (v0 + hs.vocab_start)
+                best = (vals, ids) if best is None else merge_topk(best, (vals, ids), kk)
+            q_tile = m_tile = None
+            if spec.sum_p2 and mine is not None:
+                base = x if src is None else src
+                m_tile = (base.amax(dim=1, keepdim=True).float() * k_col).squeeze(1)
+                d = _shifted(base, k_col, m_tile, out=mine.get(1, rows, cols))
+                q_tile = d.exp_().square_().sum(dim=1)
+            in_block, col = place.tile(b, r0, r1, cols)
+            stats, z_y = forward_tile(x, col, k, scaling, ws, hs.return_entropy)
+            del x
+            if q_tile is not None and m_tile is not None:
+                if q_run is None or q_max is None:
+                    q_run, q_max = q_tile, m_tile
+                else:  # q keeps its own running max, rebased onto the final one below
+                    m_new = torch.maximum(q_max, m_tile)
+                    q_run = q_run * torch.exp(2 * (q_max - m_new))
+                    q_run += q_tile * torch.exp(2 * (m_tile - m_new))
+                    q_max = m_new
+            run = stats if b == 0 else run.merged(stats)
+            z_label[r0:r1] = torch.where(in_block, z_y, z_label[r0:r1])
+        m[r0:r1], s[r0:r1], t[r0:r1] = run.m, run.s, run.t
+        if q is not None and q_run is not None and q_max is not None:
+            q[r0:r1] = q_run * torch.exp(2 * (q_max - run.m))
+        if best is not None and cand_vals is not None and cand_ids is not None:
+            cand_vals[r0:r1], cand_ids[r0:r1] = best
+    return _Walk(RowStats(m, s, t), z_label, q, z_gather, cand_vals, cand_ids)
+
+
+def _sparse_add_(
+    dz: torch.Tensor, local: torch.Tensor, values: torch.Tensor, counted: torch.Tensor
+) -> None:
+    """``dz[r, local[r, j]] += values[r, j]`` where ``counted`` and the column is in the tile.
+
+    ``index_put_`` with accumulation sums repeated ids in a fixed order (deterministic).
+    """
+    rows, cols = dz.shape
+    here = counted & (local >= 0) & (local < cols)
+    flat = torch.arange(rows, device=dz.device).unsqueeze(1) * cols + local.clamp(0, cols - 1)
+    zero = torch.zeros((), dtype=FP32, device=dz.device)
+    dz.view(-1).index_put_(
+        (flat.reshape(-1),), torch.where(here, values, zero).reshape(-1), accumulate=True
+    )
+
+
+@dataclass(frozen=True)
+class _Coefs:
+    """Per-row ``A``, ``B``, ``C`` of ``dz = e (A + B d + C e)`` and the sparse terms in z-space."""
+
+    a: torch.Tensor
+    b: torch.Tensor | None
+    c: torch.Tensor | None
+    sparse: tuple[
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...
+    ]  #: (global ids, values, counted)
+
+
+def _coefficients(
+    grads: dict[str, torch.Tensor | None],
+    saved: dict[str, torch.Tensor | None],
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int,
+) -> _Coefs:
+    s = saved["s"]
+    assert s is not None
+    zero = torch.zeros((), dtype=FP32, device=s.device)
+    inv_s = s.reciprocal()
+    log_s = torch.log(s)
+
+    def rowwise(g: torch.Tensor | None) -> torch.Tensor | None:
+        return None if g is None else torch.where(valid, g.float(), zero)
+
+    a = torch.zeros_like(s)
+    b = c = None
+    sparse: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    g_lp = rowwise(grads["log_probs"])
+    if g_lp is not None:
+        a -= g_lp
+        owned = valid & (labels >= 0) & (labels < vocab_size)
+        sparse.append((labels.unsqueeze(1), g_lp.unsqueeze(1), owned.unsqueeze(1)))
+    g_h = rowwise(grads["entropy"])
+    if g_h is not None:
+        entropy = saved["entropy"]
+        assert entropy is not None
+        a -= g_h * (entropy - log_s)
+        b = -g_h * inv_s
+    g_lse = rowwise(grads["lse"])
+    if g_lse is not None:
+        a += g_lse
+    g_p2 = rowwise(grads["sum_p2"])
+    if g_p2 is not None:
+        sum_p2 = saved["sum_p2"]
+        assert sum_p2 is not None
+        a -= 2 * g_p2 * sum_p2
+        c = 2 * g_p2 * inv_s * inv_s
+    for ids_key, g_key in (("gather_ids", "gathered"), ("topk_ids", "topk_log_probs")):
+        g = grads[g_key]
+        ids = saved[ids_key]
+        if g is None or ids is None:
+            continue
+        counted = valid.unsqueeze(1) & (ids != ignore_index) & (ids >= 0) & (ids < vocab_size)
+        g = torch.where(counted, g.float(), zero)
+        a -= g.sum(dim=1)
+        sparse.append((ids, g, counted))
+    return _Coefs(a * inv_s, b, c, tuple(sparse))
+
+
+def _backward_walk(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    scaling: Scaling,
+    spec: HeadSpec,
+    row_max: torch.Tensor,
+    coefs: _Coefs,
+    need_h: bool,
+    need_w: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``dh`` (fp32, then the input dtype) and ``dW``, one recomputed tile at a time."""
+    n, v = h.shape[0], weight.shape[0]
+    tiles = spec.tiles
+    row_chunks = list(tiles.row_ranges(n))
+    ws = Workspace(tiles.rows * tiles.cols, h.device)
+    low = h.dtype != FP32
+    dh = torch.zeros(n, h.shape[1], dtype=FP32, device=h.device) if need_h else None
+    dw = None
+    if need_w:
+        dw = torch.empty_like(weight) if row_chunks else torch.zeros_like(weight)
+    for v0, v1 in tiles.col_ranges(v):
+        w_block = weight[v0:v1]
+        cols = v1 - v0
+        w_acc = None
+        for r0, r1 in row_chunks:
+            rows = r1 - r0
+            h_rows = h[r0:r1]
+            x = logits_mm(h_rows, w_block.T, spec.fp32_logits)
+            src = scaling.source(x, out=ws.get(0, rows, cols))
+            d = _shifted(
+                src, _k_col(scaling.rows(r0, r1), h.device), row_max[r0:r1], ws.get(1, rows, cols)
+            )
+            e = torch.exp(d, out=ws.get(2, rows, cols))
+            a = coefs.a[r0:r1].unsqueeze(1)
+            if coefs.b is not None:
+                u = torch.addcmul(a, d, coefs.b[r0:r1].unsqueeze(1), out=d)
+            else:
+                u = d.copy_(a.expand_as(d))
+            if coefs.c is not None:
+                u.addcmul_(e, coefs.c[r0:r1].unsqueeze(1))
+            dz = e.mul_(u)
+            for ids, values, counted in coefs.sparse:
+                local = ids[r0:r1] - (spec.vocab_start + v0)
+                _sparse_add_(dz, local, values[r0:r1], counted[r0:r1])
+            dz.mul_(_k_col(scaling.inv_t_rows(r0, r1), h.device))
+            if scaling.softcap is not None:
+                dz.addcmul_(dz, src.square_(), value=-1.0)  # d tanh = 1 - tanh^2
+            del x
+            dz_in = dz.to(h.dtype) if low else dz
+            if dh is not None:
+                dh[r0:r1].add_(torch.mm(dz_in, w_block))
+            if dw is not None:
+                part = torch.mm(dz_in.T, h_rows)
+                if len(row_chunks) == 1:
+                    dw[v0:v1].copy_(part)
+                elif w_acc is None:
+                    w_acc = part.float()
+                else:
+                    w_acc.add_(part)
+        if dw is not None and w_acc is not None:
+            dw[v0:v1].copy_(w_acc)
+    return (None if dh is None else dh.to(h.dtype)), dw
+
+
+class ChunkedHeadOutputs(torch.autograd.Function):
+    """All requested outputs of one head in one pass; see the module docstring.
+
+    Returns ``(log_probs, entropy, lse, sum_p2, topk_log_probs, gathered, argmax, topk_ids)``;
+    outputs not asked for are empty placeholders the caller drops.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        gather_ids: torch.Tensor | None,
+        inv_t: float | torch.Tensor,
+        spec: OutputSpec,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        hs = spec.head
+        h = hidden.contiguous()
+        n, dev = h.shape[0], h.device
+        inv_t = clamp_scale(inv_t)  # as ChunkedFusedHead does: the same z, the same bits
+        scaling = Scaling(inv_t, hs.softcap)
+        place = LabelPlace.locate(labels, weight.shape[0], hs)
+        with torch.autocast(device_type=dev.type, enabled=False):
+            walk = _forward_walk(h, weight, place, gather_ids, scaling, spec)
+        stats = walk.stats
+        valid = place.valid
+        zero = torch.zeros((), dtype=FP32, device=dev)
+        nan = torch.full((), math.nan, dtype=FP32, device=dev)
+        log_s = torch.log(stats.s)
+        log_probs = torch.where(valid, (walk.z_label - stats.m).sub_(log_s), zero)
+        out_of_range = valid & ((labels < 0) | (labels >= hs.vocab_size))
+        log_probs = torch.where(out_of_range, nan, log_probs)
+        entropy = torch.where(valid, stats.entropy(), zero) if hs.return_entropy else None
+        empty = torch.zeros(0, dtype=FP32, device=dev)
+        lse = torch.where(valid, stats.log_sum_exp(), zero) if spec.lse else empty
+        sum_p2 = empty
+        if walk.q is not None:
+            sum_p2 = torch.where(valid, walk.q / (stats.s * stats.s), zero)
+        gathered = empty
+        if walk.z_gather is not None and gather_ids is not None:
+            g = (walk.z_gather - stats.m.unsqueeze(1)).sub_(log_s.unsqueeze(1))
+            counted = valid.unsqueeze(1) & (gather_ids != hs.ignore_index)
+            gathered = torch.where(counted, g, zero)
+            bad = counted & ((gather_ids < 0) | (gather_ids >= hs.vocab_size))
+            gathered = torch.where(bad, nan, gathered)
+        topk_lp = empty
+        topk_ids = torch.zeros(0, dtype=torch.int64, device=dev)
+        argmax = topk_ids
+        if walk.cand_vals is not None and walk.cand_ids is not None:
+            ids = torch.where(valid.unsqueeze(1), walk.cand_ids, -1)
+            if spec.argmax:
+                argmax = ids[:, 0].contiguous()
+            if spec.top_k:
+                z = scaling.scaled(walk.cand_vals, _k_col(scaling.rows(0, n), dev))
+                lp = (z - stats.m.unsqueeze(1)).sub_(log_s.unsqueeze(1))
+                topk_lp = torch.where(valid.unsqueeze(1), lp, zero)
+                topk_ids = ids
+        ctx.mark_non_differentiable(argmax, topk_ids)
+        ctx.spec = spec
+        ctx.inv_t = None if isinstance(inv_t, torch.Tensor) else inv_t
+        ctx.save_for_backward(
+            hidden,
+            weight,
+            labels,
+            gather_ids,
+            topk_ids if spec.top_k else None,
+            stats.m,
+            stats.s,
+            entropy,
+            sum_p2 if spec.sum_p2 else None,
+            inv_t if isinstance(inv_t, torch.Tensor) else None,
+        )
+        ent_out = entropy if entropy is not None else empty
+        return log_probs, ent_out, lse, sum_p2, topk_lp, gathered, argmax, topk_ids
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        (hidden, weight, labels, gather_ids, topk_ids, m, s, entropy, sum_p2, inv_t_tensor) = (
+            ctx.saved_tensors
+        )
+        spec: OutputSpec = ctx.spec
+        hs = spec.head
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_lp, g_ent, g_lse, g_p2, g_topk, g_gath = grads[:6]
+        named = {
+            "log_probs": g_lp,
+            "entropy": g_ent if hs.return_entropy else None,
+            "lse": g_lse if spec.lse else None,
+            "sum_p2": g_p2 if spec.sum_p2 else None,
+            "topk_log_probs": g_topk if spec.top_k else None,
+            "gathered": g_gath if spec.gather else None,
+        }
+        nothing = (None,) * 6
+        if all(g is None for g in named.values()) or not (need_h or need_w):
+            return nothing
+        inv_t = inv_t_tensor if inv_t_tensor is not None else ctx.inv_t
+        scaling = Scaling(inv_t, hs.softcap)
+        valid = labels != hs.ignore_index
+        h = hidden.contiguous()
+        if h.device.type != "cpu" or not bool(valid.all()):
+            # Ignored rows read as zeros (row max 0, sum 1): a NaN in one reaches neither dh nor dW.
+            h = torch.where(valid.unsqueeze(1), h, torch.zeros((), dtype=h.dtype, device=h.device))
+            m = torch.where(valid, m, torch.zeros_like(m))
+            s = torch.where(valid, s, torch.ones_like(s))
+        saved = {
+            "s": s,
+            "entropy": entropy,
+            "sum_p2": sum_p2,
+            "gather_ids": gather_ids,
+            "topk_ids": topk_ids,
+        }
+        coefs = _coefficients(named, saved, labels, valid, hs.vocab_size, hs.ignore_index)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            dh, dw = _backward_walk(h, weight, scaling, hs, m, coefs, need_h, need_w)
+        return dh, dw, None, None, None, None
+
+
+def _scatter_rows(t: torch.Tensor, keep: torch.Tensor | None, n: int, fill: int) -> torch.Tensor:
+    """``t`` of the kept rows back in all ``n`` rows (``fill`` elsewhere; differentiable)."""
+    if keep is None or t.numel() == 0:
+        return t
+    out = t.new_full((n, *t.shape[1:]), fill)
+    return out.index_copy(0, keep, t)
+
+
+def forward_outputs(backend: TorchBackend, call: HeadCall) -> HeadOutput:
+    """Every requested output of ``call`` on the torch backend, in one pass over the tiles."""
+    if call.process_group is not None:
+        raise ValueError(
+            "process_group: the torch backend computes lse, sum_p2, argmax, topk and gather on one "
+            "rank only (it does not declare them in vocab_parallel_outputs)"
+        )
+    hidden, weight, labels = call.hidden, call.weight, call.labels
+    gather_ids = call.gather_ids
+    n = hidden.shape[0]
+    inv_t: float | torch.Tensor
+    if isinstance(call.temperature, torch.Tensor):
+        temp = call.temperature.detach().to(device=hidden.device, dtype=FP32)
+        inv_t = temp.expand(n).reciprocal()
+    else:
+        inv_t = 1.0 / float(call.temperature)
+    skip = backend.options.skip_ignored_rows
+    if skip is None:
+        skip = hidden.device.type == "cpu"
+    keep = (labels != call.ignore_index).nonzero().squeeze(1) if skip else None
+    if keep is not None and keep.numel() < n:
+        hidden = hidden.index_select(0, keep)
+        labels = labels.index_select(0, keep)
+        if gather_ids is not None:
+            gather_ids = gather_ids.index_select(0, keep)
+        if isinstance(inv_t, torch.Tensor):
+            inv_t = inv_t.index_select(0, keep)
+    else:
+        keep = None
+    outputs = call.outputs
+    head = HeadSpec(
+        ignore_index=int(call.ignore_index),
+        return_entropy="entropy" in outputs,
+        softcap=None if call.softcap is None else float(call.softcap),
+        tiles=backend.tiles(
+            hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device, call.softcap
+        ),
+        vocab_start=call.vocab_start,
+        vocab_size=call.vocab_size,
+        fp32_logits=bool(getattr(backend.options, "fp32_logits", False)),
+    )
+    spec = OutputSpec(
+        head=head,
+        lse="lse" in outputs,
+        sum_p2="sum_p2" in outputs,
+        argmax="argmax" in outputs,
+        top_k=call.top_k if "topk" in outputs else 0,
+        gather=gather_ids is not None,
+    )
+    res = ChunkedHeadOutputs.apply(hidden, weight, labels, gather_ids, inv_t, spec)  # type: ignore[no-untyped-call]
+    lp, ent, lse, p2, topk_lp, gathered, argmax, topk_ids = res
+
+    def back(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        return _scatter_rows(t, keep, n, fill)
+
+    return HeadOutput(
+        log_probs=back(lp),
+        entropy=back(ent) if head.return_entropy else None,
+        lse=back(lse) if spec.lse else None,
+        sum_p2=back(p2) if spec.sum_p2 else None,
+        argmax=back(argmax, -1) if spec.argmax else None,
+        topk_ids=back(topk_ids, -1) if spec.top_k else None,
+        topk_log_probs=back(topk_lp) if spec.top_k else None,
+        gathered=back(gathered) if spec.gather else None,
+    )
