@@ -113,14 +113,16 @@ def test_packed_batch_loss_with_shift_labels_matches_chunk_loss(models: tuple[An
     _compare(got, expected)
 
 
+@pytest.mark.parametrize("impl", ["fusedhead:torch", "fusedhead:triton"])
 def test_packed_batch_log_probs_with_shift_labels_match_chunk_logprobs(
-    models: tuple[Any, Any],
+    models: tuple[Any, Any], impl: str
 ) -> None:
+    """``fusedhead:triton`` runs its kernels under the Triton interpreter on the CPU."""
     theirs, ours = models
     batch = packed_batch([6, 9, 4], seed=2)
     kwargs = {"return_log_probs": True, "temperature": 0.7}
     expected = run(_bind(theirs, "chunk_loss"), batch, **kwargs)
-    got = run(_bind(ours, "fusedhead:torch"), batch, **kwargs)
+    got = run(_bind(ours, impl), batch, **kwargs)
     _compare(got, expected)
     # shift_labels verbatim: ignored targets give 0, and the output has the labels' shape.
     ignored = batch["shift_labels"] == IGNORE

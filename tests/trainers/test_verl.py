@@ -73,13 +73,19 @@ def test_the_entry_point_module_imports_neither_torch_nor_verl() -> None:
     assert done.stdout.split() == ["[]", "True"]
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_packed_batch_matches_verls_own_torch_path(temperature: float) -> None:
-    """log_probs, entropy and every parameter's gradient equal verl's fused torch path."""
+@pytest.mark.parametrize(
+    ("backend", "temperature"),
+    [("fusedhead:torch", 1.0), ("fusedhead:torch", 0.7), ("fusedhead:triton", 0.7)],
+)
+def test_packed_batch_matches_verls_own_torch_path(backend: str, temperature: float) -> None:
+    """log_probs, entropy and every parameter's gradient equal verl's fused torch path.
+
+    ``fusedhead:triton`` runs its kernels under the Triton interpreter on the CPU.
+    """
     base = tiny_qwen2(0)
     batch = packed_micro_batch([5, 9, 3, 1], seed=1, temperature=temperature)
     theirs = scored(base, "torch", batch)
-    ours = scored(base, "fusedhead:torch", batch)
+    ours = scored(base, backend, batch)
     assert theirs.keys() == ours.keys()
     assert ours["log_probs"].shape == (18,)  # the packed tokens, total_nnz
     assert bool((ours["log_probs"] < 0).all()) and bool((ours["entropy"] > 0).all())
