@@ -207,3 +207,38 @@ def test_bad_backends_and_inputs(model_dir: Path) -> None:
         actor(seq, action_mask, attention_mask=mask, return_entropy=True)
     with pytest.raises(ValueError, match="attention_mask is required"):
         actor(seq, action_mask)
+
+
+def test_moe_aux_loss_and_hooked_head(tmp_path: Path) -> None:
+    """A Mixtral actor: the model's own router loss comes back (``output.aux_loss``); the head's
+    weight is read inside its own call (here a forward pre-hook must have run, as under ZeRO-3)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    path = tmp_path / "tiny-mixtral"
+    MixtralForCausalLM(cfg).save_pretrained(path)
+    theirs = _actor(path, False, 1.0)  # OpenRLHF sets output_router_logits for MoE configs
+    ours = _actor(path, False, 1.0)
+    assert ours.model.config.output_router_logits
+    patch_actor(ours, "torch")
+    calls: list[bool] = []
+    ours.model.lm_head.register_forward_pre_hook(lambda mod, args: calls.append(True))
+    seq, mask, action_mask = _batch()
+    a, out_a = theirs(seq, action_mask, attention_mask=mask, return_output=True)
+    b, out_b = ours(seq, action_mask, attention_mask=mask, return_output=True)
+    assert calls == [True]
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    assert out_a.aux_loss is not None and out_b.aux_loss is not None
+    torch.testing.assert_close(out_b.aux_loss, out_a.aux_loss, rtol=0, atol=1e-7)
+    assert out_b.logits.shape == (3, 14, 0)  # no [B, T, V] logits

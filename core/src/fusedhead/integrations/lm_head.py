@@ -36,6 +36,7 @@ __all__ = [
     "HeadLike",
     "is_fusedhead_spec",
     "lm_head_logprobs",
+    "model_logit_transform",
     "parse_backend_spec",
     "resolve_lm_head",
 ]
@@ -141,6 +142,7 @@ def lm_head_logprobs(
     logit_scale: float = 1.0,
     compute_dtype: torch.dtype | None = None,
     select_rows: bool = True,
+    in_call: bool = True,
 ) -> FusedHeadOutput:
     """Log-prob of each already-shifted label and entropy of each row, fp32 in ``labels``' shape.
 
@@ -155,9 +157,11 @@ def lm_head_logprobs(
     (e.g. float32 for an fp32 head projection); None keeps them as given (autocast applies).
     ``head`` names the backend (see :func:`resolve_lm_head`). ``select_rows=True`` sends only scored rows to the backend (one host
     sync); ``False`` sends every row, sync-free, for CUDA graphs and ``torch.compile``.
+    ``in_call=False`` reads the weight directly, for a caller that already runs inside
+    ``lm_head``'s forward (one that stands in for it during the model's own call).
     """
     weight_of = _check_lm_head(lm_head)
-    _check_inputs(hidden, labels, ignore_index, return_entropy, select_rows)
+    _check_inputs(hidden, labels, ignore_index, return_entropy, select_rows, in_call)
     scale = _logit_scale(logit_scale)
     if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
         raise TypeError(
@@ -196,7 +200,7 @@ def lm_head_logprobs(
             with torch.autocast(h_.device.type, enabled=False):
                 return head_forward(fused, h_, weight, bias, y, temperature=t, **kwargs)
 
-        return in_module_call(lm_head, body)
+        return in_module_call(lm_head, body) if in_call else body()
 
     if not select_rows:
         out = run(flat_hidden, flat_labels, flat_temp)
@@ -211,6 +215,29 @@ def lm_head_logprobs(
     if out.entropy is not None:
         entropy = zeros.index_put((rows,), out.entropy).reshape(shape)
     return FusedHeadOutput(log_probs, entropy)
+
+
+def model_logit_transform(config: Any) -> tuple[float, float | None]:
+    """``(logit_scale, softcap)`` a Hugging Face model applies after its LM head, from its config.
+
+    The scale: Cohere's ``logit_scale``, ``output_multiplier``, Falcon-H1's ``lm_head_multiplier``,
+    Granite's / MiniCPM3's ``1 / logits_scaling`` (HyperCLOVA X multiplies by it); 1.0 otherwise.
+    The softcap: Gemma-2 style ``final_logit_softcapping``, or None.
+    """
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else config
+    cap = getattr(text, "final_logit_softcapping", None)
+    softcap = float(cap) if cap else None
+    for attr in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        value = getattr(text, attr, None)
+        if value is not None:
+            return float(value), softcap
+    scaling = getattr(text, "logits_scaling", None)
+    if scaling is not None:
+        if getattr(text, "model_type", None) == "hyperclovax":
+            return float(scaling), softcap
+        return 1.0 / float(scaling), softcap
+    return 1.0, softcap
 
 
 def in_module_call(module: nn.Module, fn: Callable[[], T]) -> T:
@@ -288,7 +315,12 @@ def _check_lm_head(
 
 
 def _check_inputs(
-    hidden: object, labels: object, ignore_index: object, return_entropy: object, select: object
+    hidden: object,
+    labels: object,
+    ignore_index: object,
+    return_entropy: object,
+    select: object,
+    in_call: object,
 ) -> None:
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden must be a torch.Tensor [..., H], got {type(hidden).__name__}")
@@ -314,7 +346,11 @@ def _check_inputs(
         raise TypeError(
             f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}"
         )
-    for arg, value in (("return_entropy", return_entropy), ("select_rows", select)):
+    for arg, value in (
+        ("return_entropy", return_entropy),
+        ("select_rows", select),
+        ("in_call", in_call),
+    ):
         if not isinstance(value, bool):
             raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
 

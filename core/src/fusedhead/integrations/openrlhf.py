@@ -3,10 +3,12 @@
 OpenRLHF's ``openrlhf.models.actor.Actor.forward`` always runs the whole causal LM, casts its
 ``[B, T, V]`` logits to float32 and takes log-softmax and entropy from them; it has no hook for
 another head. :func:`patch_actor` is the one public function that changes that, on one ``Actor``
-instance only (never the class): its forward runs the decoder body for the last hidden states
-and hands them, with labels rolled exactly as OpenRLHF rolls them, to ``lm_head_logprobs``. The
-packed (``packing_samples``) layout is built and undone by OpenRLHF's own
-``unpad_and_slice_tensor`` / ``gather_and_pad_tensor``, so positions line up with its path.
+instance only (never the class). Its forward still calls the model itself (through DeepSpeed's
+engine, PEFT, the MoE router loss), with the LM head's forward stood in for during that one
+call: there the head's weight is read, after ZeRO-3 / FSDP2 hooks have gathered it, and the last
+hidden states go with labels rolled exactly as OpenRLHF rolls them to ``lm_head_logprobs``; the
+head returns empty ``[..., 0]`` logits. The packed (``packing_samples``) layout is built and
+undone by OpenRLHF's own ``unpad_and_slice_tensor`` / ``gather_and_pad_tensor``.
 
 Which rows are scored: by default only positions whose next token is real
 (``attention_mask[:, t + 1] == 1``), the only ones OpenRLHF's losses read (the action window, SFT
@@ -27,8 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusedhead.api import FusedHead
-from fusedhead.integrations.lm_head import HeadLike, lm_head_logprobs, resolve_lm_head
+from fusedhead.api import FusedHead, FusedHeadOutput
+from fusedhead.integrations.lm_head import (
+    HeadLike,
+    lm_head_logprobs,
+    model_logit_transform,
+    resolve_lm_head,
+)
 
 __all__ = ["TESTED_OPENRLHF", "is_patched", "patch_actor", "unpatch_actor"]
 
@@ -48,28 +55,30 @@ def _ring_utils() -> types.ModuleType:
     return ring_attn_utils  # type: ignore[no-any-return]
 
 
-def _parts(actor: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
-    """(causal LM, its decoder body, its LM head) of ``actor.model`` (PEFT unwrapped)."""
+def _parts(actor: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(the causal LM, its LM head) of ``actor.model``: DeepSpeed and PEFT wrappers unwrapped."""
     model = getattr(actor, "model", None)
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"actor must be an openrlhf Actor with a .model, got {type(actor).__name__}"
         )
-    get_base = getattr(model, "get_base_model", None)
-    lm = get_base() if callable(get_base) else model
-    get_decoder = getattr(lm, "get_decoder", None)
-    body = get_decoder() if callable(get_decoder) else None
-    if not isinstance(body, nn.Module) or body is lm:
-        body = getattr(lm, "model", None)
-    if not isinstance(body, nn.Module) or body is lm:
-        raise ValueError(f"cannot find the decoder body of {type(lm).__name__}: pass a causal LM")
-    head = lm.get_output_embeddings()  # type: ignore[operator]
+    lm: nn.Module = model
+    # After strategy.prepare, actor.model is a DeepSpeedEngine around the model (.module).
+    while type(lm).__name__ in ("DeepSpeedEngine", "DistributedDataParallel") and isinstance(
+        getattr(lm, "module", None), nn.Module
+    ):
+        lm = lm.module  # type: ignore[assignment]
+    get_base = getattr(lm, "get_base_model", None)  # PEFT
+    if callable(get_base):
+        lm = get_base()
+    get_head = getattr(lm, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Linear):
         raise TypeError(
             f"{type(lm).__name__}'s output head is a {type(head).__name__}, not an nn.Linear (a LoRA "
             "adapter on the LM head is not supported): fusedhead scores head.weight [+ head.bias]"
         )
-    return lm, body, head
+    return lm, head
 
 
 def is_patched(actor: nn.Module) -> bool:
@@ -145,7 +154,7 @@ def patch_actor(
             raise ValueError("return_entropy=True needs return_output=True (as in OpenRLHF)")
         if attention_mask is None:
             raise ValueError("attention_mask is required (OpenRLHF's Actor.forward needs it too)")
-        lm, body, lm_head = _parts(self)
+        lm, lm_head = _parts(self)
         batch, seqlen = sequences.shape
         # Positions whose next token is real: the only ones OpenRLHF's losses read.
         needed = torch.zeros_like(attention_mask, dtype=torch.bool)
@@ -157,7 +166,7 @@ def patch_actor(
             if not score_all_positions and ring_attn_group is None:
                 keep = needed.reshape(-1)[indices].unsqueeze(0)
                 labels = labels.masked_fill(~keep, -100)
-            body_mask = None
+            model_mask = None
         else:
             ids = sequences
             labels = torch.roll(sequences, shifts=-1, dims=1)
@@ -165,26 +174,45 @@ def patch_actor(
                 labels = labels.masked_fill(~needed, -100)
             position_ids = attention_mask.long().cumsum(-1) - 1
             position_ids.masked_fill_(attention_mask == 0, 1)
-            body_mask = attention_mask
-        text_config = getattr(lm.config, "get_text_config", lambda: lm.config)()
-        extra: dict[str, Any] = {}
-        if getattr(text_config, "output_router_logits", False):
-            extra["output_router_logits"] = True
-        body_out = body(
-            input_ids=ids,
-            attention_mask=body_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            **extra,
-        )
-        out = lm_head_logprobs(
-            lm_head,
-            body_out.last_hidden_state,
-            labels,
-            head=head,
-            temperature=float(getattr(self, "temperature", 1.0)),
-            return_entropy=return_entropy,
-        )
+            model_mask = attention_mask
+        scale, softcap = model_logit_transform(lm.config)
+        scored: list[FusedHeadOutput] = []
+
+        def score(hidden: torch.Tensor) -> torch.Tensor:
+            # Stands in for lm_head's forward during the model's own call: the weight is read
+            # here, where ZeRO-3 / FSDP2 have gathered it. Returns empty logits [..., 0].
+            scored.append(
+                lm_head_logprobs(
+                    lm_head,
+                    hidden,
+                    labels,
+                    head=head,
+                    temperature=float(getattr(self, "temperature", 1.0)),
+                    return_entropy=return_entropy,
+                    softcap=softcap,
+                    logit_scale=scale,
+                    in_call=False,
+                )
+            )
+            return hidden.new_zeros((*hidden.shape[:-1], 0))
+
+        own = lm_head.__dict__  # an instance attribute shadows the class's forward, one call
+        had_own, previous = "forward" in own, own.get("forward")
+        own["forward"] = score
+        try:
+            output = self.model(  # type: ignore[operator]
+                ids, attention_mask=model_mask, position_ids=position_ids
+            )
+        finally:
+            if had_own:
+                own["forward"] = previous
+            else:
+                del own["forward"]
+        if len(scored) != 1:
+            raise RuntimeError(
+                f"{type(lm).__name__}'s forward called its lm_head {len(scored)} times, expected once"
+            )
+        out = scored[0]
         log_probs, entropy = out.log_probs, out.entropy
         if getattr(self, "packing_samples", False):
             log_probs = ring.gather_and_pad_tensor(
@@ -195,11 +223,8 @@ def patch_actor(
                     entropy, ring_attn_group, pad_len, indices, batch, seqlen
                 )
         log_probs = log_probs[:, :-1]
-        output = None
-        if return_output:
-            output = _model_output(lm, text_config, body_out, body_mask, extra)
-            if entropy is not None:
-                output.entropy = entropy[:, :-1]
+        if entropy is not None:
+            output.entropy = entropy[:, :-1]
         if action_mask is None:
             return (log_probs, output) if return_output else log_probs
         action_log_probs = log_probs[:, -action_mask.shape[1] :] * action_mask.float()
@@ -208,33 +233,3 @@ def patch_actor(
     actor.forward = types.MethodType(forward, actor)  # type: ignore[method-assign]
     actor.__dict__[_ATTR] = head
     return head
-
-
-def _model_output(
-    lm: nn.Module,
-    text_config: Any,
-    body_out: Any,
-    attention_mask: torch.Tensor | None,
-    extra: dict[str, Any],
-) -> Any:
-    """The model output OpenRLHF's callers read (``entropy``, ``aux_loss``), without logits."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
-
-    if not extra.get("output_router_logits"):
-        return CausalLMOutputWithPast(logits=None)
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
-    experts = getattr(text_config, "num_local_experts", None) or getattr(
-        text_config, "num_experts", None
-    )
-    aux = load_balancing_loss_func(
-        body_out.router_logits,
-        experts,
-        getattr(text_config, "num_experts_per_tok", None),
-        attention_mask,
-    )
-    return MoeCausalLMOutputWithPast(
-        logits=None,
-        aux_loss=aux,  # type: ignore[arg-type]
-        router_logits=body_out.router_logits,
-    )

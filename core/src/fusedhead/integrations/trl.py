@@ -32,7 +32,12 @@ import torch
 from torch import nn
 
 from fusedhead.api import FusedHead
-from fusedhead.integrations.lm_head import HeadLike, lm_head_logprobs, resolve_lm_head
+from fusedhead.integrations.lm_head import (
+    HeadLike,
+    lm_head_logprobs,
+    model_logit_transform,
+    resolve_lm_head,
+)
 
 __all__ = [
     "SUPPORTED_OUTPUTS",
@@ -91,16 +96,7 @@ def _text_config(model: nn.Module) -> Any:
 
 def _logit_scale(text_config: Any) -> float:
     """The multiplier a model applies to its logits before any softcap (1.0 for most models)."""
-    for attr in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        value = getattr(text_config, attr, None)
-        if value is not None:
-            return float(value)
-    scaling = getattr(text_config, "logits_scaling", None)
-    if scaling is not None:
-        # Granite / MiniCPM3 divide by it; HyperCLOVA X multiplies by it.
-        model_type = getattr(text_config, "model_type", None)
-        return float(scaling) if model_type == "hyperclovax" else 1.0 / float(scaling)
-    return 1.0
+    return model_logit_transform(text_config)[0]
 
 
 def _backbone(model: nn.Module, text_config: Any) -> nn.Module:
