@@ -300,6 +300,39 @@ def test_weight_is_read_inside_the_module_call() -> None:
         torch.testing.assert_close(g.double(), w.double(), rtol=1e-4, atol=ATOL)
 
 
+def test_in_call_false_reads_the_weight_directly() -> None:
+    full = nn.Parameter(_linear().weight.detach().clone())
+    head = _Zero3Like(full)
+    hidden, labels = _inputs((1, 9))
+    with pytest.raises(ValueError, match=r"\.weight must have shape \[V, H\]"):
+        lm_head_logprobs(head, hidden, labels, in_call=False)  # outside the call: no weight
+    assert head.calls == 0
+    got: list[Any] = []
+    # standing in for the head's forward during its own call, as the OpenRLHF patch does
+    head.__dict__["forward"] = lambda h: got.append(
+        lm_head_logprobs(head, h, labels, in_call=False)
+    )
+    head(hidden)
+    del head.__dict__["forward"]
+    assert head.calls == 1 and len(got) == 1
+    ref_lp, _ = _reference(hidden, full, None, labels)
+    torch.testing.assert_close(got[0].log_probs.double(), ref_lp, rtol=0, atol=ATOL)
+
+
+def test_model_logit_transform() -> None:
+    from types import SimpleNamespace as NS
+
+    from fusedhead.integrations.lm_head import model_logit_transform
+
+    assert model_logit_transform(NS()) == (1.0, None)
+    assert model_logit_transform(NS(final_logit_softcapping=30.0)) == (1.0, 30.0)
+    assert model_logit_transform(NS(logit_scale=0.0625)) == (0.0625, None)
+    assert model_logit_transform(NS(logits_scaling=8.0, model_type="granite")) == (0.125, None)
+    assert model_logit_transform(NS(logits_scaling=8.0, model_type="hyperclovax")) == (8.0, None)
+    nested = NS(get_text_config=lambda: NS(lm_head_multiplier=2.0, final_logit_softcapping=None))
+    assert model_logit_transform(nested) == (2.0, None)
+
+
 def test_backend_spellings_resolve_the_same_backend() -> None:
     lin = _linear()
     hidden, labels = _inputs((2, 5))
@@ -385,6 +418,7 @@ def test_resolution_reports_provenance_once_per_config() -> None:
         ({"logit_scale": 0.0}, ValueError, "logit_scale must be a finite non-zero"),
         ({"logit_scale": "1"}, TypeError, "logit_scale must be a float"),
         ({"compute_dtype": "float32"}, TypeError, "compute_dtype must be a torch.dtype"),
+        ({"in_call": None}, TypeError, "in_call must be a bool"),
     ],
 )
 def test_bad_inputs(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
