@@ -1,20 +1,28 @@
-"""The ``fusedhead`` command: list, info, check, bench, demo.
+"""The ``fusedhead`` command: list, info, check, bench, demo (also ``python -m fusedhead``).
 
-``list`` without ``--check`` reads metadata only: it imports neither torch nor any backend.
-Sub-commands with heavy imports live in their own modules, loaded only when chosen.
+``list`` without ``--check`` and ``--version`` read metadata only: they import neither torch nor
+any backend. Sub-commands with heavy imports live in their own modules, loaded only when chosen.
+Every failure is one line on stderr (``fusedhead: error: ...``) and a non-zero exit, never a
+traceback (``FUSEDHEAD_TRACEBACK=1`` shows one for an unexpected failure); with ``--json`` the
+error's fields (``BackendError.to_dict()``) are printed on stdout as well.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import importlib.metadata as md
 import json
+import math
+import os
+import re
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from fusedhead import registry
-from fusedhead.errors import BackendError, IncompatibleBackendError
+from fusedhead.errors import BackendError
 
 #: Sub-commands implemented elsewhere: module with ``add_arguments(parser)`` and ``run(args) -> int``.
 _DELEGATED = {
@@ -25,12 +33,194 @@ _DELEGATED = {
         "the main job: a realistic problem on one backend, checked against the reference",
     ),
 }
+#: Set to 1 to get the traceback of an unexpected failure instead of its one line.
+TRACEBACK_ENV = "FUSEDHEAD_TRACEBACK"
+#: Exit status of a command that could not run (bad input, a backend that cannot be selected).
+EXIT_ERROR = 2
+
+
+# --- argument types: each names what it takes; argparse adds the flag ---------------------------
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    parse.__name__ = f"int_at_least_{low}"
+    return parse
+
+
+#: A size or a count: an integer >= 1.
+positive_int = _int_at_least(1)
+#: A seed or an index: an integer >= 0.
+nonnegative_int = _int_at_least(0)
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a temperature, a scale, a time limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line (a backend's options)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object such as '{{\"name\": 1}}', got {text!r}: "
+            f"{exc.msg} at line {exc.lineno}, column {exc.colno}"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object such as '{{\"name\": 1}}', got a JSON {type(value).__name__}: {text!r}"
+        )
+    return value
+
+
+def device_arg(text: str) -> str:
+    """A torch device string (``cpu``, ``cuda``, ``cuda:1``); availability is checked where used."""
+    import torch
+
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(
+            f"must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {text!r}"
+        ) from None
+    return text
+
+
+def runnable_device(text: str, flag: str = "--device") -> Any:
+    """The ``torch.device`` for ``text`` if this process can run on it (cpu, or a CUDA that exists)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(
+            f"{flag} must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {text!r}"
+        ) from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"{flag} must be cpu, cuda or cuda:K, got {text!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{flag} {text}: CUDA is not available here (torch sees no CUDA device)")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"{flag} {text}: this machine has {count} CUDA device(s), 0..{count - 1}")
+    return device
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: ``fusedhead: error: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.split(" ", 1)[1] if " " in self.prog else ""
+        where = f"{command}: " if command else ""
+        self.exit(
+            EXIT_ERROR,
+            f"fusedhead: error: {where}{message} (see {self.prog} --help)\n",
+        )
+
+
+# --- --version --------------------------------------------------------------------------------
+
+
+def installed_backends() -> list[tuple[str, str, str]]:
+    """(backend name, distribution, version) of every installed entry point, from metadata only.
+
+    Ignores ``FUSEDHEAD_BACKENDS``: this is what is installed, not what discovery shows.
+    """
+    seen: set[tuple[str, str]] = set()
+    out: list[tuple[str, str, str]] = []
+    for dist in md.distributions():
+        eps = [ep for ep in dist.entry_points if ep.group == registry.ENTRY_POINT_GROUP]
+        name = dist.metadata["Name"] or "unknown"
+        for ep in eps:
+            key = (re.sub(r"[-_.]+", "-", name).lower(), ep.name)
+            if key not in seen:
+                seen.add(key)
+                out.append((ep.name, name, dist.version))
+    return sorted(out)
+
+
+def version_text() -> str:
+    """The core's version and every installed backend distribution's, read from metadata."""
+    try:
+        core = md.version("fusedhead")
+    except md.PackageNotFoundError:
+        from fusedhead import __version__
+
+        core = f"{__version__} (not installed as a distribution)"
+    lines = [f"fusedhead {core}"]
+    dists: dict[str, tuple[str, list[str]]] = {}
+    for name, dist, version in installed_backends():
+        dists.setdefault(dist, (version, []))[1].append(name)
+    for dist, (version, names) in sorted(dists.items()):
+        lines.append(f"{dist} {version} (backend {', '.join(names)})")
+    if not dists:
+        lines.append("(no backend distributions installed: pip install 'fusedhead[torch]')")
+    lines.append(f"python {sys.version.split()[0]}")
+    return "\n".join(lines)
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help=kwargs.get("help"))
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(version_text())
+        parser.exit(0)
+
+
+# --- list -------------------------------------------------------------------------------------
+
+
+def _limit_note(shown: set[str]) -> str | None:
+    """What ``FUSEDHEAD_BACKENDS`` hides and which of its names nothing installs, or None."""
+    raw = os.environ.get(registry.LIMIT_ENV)
+    if raw is None or not raw.strip():
+        return None
+    allowed = {p.strip() for p in raw.split(",") if p.strip()}
+    installed = sorted({name for name, _d, _v in installed_backends()})
+    hidden = [n for n in installed if n not in shown]
+    parts = []
+    if hidden:
+        parts.append(
+            f"{registry.LIMIT_ENV}={raw!r} hides {len(hidden)} installed "
+            f"backend{'s' if len(hidden) != 1 else ''}: {', '.join(hidden)}"
+        )
+    for name in sorted(allowed - set(installed) - shown):
+        close = difflib.get_close_matches(name, installed, n=1, cutoff=0.6)
+        parts.append(
+            f"{registry.LIMIT_ENV} names {name!r}, which nothing installs"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+        )
+    return "; ".join(parts) if parts else None
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    rows = registry.listing(probe=args.check, device=args.device)
+    # --device matters with --check only; parsing it needs torch, which plain `list` never imports.
+    device = _device_or_error(args.device) if args.check and args.device else args.device
+    rows = registry.listing(probe=args.check, device=device)
+    note = _limit_note({r.name for r in rows})
     if args.json:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
+        if note:
+            print(f"fusedhead: note: {note}", file=sys.stderr)
     else:
         table = [("NAME", "DISTRIBUTION", "VERSION", "STATUS", "REASON")]
         for r in rows:
@@ -43,18 +233,33 @@ def _cmd_list(args: argparse.Namespace) -> int:
                     r.reason or "",
                 )
             )
-        widths = [max(len(row[i]) for row in table) for i in range(4)]
-        for row in table:
-            cells = [c.ljust(w) for c, w in zip(row[:4], widths)]
-            print("  ".join([*cells, row[4]]).rstrip())
-        if len(table) == 1:
-            print("(no backends installed: pip install 'fusedhead[torch]' for the portable one)")
+        if len(table) > 1:
+            widths = [max(len(row[i]) for row in table) for i in range(4)]
+            for row in table:
+                cells = [c.ljust(w) for c, w in zip(row[:4], widths)]
+                print("  ".join([*cells, _one_line(row[4])]).rstrip())
+        if note:
+            print(f"({note})" if len(table) > 1 else f"no backends shown: {note}")
+        elif len(table) == 1:
+            print("no backends installed: pip install 'fusedhead[torch]' for the portable one")
     bad = {registry.Status.BROKEN, registry.Status.INCOMPATIBLE, registry.Status.CONFLICT}
     return 1 if args.check and any(r.status in bad for r in rows) else 0
 
 
+def _device_or_error(text: str) -> str:
+    try:
+        return device_arg(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"--device {exc}") from None
+
+
+# --- info -------------------------------------------------------------------------------------
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     import torch
+
+    from fusedhead.config import option_rows
 
     cand = registry.find(args.name)
     out: dict[str, Any] = {
@@ -66,8 +271,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     try:
         cls = registry.load_class(args.name)
     except BackendError as exc:
-        out["status"] = "incompatible" if isinstance(exc, IncompatibleBackendError) else "broken"
+        out["status"] = exc.status
         out["reason"] = str(exc)
+        out["error"] = exc.to_dict()
         _print_info(out, args.json)
         return 1
     device = torch.device(args.device) if args.device else registry.default_device()
@@ -75,7 +281,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     out["plugin_api_version"] = cls.plugin_api_version
     out["device"] = str(device)
     out["capabilities"] = backend.capabilities(device).model_dump(mode="json")
-    out["options_schema"] = _options_schema(cls.Options)
+    out["options_schema"] = option_rows(cls.Options)
     status, reason = registry._probe(cand, device)
     out["status"] = status.value
     if reason:
@@ -87,29 +293,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _options_schema(model: Any) -> list[dict[str, Any]]:
-    rows = []
-    for name, field in model.model_fields.items():
-        rows.append(
-            {
-                "name": name,
-                "type": getattr(field.annotation, "__name__", str(field.annotation)),
-                "default": None
-                if field.is_required()
-                else field.get_default(call_default_factory=True),
-                "description": field.description or "",
-            }
-        )
-    return rows
-
-
 def _print_info(info: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(info, indent=2, default=str))
         return
     for key, value in info.items():
+        if key == "error":
+            continue  # its fields are in --json; the reason line says it
         if key == "options_schema":
-            print("options:")
+            print("options (name: allowed values = default):")
             if not value:
                 print("  (none)")
             for row in value:
@@ -123,12 +315,22 @@ def _print_info(info: dict[str, Any], as_json: bool) -> None:
             print(f"{key}: {value}")
 
 
+# --- the parser and main ----------------------------------------------------------------------
+
+
 def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
     """The argument parser; ``delegated=False`` skips importing the heavy sub-command modules."""
-    parser = argparse.ArgumentParser(
-        prog="fusedhead", description="fusedhead backends: list, inspect, check, bench, demo"
+    parser = _Parser(
+        prog="fusedhead",
+        description="fusedhead backends: list, inspect, check, bench, demo",
+        epilog=f"An unexpected failure prints one line; {TRACEBACK_ENV}=1 shows its traceback.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        help="print the versions of fusedhead and of every installed backend distribution",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser(
         "list", help="installed backends and their status (metadata only unless --check)"
     )
@@ -143,12 +345,15 @@ def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_list)
     p = sub.add_parser(
-        "info", help="capabilities, options schema, distribution and status of one backend"
+        "info", help="capabilities, options (their allowed values), distribution and status"
     )
     p.add_argument("name")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
-        "--device", default=None, help="device to describe (default: cuda if present, else cpu)"
+        "--device",
+        default=None,
+        type=device_arg,
+        help="device to describe (default: cuda if present, else cpu)",
     )
     p.set_defaults(func=_cmd_info)
     for name, (module, help_text) in _DELEGATED.items():
@@ -156,21 +361,59 @@ def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
         p.set_defaults(module=module)
         if delegated:
             importlib.import_module(module).add_arguments(p)
+            _typed_options(p)
     return parser
 
 
+def _typed_options(parser: argparse.ArgumentParser) -> None:
+    """Give every sub-command's ``--options`` the JSON-object type, so errors name the flag."""
+    for action in parser._actions:
+        if "--options" in action.option_strings and action.type is None:
+            action.type = json_object
+
+
+def _one_line(text: str) -> str:
+    return re.sub(r"\s*\n\s*", " ", text).strip()
+
+
+def _fail(message: str, fields: dict[str, Any] | None, args: argparse.Namespace | None) -> None:
+    print(f"fusedhead: error: {_one_line(message)}", file=sys.stderr)
+    if args is not None and getattr(args, "json", None) is True:
+        print(json.dumps({"error": fields or {"message": _one_line(message)}}, indent=2))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; the exit status (0 ok, 1 a failed check, 2 an error) is returned."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(delegated=command in _DELEGATED).parse_args(argv)
+    args: argparse.Namespace | None = None
     try:
+        args = build_parser(delegated=command in _DELEGATED).parse_args(argv)
         if hasattr(args, "module"):
             result: int = importlib.import_module(args.module).run(args)
         else:
             result = args.func(args)
-    except (BackendError, ValueError, TypeError) as exc:
-        print(f"fusedhead: error: {exc}", file=sys.stderr)
-        return 2
+    except SystemExit as exc:  # argparse (--help, --version, a bad argument) or a command's own
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else EXIT_ERROR)
+    except KeyboardInterrupt:
+        print("fusedhead: interrupted", file=sys.stderr)
+        return 130
+    except BackendError as exc:
+        _fail(exc.message, exc.to_dict(), args)
+        return EXIT_ERROR
+    except (ValueError, TypeError) as exc:
+        text = str(exc)
+        fields = {"error": type(exc).__name__, "status": "error", "message": _one_line(text)}
+        _fail(text, fields, args)
+        return EXIT_ERROR
+    except Exception as exc:
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        text = f"{type(exc).__name__}: {exc} (an unexpected failure; {TRACEBACK_ENV}=1 shows where)"
+        fields = {"error": type(exc).__name__, "status": "error", "message": _one_line(text)}
+        _fail(text, fields, args)
+        return 1
     return result
 
 

@@ -15,6 +15,8 @@ import argparse
 import importlib
 import importlib.util
 import json
+import sys
+import time
 from typing import Any
 
 MODEL_MODULE = "fusedhead.integrations.demo_model"
@@ -38,32 +40,58 @@ def tolerances(dtype: str, entropy_precision: str) -> dict[str, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``fusedhead demo``."""
+    """Options of ``fusedhead demo``; every number is checked by its type (naming the flag)."""
+    from fusedhead.cli import (
+        device_arg,
+        json_object,
+        nonnegative_int,
+        positive_float,
+        positive_int,
+    )
+
     parser.add_argument("--backend", default="torch", help="backend name (default: torch)")
     parser.add_argument(
-        "--options", default=None, metavar="JSON", help="the backend's options as a JSON object"
+        "--options",
+        default=None,
+        type=json_object,
+        metavar="JSON",
+        help="the backend's options as a JSON object",
     )
-    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:K")
+    parser.add_argument(
+        "--device", default="cpu", type=device_arg, help="cpu (default), cuda or cuda:K"
+    )
     parser.add_argument(
         "--dtype",
         default="fp32",
         choices=["fp32", "fp16", "bf16"],
         help="input dtype (default fp32)",
     )
-    parser.add_argument("--n", type=int, default=2048, help="tokens N (default 2048)")
-    parser.add_argument("--hidden", type=int, default=1024, help="hidden size H (default 1024)")
+    parser.add_argument("--n", type=positive_int, default=2048, help="tokens N (default 2048)")
     parser.add_argument(
-        "--vocab", type=int, default=32000, help="vocabulary size V (default 32000)"
+        "--hidden", type=positive_int, default=1024, help="hidden size H (default 1024)"
     )
-    parser.add_argument("--temperature", type=float, default=0.7, help="temperature (default 0.7)")
     parser.add_argument(
-        "--scale", type=float, default=1.0, help="weight scale: 1 flat (default), 4 peaked"
+        "--vocab", type=positive_int, default=32000, help="vocabulary size V (default 32000)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="generator seed of the inputs")
     parser.add_argument(
-        "--reps", type=int, default=3, help="timed forward+backward repetitions (median)"
+        "--temperature", type=positive_float, default=0.7, help="temperature (default 0.7)"
+    )
+    parser.add_argument(
+        "--scale", type=positive_float, default=1.0, help="weight scale: 1 flat (default), 4 peaked"
+    )
+    parser.add_argument(
+        "--seed", type=nonnegative_int, default=0, help="generator seed of the inputs"
+    )
+    parser.add_argument(
+        "--reps",
+        type=positive_int,
+        default=3,
+        help="timed forward+backward repetitions, at least 1 (median; default 3)",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak memory measurement")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress lines on stderr (the report only)"
+    )
     parser.add_argument(
         "--model",
         default=None,
@@ -78,21 +106,38 @@ def run(args: argparse.Namespace) -> int:
         if importlib.util.find_spec(MODEL_MODULE) is None:
             print(f"fusedhead demo --model: {MODEL_MODULE} is not available in this installation")
             return 2
+        if isinstance(args.options, dict):  # the model demo takes --options as JSON text
+            args.options = json.dumps(args.options)
         result: int = importlib.import_module(MODEL_MODULE).run(args)
         return result
     return _run_problem(args)
 
 
-def _options(raw: str | None) -> dict[str, Any]:
-    if not raw:
+def _options(raw: str | dict[str, Any] | None) -> dict[str, Any]:
+    """The ``--options`` value: parsed by its argument type already, or JSON text (callers)."""
+    if raw is None or raw == "":
         return {}
+    if isinstance(raw, dict):
+        return raw
+    from fusedhead.cli import json_object
+
     try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--options must be a JSON object, got {raw!r} ({exc})") from exc
-    if not isinstance(value, dict):
-        raise ValueError(f"--options must be a JSON object, got {type(value).__name__}")
-    return value
+        return json_object(raw)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"--options {exc}") from None
+
+
+class _Progress:
+    """Progress lines on stderr (``[  1.2 s] what now``), so a long step is never silent."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.start = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        if not self.quiet:
+            elapsed = time.perf_counter() - self.start
+            print(f"fusedhead demo: [{elapsed:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -114,14 +159,15 @@ def _run_problem(args: argparse.Namespace) -> int:
     from fusedhead.bench import accuracy, peers, report, timing
     from fusedhead.bench.cases import IGNORE_INDEX, Case, make_inputs
     from fusedhead.bench.measure import measure
+    from fusedhead.cli import runnable_device
     from fusedhead.config import FusedHeadConfig
 
+    progress = _Progress(getattr(args, "quiet", False))
     options = _options(args.options)
-    device = torch.device(args.device)
+    device = runnable_device(args.device)
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {args.device}: CUDA is not available here")
         timing.disable_tf32()
+    progress(f"resolving backend {args.backend!r}")
     head = FusedHead(
         FusedHeadConfig.from_dict(
             {"backend": args.backend, "options": options, "device": str(device)}
@@ -153,6 +199,7 @@ def _run_problem(args: argparse.Namespace) -> int:
         f"{head.version or ''}".rstrip()
         + f") on {device} ({where})"
     )
+    progress(f"drawing the inputs (N={case.n}, H={case.hidden}, V={case.vocab}, {case.dtype})")
     inputs = make_inputs(case)
     ignored = int((inputs.labels == IGNORE_INDEX).sum())
     print(
@@ -160,7 +207,9 @@ def _run_problem(args: argparse.Namespace) -> int:
         f"temperature {case.temperature:g}, {ignored} of {case.n} labels ignored ({IGNORE_INDEX})"
     )
 
+    progress("the float64 reference: log-probs, entropy and both gradients (the slow part)")
     ref = accuracy.compute_reference(case, inputs, dtype=torch.float64)
+    progress("timing one GEMM unit (hidden @ weight.T)")
     unit_ms = timing.gemm_ms(inputs.hidden, inputs.weight, reps=1)
     common = {
         "unit_ms": unit_ms,
@@ -169,9 +218,13 @@ def _run_problem(args: argparse.Namespace) -> int:
         "forward": False,
         "interleave_gemm": True,  # on the CPU each repetition is paired with a GEMM
     }
+    progress(f"backend {args.backend!r}: {args.reps} timed forward + backward, errors, memory")
     got = measure(case, backend_impl, inputs, ref, **common)
     ref_reason = reference_impl.availability(case)
+    if not ref_reason:
+        progress(f"full-logits reference: {args.reps} timed forward + backward, memory")
     base = None if ref_reason else measure(case, reference_impl, inputs, ref, **common)
+    progress("done")
 
     tol = tolerances(case.dtype, caps.entropy_precision)
     rows = [

@@ -29,26 +29,33 @@ CPU_DEFAULTS: dict[str, list[Any]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``fusedhead bench`` (grid defaults depend on the device: see --help)."""
+    """Options of ``fusedhead bench`` (grid defaults depend on the device: see --help).
+
+    Every number is checked by its argument type, so a bad one names its flag before any work.
+    """
+    from fusedhead.cli import device_arg, nonnegative_int, positive_float, positive_int
+
     g = parser.add_argument_group(
         "grid (defaults: GPU N 1024 8192 32768, H 4096, V 32000 128256 151936, "
         "bf16 fp32; CPU N 2048, H 1024, V 32000, fp32)"
     )
-    g.add_argument("--n", type=int, nargs="+", default=None, help="token counts N")
-    g.add_argument("--hidden", type=int, nargs="+", default=None, help="hidden sizes H")
-    g.add_argument("--vocab", type=int, nargs="+", default=None, help="vocabulary sizes V")
+    g.add_argument("--n", type=positive_int, nargs="+", default=None, help="token counts N")
+    g.add_argument("--hidden", type=positive_int, nargs="+", default=None, help="hidden sizes H")
+    g.add_argument("--vocab", type=positive_int, nargs="+", default=None, help="vocabulary sizes V")
     g.add_argument(
         "--dtype", nargs="+", default=None, choices=["fp32", "fp16", "bf16"], help="input dtypes"
     )
-    g.add_argument("--temperature", type=float, default=0.7, help="temperature (default 0.7)")
+    g.add_argument(
+        "--temperature", type=positive_float, default=0.7, help="temperature (default 0.7)"
+    )
     g.add_argument(
         "--scale",
-        type=float,
+        type=positive_float,
         nargs="+",
         default=[1.0],
         help="weight scale s, W ~ N(0, (s/sqrt(H))^2): 1 flat, 4 peaked (default 1)",
     )
-    g.add_argument("--seed", type=int, default=0, help="generator seed of the inputs")
+    g.add_argument("--seed", type=nonnegative_int, default=0, help="generator seed of the inputs")
     parser.add_argument(
         "--impl",
         nargs="+",
@@ -58,14 +65,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "reference, verl-chunked, liger-direct, cce (default: every installed backend and peer)",
     )
     parser.add_argument(
-        "--device", default=None, help="cpu, cuda or cuda:K (default: cuda if present)"
+        "--device",
+        default=None,
+        type=device_arg,
+        help="cpu, cuda or cuda:K (default: cuda if present)",
     )
     parser.add_argument(
-        "--reps", type=int, default=3, help="timed repetitions at least (median; default 3)"
+        "--reps",
+        type=positive_int,
+        default=3,
+        help="timed repetitions at least (median; default 3)",
     )
     parser.add_argument(
         "--max-minutes",
-        type=float,
+        type=positive_float,
         default=10.0,
         help="skip the remaining measurements once the run has taken this long (default 10)",
     )
@@ -110,11 +123,10 @@ def run(args: argparse.Namespace) -> int:
     from fusedhead.bench import accuracy, peers, report, timing
     from fusedhead.bench.cases import grid, make_inputs
     from fusedhead.bench.measure import measure
+    from fusedhead.cli import runnable_device
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = runnable_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {device} asked for, but CUDA is not available here")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)

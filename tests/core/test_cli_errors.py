@@ -1,0 +1,287 @@
+"""The ``fusedhead`` command fails in one clean line, reads errors' fields, and says what it does.
+
+Every bad input (a device, a number, ``--options``) ends in ``fusedhead: error: ...`` naming the
+flag and a non-zero exit, never a traceback; ``--json`` prints the error's fields; ``info`` shows
+allowed values; ``--version`` and ``python -m fusedhead`` exist; an allowlist that hides every
+backend says so.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any, ClassVar, Literal
+
+import pytest
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+from fusedhead import cli, registry
+from fusedhead.errors import BackendError, IncompatibleBackendError
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_error_line(err: str) -> str:
+    """The stderr of a failed command: exactly one line, ``fusedhead: error: ...``."""
+    lines = [line for line in err.splitlines() if not line.startswith("fusedhead demo: [")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("fusedhead: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, code: str | None = None) -> Any:
+    cmd = (
+        [sys.executable, "-m", "fusedhead", *args]
+        if code is None
+        else [sys.executable, "-c", code, *args]
+    )
+    return subprocess.run(cmd, capture_output=True, text=True, env=env)
+
+
+# --- devices and numbers ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("demo", "--device", "bogus"),
+        ("bench", "--device", "bogus", "--impl", "torch"),
+        ("info", "torch", "--device", "bogus"),
+    ],
+)
+def test_a_bogus_device_is_one_line_naming_the_flag(capsys, argv):
+    rc, out, err = run_main(capsys, *argv)
+    line = one_error_line(err)
+    assert rc == 2 and "--device" in line and "'bogus'" in line and "'cuda:1'" in line
+    assert "PASS" not in out
+
+
+def test_list_check_with_a_bogus_device_is_one_line(capsys):
+    rc, _out, err = run_main(capsys, "list", "--check", "--device", "bogus")
+    line = one_error_line(err)
+    assert rc == 2 and "--device" in line and "'bogus'" in line
+
+
+@pytest.mark.parametrize(
+    "flag,value,expected",
+    [
+        ("--vocab", "0", "an integer >= 1"),
+        ("--n", "-3", "an integer >= 1"),
+        ("--hidden", "1.5", "an integer >= 1"),
+        ("--reps", "0", "an integer >= 1"),
+        ("--seed", "-1", "an integer >= 0"),
+        ("--temperature", "0", "a finite number > 0"),
+        ("--temperature", "inf", "a finite number > 0"),
+        ("--scale", "nan", "a finite number > 0"),
+    ],
+)
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_numeric_arguments_are_checked_naming_the_flag(capsys, command, flag, value, expected):
+    rc, out, err = run_main(capsys, command, flag, value)
+    line = one_error_line(err)
+    assert rc == 2 and f"argument {flag}: must be {expected}, got {value!r}" in line, line
+    assert "PASS" not in out
+
+
+def test_bench_max_minutes_must_be_positive(capsys):
+    rc, _out, err = run_main(capsys, "bench", "--max-minutes", "0")
+    assert rc == 2 and "argument --max-minutes: must be a finite number > 0" in one_error_line(err)
+
+
+def test_demo_reps_zero_is_refused_not_passed(capsys):
+    rc, out, err = run_main(capsys, "demo", "--reps", "0", "--n", "8", "--hidden", "8")
+    assert rc == 2 and "PASS" not in out and "--reps" in one_error_line(err)
+
+
+# --- --options ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["demo", "check"])
+def test_bad_options_json_names_the_flag_and_the_problem(capsys, command):
+    argv = [command, "torch"] if command == "check" else [command]
+    rc, _out, err = run_main(capsys, *argv, "--options", "{bad")
+    line = one_error_line(err)
+    assert rc == 2 and "argument --options" in line and "'{bad'" in line
+    assert "line 1, column 2" in line and "double quotes" in line
+
+
+def test_options_that_are_not_an_object_are_refused(capsys):
+    rc, _out, err = run_main(capsys, "check", "torch", "--options", "[1, 2]")
+    assert rc == 2 and "argument --options: must be a JSON object" in one_error_line(err)
+
+
+def test_an_invalid_option_lists_the_valid_ones_in_one_line(capsys):
+    rc, _out, err = run_main(capsys, "demo", "--options", '{"workspace_mib": true}')
+    line = one_error_line(err)
+    assert rc == 2 and "option 'workspace_mib' = True (bool): expected int > 0 or None" in line
+    assert "chunk_rows: int > 0 or None = None" in line and "pydantic" not in line
+
+
+# --- errors' fields -----------------------------------------------------------------------------
+
+
+def test_json_prints_the_error_fields(capsys):
+    rc, out, err = run_main(capsys, "info", "no-such-backend", "--json")
+    one_error_line(err)
+    data = json.loads(out)["error"]
+    assert rc == 2 and data["status"] == "unknown" and data["backend"] == "no-such-backend"
+    assert data["error"] == "UnknownBackendError" and data["message"] in err
+
+
+def test_info_status_comes_from_the_error_class(capsys, with_fixture_dists):
+    rc, out, _err = run_main(capsys, "info", "incompatible", "--json")
+    info = json.loads(out)
+    assert rc == 1 and info["status"] == info["error"]["status"]
+    assert info["error"]["distribution"] == "fh-fixture-incompatible"
+    assert info["error"]["error"] == "IncompatibleBackendError"
+    assert info["status"] == IncompatibleBackendError.status
+
+
+def test_an_error_status_the_cli_does_not_know_is_shown_as_is(capsys, monkeypatch):
+    class OddError(BackendError):
+        status = "odd-status"
+
+    def boom(name: str) -> Any:
+        raise OddError("odd on purpose", backend=name, hint="nothing to do")
+
+    monkeypatch.setattr(registry, "load_class", boom)
+    rc, out, _err = run_main(capsys, "info", "torch", "--json")
+    info = json.loads(out)
+    assert rc == 1 and info["status"] == "odd-status" and info["error"]["hint"] == "nothing to do"
+
+
+def test_an_unexpected_failure_is_one_line_unless_asked(capsys, monkeypatch):
+    def boom(args: Any) -> int:
+        raise RuntimeError("kaputt\non two lines")
+
+    monkeypatch.setattr(cli, "_cmd_list", boom)
+    rc, _out, err = run_main(capsys, "list")
+    line = one_error_line(err)
+    assert rc == 1 and "RuntimeError: kaputt on two lines" in line and cli.TRACEBACK_ENV in line
+    monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
+    with pytest.raises(RuntimeError, match="kaputt"):
+        cli.main(["list"])
+
+
+def test_no_command_is_one_line(capsys):
+    rc, _out, err = run_main(capsys)
+    assert rc == 2 and "required: command" in one_error_line(err)
+
+
+# --- info shows allowed values -----------------------------------------------------------------
+
+
+class ShownOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    tile: PositiveInt | None = Field(None, description="tile width")
+    mode: Literal["fast", "safe"] = "fast"
+    cols: int = Field(8192, ge=16)
+    exact: bool | None = None
+
+
+@pytest.fixture
+def shown_backend(ref_backend: type) -> Iterator[type]:
+    class ShownBackend(ref_backend):  # type: ignore[misc,valid-type]
+        name: ClassVar[str] = "shown-test"
+        Options: ClassVar[type[BaseModel]] = ShownOptions
+
+    registry.register_backend("shown-test", ShownBackend, replace=True)
+    registry.refresh()
+    yield ShownBackend
+    registry.unregister_backend("shown-test")
+    registry.refresh()
+
+
+def test_info_prints_allowed_values_not_typing_reprs(capsys, shown_backend):
+    rc, out, _err = run_main(capsys, "info", "shown-test", "--device", "cpu")
+    assert rc == 0, out
+    assert "  tile: int > 0 or None = None  tile width" in out
+    assert "  mode: one of 'fast', 'safe' = 'fast'" in out
+    assert "  cols: int >= 16 = 8192" in out
+    assert "  exact: bool or None = None" in out
+    assert "Optional" not in out and "Literal" not in out and "Annotated" not in out
+    rc, out, _err = run_main(capsys, "info", "shown-test", "--json", "--device", "cpu")
+    types = {r["name"]: r["type"] for r in json.loads(out)["options_schema"]}
+    assert types == {
+        "tile": "int > 0 or None",
+        "mode": "one of 'fast', 'safe'",
+        "cols": "int >= 16",
+        "exact": "bool or None",
+    }
+
+
+# --- the allowlist, --version, python -m fusedhead ---------------------------------------------
+
+
+def _env(**extra: str) -> dict[str, str]:
+    import os
+
+    return {**os.environ, **extra}
+
+
+def test_an_allowlist_that_hides_everything_says_so(with_fixture_dists):
+    proc = run_cli("list", env=_env(FUSEDHEAD_BACKENDS="typo"))
+    assert proc.returncode == 0, proc.stderr
+    assert "no backends installed" not in proc.stdout
+    assert "FUSEDHEAD_BACKENDS='typo' hides" in proc.stdout
+    for name in ("good", "broken", "torch"):
+        assert name in proc.stdout
+    assert "names 'typo', which nothing installs" in proc.stdout
+    proc = run_cli("list", "--json", env=_env(FUSEDHEAD_BACKENDS="typo"))
+    assert json.loads(proc.stdout) == [] and "hides" in proc.stderr
+
+
+def test_an_allowlist_names_what_it_hides_beside_what_it_shows(with_fixture_dists):
+    proc = run_cli("list", env=_env(FUSEDHEAD_BACKENDS="good,godo"))
+    assert proc.returncode == 0, proc.stderr
+    rows = proc.stdout.splitlines()
+    assert rows[1].split()[:2] == ["good", "fh-fixture-good"]
+    assert "hides" in rows[-1] and "broken" in rows[-1] and "did you mean 'good'?" in rows[-1]
+
+
+def test_version_lists_core_and_backend_distributions_without_importing(with_fixture_dists):
+    code = (
+        "import sys; from fusedhead.cli import main; rc = main(['--version']); "
+        "assert 'torch' not in sys.modules, 'imported torch'; "
+        "assert not [m for m in sys.modules if m.startswith(('fh_fixture', 'fusedhead_'))], 'imported a backend'; "
+        "sys.exit(rc)"
+    )
+    proc = run_cli(code=code)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"fusedhead {md.version('fusedhead')}"
+    assert f"fusedhead-torch {md.version('fusedhead-torch')} (backend torch)" in lines
+    assert "fh-fixture-broken 1.0.0 (backend broken)" in lines  # listed, never imported
+    assert lines[-1].startswith("python ")
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.splitlines()[0] == lines[0]
+
+
+def test_python_m_fusedhead_list():
+    proc = run_cli("list")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].split()[:4] == ["NAME", "DISTRIBUTION", "VERSION", "STATUS"]
+    assert "torch" in proc.stdout
+
+
+# --- demo says what it is doing ------------------------------------------------------------------
+
+
+def test_demo_prints_progress_to_stderr_and_the_report_to_stdout(capsys):
+    argv = ["demo", "--n", "16", "--hidden", "8", "--vocab", "32", "--reps", "1", "--no-memory"]
+    rc, out, err = run_main(capsys, *argv)
+    assert rc == 0 and "PASS" in out, out + err
+    steps = [line for line in err.splitlines() if line.startswith("fusedhead demo: [")]
+    assert len(steps) >= 5, err
+    assert any("float64 reference" in s for s in steps) and steps[-1].endswith("done")
+    assert "fusedhead demo: [" not in out
+    rc, out, err = run_main(capsys, *argv, "--quiet")
+    assert rc == 0 and "PASS" in out and err == ""
