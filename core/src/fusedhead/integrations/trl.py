@@ -34,8 +34,10 @@ from torch import nn
 from fusedhead.api import FusedHead
 from fusedhead.integrations.lm_head import (
     HeadLike,
+    is_fusedhead_spec,
     lm_head_logprobs,
     model_logit_transform,
+    parse_backend_spec,
     resolve_lm_head,
 )
 
@@ -333,7 +335,7 @@ def fused_head_from_args(args: Any) -> HeadLike:
         )
     if not options:
         return str(name)
-    backend = resolve_lm_head(str(name)).name  # parses "fusedhead:<name>"
+    backend = parse_backend_spec(name) if is_fusedhead_spec(name) else str(name)
     return {"backend": backend, "options": dict(options)}
 
 
