@@ -57,9 +57,13 @@ VERL_MULTIMODAL_MODEL_TYPES = frozenset(
     {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5", "qwen3_5_moe"}
 )
 
-_lock = threading.Lock()
+#: VeOmni's loss-mapping module, used by verl's VeOmni engine; armed too (see :func:`install`).
+VEOMNI_CROSS_ENTROPY_MODULE = "veomni.ops.kernels.cross_entropy"
+
+_lock = threading.RLock()
 _original: dict[str, Callable[..., Any]] = {}
 _finder: _PatchOnImport | None = None
+_armed_veomni = False
 
 
 def install() -> None:
@@ -67,15 +71,18 @@ def install() -> None:
 
     If verl's ``monkey_patch`` module is already imported it is patched now; otherwise a
     ``sys.meta_path`` finder patches it right after verl imports it, so no one holds the
-    original function.
+    original function. VeOmni's cross-entropy module is armed the same way
+    (:func:`fusedhead.integrations.veomni.install`), so verl's VeOmni engine accepts
+    ``cross_entropy_loss_implementation: fusedhead:<name>`` from verl's config too; VeOmni's
+    own names are unaffected.
     """
     global _finder
     with _lock:
-        module = sys.modules.get(MONKEY_PATCH_MODULE)
-        if module is not None:
-            _patch_module(module)
-            return
-        if _finder is None:
+        for name, patch in _TARGETS.items():
+            module = sys.modules.get(name)
+            if module is not None:
+                _apply(patch, module)
+        if _finder is None and any(name not in sys.modules for name in _TARGETS):
             _finder = _PatchOnImport()
             sys.meta_path.insert(0, _finder)
 
@@ -85,7 +92,7 @@ def uninstall() -> None:
 
     Model classes already patched keep their forward (verl patches classes the same way).
     """
-    global _finder
+    global _finder, _armed_veomni
     with _lock:
         if _finder is not None and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
@@ -94,6 +101,11 @@ def uninstall() -> None:
         original = _original.pop("patch_forward_with_backends", None)
         if module is not None and original is not None:
             module.patch_forward_with_backends = original  # type: ignore[attr-defined]
+        if _armed_veomni:
+            from fusedhead.integrations import veomni
+
+            veomni.uninstall()
+            _armed_veomni = False
 
 
 def is_installed() -> bool:
@@ -117,8 +129,36 @@ def _patch_module(module: types.ModuleType) -> None:
     module.patch_forward_with_backends = patch_forward_with_backends  # type: ignore[attr-defined]
 
 
+def _arm_veomni(module: types.ModuleType) -> None:
+    global _armed_veomni
+    from fusedhead.integrations import veomni
+
+    if not veomni.is_installed():
+        veomni.install()
+        _armed_veomni = True
+
+
+_TARGETS: dict[str, Callable[[types.ModuleType], None]] = {
+    MONKEY_PATCH_MODULE: _patch_module,
+    VEOMNI_CROSS_ENTROPY_MODULE: _arm_veomni,
+}
+
+
+def _apply(patch: Callable[[types.ModuleType], None], module: types.ModuleType) -> None:
+    """Patch ``module``; a failure is logged loudly, never allowed to break the trainer's import."""
+    try:
+        patch(module)
+    except Exception:
+        logger.warning(
+            "fusedhead: could not patch %s; fusedhead backend names will not work there "
+            "(verl 0.9.1 and VeOmni 0.1.12 are the tested versions)",
+            module.__name__,
+            exc_info=True,
+        )
+
+
 class _PatchingLoader(importlib.abc.Loader):
-    """Runs verl's module as its own loader would, then patches it."""
+    """Runs the trainer's module as its own loader would, then patches it."""
 
     def __init__(self, inner: importlib.abc.Loader) -> None:
         self._inner = inner
@@ -129,14 +169,14 @@ class _PatchingLoader(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         self._inner.exec_module(module)
         with _lock:
-            _patch_module(module)
+            _apply(_TARGETS[module.__name__], module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tools
         return getattr(self._inner, name)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds verl's ``monkey_patch`` through the other finders and wraps its loader."""
+    """Finds the patched modules through the other finders and wraps their loaders."""
 
     def find_spec(
         self,
@@ -144,7 +184,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         path: Sequence[str] | None,
         target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != MONKEY_PATCH_MODULE:
+        if fullname not in _TARGETS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):

@@ -1,0 +1,89 @@
+"""verl's VeOmni engine with ``cross_entropy_loss_implementation: fusedhead:<name>``.
+
+verl 0.9.1's ``VeOmniEngineWithLMHead`` builds the model with VeOmni's ``build_foundation_model``
+and, with fused kernels, asks it for per-token log-probs (``return_log_probs=True`` and
+``shift_labels`` = ``input_ids_rmpad_rolled``). fusedhead's ``verl.plugins`` entry point arms the
+VeOmni integration when verl imports VeOmni, so the name in verl's config is all it takes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("verl", reason="verl is not installed (bash scripts/trainers/verl.sh)")
+pytest.importorskip("veomni", reason="VeOmni is not installed (bash scripts/trainers/veomni.sh)")
+
+from veomni_helpers import assert_fp32_close, build, veomni_state
+from verl_helpers import packed_micro_batch
+
+
+@pytest.fixture(autouse=True)
+def _installed() -> Iterator[None]:
+    with veomni_state():
+        yield
+
+
+def _veomni_engine(model: Any) -> Any:
+    """verl's ``VeOmniEngineWithLMHead`` with only what its input/output preparation reads."""
+    from verl.workers.engine.veomni.transformer_impl import VeOmniEngineWithLMHead
+
+    eng = object.__new__(VeOmniEngineWithLMHead)
+    eng.pad_to_length = False
+    eng.use_ulysses_sp = False
+    eng.ulysses_sequence_parallel_size = 1
+    eng.module = model
+    eng._router_replay = None
+    return eng
+
+
+def _scored(model: Any, impl: str, micro_batch: Any) -> dict[str, torch.Tensor]:
+    sys.modules[type(model).__module__].veomni_causal_lm_loss.bind(impl)  # a module-global slot
+    eng = _veomni_engine(model)
+    inputs, args = eng.prepare_model_inputs(micro_batch)
+    assert inputs["return_log_probs"] is True and inputs["shift_labels"].shape == (1, 17)
+    result = eng.prepare_model_outputs(model(**inputs), args, micro_batch, None)
+    log_probs, entropy = result["log_probs"].values(), result["entropy"].values()
+    (log_probs.sum() + 0.3 * entropy.sum()).backward()
+    out = {"log_probs": log_probs.detach(), "entropy": entropy.detach()}
+    for name, p in model.named_parameters():
+        out[f"grad:{name}"] = p.grad.detach().clone()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_verls_veomni_engine_feed_matches_veomnis_chunk_logprobs() -> None:
+    theirs = build("chunk_loss")
+    ours = build("fusedhead:torch", theirs.state_dict())
+    batch = packed_micro_batch([5, 9, 3], seed=5, temperature=0.7)
+    expected = _scored(theirs, "chunk_loss", batch)
+    got = _scored(ours, "fusedhead:torch", batch)
+    assert got.keys() == expected.keys()
+    for key in got:
+        assert_fp32_close(got[key], expected[key], key)
+    assert got["log_probs"].shape == (17,) and bool((got["log_probs"] < 0).all())
+
+
+def test_import_verl_arms_the_veomni_integration() -> None:
+    code = (
+        "import verl\n"
+        "from veomni.ops.kernels import cross_entropy\n"
+        "from fusedhead.integrations import veomni as fv\n"
+        "print('OUT', fv.is_installed(), cross_entropy.install_loss_mapping('fusedhead:torch'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("OUT ")]
+    assert lines == ["OUT True CrossEntropy (fusedhead:torch)"]
