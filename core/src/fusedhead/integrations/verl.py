@@ -17,6 +17,10 @@ one public function, as soon as verl imports its module, with :func:`patch_forwa
 - anything else with ``use_fused_kernels: true`` (a typo, ``None``) raises ``ValueError`` instead
   of verl's silent skip, and so does a fusedhead name with fused kernels off.
 
+The same entry point arms :mod:`fusedhead.integrations.veomni` when verl imports VeOmni, so
+verl's VeOmni engine takes ``cross_entropy_loss_implementation: fusedhead:<name>`` from verl's
+config as well.
+
 The backend is resolved (``FusedHead``) when the model is patched, so an unknown name fails at
 model build with the installed names listed, and the ``fusedhead_backend_resolved`` hook reports
 provenance then. Nothing here imports verl or torch at import time.
