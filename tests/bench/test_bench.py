@@ -163,6 +163,26 @@ def test_gemm_units_divide_by_the_paired_gemm_time() -> None:
     assert timing.units(30.0, 10.0) == 3.0
 
 
+def test_gpu_units_come_from_interleaved_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the GEMM window and the function's alternate, CUDA_ROUNDS times: a clock that
+    drifts between windows moves both, and the units are the median of the per-round ratios."""
+    calls: list[str] = []
+    times = iter([10.0, 40.0, 12.0, 36.0, 11.0, 33.0, 9.0, 36.0])
+
+    def fake(fn: object, device: torch.device, *, reps: int = 3) -> float:
+        calls.append("gemm" if fn is gemm else "fn")
+        return next(times)
+
+    gemm, work = (lambda: None), (lambda: None)
+    monkeypatch.setattr(timing, "median_ms", fake)
+    monkeypatch.setattr(timing, "CUDA_ROUNDS", 4)
+    t = timing.timed_units(work, torch.device("cuda"), reps=3, unit_ms=1.0, gemm=gemm)
+    assert calls == ["gemm", "fn"] * 4
+    assert t["units"] == pytest.approx(3.5)  # median of 4, 3, 3, 4
+    assert t["ms"] == pytest.approx(36.0) and t["unit_ms"] == pytest.approx(10.5)
+    assert timing.CUDA_WINDOW_MS >= 2000 and timing.CUDA_MIN_RUNS >= 8
+
+
 def test_gemm_unit_times_one_matmul_of_the_case() -> None:
     inputs = make_inputs(Case(64, 32, 256))
     assert timing.gemm_ms(inputs.hidden, inputs.weight, reps=2) > 0

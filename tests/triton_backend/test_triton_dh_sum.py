@@ -1,21 +1,21 @@
-"""``dh_sum``: how the hidden-gradient running sum is kept between vocabulary blocks (an fp32
-buffer; exact fp32 as two 16-bit halves; fp24, rounded to a 16-bit significand), and
-``lend_dw_rows``: dz blocks kept in weight-gradient rows not written yet, for fewer, wider blocks.
+"""The hidden-gradient sum between vocabulary blocks (``sum_format``): exact fp32 as two int16
+halves beside the output (``memory="fast"``, or nothing stashed), fp24 (a 16-bit significand,
+one byte a value) exactly when stashed in dW's last rows (``memory="low"``, both gradients), no
+split for fp32 outputs; and dz blocks in dW's unwritten rows.
 
-CPU interpreter, fp16 and fp32 (bf16 dots are wrong under the interpreter).
+CPU interpreter, fp16 and fp32 (bf16 dots are wrong under the interpreter; the bf16 layout is
+pure torch and tested here too).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 import triton
 import triton.language as tl
-from pydantic import ValidationError
 from triton_backend_helpers import (
     SMALL_TILES,
     SUM_UNIT,
@@ -24,144 +24,234 @@ from triton_backend_helpers import (
     make_case,
     run_reference,
     run_triton,
+    sum_slack,
 )
 
-from fusedhead_triton import TritonOptions, launch, schedule
-from fusedhead_triton import backend as backend_mod
-from fusedhead_triton.configs import BackendConfigs
+from fusedhead_triton import launch, schedule, sum_format
+from fusedhead_triton.configs import BLOCK_BYTES, MAX_COLS
 
 #: Vb = one 64-column tile: 6 vocabulary blocks at V = 333, so the sum spans several blocks.
 MANY_BLOCKS: dict[str, Any] = {**SMALL_TILES, "backward_block_mib": 1e-4}
-#: Nothing stashed, nothing lent, unless a test asks (whatever the defaults are).
-PLAIN: dict[str, Any] = {**MANY_BLOCKS, "stash_dh_sum": False, "lend_dw_rows": False}
 #: Upper bound on the blocks that add to dh at V = 333 (one more when the sum is stashed).
 ADDS = 7
-PATHS = ["pointer", "tma", "tma-sum"]
+PATHS = ["pointer", "tma"]
 
 
-def _options(monkeypatch: pytest.MonkeyPatch, path: str, **more: Any) -> dict[str, Any]:
-    """MANY_BLOCKS through pointers, TMA loads, or TMA loads and a sum read and written through
-    TMA descriptors (over the int16 / int8 halves too)."""
-    if path == "tma-sum":
-        pick = backend_mod.default_configs
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str | None, int | None]]:
+    """Record (format, first stashed row) of every backward's sum."""
+    seen: list[tuple[str | None, int | None]] = []
+    real = sum_format.allocate
 
-        def with_tma_sum(dtype: torch.dtype) -> BackendConfigs:
-            base = pick(dtype)
-            return replace(base, dh=replace(base.dh, tma_sum=True))
+    def allocate(*args: Any) -> sum_format.DhSum:
+        seen.append((args[5], args[6]))
+        return real(*args)
 
-        monkeypatch.setattr(backend_mod, "default_configs", with_tma_sum)
-    return {**PLAIN, "tma": path != "pointer", **more}
-
-
-def _spy_layouts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.dtype | None, int]]:
-    """Record (dtype of the sum's own buffer, SUM_LO) of every backward."""
-    seen: list[tuple[torch.dtype | None, int]] = []
-    real = launch._sum_layout
-
-    def spy(*args: Any, **kwargs: Any) -> tuple[torch.dtype | None, int]:
-        out = real(*args, **kwargs)
-        seen.append(out)
-        return out
-
-    monkeypatch.setattr(launch, "_sum_layout", spy)
+    monkeypatch.setattr(sum_format, "allocate", allocate)
     return seen
 
 
-def _spy_plans(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, list[schedule.Step]]]:
-    """Record (lend_rows, steps) of every schedule made (a stashed backward makes two: the
-    second, with the stash, is the one it runs)."""
-    seen: list[tuple[bool, list[schedule.Step]]] = []
+def _spy_plans(monkeypatch: pytest.MonkeyPatch) -> list[list[schedule.Step]]:
+    """Every plan the backward makes (a stashed one makes one without, then one with)."""
+    seen: list[list[schedule.Step]] = []
     real = schedule.plan
 
-    def spy(g: schedule.Geometry, **kwargs: Any) -> list[schedule.Step]:
-        steps = real(g, **kwargs)
-        seen.append((kwargs["lend_rows"], steps))
-        return steps
+    def plan(g: schedule.Geometry, **kwargs: Any) -> list[schedule.Step]:
+        seen.append(real(g, **kwargs))
+        return seen[-1]
 
-    monkeypatch.setattr(launch.schedule, "plan", spy)
+    monkeypatch.setattr(schedule, "plan", plan)
     return seen
 
 
-def _adds(steps: list[schedule.Step]) -> int:
-    return sum(s.add_dh for s in steps)
+# --- the defects of the first layout, by construction -------------------------------------
+
+
+def test_bf16_sum_stashed_in_rows_of_six_bytes() -> None:
+    """bf16 (N, H, V) = (9, 3, 50000): the fp24 low part is 27 bytes, an odd count that no whole
+    number of dW's 2-byte elements holds (the first layout took 13 elements, 26 bytes, and
+    raised 'shape [9, 3] is invalid for input of size 26'). The view is the exact bytes, inside
+    the lent rows, 16-byte aligned; writing it touches no byte below them."""
+    n, h, v = 9, 3, 50000
+    dw = torch.zeros((v, h), dtype=torch.bfloat16)
+    first = sum_format.stash_row(dw, n * h)
+    # 27 bytes need 5 rows of 6 bytes; 16-byte aligned starts are every 8 rows: row 49992
+    assert first == 49992
+    acc = sum_format.allocate(n, h, torch.bfloat16, dw.device, False, "fp24", first, dw)
+    assert acc.lo.shape == (9, 3) and acc.lo.dtype == torch.int8 and acc.sum_lo == 8
+    assert acc.hi.dtype == torch.int16 and acc.hi.data_ptr() == acc.out.data_ptr()
+    start = acc.lo.data_ptr() - dw.data_ptr()
+    assert start == first * h * 2 and start % 16 == 0 and start + 27 <= v * h * 2
+    acc.lo.fill_(-1)
+    raw = dw.view(-1).view(torch.uint8)
+    assert int(raw[:start].sum()) == 0 and bool((raw[start : start + 27] == 255).all())
+    assert int(raw[start + 27 :].sum()) == 0
+    # and the plan the backward makes with that stash keeps its contract
+    g = schedule.geometry(n, h, v, 2, 256, BLOCK_BYTES["low"], MAX_COLS)
+    steps = schedule.plan(g, need_dw=True, need_dh=True, stash=first)
+    assert sum(s.cols for s in steps if s.write_dw) == v
+    assert sum(s.cols for s in steps if s.add_dh) == v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "h"), [(9, 3), (7, 5), (1, 1), (33, 17), (40, 64)])
+def test_every_stashed_view_holds_its_bytes(dtype: torch.dtype, n: int, h: int) -> None:
+    v = 1000
+    dw = torch.empty((v, h), dtype=dtype)
+    for fmt in ("fp24", "fp32"):
+        low = sum_format.LOW_DTYPE[fmt]
+        first = sum_format.stash_row(dw, n * h * low.itemsize)
+        assert first is not None and (first * h * 2) % 16 == 0
+        assert (v - first) * h * 2 >= n * h * low.itemsize
+        acc = sum_format.allocate(n, h, dtype, dw.device, False, fmt, first, dw)
+        assert acc.lo.shape == (n, h) and acc.lo.dtype == low
+
+
+def test_no_stash_row_where_dw_is_too_small() -> None:
+    dw = torch.empty((96, 48), dtype=torch.float16)
+    assert sum_format.stash_row(dw, 200 * 48) is None  # 9600 bytes > 96 x 96
+    assert sum_format.stash_row(dw, 96 * 96) == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_frozen_weight_keeps_the_exact_sum(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """requires_grad=False on the weight: nothing is stashed, so the sum is exact fp32 (the
+    first layout kept it in fp24 although nothing was stashed): the same bits as 'fast'."""
+    case = make_case(40, 64, 333, seed=48)
+    opts = {**MANY_BLOCKS, "tma": path == "tma"}
+    seen = _spy(monkeypatch)
+    low = run_triton(case, torch.float16, grad_weight=False, options={**opts, "memory": "low"})
+    fast = run_triton(case, torch.float16, grad_weight=False, options={**opts, "memory": "fast"})
+    assert seen == [("fp32", None), ("fp32", None)]
+    assert low.d_weight is None
+    assert torch.equal(low.d_hidden, fast.d_hidden)
+    assert_close(low, run_reference(case, torch.float16), torch.float16)
 
 
 # --- the formats, end to end ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_exact_fp32_halves_give_the_fp32_buffers_sum(
-    monkeypatch: pytest.MonkeyPatch, path: str
+def test_stashed_fp24_sum_within_its_precision(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """'low' stashes the fp24 sum in dW's last rows (40 x 64 x 1 bytes = 20 rows of 128 bytes):
+    within one fp16 ulp of the exact 'fast' sum but for the sum's own rounding; the forward and
+    the rows before the stash unchanged."""
+    case = make_case(40, 64, 333, seed=21)
+    opts = {**MANY_BLOCKS, "tma": path == "tma"}
+    seen = _spy(monkeypatch)
+    fast = run_triton(case, torch.float16, options={**opts, "memory": "fast"})
+    low = run_triton(case, torch.float16, options={**opts, "memory": "low"})
+    assert seen == [("fp32", None), ("fp24", 333 - 20)]
+    assert torch.equal(low.log_probs, fast.log_probs) and torch.equal(low.entropy, fast.entropy)
+    assert not torch.equal(low.d_hidden, fast.d_hidden)  # it does round
+    slack = sum_slack(fast.d_hidden, ADDS, SUM_UNIT["fp24"])
+    assert_within_one_ulp(low.d_hidden, fast.d_hidden, slack=slack)
+    assert_within_one_ulp(low.d_weight, fast.d_weight)  # each row from its own dz
+    assert_close(low, run_reference(case, torch.float16), torch.float16)
+
+
+def test_stash_with_a_ragged_tail_and_softcap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of 50 x 2 bytes: the lent tail starts on a 16-byte boundary, not where it would fit."""
+    case = make_case(30, 50, 333, seed=22, peak=3.0)
+    seen = _spy(monkeypatch)
+    got = run_triton(case, torch.float16, softcap=2.0, options=MANY_BLOCKS)
+    fits = 333 - math.ceil(30 * 50 * 1 / 100)  # 318: the first row where 30 x 50 bytes fit
+    first = max(r for r in range(fits + 1) if (r * 50 * 2) % 16 == 0)
+    assert first == 316 and seen == [("fp24", first)]
+    assert_close(got, run_reference(case, torch.float16, softcap=2.0), torch.float16)
+
+
+def test_no_stash_where_dw_is_smaller_than_the_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 x 48 x 1 bytes > 96 x 48 x 2: not stashed, so not fp24 either: the exact halves."""
+    case = make_case(200, 48, 96, seed=23)
+    seen = _spy(monkeypatch)
+    got = run_triton(case, torch.float16, options={**SMALL_TILES, "backward_block_mib": 1e-5})
+    assert seen == [("fp32", None)]
+    assert_close(got, run_reference(case, torch.float16), torch.float16)
+
+
+def test_no_sum_format_for_fp32_or_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 sums straight into the fp32 output; a single block writes dh directly."""
+    case = make_case(24, 48, 333, seed=43)
+    seen = _spy(monkeypatch)
+    got = run_triton(case, torch.float32, options=MANY_BLOCKS)
+    one = run_triton(case, torch.float16, options=SMALL_TILES)  # 64 MiB: one block
+    assert seen == [(None, None), (None, None)]
+    assert_close(got, run_reference(case, torch.float32), torch.float32)
+    assert_close(one, run_reference(case, torch.float16), torch.float16)
+
+
+@pytest.mark.parametrize(
+    ("memory", "need_dw", "need_dh", "mib"),
+    [
+        ("low", True, True, 64),  # the low-memory layout: dz mostly in dW's rows
+        ("fast", True, True, 256),
+        ("low", False, True, 256),  # no dW to lend or stash in (a frozen head)
+        ("low", True, False, 256),  # no dh sum to stash
+    ],
+)
+def test_the_dz_buffer_is_small_only_in_the_low_memory_layout(
+    monkeypatch: pytest.MonkeyPatch, memory: str, need_dw: bool, need_dh: bool, mib: int
 ) -> None:
-    """fp16: 'pair' keeps an fp32 buffer, 'fp32' the same fp32 value in two int16 halves (the
-    high one in dh's own buffer): the same sums in the same order, the same bits."""
-    case = make_case(40, 64, 333, seed=41)
-    opts = _options(monkeypatch, path)
-    layouts = _spy_layouts(monkeypatch)
-    plain = run_triton(case, torch.float16, options={**opts, "dh_sum": "pair"})
-    halves = run_triton(case, torch.float16, options={**opts, "dh_sum": "fp32"})
-    assert layouts == [(torch.float32, 0), (torch.int16, 16)]
-    assert torch.equal(halves.d_hidden, plain.d_hidden)
-    assert torch.equal(halves.d_weight, plain.d_weight)
-    assert torch.equal(halves.log_probs, plain.log_probs)
-    assert_close(halves, run_reference(case, torch.float16), torch.float16)
+    budgets: list[int] = []
+    real = schedule.geometry
+
+    def geometry(*args: Any) -> schedule.Geometry:
+        budgets.append(args[5])
+        return real(*args)
+
+    monkeypatch.setattr(schedule, "geometry", geometry)
+    case = make_case(8, 32, 50, seed=49)
+    run_triton(case, torch.float32, grad_hidden=need_dh, grad_weight=need_dw,
+               options={**SMALL_TILES, "memory": memory})  # fmt: skip
+    assert budgets == [mib * 2**20]
+
+
+# --- dz blocks in dW's rows ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_fp24_sum_rounds_within_its_precision(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
-    """fp24 rounds the running sum to a 16-bit significand at each block: within one fp16 ulp
-    of the exact sum, but for values that cancel to far less than the partial sums."""
-    case = make_case(40, 64, 333, seed=42)
-    opts = _options(monkeypatch, path)
-    layouts = _spy_layouts(monkeypatch)
-    exact = run_triton(case, torch.float16, options={**opts, "dh_sum": "fp32"})
-    fp24 = run_triton(case, torch.float16, options={**opts, "dh_sum": "fp24"})
-    assert layouts == [(torch.int16, 16), (torch.int8, 8)]
-    assert not torch.equal(fp24.d_hidden, exact.d_hidden)  # it does round
-    slack = ADDS * SUM_UNIT["fp24"] * float(exact.d_hidden.abs().max())
-    assert_within_one_ulp(fp24.d_hidden, exact.d_hidden, slack=slack)
-    assert torch.equal(fp24.d_weight, exact.d_weight)
-    assert_close(fp24, run_reference(case, torch.float16), torch.float16)
-
-
-@pytest.mark.parametrize("dh_sum", ["fp32", "fp24"])
-def test_fp32_inputs_sum_in_the_output_whatever_the_format(
-    monkeypatch: pytest.MonkeyPatch, dh_sum: str
-) -> None:
-    case = make_case(24, 48, 333, seed=43)
-    layouts = _spy_layouts(monkeypatch)
-    plain = run_triton(case, torch.float32, options={**PLAIN, "dh_sum": "pair"})
-    got = run_triton(case, torch.float32, options={**PLAIN, "dh_sum": dh_sum})
-    assert layouts == [(None, 0), (None, 0)]
-    assert torch.equal(got.d_hidden, plain.d_hidden)
+def test_lent_rows_mean_fewer_blocks(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """N < H: dz blocks fit in dW's unwritten rows, wider than the buffer's: fewer additions
+    to the sum than with every block in the buffer, and the same values up to its rounding."""
+    case = make_case(24, 64, 333, seed=45)
+    opts = {**MANY_BLOCKS, "tma": path == "tma", "memory": "fast"}
+    plans = _spy_plans(monkeypatch)
+    lent = run_triton(case, torch.float16, options=opts)
+    frozen = run_triton(case, torch.float16, grad_weight=False, options=opts)
+    assert any(s.dz_row is not None for s in plans[0])
+    assert all(s.dz_row is None for s in plans[1])  # no dW, no rows to lend
+    assert sum(s.add_dh for s in plans[0]) < sum(s.add_dh for s in plans[1])
+    slack = sum_slack(frozen.d_hidden, ADDS, SUM_UNIT["fp32"])
+    assert_within_one_ulp(lent.d_hidden, frozen.d_hidden, slack=slack)
+    assert_close(lent, run_reference(case, torch.float16), torch.float16)
 
 
 # --- the encoding, value by value -----------------------------------------------------------
 
 
-#: The backward kernel module as built for this test's interpreter (a global: an interpreted
+#: The sum-format kernel module as built for this test's interpreter (a global: an interpreted
 #: kernel sees its module's globals, not a closure).
-_bwd: Any = None
+_fmt: Any = None
 
 
 def _roundtrip(x: torch.Tensor, sum_lo: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hi, lo, joined) of ``backward._sum_split`` then ``_sum_join`` on fp32 ``x``, through
+    """(hi, lo, joined) of ``sum_split`` then ``sum_join`` on fp32 ``x``, through
     memory as the dh kernels store them (the kernel is made here, under the interpreter the
     test runs in)."""
-    global _bwd
-    _, _bwd = launch.kernels()
+    global _fmt
+    _fmt = launch.kernel("sum_format")
 
     @triton.jit
     def kernel(x_ptr, hi_ptr, lo_ptr, y_ptr, n, SUM_LO: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        hi, lo = _bwd._sum_split(x, hi_ptr.dtype.element_ty, lo_ptr.dtype.element_ty, SUM_LO)
+        hi, lo = _fmt.sum_split(x, SUM_LO)
         tl.store(hi_ptr + offs, hi, mask=mask)
         tl.store(lo_ptr + offs, lo, mask=mask)
         hi = tl.load(hi_ptr + offs, mask=mask, other=0)
         lo = tl.load(lo_ptr + offs, mask=mask, other=0)
-        tl.store(y_ptr + offs, _bwd._sum_join(hi, lo, SUM_LO), mask=mask)
+        tl.store(y_ptr + offs, _fmt.sum_join(hi, lo, SUM_LO), mask=mask)
 
     hi = torch.empty(x.shape, dtype=torch.int16)
     lo = torch.empty(x.shape, dtype=torch.int16 if sum_lo == 16 else torch.int8)
@@ -238,93 +328,3 @@ def test_fp24_keeps_a_nan_a_nan() -> None:
     x = _from_bits(0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FFFFFFF, 0xFFFFFFFF)
     y = _roundtrip(x, 8)[2]
     assert bool(torch.isnan(y).all()), y.tolist()
-
-
-# --- dz blocks in dW's rows ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("stash", [False, True], ids=["fp32-buffer", "stashed-fp24"])
-@pytest.mark.parametrize("path", PATHS)
-def test_lending_dw_rows_keeps_the_values_with_fewer_blocks(
-    monkeypatch: pytest.MonkeyPatch, path: str, stash: bool
-) -> None:
-    case = make_case(40, 64, 333, seed=45)
-    opts = _options(monkeypatch, path, stash_dh_sum=stash, dh_sum="fp24" if stash else "pair")
-    plans = _spy_plans(monkeypatch)
-    plain = run_triton(case, torch.float16, options=opts)
-    lent = run_triton(case, torch.float16, options={**opts, "lend_dw_rows": True})
-    # the plans run: the last of each backward (a stashed one makes one without, one with)
-    ran = {lend: steps for lend, steps in plans}
-    assert any(s.dz_row is not None for s in ran[True])
-    assert not any(s.dz_row is not None for s in ran[False])
-    assert _adds(ran[True]) < _adds(ran[False])
-    assert torch.equal(lent.log_probs, plain.log_probs)
-    assert torch.equal(lent.entropy, plain.entropy)
-    # other block edges, so other partial sums: one ulp but for the sum's own rounding
-    unit = SUM_UNIT["fp24" if stash else "fp32"]
-    slack = ADDS * unit * float(plain.d_hidden.abs().max())
-    assert_within_one_ulp(lent.d_hidden, plain.d_hidden, slack=slack)
-    assert_within_one_ulp(lent.d_weight, plain.d_weight)  # each row from its own dz, one GEMM
-    assert_close(lent, run_reference(case, torch.float16), torch.float16)
-
-
-def test_lending_without_the_weight_gradient_changes_nothing(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Without dW there are no rows to lend: the buffer's blocks, the same bits."""
-    case = make_case(40, 64, 333, seed=46)
-    plans = _spy_plans(monkeypatch)
-    plain = run_triton(case, torch.float16, grad_weight=False, options=PLAIN)
-    lent = run_triton(
-        case, torch.float16, grad_weight=False, options={**PLAIN, "lend_dw_rows": True}
-    )
-    assert [lend for lend, _ in plans] == [False, True]
-    assert plans[1][1] == plans[0][1]
-    assert all(s.dz_row is None and not s.write_dw and s.add_dh for s in plans[1][1])
-    assert lent.d_weight is None
-    assert torch.equal(lent.d_hidden, plain.d_hidden)
-    assert_close(lent, run_reference(case, torch.float16), torch.float16)
-
-
-def test_fp24_sum_through_tma_descriptors_with_rows_of_40(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    case = make_case(40, 40, 333, seed=47)
-    opts = _options(monkeypatch, "tma-sum", dh_sum="fp24")
-    got = run_triton(case, torch.float16, options=opts)
-    assert_close(got, run_reference(case, torch.float16), torch.float16)
-
-
-# --- options ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("name", "value"), [("dh_sum", "bogus"), ("dh_sum", "fp16"), ("lend_dw_rows", "sometimes")]
-)
-def test_options_reject_unknown_values(name: str, value: str) -> None:
-    with pytest.raises(ValidationError, match=name):
-        TritonOptions(**{name: value})
-
-
-def test_options_take_every_format() -> None:
-    assert TritonOptions().dh_sum == "auto"
-    for fmt in launch.SUM_FORMATS:
-        o = TritonOptions(dh_sum=fmt, lend_dw_rows=True)
-        assert (o.dh_sum, o.lend_dw_rows) == (fmt, True)
-    assert set(launch.SUM_FORMATS) == {"pair", "fp32", "fp24"}
-
-
-@pytest.mark.parametrize(
-    ("lend", "stash", "need_dw", "need_dh", "mib"),
-    [
-        (True, True, True, True, 64),  # the low-memory layout: dz mostly in dW's rows
-        (True, False, True, True, 256),  # the sum not stashed: speed over memory
-        (False, True, True, True, 256),  # no lent rows: the buffer holds every block
-        (True, True, False, True, 256),  # no dW to lend (a frozen head)
-        (True, True, True, False, 256),  # no dh sum to stash
-    ],
-)
-def test_the_dz_buffer_is_small_only_in_the_low_memory_layout(
-    lend: bool, stash: bool, need_dw: bool, need_dh: bool, mib: int
-) -> None:
-    assert launch.default_block_bytes(lend, stash, need_dw, need_dh) == mib * 2**20

@@ -18,7 +18,7 @@ def test_entry_point_names_the_backend_class() -> None:
     eps = [ep for ep in entry_points(group="fusedhead.backends") if ep.name == "triton"]
     assert [ep.value for ep in eps] == ["fusedhead_triton:TritonBackend"]
     assert TritonBackend.name == "triton"
-    assert TritonBackend.plugin_api_version == 1
+    assert TritonBackend.plugin_api_version == 2
 
 
 def test_import_does_not_import_triton() -> None:
@@ -28,7 +28,10 @@ def test_import_does_not_import_triton() -> None:
 
 
 def test_options_are_validated() -> None:
-    assert TritonOptions().backward_block_mib is None  # the launcher's default, by layout
+    assert TritonOptions().memory == "low"
+    assert TritonOptions().backward_block_mib is None  # memory's default
+    with pytest.raises(ValidationError, match="memory"):
+        TritonOptions(memory="medium")
     with pytest.raises(ValidationError, match="backward_block_mib"):
         TritonOptions(backward_block_mib=0)
     with pytest.raises(ValidationError, match="power"):
@@ -37,8 +40,16 @@ def test_options_are_validated() -> None:
         TritonOptions(block_n=8)
     with pytest.raises(ValidationError):
         TritonOptions(not_an_option=1)
-    with pytest.raises(ValidationError):
-        TritonOptions(dh_gemm="magma")
+    for gone in ("dh_gemm", "dh_sum", "stash_dh_sum", "lend_dw_rows", "backward_block_max_cols"):
+        with pytest.raises(ValidationError, match=gone):
+            TritonOptions(**{gone: True})
+
+
+def test_one_memory_choice_and_tile_overrides() -> None:
+    """Every option is the memory-or-speed choice or a tuning override."""
+    assert set(TritonOptions.model_fields) == {
+        "memory", "backward_block_mib", "block_m", "block_n", "block_k", "tma",
+    }  # fmt: skip
 
 
 def test_capabilities_under_the_interpreter() -> None:
@@ -92,22 +103,6 @@ def test_check_without_cuda_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(BackendUnavailableError, match="no CUDA device"):
         TritonBackend().check(torch.device("cuda"), torch.bfloat16)
-
-
-def test_kernels_follow_the_interpreter_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel modules are rebuilt when TRITON_INTERPRET changes (it is read at @jit time)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from fusedhead_triton import launch
-
-    fwd, _ = launch.kernels()
-    assert isinstance(fwd.fwd_stats_kernel, InterpretedFunction)
-    monkeypatch.delenv("TRITON_INTERPRET")
-    fwd, _ = launch.kernels()
-    assert not isinstance(fwd.fwd_stats_kernel, InterpretedFunction)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    fwd, _ = launch.kernels()
-    assert isinstance(fwd.fwd_stats_kernel, InterpretedFunction)
 
 
 def test_through_the_core_api() -> None:

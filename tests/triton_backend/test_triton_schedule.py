@@ -2,7 +2,8 @@
 
 Pure Python, no kernels. The contract: every vocabulary row adds to dh once and writes dW once
 (as asked), a dz block lent from dW sits only in rows that nothing has written yet and that do
-not hold the stashed dh sum while it lives, and lending never adds read-modify-writes of the sum.
+not hold the stashed dh sum while it lives, and lending never adds read-modify-writes of the sum
+(against every block in the buffer).
 """
 
 from __future__ import annotations
@@ -10,11 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fusedhead_triton.schedule import Geometry, Step, plan, rows_needed
+from fusedhead_triton.schedule import Geometry, Step, geometry, plan, rows_needed
 
 
 def _round_up(x: int, q: int) -> int:
@@ -32,13 +32,17 @@ class Call:
     need_dw: bool
     need_dh: bool
     stash: int | None
-    lend_rows: bool
 
-    def steps(self, *, lend_rows: bool | None = None) -> list[Step]:
-        lend = self.lend_rows if lend_rows is None else lend_rows
-        return plan(
-            self.g, need_dw=self.need_dw, need_dh=self.need_dh, stash=self.stash, lend_rows=lend
-        )
+    def steps(self) -> list[Step]:
+        return plan(self.g, need_dw=self.need_dw, need_dh=self.need_dh, stash=self.stash)
+
+    def buffer_adds(self) -> int:
+        """Read-modify-writes of the sum with every block in the buffer."""
+        if not self.need_dh:
+            return 0
+        stashed = self.stash is not None and self.need_dw
+        ranges = [self.stash, self.g.v - self.stash] if stashed else [self.g.v]
+        return sum(math.ceil(r / self.g.buffer_cols) for r in ranges if r)
 
 
 @st.composite
@@ -46,7 +50,7 @@ def calls(draw: st.DrawFn) -> Call:
     align = draw(st.sampled_from([16, 64, 256]))
     # narrow buffers as often as not: that is where lending dW's rows matters
     buffer_cols = align * draw(st.one_of(st.integers(1, 2048 // align), st.integers(1, 4)))
-    # max_cols: aligned, or any width (launch passes max(backward_block_max_cols, align))
+    # max_cols: aligned, or any width
     max_cols = draw(
         st.one_of(
             st.integers(buffer_cols // align, 8192 // align).map(lambda k: k * align),
@@ -72,7 +76,7 @@ def calls(draw: st.DrawFn) -> Call:
     )
     # anywhere, or dW's last rows (launch stashes the sum in as few as hold it)
     stash = draw(st.one_of(st.none(), st.integers(0, v - 1), st.integers(v - v // 4 - 1, v - 1)))
-    return Call(g, need_dw, need_dh, stash, draw(st.sampled_from([True, True, False])))
+    return Call(g, need_dw, need_dh, stash)
 
 
 def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
@@ -85,7 +89,7 @@ def check_plan(c: Call, steps: list[Step]) -> None:
     stashed = c.stash is not None and c.need_dw and c.need_dh  # plan ignores it otherwise
     tail = c.stash if stashed else g.v
     assert tail is not None
-    lend = c.lend_rows and c.need_dw
+    lend = c.need_dw and g.h > 0
 
     # every row: added to dh once iff asked, written to dW once iff asked
     adds, writes = [0] * g.v, [0] * g.v
@@ -161,12 +165,8 @@ def check_plan(c: Call, steps: list[Step]) -> None:
 def test_plan_keeps_its_contract(c: Call) -> None:
     steps = c.steps()
     check_plan(c, steps)
-    plain = c.steps(lend_rows=False)
-    check_plan(Call(c.g, c.need_dw, c.need_dh, c.stash, False), plain)
-    assert sum(s.add_dh for s in steps) <= sum(s.add_dh for s in plain)
-    assert plan(
-        c.g, need_dw=c.need_dw, need_dh=c.need_dh, stash=c.stash, lend_rows=c.lend_rows
-    ) == (steps)  # a pure function of its arguments
+    assert sum(s.add_dh for s in steps) <= c.buffer_adds()
+    assert c.steps() == steps  # a pure function of its arguments
 
 
 def test_large_vocabulary_lends_wide_early_blocks() -> None:
@@ -175,8 +175,8 @@ def test_large_vocabulary_lends_wide_early_blocks() -> None:
     v = 151936
     g = Geometry(32768, 4096, v, align=256, buffer_cols=1024, max_cols=8192, row_quantum=1)
     stash = v - 16384
-    steps = plan(g, need_dw=True, need_dh=True, stash=stash, lend_rows=True)
-    check_plan(Call(g, True, True, stash, True), steps)
+    steps = plan(g, need_dw=True, need_dh=True, stash=stash)
+    check_plan(Call(g, True, True, stash), steps)
     # the stashed rows add to dh first, 8192 wide, their dz at dW's top
     assert steps[0] == Step(stash, 8192, 8192, 0, write_dw=False, add_dh=True)
     assert steps[1] == Step(stash + 8192, 8192, 8192, 0, write_dw=False, add_dh=True)
@@ -185,25 +185,19 @@ def test_large_vocabulary_lends_wide_early_blocks() -> None:
     assert all(s.cols == 8192 and s.dz_row is not None for s in steps[:8])
     adds = sum(s.add_dh for s in steps)
     assert adds < 45
-    buffer_only = plan(g, need_dw=True, need_dh=True, stash=stash, lend_rows=False)
-    assert sum(s.add_dh for s in buffer_only) == math.ceil(16384 / 1024) + math.ceil(stash / 1024)
-    assert sum(s.add_dh for s in buffer_only) >= 149  # ~150 read-modify-writes of the sum
+    buffer_only = Call(g, True, True, stash).buffer_adds()
+    assert buffer_only == math.ceil(16384 / 1024) + math.ceil(stash / 1024) >= 149  # ~150 RMWs
 
 
 def test_small_plan_step_by_step() -> None:
     """N 4, H 8: a dz block of s columns takes s / 2 rows; the sum lives in rows [32, 40)."""
     g = Geometry(4, 8, 40, align=8, buffer_cols=8, max_cols=16, row_quantum=1)
-    assert plan(g, need_dw=True, need_dh=True, stash=32, lend_rows=True) == [
+    assert plan(g, need_dw=True, need_dh=True, stash=32) == [
         Step(32, 8, 8, 0, write_dw=False, add_dh=True),  # dh only, dz in any row below 32
         Step(0, 16, 16, 16, write_dw=True, add_dh=True),  # dz in rows [16, 24): after its own
         Step(16, 8, 8, 24, write_dw=True, add_dh=True),  # rows [24, 28)
         Step(24, 8, 8, None, write_dw=True, add_dh=True),  # [32, 36) holds the sum: the buffer
         Step(32, 8, 8, None, write_dw=True, add_dh=False),  # the sum is final: write its rows
-    ]
-    assert plan(g, need_dw=True, need_dh=True, stash=32, lend_rows=False) == [
-        Step(32, 8, 8, None, write_dw=False, add_dh=True),
-        *(Step(v0, 8, 8, None, write_dw=True, add_dh=True) for v0 in range(0, 32, 8)),
-        Step(32, 8, 8, None, write_dw=True, add_dh=False),
     ]
 
 
@@ -211,7 +205,7 @@ def test_a_ragged_block_takes_its_whole_stride() -> None:
     """N = H: a column takes a row. The stashed rows [12, 20) are 8 columns, but their dz rows
     are 16 apart (the aligned stride): 16 rows, more than the 12 free ones, so the buffer."""
     g = Geometry(8, 8, 20, align=16, buffer_cols=16, max_cols=64, row_quantum=1)
-    steps = plan(g, need_dw=True, need_dh=True, stash=12, lend_rows=True)
+    steps = plan(g, need_dw=True, need_dh=True, stash=12)
     assert steps == [
         Step(12, 8, 16, None, write_dw=False, add_dh=True),
         Step(0, 12, 16, None, write_dw=True, add_dh=True),
@@ -219,20 +213,31 @@ def test_a_ragged_block_takes_its_whole_stride() -> None:
     ]
     # with 16 free rows below the stash, the same block goes to dW's first rows
     wider = Geometry(8, 8, 24, align=16, buffer_cols=16, max_cols=64, row_quantum=1)
-    steps = plan(wider, need_dw=True, need_dh=True, stash=16, lend_rows=True)
+    steps = plan(wider, need_dw=True, need_dh=True, stash=16)
     assert steps[0] == Step(16, 8, 16, 0, write_dw=False, add_dh=True)
 
 
-@pytest.mark.parametrize("lend_rows", [False, True])
-def test_stash_and_lending_need_the_weight_gradient(lend_rows: bool) -> None:
+def test_stash_and_lending_need_the_weight_gradient() -> None:
     """dh only: nothing is lent and the stash is ignored; dW only: the stash is ignored."""
     g = Geometry(64, 32, 1000, align=16, buffer_cols=64, max_cols=512, row_quantum=2)
-    dh_only = plan(g, need_dw=False, need_dh=True, stash=900, lend_rows=lend_rows)
+    dh_only = plan(g, need_dw=False, need_dh=True, stash=900)
     assert dh_only == [
         Step(v0, min(64, 1000 - v0), _round_up(min(64, 1000 - v0), 16), None, False, True)
         for v0 in range(0, 1000, 64)
     ]
-    dw_only = plan(g, need_dw=True, need_dh=False, stash=900, lend_rows=lend_rows)
-    assert dw_only == plan(g, need_dw=True, need_dh=False, stash=None, lend_rows=lend_rows)
+    dw_only = plan(g, need_dw=True, need_dh=False, stash=900)
+    assert dw_only == plan(g, need_dw=True, need_dh=False, stash=None)
     assert all(not s.add_dh for s in dw_only)
-    assert any(s.dz_row is not None for s in dw_only) == lend_rows
+    assert any(s.dz_row is not None for s in dw_only)
+
+
+def test_geometry_of_the_shipped_shape() -> None:
+    """bf16, N 32768, H 4096: a 64 MiB buffer holds 1024 columns of 256 (lcm of the tiles),
+    blocks up to 8192 wide, every dW row 16-byte aligned (8192 bytes)."""
+    g = geometry(32768, 4096, 151936, 2, 256, 64 * 2**20, 8192)
+    assert g == Geometry(32768, 4096, 151936, 256, 1024, 8192, 1)
+    # a budget under one aligned block still gives one; never wider than the vocabulary needs
+    assert geometry(32768, 4096, 151936, 2, 256, 1, 8192).buffer_cols == 256
+    assert geometry(8, 3, 50, 2, 64, 2**30, 8192).buffer_cols == 64
+    # H = 3 bf16: rows of 6 bytes, a 16-byte aligned start every 8 rows
+    assert geometry(9, 3, 50000, 2, 256, 2**26, 8192).row_quantum == 8

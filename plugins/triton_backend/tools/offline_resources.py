@@ -3,8 +3,8 @@
 Usage (any machine with triton's NVIDIA backend, no GPU needed):
     python plugins/triton_backend/tools/offline_resources.py [--arch 90] [--json OUT]
 
-Compiles ``bwd_dh_tma_kernel`` for ``sm_<arch>a`` with each dh configuration of interest (the shipped
-one and the ``TileConfig`` knobs) and reads the cubin's resource usage with the ``cuobjdump`` that
+Compiles ``dh_tma_kernel`` (and ``dz_tma_kernel``) for ``sm_<arch>a`` with the shipped tiles and a
+few others, for each sum format, and reads the cubin's resource usage with the ``cuobjdump`` that
 ships in the triton wheel. A non-zero stack on a 255-register kernel means spilled registers; the
 shared memory decides how many programs fit on one SM (228 KiB on an H100/H200). This is how the
 dh epilogue variants were sized before spending GPU time (docs/benchmarks.md); the numbers depend
@@ -29,8 +29,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fusedhead_triton.configs import TileConfig, default_configs
-from fusedhead_triton.kernels import backward
+from fusedhead_triton.configs import TileConfig, settings_for
+from fusedhead_triton.kernels import dh, dz
 
 
 @dataclass(frozen=True)
@@ -48,48 +48,56 @@ def cuobjdump() -> str:
     return path
 
 
-#: Element types of the sum's (high, low) parts for each SUM_LO (launch.SUM_FORMATS).
-SUM_TYPES = {0: ("bf16", "bf16"), 16: ("i16", "i16"), 8: ("i16", "i8")}
+#: Element types of the sum's (high, low) parts for each SUM_LO (sum_format.SUM_LO).
+SUM_TYPES = {0: ("fp32", "fp32"), 16: ("i16", "i16"), 8: ("i16", "i8")}
 
 
-def compile_dh(
-    cfg: TileConfig, *, arch: int = 90, first: bool = False, last: bool = False, sum_lo: int = 0
+def _compile(
+    kernel: Any, signature: dict[str, str], consts: dict[str, Any], cfg: TileConfig, arch: int
 ) -> Any:
-    """``bwd_dh_tma_kernel`` for bf16 with a split sum (``sum_lo``), as the launcher builds it."""
-    splits = cfg.epilogue_splits
-    hi_ty, lo_ty = SUM_TYPES[sum_lo]
-    shape = f"[{cfg.block_m}, {cfg.block_n // splits}]"
-    kernel = backward.bwd_dh_tma_kernel
-    signature: dict[str, str] = {
-        "dz_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
-        "w_desc": f"tensordesc<bf16[{cfg.block_k}, {cfg.block_n}]>",
-        "acc_ptr": f"*{hi_ty}",
-        "lo_ptr": f"*{lo_ty}",
-        "out_ptr": "*bf16",
-        "acc_desc": f"tensordesc<{hi_ty}{shape}>" if cfg.tma_sum else "constexpr",
-        "lo_desc": f"tensordesc<{lo_ty}{shape}>" if cfg.tma_sum else "constexpr",
-        "out_desc": f"tensordesc<bf16{shape}>" if cfg.tma_sum else "constexpr",
-        "N": "i32",
-        "H": "i32",
-        "Kb": "i32",
-    }
-    consts: dict[str, Any] = dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_PROGS=132 * cfg.programs_per_sm, PRECISION="tf32", FIRST=first, LAST=last, SPLIT=True,
-        SUM_LO=sum_lo, FLATTEN=cfg.flatten, EPILOGUE_SPLITS=splits, PREFETCH=cfg.prefetch_sum,
-        WARP_SPECIALIZE=cfg.warp_specialize, TMA_SUM=cfg.tma_sum,
-    )  # fmt: skip
-    if not cfg.tma_sum:
-        consts.update(acc_desc=None, lo_desc=None, out_desc=None)
     signature.update({k: "constexpr" for k in consts})
     names = list(kernel.arg_names)
     src = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs={(names.index(k),): v for k, v in consts.items()},
+        fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()}
     )
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _tiles(cfg: TileConfig) -> dict[str, Any]:
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m, NUM_PROGS=132, PRECISION="tf32")  # fmt: skip
+
+
+def compile_dh(
+    cfg: TileConfig, *, arch: int = 90, first: bool = False, last: bool = False, sum_lo: int = 8
+) -> Any:
+    """``dh_tma_kernel`` for bf16 with the sum format ``sum_lo``, as the launcher builds it."""
+    hi_ty, lo_ty = SUM_TYPES[sum_lo]
+    signature = {
+        "dz_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
+        "w_desc": f"tensordesc<bf16[{cfg.block_k}, {cfg.block_n}]>",
+        "hi_ptr": f"*{hi_ty}", "lo_ptr": f"*{lo_ty}", "out_ptr": "*bf16",
+        "N": "i32", "H": "i32", "Kb": "i32",
+    }  # fmt: skip
+    consts = {**_tiles(cfg), "FIRST": first, "LAST": last, "SUM_LO": sum_lo}
+    return _compile(dh.dh_tma_kernel, signature, consts, cfg, arch)
+
+
+def compile_dz(cfg: TileConfig, *, arch: int = 90, entropy: bool = True) -> Any:
+    """``dz_tma_kernel`` for bf16 with both output gradients, as the launcher builds it."""
+    signature = {
+        "h_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
+        "w_desc": f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>",
+        "dz_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n}]>",
+        **{k: "*i64" if k == "labels_ptr" else "*fp32" for k in
+           ("labels_ptr", "temp_ptr", "lse_ptr", "ent_ptr", "glp_ptr", "gent_ptr")},
+        "N": "i32", "Vb": "i32", "H": "i32", "label_offset": "i32", "ignore_index": "i32",
+        "inv_temp": "fp32", "softcap": "fp32", "inv_softcap": "fp32",
+    }  # fmt: skip
+    consts = {**_tiles(cfg), "PER_TOKEN_T": False, "HAS_SOFTCAP": False, "HAS_GLP": True,
+              "HAS_GENT": entropy}  # fmt: skip
+    return _compile(dz.dz_tma_kernel, signature, consts, cfg, arch)
 
 
 def resources(compiled: Any) -> Resources:
@@ -107,27 +115,19 @@ def resources(compiled: Any) -> Resources:
     return Resources(int(match[1]), int(match[2]), int(compiled.metadata.shared))
 
 
-def candidates() -> dict[str, tuple[TileConfig, int]]:
-    """The shipped dh config, the knobs tried on the H200 (docs/benchmarks.md) and the sum
-    formats: name -> (config, SUM_LO)."""
+def candidates() -> dict[str, tuple[str, TileConfig, int]]:
+    """name -> (kernel, config, SUM_LO): the shipped tiles and narrower ones, every sum format."""
     import torch
 
-    shipped = default_configs(torch.bfloat16).dh
-    base = replace(shipped, epilogue_splits=1)
+    shipped = settings_for(torch.bfloat16).dh
+    narrow = replace(shipped, block_n=128)
     return {
-        "whole_tile": (base, 0),
-        "shipped": (shipped, 0),
-        "shipped_fp32_sum": (shipped, 16),
-        "shipped_fp24_sum": (shipped, 8),
-        "quarters": (replace(base, epilogue_splits=4), 0),
-        "tma_sum_halves": (replace(base, epilogue_splits=2, tma_sum=True), 0),
-        "tma_sum_fp24": (replace(base, epilogue_splits=2, tma_sum=True), 8),
-        "two_per_sm_128x128": (
-            replace(
-                base, block_n=128, num_stages=2, epilogue_splits=2, tma_sum=True, programs_per_sm=2
-            ),
-            0,
-        ),
+        "dh_fp24": ("dh", shipped, 8),
+        "dh_fp32": ("dh", shipped, 16),
+        "dh_fp32_out": ("dh", shipped, 0),
+        "dh_128x128_fp24": ("dh", narrow, 8),
+        "dh_128x128_4stages_fp24": ("dh", replace(narrow, num_stages=4), 8),
+        "dz": ("dz", shipped, 0),
     }
 
 
@@ -139,10 +139,13 @@ def main() -> None:
     opts = args.parse_args()
     only = {x for x in opts.only.split(",") if x}
     rows = []
-    for name, (cfg, sum_lo) in candidates().items():
+    for name, (which, cfg, sum_lo) in candidates().items():
         if only and name not in only:
             continue
-        res = resources(compile_dh(cfg, arch=opts.arch, sum_lo=sum_lo))
+        if which == "dz":
+            res = resources(compile_dz(cfg, arch=opts.arch))
+        else:
+            res = resources(compile_dh(cfg, arch=opts.arch, sum_lo=sum_lo))
         rows.append({"name": name, "config": asdict(cfg), "sum_lo": sum_lo, **asdict(res)})
         print(
             f"{name:22s} regs {res.registers:3d}  stack {res.stack_bytes:5d} B  "

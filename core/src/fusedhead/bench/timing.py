@@ -14,8 +14,14 @@ from collections.abc import Callable
 import torch
 
 #: GPU timing: warm-up and timed window (ms) at least; do_bench fits its run count in them.
-CUDA_WARMUP_MS = 200.0
-CUDA_WINDOW_MS = 1000.0
+#: Windows of 1 s read 2-8 % above longer interleaved ones on an H200 (a 265 ms step is four runs
+#: there); 2 s windows after a 0.5 s warm-up, interleaved with the GEMM unit, agree within 2 %.
+CUDA_WARMUP_MS = 500.0
+CUDA_WINDOW_MS = 2000.0
+#: Runs per window at least, whatever its length: a median of fewer is one slow run away.
+CUDA_MIN_RUNS = 8
+#: GPU: rounds of (GEMM window, function window); the unit is the median of per-round ratios.
+CUDA_ROUNDS = 2
 
 
 def disable_tf32() -> None:
@@ -58,7 +64,7 @@ def _cuda_median_ms(fn: Callable[[], object], device: torch.device, *, reps: int
         torch.cuda.synchronize()
         estimate = start.elapsed_time(end)
         warmup = max(CUDA_WARMUP_MS, 3 * estimate)
-        rep = max(CUDA_WINDOW_MS, (reps + 0.5) * estimate)
+        rep = max(CUDA_WINDOW_MS, (max(reps, CUDA_MIN_RUNS) + 0.5) * estimate)
         return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
@@ -92,23 +98,23 @@ def timed_units(
 ) -> dict[str, float]:
     """Median ms of ``fn`` and the same in GEMM units.
 
-    With ``gemm``: on the CPU, where other processes make the speed drift, each repetition of
-    ``fn`` is paired with one of the GEMM and the units are the median of the per-pair ratios; on
-    a GPU the GEMM is timed again right before ``fn`` and that unit is used. Without it, the
-    case's ``unit_ms``.
+    With ``gemm``: each repetition of ``fn`` is paired with one of the GEMM and the units are the
+    median of the per-pair ratios (CPU: ``reps`` single runs each, where other processes make
+    the speed drift; GPU: ``CUDA_ROUNDS`` windows each). Without it, the case's ``unit_ms``.
     """
     if gemm is None:
         ms = median_ms(fn, device, reps=reps)
         return {"ms": ms, "unit_ms": unit_ms, "units": ms / unit_ms}
-    if device.type == "cuda":  # the unit timed again just before: no drift between the two
-        adjacent = median_ms(gemm, device, reps=reps)
-        ms = median_ms(fn, device, reps=reps)
-        return {"ms": ms, "unit_ms": adjacent, "units": ms / adjacent}
     pairs = []
-    for _ in range(max(1, reps)):
-        g = median_ms(gemm, device, reps=1)
-        f = median_ms(fn, device, reps=1)
-        pairs.append((f, g))
+    if device.type == "cuda":  # interleaved windows: clock drift hits the unit and fn alike
+        for _ in range(CUDA_ROUNDS):
+            g = median_ms(gemm, device, reps=reps)
+            pairs.append((median_ms(fn, device, reps=reps), g))
+    else:
+        for _ in range(max(1, reps)):
+            g = median_ms(gemm, device, reps=1)
+            f = median_ms(fn, device, reps=1)
+            pairs.append((f, g))
     return {
         "ms": float(statistics.median(f for f, _ in pairs)),
         "unit_ms": float(statistics.median(g for _, g in pairs)),

@@ -11,69 +11,45 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from fusedhead.errors import BackendUnavailableError
 from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
 
-from .configs import default_configs, interpret_enabled, with_overrides
+from .configs import Settings, interpret_enabled, settings_for
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 class TritonOptions(BaseModel):
-    """Tuning knobs. None of them may depend on the batch: the forward stays batch invariant."""
+    """One memory-or-speed choice, and tile overrides for tuning. None depends on the batch: the
+    forward stays batch invariant."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    block_m: int | None = Field(
-        None,
-        description="Rows per tile (power of two >= 16); None keeps the shipped per-dtype config.",
-    )
-    block_n: int | None = Field(
-        None, description="Vocabulary columns per tile (power of two >= 16)."
-    )
-    block_k: int | None = Field(
-        None, description="Hidden (reduction) step per tile iteration (power of two >= 16)."
-    )
-    tma: bool | None = Field(
-        None,
-        description="Persistent grid with TMA loads for the logits GEMMs (Hopper+); None: shipped default.",
+    memory: Literal["low", "fast"] = Field(
+        "low",
+        description="The backward's layout. 'low': the hidden-gradient sum's low byte (fp24) is kept "
+        "in the weight gradient's last rows, whose logits are recomputed once at the end (about "
+        "N/(2V) GEMM units), and a 64 MiB dz buffer; 'fast': the sum's exact fp32 low half beside "
+        "the output (N x H x 2 bytes) and a 256 MiB dz buffer. Both put dz blocks in the weight "
+        "gradient's unwritten rows where they fit; 'low' applies when both gradients are asked.",
     )
     backward_block_mib: float | None = Field(
         default=None,
         gt=0,
-        description="Bound on the backward's dz[N, Vb] block buffer, in MiB (sets Vb from N). Wider blocks "
-        "are faster (fewer launches, less hidden-gradient traffic) and cost memory. None: 64 MiB when dz blocks "
-        "can also live in the weight gradient's unwritten rows and the sum is stashed (lend_dw_rows and "
-        "stash_dh_sum, both gradients asked), else 256 MiB.",
+        description="Tuning: bound on the backward's dz[N, Vb] block buffer in MiB (sets Vb from N; "
+        "wider blocks are faster, fewer hidden-gradient read-modify-writes). None: memory's default.",
     )
-    backward_block_max_cols: int = Field(
-        default=8192,
-        ge=16,
-        description="Upper bound on Vb, the vocabulary columns per backward block.",
+    block_m: int | None = Field(
+        None,
+        description="Tuning: rows per tile (power of two >= 16); None keeps the shipped per-dtype config.",
     )
-    dh_gemm: Literal["auto", "triton", "cublas"] = Field(
-        "auto",
-        description="GEMM that adds dz @ W_block into the hidden-gradient sum: this package's Triton kernel "
-        "(its running sum split in two parts, see dh_sum: less memory), or cuBLAS with an fp32 accumulator "
-        "where torch offers addmm(out_dtype=float32) (falls back to Triton otherwise); auto: Triton for bf16, "
-        "and for fp16 cuBLAS while its accumulator (N x H fp32) is at most 256 MiB, else Triton.",
+    block_n: int | None = Field(
+        None, description="Tuning: vocabulary columns per tile (power of two >= 16)."
     )
-    stash_dh_sum: bool = Field(
-        True,
-        description="Keep the hidden-gradient running sum's own part (fp24: N x H bytes; fp32 or pair: "
-        "N x H x 2; cuBLAS: N x H x 4) in the weight gradient's last rows until the sum is final, then "
-        "recompute those rows' logits to write them: saves that memory for about N/(2V) (N/V, 2N/V) more "
-        "GEMM units. Applies when both gradients are asked and dW has the rows.",
+    block_k: int | None = Field(
+        None, description="Tuning: hidden (reduction) step per tile iteration (power of two >= 16)."
     )
-    dh_sum: Literal["auto", "fp32", "fp24", "pair"] = Field(
-        "auto",
-        description="How the Triton dh GEMM keeps its running sum between vocabulary blocks, the high 16 bits "
-        "in the output's own buffer: 'fp32' exact fp32 (2 more bytes per value), 'fp24' fp32 rounded to a "
-        "16-bit significand (1 more byte: halves what stash_dh_sum recomputes), 'pair' a bf16 value plus a "
-        "bf16 remainder (fp16 inputs: a separate fp32 buffer); auto: fp24 when the sum is stashed, else fp32.",
-    )
-    lend_dw_rows: bool = Field(
-        True,
-        description="Put each backward dz block in weight-gradient rows not written yet where it fits (early "
-        "blocks up to backward_block_max_cols wide at no memory cost), the block buffer elsewhere: fewer "
-        "read-modify-writes of the hidden-gradient sum. Applies when the weight gradient is asked.",
+    tma: bool | None = Field(
+        None,
+        description="Tuning: persistent grid with TMA loads for the logits GEMMs (Hopper+); None: "
+        "shipped default.",
     )
 
     @field_validator("block_m", "block_n", "block_k")
@@ -93,6 +69,7 @@ class TritonBackend:
 
     def __init__(self, options: TritonOptions | None = None) -> None:
         self.options = options if options is not None else TritonOptions()
+        self._by_dtype: dict[torch.dtype, tuple[Settings, str]] = {}
 
     def capabilities(self, device: torch.device) -> Capabilities:
         """Batch invariant, deterministic, fp32 statistics; CPU only under the interpreter."""
@@ -168,12 +145,10 @@ class TritonBackend:
 
     def forward(self, call: HeadCall) -> HeadOutput:
         """fp32 log_probs [N] and entropy [N] (or None), differentiable in hidden and weight."""
-        from .function import CallSpec, FusedHeadFunction
         from .launch import HeadScalars
+        from .ops import head
 
-        hidden, weight, labels = call.hidden, call.weight, call.labels
-        temperature, softcap, return_entropy = call.temperature, call.softcap, call.return_entropy
-
+        hidden, temperature = call.hidden, call.temperature
         temp: torch.Tensor | None = None
         inv_temp = 1.0
         if isinstance(temperature, torch.Tensor):
@@ -183,40 +158,26 @@ class TritonBackend:
                     "per-token temperature; pass temperature.detach()"
                 )
             temp = temperature.detach().to(device=hidden.device, dtype=torch.float32)
-            temp = temp.expand(labels.shape).contiguous()
+            temp = temp.expand(call.labels.shape).contiguous()
         else:
             inv_temp = 1.0 / float(temperature)
-        o = self.options
-        configs = with_overrides(
-            default_configs(hidden.dtype),
-            block_m=o.block_m,
-            block_n=o.block_n,
-            block_k=o.block_k,
-            tma=o.tma,
-        )
-        spec = CallSpec(
-            scalars=HeadScalars(
-                label_offset=call.vocab_start,
-                ignore_index=call.ignore_index,
-                inv_temp=inv_temp,
-                softcap=float(softcap) if softcap is not None else None,
-            ),
-            return_entropy=bool(return_entropy),
-            process_group=call.process_group,
-            reduce_hidden_grad=call.reduce_hidden_grad,
-            configs=configs,
-            backward_block_bytes=(
-                None if o.backward_block_mib is None else int(o.backward_block_mib * 2**20)
-            ),
-            backward_block_max_cols=o.backward_block_max_cols,
-            dh_gemm=o.dh_gemm,
-            stash_dh_sum=o.stash_dh_sum,
-            dh_sum=o.dh_sum,
-            lend_dw_rows=o.lend_dw_rows,
-        )
-        labels = labels.contiguous()
-        out = FusedHeadFunction.apply(hidden, weight, labels, temp, spec)
-        if return_entropy:
-            logp, ent = out
-            return HeadOutput(logp, ent)
-        return HeadOutput(out)
+        softcap = float(call.softcap) if call.softcap is not None else None
+        sc = HeadScalars(call.vocab_start, call.ignore_index, inv_temp, softcap)
+        st, key = self._settings(hidden.dtype)
+        logp, ent = head(
+            hidden, call.weight, call.labels.contiguous(), temp, sc, st, key,
+            call.return_entropy, call.process_group, call.reduce_hidden_grad,
+        )  # fmt: skip
+        return HeadOutput(logp, ent)
+
+    def _settings(self, dtype: torch.dtype) -> tuple[Settings, str]:
+        """The call's kernel settings for ``dtype`` and their key, made once per dtype."""
+        if dtype not in self._by_dtype:
+            o = self.options
+            mib = o.backward_block_mib
+            st = settings_for(
+                dtype, memory=o.memory, block_bytes=None if mib is None else int(mib * 2**20),
+                block_m=o.block_m, block_n=o.block_n, block_k=o.block_k, tma=o.tma,
+            )  # fmt: skip
+            self._by_dtype[dtype] = (st, st.key())
+        return self._by_dtype[dtype]

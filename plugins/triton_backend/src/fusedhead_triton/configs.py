@@ -1,15 +1,19 @@
-"""Fixed tile configurations. They depend on the dtype (and the options), never on N.
-
-That is what makes the forward batch invariant: every row is computed by the same tile program
-with the same reduction order whatever the batch size, so no autotuning keyed on N anywhere.
+"""Fixed tile configurations and the call's settings. They depend on the dtype and the options,
+never on N: every row is computed by the same tile program with the same reduction order whatever
+the batch size (batch invariance), so there is no autotuning keyed on N anywhere.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+from typing import Literal
 
 import torch
+
+Memory = Literal["low", "fast"]
 
 
 @dataclass(frozen=True)
@@ -24,31 +28,44 @@ class TileConfig:
     num_stages: int = 3
     #: Persistent grid loading through TMA descriptors (Hopper and newer, 16-byte aligned rows).
     tma: bool = False
-    #: Persistent dh kernel only: one flattened software pipeline over tiles and K steps, so the
-    #: next tile's loads overlap this tile's read-modify-write of the running sum.
-    flatten: bool = False
-    #: Persistent dh kernel only: read-modify-write the running sum in this many column slices
-    #: (1, 2 or 4; fewer live registers in the epilogue).
-    epilogue_splits: int = 1
-    #: Persistent dh kernel only: load the tile's running sum before its K loop (takes
-    #: registers: meant for 128 x 128 tiles).
-    prefetch_sum: bool = False
-    #: Persistent dh kernel only: programs per SM (2 lets one program's epilogue overlap the
-    #: other's main loop, where the shared memory of two fits).
-    programs_per_sm: int = 1
-    #: Persistent dh kernel only: Triton's warp specialization of the K loop.
-    warp_specialize: bool = False
-    #: Persistent dh kernel only: read and write the running sum through TMA descriptors.
-    tma_sum: bool = False
+
+
+# 16-bit: persistent TMA grid, 128x256x64 tiles, 8 warps, 3 stages, 16 row tiles per group.
+# H200, triton 3.6, N=8192 H=4096 V=151936 bf16 forward: 1.01-1.04 GEMM units (pointer loads: 1.20).
+_HALF = TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True)
+# fp32 uses the exact ("ieee") FMA dot: smaller tiles, the shared memory is twice as large per value.
+_FP32 = TileConfig(64, 128, 32, group_m=8, num_warps=8, num_stages=3)
+
+#: The dz block buffer's bound by ``memory``: "low" (dz blocks in dW's unwritten rows, the sum's
+#: low byte stashed in dW's last rows) and "fast" (the sum's exact low half beside the output).
+#: H200, N = 32768, bf16, low: 64 MiB 4.38 units / 1.47 GiB, 32 MiB 4.43 / 1.44 GiB.
+BLOCK_BYTES = {"low": 64 * 2**20, "fast": 256 * 2**20}
+#: Widest backward block (vocabulary columns); 16384 measured ~1 % faster, within the spread.
+MAX_COLS = 8192
 
 
 @dataclass(frozen=True)
-class BackendConfigs:
-    """The three launches of a forward + backward."""
+class Settings:
+    """Everything the kernels of a call take that is neither a tensor nor a per-call scalar."""
 
     forward: TileConfig
     dz: TileConfig
     dh: TileConfig
+    memory: Memory = "low"
+    #: Bound on the backward's dz block buffer in bytes (None: ``BLOCK_BYTES[memory]``).
+    block_bytes: int | None = None
+
+    def key(self) -> str:
+        """A string that ``from_key`` turns back into these settings (custom ops take strings)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    @lru_cache(maxsize=64)
+    def from_key(key: str) -> Settings:
+        """The settings ``key`` was made from."""
+        raw = json.loads(key)
+        tiles = {k: TileConfig(**raw.pop(k)) for k in ("forward", "dz", "dh")}
+        return Settings(**tiles, **raw)
 
 
 def interpret_enabled() -> bool:
@@ -56,51 +73,18 @@ def interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-# 16-bit: persistent TMA grid, 128x256x64 tiles, 8 warps, 3 stages, 16 row tiles per group.
-# H200, triton 3.6, N=8192 H=4096 V=151936 bf16 forward: 1.01-1.04 GEMM units (pointer loads: 1.20).
-_HALF = TileConfig(
-    block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, tma=True
-)
-# fp32 uses the exact ("ieee") FMA dot: smaller tiles, the shared memory is twice as large per value.
-_FP32 = TileConfig(block_m=64, block_n=128, block_k=32, group_m=8, num_warps=8, num_stages=3)
-
-
-# The dh kernel updates its running sum in two column halves (the whole 128 x 256 tile's
-# read-modify-write needs more registers than a thread has). H200, N = 32768, bf16 pair: 4.27 against 4.38 units
-# (docs/bench/h200-dh-kernels.json), 4.74 against 5.26 with a 64 MiB dz budget
-# (docs/bench/h200-stash-explore.json).
-_HALF_DH = replace(_HALF, epilogue_splits=2)
-
-
-def default_configs(dtype: torch.dtype) -> BackendConfigs:
-    """The shipped configs for ``dtype`` (chosen from H200 measurements, see tools/gpu_check.py)."""
-    if dtype == torch.float32:
-        return BackendConfigs(forward=_FP32, dz=_FP32, dh=_FP32)
-    return BackendConfigs(forward=_HALF, dz=_HALF, dh=_HALF_DH)
-
-
-def with_overrides(
-    configs: BackendConfigs,
+def settings_for(
+    dtype: torch.dtype,
     *,
+    memory: Memory = "low",
+    block_bytes: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
     tma: bool | None = None,
-) -> BackendConfigs:
-    """Apply option overrides to all three launches (same tile shape everywhere)."""
-    changes: dict[str, int | bool] = {}
-    if block_m is not None:
-        changes["block_m"] = block_m
-    if block_n is not None:
-        changes["block_n"] = block_n
-    if block_k is not None:
-        changes["block_k"] = block_k
-    if tma is not None:
-        changes["tma"] = tma
-    if not changes:
-        return configs
-    return BackendConfigs(
-        forward=replace(configs.forward, **changes),
-        dz=replace(configs.dz, **changes),
-        dh=replace(configs.dh, **changes),
-    )
+) -> Settings:
+    """The shipped tiles for ``dtype`` with the overrides applied to all three launches."""
+    base = _FP32 if dtype == torch.float32 else _HALF
+    changes = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "tma": tma}
+    tile = replace(base, **{k: v for k, v in changes.items() if v is not None})
+    return Settings(tile, tile, tile, memory, block_bytes)

@@ -1,9 +1,9 @@
 """The backward's order of vocabulary blocks, and where each block's ``dz[N, cols]`` lives.
 
-A block's ``dz`` goes either into the block buffer (``backward_block_mib``) or, with
-``lend_rows``, into rows of the weight gradient that nothing has written yet: early in the
-backward most of dW is still free, so blocks there can be wide without costing memory, and fewer,
-wider blocks mean fewer read-modify-writes of the hidden-gradient sum.
+A block's ``dz`` goes either into the block buffer (``backward_block_mib``) or, where the weight
+gradient is computed, into rows of it that nothing has written yet: early in the backward most of
+dW is still free, so blocks there can be wide without costing memory, and fewer, wider blocks mean
+fewer read-modify-writes of the hidden-gradient sum.
 
 With a stashed sum (dW's rows from ``stash`` on hold it until it is final) the stashed rows'
 blocks add to dh first, while the free rows are many, and write their dW last, from logits
@@ -12,6 +12,7 @@ recomputed once the sum no longer needs those rows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -45,6 +46,17 @@ class Geometry:
     row_quantum: int = 1
 
 
+def geometry(
+    n: int, h: int, v: int, esize: int, align: int, block_bytes: int, max_cols: int
+) -> Geometry:
+    """The schedule's shapes: blocks are multiples of ``align`` columns, the buffer's within
+    ``block_bytes`` (at least one ``align``), none wider than ``max_cols`` or the vocabulary."""
+    widest = max(max_cols // align * align, align)
+    cols = min(block_bytes // max(1, n * esize), max_cols)
+    cols = min(max(align, cols // align * align), _round_up(v, align))
+    return Geometry(n, h, v, align, cols, widest, 16 // math.gcd(16, h * esize))
+
+
 def rows_needed(g: Geometry, stride: int) -> int:
     """dW rows that a dz block of ``stride`` columns occupies (dz and dW share a dtype)."""
     return -(-g.n * stride // g.h) if g.h else 0  # integer ceiling: exact at any size
@@ -75,20 +87,13 @@ def _place(
     return buffer_cols, None
 
 
-def plan(
-    g: Geometry,
-    *,
-    need_dw: bool,
-    need_dh: bool,
-    stash: int | None,
-    lend_rows: bool,
-) -> list[Step]:
+def plan(g: Geometry, *, need_dw: bool, need_dh: bool, stash: int | None) -> list[Step]:
     """The backward's blocks in order.
 
-    ``stash``: first dW row holding the dh sum (None: not stashed; needs both gradients).
-    ``lend_rows``: dz blocks may live in dW rows not yet written (only where dW is computed).
+    ``stash``: first dW row holding the dh sum (None: not stashed; needs both gradients). dz
+    blocks live in dW rows not yet written where dW is computed and they fit.
     """
-    lend = lend_rows and need_dw and g.h > 0
+    lend = need_dw and g.h > 0
     tail = stash if (stash is not None and need_dw and need_dh) else g.v
     steps: list[Step] = []
 

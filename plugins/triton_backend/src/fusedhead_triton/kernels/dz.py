@@ -1,0 +1,179 @@
+"""The backward's first kernel: recompute a vocabulary block of logits and write its ``dz``.
+
+``dz`` is the gradient w.r.t. the raw logits ``h @ W.T`` of the block (temperature and softcap
+derivative folded in), computed in fp32 and stored in the input dtype for the two GEMMs after it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import LOG2E, grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature, tanh_f32
+
+
+@triton.jit
+def _grad_tile(
+    acc,
+    offs_m,
+    offs_n,
+    N,
+    Vb,
+    labels_ptr,
+    temp_ptr,
+    lse_ptr,
+    ent_ptr,
+    glp_ptr,
+    gent_ptr,
+    label_offset,
+    ignore_index,
+    inv_temp,
+    softcap,
+    inv_softcap,
+    PER_TOKEN_T: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+):
+    """dz = [g_lp (onehot - p) - g_H p (log p + H)] / T * (1 - tanh^2 if softcap), ignored rows 0.
+
+    Per-row factors are folded first so that each element costs a few FMAs and one exp2.
+    """
+    row_ok = offs_m < N
+    rows = tl.minimum(offs_m, N - 1)
+    inv_t = row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T)
+    lse = tl.load(lse_ptr + rows)
+    lab = tl.load(labels_ptr + rows)
+    valid = row_ok & (lab != ignore_index)
+    # label column inside this block as int32 (-1 when outside: never matches a column)
+    lab_local = lab - label_offset
+    lab_local = tl.where((lab_local >= 0) & (lab_local < Vb), lab_local, -1).to(tl.int32)
+    if HAS_GLP:  # noqa: SIM108 - constexpr branch
+        glp = tl.where(valid, tl.load(glp_ptr + rows), 0.0) * inv_t
+    else:
+        glp = tl.zeros_like(inv_t)
+    if HAS_GENT:
+        gent = tl.where(valid, tl.load(gent_ptr + rows), 0.0) * inv_t
+        base = glp + gent * tl.load(ent_ptr + rows)
+    else:
+        gent = tl.zeros_like(inv_t)
+        base = glp
+    if HAS_SOFTCAP:
+        th = tanh_f32(acc * inv_softcap)
+        acc = softcap * th
+    logp = acc * inv_t[:, None] - lse[:, None]
+    p = tl.exp2(logp * LOG2E)
+    if HAS_GENT:  # noqa: SIM108 - constexpr branch
+        g = -p * (base[:, None] + gent[:, None] * logp)
+    else:
+        g = -p * base[:, None]
+    if HAS_GLP:
+        g = tl.where(offs_n[None, :] == lab_local[:, None], g + glp[:, None], g)
+    if HAS_SOFTCAP:
+        g = g * (1.0 - th * th)
+    return g
+
+
+@triton.jit(do_not_specialize=["N", "Vb"])
+def dz_kernel(
+    h_ptr,
+    w_ptr,
+    labels_ptr,
+    temp_ptr,
+    lse_ptr,
+    ent_ptr,
+    glp_ptr,
+    gent_ptr,
+    dz_ptr,
+    N,
+    Vb,
+    H,
+    stride_hn,
+    stride_hk,
+    stride_wv,
+    stride_wk,
+    stride_dzm,
+    label_offset,
+    ignore_index,
+    inv_temp,
+    softcap,
+    inv_softcap,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PER_TOKEN_T: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+):
+    """One program per (row tile, column tile) of the block ``w_ptr[0:Vb]``: recompute, write dz."""
+    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), tl.cdiv(Vb, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_m, N - 1)
+    cols = tl.minimum(offs_n, Vb - 1)
+    acc = logits_tile(
+        h_ptr, w_ptr, rows, cols, H, stride_hn, stride_hk, stride_wv, stride_wk,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
+    )  # fmt: skip
+    g = _grad_tile(
+        acc, offs_m, offs_n, N, Vb, labels_ptr, temp_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
+        label_offset, ignore_index, inv_temp, softcap, inv_softcap,
+        PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP, HAS_GENT,
+    )  # fmt: skip
+    mask = (offs_m < N)[:, None] & (offs_n < Vb)[None, :]
+    ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dzm + offs_n[None, :]
+    tl.store(ptrs, g.to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["N", "Vb"])
+def dz_tma_kernel(
+    h_desc,
+    w_desc,
+    dz_desc,
+    labels_ptr,
+    temp_ptr,
+    lse_ptr,
+    ent_ptr,
+    glp_ptr,
+    gent_ptr,
+    N,
+    Vb,
+    H,
+    label_offset,
+    ignore_index,
+    inv_temp,
+    softcap,
+    inv_softcap,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PER_TOKEN_T: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+):
+    """Persistent TMA variant of ``dz_kernel``; dz leaves through a TMA store (clipped)."""
+    num_pid_m = tl.cdiv(N, BLOCK_M)
+    num_pid_n = tl.cdiv(Vb, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    for tile in range(tl.program_id(0), num_tiles, NUM_PROGS):
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = logits_tile_tma(h_desc, w_desc, off_m, off_n, H, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        g = _grad_tile(
+            acc, offs_m, offs_n, N, Vb, labels_ptr, temp_ptr, lse_ptr, ent_ptr, glp_ptr,
+            gent_ptr, label_offset, ignore_index, inv_temp, softcap, inv_softcap,
+            PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP, HAS_GENT,
+        )  # fmt: skip
+        dz_desc.store([off_m, off_n], g.to(dz_desc.dtype))

@@ -1,0 +1,180 @@
+"""The autograd boundary: ``torch.library`` custom ops for one shard (so ``torch.compile`` with
+``fullgraph=True`` and CUDA-graph capture see two opaque ops with fake-tensor shapes), and an
+autograd Function for the vocab-parallel path (its collectives run between the launches).
+
+Neither backward is differentiable: a double backward (``create_graph=True``) raises when the
+second-order gradient is asked for, never returning a silently first-order one.
+"""
+
+# No ``from __future__ import annotations``: torch.library reads the annotations as types.
+
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import parallel
+from .backward import backward
+from .configs import Settings, TileConfig
+from .launch import HeadScalars, Partials, RowGrads, RowStats, combine, forward_partials
+
+DOUBLE_BACKWARD = (
+    "the triton backend's backward is not differentiable: a double backward "
+    "(create_graph=True, e.g. a gradient penalty through the log-probs) is not supported; "
+    "use backend='torch' for second-order gradients"
+)
+
+
+def forward_values(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
+    sc: HeadScalars, cfg: TileConfig, entropy: bool, group: Any = None,
+) -> RowStats:  # fmt: skip
+    """(log_prob, lse, entropy-or-dummy) over the whole (possibly sharded) vocabulary."""
+    p = forward_partials(hidden, weight, labels, temp, sc, cfg)
+    if group is None:
+        return combine(p, labels, sc.ignore_index, final=True, entropy=entropy)
+    m, s, w = combine(p, labels, sc.ignore_index, final=False, entropy=False)
+    zy, lo = p.zy, sc.label_offset
+    del p  # the tile statistics: T x N x 12 bytes
+    owned = (labels >= lo) & (labels < lo + weight.shape[0])
+    stats = Partials(*parallel.gather_row_stats(m, s, w, zy, owned, group))
+    return combine(stats, labels, sc.ignore_index, final=True, entropy=entropy)
+
+
+def _grad(g: torch.Tensor | None) -> torch.Tensor | None:
+    return None if g is None else g.to(torch.float32).contiguous()
+
+
+@torch.library.custom_op("fusedhead_triton::head_forward", mutates_args=())
+def head_forward(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
+    label_offset: int, ignore_index: int, inv_temp: float, softcap: float | None, entropy: bool,
+    settings: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(log_prob, lse, entropy or a dummy) of one shard, fp32 [N] each."""
+    sc = HeadScalars(label_offset, ignore_index, inv_temp, softcap)
+    cfg = Settings.from_key(settings).forward
+    return tuple(forward_values(hidden, weight, labels, temp, sc, cfg, entropy))  # type: ignore[return-value]
+
+
+@head_forward.register_fake
+def _head_forward_fake(hidden: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("fusedhead_triton::head_backward", mutates_args=())
+def head_backward(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
+    lse: torch.Tensor, ent: torch.Tensor | None, g_lp: torch.Tensor | None,
+    g_ent: torch.Tensor | None, label_offset: int, ignore_index: int, inv_temp: float,
+    softcap: float | None, settings: str, need_dh: bool, need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dh, dW) of one shard; an empty tensor for a gradient not asked."""
+    sc = HeadScalars(label_offset, ignore_index, inv_temp, softcap)
+    rows = RowGrads(labels, temp, lse, ent, g_lp, g_ent)
+    st = Settings.from_key(settings)
+    dh, dw = backward(hidden, weight, rows, sc, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=False)
+    return (
+        hidden.new_empty(0) if dh is None else dh,
+        weight.new_empty(0) if dw is None else dw,
+    )
+
+
+@head_backward.register_fake
+def _head_backward_fake(
+    hidden: torch.Tensor, weight: torch.Tensor, *args: Any
+) -> tuple[torch.Tensor, ...]:
+    need_dh, need_dw = args[-2], args[-1]
+    return (
+        torch.empty_like(hidden) if need_dh else hidden.new_empty(0),
+        torch.empty_like(weight) if need_dw else weight.new_empty(0),
+    )
+
+
+def _forward_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    hidden, weight, labels, temp, *scalars, entropy, settings = inputs
+    ctx.save_for_backward(hidden, weight, labels, temp, output[1], output[2] if entropy else None)
+    ctx.scalars, ctx.entropy, ctx.settings = tuple(scalars), entropy, settings
+    ctx.set_materialize_grads(False)
+
+
+def _forward_backward(ctx: Any, g_lp: Any, g_lse: Any, g_ent: Any) -> tuple[Any, ...]:
+    hidden, weight, labels, temp, lse, ent = ctx.saved_tensors
+    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    g_ent = g_ent if ctx.entropy else None
+    none = (None,) * 8
+    if (g_lp is None and g_ent is None) or not (need_dh or need_dw):
+        return (None, None, *none)
+    dh, dw = torch.ops.fusedhead_triton.head_backward(
+        hidden, weight, labels, temp, lse, ent, _grad(g_lp), _grad(g_ent), *ctx.scalars,
+        ctx.settings, need_dh, need_dw,
+    )  # fmt: skip
+    return (dh if need_dh else None, dw if need_dw else None, *none)
+
+
+def _refuse_double_backward(ctx: Any, *grads: Any) -> Any:
+    raise RuntimeError(DOUBLE_BACKWARD)
+
+
+torch.library.register_autograd(
+    "fusedhead_triton::head_forward", _forward_backward, setup_context=_forward_setup
+)
+torch.library.register_autograd(
+    "fusedhead_triton::head_backward",
+    _refuse_double_backward,
+    setup_context=lambda ctx, inputs, output: None,
+)
+
+
+class ShardedHead(torch.autograd.Function):
+    """The vocab-parallel call: stats gathered across ranks, the hidden gradient all-reduced."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+        temp: torch.Tensor | None, sc: HeadScalars, st: Settings, entropy: bool, group: Any,
+        reduce: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        logp, lse, ent = forward_values(
+            hidden, weight, labels, temp, sc, st.forward, entropy, group
+        )
+        ctx.save_for_backward(hidden, weight, labels, temp, lse, ent if entropy else None)
+        ctx.args = (sc, st, entropy, group, reduce)
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g_lp: Any, g_ent: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        hidden, weight, labels, temp, lse, ent = ctx.saved_tensors
+        sc, st, entropy, group, reduce = ctx.args
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_ent = g_ent if entropy else None
+        none = (None,) * 7
+        if g_lp is None and g_ent is None:
+            return (None, None, *none)
+        sum_dh = reduce and need_dh
+        rows = RowGrads(labels, temp, lse, ent, _grad(g_lp), _grad(g_ent))
+        dh, dw = backward(
+            hidden, weight, rows, sc, st, need_dh=need_dh, need_dw=need_dw,
+            dh_fp32=sum_dh and hidden.dtype != torch.float32,
+        )  # fmt: skip
+        if sum_dh and dh is not None:
+            parallel.all_reduce_sum(dh, group)
+            dh = dh.to(hidden.dtype)
+        return (dh, dw, *none)
+
+
+def head(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
+    sc: HeadScalars, st: Settings, key: str, entropy: bool, group: Any, reduce: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(log_probs, entropy or None), differentiable in hidden and weight."""
+    if group is not None:
+        logp, ent = ShardedHead.apply(hidden, weight, labels, temp, sc, st, entropy, group, reduce)
+    else:
+        logp, _, ent = torch.ops.fusedhead_triton.head_forward(
+            hidden, weight, labels, temp, sc.label_offset, sc.ignore_index, sc.inv_temp,
+            sc.softcap, entropy, key,
+        )  # fmt: skip
+    return logp, (ent if entropy else None)
