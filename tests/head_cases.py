@@ -33,7 +33,7 @@ class Result:
 def make_case(
     n: int, h: int, v: int, *, seed: int = 0, peak: float = 1.0, ignore_every: int = 7
 ) -> Case:
-    """DESIGN.md's inputs: h ~ N(0, 1), W ~ N(0, (peak / sqrt(H))^2), some labels ignored."""
+    """docs/design.md's inputs: h ~ N(0, 1), W ~ N(0, (peak / sqrt(H))^2), some labels ignored."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
     weight = torch.randn(v, h, generator=g, dtype=torch.float64) * (peak / math.sqrt(h))
@@ -55,6 +55,6 @@ def case_loss(lp: torch.Tensor, ent: torch.Tensor | None, case: Case) -> torch.T
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """DESIGN.md's relative error ``||a - b|| / ||b||``, in float64 on the CPU."""
+    """docs/design.md's relative error ``||a - b|| / ||b||``, in float64 on the CPU."""
     a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
     return float((a64 - b64).norm() / b64.norm().clamp_min(1e-300))

@@ -108,7 +108,7 @@ def test_matches_model_logits(kind: str, padding: str) -> None:
 def test_gradients_match_model_logits(kind: str) -> None:
     """Every parameter's gradient, against the logits path of a float64 copy of the model.
 
-    Errors as DESIGN.md measures them: relative L2 over the tensor and max abs error relative to
+    Errors as docs/design.md measures them: relative L2 over the tensor and max abs error relative to
     the largest entry (fp32 rounding through two layers is about 1e-6 in both measures, for the
     fp32 logits path as for this one).
     """

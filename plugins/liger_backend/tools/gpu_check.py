@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_inputs(
     n: int, h: int, v: int, scale: float, dtype: torch.dtype, device: torch.device, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """DESIGN.md's inputs: h ~ N(0,1), W ~ N(0,(s/sqrt(H))^2), a tenth of labels ignored; upstream grads.
+    """docs/design.md's inputs: h ~ N(0,1), W ~ N(0,(s/sqrt(H))^2), a tenth of labels ignored; upstream grads.
 
     Drawn on the device itself (a 151936 x 4096 weight takes seconds to draw on a CPU).
     """
@@ -191,7 +191,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def errors(a: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    """DESIGN.md's measures: relative L2 error over the tensor and max abs error."""
+    """docs/design.md's measures: relative L2 error over the tensor and max abs error."""
     a64, r64 = a.double(), ref.double()
     diff = a64 - r64
     return {

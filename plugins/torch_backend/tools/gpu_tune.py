@@ -1,4 +1,4 @@
-"""Tune the torch backend's bf16 CUDA path at DESIGN.md's GPU shape; prints one JSON per line.
+"""Tune the torch backend's bf16 CUDA path at docs/design.md's GPU shape; prints one JSON per line.
 
     python plugins/torch_backend/tools/gpu_tune.py [--out DIR]
 

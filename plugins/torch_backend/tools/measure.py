@@ -1,4 +1,4 @@
-"""Measure the torch backend against full logits and verl's chunked algorithm, as DESIGN.md does.
+"""Measure the torch backend against full logits and verl's chunked algorithm, as docs/design.md does.
 
 Times are medians (``time.perf_counter`` on the CPU, ``triton.testing.do_bench`` style CUDA events
 on a GPU), in GEMM units (one ``hidden @ weight.T`` of the case's shape and dtype). Peak extra
@@ -29,7 +29,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def make_inputs(n: int, h: int, v: int, dtype: torch.dtype, device: str, peak: float = 1.0):
-    """DESIGN.md's inputs: h ~ N(0,1), W ~ N(0, (s/sqrt(H))^2), a tenth of labels ignored."""
+    """docs/design.md's inputs: h ~ N(0,1), W ~ N(0, (s/sqrt(H))^2), a tenth of labels ignored."""
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(n, h, generator=g).to(device=device, dtype=dtype)
     weight = (torch.randn(v, h, generator=g) * (peak / math.sqrt(h))).to(device=device, dtype=dtype)

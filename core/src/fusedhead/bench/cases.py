@@ -1,4 +1,4 @@
-"""The benchmark grid and its inputs, drawn from a fixed generator as DESIGN.md specifies.
+"""The benchmark grid and its inputs, drawn from a fixed generator as docs/design.md specifies.
 
 ``h ~ N(0, 1)``, ``W ~ N(0, (scale / sqrt(H))^2)`` (scale 1: flat distributions, 4: peaked), labels
 uniform over the vocabulary with a tenth set to ``ignore_index``; upstream gradients of log-probs and

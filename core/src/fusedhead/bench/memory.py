@@ -1,4 +1,4 @@
-"""Peak extra memory of one forward + backward, as DESIGN.md measures it.
+"""Peak extra memory of one forward + backward, as docs/design.md measures it.
 
 GPU: ``max_memory_allocated`` during the step minus what was allocated before it (inputs and the
 already-allocated ``.grad`` tensors), so it counts the workspace and the weight gradient the backward

@@ -32,7 +32,7 @@ Fn = Callable[
 PEERS = ("reference", "verl-chunked", "liger-direct", "cce")
 _LIGER_MODULE = "liger_kernel.ops.fused_linear_scaled_cross_entropy"
 _LIGER_SM90_MODULE = "liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90"
-#: Estimated peak of the full-logits reference, in fp32 ``[N, V]`` buffers (DESIGN.md's table: 5x).
+#: Estimated peak of the full-logits reference, in fp32 ``[N, V]`` buffers (docs/design.md's table: 5x).
 REFERENCE_LOGIT_COPIES = 5.5
 #: Fraction of the free memory the reference may be estimated to use before it is skipped.
 REFERENCE_FREE_FRACTION = 0.7

@@ -1,4 +1,4 @@
-"""The inputs the kit feeds a backend: DESIGN.md's accuracy inputs, from a fixed generator.
+"""The inputs the kit feeds a backend: docs/design.md's accuracy inputs, from a fixed generator.
 
 ``h ~ N(0, 1)``, ``W ~ N(0, (s / sqrt(H))^2)`` (``s = 1`` flat, ``s = 4`` peaked), a tenth of the
 labels set to ``ignore_index``. Values are drawn in fp32 on the CPU, then cast and moved, so the
@@ -15,7 +15,7 @@ import torch
 FLAT = 1.0
 PEAKED = 4.0
 IGNORE_INDEX = -100
-#: DESIGN.md's temperature for accuracy measurements.
+#: docs/design.md's temperature for accuracy measurements.
 TEMPERATURE = 0.7
 
 
@@ -54,7 +54,7 @@ def make_case(
     ignore_index: int = IGNORE_INDEX,
     lead: tuple[int, ...] | None = None,
 ) -> Case:
-    """DESIGN.md's inputs with ``n`` rows (shaped ``lead`` if given), on the CPU in fp32."""
+    """docs/design.md's inputs with ``n`` rows (shaped ``lead`` if given), on the CPU in fp32."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g)
     weight = torch.randn(v, h, generator=g) * (scale / math.sqrt(h))

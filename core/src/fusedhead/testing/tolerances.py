@@ -1,4 +1,4 @@
-"""How close is close enough: DESIGN.md's two error measures and the kit's tolerance table.
+"""How close is close enough: docs/design.md's two error measures and the kit's tolerance table.
 
 Errors are measured against a float64 reference computed from the same input values:
 relative error ``||a - b|| / ||b||`` over the whole tensor, and max abs error ``max |a - b|``,
