@@ -91,9 +91,13 @@ def test_numeric_arguments_are_checked_naming_the_flag(capsys, command, flag, va
     assert "PASS" not in out
 
 
-def test_bench_max_minutes_must_be_positive(capsys):
-    rc, _out, err = run_main(capsys, "bench", "--max-minutes", "0")
-    assert rc == 2 and "argument --max-minutes: must be a finite number > 0" in one_error_line(err)
+@pytest.mark.parametrize("value", ["-1", "nan", "soon"])
+def test_bench_max_minutes_must_be_a_number_at_least_zero(capsys, value):
+    rc, _out, err = run_main(capsys, "bench", "--max-minutes", value)
+    line = one_error_line(err)
+    assert (
+        rc == 2 and f"argument --max-minutes: must be a finite number >= 0, got {value!r}" in line
+    )
 
 
 def test_demo_reps_zero_is_refused_not_passed(capsys):

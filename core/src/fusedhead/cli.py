@@ -62,15 +62,26 @@ positive_int = _int_at_least(1)
 nonnegative_int = _int_at_least(0)
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0 (a temperature, a scale, a time limit)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
+def _float_above(low: float, *, inclusive: bool) -> Callable[[str], float]:
+    words = f"a finite number {'>=' if inclusive else '>'} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}")
+        return value
+
+    parse.__name__ = "positive_float" if not inclusive else "nonnegative_float"
+    return parse
+
+
+#: A temperature or a scale: a finite number > 0.
+positive_float = _float_above(0.0, inclusive=False)
+#: A time limit (0: do nothing timed): a finite number >= 0.
+nonnegative_float = _float_above(0.0, inclusive=True)
 
 
 def json_object(text: str) -> dict[str, Any]:

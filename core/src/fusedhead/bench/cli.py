@@ -33,7 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     Every number is checked by its argument type, so a bad one names its flag before any work.
     """
-    from fusedhead.cli import device_arg, nonnegative_int, positive_float, positive_int
+    from fusedhead.cli import (
+        device_arg,
+        nonnegative_float,
+        nonnegative_int,
+        positive_float,
+        positive_int,
+    )
 
     g = parser.add_argument_group(
         "grid (defaults: GPU N 1024 8192 32768, H 4096, V 32000 128256 151936, "
@@ -78,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-minutes",
-        type=positive_float,
+        type=nonnegative_float,
         default=10.0,
         help="skip the remaining measurements once the run has taken this long (default 10)",
     )
