@@ -115,9 +115,11 @@ def test_packed_batch_loss_with_shift_labels_matches_chunk_loss(models: tuple[An
 
 @pytest.mark.parametrize("impl", ["fusedhead:torch", "fusedhead:triton"])
 def test_packed_batch_log_probs_with_shift_labels_match_chunk_logprobs(
-    models: tuple[Any, Any], impl: str
+    models: tuple[Any, Any], impl: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``fusedhead:triton`` runs its kernels under the Triton interpreter on the CPU."""
+    """``fusedhead:triton`` runs its kernels under the Triton interpreter on the CPU (set here,
+    as tests/triton_backend does, so a CUDA machine runs it the same way)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     theirs, ours = models
     batch = packed_batch([6, 9, 4], seed=2)
     kwargs = {"return_log_probs": True, "temperature": 0.7}

@@ -77,11 +77,15 @@ def test_the_entry_point_module_imports_neither_torch_nor_verl() -> None:
     ("backend", "temperature"),
     [("fusedhead:torch", 1.0), ("fusedhead:torch", 0.7), ("fusedhead:triton", 0.7)],
 )
-def test_packed_batch_matches_verls_own_torch_path(backend: str, temperature: float) -> None:
+def test_packed_batch_matches_verls_own_torch_path(
+    backend: str, temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """log_probs, entropy and every parameter's gradient equal verl's fused torch path.
 
-    ``fusedhead:triton`` runs its kernels under the Triton interpreter on the CPU.
+    ``fusedhead:triton`` runs its kernels under the Triton interpreter on the CPU (set here for
+    this test, as tests/triton_backend does, so a CUDA machine runs it the same way).
     """
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     base = tiny_qwen2(0)
     batch = packed_micro_batch([5, 9, 3, 1], seed=1, temperature=temperature)
     theirs = scored(base, "torch", batch)
