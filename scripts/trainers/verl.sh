@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # verl 0.9.1 for tests/trainers/test_verl*.py, on the CPU, into the .venv of scripts/setup.sh.
-# verl itself goes in without its dependencies (ray[default], vllm, wandb, ... pull CUDA wheels and
-# minutes of downloads); then only what `import verl`, its FSDP engine module and apply_fsdp2
-# import. torch stays as setup.sh installed it (FUSEDHEAD_PIP_CONSTRAINTS, from setup-trainers.sh).
+# verl itself goes in without its dependencies (ray[default], wandb, tensorboard, torchdata, ... are
+# for clusters and minutes of downloads); then only what `import verl`, its FSDP engine module and
+# apply_fsdp2 import. torch stays as setup.sh installed it (FUSEDHEAD_PIP_CONSTRAINTS, from setup-trainers.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 constraints=()
