@@ -8,8 +8,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch_backend_helpers import Result, assert_close, make_case, run_backend, run_reference
+from torch_backend_helpers import (
+    Result,
+    assert_close,
+    make_case,
+    rel_err,
+    run_backend,
+    run_reference,
+)
 
+import fusedhead_torch.tile_math as tile_math
 from fusedhead.protocol import call_backend
 from fusedhead_torch import TorchBackend, TorchOptions
 
@@ -33,15 +41,22 @@ class MMOverride:
         self.calls: list[tuple[int, int, int]] = []
         self._lib: torch.library.Library | None = None
 
-    def install(self, scale: float = 1.0) -> None:
+    def install(self, scale: float = 1.0, overloads: tuple[str, ...] = ("mm",)) -> None:
         def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             self.calls.append((a.shape[0], a.shape[1], b.shape[1]))
             return torch.bmm(a.unsqueeze(0), b.unsqueeze(0)).squeeze(0).mul_(scale)
 
+        def mm_dtype(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+            self.calls.append((a.shape[0], a.shape[1], b.shape[1]))
+            product = torch.bmm(a.unsqueeze(0).to(out_dtype), b.unsqueeze(0).to(out_dtype))
+            return product.squeeze(0).mul_(scale)
+
+        kernels = {"mm": mm, "mm.dtype": mm_dtype}
         self._lib = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():  # torch warns (once) that it overrides a kernel
             warnings.filterwarnings("ignore", "(?s).*Overriding a previously registered kernel")
-            self._lib.impl("mm", mm, self.key)
+            for name in overloads:
+                self._lib.impl(name, kernels[name], self.key)
 
     def remove(self) -> None:
         if self._lib is not None:
@@ -96,6 +111,51 @@ def test_an_aten_mm_override_steers_forward_and_backward(
     # ... and the override really changed the numbers.
     assert (got.log_probs - plain.log_probs).abs().max() > 0.1
     assert (got.d_hidden - plain.d_hidden).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_aten_mm_override_steers_the_fp32_logits_path(
+    device: str, dtype: torch.dtype, mm_override: MMOverride
+) -> None:
+    # fp32 logits of low-precision inputs: aten::mm.dtype on CUDA, upcast + aten::mm elsewhere;
+    # an override of both (the whole mm family) reaches every GEMM, forward and backward.
+    case = make_case(23, 16, 50)
+    want = run_reference(case, dtype=dtype, weight_scale=2.0)
+    plain = run_reference(case, dtype=dtype)
+    options = TorchOptions(
+        chunk_rows=10, block_vocab=20, skip_ignored_rows=False, fp32_logits=True
+    )  # 3 x 3 tiles
+    tile_math._mm_out_dtype_works(torch.device(device), dtype)  # its probe GEMM: before counting
+    overloads = ("mm", "mm.dtype") if device == "cuda" else ("mm",)
+    mm_override.install(scale=2.0, overloads=overloads)
+    got = run_backend(case, dtype=dtype, device=device, options=options)
+    calls = len(mm_override.calls)
+    mm_override.remove()
+    assert calls == 9 + 27  # forward: one logits GEMM per tile; backward: recompute, dh, dW
+    got = Result(got.log_probs.cpu(), got.entropy.cpu(), got.d_hidden.cpu(), got.d_weight.cpu())
+    assert rel_err(got.log_probs, want.log_probs) <= 1e-5  # fp32 logits: fp32 bounds
+    assert rel_err(got.entropy, want.entropy) <= 1e-5
+    assert_close(got, want, {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], "override")
+    assert (got.log_probs - plain.log_probs).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("fp32_logits", [True, False], ids=["fp32-logits", "input-logits"])
+def test_every_gemm_is_an_aten_mm(fp32_logits: bool) -> None:
+    """Seen from the dispatcher (a TorchDispatchMode), each matrix product is an ``aten.mm``."""
+    case = make_case(23, 16, 50)
+    seen: set[str] = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    options = TorchOptions(chunk_rows=10, block_vocab=20, fp32_logits=fp32_logits)
+    with Ops():
+        run_backend(case, dtype=torch.bfloat16, options=options)
+    products = {op for op in seen if any(k in op for k in ("mm", "matmul", "linear", "dot"))}
+    assert products == {"aten.mm.default"}
 
 
 @pytest.mark.parametrize("device", ["cpu"])

@@ -29,6 +29,7 @@ from fusedhead_torch.tile_math import (
     backward_tile,
     clamp_scale,
     forward_tile,
+    gemm_operand,
     logits_mm,
 )
 from fusedhead_torch.tiling import Tiles
@@ -87,7 +88,7 @@ def _forward_stats(
     m, s, t = (torch.empty(n, dtype=FP32, device=h.device) for _ in range(3))
     z_label = torch.zeros(n, dtype=FP32, device=h.device)
     for r0, r1 in tiles.row_ranges(n):
-        h_rows = h[r0:r1]
+        h_rows = gemm_operand(h[r0:r1], spec.fp32_logits)
         k = scaling.rows(r0, r1)
         run = RowStats.empty(r1 - r0, h.device)
         for b, (v0, v1) in enumerate(tiles.col_ranges(v)):
@@ -183,15 +184,17 @@ def _walk_tiles(
     dw = None
     if need_w:  # every block is written below, unless there are no rows at all
         dw = torch.empty_like(weight) if row_chunks else torch.zeros_like(weight)
+    h_mm = gemm_operand(h, spec.fp32_logits)  # the recompute's operands (upcast once if need be)
     for b, (v0, v1) in enumerate(blocks):
         w_block = weight[v0:v1]
+        w_mm = gemm_operand(w_block, spec.fp32_logits)
         w_acc = None
         for r0, r1 in row_chunks:
             h_rows = h[r0:r1]
             in_block, col = place.tile(b, r0, r1, v1 - v0)
             b_rows = None if coef_b is None else coef_b[r0:r1]
             dz = backward_tile(
-                logits_mm(h_rows, w_block.T, spec.fp32_logits),
+                logits_mm(h_mm[r0:r1], w_mm.T, spec.fp32_logits),
                 col,
                 in_block,
                 scaling.rows(r0, r1),

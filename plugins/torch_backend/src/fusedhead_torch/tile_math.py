@@ -61,16 +61,24 @@ def _mm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+def gemm_operand(t: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """``t`` as the logits GEMMs take it: upcast once where fp32 logits need upcast operands."""
+    if fp32 and t.dtype != FP32 and not _mm_out_dtype_works(t.device, t.dtype):
+        return t.float()
+    return t
+
+
 def logits_mm(a: torch.Tensor, b: torch.Tensor, fp32: bool) -> torch.Tensor:
     """``a @ b`` through the dispatcher; with ``fp32``, accumulated *and written* in fp32.
 
     fp32 output of fp16/bf16 inputs: ``aten::mm.dtype`` where torch has it for the device (CUDA,
     torch >= 2.8: the same tensor-core GEMM, an fp32 epilogue); otherwise both operands upcast
-    and an fp32 ``aten::mm`` (exact products, since fp16/bf16 values are exact in fp32 and TF32).
+    (see ``gemm_operand``) and an fp32 ``aten::mm``: exact products either way, since fp16/bf16
+    values are exact in fp32 (and in TF32, should the caller allow it).
     """
-    if not fp32 or a.dtype == FP32:
+    if not fp32 or (a.dtype == FP32 and b.dtype == FP32):
         return torch.mm(a, b)
-    if _mm_out_dtype_works(a.device, a.dtype):
+    if a.dtype == b.dtype and _mm_out_dtype_works(a.device, a.dtype):
         return torch.mm(a, b, out_dtype=FP32)
     return torch.mm(a.float(), b.float())
 
