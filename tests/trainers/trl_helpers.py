@@ -73,10 +73,12 @@ def record_fused_calls(model: nn.Module, tag: str, calls: list[tuple[str, torch.
     model.forward = forward  # type: ignore[method-assign]
 
 
-def run_grpo(model_dir: Path, out_dir: Path, *, backend: str | None) -> dict[str, Any]:
-    """Two GRPO steps (beta > 0: reference model on); ``backend=None`` keeps TRL's own kernel."""
+def run_grpo(
+    model_dir: Path, out_dir: Path, *, backend: str | None, kind: str = "GRPO"
+) -> dict[str, Any]:
+    """Two GRPO (or RLOO) steps, beta > 0 (reference model on); ``backend=None`` keeps TRL's kernel."""
+    import trl
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
 
     from fusedhead.integrations import trl as fh_trl
 
@@ -108,10 +110,12 @@ def run_grpo(model_dir: Path, out_dir: Path, *, backend: str | None) -> dict[str
         processing_class=make_tokenizer(),
     )
     if backend is None:
-        trainer: Any = GRPOTrainer(args=GRPOConfig(**common), **trainer_kwargs)
+        config, trainer_cls = getattr(trl, f"{kind}Config"), getattr(trl, f"{kind}Trainer")
+        trainer: Any = trainer_cls(args=config(**common), **trainer_kwargs)
     else:
-        args = fh_trl.FusedHeadGRPOConfig(fused_head_backend=backend, **common)
-        trainer = fh_trl.FusedHeadGRPOTrainer(args=args, **trainer_kwargs)
+        config = getattr(fh_trl, f"FusedHead{kind}Config")
+        args = config(fused_head_backend=backend, **common)
+        trainer = getattr(fh_trl, f"FusedHead{kind}Trainer")(args=args, **trainer_kwargs)
     calls: list[tuple[str, torch.Tensor]] = []
     record_fused_calls(trainer.model, "policy", calls)
     assert trainer.ref_model is not None, "beta > 0 must build a reference model"
