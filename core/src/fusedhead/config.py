@@ -14,8 +14,7 @@ import math
 import os
 import types
 import typing
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -207,20 +206,16 @@ def _backend_error_inside(exc: ValidationError) -> BackendError | None:
     return None
 
 
-@contextmanager
-def _clean_errors() -> Iterator[None]:
-    """Re-raise pydantic's errors on FusedHeadConfig as one line per field (no dumps, no links)."""
-    try:
-        yield
-    except ValidationError as exc:
-        inner = _backend_error_inside(exc)
-        if inner is not None:  # the backend's options: already names backend and options
-            raise inner from None
-        phrases, _first, _expected, all_type = _problems(exc, FusedHeadConfig, "field")
-        message = "FusedHeadConfig: " + "; ".join(phrases)
-        if any(p.startswith("unknown field") for p in phrases):
-            message += f". Fields: {', '.join(FusedHeadConfig.model_fields)}"
-        raise (TypeError if all_type else ValueError)(message) from None
+def _clean_error(exc: ValidationError) -> Exception:
+    """pydantic's error on FusedHeadConfig as one line per field (no dumps, no links)."""
+    inner = _backend_error_inside(exc)
+    if inner is not None:  # the backend's options: already names backend and options
+        return inner
+    phrases, _first, _expected, all_type = _problems(exc, FusedHeadConfig, "field")
+    message = "FusedHeadConfig: " + "; ".join(phrases)
+    if any(p.startswith("unknown field") for p in phrases):
+        message += f". Fields: {', '.join(FusedHeadConfig.model_fields)}"
+    return (TypeError if all_type else ValueError)(message)
 
 
 # --- the config ---------------------------------------------------------------------------------
@@ -261,8 +256,10 @@ class FusedHeadConfig(BaseModel):
     )
 
     def __init__(self, **data: Any) -> None:
-        with _clean_errors():
+        try:
             super().__init__(**data)
+        except ValidationError as exc:
+            raise _clean_error(exc) from None
 
     @field_validator("options", mode="before")
     @classmethod
