@@ -11,13 +11,21 @@ from fusedhead.testing.contract import CONTRACT
 from fusedhead.testing.declared import DECLARED
 from fusedhead.testing.distributed import DISTRIBUTED
 from fusedhead.testing.outcome import NotRun, Outcome, PropertyFailure, Result
+from fusedhead.testing.outputs import OUTPUT_PROPERTIES
 from fusedhead.testing.randomized import RANDOMIZED
 from fusedhead.testing.target import Target
 
 Property = Callable[[Target], None]
 
 #: Every property of the kit, in the order it runs.
-PROPERTIES: dict[str, Property] = {**ACCURACY, **CONTRACT, **DECLARED, **DISTRIBUTED, **RANDOMIZED}
+PROPERTIES: dict[str, Property] = {
+    **ACCURACY,
+    **CONTRACT,
+    **DECLARED,
+    **DISTRIBUTED,
+    **RANDOMIZED,
+    **OUTPUT_PROPERTIES,
+}
 
 
 def describe(name: str) -> str:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fusedhead.protocol import KLCall, KLOutput
-from fusedhead_torch.tile_math import FP32, Workspace
+from fusedhead_torch.tile_math import FP32, Workspace, logits_mm
 from fusedhead_torch.tiling import Tiles, plan_tiles
 
 if TYPE_CHECKING:
@@ -38,6 +38,9 @@ class KLSpec:
 
     direction: str
     tiles: Tiles
+    fp32_logits: bool = (
+        False  #: logits GEMMs of bf16/fp16 inputs write fp32 (the backend's setting)
+    )
 
 
 def _rows(inv_t: float | torch.Tensor, r0: int, r1: int) -> float | torch.Tensor:
@@ -72,10 +75,10 @@ def _forward_walk(
         run: list[torch.Tensor] | None = None  # m_s, s_s, m_t, s_t, cross
         for v0, v1 in tiles.col_ranges(v):
             cols = v1 - v0
-            x_s = torch.mm(hs[r0:r1], ws_[v0:v1].T)
+            x_s = logits_mm(hs[r0:r1], ws_[v0:v1].T, spec.fp32_logits)
             zs = _scaled(x_s, _rows(inv_s, r0, r1), buf.get(0, rows, cols))
             del x_s
-            x_t = torch.mm(ht[r0:r1], wt[v0:v1].T)
+            x_t = logits_mm(ht[r0:r1], wt[v0:v1].T, spec.fp32_logits)
             zt = _scaled(x_t, _rows(inv_t, r0, r1), buf.get(1, rows, cols))
             del x_t
             ms, mt = zs.amax(dim=1), zt.amax(dim=1)
@@ -141,10 +144,14 @@ def _backward_walk(
             rows = r1 - r0
             h_rows = hs[r0:r1]
             zs = _scaled(
-                torch.mm(h_rows, ws_[v0:v1].T), _rows(inv_s, r0, r1), buf.get(0, rows, cols)
+                logits_mm(h_rows, ws_[v0:v1].T, spec.fp32_logits),
+                _rows(inv_s, r0, r1),
+                buf.get(0, rows, cols),
             )
             zt = _scaled(
-                torch.mm(ht[r0:r1], wt[v0:v1].T), _rows(inv_t, r0, r1), buf.get(1, rows, cols)
+                logits_mm(ht[r0:r1], wt[v0:v1].T, spec.fp32_logits),
+                _rows(inv_t, r0, r1),
+                buf.get(1, rows, cols),
             )
             es = torch.exp(zs - m_s[r0:r1].unsqueeze(1), out=buf.get(2, rows, cols))
             if forward:
@@ -271,7 +278,7 @@ def forward_kl(backend: TorchBackend, call: KLCall) -> KLOutput:
         chunk_rows=opts.chunk_rows,
         block_vocab=opts.block_vocab,
     )
-    spec = KLSpec(call.direction, tiles)
+    spec = KLSpec(call.direction, tiles, backend.fp32_logits(hs.device))
     kl = ChunkedKL.apply(hs, ws_, ht, wt, valid, inv_s, inv_t, spec)  # type: ignore[no-untyped-call]
     if keep is not None:
         kl = kl.new_zeros(n).index_copy(0, keep, kl)

@@ -520,7 +520,7 @@ def forward_outputs(backend: TorchBackend, call: HeadCall) -> HeadOutput:
         ),
         vocab_start=call.vocab_start,
         vocab_size=call.vocab_size,
-        fp32_logits=bool(getattr(backend.options, "fp32_logits", False)),
+        fp32_logits=backend.fp32_logits(hidden.device),
     )
     spec = OutputSpec(
         head=head,
