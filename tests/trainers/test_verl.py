@@ -110,9 +110,16 @@ def test_fusedhead_uses_the_engines_shift_labels_verbatim() -> None:
         apply_verl_monkey_patch(model, "fusedhead:torch")
         out = model(input_ids=ids, shift_labels=shifted, temperature=1.0, return_dict=True)
         hidden = model.model(input_ids=ids)[0]
+        shifted_ignored = shifted.clone()
+        shifted_ignored[0, 2] = -100
+        ignored = model(input_ids=ids, shift_labels=shifted_ignored, return_dict=True)
     logits = (hidden.double() @ model.lm_head.weight.double().T).log_softmax(-1)
     expected = logits.gather(-1, shifted.unsqueeze(-1)).squeeze(-1).float()
     torch.testing.assert_close(out.log_probs, expected, atol=1e-6, rtol=0)
+    # -100 scores 0 (verl's own kernel would index out of range); the other rows are unchanged.
+    assert float(ignored.log_probs[0, 2]) == 0.0 and float(ignored.entropy[0, 2]) == 0.0
+    keep = torch.arange(6) != 2
+    torch.testing.assert_close(ignored.log_probs[0, keep], expected[0, keep], atol=1e-6, rtol=0)
 
 
 def test_an_unknown_impl_backend_raises_instead_of_verls_silent_skip() -> None:

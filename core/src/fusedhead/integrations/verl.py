@@ -354,8 +354,15 @@ def forward_with_fusedhead_backend(
         raise ValueError(
             "forward_with_fusedhead_backend needs shift_labels, labels or input_ids to score"
         )
+    # verl scores every packed position (its rolled ids hold no ignore_index), so every row goes
+    # to the backend as is: no host sync, no copy of the selected rows.
     out = lm_head_logprobs(
-        self.lm_head, hidden_states, rolled.to(torch.int64), head=head, temperature=temperature
+        self.lm_head,
+        hidden_states,
+        rolled.to(torch.int64),
+        head=head,
+        temperature=temperature,
+        select_rows=False,
     )
     output_cls: Any = CausalLMOutputForPPO
     return output_cls(
