@@ -5,6 +5,10 @@
 - ``fusedhead.integrations.lm_head``: ``lm_head_logprobs`` for a trainer's own LM head and hidden
   states with already-shifted labels (packed or padded); ``parse_backend_spec`` for
   ``"fusedhead:<name>"`` config values. Both are importable from here (loaded on first use).
+- ``fusedhead.integrations.verl``: verl's ``impl_backend: fusedhead:<name>`` (a ``verl.plugins``
+  entry point, ``docs/integrations/verl.md``).
+- ``fusedhead.integrations.veomni``: VeOmni's ``cross_entropy_loss_implementation:
+  fusedhead:<name>`` (its ``KERNEL_REGISTRY``, ``docs/integrations/veomni.md``).
 """
 
 from __future__ import annotations
