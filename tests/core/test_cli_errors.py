@@ -289,3 +289,35 @@ def test_demo_prints_progress_to_stderr_and_the_report_to_stdout(capsys):
     assert "fusedhead demo: [" not in out
     rc, out, err = run_main(capsys, *argv, "--quiet")
     assert rc == 0 and "PASS" in out and err == ""
+
+
+@pytest.fixture
+def cuda_only_backend(ref_backend: type) -> Iterator[type]:
+    from fusedhead.protocol import Capabilities
+
+    class CudaOnly(ref_backend):  # type: ignore[misc,valid-type]
+        name: ClassVar[str] = "cuda-only-test"
+
+        def capabilities(self, device: Any) -> Capabilities:
+            return Capabilities(devices=("cuda",))
+
+    registry.register_backend("cuda-only-test", CudaOnly, replace=True)
+    registry.refresh()
+    yield CudaOnly
+    registry.unregister_backend("cuda-only-test")
+    registry.refresh()
+
+
+def test_demo_on_a_backend_that_cannot_run_here_is_one_error_line(capsys, cuda_only_backend):
+    argv = ["demo", "--backend", "cuda-only-test", "--n", "8", "--hidden", "8", "--vocab", "16"]
+    rc, out, err = run_main(capsys, *argv, "--quiet")
+    line = one_error_line(err)
+    assert rc == 2 and "backend 'cuda-only-test'" in line and "cannot run this problem" in line
+    assert "PASS" not in out
+
+
+def test_a_missing_file_is_one_error_line(capsys, tmp_path):
+    missing = tmp_path / "none.json"
+    rc, _out, err = run_main(capsys, "bench", "--report-only", "--json", str(missing))
+    line = one_error_line(err)
+    assert rc == 2 and str(missing) in line and "No such file" in line

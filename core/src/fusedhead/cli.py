@@ -413,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BackendError as exc:
         _fail(exc.message, exc.to_dict(), args)
         return EXIT_ERROR
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OSError) as exc:  # bad input, a file that is not there
         text = str(exc)
         fields = {"error": type(exc).__name__, "status": "error", "message": _one_line(text)}
         _fail(text, fields, args)

@@ -101,11 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; 0 on PASS, 1 on FAIL, 2 when it cannot run."""
+    """Run the demo; 0 on PASS, 1 on FAIL; raises (the command exits 2) when it cannot run."""
     if args.model:
         if importlib.util.find_spec(MODEL_MODULE) is None:
-            print(f"fusedhead demo --model: {MODEL_MODULE} is not available in this installation")
-            return 2
+            raise ValueError(f"demo --model: {MODEL_MODULE} is not available in this installation")
         if isinstance(args.options, dict):  # the model demo takes --options as JSON text
             args.options = json.dumps(args.options)
         result: int = importlib.import_module(MODEL_MODULE).run(args)
@@ -161,6 +160,7 @@ def _run_problem(args: argparse.Namespace) -> int:
     from fusedhead.bench.measure import measure
     from fusedhead.cli import runnable_device
     from fusedhead.config import FusedHeadConfig
+    from fusedhead.errors import BackendUnavailableError
 
     progress = _Progress(getattr(args, "quiet", False))
     options = _options(args.options)
@@ -188,8 +188,12 @@ def _run_problem(args: argparse.Namespace) -> int:
     backend_impl = peers.resolve(spec)
     reason = backend_impl.availability(case)
     if reason:
-        print(f"fusedhead demo: backend {args.backend!r} cannot run this problem here: {reason}")
-        return 2
+        raise BackendUnavailableError(
+            f"cannot run this problem here: {reason}",
+            backend=args.backend,
+            distribution=head.distribution,
+            version=head.version,
+        )
     reference_impl = peers.resolve("reference")
 
     dev = report.device_info(device)
