@@ -272,3 +272,21 @@ def test_the_docs_example_runs(tmp_path: Path) -> None:
     # Only fusedhead's forward takes shift_labels and returns log_probs: the entry point loaded.
     assert "torch.Size([1, 12]) torch.Size([1, 12])" in done.stdout
     assert "'tritonn' is not a fused-kernel backend" in done.stdout
+
+
+def test_uninstall_gives_verl_its_function_back_and_install_is_idempotent() -> None:
+    from verl.models.transformers import monkey_patch
+
+    assert fh_verl.is_installed()  # import verl loaded the entry point in this process
+    fh_verl.uninstall()
+    try:
+        assert monkey_patch.patch_forward_with_backends is not fh_verl.patch_forward_with_backends
+        assert not fh_verl.is_installed()
+        model = tiny_qwen2(0)
+        forward = type(model).forward
+        monkey_patch.patch_forward_with_backends(model, True, "tritonn")  # verl's silent skip
+        assert type(model).forward is forward
+    finally:
+        fh_verl.install()
+        fh_verl.install()
+    assert monkey_patch.patch_forward_with_backends is fh_verl.patch_forward_with_backends
