@@ -127,6 +127,14 @@ def test_bogus_device_is_a_value_error_naming_device(ref_backend):
     assert FusedHeadConfig(backend="ref-test", device="cuda:1").device == "cuda:1"
 
 
+def test_model_validate_gives_the_same_clean_errors(ref_backend):
+    with pytest.raises(
+        TypeError, match=r"field 'temperature' = True \(bool\): expected float"
+    ) as info:
+        FusedHeadConfig.model_validate({"backend": "ref-test", "temperature": True})
+    _no_pydantic_dump(str(info.value))
+
+
 def test_unknown_field_suggests_the_close_one(ref_backend):
     with pytest.raises(ValueError, match=r"unknown field 'temperatur'.*did you mean 'temperature'"):
         FusedHeadConfig(backend="ref-test", temperatur=0.5)

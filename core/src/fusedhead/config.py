@@ -261,6 +261,14 @@ class FusedHeadConfig(BaseModel):
         except ValidationError as exc:
             raise _clean_error(exc) from None
 
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> FusedHeadConfig:
+        """pydantic's entry point, with the same one-line errors as the constructor."""
+        try:
+            return super().model_validate(obj, *args, **kwargs)
+        except ValidationError as exc:
+            raise _clean_error(exc) from None
+
     @field_validator("options", mode="before")
     @classmethod
     def _options_mapping(cls, value: Any) -> Any:
