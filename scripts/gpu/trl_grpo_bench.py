@@ -22,7 +22,8 @@ logits. Writes ``OUT_DIR/trl_grpo_bench.json`` and prints a table.
 TRL need not be installed with its dependencies: ``pip install --no-deps trl==1.16.0`` (pure
 Python) is enough. If ``trl.trainer.utils`` cannot be imported (accelerate, datasets, ... absent),
 the kernel file is loaded on its own, with the one TRL helper its backward imports (the ZeRO-3
-gather, a no-op on one GPU) provided here; ``--standalone-trl`` forces that.
+gather, a no-op on one GPU) provided here, and, without transformers, the one function it imports
+from it (``is_triton_available``); ``--standalone-trl`` forces loading the file alone.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ def load_trl_kernel(standalone: bool) -> tuple[Any, str]:
     spec = importlib.util.find_spec("trl")  # finds the package without running its __init__
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit(
-            "TRL is not installed: pip install --no-deps trl==1.16.0 (pure Python, no other package "
-            "needed beyond torch, packaging and transformers)"
+            "TRL is not installed: pip install --no-deps trl==1.16.0 (pure Python; its kernel needs "
+            "only torch and packaging here)"
         )
     root = Path(next(iter(spec.submodule_search_locations)))
     kernel = root / "kernels" / "chunked_logprob.py"
@@ -74,11 +75,15 @@ def load_trl_kernel(standalone: bool) -> tuple[Any, str]:
             f"{kernel} not found: this bench was written against TRL 1.16 (trl/kernels)"
         )
     if importlib.util.find_spec("transformers") is None:
-        raise SystemExit(
-            "TRL's kernel imports transformers.utils.is_triton_available: pip install --no-deps "
-            "transformers (with huggingface_hub, tokenizers, safetensors) or pass --standalone-trl "
-            "on a machine that has it"
+        # The kernel file needs one function from transformers: whether Triton can be imported.
+        print(
+            "transformers is not installed: giving TRL's kernel transformers.utils.is_triton_available"
         )
+        tf = types.ModuleType("transformers")
+        tf.__path__ = []
+        tf_utils = types.ModuleType("transformers.utils")
+        tf_utils.is_triton_available = lambda: importlib.util.find_spec("triton") is not None  # type: ignore[attr-defined]
+        sys.modules["transformers"], sys.modules["transformers.utils"] = tf, tf_utils
     for name, path in (
         ("trl", root),
         ("trl.kernels", root / "kernels"),

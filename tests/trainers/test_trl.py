@@ -323,18 +323,24 @@ def test_replace_refuses_a_trainer_without_trls_fused_head(model_dir: Path) -> N
         fh_trl.replace_trl_fused_heads(NotATrainer(), "torch")
 
 
-def test_grpo_bench_script_smoke(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hide_transformers", [False, True], ids=["trl-file", "no-transformers"])
+def test_grpo_bench_script_smoke(tmp_path: Path, hide_transformers: bool) -> None:
     """scripts/gpu/trl_grpo_bench.py on the CPU, TRL's kernel file loaded alone (as on a GPU box
-    where TRL is installed with --no-deps): both heads run and agree with float32 logits."""
+    where TRL is installed with --no-deps, with or without transformers): both heads run and
+    agree with float32 logits and with each other's gradients."""
     import json
     import os
     import subprocess
     import sys
 
     script = Path(__file__).parents[2] / "scripts" / "gpu" / "trl_grpo_bench.py"
-    cmd = [sys.executable, str(script), str(tmp_path), "--device", "cpu", "--small"]
+    argv = [str(script), str(tmp_path), "--device", "cpu", "--small"]
+    argv += ["--backend", "torch", "--standalone-trl"]
+    # sys.modules["transformers"] = None makes it unimportable (and not found) in that process
+    hide = "sys.modules['transformers'] = None; " if hide_transformers else ""
+    code = f"import runpy, sys; {hide}sys.argv = {argv!r}; runpy.run_path({str(script)!r}, run_name='__main__')"
     proc = subprocess.run(
-        [*cmd, "--backend", "torch", "--standalone-trl"],
+        [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         timeout=300,
@@ -342,6 +348,7 @@ def test_grpo_bench_script_smoke(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "loaded alone" in proc.stdout and "fwd+bwd ms" in proc.stdout
+    assert ("transformers is not installed" in proc.stdout) == hide_transformers
     record = json.loads((tmp_path / "trl_grpo_bench.json").read_text())
     assert record["shape"]["scored_tokens"] == 64 and record["fusedhead_backend"] == "torch"
     for name in ("trl", "fusedhead"):
