@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("trl", reason="TRL is not installed (bash scripts/trainers/trl.sh)")
 
-from trl_helpers import make_model_dir, run_grpo
+from trl_helpers import build_trainer, make_model_dir, run_grpo
 
 from fusedhead.errors import UnknownBackendError
 from fusedhead.hooks import hookimpl, register_hooks, unregister_hooks
@@ -95,6 +95,23 @@ def test_rloo_two_steps_match_trls_own_kernel(model_dir: Path, tmp_path: Path) -
         for key in ("kl", "entropy"):
             assert round(a[key], 6) == round(b[key], 6), (key, a[key], b[key])
         assert abs(a["loss"] - b["loss"]) <= 2e-6, (a["loss"], b["loss"])
+
+
+def test_mixin_finds_trls_head_behind_accelerates_bf16_wrapper(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """With bf16 mixed precision accelerate wraps the reference model's forward in __init__;
+    the mixin still finds TRL's head under it and puts fusedhead's on top."""
+    trainer = build_trainer(model_dir, tmp_path, backend="torch", bf16=True)
+    assert trainer.ref_model.forward.__func__ is not type(trainer.ref_model).forward
+    for model in (trainer.model, trainer.ref_model):
+        assert fh_trl.fused_head_of(model) is trainer.fused_head
+    ids, mask, labels = _batch()
+    with trainer.accelerator.autocast():
+        out = trainer.ref_model(
+            input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True
+        )
+    assert out.log_probs.dtype == torch.float32 and out.entropy is None  # ref: log-probs only
 
 
 def _pair(model_dir: Path, **attrs: Any) -> tuple[Any, Any]:

@@ -73,10 +73,10 @@ def record_fused_calls(model: nn.Module, tag: str, calls: list[tuple[str, torch.
     model.forward = forward  # type: ignore[method-assign]
 
 
-def run_grpo(
-    model_dir: Path, out_dir: Path, *, backend: str | None, kind: str = "GRPO"
-) -> dict[str, Any]:
-    """Two GRPO (or RLOO) steps, beta > 0 (reference model on); ``backend=None`` keeps TRL's kernel."""
+def build_trainer(
+    model_dir: Path, out_dir: Path, *, backend: str | None, kind: str = "GRPO", **overrides: Any
+) -> Any:
+    """A GRPO (or RLOO) trainer for two steps, beta > 0; ``backend=None`` keeps TRL's kernel."""
     import trl
     from datasets import Dataset
 
@@ -103,6 +103,7 @@ def run_grpo(
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+    common.update(overrides)
     trainer_kwargs: dict[str, Any] = dict(
         model=str(model_dir),
         reward_funcs=reward_len,
@@ -116,6 +117,14 @@ def run_grpo(
         config = getattr(fh_trl, f"FusedHead{kind}Config")
         args = config(fused_head_backend=backend, **common)
         trainer = getattr(fh_trl, f"FusedHead{kind}Trainer")(args=args, **trainer_kwargs)
+    return trainer
+
+
+def run_grpo(
+    model_dir: Path, out_dir: Path, *, backend: str | None, kind: str = "GRPO"
+) -> dict[str, Any]:
+    """Two GRPO (or RLOO) steps; every fused call's log-probs and the logged metrics."""
+    trainer = build_trainer(model_dir, out_dir, backend=backend, kind=kind)
     calls: list[tuple[str, torch.Tensor]] = []
     record_fused_calls(trainer.model, "policy", calls)
     assert trainer.ref_model is not None, "beta > 0 must build a reference model"
