@@ -12,6 +12,7 @@ __version__ = "1.0.0"
 
 _LAZY = {
     "fused_head": "fusedhead.api",
+    "fused_kl": "fusedhead.api",
     "FusedHead": "fusedhead.api",
     "FusedHeadOutput": "fusedhead.api",
     "FusedHeadConfig": "fusedhead.config",
@@ -39,6 +40,7 @@ __all__ = [
     "HeadOutput",
     "__version__",
     "fused_head",
+    "fused_kl",
     "reference_fused_head",
     "refresh",
     "register_backend",
@@ -46,7 +48,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from fusedhead.api import FusedHead, FusedHeadOutput, fused_head
+    from fusedhead.api import FusedHead, FusedHeadOutput, fused_head, fused_kl
     from fusedhead.config import FusedHeadConfig
     from fusedhead.module import FusedLMHead
     from fusedhead.protocol import (

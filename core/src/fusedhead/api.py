@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 from pydantic import BaseModel
 
-from fusedhead import registry
+from fusedhead import extras, registry
 from fusedhead.config import FusedHeadConfig, validate_options
 from fusedhead.errors import (
     BackendContractError,
@@ -20,15 +20,47 @@ from fusedhead.errors import (
     CapabilityError,
 )
 from fusedhead.hooks import plugin_manager
-from fusedhead.protocol import OUTPUTS, Capabilities, HeadCall, HeadOutput
-from fusedhead.validation import dtype_name, validate
+from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
+from fusedhead.validation import dtype_name, validate, validate_kl, with_outputs
 
 
-class FusedHeadOutput(NamedTuple):
-    """Per-token fp32 log-probabilities of the labels and entropies (None when not asked for)."""
-
+class _LogProbsEntropy(NamedTuple):
     log_probs: torch.Tensor
     entropy: torch.Tensor | None
+
+
+class FusedHeadOutput(_LogProbsEntropy):
+    """Per-token fp32 log-probabilities of the labels and entropies (None when not asked for).
+
+    Unpacks as ``(log_probs, entropy)``; the further outputs (``top_k=``, ``gather_ids=``,
+    ``return_lse=``, ``return_sum_p2=``, ``return_argmax=``) are attributes, None unless asked for:
+    ``lse``, ``sum_p2``, ``argmax`` (labels' shape), ``topk_ids``, ``topk_log_probs`` (``[..., k]``)
+    and ``gathered`` (``[..., K]``). See docs/distillation.md.
+    """
+
+    lse: torch.Tensor | None
+    sum_p2: torch.Tensor | None
+    argmax: torch.Tensor | None
+    topk_ids: torch.Tensor | None
+    topk_log_probs: torch.Tensor | None
+    gathered: torch.Tensor | None
+
+    def __new__(
+        cls,
+        log_probs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        *,
+        lse: torch.Tensor | None = None,
+        sum_p2: torch.Tensor | None = None,
+        argmax: torch.Tensor | None = None,
+        topk_ids: torch.Tensor | None = None,
+        topk_log_probs: torch.Tensor | None = None,
+        gathered: torch.Tensor | None = None,
+    ) -> FusedHeadOutput:
+        self = super().__new__(cls, log_probs, entropy)
+        self.lse, self.sum_p2, self.argmax = lse, sum_p2, argmax
+        self.topk_ids, self.topk_log_probs, self.gathered = topk_ids, topk_log_probs, gathered
+        return self
 
 
 class FusedHead:
@@ -156,6 +188,11 @@ class FusedHead:
         reduce_hidden_grad: bool = True,
         check_labels: bool | None = None,
         softcap: float | None = None,
+        top_k: int | None = None,
+        gather_ids: torch.Tensor | None = None,
+        return_lse: bool = False,
+        return_sum_p2: bool = False,
+        return_argmax: bool = False,
     ) -> FusedHeadOutput:
         cfg = self.config
         call, shape = validate(
@@ -172,6 +209,18 @@ class FusedHead:
             check_labels=cfg.check_labels if check_labels is None else check_labels,
             softcap=cfg.softcap if softcap is None else softcap,
         )
+        flags = (return_lse, return_sum_p2, return_argmax)
+        if top_k is not None or gather_ids is not None or any(f is not False for f in flags):
+            call = with_outputs(
+                call,
+                shape,
+                top_k=top_k,
+                gather_ids=gather_ids,
+                return_lse=return_lse,
+                return_sum_p2=return_sum_p2,
+                return_argmax=return_argmax,
+                check_labels=cfg.check_labels if check_labels is None else check_labels,
+            )
         h = call.hidden
         caps = self._ready(h.device, h.dtype)
         self._check_call_capabilities(call, caps)
@@ -187,8 +236,76 @@ class FusedHead:
         self._check_output(call, out)
         entropy = out.entropy
         return FusedHeadOutput(
-            _shaped(out.log_probs, shape), None if entropy is None else _shaped(entropy, shape)
+            _shaped(out.log_probs, shape),
+            None if entropy is None else _shaped(entropy, shape),
+            **extras.shaped_extras(call, out, shape),
         )
+
+    def kl(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        teacher_hidden: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        direction: str = "forward",
+        temperature: float | torch.Tensor = 1.0,
+        teacher_temperature: float | torch.Tensor = 1.0,
+        ignore_index: int | None = None,
+    ) -> torch.Tensor:
+        """Per-token fp32 KL between the student and the teacher head (see ``fused_kl``)."""
+        call, shape = validate_kl(
+            hidden,
+            weight,
+            teacher_hidden,
+            teacher_weight,
+            labels,
+            temperature=temperature,
+            teacher_temperature=teacher_temperature,
+            ignore_index=self.config.ignore_index if ignore_index is None else ignore_index,
+            direction=direction,
+        )
+        caps = self._ready(call.hidden.device, call.hidden.dtype)
+        if call.direction not in caps.kl_directions:
+            raise CapabilityError(
+                f"does not compute the {call.direction} KL of two heads (it declares "
+                f"kl_directions={list(caps.kl_directions)})",
+                capability="kl_directions",
+                hint="name a backend that declares it, e.g. 'torch'",
+                **self._identity(),
+            )
+        for arg, temp in (
+            ("temperature", call.temperature),
+            ("teacher_temperature", call.teacher_temperature),
+        ):
+            if temp.__class__ is not float and not caps.per_token_temperature:
+                raise CapabilityError(
+                    f"does not support a per-token {arg} tensor",
+                    capability="per_token_temperature",
+                    hint="pass a float, or name a backend that declares per_token_temperature",
+                    **self._identity(),
+                )
+        if call.valid.numel() == 0:
+            zero = call.hidden.sum(-1).float() * 0 + call.weight.sum().float() * 0
+            return _shaped(zero, shape)
+        method = getattr(self.backend, "kl", None)
+        if not callable(method):
+            self._broke("declares kl_directions but has no kl(call) method")
+        dev = call.hidden.device.type
+        try:
+            if dev in _AUTOCAST_DEVICES and torch.is_autocast_enabled(dev):
+                with torch.autocast(dev, enabled=False):
+                    out = method(call)
+            else:
+                out = method(call)
+        except BackendError as exc:
+            raise exc.attach(**self._identity()) from None
+        needs_grad = torch.is_grad_enabled() and (
+            call.hidden.requires_grad or call.weight.requires_grad
+        )
+        extras.check_kl(out, call.valid.shape[0], call.hidden.device, needs_grad, self._broke)
+        return _shaped(out.kl, shape)
 
     def _check_call_capabilities(self, call: HeadCall, caps: Capabilities) -> None:
         if call.temperature.__class__ is not float and not caps.per_token_temperature:
@@ -214,6 +331,10 @@ class FusedHead:
                 hint="drop them from the call, or name a backend that declares them",
                 **self._identity(),
             )
+        refusal = extras.capability_refusal(call, caps)
+        if refusal is not None:
+            reason, capability, hint = refusal
+            raise CapabilityError(reason, capability=capability, hint=hint, **self._identity())
         group = call.process_group
         if group is not None:
             if not caps.vocab_parallel:
@@ -246,7 +367,7 @@ class FusedHead:
         n = call.labels.shape[0]
         h, w = call.hidden, call.weight
         needs_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
-        for what in (o for o in OUTPUTS if o in call.outputs):
+        for what in (o for o in ("log_probs", "entropy") if o in call.outputs):
             t = getattr(out, what)
             if not isinstance(t, torch.Tensor):
                 self._broke(
@@ -263,6 +384,7 @@ class FusedHead:
                 )
         if "entropy" not in call.outputs and out.entropy is not None:
             self._broke("entropy was not requested and must be None")
+        extras.check_extras(call, out, needs_grad, self._broke)
 
     def _broke(self, reason: str) -> NoReturn:
         raise BackendContractError(
@@ -295,7 +417,9 @@ def _empty(call: HeadCall, shape: tuple[int, ...]) -> FusedHeadOutput:
     """N = 0: empty fp32 outputs that still belong to the autograd graph (zero gradients)."""
     zero = call.hidden.sum(-1).float() * 0 + call.weight.sum().float() * 0
     out = _shaped(zero, shape)
-    return FusedHeadOutput(out, out.clone() if call.return_entropy else None)
+    return FusedHeadOutput(
+        out, out.clone() if call.return_entropy else None, **extras.empty_extras(call, shape, out)
+    )
 
 
 _cache: dict[tuple[str, str], FusedHead] = {}
@@ -370,10 +494,17 @@ def fused_head(
     reduce_hidden_grad: bool = True,
     check_labels: bool = True,
     softcap: float | None = None,
+    top_k: int | None = None,
+    gather_ids: torch.Tensor | None = None,
+    return_lse: bool = False,
+    return_sum_p2: bool = False,
+    return_argmax: bool = False,
 ) -> FusedHeadOutput:
     """Log-prob of each label and entropy of each row of ``hidden @ weight.T / temperature``.
 
     ``hidden [..., H]``, ``weight [V, H]``, ``labels [...]``; outputs fp32 of the labels' shape.
+    Further outputs on request: ``top_k`` ids and log-probs, log-probs at ``gather_ids [..., K]``,
+    the log-sum-exp, the sum of squared probabilities, the argmax (docs/distillation.md).
     The backend is the one named, always; docs/design.md states the full contract.
     """
     if not isinstance(backend, str):
@@ -396,4 +527,47 @@ def fused_head(
         reduce_hidden_grad=reduce_hidden_grad,
         check_labels=check_labels,
         softcap=softcap,
+        top_k=top_k,
+        gather_ids=gather_ids,
+        return_lse=return_lse,
+        return_sum_p2=return_sum_p2,
+        return_argmax=return_argmax,
+    )
+
+
+def fused_kl(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    direction: str = "forward",
+    backend: str = "torch",
+    temperature: float | torch.Tensor = 1.0,
+    teacher_temperature: float | torch.Tensor = 1.0,
+    ignore_index: int = -100,
+    options: Mapping[str, Any] | BaseModel | None = None,
+) -> torch.Tensor:
+    """Per-token KL between a student head (``hidden``, ``weight``) and a teacher head, fp32.
+
+    ``direction="forward"``: ``KL(p_teacher || p_student)``; ``"reverse"``: ``KL(p_student ||
+    p_teacher)``. Each head has its own temperature; the heads share V, their H may differ.
+    Rows whose label is ``ignore_index`` give 0 (``labels=None``: every row counts). Gradients
+    reach the student only; no ``[N, V]`` tensor is formed. See docs/distillation.md.
+    """
+    if not isinstance(backend, str):
+        raise TypeError(
+            f"backend must be a str naming a backend, got {type(backend).__name__} {backend!r}"
+        )
+    return get_fused_head(backend, options).kl(
+        hidden,
+        weight,
+        teacher_hidden,
+        teacher_weight,
+        labels,
+        direction=direction,
+        temperature=temperature,
+        teacher_temperature=teacher_temperature,
+        ignore_index=ignore_index,
     )

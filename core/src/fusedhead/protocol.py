@@ -109,10 +109,10 @@ class HeadCall:
     vocab_size: int  #: the global vocabulary size (``V_local`` without a process group)
     process_group: Any  #: None, or the group the vocabulary is sharded over
     reduce_hidden_grad: bool  #: all-reduce the hidden gradient over ``process_group``
+    outputs: frozenset[str]  #: requested outputs, a subset of :data:`OUTPUTS`
     top_k: int = 0  #: ids per row of the ``topk`` output (> 0 exactly when it is requested)
     #: int64 ``[N, K]`` global ids of the ``gather`` output (set exactly when it is requested)
     gather_ids: torch.Tensor | None = None
-    outputs: frozenset[str]  #: requested outputs, a subset of :data:`OUTPUTS`
 
     @property
     def return_entropy(self) -> bool:
@@ -133,10 +133,10 @@ class HeadCall:
         vocab_start: int = 0,
         vocab_size: int | None = None,
         reduce_hidden_grad: bool = True,
+        softcap: float | None = None,
         extras: frozenset[str] = frozenset(),
         top_k: int = 0,
         gather_ids: torch.Tensor | None = None,
-        softcap: float | None = None,
     ) -> HeadCall:
         """A call with defaults, for a backend's own unit tests (the core validates real calls).
 
@@ -174,6 +174,7 @@ class HeadOutput:
     """
 
     log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
     lse: torch.Tensor | None = None  #: fp32 [N] log-sum-exp of the scaled logits
     sum_p2: torch.Tensor | None = None  #: fp32 [N] sum of squared probabilities
     argmax: torch.Tensor | None = None  #: int64 [N] most likely id (lower id on ties)
@@ -205,7 +206,6 @@ class KLOutput:
     """What ``kl`` returns: the fp32 ``[N]`` per-token KL, differentiable in the student."""
 
     kl: torch.Tensor
-    entropy: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -229,8 +229,8 @@ class FusedHeadBackend(Protocol):
     def forward(self, call: HeadCall) -> HeadOutput:
         """The requested outputs of ``call``, fp32 ``[N]``, differentiable."""
         ...
-    # Optional: ``kl(self, call: KLCall) -> KLOutput`` when ``capabilities().kl_directions`` is set.
 
+    # Optional: ``kl(self, call: KLCall) -> KLOutput`` when ``capabilities().kl_directions`` is set.
 
 
 def call_backend(

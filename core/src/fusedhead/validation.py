@@ -332,14 +332,10 @@ def validate_kl(
             f"direction must be one of {list(KL_DIRECTIONS)} (forward: KL(p_teacher || p_student), "
             f"reverse: KL(p_student || p_teacher)), got {direction!r}"
         )
-    if ignore_index.__class__ is not int:
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-            raise TypeError(
-                f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}"
-            )
-        ignore_index = int(ignore_index)
-    if not _INT64_MIN <= ignore_index <= _INT64_MAX:
-        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(
+            f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}"
+        )
     for arg, t in (("hidden", h), ("teacher_hidden", th)):
         if t.dim() < 1:
             raise ValueError(f"{arg} must have shape [..., H], got a 0-d tensor")

@@ -38,9 +38,8 @@ class KLSpec:
 
     direction: str
     tiles: Tiles
-    fp32_logits: bool = (
-        False  #: logits GEMMs of bf16/fp16 inputs write fp32 (the backend's setting)
-    )
+    #: Logits GEMMs of bf16/fp16 inputs write fp32 (the backend's ``fp32_logits`` setting).
+    fp32_logits: bool = False
 
 
 def _rows(inv_t: float | torch.Tensor, r0: int, r1: int) -> float | torch.Tensor:
