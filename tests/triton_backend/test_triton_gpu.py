@@ -10,6 +10,7 @@ from triton_backend_helpers import IGNORE, rel_err
 from fusedhead.protocol import call_backend
 from fusedhead.reference import reference_fused_head
 from fusedhead.testing import PROPERTIES, Outcome, check_property
+from fusedhead.testing.outputs import OUTPUT_PROPERTIES
 from fusedhead_triton import TritonBackend, TritonOptions
 
 pytestmark = pytest.mark.gpu
@@ -107,6 +108,8 @@ def test_determinism_bf16() -> None:
 @pytest.mark.parametrize("prop", list(PROPERTIES))
 def test_kit_property_on_cuda(prop: str, dtype: str) -> None:
     result = check_property(prop, "triton", device="cuda", dtype=dtype)
+    if prop in OUTPUT_PROPERTIES and result.outcome is Outcome.NOT_RUN:
+        return  # an output the triton backend does not declare yet (issue 18): refused by name
     assert result.outcome in (Outcome.PASS, Outcome.NOT_RUN), result.line()
     if prop != "vocab_parallel":  # one GPU: the kit's NCCL check needs two
         assert result.outcome is Outcome.PASS, result.line()
