@@ -91,3 +91,17 @@ def test_partial_hidden_gradients_sum_to_the_full_one(
     full = single[name]["d_hidden"]
     assert rel_err(sum(partials), full) <= TOL
     assert all(rel_err(p, full) > 0.05 for p in partials)  # each is only its shard's share
+
+
+@pytest.mark.parametrize("name", [n for n in tp.CASES if n.startswith("nan-")])
+def test_nan_in_an_ignored_rows_hidden_reaches_no_gradient(ranks: list[dict], name: str) -> None:
+    x = tp.full_inputs()
+    kwargs = {k: v for k, v in tp.CASES[name].get("kwargs", {}).items() if k != "nan_row"}
+    clean = tp.run_case(x, 0, tp.V, True, None, **kwargs)  # the same case, hidden all finite
+    for rank in ranks:
+        dh = rank[name]["d_hidden"]
+        assert torch.equal(dh[tp.NAN_ROW], torch.zeros(tp.H))
+        assert torch.isfinite(dh).all() and torch.isfinite(rank[name]["d_weight"]).all()
+        assert rank[name]["log_probs"][tp.NAN_ROW] == 0
+    full = torch.cat([rank[name]["d_weight"] for rank in ranks])
+    assert rel_err(full, clean["d_weight"]) <= TOL

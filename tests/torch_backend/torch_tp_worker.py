@@ -18,6 +18,7 @@ from fusedhead.protocol import call_backend
 N, H, V = 64, 16, 120
 IGNORE = -100
 BAD_ROW = 5  # gets a label >= V: NaN on every rank, never a crash
+NAN_ROW = 9  # an ignored row (labels[::9]) whose hidden state is NaN in the "nan-*" cases
 OPTIONS = {"chunk_rows": 25, "block_vocab": 16}
 
 #: name -> shard boundaries per world size, reduce_hidden_grad, extra forward arguments.
@@ -41,6 +42,21 @@ CASES: dict[str, dict[str, Any]] = {
         "bounds": {2: [0, 60, 120], 3: [0, 40, 80, 120]},
         "reduce": True,
         "kwargs": {"return_entropy": False},
+    },
+    "nan-ignored-row": {
+        "bounds": {2: [0, 17, 120], 3: [0, 70, 71, 120]},
+        "reduce": True,
+        "kwargs": {"nan_row": True},
+    },
+    "nan-ignored-row-all-rows": {
+        "bounds": {2: [0, 60, 120], 3: [0, 0, 80, 120]},
+        "reduce": True,
+        "kwargs": {"nan_row": True, "skip_ignored_rows": False, "per_token": True},
+    },
+    "nan-ignored-row-no-entropy": {
+        "bounds": {2: [0, 60, 120], 3: [0, 40, 80, 120]},
+        "reduce": False,
+        "kwargs": {"nan_row": True, "skip_ignored_rows": False, "return_entropy": False},
     },
 }
 
@@ -70,7 +86,11 @@ def run_case(
     per_token = kwargs.pop("per_token", False)
     return_entropy = kwargs.pop("return_entropy", True)
     options = TorchOptions(**OPTIONS, skip_ignored_rows=kwargs.pop("skip_ignored_rows", None))
-    h = x["hidden"].clone().requires_grad_()
+    h = x["hidden"].clone()
+    if kwargs.pop("nan_row", False):
+        assert x["labels"][NAN_ROW] == IGNORE
+        h[NAN_ROW] = float("nan")
+    h.requires_grad_()
     w = x["weight"][start:stop].clone().requires_grad_()
     lp, ent = call_backend(
         TorchBackend(options),
