@@ -38,7 +38,7 @@ class RefBackend:
         return None
 
     def forward(self, call: HeadCall) -> HeadOutput:
-        self.calls.append({**vars(call), "return_entropy": call.return_entropy})
+        self.calls.append({**call._asdict(), "return_entropy": call.return_entropy})
         lp, ent = reference_fused_head(
             call.hidden,
             call.weight,

@@ -227,12 +227,14 @@ class FusedHead:
         if call.labels.numel() == 0:
             return _empty(call, shape)
         dev = h.device.type
-        if dev in _AUTOCAST_DEVICES and torch.is_autocast_enabled(dev):
-            with torch.autocast(dev, enabled=False), self._identified():
+        try:
+            if dev in _AUTOCAST_DEVICES and torch.is_autocast_enabled(dev):
+                with torch.autocast(dev, enabled=False):
+                    out = self.backend.forward(call)
+            else:
                 out = self.backend.forward(call)
-        else:
-            with self._identified():
-                out = self.backend.forward(call)
+        except BackendError as exc:
+            raise exc.attach(**self._identity()) from None
         self._check_output(call, out)
         entropy = out.entropy
         return FusedHeadOutput(
@@ -364,27 +366,31 @@ class FusedHead:
             self._broke(
                 f"forward() must return a fusedhead.protocol.HeadOutput, got {_describe(out)}"
             )
-        n = call.labels.shape[0]
         h, w = call.hidden, call.weight
-        needs_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
-        for what in (o for o in ("log_probs", "entropy") if o in call.outputs):
-            t = getattr(out, what)
-            if not isinstance(t, torch.Tensor):
-                self._broke(
-                    f"{what} was requested and must be a float32 [{n}] tensor, got {_describe(t)}"
-                )
-            if t.dtype != torch.float32 or t.shape != (n,) or t.device != h.device:
-                self._broke(
-                    f"{what} must be float32 [{n}] on {h.device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
-                )
-            if needs_grad and not t.requires_grad:
-                self._broke(
-                    f"{what} does not require grad although hidden or weight does: the backend "
-                    "detached it, so no gradient would reach the model"
-                )
-        if "entropy" not in call.outputs and out.entropy is not None:
+        n = call.labels.shape[0]
+        device = h.device
+        needs_grad = (h.requires_grad or w.requires_grad) and torch.is_grad_enabled()
+        self._check_tensor("log_probs", out.log_probs, n, device, needs_grad)
+        if "entropy" in call.outputs:
+            self._check_tensor("entropy", out.entropy, n, device, needs_grad)
+        elif out.entropy is not None:
             self._broke("entropy was not requested and must be None")
         extras.check_extras(call, out, needs_grad, self._broke)
+
+    def _check_tensor(
+        self, what: str, t: object, n: int, device: torch.device, needs_grad: bool
+    ) -> None:
+        if t.__class__ is not torch.Tensor and not isinstance(t, torch.Tensor):
+            self._broke(f"{what} must be a float32 [{n}] tensor, got {_describe(t)}")
+        if t.dtype is not torch.float32 or t.dim() != 1 or t.shape[0] != n or t.device != device:
+            self._broke(
+                f"{what} must be float32 [{n}] on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+        if needs_grad and not t.requires_grad:
+            self._broke(
+                f"{what} does not require grad although hidden or weight does: the backend "
+                "detached it, so no gradient would reach the model"
+            )
 
     def _broke(self, reason: str) -> NoReturn:
         raise BackendContractError(

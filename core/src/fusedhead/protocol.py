@@ -13,7 +13,7 @@ was ever published outside this repository, so 1.x carries no shim.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -95,9 +95,8 @@ class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-@dataclass(frozen=True)
-class HeadCall:
-    """One validated call, as every backend receives it."""
+class HeadCall(NamedTuple):
+    """One validated call, as every backend receives it (immutable; cheap to build per call)."""
 
     hidden: torch.Tensor  #: [N, H]
     weight: torch.Tensor  #: [V_local, H], hidden's dtype and device

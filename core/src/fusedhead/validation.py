@@ -15,6 +15,10 @@ import torch
 from fusedhead.protocol import KL_DIRECTIONS, HeadCall, KLCall
 
 _FLOAT_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_INT_DTYPES = frozenset(
+    {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32}
+)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -26,7 +30,12 @@ def _is_dtensor(t: object) -> bool:
     return any(c.__name__ == "DTensor" for c in type(t).__mro__)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _tensor(arg: str, value: object) -> torch.Tensor:
+    if value.__class__ in _PLAIN:  # the common case, without walking the MRO
+        return value  # type: ignore[return-value]
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor, got {type(value).__name__}")
     if _is_dtensor(value):
@@ -56,6 +65,8 @@ def _positive_float(arg: str, value: object) -> float:
 
 
 def _flag(arg: str, value: object) -> bool:
+    if value is True or value is False:
+        return value
     if not isinstance(value, bool):
         raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
     return value
@@ -83,10 +94,14 @@ def validate(
     want_entropy = _flag("return_entropy", return_entropy)
     reduce = _flag("reduce_hidden_grad", reduce_hidden_grad)
     do_check = _flag("check_labels", check_labels)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(
-            f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}"
-        )
+    if ignore_index.__class__ is not int:
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(
+                f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}"
+            )
+        ignore_index = int(ignore_index)
+    if not _INT64_MIN <= ignore_index <= _INT64_MAX:
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
 
     if h.dim() < 1:
         raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
@@ -101,15 +116,16 @@ def validate(
         raise ValueError(
             f"hidden's last dimension must equal weight's H={H}, got hidden shape {tuple(h.shape)}"
         )
-    if tuple(y.shape) != tuple(h.shape[:-1]):
+    if y.shape != h.shape[:-1]:
         raise ValueError(
             f"labels must have hidden's leading shape {tuple(h.shape[:-1])}, got {tuple(y.shape)}"
         )
-    if y.dtype == torch.bool or y.is_floating_point() or y.is_complex():
+    if y.dtype not in _INT_DTYPES:
         raise TypeError(f"labels must be an integer tensor, got dtype {y.dtype}")
-    for arg, t in (("hidden", h), ("weight", w)):
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{arg} must be float32, float16 or bfloat16, got dtype {t.dtype}")
+    if h.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"hidden must be float32, float16 or bfloat16, got dtype {h.dtype}")
+    if w.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"weight must be float32, float16 or bfloat16, got dtype {w.dtype}")
     if h.device != w.device:
         raise ValueError(
             f"hidden and weight must be on one device, got hidden on {h.device}, weight on {w.device}"
@@ -120,7 +136,9 @@ def validate(
     h, w = _apply_autocast(h, w)
 
     if process_group is None:
-        if vocab_start not in (None, 0) or vocab_size not in (None, V):
+        if (vocab_start is not None and vocab_start != 0) or (
+            vocab_size is not None and vocab_size != V
+        ):
             raise ValueError(
                 "vocab_start and vocab_size describe a shard and need process_group; without it the "
                 f"weight is the whole vocabulary (vocab_start=0, vocab_size={V}), got "
@@ -133,11 +151,15 @@ def validate(
     temp = _temperature(temperature, y, h.device)
     cap = None if softcap is None else _positive_float("softcap", softcap)
 
-    labels_flat = y.reshape(-1).to(torch.int64).contiguous()
+    labels_flat = y if y.dim() == 1 else y.reshape(-1)
+    if labels_flat.dtype != torch.int64:
+        labels_flat = labels_flat.to(torch.int64)
+    if not labels_flat.is_contiguous():
+        labels_flat = labels_flat.contiguous()
     if do_check and labels_flat.numel() and labels_flat.device.type != "meta":
         _check_label_range(labels_flat, ignore_index, size)
     call = HeadCall(
-        hidden=h.reshape(-1, H),
+        hidden=h if h.dim() == 2 else h.reshape(-1, H),
         weight=w,
         labels=labels_flat,
         temperature=temp,
@@ -175,6 +197,8 @@ def _apply_autocast(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def _temperature(value: object, labels: torch.Tensor, device: torch.device) -> float | torch.Tensor:
+    if value.__class__ is float and 0.0 < value < math.inf:  # type: ignore[operator]
+        return value  # type: ignore[return-value]
     if not isinstance(value, torch.Tensor):
         return _positive_float("temperature", value)
     t = _tensor("temperature", value)
@@ -332,10 +356,14 @@ def validate_kl(
             f"direction must be one of {list(KL_DIRECTIONS)} (forward: KL(p_teacher || p_student), "
             f"reverse: KL(p_student || p_teacher)), got {direction!r}"
         )
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(
-            f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}"
-        )
+    if ignore_index.__class__ is not int:
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(
+                f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}"
+            )
+        ignore_index = int(ignore_index)
+    if not _INT64_MIN <= ignore_index <= _INT64_MAX:
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
     for arg, t in (("hidden", h), ("teacher_hidden", th)):
         if t.dim() < 1:
             raise ValueError(f"{arg} must have shape [..., H], got a 0-d tensor")
