@@ -321,3 +321,11 @@ def test_a_missing_file_is_one_error_line(capsys, tmp_path):
     rc, _out, err = run_main(capsys, "bench", "--report-only", "--json", str(missing))
     line = one_error_line(err)
     assert rc == 2 and str(missing) in line and "No such file" in line
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_a_cuda_device_that_is_not_here_is_one_error_line(capsys, command):
+    rc, out, err = run_main(capsys, command, "--device", "cuda:99", "--n", "8")
+    line = one_error_line(err)
+    assert rc == 2 and "--device cuda:99" in line and "PASS" not in out
+    assert "CUDA is not available here" in line or "CUDA device(s)" in line
