@@ -64,12 +64,21 @@ class Partials(NamedTuple):
     zy: torch.Tensor
 
 
-class RowStats(NamedTuple):
-    """A row's statistics over the vocabulary: log_prob (or max), lse (or sum), entropy (or w)."""
+class RowOutputs(NamedTuple):
+    """A row's final outputs: log_prob, log-sum-exp and entropy (a dummy when not asked)."""
 
-    a: torch.Tensor
-    b: torch.Tensor
-    c: torch.Tensor
+    log_probs: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor
+
+
+class RowPartials(NamedTuple):
+    """A row's statistics over one shard: max logit ``m``, ``s`` = sum exp(z - m) and
+    ``w`` = sum exp(z - m) (z - m) (what a vocab-parallel rank gathers)."""
+
+    m: torch.Tensor
+    s: torch.Tensor
+    w: torch.Tensor
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -146,18 +155,27 @@ def forward_partials(
     return Partials(ws, zy)
 
 
-def combine(
-    p: Partials, labels: torch.Tensor, ignore_index: int, *, final: bool, entropy: bool
-) -> RowStats:
-    """Reduce ``ws[3, T, N]`` over T in a fixed order. ``final``: (log_prob, lse, entropy; a dummy
-    when not asked); otherwise the row's (m, s, w) for the cross-rank combine."""
+def _combine(
+    p: Partials, labels: torch.Tensor, ignore_index: int, final: bool, entropy: bool
+) -> list[torch.Tensor]:
+    """Reduce ``ws[3, T, N]`` over T in a fixed order (batch invariant, deterministic)."""
     _, t, n = p.ws.shape
     outs = [torch.empty(n, dtype=torch.float32, device=p.ws.device) for _ in range(3)]
     kernel("forward").combine_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
         p.ws, p.zy, labels, *outs, n, t, ignore_index, BLOCK_R=COMBINE_BLOCK_R,
         BLOCK_T=COMBINE_BLOCK_T, FINAL=final, HAS_ENT=entropy, num_warps=4,
     )  # fmt: skip
-    return RowStats(*outs)
+    return outs
+
+
+def combine(p: Partials, labels: torch.Tensor, ignore_index: int, *, entropy: bool) -> RowOutputs:
+    """The rows' outputs from the tile statistics (or from every rank's, gathered)."""
+    return RowOutputs(*_combine(p, labels, ignore_index, True, entropy))
+
+
+def shard_stats(p: Partials, labels: torch.Tensor, ignore_index: int) -> RowPartials:
+    """The rows' (m, s, w) over this shard, for the cross-rank combine."""
+    return RowPartials(*_combine(p, labels, ignore_index, False, False))
 
 
 def dz_block(

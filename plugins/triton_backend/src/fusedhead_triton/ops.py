@@ -16,7 +16,15 @@ from torch.autograd.function import once_differentiable
 from . import parallel
 from .backward import backward
 from .configs import Settings, TileConfig
-from .launch import HeadScalars, Partials, RowGrads, RowStats, combine, forward_partials
+from .launch import (
+    HeadScalars,
+    Partials,
+    RowGrads,
+    RowOutputs,
+    combine,
+    forward_partials,
+    shard_stats,
+)
 
 DOUBLE_BACKWARD = (
     "the triton backend's backward is not differentiable: a double backward "
@@ -28,17 +36,17 @@ DOUBLE_BACKWARD = (
 def forward_values(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
     sc: HeadScalars, cfg: TileConfig, entropy: bool, group: Any = None,
-) -> RowStats:  # fmt: skip
+) -> RowOutputs:  # fmt: skip
     """(log_prob, lse, entropy-or-dummy) over the whole (possibly sharded) vocabulary."""
     p = forward_partials(hidden, weight, labels, temp, sc, cfg)
     if group is None:
-        return combine(p, labels, sc.ignore_index, final=True, entropy=entropy)
-    m, s, w = combine(p, labels, sc.ignore_index, final=False, entropy=False)
+        return combine(p, labels, sc.ignore_index, entropy=entropy)
+    m, s, w = shard_stats(p, labels, sc.ignore_index)
     zy, lo = p.zy, sc.label_offset
     del p  # the tile statistics: T x N x 12 bytes
     owned = (labels >= lo) & (labels < lo + weight.shape[0])
     stats = Partials(*parallel.gather_row_stats(m, s, w, zy, owned, group))
-    return combine(stats, labels, sc.ignore_index, final=True, entropy=entropy)
+    return combine(stats, labels, sc.ignore_index, entropy=entropy)
 
 
 def _grad(g: torch.Tensor | None) -> torch.Tensor | None:
