@@ -101,3 +101,8 @@ def test_hidden_gradient_reduced_or_partial(ranks: list[dict], single: dict, nam
         parts = [rank[name]["d_hidden"] for rank in ranks]
         assert rel_err(parts[0], want) > 1e-3  # a partial, not the full gradient
         assert rel_err(sum(parts), want) <= TOL
+
+
+def test_double_backward_is_refused_on_every_rank(ranks: list[dict]) -> None:
+    for r in ranks:
+        assert "double backward" in r["double_backward"], r["double_backward"]

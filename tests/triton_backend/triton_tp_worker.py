@@ -76,6 +76,25 @@ def run_case(
     }
 
 
+def double_backward_error(x: dict[str, torch.Tensor], lo: int, hi: int, group: Any) -> str:
+    """The error a gradient penalty through the sharded call raises ('' if none; it used to
+    return a detached first-order gradient, so the penalty vanished)."""
+    from fusedhead_triton import TritonBackend, TritonOptions
+
+    h = x["hidden"].clone().requires_grad_()
+    w = x["weight"][lo:hi].clone().requires_grad_()
+    lp, _ = call_backend(TritonBackend(TritonOptions(**TILES)),
+        h, w, x["labels"], temperature=0.7, ignore_index=IGNORE, return_entropy=False,
+        process_group=group, vocab_start=lo, vocab_size=V, reduce_hidden_grad=True,
+    )  # fmt: skip
+    try:
+        (g,) = torch.autograd.grad((lp * x["g_lp"]).nansum(), h, create_graph=True)
+        (g.pow(2).sum() + lp.nansum()).backward()
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
 def worker(rank: int, world: int, port: int, out: str) -> None:
     """mp.spawn target: join the gloo group, run every case on this rank's shard, save."""
     os.environ["TRITON_INTERPRET"] = "1"
@@ -90,6 +109,8 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         for name, case in CASES.items():
             lo, hi = case["bounds"][rank], case["bounds"][rank + 1]
             results[name] = run_case(x, lo, hi, case["reduce"], dist.group.WORLD, **case["kwargs"])
+        lo, hi = CASES["equal"]["bounds"][rank], CASES["equal"]["bounds"][rank + 1]
+        results["double_backward"] = double_backward_error(x, lo, hi, dist.group.WORLD)
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.barrier()  # gloo can abort a process torn down while a peer still talks

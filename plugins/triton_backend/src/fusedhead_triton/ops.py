@@ -2,8 +2,9 @@
 ``fullgraph=True`` and CUDA-graph capture see two opaque ops with fake-tensor shapes), and an
 autograd Function for the vocab-parallel path (its collectives run between the launches).
 
-Neither backward is differentiable: a double backward (``create_graph=True``) raises when the
-second-order gradient is asked for, never returning a silently first-order one.
+Neither backward is differentiable: a double backward raises, never returning a silently
+first-order gradient (one shard: when the second-order gradient is asked for; vocab-parallel:
+at ``create_graph=True`` already).
 """
 
 # No ``from __future__ import annotations``: torch.library reads the annotations as types.
@@ -11,7 +12,6 @@ second-order gradient is asked for, never returning a silently first-order one.
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import parallel
 from .backward import backward
@@ -152,8 +152,9 @@ class ShardedHead(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, g_lp: Any, g_ent: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: its collectives have no derivative here
+            raise RuntimeError(DOUBLE_BACKWARD)
         hidden, weight, labels, temp, lse, ent = ctx.saved_tensors
         sc, st, entropy, group, reduce = ctx.args
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
