@@ -38,12 +38,13 @@ class FusedHeadOutput(_LogProbsEntropy):
     and ``gathered`` (``[..., K]``). See docs/distillation.md.
     """
 
-    lse: torch.Tensor | None
-    sum_p2: torch.Tensor | None
-    argmax: torch.Tensor | None
-    topk_ids: torch.Tensor | None
-    topk_log_probs: torch.Tensor | None
-    gathered: torch.Tensor | None
+    # Class-level None: an output built without extras (the common case) sets no attribute.
+    lse: torch.Tensor | None = None
+    sum_p2: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_log_probs: torch.Tensor | None = None
+    gathered: torch.Tensor | None = None
 
     def __new__(
         cls,
@@ -58,8 +59,10 @@ class FusedHeadOutput(_LogProbsEntropy):
         gathered: torch.Tensor | None = None,
     ) -> FusedHeadOutput:
         self = super().__new__(cls, log_probs, entropy)
-        self.lse, self.sum_p2, self.argmax = lse, sum_p2, argmax
-        self.topk_ids, self.topk_log_probs, self.gathered = topk_ids, topk_log_probs, gathered
+        if lse is not None or sum_p2 is not None or argmax is not None:
+            self.lse, self.sum_p2, self.argmax = lse, sum_p2, argmax
+        if topk_ids is not None or topk_log_probs is not None or gathered is not None:
+            self.topk_ids, self.topk_log_probs, self.gathered = topk_ids, topk_log_probs, gathered
         return self
 
 
@@ -209,8 +212,13 @@ class FusedHead:
             check_labels=cfg.check_labels if check_labels is None else check_labels,
             softcap=cfg.softcap if softcap is None else softcap,
         )
-        flags = (return_lse, return_sum_p2, return_argmax)
-        if top_k is not None or gather_ids is not None or any(f is not False for f in flags):
+        if (
+            top_k is not None
+            or gather_ids is not None
+            or return_lse is not False
+            or return_sum_p2 is not False
+            or return_argmax is not False
+        ):
             call = with_outputs(
                 call,
                 shape,
@@ -237,11 +245,11 @@ class FusedHead:
             raise exc.attach(**self._identity()) from None
         self._check_output(call, out)
         entropy = out.entropy
-        return FusedHeadOutput(
-            _shaped(out.log_probs, shape),
-            None if entropy is None else _shaped(entropy, shape),
-            **extras.shaped_extras(call, out, shape),
-        )
+        lp = _shaped(out.log_probs, shape)
+        ent = None if entropy is None else _shaped(entropy, shape)
+        if call.outputs <= extras.BASIC_OUTPUTS:
+            return tuple.__new__(FusedHeadOutput, (lp, ent))  # type: ignore[no-any-return]
+        return FusedHeadOutput(lp, ent, **extras.shaped_extras(call, out, shape))
 
     def kl(
         self,
@@ -375,7 +383,15 @@ class FusedHead:
             self._check_tensor("entropy", out.entropy, n, device, needs_grad)
         elif out.entropy is not None:
             self._broke("entropy was not requested and must be None")
-        extras.check_extras(call, out, needs_grad, self._broke)
+        if not call.outputs <= extras.BASIC_OUTPUTS or not (
+            out.lse is None
+            and out.sum_p2 is None
+            and out.argmax is None
+            and out.topk_ids is None
+            and out.topk_log_probs is None
+            and out.gathered is None
+        ):
+            extras.check_extras(call, out, needs_grad, self._broke)
 
     def _check_tensor(
         self, what: str, t: object, n: int, device: torch.device, needs_grad: bool

@@ -28,7 +28,8 @@ EXTRA_FIELDS: tuple[str, ...] = (
 EXTRA_OUTPUTS: tuple[str, ...] = ("lse", "sum_p2", "argmax", "topk", "gather")
 #: Fields that are integer ids, never differentiable.
 _ID_FIELDS = frozenset({"argmax", "topk_ids"})
-_BASIC = frozenset({"log_probs", "entropy"})
+#: The outputs every backend computes; a call asking for no more takes the short path.
+BASIC_OUTPUTS = _BASIC = frozenset({"log_probs", "entropy"})
 
 
 def _width(call: HeadCall, field: str) -> int | None:
