@@ -126,7 +126,8 @@ def test_an_aten_mm_override_steers_the_fp32_logits_path(
     options = TorchOptions(
         chunk_rows=10, block_vocab=20, skip_ignored_rows=False, fp32_logits=True
     )  # 3 x 3 tiles
-    tile_math._mm_out_dtype_works(torch.device(device), dtype)  # its probe GEMM: before counting
+    # Its probe GEMM (cached per device, e.g. cuda:0) runs before the override counts calls.
+    tile_math._mm_out_dtype_works(torch.empty(0, device=device).device, dtype)
     overloads = ("mm", "mm.dtype") if device == "cuda" else ("mm",)
     mm_override.install(scale=2.0, overloads=overloads)
     got = run_backend(case, dtype=dtype, device=device, options=options)
