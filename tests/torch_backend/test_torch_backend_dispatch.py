@@ -250,3 +250,30 @@ def test_workspace_option_bounds_the_tile() -> None:
     tiles = backend.tiles(4096, 50_000, torch.float32, torch.device("cpu"))
     assert tiles.rows * tiles.cols * 8 <= 1 << 20
     assert tiles.cols >= 64
+
+
+def test_the_out_dtype_route_of_fp32_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA route (``aten::mm.dtype``, no upcast copies), run on the CPU through a kernel
+    registered for that overload here: every logits GEMM takes it, and the numbers are fp32's."""
+    calls: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def mm_dtype(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        calls.append((a.dtype, out_dtype))
+        return torch.bmm(a.unsqueeze(0).to(out_dtype), b.unsqueeze(0).to(out_dtype)).squeeze(0)
+
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        lib.impl("mm.dtype", mm_dtype, "CPU")
+        monkeypatch.setattr(tile_math, "_mm_out_dtype_works", lambda device, dtype: True)
+        case = make_case(23, 16, 50)
+        options = TorchOptions(
+            chunk_rows=10, block_vocab=20, skip_ignored_rows=False, fp32_logits=True
+        )  # 3 x 3 tiles
+        got = run_backend(case, dtype=torch.bfloat16, options=options)
+    finally:
+        lib._destroy()
+    assert calls == [(torch.bfloat16, torch.float32)] * (9 + 9)  # forward, backward recompute
+    want = run_reference(case, dtype=torch.bfloat16)
+    assert rel_err(got.log_probs, want.log_probs) <= 1e-5
+    assert rel_err(got.entropy, want.entropy) <= 1e-5
+    assert_close(got, want, "bf16", "mm.dtype route")
