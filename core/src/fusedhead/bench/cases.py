@@ -31,6 +31,8 @@ class Case:
     scale: float = 1.0
     seed: int = 0
     device: str = "cpu"
+    #: What each call computes (``fusedhead.bench.heads``): ``logprobs`` or an issue-18 output.
+    head: str = "logprobs"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -38,7 +40,8 @@ class Case:
 
     def label(self) -> str:
         """A short human-readable name of the case."""
-        return f"N={self.n} H={self.hidden} V={self.vocab} {self.dtype} T={self.temperature:g} s={self.scale:g}"
+        label = f"N={self.n} H={self.hidden} V={self.vocab} {self.dtype} T={self.temperature:g} s={self.scale:g}"
+        return label if self.head == "logprobs" else f"{label} {self.head}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,6 +76,7 @@ def grid(
     scales: list[float],
     seed: int,
     device: str,
+    heads: list[str] | None = None,
 ) -> list[Case]:
     """Every combination, ordered so the cheap cases of a shape family come first."""
     for d in dtypes:
@@ -83,9 +87,15 @@ def grid(
     for name, values in (("--n", ns), ("--hidden", hiddens), ("--vocab", vocabs)):
         if not values or any(v < 1 for v in values):
             raise ValueError(f"{name} needs positive integers, got {values}")
+    from fusedhead.bench import heads as head_cases
+
+    for name in heads or ():
+        head_cases.parse(name)  # a bad name is a ValueError naming --case
     cases = [
-        Case(n, h, v, d, temperature, s, seed, device)
-        for d, h, v, s, n in itertools.product(dtypes, hiddens, vocabs, scales, sorted(ns))
+        Case(n, h, v, d, temperature, s, seed, device, head)
+        for head, d, h, v, s, n in itertools.product(
+            heads or ["logprobs"], dtypes, hiddens, vocabs, scales, sorted(ns)
+        )
     ]
     return cases
 

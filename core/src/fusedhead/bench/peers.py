@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from fusedhead import registry
+from fusedhead.bench import heads
 from fusedhead.bench.cases import ELEMENT_BYTES, IGNORE_INDEX, Case
 from fusedhead.errors import BackendConflictError, BackendLoadError, BackendUnavailableError
 
@@ -117,13 +118,16 @@ def _backend(name: str, options: dict[str, Any], spec: str) -> Impl:
             backend.check(device, case.torch_dtype)
         except BackendUnavailableError as exc:
             return str(exc)
-        return None
+        why = heads.refusal(case.head, caps)
+        return None if why is None else f"backend {name!r} {why}"
 
     def build(case: Case) -> Fn:
         from fusedhead.api import FusedHead
 
         head = FusedHead(backend=name, options=options, device=case.device)
         temperature = case.temperature
+        if case.head != heads.DEFAULT:
+            return heads.build(case.head, case, head, temperature, IGNORE_INDEX)
 
         def fn(
             h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
@@ -384,7 +388,7 @@ def resolve(spec: str) -> Impl:
     if name in _PEER_FACTORIES:
         if options:
             raise ValueError(f"--impl {spec!r}: peer {name!r} takes no options")
-        return _PEER_FACTORIES[name]()
+        return _logprobs_only(_PEER_FACTORIES[name]())
     installed = list(registry.candidates())
     if name not in installed:
         from fusedhead.registry import unknown_name_message
@@ -394,6 +398,19 @@ def resolve(spec: str) -> Impl:
             f"nor a peer ({', '.join(PEERS)}). " + unknown_name_message(name, installed)
         )
     return _backend(name, options, spec)
+
+
+def _logprobs_only(impl: Impl) -> Impl:
+    """A peer measured on the ``logprobs`` case only (the issue-18 cases are fusedhead calls)."""
+    available = impl.availability
+
+    def availability(case: Case) -> str | None:
+        if case.head != heads.DEFAULT:
+            return f"peer {impl.name!r} computes the logprobs case only, not {case.head!r}"
+        return available(case)
+
+    impl.availability = availability
+    return impl
 
 
 def default_specs() -> list[str]:

@@ -203,7 +203,13 @@ def _dtype_scale(case: dict[str, Any]) -> str:
 
 def _case_key(record: dict[str, Any]) -> tuple[Any, ...]:
     c = record["case"]
-    return (c["dtype"], c["hidden"], c["vocab"], c.get("scale", 1.0), c["n"])
+    return (c["dtype"], c["hidden"], c["vocab"], c.get("scale", 1.0), c["n"], c.get("head", ""))
+
+
+def _with_head(impl: str, case: dict[str, Any]) -> str:
+    """The implementation's name, followed by the head case when it is not ``logprobs``."""
+    head = case.get("head", "logprobs")
+    return impl if head == "logprobs" else f"{impl} {head}"
 
 
 def markdown(records: Iterable[dict[str, Any]]) -> str:
@@ -234,7 +240,7 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
             skipped.append(r)
             continue
         mem = r.get("peak_extra_bytes")
-        name = r["impl"] + ("" if r.get("entropy", True) else " (no entropy)")
+        name = _with_head(r["impl"], c) + ("" if r.get("entropy", True) else " (no entropy)")
         lines.append(
             f"| {c['n']} | {c['hidden']} | {c['vocab']} | {_dtype_scale(c)} | {name} | {_f(r.get('unit_ms', r.get('gemm_ms')), '.2f')} "
             f"| {_f(r.get('fwd_units'))} | {_f(r.get('fwd_bwd_units'))} | {_f(r.get('fwd_bwd_ms'), '.1f')} "
@@ -247,7 +253,7 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
             c = r["case"]
             why = r.get("reason") or r.get("error") or ""
             lines.append(
-                f"- N={c['n']} H={c['hidden']} V={c['vocab']} {c['dtype']} {r['impl']}: "
+                f"- N={c['n']} H={c['hidden']} V={c['vocab']} {c['dtype']} {_with_head(r['impl'], c)}: "
                 f"{r['status']}: {why}"
             )
     return "\n".join(lines) + "\n"
@@ -285,9 +291,11 @@ def plot(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> boo
     palette = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
     for row, ((hid, voc, dtype, scale), recs) in enumerate(sorted(groups.items())):
         ax_t, ax_m = axes[row]
-        for name in dict.fromkeys(r["impl"] for r in recs):
+        for name in dict.fromkeys(_with_head(r["impl"], r["case"]) for r in recs):
             color = colors.setdefault(name, palette[len(colors) % len(palette)])
-            pts = sorted((r["case"]["n"], r) for r in recs if r["impl"] == name)
+            pts = sorted(
+                (r["case"]["n"], r) for r in recs if _with_head(r["impl"], r["case"]) == name
+            )
             ns = [n for n, _ in pts]
             fb = [r.get("fwd_bwd_units") for _, r in pts]
             fw = [r.get("fwd_units") for _, r in pts]
