@@ -14,6 +14,7 @@ from fusedhead.errors import (
     CapabilityError,
     IncompatibleBackendError,
     MissingDependencyError,
+    OptionsError,
     UnknownBackendError,
 )
 
@@ -67,6 +68,16 @@ CASES = [
         BackendContractError("broke the plugin contract: log_probs must be float32", **WHO),
         "backend 'demo' (fh-demo 1.2.3): broke the plugin contract: log_probs must be float32",
     ),
+    (
+        OptionsError(
+            "option 'tile' must be int > 0, got True",
+            option="tile",
+            expected="int > 0",
+            valid_options=("tile: int > 0 = 64",),
+            **WHO,
+        ),
+        "backend 'demo' (fh-demo 1.2.3): option 'tile' must be int > 0, got True",
+    ),
 ]
 
 
@@ -89,6 +100,9 @@ def test_class_specific_fields() -> None:
     assert MissingDependencyError("x", missing="xyz").to_dict()["missing"] == "xyz"
     assert BackendConflictError("x", claimants=("a", "b")).to_dict()["claimants"] == ["a", "b"]
     assert CapabilityError("x", capability="softcap").to_dict()["capability"] == "softcap"
+    options = OptionsError("x", option="tile", expected="int", valid_options=("tile: int = 1",))
+    assert options.to_dict()["valid_options"] == ["tile: int = 1"]
+    assert isinstance(options, ValueError)
 
 
 def test_each_class_names_the_status_that_listings_show() -> None:
@@ -103,6 +117,7 @@ def test_each_class_names_the_status_that_listings_show() -> None:
         "BackendUnavailableError": "unavailable",
         "CapabilityError": "missing-capability",
         "BackendContractError": "broken",
+        "OptionsError": "invalid-options",
     }
 
 

@@ -16,7 +16,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic import (
     BaseModel,
@@ -27,43 +27,11 @@ from pydantic import (
     model_validator,
 )
 
-from fusedhead.errors import BackendError
+from fusedhead.errors import BackendError, OptionsError
 from fusedhead.protocol import REQUIRABLE_CAPABILITIES
 
 #: The one key a YAML file may wrap the fields in (as a trainer's config file holds them).
 YAML_SECTION = "fused_head"
-
-
-class OptionsError(BackendError, ValueError):
-    """A backend's options do not validate: names the option, the value, what was expected and
-    every valid option of that backend (``name: type = default``)."""
-
-    status: ClassVar[str] = "invalid-options"
-
-    def __init__(
-        self,
-        reason: str,
-        *,
-        option: str | None = None,
-        expected: str | None = None,
-        valid_options: Sequence[str] = (),
-        **fields: Any,
-    ) -> None:
-        super().__init__(reason, **fields)
-        #: The first offending option's name, when one is named.
-        self.option = option
-        #: What that option takes, e.g. ``int > 0 or None``.
-        self.expected = expected
-        #: Every option of the backend as ``name: type = default``.
-        self.valid_options = tuple(valid_options)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **super().to_dict(),
-            "option": self.option,
-            "expected": self.expected,
-            "valid_options": list(self.valid_options),
-        }
 
 
 # --- type descriptions: what a field takes, in words (for errors, `fusedhead info` and the docs) --

@@ -8,6 +8,7 @@ through it (:meth:`BackendError.attach`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 
@@ -159,6 +160,38 @@ class BackendContractError(BackendError):
     status = "broken"
 
 
+class OptionsError(BackendError, ValueError):
+    """A backend's options do not validate: names the option, the value, what was expected and
+    every valid option of that backend (``name: type = default``)."""
+
+    status = "invalid-options"
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        option: str | None = None,
+        expected: str | None = None,
+        valid_options: Sequence[str] = (),
+        **fields: Any,
+    ) -> None:
+        super().__init__(reason, **fields)
+        #: The first offending option's name, when one is named.
+        self.option = option
+        #: What that option takes, e.g. ``int > 0 or None``.
+        self.expected = expected
+        #: Every option of the backend as ``name: type = default``.
+        self.valid_options = tuple(valid_options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **super().to_dict(),
+            "option": self.option,
+            "expected": self.expected,
+            "valid_options": list(self.valid_options),
+        }
+
+
 #: Every error class, for docs and tests.
 ERROR_CLASSES: tuple[type[BackendError], ...] = (
     BackendError,
@@ -170,4 +203,5 @@ ERROR_CLASSES: tuple[type[BackendError], ...] = (
     BackendUnavailableError,
     CapabilityError,
     BackendContractError,
+    OptionsError,
 )
