@@ -445,7 +445,7 @@ def _empty(call: HeadCall, shape: tuple[int, ...]) -> FusedHeadOutput:
 
 
 _cache: dict[tuple[str, str], FusedHead] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # cached_head resolves a mapping through the config path
 
 
 def _options_key(options: Any) -> str:
@@ -475,14 +475,23 @@ def get_fused_head(backend: str, options: Mapping[str, Any] | BaseModel | None =
 
 
 def cached_head(config: FusedHeadConfig | Mapping[str, Any] | FusedHead | None) -> FusedHead:
-    """The process-wide ``FusedHead`` for a whole configuration (integrations call this per step)."""
+    """The process-wide ``FusedHead`` for a whole configuration (integrations call this per step).
+
+    A mapping is looked up by its own text first, so a step pays no config validation.
+    """
     if isinstance(config, FusedHead):
         return config
-    if config is None:
-        config = FusedHeadConfig()
-    elif isinstance(config, Mapping):
-        config = FusedHeadConfig.from_dict(config)
-    elif not isinstance(config, FusedHeadConfig):
+    if config is None or isinstance(config, Mapping):
+        raw = {} if config is None else dict(config)
+        key = ("mapping", json.dumps(raw, sort_keys=True, default=repr))
+        head = _cache.get(key)
+        if head is None:
+            with _lock:
+                head = _cache.get(key)
+                if head is None:
+                    head = _cache[key] = cached_head(FusedHeadConfig.from_dict(raw))
+        return head
+    if not isinstance(config, FusedHeadConfig):
         raise TypeError(
             "config must be a FusedHeadConfig, a mapping, a FusedHead or None, "
             f"got {type(config).__name__}"
