@@ -9,7 +9,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -64,8 +64,8 @@ class Settings:
     def from_key(key: str) -> Settings:
         """The settings ``key`` was made from."""
         raw = json.loads(key)
-        tiles = {k: TileConfig(**raw.pop(k)) for k in ("forward", "dz", "dh")}
-        return Settings(**tiles, **raw)
+        forward, dz, dh = (TileConfig(**raw.pop(k)) for k in ("forward", "dz", "dh"))
+        return Settings(forward, dz, dh, raw["memory"], raw["block_bytes"])
 
 
 def interpret_enabled() -> bool:
@@ -85,6 +85,11 @@ def settings_for(
 ) -> Settings:
     """The shipped tiles for ``dtype`` with the overrides applied to all three launches."""
     base = _FP32 if dtype == torch.float32 else _HALF
-    changes = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "tma": tma}
+    changes: dict[str, Any] = {
+        "block_m": block_m,
+        "block_n": block_n,
+        "block_k": block_k,
+        "tma": tma,
+    }
     tile = replace(base, **{k: v for k, v in changes.items() if v is not None})
     return Settings(tile, tile, tile, memory, block_bytes)

@@ -180,7 +180,9 @@ def head(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(log_probs, entropy or None), differentiable in hidden and weight."""
     if group is not None:
-        logp, ent = ShardedHead.apply(hidden, weight, labels, temp, sc, st, entropy, group, reduce)
+        logp, ent = ShardedHead.apply(  # type: ignore[no-untyped-call]
+            hidden, weight, labels, temp, sc, st, entropy, group, reduce
+        )
     else:
         logp, _, ent = torch.ops.fusedhead_triton.head_forward(
             hidden, weight, labels, temp, sc.label_offset, sc.ignore_index, sc.inv_temp,
