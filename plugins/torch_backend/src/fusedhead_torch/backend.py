@@ -11,7 +11,12 @@ from fusedhead.errors import BackendUnavailableError
 from fusedhead.protocol import Capabilities, HeadCall, HeadOutput, KLCall, KLOutput
 from fusedhead_torch.chunked import ChunkedFusedHead, HeadSpec
 from fusedhead_torch.kl import KL_DIRECTIONS, forward_kl
-from fusedhead_torch.outputs import EXTRA_OUTPUTS, MAX_TOP_K, forward_outputs
+from fusedhead_torch.outputs import (
+    EXTRA_OUTPUTS,
+    MAX_TOP_K,
+    VOCAB_PARALLEL_OUTPUTS,
+    forward_outputs,
+)
 from fusedhead_torch.tiling import Tiles, plan_tiles
 
 #: Default workspace for the logit tiles, per device type, in MiB. CUDA: 12 vocabulary blocks at
@@ -91,6 +96,7 @@ class TorchBackend:
             uneven_shards=True,
             outputs=("log_probs", "entropy", *EXTRA_OUTPUTS),
             max_top_k=MAX_TOP_K,
+            vocab_parallel_outputs=VOCAB_PARALLEL_OUTPUTS,
             kl_directions=KL_DIRECTIONS,
         )
 

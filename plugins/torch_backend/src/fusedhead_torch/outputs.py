@@ -25,6 +25,7 @@ import torch
 
 from fusedhead.protocol import HeadCall, HeadOutput
 from fusedhead_torch.chunked import HeadSpec, LabelPlace
+from fusedhead_torch.parallel import all_reduce_row_stats, all_reduce_sum_
 from fusedhead_torch.rowstats import RowStats
 from fusedhead_torch.tile_math import (
     FP32,
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 
 #: Outputs this module adds to the torch backend.
 EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "topk", "gather")
+#: Outputs it also computes under a process group (top-k and argmax would need a cross-rank merge).
+VOCAB_PARALLEL_OUTPUTS = ("log_probs", "entropy", "lse", "sum_p2", "gather")
 #: Largest ``top_k`` the torch backend takes (the candidate lists are ``[N, 2k]`` per merge).
 MAX_TOP_K = 4096
 
@@ -150,7 +153,7 @@ def _forward_walk(
     mine = Workspace(tiles.rows * tiles.cols, dev) if extra else None
     m, s, t = (torch.empty(n, dtype=FP32, device=dev) for _ in range(3))
     z_label = torch.zeros(n, dtype=FP32, device=dev)
-    q = torch.empty(n, dtype=FP32, device=dev) if spec.sum_p2 else None
+    q = torch.zeros(n, dtype=FP32, device=dev) if spec.sum_p2 else None  # 0: an empty shard
     z_gather = None
     if gather_ids is not None:
         z_gather = torch.zeros(gather_ids.shape, dtype=FP32, device=dev)
@@ -208,6 +211,26 @@ def _forward_walk(
         if best is not None and cand_vals is not None and cand_ids is not None:
             cand_vals[r0:r1], cand_ids[r0:r1] = best
     return _Walk(RowStats(m, s, t), z_label, q, z_gather, cand_vals, cand_ids)
+
+
+def _combine(walk: _Walk, group: Any) -> tuple[RowStats, _Walk]:
+    """Full-vocabulary statistics from every rank's shard: the same combine as the plain call.
+
+    The row max is MAX-reduced and ``s``, ``t`` rebased and summed (``all_reduce_row_stats``);
+    ``q = sum exp(2 (z - m))`` is rebased by ``exp(2 (m_rank - m))`` and summed; each gathered id
+    is owned by one rank (0 elsewhere), so the gathered logits are summed too.
+    """
+    local_m = walk.stats.m
+    stats, z_label = all_reduce_row_stats(walk.stats, walk.z_label, group)
+    q = walk.q
+    if q is not None:
+        q = q * torch.exp(2 * (local_m - stats.m))
+        all_reduce_sum_(q, group)
+    z_gather = walk.z_gather
+    if z_gather is not None:
+        z_gather = z_gather.clone()
+        all_reduce_sum_(z_gather, group)
+    return stats, _Walk(stats, z_label, q, z_gather, walk.cand_vals, walk.cand_ids)
 
 
 def _sparse_add_(
@@ -351,6 +374,8 @@ def _backward_walk(
                     w_acc.add_(part)
         if dw is not None and w_acc is not None:
             dw[v0:v1].copy_(w_acc)
+    if dh is not None and dh.numel() and spec.process_group is not None and spec.reduce_hidden_grad:
+        all_reduce_sum_(dh, spec.process_group)  # in fp32, before the cast
     return (None if dh is None else dh.to(h.dtype)), dw
 
 
@@ -381,6 +406,8 @@ class ChunkedHeadOutputs(torch.autograd.Function):
         with torch.autocast(device_type=dev.type, enabled=False):
             walk = _forward_walk(h, weight, place, gather_ids, scaling, spec)
         stats = walk.stats
+        if hs.process_group is not None and n > 0:
+            stats, walk = _combine(walk, hs.process_group)
         valid = place.valid
         zero = torch.zeros((), dtype=FP32, device=dev)
         nan = torch.full((), math.nan, dtype=FP32, device=dev)
@@ -483,10 +510,10 @@ def _scatter_rows(t: torch.Tensor, keep: torch.Tensor | None, n: int, fill: int)
 
 def forward_outputs(backend: TorchBackend, call: HeadCall) -> HeadOutput:
     """Every requested output of ``call`` on the torch backend, in one pass over the tiles."""
-    if call.process_group is not None:
-        raise ValueError(
-            "process_group: the torch backend computes lse, sum_p2, argmax, topk and gather on one "
-            "rank only (it does not declare them in vocab_parallel_outputs)"
+    if call.process_group is not None and not call.outputs <= frozenset(VOCAB_PARALLEL_OUTPUTS):
+        raise ValueError(  # the core refuses these first (vocab_parallel_outputs)
+            f"process_group: the torch backend computes {list(VOCAB_PARALLEL_OUTPUTS)} across "
+            f"vocabulary shards, not {sorted(call.outputs.difference(VOCAB_PARALLEL_OUTPUTS))}"
         )
     hidden, weight, labels = call.hidden, call.weight, call.labels
     gather_ids = call.gather_ids
@@ -521,6 +548,8 @@ def forward_outputs(backend: TorchBackend, call: HeadCall) -> HeadOutput:
         vocab_start=call.vocab_start,
         vocab_size=call.vocab_size,
         fp32_logits=backend.fp32_logits(hidden.device),
+        process_group=call.process_group,
+        reduce_hidden_grad=call.reduce_hidden_grad,
     )
     spec = OutputSpec(
         head=head,
