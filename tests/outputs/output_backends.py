@@ -259,7 +259,7 @@ WRONG: dict[type, str] = {
     PaddedVocabExtras: "extras_together",
     KLTeacherGradient: "kl_accuracy",
     KLReverseIsForward: "kl_accuracy",
-    ExtrasNotBatchInvariant: "extras_batch_invariance",
+    ExtrasNotBatchInvariant: "batch_invariant_extras",
 }
 ALL: tuple[type, ...] = (OutputsRef, RowwiseRef, *WRONG)
 

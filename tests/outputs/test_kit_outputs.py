@@ -13,11 +13,11 @@ def test_the_correct_backend_passes_every_output_property(output_backends):
     failed = [r.line() for r in results.values() if r.outcome is Outcome.FAIL]
     assert not failed
     not_run = {n for n, r in results.items() if r.outcome is Outcome.NOT_RUN}
-    assert not_run == {"extras_batch_invariance"}
+    assert not_run == {"batch_invariant_extras"}
 
 
 def test_a_batch_invariant_backend_passes_the_batch_invariance_of_its_extras(output_backends):
-    result = check_property("extras_batch_invariance", "outputs-ref-rowwise")
+    result = check_property("batch_invariant_extras", "outputs-ref-rowwise")
     assert result.outcome is Outcome.PASS, result.line()
 
 
@@ -33,7 +33,7 @@ def test_a_batch_invariant_backend_passes_the_batch_invariance_of_its_extras(out
         ("wrong-extras-padded", "extras_together", ["V=1037", "lse"]),
         ("wrong-kl-teacher-grad", "kl_accuracy", ["teacher", "gradient"]),
         ("wrong-kl-direction", "kl_accuracy", ["reverse KL", "kl abs err"]),
-        ("wrong-extras-batch", "extras_batch_invariance", ["lse", "bitwise"]),
+        ("wrong-extras-batch", "batch_invariant_extras", ["lse", "bitwise"]),
     ],
 )
 def test_each_wrong_backend_fails_its_property(output_backends, backend, prop, words):

@@ -547,7 +547,7 @@ def extras_together(target: Target) -> None:
     )
 
 
-def extras_batch_invariance(target: Target) -> None:
+def batch_invariant_extras(target: Target) -> None:
     """If batch_invariant is declared: each declared extra of a row is bitwise the same alone and in a larger batch."""
     if not target.caps.batch_invariant:
         raise NotRun(f"the backend does not declare batch_invariant on {target.device.type}")
@@ -725,6 +725,6 @@ OUTPUT_PROPERTIES: dict[str, Property] = {
     "gather_accuracy": gather_accuracy,
     "lse_and_sum_p2": lse_and_sum_p2,
     "extras_together": extras_together,
-    "extras_batch_invariance": extras_batch_invariance,
+    "batch_invariant_extras": batch_invariant_extras,
     "kl_accuracy": kl_accuracy,
 }
