@@ -341,11 +341,15 @@ def _backward_walk(
             rows = r1 - r0
             h_rows = h[r0:r1]
             x = logits_mm(h_rows, w_block.T, spec.fp32_logits)
-            src = scaling.source(x, out=ws.get(0, rows, cols))
-            d = _shifted(
-                src, _k_col(scaling.rows(r0, r1), h.device), row_max[r0:r1], ws.get(1, rows, cols)
-            )
-            e = torch.exp(d, out=ws.get(2, rows, cols))
+            # Buffers as the plain path has them: an fp32 tile is worked in place (src, or d
+            # without softcap); e and a separate d take workspace slots; dz goes back into a
+            # tile of the input dtype. No more fp32 buffers than ``backward_tile`` uses.
+            x32 = x.dtype == FP32
+            capped = scaling.softcap is not None
+            src = scaling.source(x, out=x if x32 else ws.get(0, rows, cols))
+            d_out = x if x32 and not capped else ws.get(2, rows, cols)
+            d = _shifted(src, _k_col(scaling.rows(r0, r1), h.device), row_max[r0:r1], d_out)
+            e = torch.exp(d, out=ws.get(1, rows, cols))
             a = coefs.a[r0:r1].unsqueeze(1)
             if coefs.b is not None:
                 u = torch.addcmul(a, d, coefs.b[r0:r1].unsqueeze(1), out=d)
@@ -358,10 +362,15 @@ def _backward_walk(
                 local = ids[r0:r1] - (spec.vocab_start + v0)
                 _sparse_add_(dz, local, values[r0:r1], counted[r0:r1])
             dz.mul_(_k_col(scaling.inv_t_rows(r0, r1), h.device))
-            if scaling.softcap is not None:
+            if capped:
                 dz.addcmul_(dz, src.square_(), value=-1.0)  # d tanh = 1 - tanh^2
+            if not low:
+                dz_in = dz
+            elif x.dtype == h.dtype:  # x is free now: the cast dz takes its place
+                dz_in = x.copy_(dz)
+            else:
+                dz_in = dz.to(h.dtype)
             del x
-            dz_in = dz.to(h.dtype) if low else dz
             if dh is not None:
                 dh[r0:r1].add_(torch.mm(dz_in, w_block))
             if dw is not None:
