@@ -415,3 +415,24 @@ def test_no_logits_of_size_n_by_v_are_held():
     assert grown < logits / 2, (
         f"peak grew by {grown / 2**20:.0f} MiB; [N, V] fp32 is {logits / 2**20:.0f} MiB"
     )
+
+
+def test_block_topk_is_the_stable_descending_sort_on_tie_heavy_rows():
+    """The per-block top-k (and its tie repair) against a stable sort, k below, at and above C."""
+    from fusedhead_torch.outputs import block_topk, merge_topk
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        rows, cols, k = (
+            int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 6), (1, 40), (1, 45))
+        )
+        x = torch.randint(-3, 4, (rows, cols), generator=g).float()  # few values: many ties
+        vals, ids = block_topk(x, k)
+        want = torch.sort(x, dim=1, descending=True, stable=True)
+        assert torch.equal(ids, want.indices[:, :k]) and torch.equal(vals, want.values[:, :k])
+        # Two blocks merged give the ranking of the whole row.
+        half = cols // 2
+        if 0 < half < cols:
+            left, right = block_topk(x[:, :half], k), block_topk(x[:, half:], k)
+            merged = merge_topk(left, (right[0], right[1] + half), k)
+            assert torch.equal(merged[1], want.indices[:, :k])

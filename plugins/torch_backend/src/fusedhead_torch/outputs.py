@@ -74,24 +74,28 @@ def _rank_desc(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tor
 def block_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``min(k, C)`` largest entries of each row of ``x [R, C]`` (fp32) and their columns.
 
-    ``torch.topk`` leaves open which of several equal values at the boundary it keeps; rows where
-    the boundary value occurs more often than it was chosen are redone exactly (all larger
-    values, then the equal ones of lowest column), so ties always go to the lower id.
+    ``torch.topk`` leaves open which of several equal values at the boundary it keeps. Asking it
+    for one more value shows where that matters: only rows whose k-th and (k+1)-th values are
+    equal. Those are redone exactly (all larger values, then the equal ones of lowest column), so
+    ties always go to the lower id, without a pass over the whole tile for the others.
     """
-    k = min(k, x.shape[1])
-    vals, cols = torch.topk(x, k, dim=1, largest=True, sorted=True)
-    kth = vals[:, -1:]
-    ambiguous = (x == kth).sum(1) > (vals == kth).sum(1)
-    if bool(ambiguous.any()):
-        rows = ambiguous.nonzero().squeeze(1)
-        xs, th = x[rows], kth[rows]
-        greater = xs > th
-        equal = xs == th
-        need = k - greater.sum(1, keepdim=True)
-        take = greater | (equal & (equal.cumsum(1) <= need))
-        chosen = take.nonzero()[:, 1].view(rows.numel(), k)  # row-major: ascending columns
-        cols = cols.index_copy(0, rows, chosen)
-        vals = vals.index_copy(0, rows, xs.gather(1, chosen))
+    cols_total = x.shape[1]
+    k = min(k, cols_total)
+    extra = 1 if cols_total > k else 0
+    vals, cols = torch.topk(x, k + extra, dim=1, largest=True, sorted=True)
+    if extra:
+        ambiguous = vals[:, k - 1] == vals[:, k]
+        vals, cols = vals[:, :k], cols[:, :k]
+        if bool(ambiguous.any()):
+            rows = ambiguous.nonzero().squeeze(1)
+            xs, th = x[rows], vals[rows, k - 1 :]
+            greater = xs > th
+            equal = xs == th
+            need = k - greater.sum(1, keepdim=True)
+            take = greater | (equal & (equal.cumsum(1) <= need))
+            chosen = take.nonzero()[:, 1].view(rows.numel(), k)  # row-major: ascending columns
+            cols = cols.index_copy(0, rows, chosen)
+            vals = vals.index_copy(0, rows, xs.gather(1, chosen))
     return _rank_desc(vals.float(), cols)
 
 
