@@ -48,7 +48,14 @@ def _rows(inv_t: float | torch.Tensor, r0: int, r1: int) -> float | torch.Tensor
 
 
 def _scaled(x: torch.Tensor, inv_t: float | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``x / T`` computed in fp32 into ``out`` (a ``[1, 1]`` fp32 factor promotes a bf16 tile)."""
+    """``x / T`` in fp32: in place for an fp32 tile (``x`` itself at ``T = 1``), else into ``out``.
+
+    A ``[1, 1]`` fp32 factor, not a Python float, makes a bf16/fp16 tile multiply in fp32.
+    """
+    if x.dtype == FP32:
+        if not isinstance(inv_t, torch.Tensor) and inv_t == 1.0:
+            return x
+        out = x
     if not isinstance(inv_t, torch.Tensor):
         inv_t = torch.full((1, 1), inv_t, dtype=FP32, device=x.device)
     return torch.mul(x, inv_t, out=out)
@@ -82,10 +89,8 @@ def _forward_walk(
             del x_t
             ms, mt = zs.amax(dim=1), zt.amax(dim=1)
             # forward: sum e_t (z_t - z_s); reverse: sum e_s (z_s - z_t)
-            diff = torch.sub(zt, zs, out=buf.get(2, rows, cols)) if forward else None
-            if not forward:
-                diff = torch.sub(zs, zt, out=buf.get(2, rows, cols))
-            assert diff is not None
+            a, b = (zt, zs) if forward else (zs, zt)
+            diff = torch.sub(a, b, out=buf.get(2, rows, cols))
             es = zs.sub_(ms.unsqueeze(1)).exp_()
             et = zt.sub_(mt.unsqueeze(1)).exp_()
             ss, st = es.sum(dim=1), et.sum(dim=1)
@@ -152,7 +157,7 @@ def _backward_walk(
                 _rows(inv_t, r0, r1),
                 buf.get(1, rows, cols),
             )
-            es = torch.exp(zs - m_s[r0:r1].unsqueeze(1), out=buf.get(2, rows, cols))
+            es = torch.sub(zs, m_s[r0:r1].unsqueeze(1), out=buf.get(2, rows, cols)).exp_()
             if forward:
                 et = zt.sub_(m_t[r0:r1].unsqueeze(1)).exp_()
                 dz = es.mul_(a_s[r0:r1].unsqueeze(1))
