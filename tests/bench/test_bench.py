@@ -43,7 +43,8 @@ def test_demo_model_without_the_integration_module_exits_2(
 
     monkeypatch.setattr(demo, "MODEL_MODULE", "fusedhead.integrations.no_such_module")
     assert cli.main(["demo", "--model", "tiny-llama"]) == 2
-    assert "not available" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert err.startswith("fusedhead: error: ") and "not available" in err
 
 
 def test_demo_tolerances_widen_only_for_a_coarser_declared_entropy() -> None:

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from fusedhead.errors import BackendUnavailableError
+from fusedhead.errors import BackendUnavailableError, OptionsError
 from fusedhead.testing import PROPERTIES, Outcome, check, check_property
 from fusedhead.testing.outputs import OUTPUT_PROPERTIES
 from fusedhead.testing.target import Target
@@ -108,5 +108,6 @@ def test_runner_selection_that_matches_nothing_is_an_error(kit_backends):
 
 
 def test_options_are_validated_against_the_backends_options_model(kit_backends):
-    with pytest.raises(ValueError, match="not valid"):
+    with pytest.raises(OptionsError, match="unknown option 'chunk'") as info:
         Target.resolve("kit-ref", '{"chunk": 3}')
+    assert isinstance(info.value, ValueError) and info.value.backend == "kit-ref"
