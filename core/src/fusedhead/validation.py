@@ -103,7 +103,8 @@ def validate(
     if not _INT64_MIN <= ignore_index <= _INT64_MAX:
         raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
 
-    if h.dim() < 1:
+    hs, ys = h.shape, y.shape
+    if not hs:
         raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
     if w.dim() != 2:
         raise ValueError(f"weight must have shape [V, H], got shape {tuple(w.shape)}")
@@ -112,13 +113,13 @@ def validate(
         raise ValueError(
             f"weight must be non-empty [V, H] with V > 0 and H > 0, got shape {tuple(w.shape)}"
         )
-    if h.shape[-1] != H:
+    if hs[-1] != H:
         raise ValueError(
-            f"hidden's last dimension must equal weight's H={H}, got hidden shape {tuple(h.shape)}"
+            f"hidden's last dimension must equal weight's H={H}, got hidden shape {tuple(hs)}"
         )
-    if y.shape != h.shape[:-1]:
+    if ys != hs[:-1]:
         raise ValueError(
-            f"labels must have hidden's leading shape {tuple(h.shape[:-1])}, got {tuple(y.shape)}"
+            f"labels must have hidden's leading shape {tuple(hs[:-1])}, got {tuple(ys)}"
         )
     if y.dtype not in _INT_DTYPES:
         raise TypeError(f"labels must be an integer tensor, got dtype {y.dtype}")
@@ -126,14 +127,15 @@ def validate(
         raise TypeError(f"hidden must be float32, float16 or bfloat16, got dtype {h.dtype}")
     if w.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"weight must be float32, float16 or bfloat16, got dtype {w.dtype}")
-    if h.device != w.device:
+    dev = h.device
+    if w.device != dev:
         raise ValueError(
-            f"hidden and weight must be on one device, got hidden on {h.device}, weight on {w.device}"
+            f"hidden and weight must be on one device, got hidden on {dev}, weight on {w.device}"
         )
-    if y.device != h.device:
-        raise ValueError(f"labels must be on hidden's device {h.device}, got {y.device}")
+    if y.device != dev:
+        raise ValueError(f"labels must be on hidden's device {dev}, got {y.device}")
 
-    h, w = _apply_autocast(h, w)
+    h, w = _apply_autocast(h, w, dev.type)
 
     if process_group is None:
         if (vocab_start is not None and vocab_start != 0) or (
@@ -148,39 +150,40 @@ def validate(
     else:
         start, size = _shard(process_group, V, vocab_start, vocab_size)
 
-    temp = _temperature(temperature, y, h.device)
+    temp = _temperature(temperature, y, dev)
     cap = None if softcap is None else _positive_float("softcap", softcap)
 
-    labels_flat = y if y.dim() == 1 else y.reshape(-1)
+    labels_flat = y if len(ys) == 1 else y.reshape(-1)
     if labels_flat.dtype != torch.int64:
         labels_flat = labels_flat.to(torch.int64)
     if not labels_flat.is_contiguous():
         labels_flat = labels_flat.contiguous()
     if do_check and labels_flat.numel() and labels_flat.device.type != "meta":
         _check_label_range(labels_flat, ignore_index, size)
-    call = HeadCall(
-        hidden=h if h.dim() == 2 else h.reshape(-1, H),
-        weight=w,
-        labels=labels_flat,
-        temperature=temp,
-        softcap=cap,
-        ignore_index=ignore_index,
-        vocab_start=start,
-        vocab_size=size,
-        process_group=process_group,
-        reduce_hidden_grad=reduce,
-        outputs=_WITH_ENTROPY if want_entropy else _LOG_PROBS_ONLY,
+    call = HeadCall(  # positional: the fields' order (cheaper than keywords, per call)
+        h if len(hs) == 2 else h.reshape(-1, H),
+        w,
+        labels_flat,
+        temp,
+        cap,
+        ignore_index,
+        start,
+        size,
+        process_group,
+        reduce,
+        _WITH_ENTROPY if want_entropy else _LOG_PROBS_ONLY,
     )
-    return call, tuple(y.shape)
+    return call, tuple(ys)
 
 
 _WITH_ENTROPY = frozenset({"log_probs", "entropy"})
 _LOG_PROBS_ONLY = frozenset({"log_probs"})
 
 
-def _apply_autocast(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _apply_autocast(
+    h: torch.Tensor, w: torch.Tensor, dev: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Under autocast, compute in the autocast dtype like the matmul this replaces; else insist on one dtype."""
-    dev = h.device.type
     try:
         autocast = torch.is_autocast_enabled(dev)
     except RuntimeError:  # a device type autocast does not know (meta): no autocast there
@@ -395,8 +398,8 @@ def validate_kl(
             raise TypeError(f"{arg} must be float32, float16 or bfloat16, got dtype {t.dtype}")
         if t.device != h.device:
             raise ValueError(f"{arg} must be on hidden's device {h.device}, got {t.device}")
-    h, w = _apply_autocast(h, w)
-    th, tw = _apply_autocast(th, tw)
+    h, w = _apply_autocast(h, w, h.device.type)
+    th, tw = _apply_autocast(th, tw, th.device.type)
     if th.dtype != h.dtype:
         raise TypeError(
             f"teacher_hidden and teacher_weight must share the student's dtype {h.dtype}, got "
