@@ -21,11 +21,11 @@ import pytest
 import torch
 from torch import nn
 
+import fusedhead
 from fusedhead import FusedHead, FusedHeadConfig, FusedLMHead
 from fusedhead.errors import UnknownBackendError
 from fusedhead.hooks import hookimpl, register_hooks, unregister_hooks
 from fusedhead.integrations import is_fusedhead_spec, lm_head_logprobs, parse_backend_spec
-from fusedhead.integrations import lm_head as lm_head_mod
 
 IGNORE = -100
 H, V = 24, 97
@@ -34,9 +34,9 @@ ATOL = 2e-5  # float32 inputs against float64 logits of the same values
 
 @pytest.fixture(autouse=True)
 def _fresh_heads() -> Iterator[None]:
-    lm_head_mod.clear_cache()
+    fusedhead.refresh()
     yield
-    lm_head_mod.clear_cache()
+    fusedhead.refresh()
 
 
 def _linear(bias: bool = False, seed: int = 0) -> nn.Linear:

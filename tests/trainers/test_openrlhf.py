@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+import fusedhead
+
 STUBS = str(Path(__file__).parent / "openrlhf_stubs")
 # flash-attn needs CUDA to build; OpenRLHF imports only its padding helpers (see the README). The
 # stand-in is on the path for OpenRLHF's import only, then dropped, so no other test can see it.
@@ -40,7 +42,6 @@ finally:
 from openrlhf.models.actor import Actor  # noqa: E402
 
 from fusedhead.errors import UnknownBackendError  # noqa: E402
-from fusedhead.integrations import lm_head as lm_head_mod  # noqa: E402
 from fusedhead.integrations.openrlhf import is_patched, patch_actor, unpatch_actor  # noqa: E402
 
 V = 53
@@ -48,9 +49,9 @@ V = 53
 
 @pytest.fixture(autouse=True)
 def _fresh() -> Iterator[None]:
-    lm_head_mod.clear_cache()
+    fusedhead.refresh()
     yield
-    lm_head_mod.clear_cache()
+    fusedhead.refresh()
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+import fusedhead
+
 pytest.importorskip("trl", reason="TRL is not installed (bash scripts/trainers/trl.sh)")
 
 from trl_helpers import build_trainer, make_model_dir, run_grpo
@@ -32,9 +34,9 @@ IGNORE = -100
 def _offline(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    lm_head_mod.clear_cache()
+    fusedhead.refresh()
     yield
-    lm_head_mod.clear_cache()
+    fusedhead.refresh()
 
 
 @pytest.fixture(scope="module")

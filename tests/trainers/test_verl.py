@@ -172,8 +172,8 @@ def test_a_multimodal_model_type_is_refused() -> None:
 
 
 def test_the_resolution_hook_reports_provenance_when_verl_patches_the_model() -> None:
+    from fusedhead import refresh as clear_cache
     from fusedhead.hooks import hookimpl, register_hooks, unregister_hooks
-    from fusedhead.integrations.lm_head import clear_cache
 
     seen: list[dict[str, Any]] = []
 

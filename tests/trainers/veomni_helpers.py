@@ -22,8 +22,8 @@ def veomni_state() -> Iterator[None]:
     """fusedhead's VeOmni integration installed for the block; all global state restored."""
     from transformers.loss.loss_utils import LOSS_MAPPING
 
+    from fusedhead import refresh as clear_cache
     from fusedhead.integrations import veomni as fh_veomni
-    from fusedhead.integrations.lm_head import clear_cache
 
     saved = dict(LOSS_MAPPING)
     fh_veomni.install()

@@ -283,6 +283,11 @@ def call_in_forward(module: nn.Module, fn: Callable[[], T]) -> T:
     """
     if not _is_fsdp_module(module):
         return fn()
+    return run_as_forward(module, fn)
+
+
+def run_as_forward(module: nn.Module, fn: Callable[[], T]) -> T:
+    """``fn()`` run as ``module``'s forward through ``module.__call__``, so every hook fires."""
     # An instance attribute shadows the class's forward for this one call; restored after.
     own = module.__dict__
     had_own, previous = "forward" in own, own.get("forward")

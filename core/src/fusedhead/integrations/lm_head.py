@@ -17,19 +17,17 @@ those into per-token log-probs and entropies without forming ``[tokens, vocab]``
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from fusedhead.api import FusedHead, FusedHeadOutput
+from fusedhead.api import FusedHead, FusedHeadOutput, cached_head
 from fusedhead.config import FusedHeadConfig
-from fusedhead.module import FusedLMHead, call_in_forward, head_forward, owned
+from fusedhead.module import FusedLMHead, call_in_forward, head_forward, owned, run_as_forward
 
 __all__ = [
     "SPEC_PREFIX",
@@ -86,47 +84,28 @@ def parse_backend_spec(spec: object) -> str:
     return name
 
 
-_heads: dict[str, FusedHead] = {}
-_lock = threading.Lock()
-
-
 def resolve_lm_head(head: HeadLike, lm_head: nn.Module | None = None) -> FusedHead:
     """The ``FusedHead`` that ``head`` names, resolved once per distinct configuration.
 
     A string is a backend name (``"triton"``) or a trainer spelling (``"fusedhead:triton"``);
     a mapping or ``FusedHeadConfig`` is a full config; a ``FusedHead`` is used as is. With
     ``head=None`` a ``FusedLMHead`` keeps its own head, anything else gets the default config.
-    Every new resolution is a ``FusedHead(...)``, so the provenance hook always fires.
+    Resolutions go through the core's one cache (``fusedhead.api.cached_head``, cleared by
+    ``fusedhead.refresh()``), so the provenance hook fires once per configuration.
     """
     if isinstance(head, FusedHead):
         return head
     if head is None and isinstance(lm_head, FusedLMHead):
         return lm_head.head
-    if head is None:
-        config = FusedHeadConfig()
-    elif isinstance(head, str):
+    if head is None or isinstance(head, (FusedHeadConfig, Mapping)):
+        return cached_head(head)
+    if isinstance(head, str):
         name = parse_backend_spec(head) if is_fusedhead_spec(head) else head
-        config = FusedHeadConfig(backend=name)
-    elif isinstance(head, FusedHeadConfig):
-        config = head
-    elif isinstance(head, Mapping):
-        config = FusedHeadConfig.from_dict(head)
-    else:
-        raise TypeError(
-            "head must be a FusedHead, a FusedHeadConfig, a mapping, a backend name (str) or None, "
-            f"got {type(head).__name__} {head!r}"
-        )
-    key = json.dumps(config.to_dict(), sort_keys=True, default=repr)
-    with _lock:
-        resolved = _heads.get(key)
-        if resolved is None:
-            resolved = _heads[key] = FusedHead(config)
-    return resolved
-
-
-def clear_cache() -> None:
-    """Forget resolved heads (after registry changes in tests or notebooks)."""
-    _heads.clear()
+        return cached_head({"backend": name})
+    raise TypeError(
+        "head must be a FusedHead, a FusedHeadConfig, a mapping, a backend name (str) or None, "
+        f"got {type(head).__name__} {head!r}"
+    )
 
 
 def lm_head_logprobs(
@@ -249,17 +228,7 @@ def in_module_call(module: nn.Module, fn: Callable[[], T]) -> T:
     """
     if not _has_forward_hooks(module):
         return call_in_forward(module, fn)
-    own = module.__dict__
-    had_own, previous = "forward" in own, own.get("forward")
-    own["forward"] = lambda *args, **kwargs: fn()
-    try:
-        result: T = module()
-        return result
-    finally:
-        if had_own:
-            own["forward"] = previous
-        else:
-            del own["forward"]
+    return run_as_forward(module, fn)
 
 
 def _has_forward_hooks(module: nn.Module) -> bool:
