@@ -10,6 +10,7 @@ rows where they fit either way (``schedule``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -17,12 +18,31 @@ from . import schedule, sum_format
 from .configs import BLOCK_BYTES, MAX_COLS, Settings
 from .launch import HeadScalars, RowGrads, dh_block, dz_block
 
+#: Writes ``dz[N, cols]`` of vocabulary rows ``[v0, v0 + cols)``: ``fill_dz(v0, dz)``.
+FillDz = Callable[[int, torch.Tensor], None]
+
 
 def backward(
     hidden: torch.Tensor, weight: torch.Tensor, rows: RowGrads, sc: HeadScalars, st: Settings,
     *, need_dh: bool, need_dw: bool, dh_fp32: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """(dh, dW) as asked; ``dh_fp32`` returns dh in fp32 (for a cross-rank sum before rounding)."""
+    """(dh, dW) of the log-prob/entropy head; ``dh_fp32`` returns dh in fp32 (for a cross-rank
+    sum before rounding)."""
+
+    def fill_dz(v0: int, dz: torch.Tensor) -> None:
+        dz_block(hidden, weight, rows, sc, st.dz, v0, dz)
+
+    return backward_from(
+        hidden, weight, fill_dz, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=dh_fp32
+    )
+
+
+def backward_from(
+    hidden: torch.Tensor, weight: torch.Tensor, fill_dz: FillDz, st: Settings,
+    *, need_dh: bool, need_dw: bool, dh_fp32: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """(dh, dW) of any head whose logit gradient ``fill_dz`` writes block by block (the
+    log-prob head, a KL): the schedule, the dz buffers and the hidden-gradient sum live here."""
     (n, h), v, dtype, dev = hidden.shape, weight.shape[0], hidden.dtype, hidden.device
     dw = torch.empty((v, h), dtype=dtype, device=dev) if need_dw else None
     if v == 0 or not (need_dh or need_dw):
@@ -55,7 +75,7 @@ def backward(
             if buffer is None:
                 buffer = torch.empty((n, geom.buffer_cols), dtype=dtype, device=dev)
             dz = buffer[:, :cols]
-        dz_block(hidden, weight, rows, sc, st.dz, v0, dz)
+        fill_dz(v0, dz)
         if dw is not None and step.write_dw:
             torch.mm(dz.t(), hidden, out=dw[v0 : v0 + cols])
         if acc is not None and step.add_dh:
