@@ -9,7 +9,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fusedhead.errors import BackendUnavailableError
-from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
+from fusedhead.protocol import Capabilities, HeadCall, HeadOutput, KLCall, KLOutput
 
 from .configs import Settings, interpret_enabled, settings_for
 
@@ -90,6 +90,7 @@ class TritonBackend:
             per_token_temperature=True,
             softcap=True,
             uneven_shards=True,
+            kl_directions=("forward", "reverse"),
         )
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -169,6 +170,12 @@ class TritonBackend:
             call.return_entropy, call.process_group, call.reduce_hidden_grad,
         )  # fmt: skip
         return HeadOutput(logp, ent)
+
+    def kl(self, call: KLCall) -> KLOutput:
+        """fp32 [N] KL of the student and the teacher head, differentiable in the student only."""
+        from .kl import kl
+
+        return kl(call, self._settings(call.hidden.dtype)[1])
 
     def _settings(self, dtype: torch.dtype) -> tuple[Settings, str]:
         """The call's kernel settings for ``dtype`` and their key, made once per dtype."""

@@ -1,0 +1,254 @@
+"""KL of two heads: per-chunk statistics of both logit tiles, a fixed-order combine, and ``dz``.
+
+A forward program owns a row tile and a chunk of ``CHUNK`` consecutive vocabulary tiles. For each
+tile it computes the student's tile ``h_s @ W_s.T`` and the teacher's ``h_t @ W_t.T`` (the hidden
+sizes may differ), scales them (softcap, then ``1 / T`` of each head) and folds into running per-row
+statistics: each head's max ``m`` and ``s = sum exp(z - m)``, and the cross term relative to the
+maxima, ``w = sum e_c (d_c - d_o)`` with ``d = z - m``, ``c`` the head weighting the direction
+(forward: the teacher, reverse: the student) and ``o`` the other one. Then
+``KL = w / s_c - log s_c + log s_o``: the maxima cancel exactly, so no large-logit cancellation.
+``ws[5, C, N]`` holds the chunks' statistics; the combine reduces them over C in a fixed order
+(batch invariant, deterministic). The backward recomputes both tiles and writes the student's
+``dz``: ``g (p_s - p_t)`` (forward) or ``g p_s (log p_s - log p_t - KL)`` (reverse), over ``T_s``
+and through the softcap's derivative.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import LOG2E, grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature, tanh_f32
+
+#: The max of an empty set of statistics: finite (``EMPTY - m`` is no NaN), its exp2 exactly 0.
+EMPTY = tl.constexpr(-1e38)
+
+
+@triton.jit
+def _head_logits(
+    a, b, off_m, off_n, rows, cols, K, stride_am, stride_ak, stride_bn, stride_bk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """One head's raw fp32 tile, through TMA descriptors or pointers (``rows``/``cols`` clamped)."""
+    if TMA:
+        return logits_tile_tma(a, b, off_m, off_n, K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    else:
+        return logits_tile(
+            a, b, rows, cols, K, stride_am, stride_ak, stride_bn, stride_bk,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
+        )  # fmt: skip
+
+
+@triton.jit
+def _scaled(acc, inv_t, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr):
+    """``z = c tanh(x / c) / T`` per row (the log-prob kernels' order), and ``tanh`` (or 0)."""
+    if HAS_SOFTCAP:
+        th = tanh_f32(acc * inv_softcap)
+        acc = softcap * th
+    else:
+        th = acc * 0.0
+    return acc * inv_t[:, None], th
+
+
+@triton.jit
+def _tile_stats(zs, zt, col_ok, REVERSE: tl.constexpr):
+    """(m_s, s_s, m_t, s_t, w) of one tile; ``w`` relative to the tile's own maxima.
+
+    ``d_c - d_o`` is formed from the raw tiles (finite in masked columns, whose ``e`` is 0), so
+    no ``-inf - -inf`` arises.
+    """
+    m_s = tl.max(tl.where(col_ok[None, :], zs, float("-inf")), axis=1)
+    m_t = tl.max(tl.where(col_ok[None, :], zt, float("-inf")), axis=1)
+    e_s = tl.where(col_ok[None, :], tl.exp2((zs - m_s[:, None]) * LOG2E), 0.0)
+    e_t = tl.where(col_ok[None, :], tl.exp2((zt - m_t[:, None]) * LOG2E), 0.0)
+    if REVERSE:
+        w = tl.sum(e_s * ((zs - zt) - (m_s - m_t)[:, None]), axis=1)
+    else:
+        w = tl.sum(e_t * ((zt - zs) - (m_t - m_s)[:, None]), axis=1)
+    return m_s, tl.sum(e_s, axis=1), m_t, tl.sum(e_t, axis=1), w
+
+
+@triton.jit
+def _merge(m_s, s_s, m_t, s_t, w, m2_s, s2_s, m2_t, s2_t, w2, REVERSE: tl.constexpr):
+    """Two sets of statistics as one. An empty set is ``m = EMPTY``, ``s = w = 0``: finite, so
+    its weight ``exp(EMPTY - m)`` is exactly 0 and nothing is NaN."""
+    big_s = tl.maximum(m_s, m2_s)
+    big_t = tl.maximum(m_t, m2_t)
+    d1_s, d2_s = m_s - big_s, m2_s - big_s  # <= 0
+    d1_t, d2_t = m_t - big_t, m2_t - big_t
+    a1_s, a2_s = tl.exp2(d1_s * LOG2E), tl.exp2(d2_s * LOG2E)
+    a1_t, a2_t = tl.exp2(d1_t * LOG2E), tl.exp2(d2_t * LOG2E)
+    if REVERSE:  # w is weighted by the student: it rebases with the student's max
+        w = a1_s * (w + (d1_s - d1_t) * s_s) + a2_s * (w2 + (d2_s - d2_t) * s2_s)
+    else:
+        w = a1_t * (w + (d1_t - d1_s) * s_t) + a2_t * (w2 + (d2_t - d2_s) * s2_t)
+    return big_s, s_s * a1_s + s2_s * a2_s, big_t, s_t * a1_t + s2_t * a2_t, w
+
+
+@triton.jit(do_not_specialize=["N", "V"])
+def kl_stats_kernel(
+    hs, ws, ht, wt, temp_s_ptr, temp_t_ptr, out_ptr, N, V, HS, HT,
+    stride_hsn, stride_hsk, stride_wsv, stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk,
+    inv_temp_s, inv_temp_t, softcap_s, inv_softcap_s, softcap_t, inv_softcap_t,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    CHUNK: tl.constexpr, NUM_PROGS: tl.constexpr, TMA: tl.constexpr, EVEN_KS: tl.constexpr,
+    EVEN_KT: tl.constexpr, PRECISION: tl.constexpr, PER_TOKEN_TS: tl.constexpr,
+    PER_TOKEN_TT: tl.constexpr, SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr,
+    REVERSE: tl.constexpr,
+):  # fmt: skip
+    """Persistent: each (row tile, chunk of CHUNK vocabulary tiles) item writes ``out[5, C, N]``.
+
+    Tiles are folded in vocabulary order, so a row's statistics depend only on its own data and
+    the constexpr shapes (batch invariance). ``hs``.. are TMA descriptors when ``TMA``.
+    """
+    num_pid_m = tl.cdiv(N, BLOCK_M)
+    num_tiles_n = tl.cdiv(V, BLOCK_N)
+    num_chunks = tl.cdiv(num_tiles_n, CHUNK)
+    stat_stride = num_chunks.to(tl.int64) * N
+    for item in range(tl.program_id(0), num_pid_m * num_chunks, NUM_PROGS):
+        pid_m, chunk = grouped_tile(item, num_pid_m, num_chunks, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        rows = tl.minimum(offs_m, N - 1)
+        inv_s = row_inv_temperature(temp_s_ptr, rows, inv_temp_s, PER_TOKEN_TS)
+        inv_t = row_inv_temperature(temp_t_ptr, rows, inv_temp_t, PER_TOKEN_TT)
+        m_s = tl.full((BLOCK_M,), EMPTY, tl.float32)
+        m_t = tl.full((BLOCK_M,), EMPTY, tl.float32)
+        s_s = tl.zeros((BLOCK_M,), tl.float32)
+        s_t = tl.zeros((BLOCK_M,), tl.float32)
+        w = tl.zeros((BLOCK_M,), tl.float32)
+        first = chunk * CHUNK
+        for tile_n in range(first, tl.minimum(first + CHUNK, num_tiles_n)):
+            off_n = tile_n * BLOCK_N
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            cols = tl.minimum(offs_n, V - 1)
+            acc = _head_logits(
+                hs, ws, off_m, off_n, rows, cols, HS, stride_hsn, stride_hsk, stride_wsv,
+                stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KS, PRECISION, TMA,
+            )  # fmt: skip
+            zs, _ = _scaled(acc, inv_s, softcap_s, inv_softcap_s, SOFTCAP_S)
+            acc = _head_logits(
+                ht, wt, off_m, off_n, rows, cols, HT, stride_htn, stride_htk, stride_wtv,
+                stride_wtk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KT, PRECISION, TMA,
+            )  # fmt: skip
+            zt, _ = _scaled(acc, inv_t, softcap_t, inv_softcap_t, SOFTCAP_T)
+            t_ms, t_ss, t_mt, t_st, t_w = _tile_stats(zs, zt, offs_n < V, REVERSE)
+            m_s, s_s, m_t, s_t, w = _merge(
+                m_s, s_s, m_t, s_t, w, t_ms, t_ss, t_mt, t_st, t_w, REVERSE
+            )
+        row_ok = offs_m < N
+        base = out_ptr + chunk.to(tl.int64) * N + offs_m
+        tl.store(base, m_s, mask=row_ok)
+        tl.store(base + stat_stride, s_s, mask=row_ok)
+        tl.store(base + 2 * stat_stride, m_t, mask=row_ok)
+        tl.store(base + 3 * stat_stride, s_t, mask=row_ok)
+        tl.store(base + 4 * stat_stride, w, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["N", "C"])
+def kl_combine_kernel(
+    ws_ptr, valid_ptr, kl_ptr, lse_s_ptr, lse_t_ptr, N, C,
+    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, REVERSE: tl.constexpr,
+):  # fmt: skip
+    """Reduce the C chunks of each row in a fixed order (the maxima, then the sums): the KL (0
+    where not valid) and both heads' log-sum-exp."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+    stat_stride = C.to(tl.int64) * N
+    big_s = tl.full((BLOCK_R,), EMPTY, tl.float32)
+    big_t = tl.full((BLOCK_R,), EMPTY, tl.float32)
+    for c0 in range(0, C, BLOCK_T):
+        cc = c0 + tl.arange(0, BLOCK_T)
+        mask = (cc < C)[:, None] & row_ok[None, :]
+        off = cc.to(tl.int64)[:, None] * N + rows[None, :]
+        big_s = tl.maximum(big_s, tl.max(tl.load(ws_ptr + off, mask=mask, other=EMPTY), axis=0))
+        m_t = tl.load(ws_ptr + 2 * stat_stride + off, mask=mask, other=EMPTY)
+        big_t = tl.maximum(big_t, tl.max(m_t, axis=0))
+    s_s = tl.zeros((BLOCK_R,), tl.float32)
+    s_t = tl.zeros((BLOCK_R,), tl.float32)
+    w = tl.zeros((BLOCK_R,), tl.float32)
+    for c0 in range(0, C, BLOCK_T):
+        cc = c0 + tl.arange(0, BLOCK_T)
+        mask = (cc < C)[:, None] & row_ok[None, :]
+        off = cc.to(tl.int64)[:, None] * N + rows[None, :]
+        # a masked chunk (s = w = 0, max EMPTY) adds exactly 0
+        d_s = tl.load(ws_ptr + off, mask=mask, other=EMPTY) - big_s[None, :]
+        c_ss = tl.load(ws_ptr + stat_stride + off, mask=mask, other=0.0)
+        d_t = tl.load(ws_ptr + 2 * stat_stride + off, mask=mask, other=EMPTY) - big_t[None, :]
+        c_st = tl.load(ws_ptr + 3 * stat_stride + off, mask=mask, other=0.0)
+        c_w = tl.load(ws_ptr + 4 * stat_stride + off, mask=mask, other=0.0)
+        a_s = tl.exp2(d_s * LOG2E)
+        a_t = tl.exp2(d_t * LOG2E)
+        s_s += tl.sum(c_ss * a_s, axis=0)
+        s_t += tl.sum(c_st * a_t, axis=0)
+        if REVERSE:
+            w += tl.sum(a_s * (c_w + (d_s - d_t) * c_ss), axis=0)
+        else:
+            w += tl.sum(a_t * (c_w + (d_t - d_s) * c_st), axis=0)
+    s_s = tl.where(row_ok, s_s, 1.0)  # rows past N: keep the math finite
+    s_t = tl.where(row_ok, s_t, 1.0)
+    log_ss, log_st = tl.log(s_s), tl.log(s_t)
+    if REVERSE:  # noqa: SIM108 - constexpr branch
+        kl = w / s_s - log_ss + log_st
+    else:
+        kl = w / s_t - log_st + log_ss
+    valid = tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0
+    tl.store(kl_ptr + rows, tl.where(valid, kl, 0.0), mask=row_ok)
+    tl.store(lse_s_ptr + rows, big_s + log_ss, mask=row_ok)
+    tl.store(lse_t_ptr + rows, big_t + log_st, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["N", "Vb"])
+def kl_dz_kernel(
+    hs, ws, ht, wt, dz, temp_s_ptr, temp_t_ptr, lse_s_ptr, lse_t_ptr, kl_ptr, coef_ptr,
+    N, Vb, HS, HT, stride_hsn, stride_hsk, stride_wsv, stride_wsk, stride_htn, stride_htk,
+    stride_wtv, stride_wtk, stride_dzm, inv_temp_s, inv_temp_t, softcap_s, inv_softcap_s,
+    softcap_t, inv_softcap_t,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr, TMA: tl.constexpr, EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr,
+    PRECISION: tl.constexpr, PER_TOKEN_TS: tl.constexpr, PER_TOKEN_TT: tl.constexpr,
+    SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr, REVERSE: tl.constexpr,
+):  # fmt: skip
+    """Persistent: the student's ``dz[N, Vb]`` of the block ``ws[0:Vb]`` / ``wt[0:Vb]`` (its
+    rows already offset), from both recomputed tiles; rows whose ``coef`` is 0 give exactly 0."""
+    num_pid_m = tl.cdiv(N, BLOCK_M)
+    num_pid_n = tl.cdiv(Vb, BLOCK_N)
+    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS):
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(offs_m, N - 1)
+        cols = tl.minimum(offs_n, Vb - 1)
+        inv_s = row_inv_temperature(temp_s_ptr, rows, inv_temp_s, PER_TOKEN_TS)
+        inv_t = row_inv_temperature(temp_t_ptr, rows, inv_temp_t, PER_TOKEN_TT)
+        acc = _head_logits(
+            hs, ws, off_m, off_n, rows, cols, HS, stride_hsn, stride_hsk, stride_wsv, stride_wsk,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KS, PRECISION, TMA,
+        )  # fmt: skip
+        zs, th = _scaled(acc, inv_s, softcap_s, inv_softcap_s, SOFTCAP_S)
+        acc = _head_logits(
+            ht, wt, off_m, off_n, rows, cols, HT, stride_htn, stride_htk, stride_wtv, stride_wtk,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KT, PRECISION, TMA,
+        )  # fmt: skip
+        zt, _ = _scaled(acc, inv_t, softcap_t, inv_softcap_t, SOFTCAP_T)
+        coef = tl.load(coef_ptr + rows)
+        ls = zs - tl.load(lse_s_ptr + rows)[:, None]
+        lt = zt - tl.load(lse_t_ptr + rows)[:, None]
+        p_s = tl.exp2(ls * LOG2E)
+        if REVERSE:
+            kl = tl.load(kl_ptr + rows)
+            g = p_s * (ls - lt - kl[:, None]) * (coef * inv_s)[:, None]
+        else:
+            g = (p_s - tl.exp2(lt * LOG2E)) * (coef * inv_s)[:, None]
+        if SOFTCAP_S:
+            g = g * (1.0 - th * th)
+        g = tl.where((coef != 0.0)[:, None], g, 0.0)
+        if TMA:
+            dz.store([off_m, off_n], g.to(dz.dtype))
+        else:
+            mask = (offs_m < N)[:, None] & (offs_n < Vb)[None, :]
+            ptrs = dz + offs_m.to(tl.int64)[:, None] * stride_dzm + offs_n[None, :]
+            tl.store(ptrs, g.to(dz.dtype.element_ty), mask=mask)
