@@ -1,0 +1,166 @@
+"""Forward with top-k: the forward's tile statistics and each row's most likely ids, one pass.
+
+A program owns a row block and a fixed chunk of consecutive vocabulary tiles (the chunks depend
+on V and the tile width only, never on N: batch invariance). For each tile it writes the plain
+forward's statistics (``forward._stats_epilogue``, the same bits) and folds the tile into a
+running set of the row's ``KP`` best keys:
+
+- a key is an int64 ordering (value, then lower id): the fp32 logit's bits made monotone in the
+  high word, ``2**31 - 1 - column`` in the low word, so one integer order resolves ties;
+- the chunk's first tile fills the set with ``tl.topk``; a later tile only visits the entries
+  above the set's smallest value (about ``KP / j`` per row at the j-th tile), in rounds that take
+  the best remaining entry of each of ``G`` column groups per row and insert it in place of the
+  set's smallest key. The rounds stop when no group holds an entry that could enter.
+
+The set is a set (its order is never read), so the result does not depend on the order of the
+insertions; the chunks' sets ``cand[C, N, KP]`` are merged by key afterwards (launcher).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature, tempered_logits
+from .forward import _stats_epilogue
+from .sparse import tile_bounds
+
+#: Below every key (an empty candidate slot).
+MIN_KEY = tl.constexpr(-(2**63))
+
+
+@triton.jit
+def topk_keys(z, col):
+    """int64 keys of fp32 values ``z`` at int32 columns ``col``: larger value first, then lower
+    column (-0.0 counts as +0.0)."""
+    b = z.to(tl.int32, bitcast=True)
+    b = tl.where(z == 0.0, 0, b)
+    mono = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return (mono.to(tl.int64) << 32) | (0x7FFFFFFF - col).to(tl.int64)
+
+
+@triton.jit
+def key_value(key):
+    """The fp32 value a key was made from."""
+    mono = (key >> 32).to(tl.int32)
+    return (mono ^ ((mono >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _insert(run, cand):
+    """Put ``cand [R]`` in place of each row's smallest key of ``run [R, KP]`` where it is larger
+    (keys in a row are distinct; ``MIN_KEY`` never enters)."""
+    low = tl.min(run, axis=1)
+    take = cand > low
+    return tl.where((run == low[:, None]) & take[:, None], cand[:, None], run)
+
+
+@triton.jit
+def fold_tile(
+    run, z, cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr
+):  # fmt: skip
+    """The running set ``run [BLOCK_M, KP]`` with the tile ``z [BLOCK_M, BLOCK_N]`` (columns
+    ``cols``, all above the set's) folded in: only entries above the set's smallest value."""
+    SUB: tl.constexpr = BLOCK_N // G
+    thr = key_value(tl.min(run, axis=1))
+    rem = tl.reshape(tl.where(z > thr[:, None], z, float("-inf")), (BLOCK_M, G, SUB))
+    c3 = tl.reshape(cols, (G, SUB))[None, :, :]
+    gid = tl.arange(0, G)[None, :]
+    best = tl.max(rem, axis=2)
+    # >=: an entry equal to the smallest value may still enter by its lower column.
+    live = (best >= thr[:, None]) & (best > float("-inf"))
+    go = tl.max(tl.max(live.to(tl.int32), axis=1), axis=0)
+    while go > 0:
+        at = tl.min(tl.where(rem == best[:, :, None], c3, 0x7FFFFFFF), axis=2)
+        keys = tl.where(live, topk_keys(best, at), MIN_KEY)
+        for g in tl.static_range(G):
+            run = _insert(run, tl.max(tl.where(gid == g, keys, MIN_KEY), axis=1))
+        thr = key_value(tl.min(run, axis=1))
+        rem = tl.where(c3 == at[:, :, None], float("-inf"), rem)
+        best = tl.max(rem, axis=2)
+        live = (best >= thr[:, None]) & (best > float("-inf"))
+        go = tl.max(tl.max(live.to(tl.int32), axis=1), axis=0)
+    return run
+
+
+@triton.jit(do_not_specialize=["N", "V", "K_g", "L"])
+def fwd_topk_kernel(
+    h_src,
+    w_src,
+    labels_ptr,
+    temp_ptr,
+    ws_ptr,
+    zy_ptr,
+    q_ptr,
+    arg_ptr,
+    starts_ptr,
+    sids_ptr,
+    zg_ptr,
+    cand_ptr,
+    N,
+    V,
+    H,
+    K_g,
+    L,
+    stride_hn,
+    stride_hk,
+    stride_wv,
+    stride_wk,
+    label_offset,
+    inv_temp,
+    softcap,
+    inv_softcap,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PER_TOKEN_T: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    HAS_ARG: tl.constexpr,
+    HAS_GATHER: tl.constexpr,
+    KP: tl.constexpr,
+    G: tl.constexpr,
+):
+    """One program per (row block, chunk of ``L`` tiles): the tiles' statistics as the forward
+    writes them, and the chunk's ``KP`` best keys per row into ``cand[chunk, N, KP]``.
+
+    ``h_src``/``w_src`` are TMA descriptors with ``USE_TMA``, else pointers (with the strides).
+    """
+    num_pid_m = tl.cdiv(N, BLOCK_M)
+    T = tl.cdiv(V, BLOCK_N)
+    pid_m, chunk = grouped_tile(tl.program_id(0), num_pid_m, tl.cdiv(T, L), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.minimum(offs_m, N - 1)
+    inv_t = row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T)
+    t0 = chunk * L
+    run = tl.full((BLOCK_M, KP), MIN_KEY, tl.int64)
+    for j in range(0, tl.minimum(t0 + L, T) - t0):
+        t = t0 + j
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        g_lo, g_hi = tile_bounds(starts_ptr, t, rows, N, HAS_GATHER)
+        if USE_TMA:
+            acc = logits_tile_tma(
+                h_src, w_src, pid_m * BLOCK_M, t * BLOCK_N, H, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION
+            )
+        else:
+            acc = logits_tile(
+                h_src, w_src, rows, tl.minimum(offs_n, V - 1), H, stride_hn, stride_hk, stride_wv,
+                stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
+            )  # fmt: skip
+        _stats_epilogue(
+            acc, offs_m, offs_n, t, N, V, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr, arg_ptr,
+            sids_ptr, zg_ptr, g_lo, g_hi, K_g, label_offset, inv_temp, softcap, inv_softcap,
+            BLOCK_N, PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
+        )  # fmt: skip
+        z = tempered_logits(acc, inv_t, offs_n < V, softcap, inv_softcap, HAS_SOFTCAP)
+        if j == 0:
+            run = tl.topk(topk_keys(z, offs_n), KP)
+        else:
+            run = fold_tile(run, z, offs_n, BLOCK_M, BLOCK_N, G)
+    slot = tl.arange(0, KP)
+    ptrs = cand_ptr + (chunk.to(tl.int64) * N + offs_m)[:, None] * KP + slot[None, :]
+    tl.store(ptrs, run, mask=(offs_m < N)[:, None])
