@@ -92,11 +92,15 @@ def compile_dz(cfg: TileConfig, *, arch: int = 90, entropy: bool = True) -> Any:
         "dz_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n}]>",
         **{k: "*i64" if k == "labels_ptr" else "*fp32" for k in
            ("labels_ptr", "temp_ptr", "lse_ptr", "ent_ptr", "glp_ptr", "gent_ptr")},
+        "ax_ptr": "*fp32", "c_ptr": "*fp32", "starts_ptr": "*i32", "sids_ptr": "*i32",
+        "gs_ptr": "*fp32",
         "N": "i32", "Vb": "i32", "H": "i32", "label_offset": "i32", "ignore_index": "i32",
-        "inv_temp": "fp32", "softcap": "fp32", "inv_softcap": "fp32",
+        "inv_temp": "fp32", "softcap": "fp32", "inv_softcap": "fp32", "K_sp": "i32",
+        "col0": "i32",
     }  # fmt: skip
     consts = {**_tiles(cfg), "PER_TOKEN_T": False, "HAS_SOFTCAP": False, "HAS_GLP": True,
-              "HAS_GENT": entropy}  # fmt: skip
+              "HAS_GENT": entropy, "HAS_AX": False, "HAS_C": False,
+              "HAS_SPARSE": False}  # fmt: skip
     return _compile(dz.dz_tma_kernel, signature, consts, cfg, arch)
 
 

@@ -14,6 +14,10 @@ from fusedhead.protocol import Capabilities, HeadCall, HeadOutput, KLCall, KLOut
 from .configs import Settings, interpret_enabled, settings_for
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+#: Outputs of the plain log-prob kernels; any other request takes ``outputs.head_outputs_call``.
+_BASIC = frozenset({"log_probs", "entropy"})
+#: Outputs past (log_probs, entropy) the triton backend computes (one shard and vocab-parallel).
+EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "gather")
 
 
 class TritonOptions(BaseModel):
@@ -91,6 +95,8 @@ class TritonBackend:
             softcap=True,
             uneven_shards=True,
             kl_directions=("forward", "reverse"),
+            outputs=("log_probs", "entropy", *EXTRA_OUTPUTS),
+            vocab_parallel_outputs=("log_probs", "entropy", *EXTRA_OUTPUTS),
         )
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -145,7 +151,8 @@ class TritonBackend:
         )
 
     def forward(self, call: HeadCall) -> HeadOutput:
-        """fp32 log_probs [N] and entropy [N] (or None), differentiable in hidden and weight."""
+        """fp32 log_probs [N] and entropy [N] (or None), and the requested extras,
+        differentiable in hidden and weight."""
         from .launch import HeadScalars
         from .ops import head
 
@@ -165,6 +172,10 @@ class TritonBackend:
         softcap = float(call.softcap) if call.softcap is not None else None
         sc = HeadScalars(call.vocab_start, call.ignore_index, inv_temp, softcap)
         st, key = self._settings(hidden.dtype)
+        if not call.outputs <= _BASIC:  # lse, sum_p2, argmax, gather: the outputs' kernels
+            from .outputs import head_outputs_call
+
+            return head_outputs_call(call, temp, sc, st, key)
         logp, ent = head(
             hidden, call.weight, call.labels.contiguous(), temp, sc, st, key,
             call.return_entropy, call.process_group, call.reduce_hidden_grad,

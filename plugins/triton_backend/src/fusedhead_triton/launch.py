@@ -58,10 +58,42 @@ class RowGrads(NamedTuple):
 
 class Partials(NamedTuple):
     """Per-tile statistics ``ws[3, T, N]`` (max, sum of exp, sum of exp * (z - max)) and the
-    label logit ``zy[N]`` (NaN where the label is not in this shard)."""
+    label logit ``zy[N]`` (NaN where the label is not in this shard); where asked, ``q[T, N]``
+    (sum of exp(2 (z - max))), ``arg[T, N]`` (the tile's argmax column, int32) and ``zg[N, K]``
+    (the logits at the sorted caller ids, NaN where this shard does not own the id)."""
 
     ws: torch.Tensor
     zy: torch.Tensor
+    q: torch.Tensor | None = None
+    arg: torch.Tensor | None = None
+    zg: torch.Tensor | None = None
+
+
+class SortedIds(NamedTuple):
+    """Caller ids per row, shard-local and sorted (``kernels.sparse``): ``sids[N, K]`` int32
+    (ids this shard does not count are ``SENTINEL``) and ``perm[N, K]`` (sorted position ->
+    caller position)."""
+
+    sids: torch.Tensor
+    perm: torch.Tensor
+
+
+class PartialExtras(NamedTuple):
+    """What the forward's tiles compute past the log-prob statistics."""
+
+    sum_p2: bool = False
+    argmax: bool = False
+    gather: SortedIds | None = None
+
+
+class ExtraRowOutputs(NamedTuple):
+    """``RowOutputs`` and the extras (each a dummy when not asked): sum of squared p, argmax."""
+
+    log_probs: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor
+    sum_p2: torch.Tensor
+    argmax: torch.Tensor
 
 
 class RowOutputs(NamedTuple):
@@ -79,6 +111,50 @@ class RowPartials(NamedTuple):
     m: torch.Tensor
     s: torch.Tensor
     w: torch.Tensor
+
+
+class DzExtras(NamedTuple):
+    """Further per-row terms of the dz kernel: ``dz += p (ax + c p) / T`` and the sparse
+    ``gs[N, K]`` (fp32, in sorted order) added at the sorted ids; None: off."""
+
+    ax: torch.Tensor | None = None
+    c: torch.Tensor | None = None
+    ids: SortedIds | None = None
+    gs: torch.Tensor | None = None
+
+
+#: Sorted-id value of an id the shard does not count (sorts past every tile).
+SENTINEL = 2**31 - 1
+#: Rows and tiles per program of the tile-table kernel.
+_STARTS_BLOCK = (64, 16)
+
+
+def sort_ids(
+    ids: torch.Tensor, labels: torch.Tensor, offset: int, v_local: int, ignore_index: int
+) -> SortedIds:
+    """``ids [N, K]`` (global) as this shard's sorted local ids: ids on ignored rows, equal to
+    ``ignore_index`` or outside ``[offset, offset + v_local)`` become ``SENTINEL``."""
+    local = ids - offset
+    own = (local >= 0) & (local < v_local) & (ids != ignore_index)
+    own &= (labels != ignore_index).unsqueeze(1)
+    key = torch.where(own, local, SENTINEL).to(torch.int32)
+    sids, perm = torch.sort(key, dim=1, stable=True)
+    return SortedIds(sids.contiguous(), perm)
+
+
+def tile_starts(ids: SortedIds, tiles: int, width: int, origin: int = 0) -> torch.Tensor:
+    """``starts[t, n]`` (int32 ``[tiles + 1, N]``): row ``n``'s first sorted position at or past
+    column ``origin + t * width``, so tile ``t`` holds positions ``[starts[t], starts[t + 1])``."""
+    n, k = ids.sids.shape
+    out = torch.empty((tiles + 1, n), dtype=torch.int32, device=ids.sids.device)
+    br, bt = _STARTS_BLOCK
+    grid = (math.ceil(n / br), math.ceil((tiles + 1) / bt))
+    if n:
+        kernel("sparse").tile_starts_kernel[grid](
+            ids.sids, out, n, k, tiles + 1, origin, width, BLOCK_R=br, BLOCK_T=bt, STEPS=k.bit_length(),
+            num_warps=4,
+        )  # fmt: skip
+    return out
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -124,86 +200,149 @@ def _tiles(cfg: TileConfig, dtype: torch.dtype, **flags: Any) -> dict[str, Any]:
 
 def forward_partials(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
-    sc: HeadScalars, cfg: TileConfig,
+    sc: HeadScalars, cfg: TileConfig, extras: PartialExtras | None = None,
 ) -> Partials:  # fmt: skip
     """The forward's tile statistics: one logits tile at a time, never the logits."""
     fwd = kernel("forward")
     (n, h), v = hidden.shape, weight.shape[0]
+    dev = hidden.device
     t = math.ceil(v / cfg.block_n)
-    ws = torch.empty((3, t, n), dtype=torch.float32, device=hidden.device)
-    zy = torch.full((n,), float("nan"), dtype=torch.float32, device=hidden.device)
+    ws = torch.empty((3, t, n), dtype=torch.float32, device=dev)
+    zy = torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
+    ex = extras if extras is not None else PartialExtras()
+    q = torch.zeros((t, n), dtype=torch.float32, device=dev) if ex.sum_p2 else None
+    arg = torch.zeros((t, n), dtype=torch.int32, device=dev) if ex.argmax else None
+    zg = starts = None
+    k_g = 0
+    if ex.gather is not None:
+        k_g = ex.gather.sids.shape[1]
+        zg = torch.full((n, k_g), float("nan"), dtype=torch.float32, device=dev)
+        if t:
+            starts = tile_starts(ex.gather, t, cfg.block_n)
     if t == 0:
-        return Partials(ws, zy)
+        return Partials(ws, zy, q, arg, zg)
     flags = _tiles(
-        cfg, hidden.dtype, PER_TOKEN_T=temp is not None, HAS_SOFTCAP=sc.softcap is not None
-    )
+        cfg, hidden.dtype, PER_TOKEN_T=temp is not None, HAS_SOFTCAP=sc.softcap is not None,
+        HAS_Q=q is not None, HAS_ARG=arg is not None, HAS_GATHER=zg is not None,
+    )  # fmt: skip
     scalars = (sc.label_offset, sc.inv_temp, *sc.softcap_args)
     temp_arg = temp if temp is not None else zy  # never read without PER_TOKEN_T
+    # Dummies for the extras not asked (never read or written: their flags are off).
+    extra_args = (
+        zy if q is None else q,
+        zy if arg is None else arg,
+        zy if starts is None else starts,
+        zy if ex.gather is None else ex.gather.sids,
+        zy if zg is None else zg,
+    )
     tiles = math.ceil(n / cfg.block_m) * t
-    if tma_usable(cfg, hidden.dtype, h, hidden.device):
+    if tma_usable(cfg, hidden.dtype, h, dev):
         hd = descriptor(hidden, [cfg.block_m, cfg.block_k])
         wd = descriptor(weight, [cfg.block_n, cfg.block_k])
-        progs = num_programs(hidden.device)
+        progs = num_programs(dev)
         fwd.fwd_stats_tma_kernel[(min(progs, tiles),)](
-            hd, wd, labels, temp_arg, ws, zy, n, v, h, *scalars, NUM_PROGS=progs, **flags
-        )
+            hd, wd, labels, temp_arg, ws, zy, *extra_args, n, v, h, k_g, *scalars,
+            NUM_PROGS=progs, **flags,
+        )  # fmt: skip
     else:
         fwd.fwd_stats_kernel[(tiles,)](
-            hidden, weight, labels, temp_arg, ws, zy, n, v, h, *hidden.stride(), *weight.stride(),
-            *scalars, EVEN_K=h % cfg.block_k == 0, **flags,
+            hidden, weight, labels, temp_arg, ws, zy, *extra_args, n, v, h, k_g, *hidden.stride(),
+            *weight.stride(), *scalars, EVEN_K=h % cfg.block_k == 0, **flags,
         )  # fmt: skip
-    return Partials(ws, zy)
+    return Partials(ws, zy, q, arg, zg)
 
 
 def _combine(
-    p: Partials, labels: torch.Tensor, ignore_index: int, final: bool, entropy: bool
-) -> list[torch.Tensor]:
-    """Reduce ``ws[3, T, N]`` over T in a fixed order (batch invariant, deterministic)."""
+    p: Partials, labels: torch.Tensor, ignore_index: int, final: bool, entropy: bool,
+    label_offset: int = 0, arg_width: int = 0,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Reduce ``ws[3, T, N]`` (and ``q``, ``arg`` where set) over T in a fixed order (batch
+    invariant, deterministic); ``arg``'s ids are ``t * arg_width + column + label_offset``."""
     _, t, n = p.ws.shape
-    outs = [torch.empty(n, dtype=torch.float32, device=p.ws.device) for _ in range(3)]
+    dev = p.ws.device
+    outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3)]
+    outs.append(torch.empty(n, dtype=torch.float32, device=dev) if p.q is not None else outs[0])
+    outs.append(torch.empty(n, dtype=torch.int64, device=dev) if p.arg is not None else outs[0])
+    q = p.q if p.q is not None else p.zy
+    arg = p.arg if p.arg is not None else p.zy
     kernel("forward").combine_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
-        p.ws, p.zy, labels, *outs, n, t, ignore_index, BLOCK_R=COMBINE_BLOCK_R,
-        BLOCK_T=COMBINE_BLOCK_T, FINAL=final, HAS_ENT=entropy, num_warps=4,
+        p.ws, p.zy, labels, q, arg, *outs, n, t, ignore_index, label_offset, arg_width,
+        BLOCK_R=COMBINE_BLOCK_R, BLOCK_T=COMBINE_BLOCK_T, FINAL=final, HAS_ENT=entropy,
+        HAS_Q=p.q is not None, HAS_ARG=p.arg is not None, num_warps=4,
     )  # fmt: skip
     return outs
 
 
 def combine(p: Partials, labels: torch.Tensor, ignore_index: int, *, entropy: bool) -> RowOutputs:
     """The rows' outputs from the tile statistics (or from every rank's, gathered)."""
-    return RowOutputs(*_combine(p, labels, ignore_index, True, entropy))
+    return RowOutputs(*_combine(p, labels, ignore_index, True, entropy)[:3])
+
+
+def combine_extras(
+    p: Partials, labels: torch.Tensor, ignore_index: int, *, entropy: bool, label_offset: int = 0,
+    arg_width: int = 0,
+) -> ExtraRowOutputs:  # fmt: skip
+    """``combine`` with the sum of squared p (from ``p.q``) and the argmax (from ``p.arg``)."""
+    outs = _combine(p, labels, ignore_index, True, entropy, label_offset, arg_width)
+    return ExtraRowOutputs(*outs)
 
 
 def shard_stats(p: Partials, labels: torch.Tensor, ignore_index: int) -> RowPartials:
     """The rows' (m, s, w) over this shard, for the cross-rank combine."""
-    return RowPartials(*_combine(p, labels, ignore_index, False, False))
+    return RowPartials(*_combine(p, labels, ignore_index, False, False)[:3])
+
+
+def shard_stats_extras(
+    p: Partials, labels: torch.Tensor, ignore_index: int, label_offset: int, arg_width: int
+) -> list[torch.Tensor]:
+    """The rows' (m, s, w, q-or-dummy, argmax-id-or-dummy) over this shard."""
+    return _combine(p, labels, ignore_index, False, False, label_offset, arg_width)
 
 
 def dz_block(
     hidden: torch.Tensor, weight: torch.Tensor, rows: RowGrads, sc: HeadScalars, cfg: TileConfig,
-    v0: int, dz: torch.Tensor,
+    v0: int, dz: torch.Tensor, extra: DzExtras | None = None,
 ) -> None:  # fmt: skip
     """Write ``dz[N, cols]`` of vocabulary rows [v0, v0 + cols) from their recomputed logits."""
     dzk = kernel("dz")
     (n, h), cols = hidden.shape, dz.shape[1]
     wb = weight[v0 : v0 + cols]
+    ex = extra if extra is not None else DzExtras()
+    sparse = ex.ids is not None and ex.gs is not None
+    tiles_n = math.ceil(cols / cfg.block_n)
+    # This block's own tile table: blocks need not start on a multiple of the tile width.
+    starts = tile_starts(ex.ids, tiles_n, cfg.block_n, v0) if sparse else None  # type: ignore[arg-type]
     flags = _tiles(
         cfg, hidden.dtype, PER_TOKEN_T=rows.temp is not None, HAS_SOFTCAP=sc.softcap is not None,
         HAS_GLP=rows.g_lp is not None, HAS_GENT=rows.g_ent is not None,
+        HAS_AX=ex.ax is not None, HAS_C=ex.c is not None, HAS_SPARSE=sparse,
     )  # fmt: skip
     scalars = (sc.label_offset + v0, sc.ignore_index, sc.inv_temp, *sc.softcap_args)
-    tiles = math.ceil(n / cfg.block_m) * math.ceil(cols / cfg.block_n)
+    dummy = rows.lse
+    extra_args = (
+        dummy if ex.ax is None else ex.ax,
+        dummy if ex.c is None else ex.c,
+        dummy if starts is None else starts,
+        ex.ids.sids if sparse else dummy,  # type: ignore[union-attr]
+        ex.gs if sparse else dummy,
+    )
+    k_sp = ex.ids.sids.shape[1] if sparse else 0  # type: ignore[union-attr]
+    sp_scalars = (k_sp, v0)
+    tiles = math.ceil(n / cfg.block_m) * tiles_n
     if tma_usable(cfg, hidden.dtype, h, hidden.device):
         hd = descriptor(hidden, [cfg.block_m, cfg.block_k])
         wd = descriptor(wb, [cfg.block_n, cfg.block_k])
         zd = descriptor(dz, [cfg.block_m, cfg.block_n])
         progs = num_programs(hidden.device)
         dzk.dz_tma_kernel[(min(progs, tiles),)](
-            hd, wd, zd, *rows.args(), n, cols, h, *scalars, NUM_PROGS=progs, **flags
-        )
+            hd, wd, zd, *rows.args(), *extra_args, n, cols, h, *scalars, *sp_scalars,
+            NUM_PROGS=progs, **flags,
+        )  # fmt: skip
     else:
         dzk.dz_kernel[(tiles,)](
-            hidden, wb, *rows.args(), dz, n, cols, h, *hidden.stride(), *wb.stride(), dz.stride(0),
-            *scalars, EVEN_K=h % cfg.block_k == 0, **flags,
+            hidden, wb, *rows.args(), *extra_args, dz, n, cols, h, *hidden.stride(),
+            *wb.stride(), dz.stride(0), *scalars, *sp_scalars, EVEN_K=h % cfg.block_k == 0,
+            **flags,
         )  # fmt: skip
 
 

@@ -2,6 +2,10 @@
 
 ``dz`` is the gradient w.r.t. the raw logits ``h @ W.T`` of the block (temperature and softcap
 derivative folded in), computed in fp32 and stored in the input dtype for the two GEMMs after it.
+
+Heads past the log-prob (lse, sum of squared p, gathered and top-k log-probs) add, behind
+constexpr flags, per-row terms ``p (ax + c p)`` and sparse terms at the sorted caller ids
+(``sparse.add_sparse``), all in fp32 before the one rounding.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature, tanh_f32
+from .sparse import add_sparse, tile_bounds
 
 
 @triton.jit
@@ -25,6 +30,14 @@ def _grad_tile(
     ent_ptr,
     glp_ptr,
     gent_ptr,
+    ax_ptr,
+    c_ptr,
+    sids_ptr,
+    gs_ptr,
+    sp_lo,
+    sp_hi,
+    K_sp,
+    col0,
     label_offset,
     ignore_index,
     inv_temp,
@@ -34,6 +47,9 @@ def _grad_tile(
     HAS_SOFTCAP: tl.constexpr,
     HAS_GLP: tl.constexpr,
     HAS_GENT: tl.constexpr,
+    HAS_AX: tl.constexpr,
+    HAS_C: tl.constexpr,
+    HAS_SPARSE: tl.constexpr,
 ):
     """dz = [g_lp (onehot - p) - g_H p (log p + H)] / T * (1 - tanh^2 if softcap), ignored rows 0.
 
@@ -58,6 +74,8 @@ def _grad_tile(
     else:
         gent = tl.zeros_like(inv_t)
         base = glp
+    if HAS_AX:  # the extras' p-proportional terms: dz += ax p
+        base = base - tl.where(valid, tl.load(ax_ptr + rows), 0.0) * inv_t
     if HAS_SOFTCAP:
         th = tanh_f32(acc * inv_softcap)
         acc = softcap * th
@@ -67,14 +85,19 @@ def _grad_tile(
         g = -p * (base[:, None] + gent[:, None] * logp)
     else:
         g = -p * base[:, None]
+    if HAS_C:  # sum of squared p: dz += c p^2
+        cc = tl.where(valid, tl.load(c_ptr + rows), 0.0) * inv_t
+        g = g + cc[:, None] * (p * p)
     if HAS_GLP:
         g = tl.where(offs_n[None, :] == lab_local[:, None], g + glp[:, None], g)
+    if HAS_SPARSE:
+        g = add_sparse(g, offs_n, rows, row_ok, sp_lo, sp_hi, col0, sids_ptr, gs_ptr, K_sp, inv_t)
     if HAS_SOFTCAP:
         g = g * (1.0 - th * th)
     return g
 
 
-@triton.jit(do_not_specialize=["N", "Vb"])
+@triton.jit(do_not_specialize=["N", "Vb", "K_sp", "col0"])
 def dz_kernel(
     h_ptr,
     w_ptr,
@@ -84,6 +107,11 @@ def dz_kernel(
     ent_ptr,
     glp_ptr,
     gent_ptr,
+    ax_ptr,
+    c_ptr,
+    starts_ptr,
+    sids_ptr,
+    gs_ptr,
     dz_ptr,
     N,
     Vb,
@@ -98,6 +126,8 @@ def dz_kernel(
     inv_temp,
     softcap,
     inv_softcap,
+    K_sp,
+    col0,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -108,6 +138,9 @@ def dz_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_GLP: tl.constexpr,
     HAS_GENT: tl.constexpr,
+    HAS_AX: tl.constexpr,
+    HAS_C: tl.constexpr,
+    HAS_SPARSE: tl.constexpr,
 ):
     """One program per (row tile, column tile) of the block ``w_ptr[0:Vb]``: recompute, write dz."""
     pid = tl.program_id(0)
@@ -116,21 +149,23 @@ def dz_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_m, N - 1)
     cols = tl.minimum(offs_n, Vb - 1)
+    sp_lo, sp_hi = tile_bounds(starts_ptr, pid_n, rows, N, HAS_SPARSE)
     acc = logits_tile(
         h_ptr, w_ptr, rows, cols, H, stride_hn, stride_hk, stride_wv, stride_wk,
         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
     )  # fmt: skip
     g = _grad_tile(
         acc, offs_m, offs_n, N, Vb, labels_ptr, temp_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
-        label_offset, ignore_index, inv_temp, softcap, inv_softcap,
-        PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP, HAS_GENT,
+        ax_ptr, c_ptr, sids_ptr, gs_ptr, sp_lo, sp_hi, K_sp, col0, label_offset, ignore_index,
+        inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP, HAS_GENT, HAS_AX, HAS_C,
+        HAS_SPARSE,
     )  # fmt: skip
     mask = (offs_m < N)[:, None] & (offs_n < Vb)[None, :]
     ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dzm + offs_n[None, :]
     tl.store(ptrs, g.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["N", "Vb"])
+@triton.jit(do_not_specialize=["N", "Vb", "K_sp", "col0"])
 def dz_tma_kernel(
     h_desc,
     w_desc,
@@ -141,6 +176,11 @@ def dz_tma_kernel(
     ent_ptr,
     glp_ptr,
     gent_ptr,
+    ax_ptr,
+    c_ptr,
+    starts_ptr,
+    sids_ptr,
+    gs_ptr,
     N,
     Vb,
     H,
@@ -149,6 +189,8 @@ def dz_tma_kernel(
     inv_temp,
     softcap,
     inv_softcap,
+    K_sp,
+    col0,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -159,6 +201,9 @@ def dz_tma_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_GLP: tl.constexpr,
     HAS_GENT: tl.constexpr,
+    HAS_AX: tl.constexpr,
+    HAS_C: tl.constexpr,
+    HAS_SPARSE: tl.constexpr,
 ):
     """Persistent TMA variant of ``dz_kernel``; dz leaves through a TMA store (clipped)."""
     num_pid_m = tl.cdiv(N, BLOCK_M)
@@ -168,12 +213,15 @@ def dz_tma_kernel(
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
+        b_rows = tl.minimum(off_m + tl.arange(0, BLOCK_M), N - 1)
+        sp_lo, sp_hi = tile_bounds(starts_ptr, pid_n, b_rows, N, HAS_SPARSE)
         acc = logits_tile_tma(h_desc, w_desc, off_m, off_n, H, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         g = _grad_tile(
             acc, offs_m, offs_n, N, Vb, labels_ptr, temp_ptr, lse_ptr, ent_ptr, glp_ptr,
-            gent_ptr, label_offset, ignore_index, inv_temp, softcap, inv_softcap,
-            PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP, HAS_GENT,
+            gent_ptr, ax_ptr, c_ptr, sids_ptr, gs_ptr, sp_lo, sp_hi, K_sp, col0, label_offset,
+            ignore_index, inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP,
+            HAS_GENT, HAS_AX, HAS_C, HAS_SPARSE,
         )  # fmt: skip
         dz_desc.store([off_m, off_n], g.to(dz_desc.dtype))

@@ -4,6 +4,10 @@ Workspace layout ``ws[3, T, N]`` (fp32): for vocabulary tile ``t`` and row ``n``
 of z), ``s`` (sum of exp(z - m)) and ``w`` (sum of exp(z - m) * (z - m)). Keeping ``w`` relative
 to the tile max avoids the cancellation of ``lse - sum(p * z)`` when logits are large. The label
 logit is written to ``zy[N]`` by the one tile that holds it (no race, no atomics).
+
+Asked-for extras, each behind a constexpr flag (no cost when off): ``q[T, N]`` = sum exp(2 (z - m))
+(sum of squared p), ``arg[T, N]`` the tile's lowest column among its maxima (argmax), and the
+logits at caller ids (gather, ``sparse.gather_tile``), written like the label logit.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature, tanh_f32
+from .sparse import gather_tile, tile_bounds
 
 
 @triton.jit
@@ -26,6 +31,13 @@ def _stats_epilogue(
     temp_ptr,
     ws_ptr,
     zy_ptr,
+    q_ptr,
+    arg_ptr,
+    sids_ptr,
+    zg_ptr,
+    g_lo,
+    g_hi,
+    K_g,
     label_offset,
     inv_temp,
     softcap,
@@ -33,8 +45,12 @@ def _stats_epilogue(
     BLOCK_N: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    HAS_ARG: tl.constexpr,
+    HAS_GATHER: tl.constexpr,
 ):
-    """Turn a raw logits tile into (m, s, w) per row and the label logit if the tile holds it."""
+    """Turn a raw logits tile into (m, s, w) per row and the label logit if the tile holds it
+    (and the asked-for extras: q, the tile argmax, the logits at caller ids)."""
     row_ok = offs_m < N
     rows = tl.minimum(offs_m, N - 1)
     col_ok = offs_n < V
@@ -43,6 +59,8 @@ def _stats_epilogue(
         acc = softcap * tanh_f32(acc * inv_softcap)
     z = acc * inv_t[:, None]
     z = tl.where(col_ok[None, :], z, float("-inf"))
+    if HAS_GATHER:
+        gather_tile(z, rows, row_ok, g_lo, g_hi, pid_n * BLOCK_N, sids_ptr, zg_ptr, K_g, BLOCK_N)
     m = tl.max(z, axis=1)
     d = z - m[:, None]
     e = tl.exp2(d * LOG2E)  # masked columns: exp2(-inf) = 0
@@ -54,6 +72,11 @@ def _stats_epilogue(
     tl.store(base, m, mask=row_ok)
     tl.store(base + stat_stride, s, mask=row_ok)
     tl.store(base + 2 * stat_stride, w, mask=row_ok)
+    if HAS_Q:
+        tl.store(q_ptr + pid_n.to(tl.int64) * N + offs_m, tl.sum(e * e, axis=1), mask=row_ok)
+    if HAS_ARG:  # lowest column among the maxima
+        a = tl.argmax(z, axis=1, tie_break_left=True).to(tl.int32)
+        tl.store(arg_ptr + pid_n.to(tl.int64) * N + offs_m, a, mask=row_ok)
 
     lab = tl.load(labels_ptr + rows) - label_offset
     tile_start = pid_n * BLOCK_N
@@ -63,7 +86,7 @@ def _stats_epilogue(
     tl.store(zy_ptr + rows, zy, mask=hit)
 
 
-@triton.jit(do_not_specialize=["N", "V"])
+@triton.jit(do_not_specialize=["N", "V", "K_g"])
 def fwd_stats_kernel(
     h_ptr,
     w_ptr,
@@ -71,9 +94,15 @@ def fwd_stats_kernel(
     temp_ptr,
     ws_ptr,
     zy_ptr,
+    q_ptr,
+    arg_ptr,
+    starts_ptr,
+    sids_ptr,
+    zg_ptr,
     N,
     V,
     H,
+    K_g,
     stride_hn,
     stride_hk,
     stride_wv,
@@ -90,6 +119,9 @@ def fwd_stats_kernel(
     PRECISION: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    HAS_ARG: tl.constexpr,
+    HAS_GATHER: tl.constexpr,
 ):
     """One program per (row tile, vocab tile): fp32 logits tile, then its softmax statistics."""
     pid = tl.program_id(0)
@@ -98,17 +130,19 @@ def fwd_stats_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_m, N - 1)
     cols = tl.minimum(offs_n, V - 1)
+    g_lo, g_hi = tile_bounds(starts_ptr, pid_n, rows, N, HAS_GATHER)
     acc = logits_tile(
         h_ptr, w_ptr, rows, cols, H, stride_hn, stride_hk, stride_wv, stride_wk,
         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
     )  # fmt: skip
     _stats_epilogue(
-        acc, offs_m, offs_n, pid_n, N, V, labels_ptr, temp_ptr, ws_ptr, zy_ptr, label_offset,
-        inv_temp, softcap, inv_softcap, BLOCK_N, PER_TOKEN_T, HAS_SOFTCAP,
+        acc, offs_m, offs_n, pid_n, N, V, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr, arg_ptr,
+        sids_ptr, zg_ptr, g_lo, g_hi, K_g, label_offset, inv_temp, softcap, inv_softcap, BLOCK_N,
+        PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["N", "V"])
+@triton.jit(do_not_specialize=["N", "V", "K_g"])
 def fwd_stats_tma_kernel(
     h_desc,
     w_desc,
@@ -116,9 +150,15 @@ def fwd_stats_tma_kernel(
     temp_ptr,
     ws_ptr,
     zy_ptr,
+    q_ptr,
+    arg_ptr,
+    starts_ptr,
+    sids_ptr,
+    zg_ptr,
     N,
     V,
     H,
+    K_g,
     label_offset,
     inv_temp,
     softcap,
@@ -131,6 +171,9 @@ def fwd_stats_tma_kernel(
     PRECISION: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    HAS_ARG: tl.constexpr,
+    HAS_GATHER: tl.constexpr,
 ):
     """Persistent variant: NUM_PROGS programs walk the same tiles, loading through TMA."""
     num_pid_m = tl.cdiv(N, BLOCK_M)
@@ -138,6 +181,8 @@ def fwd_stats_tma_kernel(
     num_tiles = num_pid_m * num_pid_n
     for tile in range(tl.program_id(0), num_tiles, NUM_PROGS):
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        b_rows = tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), N - 1)
+        g_lo, g_hi = tile_bounds(starts_ptr, pid_n, b_rows, N, HAS_GATHER)
         acc = logits_tile_tma(
             h_desc,
             w_desc,
@@ -152,8 +197,9 @@ def fwd_stats_tma_kernel(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         _stats_epilogue(
-            acc, offs_m, offs_n, pid_n, N, V, labels_ptr, temp_ptr, ws_ptr, zy_ptr, label_offset,
-            inv_temp, softcap, inv_softcap, BLOCK_N, PER_TOKEN_T, HAS_SOFTCAP,
+            acc, offs_m, offs_n, pid_n, N, V, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr,
+            arg_ptr, sids_ptr, zg_ptr, g_lo, g_hi, K_g, label_offset, inv_temp, softcap,
+            inv_softcap, BLOCK_N, PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
         )  # fmt: skip
 
 
@@ -162,35 +208,51 @@ def combine_kernel(
     ws_ptr,
     zy_ptr,
     labels_ptr,
+    q_ptr,
+    arg_ptr,
     out0_ptr,
     out1_ptr,
     out2_ptr,
+    out3_ptr,
+    out4_ptr,
     N,
     T,
     ignore_index,
+    label_offset,
+    arg_width,
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
     FINAL: tl.constexpr,
     HAS_ENT: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    HAS_ARG: tl.constexpr,
 ):
     """Combine the T partial stats of each row in a fixed order (max pass, then a sum pass).
 
-    FINAL: write log_prob, lse and entropy (ignored rows give 0). Otherwise write the row's
-    combined (m, s, w), the partial a vocab-parallel rank contributes to the all-gather.
+    FINAL: write log_prob, lse and entropy (ignored rows give 0), and where asked the sum of
+    squared p (``q`` rebased like ``s``, over ``s^2``) and the argmax id (the first tile holding
+    the row max, its lowest column; -1 on ignored rows). Otherwise write the row's combined
+    (m, s, w) and q and argmax id: the partial a vocab-parallel rank contributes.
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N
     stat_stride = T.to(tl.int64) * N
     big_m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    best_t = tl.zeros((BLOCK_R,), tl.int32)
     for t0 in range(0, T, BLOCK_T):
         tt = t0 + tl.arange(0, BLOCK_T)
         mask = (tt < T)[:, None] & row_ok[None, :]
         off = tt.to(tl.int64)[:, None] * N + rows[None, :]
         m = tl.load(ws_ptr + off, mask=mask, other=float("-inf"))
-        big_m = tl.maximum(big_m, tl.max(m, axis=0))
+        chunk_m = tl.max(m, axis=0)
+        if HAS_ARG:  # earlier tiles hold lower ids: keep the first tile reaching the max
+            chunk_t = tl.argmax(m, axis=0, tie_break_left=True).to(tl.int32) + t0
+            best_t = tl.where(chunk_m > big_m, chunk_t, best_t)
+        big_m = tl.maximum(big_m, chunk_m)
     safe_m = tl.where(big_m > float("-inf"), big_m, 0.0)  # no live tile: keep the math finite
     big_s = tl.zeros((BLOCK_R,), tl.float32)
     big_w = tl.zeros((BLOCK_R,), tl.float32)
+    big_q = tl.zeros((BLOCK_R,), tl.float32)
     for t0 in range(0, T, BLOCK_T):
         tt = t0 + tl.arange(0, BLOCK_T)
         mask = (tt < T)[:, None] & row_ok[None, :]
@@ -203,6 +265,14 @@ def combine_kernel(
         scale = tl.where(live, tl.exp2(dm * LOG2E), 0.0)
         big_s += tl.sum(s * scale, axis=0)
         big_w += tl.sum((w + dm * s) * scale, axis=0)
+        if HAS_Q:
+            q = tl.load(q_ptr + off, mask=mask, other=0.0)
+            big_q += tl.sum(q * (scale * scale), axis=0)
+    if HAS_ARG:
+        has = row_ok & (big_m > float("-inf"))
+        col = tl.load(arg_ptr + best_t.to(tl.int64) * N + rows, mask=has, other=0)
+        arg = best_t.to(tl.int64) * arg_width + col + label_offset
+        arg = tl.where(has, arg, -1)
     if FINAL:
         big_s = tl.where(row_ok, big_s, 1.0)  # rows past N: keep the math finite
         log_s = tl.log(big_s)
@@ -214,7 +284,15 @@ def combine_kernel(
         tl.store(out1_ptr + rows, lse, mask=row_ok)
         if HAS_ENT:
             tl.store(out2_ptr + rows, tl.where(valid, log_s - big_w / big_s, 0.0), mask=row_ok)
+        if HAS_Q:
+            tl.store(out3_ptr + rows, tl.where(valid, big_q / (big_s * big_s), 0.0), mask=row_ok)
+        if HAS_ARG:
+            tl.store(out4_ptr + rows, tl.where(valid, arg, -1), mask=row_ok)
     else:
         tl.store(out0_ptr + rows, big_m, mask=row_ok)
         tl.store(out1_ptr + rows, big_s, mask=row_ok)
         tl.store(out2_ptr + rows, big_w, mask=row_ok)
+        if HAS_Q:
+            tl.store(out3_ptr + rows, big_q, mask=row_ok)
+        if HAS_ARG:
+            tl.store(out4_ptr + rows, arg, mask=row_ok)

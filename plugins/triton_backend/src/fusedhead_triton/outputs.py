@@ -1,0 +1,399 @@
+"""The outputs past (log_probs, entropy) on the triton backend: lse, sum_p2, argmax and gather.
+
+They come from the log-prob forward's own tiles, each behind a constexpr flag (a call without
+them runs the plain kernels, ``ops.head``):
+
+- lse: the combine's log-sum-exp (ignored rows 0); sum_p2: ``q = sum exp(2 (z - m))`` per tile,
+  rebased like ``s`` in the combine, over ``s^2``; argmax: each tile's lowest column among its
+  maxima, the first tile holding the row max (so the lowest id among the maxima);
+- gather: the logits at caller ids, taken from the tile with the label logit's own extraction
+  (``kernels.sparse``: each tile visits only the ids in its range), minus the same lse: at K = 1
+  on the labels, the bits of ``log_probs``.
+
+The backward is the log-prob backward (``backward_from``) with further per-row terms and the
+sparse terms of the gathered ids in the dz kernel, in fp32 before dz is rounded. One shard runs
+as ``torch.library`` custom ops (``torch.compile`` fullgraph); vocab-parallel as an autograd
+Function whose collectives run between the launches (each gathered id owned by one rank, the
+argmax the lowest id among the ranks' maxima).
+"""
+
+# No ``from __future__ import annotations``: torch.library reads the annotations as types.
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from fusedhead.protocol import HeadCall, HeadOutput
+
+from .backward import backward_from
+from .configs import Settings, TileConfig
+from .launch import (
+    DzExtras,
+    HeadScalars,
+    PartialExtras,
+    Partials,
+    RowGrads,
+    SortedIds,
+    combine_extras,
+    dz_block,
+    forward_partials,
+    shard_stats_extras,
+    sort_ids,
+)
+from .ops import DOUBLE_BACKWARD
+
+#: Outputs this module computes (``log_probs`` and ``entropy`` with them).
+EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "gather")
+
+
+class Values(NamedTuple):
+    """The forward's results; a dummy (empty) tensor for each output not asked."""
+
+    log_probs: torch.Tensor
+    lse: torch.Tensor  #: every row's log-sum-exp (the backward's), ignored rows included
+    entropy: torch.Tensor
+    lse_out: torch.Tensor  #: 0 on ignored rows
+    sum_p2: torch.Tensor
+    argmax: torch.Tensor
+    gathered: torch.Tensor
+
+
+def _empty(like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=like.device)
+
+
+def _counted(ids: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Caller ids that give a log-prob: on scored rows and not ``ignore_index``."""
+    return (labels != ignore_index).unsqueeze(1) & (ids != ignore_index)
+
+
+def _unsorted(zg: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """Values in sorted-id order back in the caller's order."""
+    return torch.empty_like(zg).scatter_(1, perm, zg)
+
+
+def _gathered(
+    z: torch.Tensor, lse: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, ignore: int
+) -> torch.Tensor:
+    """``z - lse`` where counted, else 0: the subtraction the combine makes for the label."""
+    return torch.where(_counted(ids, labels, ignore), z - lse.unsqueeze(1), 0.0)
+
+
+def forward_values(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
+    gather_ids: torch.Tensor | None, sc: HeadScalars, cfg: TileConfig, *, entropy: bool,
+    sum_p2: bool, argmax: bool, group: Any = None,
+) -> Values:  # fmt: skip
+    """Every asked output over the whole (possibly sharded) vocabulary, in fixed-order sums."""
+    ig, lo, v_local = sc.ignore_index, sc.label_offset, weight.shape[0]
+    ids = None if gather_ids is None else sort_ids(gather_ids, labels, lo, v_local, ig)
+    extras = PartialExtras(sum_p2=sum_p2, argmax=argmax, gather=ids)
+    p = forward_partials(hidden, weight, labels, temp, sc, cfg, extras)
+    zg = None if ids is None or p.zg is None else _unsorted(p.zg, ids.perm)
+    arg_out: torch.Tensor | None = None
+    if group is None:
+        out = combine_extras(p, labels, ig, entropy=entropy, label_offset=lo, arg_width=cfg.block_n)
+        lp, lse, ent = out.log_probs, out.lse, out.entropy
+        p2, arg_out = out.sum_p2, out.argmax
+    else:
+        lp, lse, ent, p2, arg_out, zg = _sharded_combine(
+            p, zg, gather_ids, labels, sc, v_local, cfg, entropy, sum_p2, argmax, group
+        )
+    valid = labels != ig
+    return Values(
+        lp, lse, ent if entropy else _empty(lp), torch.where(valid, lse, 0.0),
+        p2 if sum_p2 else _empty(lp),
+        arg_out if argmax and arg_out is not None else _empty(lp, torch.int64),
+        _empty(lp) if zg is None or gather_ids is None else _gathered(zg, lse, gather_ids, labels, ig),
+    )  # fmt: skip
+
+
+def _sharded_combine(
+    p: Partials, zg: torch.Tensor | None, gather_ids: torch.Tensor | None, labels: torch.Tensor,
+    sc: HeadScalars, v_local: int, cfg: TileConfig, entropy: bool, sum_p2: bool, argmax: bool,
+    group: Any,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The full vocabulary's outputs from every rank's shard: the ranks' (m, s, w, q) gathered
+    and combined in rank order like tiles; a label logit or gathered logit from its one owner;
+    the argmax the lowest id among the ranks holding the row max."""
+    ig, lo = sc.ignore_index, sc.label_offset
+    m, s, w, q, arg = shard_stats_extras(p, labels, ig, lo, cfg.block_n)
+    owned = (labels >= lo) & (labels < lo + v_local)
+    local = [m, s, w, q if sum_p2 else torch.zeros_like(m)]
+    local += [torch.where(owned, p.zy, 0.0), owned.to(torch.float32)]
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(torch.stack(local)) for _ in range(world)]
+    dist.all_gather(parts, torch.stack(local).contiguous(), group=group)
+    every = torch.stack(parts, dim=1)  # [6, R, N]
+    label_logit = torch.where(every[5].sum(0) == 1, every[4].sum(0), float("nan"))
+    stats = Partials(every[:3].contiguous(), label_logit, every[3].contiguous() if sum_p2 else None)
+    out = combine_extras(stats, labels, ig, entropy=entropy)
+    arg_out = None
+    if argmax:
+        ids = [torch.empty_like(arg) for _ in range(world)]
+        dist.all_gather(ids, arg.contiguous(), group=group)
+        rank_ids = torch.stack(ids)  # [R, N]
+        rank_m = every[0]
+        best = rank_m.max(0).values
+        none = torch.iinfo(torch.int64).max
+        pick = torch.where(rank_m == best, rank_ids, none).min(0).values
+        pick = torch.where(pick == none, -1, pick)
+        arg_out = torch.where(labels != ig, pick, -1)
+    if zg is not None and gather_ids is not None:
+        mine = (gather_ids >= lo) & (gather_ids < lo + v_local)
+        both = torch.stack([torch.where(mine, zg, 0.0), mine.to(torch.float32)])
+        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)  # one owner: exact
+        zg = torch.where(both[1] == 1, both[0], float("nan"))
+    return out.log_probs, out.lse, out.entropy, out.sum_p2, arg_out, zg
+
+
+class Grads(NamedTuple):
+    """Upstream gradients of the differentiable outputs (None: not reached by the loss)."""
+
+    log_probs: torch.Tensor | None
+    entropy: torch.Tensor | None
+    lse: torch.Tensor | None
+    sum_p2: torch.Tensor | None
+    sparse: torch.Tensor | None  #: [N, K] of the ids in ``sparse_ids``
+
+
+def _fp32(g: torch.Tensor | None) -> torch.Tensor | None:
+    return None if g is None else g.to(torch.float32).contiguous()
+
+
+def backward_values(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
+    sparse_ids: torch.Tensor | None, lse: torch.Tensor, ent: torch.Tensor | None,
+    sum_p2: torch.Tensor | None, grads: Grads, sc: HeadScalars, vocab_size: int, st: Settings,
+    *, need_dh: bool, need_dw: bool, dh_fp32: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """(dh, dW) of the asked outputs: ``dz = p (ax + c p) + onehots - ...`` per vocabulary block,
+    ``ax = g_lse - 2 g_p2 sum_p2 - sum_j g_j``, ``c = 2 g_p2``, the sparse ``g_j`` at the ids."""
+    ig = sc.ignore_index
+    valid = labels != ig
+    ax: torch.Tensor | None = None
+    if grads.lse is not None:
+        ax = grads.lse.clone()
+    c = None
+    if grads.sum_p2 is not None and sum_p2 is not None:
+        term = -2.0 * grads.sum_p2 * sum_p2
+        ax = term if ax is None else ax + term
+        c = 2.0 * grads.sum_p2
+    ids: SortedIds | None = None
+    gs = None
+    if grads.sparse is not None and sparse_ids is not None:
+        in_range = (sparse_ids >= 0) & (sparse_ids < vocab_size)
+        g = torch.where(_counted(sparse_ids, labels, ig) & in_range, grads.sparse, 0.0)
+        total = -g.sum(dim=1)
+        ax = total if ax is None else ax + total
+        ids = sort_ids(sparse_ids, labels, sc.label_offset, weight.shape[0], ig)
+        gs = g.gather(1, ids.perm).contiguous()
+    if ax is not None:
+        ax = torch.where(valid, ax, 0.0).contiguous()
+    rows = RowGrads(labels, temp, lse, ent, grads.log_probs, grads.entropy)
+    extra = DzExtras(ax, None if c is None else c.contiguous(), ids, gs)
+
+    def fill_dz(v0: int, dz: torch.Tensor) -> None:
+        dz_block(hidden, weight, rows, sc, st.dz, v0, dz, extra)
+
+    return backward_from(
+        hidden, weight, fill_dz, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=dh_fp32
+    )
+
+
+# --- one shard: custom ops ------------------------------------------------------------------
+
+
+@torch.library.custom_op("fusedhead_triton::head_outputs", mutates_args=())
+def head_outputs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
+    gather_ids: torch.Tensor | None, label_offset: int, ignore_index: int, inv_temp: float,
+    softcap: float | None, entropy: bool, sum_p2: bool, argmax: bool, settings: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``Values`` of one shard (log_probs, lse, entropy, lse_out, sum_p2, argmax, gathered)."""
+    sc = HeadScalars(label_offset, ignore_index, inv_temp, softcap)
+    cfg = Settings.from_key(settings).forward
+    v = forward_values(
+        hidden, weight, labels, temp, gather_ids, sc, cfg, entropy=entropy, sum_p2=sum_p2,
+        argmax=argmax,
+    )  # fmt: skip
+    return tuple(v)  # type: ignore[return-value]
+
+
+@head_outputs.register_fake
+def _head_outputs_fake(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: Any, gather_ids: Any,
+    *args: Any,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    entropy, sum_p2, argmax = args[-4], args[-3], args[-2]
+    n = hidden.shape[0]
+
+    def f32(on: bool) -> torch.Tensor:
+        return hidden.new_empty(n if on else 0, dtype=torch.float32)
+
+    gathered = (
+        hidden.new_empty((n, gather_ids.shape[1]), dtype=torch.float32)
+        if gather_ids is not None
+        else f32(False)
+    )
+    arg = hidden.new_empty(n if argmax else 0, dtype=torch.int64)
+    return (f32(True), f32(True), f32(entropy), f32(True), f32(sum_p2), arg, gathered)
+
+
+@torch.library.custom_op("fusedhead_triton::head_outputs_backward", mutates_args=())
+def head_outputs_backward(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
+    sparse_ids: torch.Tensor | None, lse: torch.Tensor, ent: torch.Tensor | None,
+    sum_p2: torch.Tensor | None, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None,
+    g_lse: torch.Tensor | None, g_p2: torch.Tensor | None, g_sparse: torch.Tensor | None,
+    label_offset: int, ignore_index: int, inv_temp: float, softcap: float | None,
+    vocab_size: int, settings: str, need_dh: bool, need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dh, dW) of one shard; an empty tensor for a gradient not asked."""
+    sc = HeadScalars(label_offset, ignore_index, inv_temp, softcap)
+    grads = Grads(g_lp, g_ent, g_lse, g_p2, g_sparse)
+    dh, dw = backward_values(
+        hidden, weight, labels, temp, sparse_ids, lse, ent, sum_p2, grads, sc, vocab_size,
+        Settings.from_key(settings), need_dh=need_dh, need_dw=need_dw, dh_fp32=False,
+    )  # fmt: skip
+    return (
+        hidden.new_empty(0) if dh is None else dh,
+        weight.new_empty(0) if dw is None else dw,
+    )
+
+
+@head_outputs_backward.register_fake
+def _head_outputs_backward_fake(
+    hidden: torch.Tensor, weight: torch.Tensor, *args: Any
+) -> tuple[torch.Tensor, ...]:
+    need_dh, need_dw = args[-2], args[-1]
+    return (
+        torch.empty_like(hidden) if need_dh else hidden.new_empty(0),
+        torch.empty_like(weight) if need_dw else weight.new_empty(0),
+    )
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    hidden, weight, labels, temp, gather_ids, lo, ig, inv_t, cap, entropy, p2, _, key = inputs
+    ctx.save_for_backward(
+        hidden, weight, labels, temp, gather_ids, output[1], output[2] if entropy else None,
+        output[4] if p2 else None,
+    )  # fmt: skip
+    ctx.scalars, ctx.entropy, ctx.sum_p2, ctx.settings = (lo, ig, inv_t, cap), entropy, p2, key
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+    hidden, weight, labels, temp, gather_ids, lse, ent, p2 = ctx.saved_tensors
+    g_lp, _, g_ent, g_lse, g_p2, _, g_gath = grads
+    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    g = Grads(
+        _fp32(g_lp), _fp32(g_ent) if ctx.entropy else None, _fp32(g_lse),
+        _fp32(g_p2) if ctx.sum_p2 else None, _fp32(g_gath) if gather_ids is not None else None,
+    )  # fmt: skip
+    none = (None,) * 11
+    if all(t is None for t in g) or not (need_dh or need_dw):
+        return (None, None, *none)
+    lo, ig, inv_t, cap = ctx.scalars
+    # vocab_size only bounds the counted ids: one shard holds the whole vocabulary.
+    dh, dw = torch.ops.fusedhead_triton.head_outputs_backward(
+        hidden, weight, labels, temp, gather_ids, lse, ent, p2, *g, lo, ig, inv_t, cap,
+        weight.shape[0] + lo, ctx.settings, need_dh, need_dw,
+    )  # fmt: skip
+    return (dh if need_dh else None, dw if need_dw else None, *none)
+
+
+def _refuse_double_backward(ctx: Any, *grads: Any) -> Any:
+    raise RuntimeError(DOUBLE_BACKWARD)
+
+
+torch.library.register_autograd("fusedhead_triton::head_outputs", _backward, setup_context=_setup)
+torch.library.register_autograd(
+    "fusedhead_triton::head_outputs_backward",
+    _refuse_double_backward,
+    setup_context=lambda ctx, inputs, output: None,
+)
+
+
+# --- vocab-parallel -------------------------------------------------------------------------
+
+
+class ShardedOutputs(torch.autograd.Function):
+    """The vocab-parallel call with extras: stats gathered across ranks, dh all-reduced."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+        temp: torch.Tensor | None, gather_ids: torch.Tensor | None, sc: HeadScalars,
+        st: Settings, flags: tuple[bool, bool, bool], vocab_size: int, group: Any, reduce: bool,
+    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        entropy, sum_p2, argmax = flags
+        v = forward_values(
+            hidden, weight, labels, temp, gather_ids, sc, st.forward, entropy=entropy,
+            sum_p2=sum_p2, argmax=argmax, group=group,
+        )  # fmt: skip
+        ctx.save_for_backward(
+            hidden, weight, labels, temp, gather_ids, v.lse, v.entropy if entropy else None,
+            v.sum_p2 if sum_p2 else None,
+        )  # fmt: skip
+        ctx.args = (sc, st, flags, vocab_size, group, reduce)
+        ctx.mark_non_differentiable(v.argmax)
+        ctx.set_materialize_grads(False)
+        return v.log_probs, v.entropy, v.lse_out, v.sum_p2, v.argmax, v.gathered
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: its collectives have no derivative here
+            raise RuntimeError(DOUBLE_BACKWARD)
+        hidden, weight, labels, temp, gather_ids, lse, ent, p2 = ctx.saved_tensors
+        sc, st, (entropy, sum_p2, _), vocab_size, group, reduce = ctx.args
+        g_lp, g_ent, g_lse, g_p2, _, g_gath = grads
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g = Grads(
+            _fp32(g_lp), _fp32(g_ent) if entropy else None, _fp32(g_lse),
+            _fp32(g_p2) if sum_p2 else None, _fp32(g_gath) if gather_ids is not None else None,
+        )  # fmt: skip
+        none = (None,) * 9
+        if all(t is None for t in g):
+            return (None, None, *none)
+        sum_dh = reduce and need_dh
+        dh, dw = backward_values(
+            hidden, weight, labels, temp, gather_ids, lse, ent, p2, g, sc, vocab_size, st,
+            need_dh=need_dh, need_dw=need_dw,
+            dh_fp32=sum_dh and hidden.dtype != torch.float32,
+        )  # fmt: skip
+        if sum_dh and dh is not None:
+            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=group)
+            dh = dh.to(hidden.dtype)
+        return (dh, dw, *none)
+
+
+def head_outputs_call(
+    call: HeadCall, temp: torch.Tensor | None, sc: HeadScalars, st: Settings, key: str
+) -> HeadOutput:
+    """Every requested output of ``call`` (lse, sum_p2, argmax, gather with the log-probs)."""
+    outs = call.outputs
+    entropy, lse, p2, arg = (o in outs for o in ("entropy", "lse", "sum_p2", "argmax"))
+    ids = call.gather_ids if "gather" in outs else None
+    hidden, weight, labels = call.hidden, call.weight, call.labels.contiguous()
+    if ids is not None:
+        ids = ids.contiguous()
+    if call.process_group is not None:
+        lp, ent, lse_out, sum_p2, argmax, gathered = ShardedOutputs.apply(  # type: ignore[no-untyped-call]
+            hidden, weight, labels, temp, ids, sc, st, (entropy, p2, arg), call.vocab_size,
+            call.process_group, call.reduce_hidden_grad,
+        )  # fmt: skip
+    else:
+        lp, _, ent, lse_out, sum_p2, argmax, gathered = torch.ops.fusedhead_triton.head_outputs(
+            hidden, weight, labels, temp, ids, sc.label_offset, sc.ignore_index, sc.inv_temp,
+            sc.softcap, entropy, p2, arg, key,
+        )  # fmt: skip
+    return HeadOutput(
+        log_probs=lp,
+        entropy=ent if entropy else None,
+        lse=lse_out if lse else None,
+        sum_p2=sum_p2 if p2 else None,
+        argmax=argmax if arg else None,
+        gathered=gathered if ids is not None else None,
+    )
