@@ -91,7 +91,7 @@ class FusedHead:
         self.options = validate_options(config.backend, cls, config.options)
         with self._identified():
             self.backend = cls(self.options)
-        self._caps: dict[tuple[torch.device, torch.dtype], Capabilities] = {}
+        self._caps: dict[tuple[torch.device, torch.dtype], tuple[Capabilities, frozenset[str]]] = {}
         device = torch.device(config.device) if config.device else registry.default_device()
         with self._identified():
             caps = self.backend.capabilities(device)
@@ -151,9 +151,16 @@ class FusedHead:
 
     def _ready(self, device: torch.device, dtype: torch.dtype) -> Capabilities:
         """Capabilities on (device, dtype), after the backend's own check; cached per pair."""
+        return (self._caps.get((device, dtype)) or self._ready_entry(device, dtype))[0]
+
+    def _ready_entry(
+        self, device: torch.device, dtype: torch.dtype
+    ) -> tuple[Capabilities, frozenset[str]]:
+        """The first call on (device, dtype): the backend's check, then its capabilities there
+        (and their outputs as a set), cached for every later call on the pair."""
         key = (device, dtype)
-        caps = self._caps.get(key)
-        if caps is None:
+        entry = self._caps.get(key)
+        if entry is None:
             with self._identified("check()"):
                 self.backend.check(
                     device, dtype
@@ -173,8 +180,8 @@ class FusedHead:
                     **self._identity(),
                 )
             self._check_required(caps, device)
-            self._caps[key] = caps
-        return caps
+            entry = self._caps[key] = (caps, frozenset(caps.outputs))
+        return entry
 
     def __call__(
         self,
@@ -198,27 +205,70 @@ class FusedHead:
         return_argmax: bool = False,
     ) -> FusedHeadOutput:
         cfg = self.config
-        call, shape = validate(
+        return self._call(
             hidden,
             weight,
             labels,
-            temperature=cfg.temperature if temperature is None else temperature,
-            ignore_index=cfg.ignore_index if ignore_index is None else ignore_index,
-            return_entropy=cfg.return_entropy if return_entropy is None else return_entropy,
-            process_group=process_group,
-            vocab_start=vocab_start,
-            vocab_size=vocab_size,
-            reduce_hidden_grad=reduce_hidden_grad,
-            check_labels=cfg.check_labels if check_labels is None else check_labels,
-            softcap=cfg.softcap if softcap is None else softcap,
+            cfg.temperature if temperature is None else temperature,
+            cfg.ignore_index if ignore_index is None else ignore_index,
+            cfg.return_entropy if return_entropy is None else return_entropy,
+            process_group,
+            vocab_start,
+            vocab_size,
+            reduce_hidden_grad,
+            cfg.check_labels if check_labels is None else check_labels,
+            cfg.softcap if softcap is None else softcap,
+            top_k,
+            gather_ids,
+            return_lse,
+            return_sum_p2,
+            return_argmax,
         )
-        if (
-            top_k is not None
-            or gather_ids is not None
-            or return_lse is not False
-            or return_sum_p2 is not False
-            or return_argmax is not False
-        ):
+
+    def _call(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: float | torch.Tensor,
+        ignore_index: int,
+        return_entropy: bool,
+        process_group: Any,
+        vocab_start: int | None,
+        vocab_size: int | None,
+        reduce_hidden_grad: bool,
+        check_labels: bool,
+        softcap: float | None,
+        top_k: int | None,
+        gather_ids: torch.Tensor | None,
+        return_lse: bool,
+        return_sum_p2: bool,
+        return_argmax: bool,
+        /,
+    ) -> FusedHeadOutput:
+        """One call, arguments resolved and positional: the per-step path, kept to few tensor reads."""
+        call, shape, n, device, dtype, cast = validate(
+            hidden,
+            weight,
+            labels,
+            temperature,
+            ignore_index,
+            return_entropy,
+            process_group,
+            vocab_start,
+            vocab_size,
+            reduce_hidden_grad,
+            check_labels,
+            softcap,
+        )
+        basic = (
+            top_k is None
+            and gather_ids is None
+            and return_lse is False
+            and return_sum_p2 is False
+            and return_argmax is False
+        )
+        if not basic:
             call = with_outputs(
                 call,
                 shape,
@@ -227,27 +277,72 @@ class FusedHead:
                 return_lse=return_lse,
                 return_sum_p2=return_sum_p2,
                 return_argmax=return_argmax,
-                check_labels=cfg.check_labels if check_labels is None else check_labels,
+                check_labels=check_labels,
             )
-        h = call.hidden
-        caps = self._ready(h.device, h.dtype)
-        self._check_call_capabilities(call, caps)
-        if call.labels.numel() == 0:
+            basic = call.outputs <= extras.BASIC_OUTPUTS
+        ready = self._caps.get((device, dtype)) or self._ready_entry(device, dtype)
+        if not (
+            basic
+            and call.temperature.__class__ is float
+            and call.softcap is None
+            and process_group is None
+            and call.outputs <= ready[1]
+        ):  # anything beyond a plain call: the full check (a plain one passes it by construction)
+            self._check_call_capabilities(call, ready[0])
+        if not n:
             return _empty(call, shape)
-        dev = h.device.type
         try:
-            if dev in _AUTOCAST_DEVICES and torch.is_autocast_enabled(dev):
-                with torch.autocast(dev, enabled=False):
-                    out = self.backend.forward(call)
-            else:
+            if cast is None:
                 out = self.backend.forward(call)
+            else:
+                with torch.autocast(cast, enabled=False):
+                    out = self.backend.forward(call)
         except BackendError as exc:
             raise exc.attach(**self._identity()) from None
-        self._check_output(call, out)
-        entropy = out.entropy
-        lp = _shaped(out.log_probs, shape)
-        ent = None if entropy is None else _shaped(entropy, shape)
-        if call.outputs <= extras.BASIC_OUTPUTS:
+        # The output contract, as one expression over each tensor's properties read once; any
+        # doubt goes to _check_output, which names the breach (and is the authority).
+        h, w = call.hidden, call.weight
+        needs_grad = (h.requires_grad or w.requires_grad) and torch.is_grad_enabled()
+        ok = False
+        if out.__class__ is HeadOutput:
+            lp, ent = out.log_probs, out.entropy
+            ok = (
+                lp.__class__ is torch.Tensor
+                and lp.dtype is torch.float32
+                and lp.shape == (n,)
+                and lp.device == device
+                and (not needs_grad or lp.requires_grad)
+            )
+            if not ok:
+                pass
+            elif "entropy" in call.outputs:
+                ok = (
+                    ent.__class__ is torch.Tensor
+                    and ent.dtype is torch.float32
+                    and ent.shape == (n,)
+                    and ent.device == device
+                    and (not needs_grad or ent.requires_grad)
+                )
+            else:
+                ok = ent is None
+            if ok and basic:
+                ok = (
+                    out.lse is None
+                    and out.sum_p2 is None
+                    and out.argmax is None
+                    and out.topk_ids is None
+                    and out.topk_log_probs is None
+                    and out.gathered is None
+                )
+            elif ok:
+                extras.check_extras(call, out, needs_grad, self._broke)
+        if not ok:
+            self._check_output(call, out)
+            lp, ent = out.log_probs, out.entropy
+        if len(shape) != 1:  # [N] outputs in the labels' shape (an [N] output is that already)
+            lp = _shaped(lp, shape)
+            ent = None if ent is None else _shaped(ent, shape)
+        if basic:
             return tuple.__new__(FusedHeadOutput, (lp, ent))  # type: ignore[no-any-return]
         return FusedHeadOutput(lp, ent, **extras.shaped_extras(call, out, shape))
 
@@ -544,25 +639,28 @@ def fused_head(
         )
     if temperature is None:
         raise TypeError("temperature must be a float or a tensor, got None")
-    head = get_fused_head(backend, options)
-    return head(
+    # Without options the key is known: the cache's own entry, without building it anew.
+    head = _cache.get((backend, "{}")) if options is None else None
+    if head is None:
+        head = get_fused_head(backend, options)
+    return head._call(
         hidden,
         weight,
         labels,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        return_entropy=return_entropy,
-        process_group=process_group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        reduce_hidden_grad=reduce_hidden_grad,
-        check_labels=check_labels,
-        softcap=softcap,
-        top_k=top_k,
-        gather_ids=gather_ids,
-        return_lse=return_lse,
-        return_sum_p2=return_sum_p2,
-        return_argmax=return_argmax,
+        temperature,
+        ignore_index,
+        return_entropy,
+        process_group,
+        vocab_start,
+        vocab_size,
+        reduce_hidden_grad,
+        check_labels,
+        softcap,
+        top_k,
+        gather_ids,
+        return_lse,
+        return_sum_p2,
+        return_argmax,
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -72,11 +72,55 @@ def _flag(arg: str, value: object) -> bool:
     return value
 
 
+def _not_a_flag(arg: str, value: object) -> NoReturn:
+    raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
+
+
+#: HeadCall's fields as ``validate`` builds them, positionally: a change to the protocol must be
+#: made here too (checked on import, so it cannot build a misordered call).
+_HEAD_CALL_FIELDS = (
+    "hidden",
+    "weight",
+    "labels",
+    "temperature",
+    "softcap",
+    "ignore_index",
+    "vocab_start",
+    "vocab_size",
+    "process_group",
+    "reduce_hidden_grad",
+    "outputs",
+    "top_k",
+    "gather_ids",
+)
+if HeadCall._fields != _HEAD_CALL_FIELDS:  # pragma: no cover - a protocol edit without this one
+    raise ImportError(
+        f"fusedhead.validation builds HeadCall with the fields {_HEAD_CALL_FIELDS}, but "
+        f"protocol.HeadCall has {HeadCall._fields}"
+    )
+_new_tuple = tuple.__new__
+
+#: Per device: its type and whether ``torch.is_autocast_enabled`` knows that type (not meta).
+#: ``device.type`` builds a new str on every read (slow, per call); devices are few.
+_DEVICES: dict[torch.device, tuple[str, bool]] = {}
+
+
+def _device_entry(dev: torch.device) -> tuple[str, bool]:
+    """The first call on ``dev``: its type, and whether autocast has a state for it."""
+    dev_type = dev.type
+    try:
+        torch.is_autocast_enabled(dev_type)
+        known = True
+    except RuntimeError:  # a device type autocast does not know (meta): no autocast there
+        known = False
+    entry = _DEVICES[dev] = (dev_type, known)
+    return entry
+
+
 def validate(
     hidden: object,
     weight: object,
     labels: object,
-    *,
     temperature: object,
     ignore_index: object,
     return_entropy: object,
@@ -86,14 +130,25 @@ def validate(
     reduce_hidden_grad: object,
     check_labels: object,
     softcap: object,
-) -> tuple[HeadCall, tuple[int, ...]]:
-    """Check a call against the contract: the backend's 2-D call and the labels' shape."""
-    h = _tensor("hidden", hidden)
-    w = _tensor("weight", weight)
-    y = _tensor("labels", labels)
-    want_entropy = _flag("return_entropy", return_entropy)
-    reduce = _flag("reduce_hidden_grad", reduce_hidden_grad)
-    do_check = _flag("check_labels", check_labels)
+) -> tuple[HeadCall, tuple[int, ...], int, torch.device, torch.dtype, str | None]:
+    """Check a call against the contract, reading each tensor property once (it runs every step).
+
+    Returns the backend's 2-D call, the labels' shape, N, the device and dtype the backend runs on,
+    and the device type whose autocast is on (None: off), so the caller reads none of them again.
+    """
+    h = hidden if hidden.__class__ in _PLAIN else _tensor("hidden", hidden)
+    w = weight if weight.__class__ in _PLAIN else _tensor("weight", weight)
+    y = labels if labels.__class__ in _PLAIN else _tensor("labels", labels)
+    if return_entropy is True:
+        outputs = _WITH_ENTROPY
+    elif return_entropy is False:
+        outputs = _LOG_PROBS_ONLY
+    else:
+        _not_a_flag("return_entropy", return_entropy)
+    if reduce_hidden_grad is not True and reduce_hidden_grad is not False:
+        _not_a_flag("reduce_hidden_grad", reduce_hidden_grad)
+    if check_labels is not True and check_labels is not False:
+        _not_a_flag("check_labels", check_labels)
     if ignore_index.__class__ is not int:
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(
@@ -103,39 +158,58 @@ def validate(
     if not _INT64_MIN <= ignore_index <= _INT64_MAX:
         raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
 
-    hs, ys = h.shape, y.shape
-    if not hs:
+    hs, ws, ys = h.shape, w.shape, y.shape
+    nd = len(hs)
+    if not nd:
         raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
-    if w.dim() != 2:
-        raise ValueError(f"weight must have shape [V, H], got shape {tuple(w.shape)}")
-    V, H = w.shape
+    if len(ws) != 2:
+        raise ValueError(f"weight must have shape [V, H], got shape {tuple(ws)}")
+    V, H = ws
     if H == 0 or V == 0:
         raise ValueError(
-            f"weight must be non-empty [V, H] with V > 0 and H > 0, got shape {tuple(w.shape)}"
+            f"weight must be non-empty [V, H] with V > 0 and H > 0, got shape {tuple(ws)}"
         )
     if hs[-1] != H:
         raise ValueError(
             f"hidden's last dimension must equal weight's H={H}, got hidden shape {tuple(hs)}"
         )
-    if ys != hs[:-1]:
-        raise ValueError(
-            f"labels must have hidden's leading shape {tuple(hs[:-1])}, got {tuple(ys)}"
-        )
-    if y.dtype not in _INT_DTYPES:
-        raise TypeError(f"labels must be an integer tensor, got dtype {y.dtype}")
-    if h.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"hidden must be float32, float16 or bfloat16, got dtype {h.dtype}")
-    if w.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"weight must be float32, float16 or bfloat16, got dtype {w.dtype}")
+    if nd == 2:  # the common case: [N, H] and [N], compared as tuples without slicing a Size
+        n = hs[0]
+        if len(ys) != 1 or ys[0] != n:
+            raise ValueError(f"labels must have hidden's leading shape ({n},), got {tuple(ys)}")
+    else:
+        if ys != hs[:-1]:
+            raise ValueError(
+                f"labels must have hidden's leading shape {tuple(hs[:-1])}, got {tuple(ys)}"
+            )
+        n = math.prod(ys)
+    ydt = y.dtype
+    if ydt is not torch.int64 and ydt not in _INT_DTYPES:
+        raise TypeError(f"labels must be an integer tensor, got dtype {ydt}")
+    hdt, wdt = h.dtype, w.dtype
+    if hdt not in _FLOAT_DTYPES:
+        raise TypeError(f"hidden must be float32, float16 or bfloat16, got dtype {hdt}")
+    if wdt is not hdt and wdt not in _FLOAT_DTYPES:
+        raise TypeError(f"weight must be float32, float16 or bfloat16, got dtype {wdt}")
     dev = h.device
-    if w.device != dev:
+    wdev = w.device
+    if wdev != dev:
         raise ValueError(
-            f"hidden and weight must be on one device, got hidden on {dev}, weight on {w.device}"
+            f"hidden and weight must be on one device, got hidden on {dev}, weight on {wdev}"
         )
-    if y.device != dev:
-        raise ValueError(f"labels must be on hidden's device {dev}, got {y.device}")
-
-    h, w = _apply_autocast(h, w, dev.type)
+    ydev = y.device
+    if ydev != dev:
+        raise ValueError(f"labels must be on hidden's device {dev}, got {ydev}")
+    dev_type, known = _DEVICES.get(dev) or _device_entry(dev)
+    cast = dev_type if known and torch.is_autocast_enabled(dev_type) else None
+    if cast is not None:  # compute in the autocast dtype, like the matmul this replaces
+        hdt = torch.get_autocast_dtype(cast)
+        h, w = h.to(hdt), w.to(hdt)
+    elif wdt is not hdt:
+        raise TypeError(
+            f"hidden and weight must share a dtype outside torch.autocast, got hidden {hdt} and "
+            f"weight {wdt}; cast one of them or call inside torch.autocast"
+        )
 
     if process_group is None:
         if (vocab_start is not None and vocab_start != 0) or (
@@ -150,30 +224,39 @@ def validate(
     else:
         start, size = _shard(process_group, V, vocab_start, vocab_size)
 
-    temp = _temperature(temperature, y, dev)
+    if temperature.__class__ is float and 0.0 < temperature < math.inf:  # type: ignore[operator]
+        temp: float | torch.Tensor = temperature  # type: ignore[assignment]
+    else:
+        temp = _temperature(temperature, y, dev)
     cap = None if softcap is None else _positive_float("softcap", softcap)
 
-    labels_flat = y if len(ys) == 1 else y.reshape(-1)
-    if labels_flat.dtype != torch.int64:
-        labels_flat = labels_flat.to(torch.int64)
-    if not labels_flat.is_contiguous():
-        labels_flat = labels_flat.contiguous()
-    if do_check and labels_flat.numel() and labels_flat.device.type != "meta":
-        _check_label_range(labels_flat, ignore_index, size)
-    call = HeadCall(  # positional: the fields' order (cheaper than keywords, per call)
-        h if len(hs) == 2 else h.reshape(-1, H),
-        w,
-        labels_flat,
-        temp,
-        cap,
-        ignore_index,
-        start,
-        size,
-        process_group,
-        reduce,
-        _WITH_ENTROPY if want_entropy else _LOG_PROBS_ONLY,
+    flat = y if nd == 2 else y.reshape(-1)
+    if ydt is not torch.int64:
+        flat = flat.to(torch.int64)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    if check_labels and n and dev_type != "meta":
+        _check_label_range(flat, ignore_index, size)
+    # The tuple of the fields in _HEAD_CALL_FIELDS' order, without HeadCall's Python __new__.
+    call: HeadCall = _new_tuple(
+        HeadCall,
+        (
+            h if nd == 2 else h.reshape(-1, H),
+            w,
+            flat,
+            temp,
+            cap,
+            ignore_index,
+            start,
+            size,
+            process_group,
+            reduce_hidden_grad,
+            outputs,
+            0,
+            None,
+        ),
     )
-    return call, tuple(ys)
+    return call, ys, n, dev, hdt, cast
 
 
 _WITH_ENTROPY = frozenset({"log_probs", "entropy"})
