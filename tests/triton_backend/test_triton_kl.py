@@ -122,7 +122,9 @@ def test_both_loaders_many_chunks_and_backward_blocks(
     v = 64 * CHUNK * 16 + 3 * 16 + 5
     heads = Heads(9, 24, 40, v, seed=5)  # rows of 16-byte multiples: TMA applies where asked
     st = TritonBackend(TritonOptions(**TINY, tma=tma))._settings(dtype)[0]
-    assert all(tma_usable(kl_tile(st), dtype, h, torch.device("cpu")) == tma for h in (24, 40))
+    assert all(
+        tma_usable(kl_tile(st.forward), dtype, h, torch.device("cpu")) == tma for h in (24, 40)
+    )
     options = {**TINY, "tma": tma, "backward_block_mib": 1e-3}
     got = _kl(heads, dtype, direction, options=options)
     _assert_close(got, _reference(heads, dtype, direction), dtype)
@@ -211,7 +213,7 @@ def test_settings_and_capabilities() -> None:
     be = TritonBackend(TritonOptions())
     assert be.capabilities(torch.device("cpu")).kl_directions == ("forward", "reverse")
     st = be._settings(torch.float16)[0]
-    assert kl_tile(st).block_n == 128 and kl_tile(st).block_m == st.forward.block_m
+    assert kl_tile(st.forward).block_n == 128 and kl_tile(st.dz).block_m == st.dz.block_m
     assert KLScalars(0.5, 2.0, 30.0, None, True).args() == (0.5, 2.0, 30.0, 1 / 30.0, 0.0, 0.0)
 
 

@@ -60,9 +60,9 @@ class KLScalars:
         return (self.inv_temp, self.teacher_inv_temp, *caps)
 
 
-def kl_tile(st: Settings) -> TileConfig:
-    """The KL kernels' tile: the call's forward tile, at most ``KL_MAX_BLOCK_N`` columns wide."""
-    return replace(st.forward, block_n=min(st.forward.block_n, KL_MAX_BLOCK_N))
+def kl_tile(cfg: TileConfig) -> TileConfig:
+    """A KL kernel's tile: the log-prob kernel's ``cfg``, at most ``KL_MAX_BLOCK_N`` columns wide."""
+    return replace(cfg, block_n=min(cfg.block_n, KL_MAX_BLOCK_N))
 
 
 def _flags(cfg: TileConfig, hs: torch.Tensor, ht: torch.Tensor, temps: tuple[Any, Any],
@@ -101,11 +101,13 @@ def _strides(*ts: torch.Tensor) -> tuple[int, ...]:
 def kl_values(
     hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor, valid: torch.Tensor,
     temp_s: torch.Tensor | None, temp_t: torch.Tensor | None, sc: KLScalars, cfg: TileConfig,
+    chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(kl, lse_s, lse_t), fp32 [N] each: one pass over the vocabulary, then the combine."""
+    """(kl, lse_s, lse_t), fp32 [N] each: one pass over the vocabulary, then the combine
+    (``chunk``: vocabulary tiles a program folds, a tuning knob; never dependent on N)."""
     k = kernel("kl")
     n, v, dev = hs.shape[0], ws.shape[0], hs.device
-    chunks = math.ceil(math.ceil(v / cfg.block_n) / CHUNK)
+    chunks = math.ceil(math.ceil(v / cfg.block_n) / chunk)
     outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3)]
     if n == 0:
         return outs[0], outs[1], outs[2]
@@ -116,7 +118,7 @@ def kl_values(
     k.kl_stats_kernel[(min(flags["NUM_PROGS"], items),)](
         *_operands(tma, cfg, (hs, ws), (ht, wt)),
         dummy if temp_s is None else temp_s, dummy if temp_t is None else temp_t, part, n, v,
-        hs.shape[1], ht.shape[1], *_strides(hs, ws, ht, wt), *sc.args(), CHUNK=CHUNK, **flags,
+        hs.shape[1], ht.shape[1], *_strides(hs, ws, ht, wt), *sc.args(), CHUNK=chunk, **flags,
     )  # fmt: skip
     k.kl_combine_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
         part, valid.view(torch.uint8), *outs, n, chunks, BLOCK_R=COMBINE_BLOCK_R,
@@ -161,7 +163,7 @@ def kl_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(kl, lse of the student, lse of the teacher), fp32 [N] each."""
     sc = KLScalars(inv_temp, teacher_inv_temp, softcap, teacher_softcap, reverse)
-    cfg = kl_tile(Settings.from_key(settings))
+    cfg = kl_tile(Settings.from_key(settings).forward)
     return kl_values(hidden, weight, teacher_hidden, teacher_weight, valid, temp, teacher_temp,
                      sc, cfg)  # fmt: skip
 
@@ -184,7 +186,7 @@ def kl_backward(
     st = Settings.from_key(settings)
     dh, dw = kl_grads(
         hidden, weight, teacher_hidden, teacher_weight, temp, teacher_temp, lse, teacher_lse, kl,
-        coef, sc, st, kl_tile(st), need_dh=need_dh, need_dw=need_dw,
+        coef, sc, st, kl_tile(st.dz), need_dh=need_dh, need_dw=need_dw,
     )  # fmt: skip
     return (
         hidden.new_empty(0) if dh is None else dh,

@@ -1,0 +1,136 @@
+"""The triton KL of two heads on a GPU: forward and backward time of a few tile configurations.
+
+Usage on a CUDA machine (writes kl_sweep.json to OUT_DIR and prints a table):
+    python plugins/triton_backend/tools/kl_sweep.py OUT_DIR [--n 8192] [--budget-s 300]
+    python plugins/triton_backend/tools/kl_sweep.py OUT_DIR --dry   # CPU interpreter, tiny shapes
+
+Each configuration (tile of both the stats and the dz kernel, and the forward's chunk of
+vocabulary tiles) is timed with ``triton.testing.do_bench`` in GEMM units (one cuBLAS
+``hidden @ weight.T`` of the shape, timed beside them): the forward (stats + combine), the backward
+(dz blocks + dh + cuBLAS dW through ``backward_from``) and their sum, both directions for the
+shipped configuration. Targets (issue 18, H200 bf16, N = 8192, H = 4096, V = 151936): forward
+<= 2.2 units, forward + backward <= 6.5. Each configuration's KL is checked against the shipped
+one's (a broken tile shows as an error, not a fast time). A configuration that fails to compile
+is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+from typing import Any
+
+ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ARGS.add_argument("out", help="output folder (kl_sweep.json)")
+ARGS.add_argument("--n", type=int, default=8192)
+ARGS.add_argument("--hidden", type=int, default=4096)
+ARGS.add_argument("--vocab", type=int, default=151936)
+ARGS.add_argument("--dry", action="store_true", help="CPU interpreter, tiny shapes")
+ARGS.add_argument("--budget-s", type=float, default=300.0, help="stop after this many seconds")
+OPTS = ARGS.parse_args()
+if OPTS.dry:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from fusedhead_triton import TritonBackend  # noqa: E402
+from fusedhead_triton.configs import TileConfig  # noqa: E402
+from fusedhead_triton.kl import CHUNK, KLScalars, kl_grads, kl_tile, kl_values  # noqa: E402
+
+DEV = torch.device("cpu" if OPTS.dry else "cuda")
+DTYPE = torch.float16 if OPTS.dry else torch.bfloat16
+
+
+def configs(shipped: TileConfig) -> list[tuple[str, TileConfig, int]]:
+    """(name, tile, chunk): the shipped one first, then one change at a time."""
+    out = [("shipped", shipped, CHUNK)]
+    out += [(f"chunk={c}", shipped, c) for c in (1, 8)]
+    out += [
+        ("group_m=8", replace(shipped, group_m=8), CHUNK),
+        ("stages=4", replace(shipped, num_stages=4), CHUNK),
+        ("block_k=128,stages=2", replace(shipped, block_k=128, num_stages=2), CHUNK),
+        ("block_n=256", replace(shipped, block_n=256), CHUNK),
+        ("64x128,warps=4", replace(shipped, block_m=64, num_warps=4), CHUNK),
+        ("pointers", replace(shipped, tma=False), CHUNK),
+    ]
+    return out
+
+
+def bench(fn: Any) -> float:
+    """Median milliseconds of ``fn``."""
+    if OPTS.dry:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def main() -> int:
+    n, h, v = (64, 64, 1000) if OPTS.dry else (OPTS.n, OPTS.hidden, OPTS.vocab)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    hs = torch.randn(n, h, generator=g, device=DEV).to(DTYPE)
+    ws = (torch.randn(v, h, generator=g, device=DEV) / h**0.5).to(DTYPE)
+    ht = torch.randn(n, h, generator=g, device=DEV).to(DTYPE)
+    wt = (torch.randn(v, h, generator=g, device=DEV) * 2 / h**0.5).to(DTYPE)
+    valid = torch.ones(n, dtype=torch.bool, device=DEV)
+    coef = torch.randn(n, generator=g, device=DEV)
+    st = TritonBackend()._settings(DTYPE)[0]
+    unit = bench(lambda: hs @ ws.T)
+    rows: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    want: dict[bool, torch.Tensor] = {}
+    runs = [(name, cfg, chunk, False) for name, cfg, chunk in configs(kl_tile(st.forward))]
+    runs.insert(1, ("shipped", kl_tile(st.forward), CHUNK, True))
+    for name, cfg, chunk, reverse in runs:
+        if time.perf_counter() - start > OPTS.budget_s:
+            print(f"budget of {OPTS.budget_s:.0f} s spent: {name} and the rest not run")
+            break
+        sc = KLScalars(1 / 0.7, 1.0, None, None, reverse)
+        row: dict[str, Any] = {"name": name, "reverse": reverse, "chunk": chunk, **asdict(cfg)}
+        try:
+            kl, lse_s, lse_t = kl_values(hs, ws, ht, wt, valid, None, None, sc, cfg, chunk)
+            if reverse not in want:
+                want[reverse] = kl
+            row["kl_rel_err_vs_shipped"] = float((kl - want[reverse]).norm() / want[reverse].norm())
+
+            def fwd() -> None:
+                kl_values(hs, ws, ht, wt, valid, None, None, sc, cfg, chunk)  # noqa: B023
+
+            def bwd() -> None:
+                kl_grads(hs, ws, ht, wt, None, None, lse_s, lse_t, kl, coef, sc, st, cfg,  # noqa: B023
+                         need_dh=True, need_dw=True)  # fmt: skip
+
+            row["fwd_units"] = bench(fwd) / unit
+            row["bwd_units"] = bench(bwd) / unit
+            row["fwd_bwd_units"] = row["fwd_units"] + row["bwd_units"]
+        except Exception as exc:  # a tile that does not compile or does not fit: say so, go on
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(row)
+        line = ", ".join(
+            f"{k} {row[k]:.3g}" if isinstance(row.get(k), float) else f"{k} {row[k]}"
+            for k in ("fwd_units", "bwd_units", "fwd_bwd_units", "kl_rel_err_vs_shipped", "error")
+            if k in row
+        )
+        print(f"{name:24s} {'reverse' if reverse else 'forward'}: {line}", flush=True)
+    result = {
+        "shape": {"n": n, "h": h, "v": v, "dtype": str(DTYPE)},
+        "device": torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else "cpu interpreter",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "gemm_unit_ms": unit,
+        "rows": rows,
+    }
+    os.makedirs(OPTS.out, exist_ok=True)
+    with open(os.path.join(OPTS.out, "kl_sweep.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"GEMM unit {unit:.3f} ms; wrote {os.path.join(OPTS.out, 'kl_sweep.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
