@@ -4,8 +4,8 @@ Usage on a CUDA machine (writes kl_sweep.json to OUT_DIR and prints a table):
     python plugins/triton_backend/tools/kl_sweep.py OUT_DIR [--n 8192] [--budget-s 300]
     python plugins/triton_backend/tools/kl_sweep.py OUT_DIR --dry   # CPU interpreter, tiny shapes
 
-Each configuration (tile of both the stats and the dz kernel, and the forward's chunk of
-vocabulary tiles) is timed with ``triton.testing.do_bench`` in GEMM units (one cuBLAS
+Each configuration (tile of both the stats and the dz kernel, the forward's chunk of vocabulary
+tiles, one K loop for both heads or one each) is timed with ``triton.testing.do_bench`` in GEMM units (one cuBLAS
 ``hidden @ weight.T`` of the shape, timed beside them): the forward (stats + combine), the backward
 (dz blocks + dh + cuBLAS dW through ``backward_from``) and their sum, both directions for the
 shipped configuration. Targets (issue 18, H200 bf16, N = 8192, H = 4096, V = 151936): forward
@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, replace
+from functools import partial
 from typing import Any
 
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -40,23 +41,36 @@ import triton  # noqa: E402
 
 from fusedhead_triton import TritonBackend  # noqa: E402
 from fusedhead_triton.configs import TileConfig  # noqa: E402
-from fusedhead_triton.kl import CHUNK, KLScalars, kl_grads, kl_tile, kl_values  # noqa: E402
+from fusedhead_triton.kl import CHUNK, FUSE_K, KLScalars, kl_grads, kl_tile, kl_values  # noqa: E402
 
 DEV = torch.device("cpu" if OPTS.dry else "cuda")
 DTYPE = torch.float16 if OPTS.dry else torch.bfloat16
 
 
-def configs(shipped: TileConfig) -> list[tuple[str, TileConfig, int]]:
-    """(name, tile, chunk): the shipped one first, then one change at a time."""
-    out = [("shipped", shipped, CHUNK)]
-    out += [(f"chunk={c}", shipped, c) for c in (1, 8)]
+def configs(shipped: TileConfig) -> list[tuple[str, TileConfig, int, bool]]:
+    """(name, tile, chunk, fuse_k): the shipped one first, then one change at a time."""
+    out = [("shipped", shipped, CHUNK, FUSE_K)]
     out += [
-        ("group_m=8", replace(shipped, group_m=8), CHUNK),
-        ("stages=4", replace(shipped, num_stages=4), CHUNK),
-        ("block_k=128,stages=2", replace(shipped, block_k=128, num_stages=2), CHUNK),
-        ("block_n=256", replace(shipped, block_n=256), CHUNK),
-        ("64x128,warps=4", replace(shipped, block_m=64, num_warps=4), CHUNK),
-        ("pointers", replace(shipped, tma=False), CHUNK),
+        ("fuse_k", shipped, CHUNK, not FUSE_K),
+        ("fuse_k,stages=2", replace(shipped, num_stages=2), CHUNK, not FUSE_K),
+        (
+            "fuse_k,block_k=32,stages=4",
+            replace(shipped, block_k=32, num_stages=4),
+            CHUNK,
+            not FUSE_K,
+        ),
+    ]
+    out += [(f"chunk={c}", shipped, c, FUSE_K) for c in (1, 8)]
+    out += [
+        (name, replace(shipped, **change), CHUNK, FUSE_K)
+        for name, change in (
+            ("group_m=8", {"group_m": 8}),
+            ("stages=4", {"num_stages": 4}),
+            ("block_k=128,stages=2", {"block_k": 128, "num_stages": 2}),
+            ("block_n=256", {"block_n": 256}),
+            ("64x128,warps=4", {"block_m": 64, "num_warps": 4}),
+            ("pointers", {"tma": False}),
+        )
     ]
     return out
 
@@ -84,27 +98,24 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
     want: dict[bool, torch.Tensor] = {}
-    runs = [(name, cfg, chunk, False) for name, cfg, chunk in configs(kl_tile(st.forward))]
-    runs.insert(1, ("shipped", kl_tile(st.forward), CHUNK, True))
-    for name, cfg, chunk, reverse in runs:
+    runs = [(*c, False) for c in configs(kl_tile(st.forward))]
+    runs.insert(1, ("shipped", kl_tile(st.forward), CHUNK, FUSE_K, True))
+    for name, cfg, chunk, fuse, reverse in runs:
         if time.perf_counter() - start > OPTS.budget_s:
             print(f"budget of {OPTS.budget_s:.0f} s spent: {name} and the rest not run")
             break
         sc = KLScalars(1 / 0.7, 1.0, None, None, reverse)
-        row: dict[str, Any] = {"name": name, "reverse": reverse, "chunk": chunk, **asdict(cfg)}
+        row: dict[str, Any] = {"name": name, "reverse": reverse, "chunk": chunk, "fuse_k": fuse}
+        row.update(asdict(cfg))
         try:
-            kl, lse_s, lse_t = kl_values(hs, ws, ht, wt, valid, None, None, sc, cfg, chunk)
+            kl, lse_s, lse_t = kl_values(hs, ws, ht, wt, valid, None, None, sc, cfg, chunk, fuse)
             if reverse not in want:
                 want[reverse] = kl
             row["kl_rel_err_vs_shipped"] = float((kl - want[reverse]).norm() / want[reverse].norm())
 
-            def fwd() -> None:
-                kl_values(hs, ws, ht, wt, valid, None, None, sc, cfg, chunk)  # noqa: B023
-
-            def bwd() -> None:
-                kl_grads(hs, ws, ht, wt, None, None, lse_s, lse_t, kl, coef, sc, st, cfg,  # noqa: B023
-                         need_dh=True, need_dw=True)  # fmt: skip
-
+            fwd = partial(kl_values, hs, ws, ht, wt, valid, None, None, sc, cfg, chunk, fuse)
+            bwd = partial(kl_grads, hs, ws, ht, wt, None, None, lse_s, lse_t, kl, coef, sc, st,
+                          cfg, need_dh=True, need_dw=True, fuse_k=fuse)  # fmt: skip
             row["fwd_units"] = bench(fwd) / unit
             row["bwd_units"] = bench(bwd) / unit
             row["fwd_bwd_units"] = row["fwd_units"] + row["bwd_units"]

@@ -25,22 +25,6 @@ EMPTY = tl.constexpr(-1e38)
 
 
 @triton.jit
-def _head_logits(
-    a, b, off_m, off_n, rows, cols, K, stride_am, stride_ak, stride_bn, stride_bk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, TMA: tl.constexpr,
-):  # fmt: skip
-    """One head's raw fp32 tile, through TMA descriptors or pointers (``rows``/``cols`` clamped)."""
-    if TMA:
-        return logits_tile_tma(a, b, off_m, off_n, K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-    else:
-        return logits_tile(
-            a, b, rows, cols, K, stride_am, stride_ak, stride_bn, stride_bk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
-        )  # fmt: skip
-
-
-@triton.jit
 def _scaled(acc, inv_t, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr):
     """``z = c tanh(x / c) / T`` per row (the log-prob kernels' order), and ``tanh`` (or 0)."""
     if HAS_SOFTCAP:
@@ -49,6 +33,48 @@ def _scaled(acc, inv_t, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr):
     else:
         th = acc * 0.0
     return acc * inv_t[:, None], th
+
+
+@triton.jit
+def _both_tiles(
+    hs, ws, ht, wt, off_m, off_n, rows, cols, HS, HT, stride_hsn, stride_hsk, stride_wsv,
+    stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, inv_s, inv_t, softcap_s,
+    inv_softcap_s, softcap_t, inv_softcap_t,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_KS: tl.constexpr,
+    EVEN_KT: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, FUSE_K: tl.constexpr,
+    SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr,
+):  # fmt: skip
+    """Both heads' scaled tiles ``(z_s, tanh of the student's or 0, z_t)``, fp32.
+
+    ``FUSE_K`` (TMA, equal hidden sizes): one K loop feeding both accumulators; otherwise one K
+    loop per head. Either way each head sums its K steps in the same order (the same bits).
+    ``rows``/``cols`` are clamped in range (pointer loads); TMA reads past the edges as zero.
+    """
+    if FUSE_K:
+        acc_s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(HS, BLOCK_K)):
+            a = hs.load([off_m, k * BLOCK_K])
+            b = ws.load([off_n, k * BLOCK_K])
+            acc_s = tl.dot(a, b.T, acc_s, input_precision=PRECISION)
+            a = ht.load([off_m, k * BLOCK_K])
+            b = wt.load([off_n, k * BLOCK_K])
+            acc_t = tl.dot(a, b.T, acc_t, input_precision=PRECISION)
+    elif TMA:
+        acc_s = logits_tile_tma(hs, ws, off_m, off_n, HS, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        acc_t = logits_tile_tma(ht, wt, off_m, off_n, HT, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    else:
+        acc_s = logits_tile(
+            hs, ws, rows, cols, HS, stride_hsn, stride_hsk, stride_wsv, stride_wsk,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KS, PRECISION,
+        )  # fmt: skip
+        acc_t = logits_tile(
+            ht, wt, rows, cols, HT, stride_htn, stride_htk, stride_wtv, stride_wtk,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KT, PRECISION,
+        )  # fmt: skip
+    zs, th = _scaled(acc_s, inv_s, softcap_s, inv_softcap_s, SOFTCAP_S)
+    zt, _ = _scaled(acc_t, inv_t, softcap_t, inv_softcap_t, SOFTCAP_T)
+    return zs, th, zt
 
 
 @triton.jit
@@ -92,7 +118,8 @@ def kl_stats_kernel(
     stride_hsn, stride_hsk, stride_wsv, stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk,
     inv_temp_s, inv_temp_t, softcap_s, inv_softcap_s, softcap_t, inv_softcap_t,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    CHUNK: tl.constexpr, NUM_PROGS: tl.constexpr, TMA: tl.constexpr, EVEN_KS: tl.constexpr,
+    CHUNK: tl.constexpr, NUM_PROGS: tl.constexpr, TMA: tl.constexpr, FUSE_K: tl.constexpr,
+    EVEN_KS: tl.constexpr,
     EVEN_KT: tl.constexpr, PRECISION: tl.constexpr, PER_TOKEN_TS: tl.constexpr,
     PER_TOKEN_TT: tl.constexpr, SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr,
     REVERSE: tl.constexpr,
@@ -123,16 +150,12 @@ def kl_stats_kernel(
             off_n = tile_n * BLOCK_N
             offs_n = off_n + tl.arange(0, BLOCK_N)
             cols = tl.minimum(offs_n, V - 1)
-            acc = _head_logits(
-                hs, ws, off_m, off_n, rows, cols, HS, stride_hsn, stride_hsk, stride_wsv,
-                stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KS, PRECISION, TMA,
+            zs, _, zt = _both_tiles(
+                hs, ws, ht, wt, off_m, off_n, rows, cols, HS, HT, stride_hsn, stride_hsk,
+                stride_wsv, stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, inv_s,
+                inv_t, softcap_s, inv_softcap_s, softcap_t, inv_softcap_t, BLOCK_M, BLOCK_N,
+                BLOCK_K, EVEN_KS, EVEN_KT, PRECISION, TMA, FUSE_K, SOFTCAP_S, SOFTCAP_T,
             )  # fmt: skip
-            zs, _ = _scaled(acc, inv_s, softcap_s, inv_softcap_s, SOFTCAP_S)
-            acc = _head_logits(
-                ht, wt, off_m, off_n, rows, cols, HT, stride_htn, stride_htk, stride_wtv,
-                stride_wtk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KT, PRECISION, TMA,
-            )  # fmt: skip
-            zt, _ = _scaled(acc, inv_t, softcap_t, inv_softcap_t, SOFTCAP_T)
             t_ms, t_ss, t_mt, t_st, t_w = _tile_stats(zs, zt, offs_n < V, REVERSE)
             m_s, s_s, m_t, s_t, w = _merge(
                 m_s, s_s, m_t, s_t, w, t_ms, t_ss, t_mt, t_st, t_w, REVERSE
@@ -206,8 +229,8 @@ def kl_dz_kernel(
     stride_wtv, stride_wtk, stride_dzm, inv_temp_s, inv_temp_t, softcap_s, inv_softcap_s,
     softcap_t, inv_softcap_t,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGS: tl.constexpr, TMA: tl.constexpr, EVEN_KS: tl.constexpr, EVEN_KT: tl.constexpr,
-    PRECISION: tl.constexpr, PER_TOKEN_TS: tl.constexpr, PER_TOKEN_TT: tl.constexpr,
+    NUM_PROGS: tl.constexpr, TMA: tl.constexpr, FUSE_K: tl.constexpr, EVEN_KS: tl.constexpr,
+    EVEN_KT: tl.constexpr, PRECISION: tl.constexpr, PER_TOKEN_TS: tl.constexpr, PER_TOKEN_TT: tl.constexpr,
     SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr, REVERSE: tl.constexpr,
 ):  # fmt: skip
     """Persistent: the student's ``dz[N, Vb]`` of the block ``ws[0:Vb]`` / ``wt[0:Vb]`` (its
@@ -224,16 +247,12 @@ def kl_dz_kernel(
         cols = tl.minimum(offs_n, Vb - 1)
         inv_s = row_inv_temperature(temp_s_ptr, rows, inv_temp_s, PER_TOKEN_TS)
         inv_t = row_inv_temperature(temp_t_ptr, rows, inv_temp_t, PER_TOKEN_TT)
-        acc = _head_logits(
-            hs, ws, off_m, off_n, rows, cols, HS, stride_hsn, stride_hsk, stride_wsv, stride_wsk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KS, PRECISION, TMA,
+        zs, th, zt = _both_tiles(
+            hs, ws, ht, wt, off_m, off_n, rows, cols, HS, HT, stride_hsn, stride_hsk, stride_wsv,
+            stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, inv_s, inv_t, softcap_s,
+            inv_softcap_s, softcap_t, inv_softcap_t, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KS, EVEN_KT,
+            PRECISION, TMA, FUSE_K, SOFTCAP_S, SOFTCAP_T,
         )  # fmt: skip
-        zs, th = _scaled(acc, inv_s, softcap_s, inv_softcap_s, SOFTCAP_S)
-        acc = _head_logits(
-            ht, wt, off_m, off_n, rows, cols, HT, stride_htn, stride_htk, stride_wtv, stride_wtk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KT, PRECISION, TMA,
-        )  # fmt: skip
-        zt, _ = _scaled(acc, inv_t, softcap_t, inv_softcap_t, SOFTCAP_T)
         coef = tl.load(coef_ptr + rows)
         ls = zs - tl.load(lse_s_ptr + rows)[:, None]
         lt = zt - tl.load(lse_t_ptr + rows)[:, None]
