@@ -1,7 +1,7 @@
 """The triton backend's outputs past (log_probs, entropy) on the CPU interpreter: lse, sum_p2,
-argmax and gather against float64 full logits and against the torch backend, gathered at K = 1
-on the labels bitwise the log-probs, ties by the lower id, batch invariance, determinism, and
-the custom ops under ``torch.compile``."""
+argmax, gather and top-k against float64 full logits and against the torch backend, gathered at
+K = 1 on the labels bitwise the log-probs, top-k values bitwise the gathered ones at its ids,
+ties by the lower id, batch invariance, determinism, and the custom ops under ``torch.compile``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from fusedhead_triton import TritonBackend, TritonOptions
 #: Backward blocks narrower than a tile and a stash tail off the tile grid ("low" memory).
 MANY_BLOCKS: dict[str, Any] = {**SMALL_TILES, "backward_block_mib": 1e-4}
 FIELDS = ("log_probs", "entropy", "lse", "sum_p2", "gathered")
+TOPK = ("topk_ids", "topk_log_probs")
 #: Relative error bounds (outputs, gradients) against float64 on the same input values.
 TOL = {torch.float32: (2e-6, 1e-5), torch.float16: (2e-6, 2e-3)}
 
@@ -44,7 +45,7 @@ def _backend(name: str, options: dict[str, Any] | None) -> Any:
 
 def _run(
     backend: str, h0: torch.Tensor, w0: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None,
-    options: dict[str, Any] | None = None, grads: bool = True, **kw: Any,
+    options: dict[str, Any] | None = None, grads: bool = True, top_k: int = 0, **kw: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """Every extra from the backend itself (no core in between), a random upstream gradient
     through each float one."""
@@ -52,15 +53,15 @@ def _run(
     w = w0.clone().requires_grad_(grads)
     call = HeadCall.make(
         h, w, y, ignore_index=IGNORE, gather_ids=ids, extras=frozenset({"lse", "sum_p2", "argmax"}),
-        **kw,
+        top_k=top_k, **kw,
     )  # fmt: skip
     out = _backend(backend, options).forward(call)
-    res: dict[str, Any] = {f: getattr(out, f) for f in (*FIELDS, "argmax")}
+    res: dict[str, Any] = {f: getattr(out, f) for f in (*FIELDS, *TOPK, "argmax")}
     if grads:
         g = torch.Generator().manual_seed(7)
         loss = sum(
             (res[f].double() * torch.randn(res[f].shape, generator=g, dtype=torch.float64)).sum()
-            for f in FIELDS
+            for f in (*FIELDS, "topk_log_probs")
             if res[f] is not None
         )
         loss.backward()
@@ -68,17 +69,24 @@ def _run(
     return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in res.items()}
 
 
-def _reference(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, **kw: Any):
+def _reference(
+    h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ids: torch.Tensor,
+    topk_ids: torch.Tensor | None = None, **kw: Any,
+) -> dict[str, torch.Tensor]:  # fmt: skip
     """float64 outputs and gradients under the same upstream gradients as ``_run``."""
     hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
-    ref = reference_outputs(hd, wd, y, gather_ids=ids, ignore_index=IGNORE, **kw)
+    tk = None if topk_ids is None else topk_ids.clamp(min=0)
+    ref = reference_outputs(hd, wd, y, gather_ids=ids, ignore_index=IGNORE, topk_ids=tk, **kw)
     g = torch.Generator().manual_seed(7)
+    names = (*FIELDS, "topk_log_probs") if tk is not None else FIELDS
     loss = sum(
-        (ref[f] * torch.randn(ref[f].shape, generator=g, dtype=torch.float64)).sum() for f in FIELDS
+        (ref[f] * torch.randn(ref[f].shape, generator=g, dtype=torch.float64)).sum() for f in names
     )
     loss.backward()
-    out = {f: ref[f].detach() for f in FIELDS}
+    out = {f: ref[f].detach() for f in names}
     out["d_hidden"], out["d_weight"] = hd.grad, wd.grad
+    order = torch.sort(ref["logp"].detach(), dim=1, descending=True, stable=True).indices
+    out["ranked"] = order  # equal values by the lower id
     valid = y != IGNORE
     out["argmax"] = torch.where(valid, ref["logp"].argmax(1), -1)
     return out
@@ -178,14 +186,14 @@ def test_extras_are_batch_invariant_and_deterministic() -> None:
     hid, w, y = case.hidden.float(), case.weight.float(), case.labels
     ids = _ids(y, 333, 13, seed=2)
     opts = {**SMALL_TILES, "tma": True}
-    full = _run("triton", hid, w, y, ids, opts, grads=False)
+    full = _run("triton", hid, w, y, ids, opts, grads=False, top_k=6)
     for rows in (torch.tensor([0]), torch.tensor([69]), torch.arange(5, 41)):
-        part = _run("triton", hid[rows], w, y[rows], ids[rows], opts, grads=False)
-        for f in (*FIELDS, "argmax"):
+        part = _run("triton", hid[rows], w, y[rows], ids[rows], opts, grads=False, top_k=6)
+        for f in (*FIELDS, *TOPK, "argmax"):
             assert torch.equal(part[f], full[f][rows]), f
-    a = _run("triton", hid, w, y, ids, MANY_BLOCKS)
-    b = _run("triton", hid, w, y, ids, MANY_BLOCKS)
-    for f in (*FIELDS, "argmax", "d_hidden", "d_weight"):
+    a = _run("triton", hid, w, y, ids, MANY_BLOCKS, top_k=6)
+    b = _run("triton", hid, w, y, ids, MANY_BLOCKS, top_k=6)
+    for f in (*FIELDS, *TOPK, "argmax", "d_hidden", "d_weight"):
         assert torch.equal(a[f], b[f]), f
 
 
@@ -227,8 +235,12 @@ def test_only_the_asked_gradients_enter() -> None:
 def _extras_fn(be: TritonBackend, ids: torch.Tensor):
     def head(h: torch.Tensor, w: torch.Tensor, lab: torch.Tensor) -> tuple[torch.Tensor, ...]:
         extras = frozenset({"lse", "sum_p2", "argmax"})
-        out = be.forward(HeadCall.make(h, w, lab, temperature=0.7, gather_ids=ids, extras=extras))
-        return out.log_probs, out.entropy, out.lse, out.sum_p2, out.gathered, out.argmax
+        call = HeadCall.make(h, w, lab, temperature=0.7, gather_ids=ids, extras=extras, top_k=4)
+        out = be.forward(call)
+        return (
+            out.log_probs, out.entropy, out.lse, out.sum_p2, out.gathered, out.topk_log_probs,
+            out.argmax, out.topk_ids,
+        )  # fmt: skip
 
     return head
 
@@ -245,7 +257,7 @@ def test_fullgraph_compile_of_the_extras_matches_eager(backend: str) -> None:
         h, ww = hid.clone().requires_grad_(), w.clone().requires_grad_()
         outs = fn(h, ww, y)
         g = torch.Generator().manual_seed(4)
-        floats = outs[:5]
+        floats = outs[:6]
         torch.autograd.backward(list(floats), [torch.randn(t.shape, generator=g) for t in floats])
         return [t.detach() for t in outs] + [h.grad, ww.grad]
 
@@ -261,7 +273,7 @@ def test_extras_custom_ops_pass_opcheck() -> None:
     key = TritonBackend(TritonOptions(**SMALL_TILES))._settings(torch.float32)[1]
     ids = _ids(y, 50, 4, seed=0)
     args = (hid.requires_grad_(), w.requires_grad_(), y, None, ids, 0, IGNORE, 1.0, None,
-            True, True, True, key)  # fmt: skip
+            True, True, True, 3, key)  # fmt: skip
     torch.library.opcheck(torch.ops.fusedhead_triton.head_outputs, args, test_utils=(
         "test_schema", "test_faketensor", "test_aot_dispatch_static",
     ))  # fmt: skip
@@ -278,3 +290,59 @@ def test_capabilities_declare_the_outputs() -> None:
     caps = TritonBackend().capabilities(torch.device("cuda"))
     for o in ("lse", "sum_p2", "argmax", "gather"):
         assert o in caps.outputs and o in caps.vocab_parallel_outputs
+    assert "topk" in caps.outputs and "topk" not in caps.vocab_parallel_outputs
+    assert caps.max_top_k >= 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    ("n", "h", "v", "k", "kw"),
+    [
+        (37, 48, 333, 8, {"temperature": 0.7}),
+        (40, 32, 130, 1, {"temperature": 1.3, "softcap": 5.0}),
+        (21, 40, 500, 32, {"per_token": True}),
+    ],
+)
+def test_topk_matches_float64_and_its_gradient_is_the_gathers(dtype, n, h, v, k, kw) -> None:
+    case = make_case(n, h, v, seed=n + 3 * k)
+    kw = dict(kw)
+    if kw.pop("per_token", False):
+        kw["temperature"] = torch.linspace(0.4, 2.5, n)
+    hid, w, y = case.hidden.to(dtype), case.weight.to(dtype), case.labels
+    ids = _ids(y, v, 5, seed=k)
+    got = _run("triton", hid, w, y, ids, MANY_BLOCKS, top_k=k, **kw)
+    want = _reference(hid, w, y, ids, topk_ids=got["topk_ids"], **kw)
+    valid = y != IGNORE
+    # Random logits: the float64 ranking itself.
+    assert torch.equal(got["topk_ids"][valid], want["ranked"][valid, :k])
+    assert bool((got["topk_ids"][~valid] == -1).all())
+    assert bool((got["topk_log_probs"][~valid] == 0).all())
+    assert torch.equal(got["argmax"][valid], got["topk_ids"][valid, 0])
+    out_tol, grad_tol = TOL[dtype]
+    for f in (*FIELDS, "topk_log_probs"):
+        assert rel_err(got[f], want[f]) <= out_tol, f
+    for f in ("d_hidden", "d_weight"):
+        assert rel_err(got[f], want[f]) <= grad_tol, f
+    with torch.no_grad():
+        be = TritonBackend(TritonOptions(**MANY_BLOCKS))
+        at = torch.where(valid.unsqueeze(1), got["topk_ids"], 0)
+        gathered = be.forward(HeadCall.make(hid, w, y, gather_ids=at, **kw)).gathered
+        plain = be.forward(HeadCall.make(hid, w, y, **kw))
+    assert gathered is not None and torch.equal(gathered, got["topk_log_probs"])
+    assert torch.equal(plain.log_probs, got["log_probs"])
+
+
+def test_topk_ties_go_to_the_lowest_ids_across_tiles() -> None:
+    n, h, v, k = 24, 8, 300, 12
+    g = torch.Generator().manual_seed(6)
+    hid = torch.randint(-2, 3, (n, h), generator=g).float()
+    w = torch.randint(-1, 2, (v, h), generator=g).float()  # many equal logits
+    y = torch.randint(0, v, (n,), generator=g)
+    with torch.no_grad():
+        out = TritonBackend(TritonOptions(**SMALL_TILES)).forward(
+            HeadCall.make(hid, w, y, top_k=k, extras=frozenset({"argmax"}))
+        )
+    z = hid.double() @ w.double().T
+    want = torch.sort(z, dim=1, descending=True, stable=True).indices[:, :k]
+    assert out.topk_ids is not None and torch.equal(out.topk_ids, want)
+    assert out.argmax is not None and torch.equal(out.argmax, want[:, 0])

@@ -12,6 +12,7 @@ from fusedhead.errors import BackendUnavailableError
 from fusedhead.protocol import Capabilities, HeadCall, HeadOutput, KLCall, KLOutput
 
 from .configs import Settings, interpret_enabled, settings_for
+from .topk import MAX_TOP_K  # the running top-k set lives in registers; one shard only
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 #: Outputs of the plain log-prob kernels; any other request takes ``outputs.head_outputs_call``.
@@ -95,7 +96,8 @@ class TritonBackend:
             softcap=True,
             uneven_shards=True,
             kl_directions=("forward", "reverse"),
-            outputs=("log_probs", "entropy", *EXTRA_OUTPUTS),
+            outputs=("log_probs", "entropy", *EXTRA_OUTPUTS, "topk"),
+            max_top_k=MAX_TOP_K,
             vocab_parallel_outputs=("log_probs", "entropy", *EXTRA_OUTPUTS),
         )
 
@@ -172,7 +174,7 @@ class TritonBackend:
         softcap = float(call.softcap) if call.softcap is not None else None
         sc = HeadScalars(call.vocab_start, call.ignore_index, inv_temp, softcap)
         st, key = self._settings(hidden.dtype)
-        if not call.outputs <= _BASIC:  # lse, sum_p2, argmax, gather: the outputs' kernels
+        if not call.outputs <= _BASIC:  # lse, sum_p2, argmax, gather, top-k: the outputs' kernels
             from .outputs import head_outputs_call
 
             return head_outputs_call(call, temp, sc, st, key)

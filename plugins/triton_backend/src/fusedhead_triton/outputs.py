@@ -1,4 +1,4 @@
-"""The outputs past (log_probs, entropy) on the triton backend: lse, sum_p2, argmax and gather.
+"""The outputs past (log_probs, entropy) on the triton backend: lse, sum_p2, argmax, gather, top-k.
 
 They come from the log-prob forward's own tiles, each behind a constexpr flag (a call without
 them runs the plain kernels, ``ops.head``):
@@ -8,7 +8,9 @@ them runs the plain kernels, ``ops.head``):
   maxima, the first tile holding the row max (so the lowest id among the maxima);
 - gather: the logits at caller ids, taken from the tile with the label logit's own extraction
   (``kernels.sparse``: each tile visits only the ids in its range), minus the same lse: at K = 1
-  on the labels, the bits of ``log_probs``.
+  on the labels, the bits of ``log_probs``;
+- top-k: ``topk.topk_partials`` (the same tile statistics, and each row's k best keys), its
+  values' gradient the gather's with the top-k ids.
 
 The backward is the log-prob backward (``backward_from``) with further per-row terms and the
 sparse terms of the gathered ids in the dz kernel, in fp32 before dz is rounded. One shard runs
@@ -42,9 +44,7 @@ from .launch import (
     sort_ids,
 )
 from .ops import DOUBLE_BACKWARD
-
-#: Outputs this module computes (``log_probs`` and ``entropy`` with them).
-EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "gather")
+from .topk import finish, topk_partials
 
 
 class Values(NamedTuple):
@@ -57,6 +57,8 @@ class Values(NamedTuple):
     sum_p2: torch.Tensor
     argmax: torch.Tensor
     gathered: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_log_probs: torch.Tensor
 
 
 def _empty(like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -83,13 +85,22 @@ def _gathered(
 def forward_values(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
     gather_ids: torch.Tensor | None, sc: HeadScalars, cfg: TileConfig, *, entropy: bool,
-    sum_p2: bool, argmax: bool, group: Any = None,
+    sum_p2: bool, argmax: bool, top_k: int = 0, group: Any = None,
 ) -> Values:  # fmt: skip
     """Every asked output over the whole (possibly sharded) vocabulary, in fixed-order sums."""
     ig, lo, v_local = sc.ignore_index, sc.label_offset, weight.shape[0]
     ids = None if gather_ids is None else sort_ids(gather_ids, labels, lo, v_local, ig)
     extras = PartialExtras(sum_p2=sum_p2, argmax=argmax, gather=ids)
-    p = forward_partials(hidden, weight, labels, temp, sc, cfg, extras)
+    top = None
+    if top_k:
+        if group is not None:
+            raise ValueError(  # the core refuses it first (vocab_parallel_outputs)
+                "top_k: the triton backend computes top-k on one shard only, not under "
+                "process_group"
+            )
+        p, top = topk_partials(hidden, weight, labels, temp, sc, cfg, top_k, extras)
+    else:
+        p = forward_partials(hidden, weight, labels, temp, sc, cfg, extras)
     zg = None if ids is None or p.zg is None else _unsorted(p.zg, ids.perm)
     arg_out: torch.Tensor | None = None
     if group is None:
@@ -101,11 +112,14 @@ def forward_values(
             p, zg, gather_ids, labels, sc, v_local, cfg, entropy, sum_p2, argmax, group
         )
     valid = labels != ig
+    tk = None if top is None else finish(top, lse, labels, ig)
     return Values(
         lp, lse, ent if entropy else _empty(lp), torch.where(valid, lse, 0.0),
         p2 if sum_p2 else _empty(lp),
         arg_out if argmax and arg_out is not None else _empty(lp, torch.int64),
         _empty(lp) if zg is None or gather_ids is None else _gathered(zg, lse, gather_ids, labels, ig),
+        _empty(lp, torch.int64) if tk is None else tk.ids.contiguous(),
+        _empty(lp) if tk is None else tk.logits.contiguous(),
     )  # fmt: skip
 
 
@@ -204,19 +218,25 @@ def backward_values(
 
 # --- one shard: custom ops ------------------------------------------------------------------
 
+_Nine = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor, torch.Tensor,
+]  # fmt: skip
+
 
 @torch.library.custom_op("fusedhead_triton::head_outputs", mutates_args=())
 def head_outputs(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
     gather_ids: torch.Tensor | None, label_offset: int, ignore_index: int, inv_temp: float,
-    softcap: float | None, entropy: bool, sum_p2: bool, argmax: bool, settings: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``Values`` of one shard (log_probs, lse, entropy, lse_out, sum_p2, argmax, gathered)."""
+    softcap: float | None, entropy: bool, sum_p2: bool, argmax: bool, top_k: int, settings: str,
+) -> _Nine:  # fmt: skip
+    """``Values`` of one shard (log_probs, lse, entropy, lse_out, sum_p2, argmax, gathered,
+    topk_ids, topk_log_probs)."""
     sc = HeadScalars(label_offset, ignore_index, inv_temp, softcap)
     cfg = Settings.from_key(settings).forward
     v = forward_values(
         hidden, weight, labels, temp, gather_ids, sc, cfg, entropy=entropy, sum_p2=sum_p2,
-        argmax=argmax,
+        argmax=argmax, top_k=top_k,
     )  # fmt: skip
     return tuple(v)  # type: ignore[return-value]
 
@@ -226,19 +246,18 @@ def _head_outputs_fake(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: Any, gather_ids: Any,
     *args: Any,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    entropy, sum_p2, argmax = args[-4], args[-3], args[-2]
+    entropy, sum_p2, argmax, top_k = args[-5], args[-4], args[-3], args[-2]
     n = hidden.shape[0]
 
-    def f32(on: bool) -> torch.Tensor:
-        return hidden.new_empty(n if on else 0, dtype=torch.float32)
+    def make(shape: tuple[int, ...], on: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return hidden.new_empty(shape if on else (0,), dtype=dtype)
 
-    gathered = (
-        hidden.new_empty((n, gather_ids.shape[1]), dtype=torch.float32)
-        if gather_ids is not None
-        else f32(False)
-    )
-    arg = hidden.new_empty(n if argmax else 0, dtype=torch.int64)
-    return (f32(True), f32(True), f32(entropy), f32(True), f32(sum_p2), arg, gathered)
+    k_g = 0 if gather_ids is None else gather_ids.shape[1]
+    return (
+        make((n,), True), make((n,), True), make((n,), entropy), make((n,), True),
+        make((n,), sum_p2), make((n,), argmax, torch.int64), make((n, k_g), gather_ids is not None),
+        make((n, top_k), top_k > 0, torch.int64), make((n, top_k), top_k > 0),
+    )  # fmt: skip
 
 
 @torch.library.custom_op("fusedhead_triton::head_outputs_backward", mutates_args=())
@@ -274,31 +293,45 @@ def _head_outputs_backward_fake(
     )
 
 
+def sparse_grads(
+    pairs: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The (ids, upstream gradient) pairs reached by the loss, side by side: one sparse term."""
+    got = [(ids, g) for ids, g in pairs if ids is not None and g is not None]
+    if not got:
+        return None, None
+    if len(got) == 1:
+        return got[0][0], _fp32(got[0][1])
+    ids = torch.cat([i for i, _ in got], dim=1).contiguous()
+    return ids, torch.cat([g.to(torch.float32) for _, g in got], dim=1).contiguous()
+
+
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    hidden, weight, labels, temp, gather_ids, lo, ig, inv_t, cap, entropy, p2, _, key = inputs
+    hidden, weight, labels, temp, gather_ids, lo, ig, inv_t, cap, entropy, p2, _, k, key = inputs
     ctx.save_for_backward(
         hidden, weight, labels, temp, gather_ids, output[1], output[2] if entropy else None,
-        output[4] if p2 else None,
+        output[4] if p2 else None, output[7] if k else None,
     )  # fmt: skip
     ctx.scalars, ctx.entropy, ctx.sum_p2, ctx.settings = (lo, ig, inv_t, cap), entropy, p2, key
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-    hidden, weight, labels, temp, gather_ids, lse, ent, p2 = ctx.saved_tensors
-    g_lp, _, g_ent, g_lse, g_p2, _, g_gath = grads
+    hidden, weight, labels, temp, gather_ids, lse, ent, p2, topk_ids = ctx.saved_tensors
+    g_lp, _, g_ent, g_lse, g_p2, _, g_gath, _, g_topk = grads
     need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    ids, g_sparse = sparse_grads(((gather_ids, g_gath), (topk_ids, g_topk)))
     g = Grads(
         _fp32(g_lp), _fp32(g_ent) if ctx.entropy else None, _fp32(g_lse),
-        _fp32(g_p2) if ctx.sum_p2 else None, _fp32(g_gath) if gather_ids is not None else None,
+        _fp32(g_p2) if ctx.sum_p2 else None, g_sparse,
     )  # fmt: skip
-    none = (None,) * 11
+    none = (None,) * 12
     if all(t is None for t in g) or not (need_dh or need_dw):
         return (None, None, *none)
     lo, ig, inv_t, cap = ctx.scalars
     # vocab_size only bounds the counted ids: one shard holds the whole vocabulary.
     dh, dw = torch.ops.fusedhead_triton.head_outputs_backward(
-        hidden, weight, labels, temp, gather_ids, lse, ent, p2, *g, lo, ig, inv_t, cap,
+        hidden, weight, labels, temp, ids, lse, ent, p2, *g, lo, ig, inv_t, cap,
         weight.shape[0] + lo, ctx.settings, need_dh, need_dw,
     )  # fmt: skip
     return (dh if need_dh else None, dw if need_dw else None, *none)
@@ -372,10 +405,12 @@ class ShardedOutputs(torch.autograd.Function):
 def head_outputs_call(
     call: HeadCall, temp: torch.Tensor | None, sc: HeadScalars, st: Settings, key: str
 ) -> HeadOutput:
-    """Every requested output of ``call`` (lse, sum_p2, argmax, gather with the log-probs)."""
+    """Every requested output of ``call`` (lse, sum_p2, argmax, gather, top-k with the
+    log-probs)."""
     outs = call.outputs
     entropy, lse, p2, arg = (o in outs for o in ("entropy", "lse", "sum_p2", "argmax"))
     ids = call.gather_ids if "gather" in outs else None
+    k = call.top_k if "topk" in outs else 0
     hidden, weight, labels = call.hidden, call.weight, call.labels.contiguous()
     if ids is not None:
         ids = ids.contiguous()
@@ -384,11 +419,13 @@ def head_outputs_call(
             hidden, weight, labels, temp, ids, sc, st, (entropy, p2, arg), call.vocab_size,
             call.process_group, call.reduce_hidden_grad,
         )  # fmt: skip
+        topk_ids = topk_lp = None
     else:
-        lp, _, ent, lse_out, sum_p2, argmax, gathered = torch.ops.fusedhead_triton.head_outputs(
+        res = torch.ops.fusedhead_triton.head_outputs(
             hidden, weight, labels, temp, ids, sc.label_offset, sc.ignore_index, sc.inv_temp,
-            sc.softcap, entropy, p2, arg, key,
+            sc.softcap, entropy, p2, arg, k, key,
         )  # fmt: skip
+        lp, _, ent, lse_out, sum_p2, argmax, gathered, topk_ids, topk_lp = res
     return HeadOutput(
         log_probs=lp,
         entropy=ent if entropy else None,
@@ -396,4 +433,6 @@ def head_outputs_call(
         sum_p2=sum_p2 if p2 else None,
         argmax=argmax if arg else None,
         gathered=gathered if ids is not None else None,
+        topk_ids=topk_ids if k else None,
+        topk_log_probs=topk_lp if k else None,
     )
