@@ -30,7 +30,7 @@ from .launch import (
     precision,
     tma_usable,
 )
-from .ops import DOUBLE_BACKWARD
+from .ops import DOUBLE_BACKWARD, backward_fake, grads_or_empty
 
 KL_DIRECTIONS = ("forward", "reverse")
 #: Vocabulary tiles a forward program folds into one set of statistics (fixed: batch invariance);
@@ -192,21 +192,10 @@ def kl_backward(
         hidden, weight, teacher_hidden, teacher_weight, temp, teacher_temp, lse, teacher_lse, kl,
         coef, sc, st, kl_tile(st.dz), need_dh=need_dh, need_dw=need_dw,
     )  # fmt: skip
-    return (
-        hidden.new_empty(0) if dh is None else dh,
-        weight.new_empty(0) if dw is None else dw,
-    )
+    return grads_or_empty(hidden, weight, dh, dw)
 
 
-@kl_backward.register_fake
-def _kl_backward_fake(
-    hidden: torch.Tensor, weight: torch.Tensor, *args: Any
-) -> tuple[torch.Tensor, ...]:
-    need_dh, need_dw = args[-2], args[-1]
-    return (
-        torch.empty_like(hidden) if need_dh else hidden.new_empty(0),
-        torch.empty_like(weight) if need_dw else weight.new_empty(0),
-    )
+kl_backward.register_fake(backward_fake)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:

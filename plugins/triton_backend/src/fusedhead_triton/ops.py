@@ -82,6 +82,13 @@ def head_backward(
     rows = RowGrads(labels, temp, lse, ent, g_lp, g_ent)
     st = Settings.from_key(settings)
     dh, dw = backward(hidden, weight, rows, sc, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=False)
+    return grads_or_empty(hidden, weight, dh, dw)
+
+
+def grads_or_empty(
+    hidden: torch.Tensor, weight: torch.Tensor, dh: torch.Tensor | None, dw: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A backward op's (dh, dW): an empty tensor for a gradient not asked (ops return tensors)."""
     return (
         hidden.new_empty(0) if dh is None else dh,
         weight.new_empty(0) if dw is None else dw,
@@ -89,9 +96,10 @@ def head_backward(
 
 
 @head_backward.register_fake
-def _head_backward_fake(
+def backward_fake(
     hidden: torch.Tensor, weight: torch.Tensor, *args: Any
 ) -> tuple[torch.Tensor, ...]:
+    """Fake (dh, dW) of any backward op taking ``(hidden, weight, ..., need_dh, need_dw)``."""
     need_dh, need_dw = args[-2], args[-1]
     return (
         torch.empty_like(hidden) if need_dh else hidden.new_empty(0),
