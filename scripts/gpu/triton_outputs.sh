@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# triton_outputs.sh [bench|tests|all] [OUT]: issue 18's GPU run of the triton backend's outputs
+# (top-k, gather, lse, sum_p2, argmax, the KL of two heads), from the repository root on any CUDA
+# machine with torch and triton, with .gpu-wheels/{small,install-wheels} carried (pydantic,
+# hatchling: made by shared/gpu/prepare-wheels). Outputs in OUT (default $OUT or ./.gpu-out):
+#   bench  setup.log, heads.json (+ heads.log): `fusedhead bench --case ...` on triton, N = 8192
+#   tests  pytest.log (pytest -m gpu tests/triton_backend), check.log (fusedhead check triton bf16)
+set -uo pipefail
+STEP=${1:-all}
+OUT=${2:-${OUT:-$PWD/.gpu-out}}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+[[ -f .gpu-stamp ]] && export FUSEDHEAD_GIT_COMMIT=$(<.gpu-stamp)
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+run() { # run LIMIT_S LOG CMD...: one step, its output appended to LOG, never failing the script
+  local limit=$1 log=$2
+  shift 2
+  echo "===== ${*//$PWD\//} (limit ${limit}s) =====" >>"$log"
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" >>"$log" 2>&1
+  echo "===== exit $? after $((SECONDS - t0))s =====" >>"$log"
+}
+if ! python3 -c "import fusedhead_triton, pydantic" 2>/dev/null; then
+  {
+    bash .gpu-wheels/install-wheels .gpu-wheels/small
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation ./core \
+      ./plugins/torch_backend ./plugins/triton_backend
+    python3 "$HERE/env_report.py"
+  } >>"$OUT/setup.log" 2>&1
+fi
+if [[ $STEP == bench || $STEP == all ]]; then
+  run "${BENCH_LIMIT:-330}" "$OUT/heads.log" python3 -m fusedhead.cli bench --device cuda \
+    --dtype bf16 --n 8192 --hidden 4096 --vocab 151936 --temperature 0.7 --impl triton \
+    --case ${BENCH_CASES:-logprobs topk32 gather32 kl kl-reverse lse sum_p2 argmax} \
+    --max-minutes 5 --json "$OUT/heads.json"
+fi
+if [[ $STEP == tests || $STEP == all ]]; then
+  run "${PYTEST_LIMIT:-360}" "$OUT/pytest.log" python3 -m pytest -m gpu -q -rfEs \
+    -p no:cacheprovider tests/triton_backend ${PYTEST_K:+-k "$PYTEST_K"}
+  run "${CHECK_LIMIT:-180}" "$OUT/check.log" python3 -m fusedhead.cli check triton \
+    --device cuda --dtype bf16
+fi
+for f in "$OUT"/*.log; do
+  echo "## $(basename "$f")"
+  grep -E "=====|PASS|FAIL|passed|failed|Error|units" "$f" | tail -n 14
+done
