@@ -127,7 +127,7 @@ def _sharded_combine(
     p: Partials, zg: torch.Tensor | None, gather_ids: torch.Tensor | None, labels: torch.Tensor,
     sc: HeadScalars, v_local: int, cfg: TileConfig, entropy: bool, sum_p2: bool, argmax: bool,
     group: Any,
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """The full vocabulary's outputs from every rank's shard: the ranks' (m, s, w, q) gathered
     and combined in rank order like tiles; a label logit or gathered logit from its one owner;
     the argmax the lowest id among the ranks holding the row max."""
@@ -415,6 +415,11 @@ def head_outputs_call(
     if ids is not None:
         ids = ids.contiguous()
     if call.process_group is not None:
+        if k:  # the core refuses it first (vocab_parallel_outputs)
+            raise ValueError(
+                f"top_k: the triton backend computes top-k on one shard only, not under "
+                f"process_group (got top_k={k})"
+            )
         lp, ent, lse_out, sum_p2, argmax, gathered = ShardedOutputs.apply(  # type: ignore[no-untyped-call]
             hidden, weight, labels, temp, ids, sc, st, (entropy, p2, arg), call.vocab_size,
             call.process_group, call.reduce_hidden_grad,
