@@ -10,6 +10,7 @@ order-free, so the result is deterministic and batch invariant.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -29,9 +30,10 @@ from .launch import (
 #: Largest ``top_k`` (the running set lives in registers: ``BLOCK_M x KP`` int64 per program).
 MAX_TOP_K = 64
 #: Vocabulary chunks a row's tiles are cut into (each chunk is one program per row block).
-CHUNKS = 8
-#: Column groups per tile: each round of the fold takes one entry per group and row.
-GROUPS = 4
+CHUNKS = 4
+#: Rows per program: at most 64 (a 128-row block's tile and running set spill registers on
+#: sm90). The statistics of a row depend on the tile's columns and K steps, not on its rows.
+BLOCK_M = 64
 
 
 class TopK(NamedTuple):
@@ -83,19 +85,18 @@ def merge(cand: torch.Tensor, k: int, id_offset: int) -> TopK:
 def topk_partials(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
     sc: HeadScalars, cfg: TileConfig, k: int, extras: PartialExtras | None = None, *,
-    chunks: int = CHUNKS, groups: int = GROUPS,
+    chunks: int = CHUNKS, block_m: int = BLOCK_M,
 ) -> tuple[Partials, TopK]:  # fmt: skip
     """``launch.forward_partials``'s statistics (the same bits) and the rows' top ``k`` over this
     shard's columns (ids offset by ``sc.label_offset``)."""
     check_top_k(k, weight.shape[0])
+    cfg = replace(cfg, block_m=min(cfg.block_m, block_m))
     (n, h), v = hidden.shape, weight.shape[0]
     dev = hidden.device
     t = math.ceil(v / cfg.block_n)
     kp = padded_k(k)
     if kp > cfg.block_n:
         raise ValueError(f"top_k: {k} needs tiles of at least {kp} columns, got {cfg.block_n}")
-    if cfg.block_n % groups or groups & (groups - 1):
-        raise ValueError(f"groups: a power of two dividing {cfg.block_n}, got {groups}")
     per = chunk_tiles(v, cfg.block_n, chunks)
     c = math.ceil(t / per)
     ws = torch.empty((3, t, n), dtype=torch.float32, device=dev)
@@ -114,7 +115,6 @@ def topk_partials(
         flags = _tiles(
             cfg, hidden.dtype, PER_TOKEN_T=temp is not None, HAS_SOFTCAP=sc.softcap is not None,
             HAS_Q=q is not None, HAS_ARG=arg is not None, HAS_GATHER=zg is not None, KP=kp,
-            G=groups,
         )  # fmt: skip
         dummy = zy  # never read or written: its flag is off
         extra_args = tuple(

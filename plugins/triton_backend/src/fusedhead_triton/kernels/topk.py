@@ -56,31 +56,69 @@ def _insert(run, cand):
 
 
 @triton.jit
+def _in_tile_rows(v, cols):
+    """``v [BLOCK_M]`` through a reduction of a tile-shaped tensor: the compiler then keeps it in
+    the tile's row layout instead of moving the whole tile into the running set's layout."""
+    return tl.max(tl.where(cols == 0, v[:, None], float("-inf")), axis=1)
+
+
+@triton.jit
 def fold_tile(
-    run, z, cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr
+    run_ptrs, row_ok, thr, z, col0, BLOCK_N: tl.constexpr, KP: tl.constexpr
 ):  # fmt: skip
-    """The running set ``run [BLOCK_M, KP]`` with the tile ``z [BLOCK_M, BLOCK_N]`` (columns
-    ``cols``, all above the set's) folded in: only entries above the set's smallest value."""
-    SUB: tl.constexpr = BLOCK_N // G
-    thr = key_value(tl.min(run, axis=1))
-    rem = tl.reshape(tl.where(z > thr[:, None], z, float("-inf")), (BLOCK_M, G, SUB))
-    c3 = tl.reshape(cols, (G, SUB))[None, :, :]
-    gid = tl.arange(0, G)[None, :]
-    best = tl.max(rem, axis=2)
+    """Fold the tile ``z [BLOCK_M, BLOCK_N]`` (first column ``col0``, past every column of the
+    set) into the running set at ``run_ptrs [BLOCK_M, KP]`` (the program's own slots), visiting
+    only entries above the set's smallest value ``thr``: one entry per row and round, the best
+    remaining. Returns the new ``thr``."""
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    rem = tl.where(z > thr[:, None], z, float("-inf"))
+    best = tl.max(rem, axis=1)
     # >=: an entry equal to the smallest value may still enter by its lower column.
-    live = (best >= thr[:, None]) & (best > float("-inf"))
-    go = tl.max(tl.max(live.to(tl.int32), axis=1), axis=0)
-    while go > 0:
-        at = tl.min(tl.where(rem == best[:, :, None], c3, 0x7FFFFFFF), axis=2)
-        keys = tl.where(live, topk_keys(best, at), MIN_KEY)
-        for g in tl.static_range(G):
-            run = _insert(run, tl.max(tl.where(gid == g, keys, MIN_KEY), axis=1))
-        thr = key_value(tl.min(run, axis=1))
-        rem = tl.where(c3 == at[:, :, None], float("-inf"), rem)
-        best = tl.max(rem, axis=2)
-        live = (best >= thr[:, None]) & (best > float("-inf"))
-        go = tl.max(tl.max(live.to(tl.int32), axis=1), axis=0)
-    return run
+    live = (best >= thr) & (best > float("-inf"))
+    go = tl.max(live.to(tl.int32), axis=0)
+    if go > 0:
+        run = tl.load(run_ptrs, mask=row_ok[:, None], other=MIN_KEY)
+        while go > 0:
+            at = tl.min(tl.where(rem == best[:, None], cols, BLOCK_N), axis=1)
+            run = _insert(run, tl.where(live, topk_keys(best, at + col0), MIN_KEY))
+            thr = _in_tile_rows(key_value(tl.min(run, axis=1)), cols)
+            rem = tl.where(cols == at[:, None], float("-inf"), rem)
+            best = tl.max(rem, axis=1)
+            live = (best >= thr) & (best > float("-inf"))
+            go = tl.max(live.to(tl.int32), axis=0)
+        tl.store(run_ptrs, run, mask=row_ok[:, None])
+        tl.debug_barrier()  # the next tile's load may be another thread's
+    return thr
+
+
+@triton.jit
+def _tile_z(
+    h_src, w_src, t, off_m, offs_m, rows, inv_t, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr,
+    arg_ptr, starts_ptr, sids_ptr, zg_ptr, N, V, H, K_g, stride_hn, stride_hk, stride_wv, stride_wk,
+    label_offset, inv_temp, softcap, inv_softcap, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    PER_TOKEN_T: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_Q: tl.constexpr,
+    HAS_ARG: tl.constexpr, HAS_GATHER: tl.constexpr,
+):  # fmt: skip
+    """Tile ``t`` of the row block: its logits GEMM, the forward's statistics (written), and
+    the scaled logits ``z`` returned."""
+    offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    g_lo, g_hi = tile_bounds(starts_ptr, t, rows, N, HAS_GATHER)
+    if USE_TMA:
+        acc = logits_tile_tma(
+            h_src, w_src, off_m, t * BLOCK_N, H, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION
+        )
+    else:
+        acc = logits_tile(
+            h_src, w_src, rows, tl.minimum(offs_n, V - 1), H, stride_hn, stride_hk, stride_wv,
+            stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
+        )  # fmt: skip
+    _stats_epilogue(
+        acc, offs_m, offs_n, t, N, V, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr, arg_ptr,
+        sids_ptr, zg_ptr, g_lo, g_hi, K_g, label_offset, inv_temp, softcap, inv_softcap,
+        BLOCK_N, PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
+    )  # fmt: skip
+    return tempered_logits(acc, inv_t, offs_n < V, softcap, inv_softcap, HAS_SOFTCAP)
 
 
 @triton.jit(do_not_specialize=["N", "V", "K_g", "L"])
@@ -123,7 +161,6 @@ def fwd_topk_kernel(
     HAS_ARG: tl.constexpr,
     HAS_GATHER: tl.constexpr,
     KP: tl.constexpr,
-    G: tl.constexpr,
 ):
     """One program per (row block, chunk of ``L`` tiles): the tiles' statistics as the forward
     writes them, and the chunk's ``KP`` best keys per row into ``cand[chunk, N, KP]``.
@@ -136,31 +173,26 @@ def fwd_topk_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.minimum(offs_m, N - 1)
     inv_t = row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T)
-    t0 = chunk * L
-    run = tl.full((BLOCK_M, KP), MIN_KEY, tl.int64)
-    for j in range(0, tl.minimum(t0 + L, T) - t0):
-        t = t0 + j
-        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        g_lo, g_hi = tile_bounds(starts_ptr, t, rows, N, HAS_GATHER)
-        if USE_TMA:
-            acc = logits_tile_tma(
-                h_src, w_src, pid_m * BLOCK_M, t * BLOCK_N, H, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION
-            )
-        else:
-            acc = logits_tile(
-                h_src, w_src, rows, tl.minimum(offs_n, V - 1), H, stride_hn, stride_hk, stride_wv,
-                stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
-            )  # fmt: skip
-        _stats_epilogue(
-            acc, offs_m, offs_n, t, N, V, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr, arg_ptr,
-            sids_ptr, zg_ptr, g_lo, g_hi, K_g, label_offset, inv_temp, softcap, inv_softcap,
-            BLOCK_N, PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
-        )  # fmt: skip
-        z = tempered_logits(acc, inv_t, offs_n < V, softcap, inv_softcap, HAS_SOFTCAP)
-        if j == 0:
-            run = tl.topk(topk_keys(z, offs_n), KP)
-        else:
-            run = fold_tile(run, z, offs_n, BLOCK_M, BLOCK_N, G)
+    row_ok = offs_m < N
     slot = tl.arange(0, KP)
-    ptrs = cand_ptr + (chunk.to(tl.int64) * N + offs_m)[:, None] * KP + slot[None, :]
-    tl.store(ptrs, run, mask=(offs_m < N)[:, None])
+    run_ptrs = cand_ptr + (chunk.to(tl.int64) * N + offs_m)[:, None] * KP + slot[None, :]
+    t0 = chunk * L
+    z = _tile_z(
+        h_src, w_src, t0, pid_m * BLOCK_M, offs_m, rows, inv_t, labels_ptr, temp_ptr, ws_ptr,
+        zy_ptr, q_ptr, arg_ptr, starts_ptr, sids_ptr, zg_ptr, N, V, H, K_g, stride_hn, stride_hk,
+        stride_wv, stride_wk, label_offset, inv_temp, softcap, inv_softcap, BLOCK_M, BLOCK_N,
+        BLOCK_K, EVEN_K, USE_TMA, PRECISION, PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
+    )  # fmt: skip
+    run = tl.topk(topk_keys(z, t0 * BLOCK_N + tl.arange(0, BLOCK_N)), KP)
+    tl.store(run_ptrs, run, mask=row_ok[:, None])
+    tl.debug_barrier()
+    thr = key_value(tl.min(run, axis=1))
+    for j in range(1, tl.minimum(L, T - t0)):
+        t = t0 + j
+        z = _tile_z(
+            h_src, w_src, t, pid_m * BLOCK_M, offs_m, rows, inv_t, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr,
+            arg_ptr, starts_ptr, sids_ptr, zg_ptr, N, V, H, K_g, stride_hn, stride_hk, stride_wv,
+            stride_wk, label_offset, inv_temp, softcap, inv_softcap, BLOCK_M, BLOCK_N, BLOCK_K,
+            EVEN_K, USE_TMA, PRECISION, PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
+        )  # fmt: skip
+        thr = fold_tile(run_ptrs, row_ok, thr, z, t * BLOCK_N, BLOCK_N, KP)
