@@ -173,11 +173,17 @@ def test_zero_rows_give_empty_extras():
     assert out.argmax.dtype == torch.int64
 
 
+#: (student softcap, teacher softcap) of the KL tests: none, both, each alone.
+KL_CAPS = [(None, None), (3.0, 2.0), (None, 1.5), (2.5, None)]
+
+
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("options", LAYOUTS, ids=["default", "tiled", "tiled-all-rows"])
-def test_kl_of_two_heads_matches_float64_with_student_gradients(direction, dtype, options):
+@pytest.mark.parametrize("caps", KL_CAPS, ids=lambda c: f"softcap-{c[0]}-{c[1]}")
+def test_kl_of_two_heads_matches_float64_with_student_gradients(direction, dtype, options, caps):
     dt = DTYPES[dtype]
+    softcap, teacher_softcap = caps
     hidden, weight, labels = _case(seed=11)
     t_hidden = torch.randn(40, 20, generator=torch.Generator().manual_seed(12)).to(dt)
     t_weight = (torch.randn(611, 20, generator=torch.Generator().manual_seed(13)) * 0.6).to(dt)
@@ -194,13 +200,15 @@ def test_kl_of_two_heads_matches_float64_with_student_gradients(direction, dtype
         temperature=0.8,
         teacher_temperature=1.6,
         options=options,
+        softcap=softcap,
+        teacher_softcap=teacher_softcap,
     )
     g = torch.randn(40, generator=torch.Generator().manual_seed(14))
     (kl * g).sum().backward()
     hd = hs.detach().double().requires_grad_()
     wd = ws.detach().double().requires_grad_()
-    ls = torch.log_softmax(_z64(hd, wd, 0.8), -1)
-    lt = torch.log_softmax(_z64(t_hidden, t_weight, 1.6), -1)
+    ls = torch.log_softmax(_z64(hd, wd, 0.8, softcap), -1)
+    lt = torch.log_softmax(_z64(t_hidden, t_weight, 1.6, teacher_softcap), -1)
     ref = (
         (lt.exp() * (lt - ls)).sum(-1) if direction == "forward" else (ls.exp() * (ls - lt)).sum(-1)
     )
@@ -321,6 +329,14 @@ def test_out_of_range_ids_on_ignored_rows_and_unchecked_ids():
             ["teacher_temperature must be a finite float > 0", "got 0.0"],
         ),
         ({"temperature": -1.0}, ValueError, ["temperature must be a finite float > 0", "-1.0"]),
+        ({"softcap": 0.0}, ValueError, ["softcap must be a finite float > 0", "got 0.0"]),
+        (
+            {"teacher_softcap": -2.0},
+            ValueError,
+            ["teacher_softcap must be a finite float > 0", "got -2.0"],
+        ),
+        ({"softcap": float("inf")}, ValueError, ["softcap must be a finite float > 0", "inf"]),
+        ({"teacher_softcap": "3"}, TypeError, ["teacher_softcap must be a float", "str '3'"]),
         (
             {"labels": torch.zeros(39, dtype=torch.long)},
             ValueError,
@@ -351,22 +367,75 @@ def test_bad_kl_arguments_are_named(kwargs, error, words):
         assert word in str(info.value)
 
 
-def test_a_backend_without_the_outputs_is_refused_by_name(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    hidden, weight, labels = _case()
-    for kwargs, name in (
-        ({"top_k": 4}, "topk"),
-        ({"gather_ids": labels.clamp(min=0).unsqueeze(-1)}, "gather"),
-        ({"return_lse": True}, "lse"),
-        ({"return_sum_p2": True}, "sum_p2"),
-        ({"return_argmax": True}, "argmax"),
-    ):
-        with pytest.raises(CapabilityError) as info:
-            fused_head(hidden, weight, labels, backend="triton", **kwargs)
-        assert f"['{name}']" in str(info.value) and "triton" in str(info.value)
-        assert info.value.capability == name
-    with pytest.raises(CapabilityError, match="kl_directions"):
-        fused_kl(hidden, weight, hidden, weight, backend="triton")
+def test_kl_softcap_changes_the_kl_and_a_cap_far_above_the_logits_does_not():
+    """Each head's softcap reaches its own logits: a tight cap moves the KL, a loose one does not."""
+    hidden, weight, labels = _case(seed=16)
+    t_hidden, t_weight, _ = _case(seed=17, h=20)
+    plain = fused_kl(hidden, weight, t_hidden, t_weight, labels)
+    for kw in ({"softcap": 1.0}, {"teacher_softcap": 1.0}):
+        capped = fused_kl(hidden, weight, t_hidden, t_weight, labels, **kw)
+        assert float((capped - plain).abs().max()) > 0.1, kw
+    loose = fused_kl(hidden, weight, t_hidden, t_weight, labels, softcap=1e6, teacher_softcap=1e6)
+    assert float((loose - plain).abs().max()) < 1e-5
+
+
+def test_kl_softcap_needs_a_backend_that_declares_softcap(output_backends):
+    from fusedhead import registry
+
+    class NoSoftcap(output_backends.OutputsRef):
+        name = "outputs-no-softcap"
+
+        def capabilities(self, device):
+            return super().capabilities(device).model_copy(update={"softcap": False})
+
+    registry.register_backend(NoSoftcap.name, NoSoftcap, replace=True)
+    registry.refresh()
+    try:
+        hidden, weight, labels = _case()
+        for arg in ("softcap", "teacher_softcap"):
+            with pytest.raises(CapabilityError) as info:
+                fused_kl(
+                    hidden, weight, hidden, weight, labels, backend=NoSoftcap.name, **{arg: 2.0}
+                )
+            assert info.value.capability == "softcap" and arg in str(info.value)
+        fused_kl(hidden, weight, hidden, weight, labels, backend=NoSoftcap.name)  # no cap: runs
+    finally:
+        registry.unregister_backend(NoSoftcap.name)
+        registry.refresh()
+
+
+def test_a_backend_without_the_outputs_is_refused_by_name(output_backends):
+    from fusedhead import registry
+
+    class Basic(output_backends.OutputsRef):  # declares log_probs and entropy only
+        name = "outputs-basic"
+
+        def capabilities(self, device):
+            caps = super().capabilities(device)
+            return caps.model_copy(
+                update={"outputs": ("log_probs", "entropy"), "max_top_k": 0, "kl_directions": ()}
+            )
+
+    registry.register_backend(Basic.name, Basic, replace=True)
+    registry.refresh()
+    try:
+        hidden, weight, labels = _case()
+        for kwargs, name in (
+            ({"top_k": 4}, "topk"),
+            ({"gather_ids": labels.clamp(min=0).unsqueeze(-1)}, "gather"),
+            ({"return_lse": True}, "lse"),
+            ({"return_sum_p2": True}, "sum_p2"),
+            ({"return_argmax": True}, "argmax"),
+        ):
+            with pytest.raises(CapabilityError) as info:
+                fused_head(hidden, weight, labels, backend=Basic.name, **kwargs)
+            assert f"['{name}']" in str(info.value) and Basic.name in str(info.value)
+            assert info.value.capability == name
+        with pytest.raises(CapabilityError, match="kl_directions"):
+            fused_kl(hidden, weight, hidden, weight, backend=Basic.name)
+    finally:
+        registry.unregister_backend(Basic.name)
+        registry.refresh()
 
 
 def test_vocab_parallel_and_top_k_limits_are_capabilities():
