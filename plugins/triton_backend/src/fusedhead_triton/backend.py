@@ -9,7 +9,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fusedhead.errors import BackendUnavailableError
-from fusedhead.protocol import Capabilities, HeadCall, HeadOutput, KLCall, KLOutput
+from fusedhead.protocol import KL_DIRECTIONS, Capabilities, HeadCall, HeadOutput, KLCall, KLOutput
 
 from .configs import Settings, interpret_enabled, settings_for
 from .topk import MAX_TOP_K  # the running top-k set lives in registers; one shard only
@@ -95,7 +95,7 @@ class TritonBackend:
             per_token_temperature=True,
             softcap=True,
             uneven_shards=True,
-            kl_directions=("forward", "reverse"),
+            kl_directions=KL_DIRECTIONS,
             outputs=("log_probs", "entropy", *EXTRA_OUTPUTS, "topk"),
             max_top_k=MAX_TOP_K,
             vocab_parallel_outputs=("log_probs", "entropy", *EXTRA_OUTPUTS),

@@ -32,7 +32,6 @@ from .launch import (
 )
 from .ops import DOUBLE_BACKWARD, backward_fake, grads_or_empty
 
-KL_DIRECTIONS = ("forward", "reverse")
 #: Vocabulary tiles a forward program folds into one set of statistics (fixed: batch invariance);
 #: the workspace is 5 x N x V / (BLOCK_N x CHUNK) fp32 values.
 CHUNK = 4
