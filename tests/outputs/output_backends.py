@@ -105,13 +105,29 @@ class OutputsRef:
         return torch.where(counted, got, torch.zeros(()))
 
     def kl(self, call: KLCall) -> KLOutput:
-        ls = torch.log_softmax(_scaled(call.hidden, call.weight, call.temperature, None), -1)
-        lt = torch.log_softmax(
-            _scaled(call.teacher_hidden, call.teacher_weight, call.teacher_temperature, None), -1
-        )
+        ls, lt = self.kl_log_probs(call)
         return KLOutput(
             torch.where(call.valid, self.divergence(ls, lt.detach(), call.direction), 0.0)
         )
+
+    def kl_log_probs(self, call: KLCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """The student's and the teacher's log-softmax, each with its temperature and softcap."""
+        ls = torch.log_softmax(
+            _scaled(call.hidden, call.weight, call.temperature, call.softcap), -1
+        )
+        lt = torch.log_softmax(
+            _scaled(
+                call.teacher_hidden,
+                call.teacher_weight,
+                call.teacher_temperature,
+                self.teacher_softcap(call),
+            ),
+            -1,
+        )
+        return ls, lt
+
+    def teacher_softcap(self, call: KLCall) -> float | None:
+        return call.teacher_softcap
 
     def divergence(self, ls: torch.Tensor, lt: torch.Tensor, direction: str) -> torch.Tensor:
         if direction == "forward":
@@ -199,10 +215,7 @@ class KLTeacherGradient(OutputsRef):
     name: ClassVar[str] = "wrong-kl-teacher-grad"
 
     def kl(self, call: KLCall) -> KLOutput:
-        ls = torch.log_softmax(_scaled(call.hidden, call.weight, call.temperature, None), -1)
-        lt = torch.log_softmax(
-            _scaled(call.teacher_hidden, call.teacher_weight, call.teacher_temperature, None), -1
-        )
+        ls, lt = self.kl_log_probs(call)
         return KLOutput(torch.where(call.valid, self.divergence(ls, lt, call.direction), 0.0))
 
 
@@ -213,6 +226,15 @@ class KLReverseIsForward(OutputsRef):
 
     def divergence(self, ls: torch.Tensor, lt: torch.Tensor, direction: str) -> torch.Tensor:
         return super().divergence(ls, lt, "forward")
+
+
+class KLTeacherSoftcapIgnored(OutputsRef):
+    """Wrong: the teacher's softcap is dropped (the student's is applied)."""
+
+    name: ClassVar[str] = "wrong-kl-teacher-softcap"
+
+    def teacher_softcap(self, call: KLCall) -> float | None:
+        return None
 
 
 class RowwiseRef(OutputsRef):
@@ -259,6 +281,7 @@ WRONG: dict[type, str] = {
     PaddedVocabExtras: "extras_together",
     KLTeacherGradient: "kl_accuracy",
     KLReverseIsForward: "kl_accuracy",
+    KLTeacherSoftcapIgnored: "kl_accuracy",
     ExtrasNotBatchInvariant: "batch_invariant_extras",
 }
 ALL: tuple[type, ...] = (OutputsRef, RowwiseRef, *WRONG)

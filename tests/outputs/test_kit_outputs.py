@@ -33,6 +33,7 @@ def test_a_batch_invariant_backend_passes_the_batch_invariance_of_its_extras(out
         ("wrong-extras-padded", "extras_together", ["V=1037", "lse"]),
         ("wrong-kl-teacher-grad", "kl_accuracy", ["teacher", "gradient"]),
         ("wrong-kl-direction", "kl_accuracy", ["reverse KL", "kl abs err"]),
+        ("wrong-kl-teacher-softcap", "kl_accuracy", ["teacher softcap 3.0", "kl abs err"]),
         ("wrong-extras-batch", "batch_invariant_extras", ["lse", "bitwise"]),
     ],
 )

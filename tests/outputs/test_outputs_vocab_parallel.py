@@ -1,7 +1,9 @@
-"""lse, sum_p2 and gather under ``process_group`` on the torch backend: the one-process values.
+"""Every output past (log_probs, entropy) under ``process_group`` on the torch backend: the one-process values.
 
-They fall out of the combine the log-probs already use (row max MAX-reduced, rebased sums summed,
-each gathered id owned by one rank); top-k and argmax are not declared there and are refused.
+lse, sum_p2 and gather fall out of the combine the log-probs already use (row max MAX-reduced,
+rebased sums summed, each gathered id owned by one rank); top-k and argmax merge every rank's
+candidates, equal logits by the lower global id whatever order the shards lie in. Each rank gets
+the one-process ids exactly, the values and the gradients up to the order of fp32 sums.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from fusedhead.errors import CapabilityError
+pytestmark = pytest.mark.multiprocess
 
 WORLDS = [2, 3]
-FIELDS = ("log_probs", "entropy", "lse", "sum_p2", "gathered")
+FIELDS = ("log_probs", "entropy", "lse", "sum_p2", "gathered", "topk_log_probs")
 
 
 def _free_port() -> int:
@@ -35,14 +37,26 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="module")
-def single() -> dict:
-    return tp.run(tp.inputs(), 0, tp.V, True, None)
+def single() -> dict[str, dict]:
+    """Each case in one process over the whole weight."""
+    return {
+        name: tp.run(
+            tp.inputs(case.get("inputs", "random")),
+            0,
+            tp.V,
+            True,
+            None,
+            case.get("top_k", tp.TOP_K),
+        )
+        for name, case in tp.CASES.items()
+    }
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     # Only the order of the fp32 sums differs from one process (shards instead of blocks).
-    scale = max(1.0, float(b.abs().max()))
-    err = float((a - b).abs().max())
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
+    err = float((a - b).abs().max()) if b.numel() else 0.0
     assert err <= 2e-6 * scale, f"{what}: max abs err {err:.3g}"
 
 
@@ -50,41 +64,67 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 def test_every_rank_gets_the_one_process_values(ranks, single, name):
     for r, res in enumerate(ranks):
         for f in FIELDS:
-            _close(res[name][f], single[f], f"rank {r} {name} {f}")
+            _close(res[name][f], single[name][f], f"rank {r} {name} {f}")
+
+
+@pytest.mark.parametrize("name", list(tp.CASES))
+def test_every_rank_gets_the_one_process_top_k_ids_and_argmax(ranks, single, name):
+    want_ids, want_argmax = single[name]["topk_ids"], single[name]["argmax"]
+    scored = tp.inputs()["labels"] != -100
+    assert bool((want_ids[~scored] == -1).all()) and bool((want_argmax[~scored] == -1).all())
+    for r, res in enumerate(ranks):
+        got = res[name]["topk_ids"]
+        assert torch.equal(got, want_ids), (
+            f"rank {r} {name}: top-k ids differ in rows "
+            f"{(got != want_ids).any(1).nonzero().squeeze(1).tolist()}"
+        )
+        assert torch.equal(res[name]["argmax"], want_argmax), f"rank {r} {name}: argmax differs"
+        assert torch.equal(res[name]["argmax"], got[:, 0])
+
+
+def test_the_tie_cases_have_ties_across_shards(single):
+    """The integer-logit inputs do what they are for: equal top-k logits on both sides of a boundary."""
+    x = tp.inputs("ties")
+    logits = x["hidden"] @ x["weight"].T
+    ids = single["ties-reversed-shards"]["topk_ids"]
+    scored = x["labels"] != -100
+    vals = logits.gather(1, ids.clamp(min=0))[scored]
+    ids = ids[scored]
+    # Pairs of neighbours in the ranking with equal logits, one id below 60 and one above.
+    same = vals[:, 1:] == vals[:, :-1]
+    crossing = (ids[:, 1:] >= 60) != (ids[:, :-1] >= 60)
+    assert int((same & crossing).sum()) > 10
+    # And the ranking broke them by the lower id.
+    assert bool((ids[:, 1:] > ids[:, :-1])[same].all())
 
 
 @pytest.mark.parametrize("name", list(tp.CASES))
 def test_gradients_are_the_one_process_ones(ranks, single, name):
     world = len(ranks)
-    bounds = tp.CASES[name]["bounds"][world]
+    case = tp.CASES[name]
     for r, res in enumerate(ranks):
+        start, stop = tp.shard(case, world, r)
         _close(
             res[name]["grad_weight"],
-            single["grad_weight"][bounds[r] : bounds[r + 1]],
+            single[name]["grad_weight"][start:stop],
             f"rank {r} dW",
         )
-    if tp.CASES[name]["reduce"]:
+    if case["reduce"]:
         for r, res in enumerate(ranks):
-            _close(res[name]["grad_hidden"], single["grad_hidden"], f"rank {r} reduced dh")
+            _close(res[name]["grad_hidden"], single[name]["grad_hidden"], f"rank {r} reduced dh")
     else:
         total = sum(res[name]["grad_hidden"] for res in ranks)
-        _close(total, single["grad_hidden"], "sum of partial dh")
+        _close(total, single[name]["grad_hidden"], "sum of partial dh")
 
 
-def test_topk_and_argmax_are_refused_under_a_process_group():
+def test_top_k_and_argmax_are_declared_under_a_process_group():
     from fusedhead.extras import capability_refusal
     from fusedhead.protocol import HeadCall
     from fusedhead_torch.backend import TorchBackend
 
     caps = TorchBackend().capabilities(torch.device("cpu"))
+    assert set(caps.vocab_parallel_outputs) == set(caps.outputs)
     h, w, y = torch.randn(3, 4), torch.randn(20, 4), torch.zeros(3, dtype=torch.long)
     for kw in ({"top_k": 2}, {"extras": frozenset({"argmax"})}):
-        refusal = capability_refusal(HeadCall.make(h, w, y, process_group=object(), **kw), caps)
-        assert refusal is not None and refusal[1] == "vocab_parallel_outputs"
-    ok = HeadCall.make(
-        h, w, y, process_group=object(), gather_ids=y[:, None], extras=frozenset({"lse", "sum_p2"})
-    )
-    assert capability_refusal(ok, caps) is None
-    assert (
-        CapabilityError
-    )  # the core raises it with that capability (tests/outputs/test_torch_outputs.py)
+        call = HeadCall.make(h, w, y, process_group=object(), **kw)
+        assert capability_refusal(call, caps) is None

@@ -358,6 +358,8 @@ class FusedHead:
         temperature: float | torch.Tensor = 1.0,
         teacher_temperature: float | torch.Tensor = 1.0,
         ignore_index: int | None = None,
+        softcap: float | None = None,
+        teacher_softcap: float | None = None,
     ) -> torch.Tensor:
         """Per-token fp32 KL between the student and the teacher head (see ``fused_kl``)."""
         call, shape = validate_kl(
@@ -370,6 +372,8 @@ class FusedHead:
             teacher_temperature=teacher_temperature,
             ignore_index=self.config.ignore_index if ignore_index is None else ignore_index,
             direction=direction,
+            softcap=softcap,
+            teacher_softcap=teacher_softcap,
         )
         caps = self._ready(call.hidden.device, call.hidden.dtype)
         if call.direction not in caps.kl_directions:
@@ -389,6 +393,14 @@ class FusedHead:
                     f"does not support a per-token {arg} tensor",
                     capability="per_token_temperature",
                     hint="pass a float, or name a backend that declares per_token_temperature",
+                    **self._identity(),
+                )
+        for arg, cap in (("softcap", call.softcap), ("teacher_softcap", call.teacher_softcap)):
+            if cap is not None and not caps.softcap:
+                raise CapabilityError(
+                    f"does not support {arg} in the KL of two heads",
+                    capability="softcap",
+                    hint=f"drop {arg}, or name a backend that declares softcap, e.g. 'torch'",
                     **self._identity(),
                 )
         if call.valid.numel() == 0:
@@ -677,11 +689,14 @@ def fused_kl(
     teacher_temperature: float | torch.Tensor = 1.0,
     ignore_index: int = -100,
     options: Mapping[str, Any] | BaseModel | None = None,
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
 ) -> torch.Tensor:
     """Per-token KL between a student head (``hidden``, ``weight``) and a teacher head, fp32.
 
     ``direction="forward"``: ``KL(p_teacher || p_student)``; ``"reverse"``: ``KL(p_student ||
-    p_teacher)``. Each head has its own temperature; the heads share V, their H may differ.
+    p_teacher)``. Each head has its own temperature and softcap (``c * tanh(z / c)`` before the
+    temperature, as in ``fused_head``); the heads share V, their H may differ.
     Rows whose label is ``ignore_index`` give 0 (``labels=None``: every row counts). Gradients
     reach the student only; no ``[N, V]`` tensor is formed. See docs/distillation.md.
     """
@@ -699,4 +714,6 @@ def fused_kl(
         temperature=temperature,
         teacher_temperature=teacher_temperature,
         ignore_index=ignore_index,
+        softcap=softcap,
+        teacher_softcap=teacher_softcap,
     )

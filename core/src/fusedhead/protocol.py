@@ -198,6 +198,9 @@ class KLCall:
     temperature: float | torch.Tensor  #: the student's: a float > 0, or fp32 [N]
     teacher_temperature: float | torch.Tensor  #: the teacher's, likewise
     direction: str  #: one of :data:`KL_DIRECTIONS`
+    #: The student's softcap ``c``: ``c * tanh(z / c)`` before its temperature division (None: none)
+    softcap: float | None = None
+    teacher_softcap: float | None = None  #: the teacher's, likewise
 
 
 @dataclass(frozen=True)

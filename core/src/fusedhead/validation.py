@@ -430,6 +430,8 @@ def validate_kl(
     teacher_temperature: object,
     ignore_index: object,
     direction: object,
+    softcap: object = None,
+    teacher_softcap: object = None,
 ) -> tuple[KLCall, tuple[int, ...]]:
     """Check a two-head KL call: the backend's 2-D call and the rows' shape."""
 
@@ -513,6 +515,10 @@ def validate_kl(
             "teacher_temperature", teacher_temperature, rows, h.device
         ),
         direction=direction,
+        softcap=None if softcap is None else _positive_float("softcap", softcap),
+        teacher_softcap=(
+            None if teacher_softcap is None else _positive_float("teacher_softcap", teacher_softcap)
+        ),
     )
     return call, shape
 

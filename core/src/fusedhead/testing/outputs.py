@@ -590,10 +590,11 @@ def _kl_reference(
     ts: Any,
     tt: Any,
     direction: str,
+    caps: tuple[float | None, float | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64 per-row KL, and the student's ``p`` and ``log p - log q`` (for the magnitudes)."""
-    zs, _ = _logits(hs, ws, ts, None)
-    zt, _ = _logits(ht, wt, tt, None)
+    """float64 per-row KL and both heads' ``p`` (for the magnitudes); ``caps``: each head's softcap."""
+    zs, _ = _logits(hs, ws, ts, caps[0])
+    zt, _ = _logits(ht, wt, tt, caps[1])
     ls, lt = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
     if direction == "forward":
         kl = (lt.exp() * (lt - ls)).sum(-1)
@@ -604,7 +605,7 @@ def _kl_reference(
 
 
 def kl_accuracy(target: Target) -> None:
-    """If declared: KL(p_t || p_s) and KL(p_s || p_t) of two heads match float64; student gradients too, none to the teacher."""
+    """If declared: KL(p_t || p_s) and KL(p_s || p_t) of two heads match float64 (each head's softcap too, where declared); student gradients, none to the teacher."""
     directions = target.caps.kl_directions
     if not directions:
         raise NotRun("the backend does not declare kl_directions")
@@ -628,6 +629,22 @@ def kl_accuracy(target: Target) -> None:
                 t_t,
                 f"{direction} KL, {case.description}, teacher H={hidden // 2 + 1}, T_s={t_s}, T_t={t_t}",
             )
+    if target.caps.softcap:
+        case = make_case(n, h, v, scale=PEAKED, seed=52)
+        teacher = make_case(n, h // 2 + 1, v, scale=PEAKED, seed=53)
+        for direction in directions:
+            for caps in ((5.0, 3.0), (None, 2.0), (2.5, None)):
+                _check_kl(
+                    target,
+                    case,
+                    teacher,
+                    direction,
+                    0.8,
+                    1.2,
+                    f"{direction} KL, {case.description}, softcap {caps[0]}, teacher softcap "
+                    f"{caps[1]}, T_s=0.8, T_t=1.2",
+                    caps,
+                )
     if target.caps.per_token_temperature:
         rows, hidden, vv = target.sizes.small
         case = make_case(rows, hidden, vv, scale=FLAT, seed=49)
@@ -653,7 +670,9 @@ def _check_kl(
     t_s: Any,
     t_t: Any,
     label: str,
+    caps: tuple[float | None, float | None] = (None, None),
 ) -> None:
+    """One KL call against float64; ``caps``: the student's and the teacher's softcap."""
     dev, dt = target.device, target.dtype
     hs = case.hidden.detach().to(dev, dt).requires_grad_(True)
     ws = case.weight.detach().to(dev, dt).requires_grad_(True)
@@ -664,7 +683,16 @@ def _check_kl(
     tt = t_t.to(dev) if isinstance(t_t, torch.Tensor) else t_t
     try:
         kl = target.head.kl(
-            hs, ws, ht, wt, y, direction=direction, temperature=ts, teacher_temperature=tt
+            hs,
+            ws,
+            ht,
+            wt,
+            y,
+            direction=direction,
+            temperature=ts,
+            teacher_temperature=tt,
+            softcap=caps[0],
+            teacher_softcap=caps[1],
         )
     except Exception as exc:
         raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
@@ -674,9 +702,9 @@ def _check_kl(
     htd, wtd = teacher.hidden.to(dt).double(), teacher.weight.to(dt).double()
     t_s_cpu = t_s if not isinstance(t_s, torch.Tensor) else t_s.double()
     t_t_cpu = t_t if not isinstance(t_t, torch.Tensor) else t_t.double()
-    want, p_s, p_t = _kl_reference(hd, wd, htd, wtd, valid, t_s_cpu, t_t_cpu, direction)
-    zs, _ = _logits(hd.detach(), wd.detach(), t_s_cpu, None)
-    zt, _ = _logits(htd, wtd, t_t_cpu, None)
+    want, p_s, p_t = _kl_reference(hd, wd, htd, wtd, valid, t_s_cpu, t_t_cpu, direction, caps)
+    zs, slope = _logits(hd.detach(), wd.detach(), t_s_cpu, caps[0])
+    zt, _ = _logits(htd, wtd, t_t_cpu, caps[1])
     zmax = max(_zmax(zs, valid), _zmax(zt, valid))
     tol = target.tolerances(max(hd.shape[1], htd.shape[1]), wd.shape[0], zmax)
     g = _upstream(tuple(case.labels.shape), 51)
@@ -701,7 +729,7 @@ def _check_kl(
                 * ((ls - lt).abs() + want.detach().abs().unsqueeze(1))
             )
         d[~valid] = 0.0
-        m_h, m_w = _magnitudes(d, hd.detach(), wd.detach(), 1.0, t_s_cpu)
+        m_h, m_w = _magnitudes(d, hd.detach(), wd.detach(), slope, t_s_cpu)
         for leaf, got_g, ref_g, m in (
             ("hidden", hs.grad, hd.grad, m_h),
             ("weight", ws.grad, wd.grad, m_w),

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from fusedhead_torch.parallel import all_reduce_row_stats, all_reduce_sum_
+from fusedhead_torch.grads import TileGrads
+from fusedhead_torch.parallel import all_reduce_row_stats
 from fusedhead_torch.rowstats import RowStats
 from fusedhead_torch.tile_math import (
     FP32,
@@ -148,29 +149,11 @@ def _backward_grads(
     need_h: bool,
     need_w: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``dh`` (summed over the group if asked) and ``dW`` in the input dtype."""
-    dh, dw = _walk_tiles(h, weight, place, scaling, spec, row_max, coefs, need_h, need_w)
-    # The tile buffers are gone by now: only dh (fp32), its cast and dW are alive at the end.
-    if dh is not None and dh.numel() and spec.process_group is not None and spec.reduce_hidden_grad:
-        all_reduce_sum_(dh, spec.process_group)
-    return (None if dh is None else dh.to(h.dtype)), dw
+    """``dh`` (summed over the group if asked) and ``dW`` in the input dtype.
 
-
-def _walk_tiles(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    place: LabelPlace,
-    scaling: Scaling,
-    spec: HeadSpec,
-    row_max: torch.Tensor,
-    coefs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
-    need_h: bool,
-    need_w: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Recompute each tile's ``dz``; accumulate ``dh`` in fp32 and finish ``dW`` block by block.
-
-    A block's weight gradient is one GEMM over all rows when rows are not chunked (the GEMM
-    accumulates in fp32); otherwise an fp32 ``[block, H]`` buffer sums the row chunks.
+    Each tile's ``dz`` is recomputed (``backward_tile``) and enters the gradient GEMMs of
+    ``TileGrads``; the tile buffers are gone by the all-reduce: only dh (fp32), its cast and dW
+    are alive at the end.
     """
     n, v = h.shape[0], weight.shape[0]
     tiles = spec.tiles
@@ -178,19 +161,12 @@ def _walk_tiles(
     blocks = list(tiles.col_ranges(v))
     ws = Workspace(tiles.rows * tiles.cols, h.device)
     coef_a, coef_b, label_term = coefs
-    dh = None
-    if need_h and not (len(blocks) == 1 and len(row_chunks) == 1 and h.dtype == FP32):
-        dh = torch.zeros(n, h.shape[1], dtype=FP32, device=h.device)
-    dw = None
-    if need_w:  # every block is written below, unless there are no rows at all
-        dw = torch.empty_like(weight) if row_chunks else torch.zeros_like(weight)
+    grads = TileGrads(h, weight, len(row_chunks), len(blocks), need_h, need_w)
     h_mm = gemm_operand(h, spec.fp32_logits)  # the recompute's operands (upcast once if need be)
     for b, (v0, v1) in enumerate(blocks):
         w_block = weight[v0:v1]
         w_mm = gemm_operand(w_block, spec.fp32_logits)
-        w_acc = None
         for r0, r1 in row_chunks:
-            h_rows = h[r0:r1]
             in_block, col = place.tile(b, r0, r1, v1 - v0)
             b_rows = None if coef_b is None else coef_b[r0:r1]
             dz = backward_tile(
@@ -206,26 +182,11 @@ def _walk_tiles(
                 label_term[r0:r1],
                 dz_dtype=h.dtype,
             )
-            if need_h:
-                if dh is None:
-                    dh = torch.mm(dz, w_block)  # the one and only tile, fp32
-                else:
-                    dh[r0:r1].add_(torch.mm(dz, w_block))
-            if dw is not None:
-                part = torch.mm(dz.T, h_rows)
-                if len(row_chunks) == 1:
-                    dw[v0:v1].copy_(part)
-                elif w_acc is None:
-                    w_acc = part.float()
-                else:
-                    w_acc.add_(part)
-                del part
+            grads.add(dz, w_block, h[r0:r1], (r0, r1), (v0, v1))
             del dz
-        if dw is not None and w_acc is not None:
-            dw[v0:v1].copy_(w_acc)
-    if need_h and dh is None:  # an empty shard contributes nothing
-        dh = torch.zeros(n, h.shape[1], dtype=FP32, device=h.device)
-    return dh, dw
+        grads.end_block((v0, v1))
+    del ws, h_mm  # the tiles and an upcast hidden are freed before the all-reduce and the cast
+    return grads.result(spec.process_group, spec.reduce_hidden_grad)
 
 
 def _no_autocast(device: torch.device) -> torch.autocast:

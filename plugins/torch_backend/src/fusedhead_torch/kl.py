@@ -1,16 +1,19 @@
 """Per-token KL between a student head and a teacher head, streamed over vocabulary blocks.
 
-Each tile computes the student's and the teacher's scaled logits ``z = x / T`` of the same rows and
-vocabulary columns (two GEMMs; the heads' hidden sizes may differ) and keeps per row, for each
-head, the running max ``m`` and ``s = sum exp(z - m)``, plus the cross term of the direction:
+Each tile computes the student's and the teacher's scaled logits of the same rows and vocabulary
+columns (two GEMMs; the heads' hidden sizes may differ): ``z = x / T``, or with a head's softcap
+``c``, ``z = c tanh(x / c) / T`` (the cap before the temperature, as in ``fused_head``). Per row
+and head it keeps the running max ``m`` and ``s = sum exp(z - m)``, plus the cross term of the
+direction:
 
 - forward ``KL(p_t || p_s) = sum e_t (z_t - z_s) / s_t - lse_t + lse_s``;
 - reverse ``KL(p_s || p_t) = sum e_s (z_s - z_t) / s_s - lse_s + lse_t``.
 
 The cross term is weighted by one head's ``e`` and so rebases with that head's max only. Backward
 recomputes both tiles: ``dz_s = g (p_s - p_t)`` (forward) or ``g p_s (log p_s - log p_t - KL)``
-(reverse), then ``dz_s / T_s`` enters the two gradient GEMMs. The teacher gets no gradient.
-Nothing of size ``[N, V]`` exists; memory is the tile workspace plus ``O(N)``.
+(reverse), then ``dz_s / T_s`` (times ``1 - tanh^2`` under the student's softcap) enters the two
+gradient GEMMs. The teacher gets no gradient. Nothing of size ``[N, V]`` exists; memory is the
+tile workspace plus ``O(N)``.
 """
 
 from __future__ import annotations
@@ -21,14 +24,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fusedhead.protocol import KLCall, KLOutput
-from fusedhead_torch.tile_math import FP32, Workspace, logits_mm
+from fusedhead_torch.grads import TileGrads
+from fusedhead_torch.tile_math import (
+    FP32,
+    Scaling,
+    Workspace,
+    clamp_scale,
+    logits_mm,
+    scale_factor,
+)
 from fusedhead_torch.tiling import Tiles, plan_tiles
 
 if TYPE_CHECKING:
     from fusedhead_torch.backend import TorchBackend
 
 KL_DIRECTIONS = ("forward", "reverse")
-#: Workspace bytes per tile element: two GEMM outputs (input dtype) and four fp32 buffers.
+#: Workspace bytes per tile element: two GEMM outputs (input dtype) and four fp32 buffers (the
+#: student's and the teacher's z, e, and the student's tanh under a softcap).
 _BYTES_PER_ELEMENT = 2 * 4 + 4 * 4
 
 
@@ -40,25 +52,34 @@ class KLSpec:
     tiles: Tiles
     #: Logits GEMMs of bf16/fp16 inputs write fp32 (the backend's ``fp32_logits`` setting).
     fp32_logits: bool = False
+    softcap: float | None = None  #: the student's
+    teacher_softcap: float | None = None
 
 
-def _rows(inv_t: float | torch.Tensor, r0: int, r1: int) -> float | torch.Tensor:
-    """``1 / T`` of rows ``[r0, r1)``, shaped to scale a ``[R, C]`` tile."""
-    return inv_t[r0:r1].unsqueeze(1) if isinstance(inv_t, torch.Tensor) else inv_t
+def _z(
+    x: torch.Tensor,
+    scaling: Scaling,
+    r0: int,
+    r1: int,
+    out: torch.Tensor,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A head's ``z = k * src`` of one tile in fp32 (``src``: ``x``, or ``tanh(x / c)``).
 
-
-def _scaled(x: torch.Tensor, inv_t: float | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``x / T`` in fp32: in place for an fp32 tile (``x`` itself at ``T = 1``), else into ``out``.
-
+    An fp32 tile is worked in place (``x`` itself at ``k = 1``), another goes into ``out``. With
+    ``keep`` and a softcap, ``src`` is written to ``keep`` and left there (the backward's tanh).
     A ``[1, 1]`` fp32 factor, not a Python float, makes a bf16/fp16 tile multiply in fp32.
     """
-    if x.dtype == FP32:
-        if not isinstance(inv_t, torch.Tensor) and inv_t == 1.0:
-            return x
-        out = x
-    if not isinstance(inv_t, torch.Tensor):
-        inv_t = torch.full((1, 1), inv_t, dtype=FP32, device=x.device)
-    return torch.mul(x, inv_t, out=out)
+    if keep is not None and scaling.softcap is not None:
+        src = scaling.source(x, out=keep)
+        dst = out
+    else:
+        src = scaling.source(x, out=x if x.dtype == FP32 else out)
+        dst = src if src.dtype == FP32 else out
+    k = scaling.rows(r0, r1)
+    if dst is src and not isinstance(k, torch.Tensor) and k == 1.0:
+        return src
+    return torch.mul(src, scale_factor(k, x.device), out=dst)
 
 
 def _forward_walk(
@@ -71,6 +92,7 @@ def _forward_walk(
     spec: KLSpec,
 ) -> tuple[torch.Tensor, ...]:
     """Per row: student ``m, s``, teacher ``m, s`` and the cross term, over the whole vocabulary."""
+    sc_s, sc_t = Scaling(inv_s, spec.softcap), Scaling(inv_t, spec.teacher_softcap)
     n, v = hs.shape[0], ws_.shape[0]
     tiles = spec.tiles
     buf = Workspace(tiles.rows * tiles.cols, hs.device)
@@ -82,10 +104,10 @@ def _forward_walk(
         for v0, v1 in tiles.col_ranges(v):
             cols = v1 - v0
             x_s = logits_mm(hs[r0:r1], ws_[v0:v1].T, spec.fp32_logits)
-            zs = _scaled(x_s, _rows(inv_s, r0, r1), buf.get(0, rows, cols))
+            zs = _z(x_s, sc_s, r0, r1, buf.get(0, rows, cols))
             del x_s
             x_t = logits_mm(ht[r0:r1], wt[v0:v1].T, spec.fp32_logits)
-            zt = _scaled(x_t, _rows(inv_t, r0, r1), buf.get(1, rows, cols))
+            zt = _z(x_t, sc_t, r0, r1, buf.get(1, rows, cols))
             del x_t
             ms, mt = zs.amax(dim=1), zt.amax(dim=1)
             # forward: sum e_t (z_t - z_s); reverse: sum e_s (z_s - z_t)
@@ -131,9 +153,11 @@ def _backward_walk(
     tiles = spec.tiles
     buf = Workspace(tiles.rows * tiles.cols, hs.device)
     row_chunks = list(tiles.row_ranges(n))
+    blocks = list(tiles.col_ranges(v))
     low = hs.dtype != FP32
-    dh = torch.zeros(n, hs.shape[1], dtype=FP32, device=hs.device) if need_h else None
-    dw = (torch.empty_like(ws_) if row_chunks else torch.zeros_like(ws_)) if need_w else None
+    sc_s, sc_t = Scaling(inv_s, spec.softcap), Scaling(inv_t, spec.teacher_softcap)
+    capped = spec.softcap is not None
+    grads = TileGrads(hs, ws_, len(row_chunks), len(blocks), need_h, need_w)
     forward = spec.direction == "forward"
     lse_s = torch.log(s_s).add_(m_s)
     lse_t = torch.log(s_t).add_(m_t)
@@ -141,22 +165,19 @@ def _backward_walk(
     a_s = coef / s_s
     a_t = coef / s_t
     shift = lse_t - lse_s - kl
-    for v0, v1 in tiles.col_ranges(v):
+    for v0, v1 in blocks:
         cols = v1 - v0
-        w_acc = None
+        w_block = ws_[v0:v1]
         for r0, r1 in row_chunks:
             rows = r1 - r0
             h_rows = hs[r0:r1]
-            zs = _scaled(
-                logits_mm(h_rows, ws_[v0:v1].T, spec.fp32_logits),
-                _rows(inv_s, r0, r1),
-                buf.get(0, rows, cols),
-            )
-            zt = _scaled(
-                logits_mm(ht[r0:r1], wt[v0:v1].T, spec.fp32_logits),
-                _rows(inv_t, r0, r1),
-                buf.get(1, rows, cols),
-            )
+            tanh = buf.get(3, rows, cols) if capped else None
+            x_s = logits_mm(h_rows, w_block.T, spec.fp32_logits)
+            zs = _z(x_s, sc_s, r0, r1, buf.get(0, rows, cols), keep=tanh)
+            del x_s
+            x_t = logits_mm(ht[r0:r1], wt[v0:v1].T, spec.fp32_logits)
+            zt = _z(x_t, sc_t, r0, r1, buf.get(1, rows, cols))
+            del x_t
             es = torch.sub(zs, m_s[r0:r1].unsqueeze(1), out=buf.get(2, rows, cols)).exp_()
             if forward:
                 et = zt.sub_(m_t[r0:r1].unsqueeze(1)).exp_()
@@ -165,21 +186,14 @@ def _backward_walk(
             else:
                 u = torch.sub(zs, zt, out=zt).add_(shift[r0:r1].unsqueeze(1))
                 dz = es.mul_(u).mul_(a_s[r0:r1].unsqueeze(1))
-            dz.mul_(_rows(inv_s, r0, r1))
-            dz_in = dz.to(hs.dtype) if low else dz
-            if dh is not None:
-                dh[r0:r1].add_(torch.mm(dz_in, ws_[v0:v1]))
-            if dw is not None:
-                part = torch.mm(dz_in.T, h_rows)
-                if len(row_chunks) == 1:
-                    dw[v0:v1].copy_(part)
-                elif w_acc is None:
-                    w_acc = part.float()
-                else:
-                    w_acc.add_(part)
-        if dw is not None and w_acc is not None:
-            dw[v0:v1].copy_(w_acc)
-    return (None if dh is None else dh.to(hs.dtype)), dw
+            dz.mul_(scale_factor(sc_s.inv_t_rows(r0, r1), hs.device))
+            if tanh is not None:
+                dz.addcmul_(dz, tanh.square_(), value=-1.0)  # d tanh = 1 - tanh^2
+            grads.add(dz.to(hs.dtype) if low else dz, w_block, h_rows, (r0, r1), (v0, v1))
+            del dz
+        grads.end_block((v0, v1))
+    del buf
+    return grads.result()
 
 
 class ChunkedKL(torch.autograd.Function):
@@ -245,9 +259,11 @@ class ChunkedKL(torch.autograd.Function):
 def _inverse(
     temperature: float | torch.Tensor, n: int, device: torch.device
 ) -> float | torch.Tensor:
+    """``1 / T`` per row (a float, or fp32 ``[n]``), clamped to ``MAX_SCALE`` as the head is."""
     if isinstance(temperature, torch.Tensor):
-        return temperature.detach().to(device=device, dtype=FP32).expand(n).reciprocal()
-    return 1.0 / float(temperature)
+        t = temperature.detach().to(device=device, dtype=FP32).expand(n)
+        return clamp_scale(t.reciprocal())
+    return clamp_scale(1.0 / float(temperature))
 
 
 def forward_kl(backend: TorchBackend, call: KLCall) -> KLOutput:
@@ -282,7 +298,13 @@ def forward_kl(backend: TorchBackend, call: KLCall) -> KLOutput:
         chunk_rows=opts.chunk_rows,
         block_vocab=opts.block_vocab,
     )
-    spec = KLSpec(call.direction, tiles, backend.fp32_logits(hs.device))
+    spec = KLSpec(
+        call.direction,
+        tiles,
+        backend.fp32_logits(hs.device),
+        softcap=None if call.softcap is None else float(call.softcap),
+        teacher_softcap=None if call.teacher_softcap is None else float(call.teacher_softcap),
+    )
     kl = ChunkedKL.apply(hs, ws_, ht, wt, valid, inv_s, inv_t, spec)  # type: ignore[no-untyped-call]
     if keep is not None:
         kl = kl.new_zeros(n).index_copy(0, keep, kl)

@@ -25,7 +25,8 @@ import torch
 
 from fusedhead.protocol import HeadCall, HeadOutput
 from fusedhead_torch.chunked import HeadSpec, LabelPlace
-from fusedhead_torch.parallel import all_reduce_row_stats, all_reduce_sum_
+from fusedhead_torch.grads import TileGrads
+from fusedhead_torch.parallel import all_gather_rows, all_reduce_row_stats, all_reduce_sum_
 from fusedhead_torch.rowstats import RowStats
 from fusedhead_torch.tile_math import (
     FP32,
@@ -41,8 +42,9 @@ if TYPE_CHECKING:
 
 #: Outputs this module adds to the torch backend.
 EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "topk", "gather")
-#: Outputs it also computes under a process group (top-k and argmax would need a cross-rank merge).
-VOCAB_PARALLEL_OUTPUTS = ("log_probs", "entropy", "lse", "sum_p2", "gather")
+#: Outputs it also computes under a process group: all of them (top-k and argmax through a
+#: cross-rank merge of each rank's candidates, see ``merge_ranks``).
+VOCAB_PARALLEL_OUTPUTS = ("log_probs", "entropy", "lse", "sum_p2", "argmax", "topk", "gather")
 #: Largest ``top_k`` the torch backend takes (the candidate lists are ``[N, 2k]`` per merge).
 MAX_TOP_K = 4096
 
@@ -217,13 +219,36 @@ def _forward_walk(
     return _Walk(RowStats(m, s, t), z_label, q, z_gather, cand_vals, cand_ids)
 
 
-def _combine(walk: _Walk, group: Any) -> tuple[RowStats, _Walk]:
+def merge_ranks(
+    vals: torch.Tensor, ids: torch.Tensor, k: int, pad_id: int, group: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best of every rank's candidates ``(vals, ids) [N, <= k]``, the same on every rank.
+
+    Each rank's list is padded to ``k`` (value -inf, id ``pad_id``, above every real id) and
+    gathered in one collective (ids and the values' bits packed in int64); the merge ranks by
+    value, equal values by the lower global id, whatever order the shards lie in.
+    """
+    n, width = vals.shape
+    if width < k:
+        vals = torch.cat([vals, vals.new_full((n, k - width), -math.inf)], dim=1)
+        ids = torch.cat([ids, ids.new_full((n, k - width), pad_id)], dim=1)
+    packed = torch.cat([ids, vals.contiguous().view(torch.int32).to(torch.int64)], dim=1)
+    pieces = all_gather_rows(packed, group)
+    all_ids = torch.cat([p[:, :k] for p in pieces], dim=1)
+    all_vals = torch.cat([p[:, k:].to(torch.int32).view(FP32) for p in pieces], dim=1)
+    ranked_vals, ranked_ids = _rank_desc(all_vals, all_ids)
+    return ranked_vals[:, :k].contiguous(), ranked_ids[:, :k].contiguous()
+
+
+def _combine(walk: _Walk, spec: OutputSpec) -> tuple[RowStats, _Walk]:
     """Full-vocabulary statistics from every rank's shard: the same combine as the plain call.
 
     The row max is MAX-reduced and ``s``, ``t`` rebased and summed (``all_reduce_row_stats``);
     ``q = sum exp(2 (z - m))`` is rebased by ``exp(2 (m_rank - m))`` and summed; each gathered id
-    is owned by one rank (0 elsewhere), so the gathered logits are summed too.
+    is owned by one rank (0 elsewhere), so the gathered logits are summed too; top-k and argmax
+    candidates (raw logits, global ids) are merged across ranks (``merge_ranks``).
     """
+    group = spec.head.process_group
     local_m = walk.stats.m
     stats, z_label = all_reduce_row_stats(walk.stats, walk.z_label, group)
     q = walk.q
@@ -234,7 +259,12 @@ def _combine(walk: _Walk, group: Any) -> tuple[RowStats, _Walk]:
     if z_gather is not None:
         z_gather = z_gather.clone()
         all_reduce_sum_(z_gather, group)
-    return stats, _Walk(stats, z_label, q, z_gather, walk.cand_vals, walk.cand_ids)
+    cand_vals, cand_ids = walk.cand_vals, walk.cand_ids
+    if cand_vals is not None and cand_ids is not None:
+        cand_vals, cand_ids = merge_ranks(
+            cand_vals, cand_ids, spec.candidates, spec.head.vocab_size, group
+        )
+    return stats, _Walk(stats, z_label, q, z_gather, cand_vals, cand_ids)
 
 
 def _sparse_add_(
@@ -331,16 +361,13 @@ def _backward_walk(
     n, v = h.shape[0], weight.shape[0]
     tiles = spec.tiles
     row_chunks = list(tiles.row_ranges(n))
+    blocks = list(tiles.col_ranges(v))
     ws = Workspace(tiles.rows * tiles.cols, h.device)
     low = h.dtype != FP32
-    dh = torch.zeros(n, h.shape[1], dtype=FP32, device=h.device) if need_h else None
-    dw = None
-    if need_w:
-        dw = torch.empty_like(weight) if row_chunks else torch.zeros_like(weight)
-    for v0, v1 in tiles.col_ranges(v):
+    grads = TileGrads(h, weight, len(row_chunks), len(blocks), need_h, need_w)
+    for v0, v1 in blocks:
         w_block = weight[v0:v1]
         cols = v1 - v0
-        w_acc = None
         for r0, r1 in row_chunks:
             rows = r1 - r0
             h_rows = h[r0:r1]
@@ -375,21 +402,11 @@ def _backward_walk(
             else:
                 dz_in = dz.to(h.dtype)
             del x
-            if dh is not None:
-                dh[r0:r1].add_(torch.mm(dz_in, w_block))
-            if dw is not None:
-                part = torch.mm(dz_in.T, h_rows)
-                if len(row_chunks) == 1:
-                    dw[v0:v1].copy_(part)
-                elif w_acc is None:
-                    w_acc = part.float()
-                else:
-                    w_acc.add_(part)
-        if dw is not None and w_acc is not None:
-            dw[v0:v1].copy_(w_acc)
-    if dh is not None and dh.numel() and spec.process_group is not None and spec.reduce_hidden_grad:
-        all_reduce_sum_(dh, spec.process_group)  # in fp32, before the cast
-    return (None if dh is None else dh.to(h.dtype)), dw
+            grads.add(dz_in, w_block, h_rows, (r0, r1), (v0, v1))
+            del dz_in
+        grads.end_block((v0, v1))
+    del ws
+    return grads.result(spec.process_group, spec.reduce_hidden_grad)
 
 
 class ChunkedHeadOutputs(torch.autograd.Function):
@@ -420,7 +437,7 @@ class ChunkedHeadOutputs(torch.autograd.Function):
             walk = _forward_walk(h, weight, place, gather_ids, scaling, spec)
         stats = walk.stats
         if hs.process_group is not None and n > 0:
-            stats, walk = _combine(walk, hs.process_group)
+            stats, walk = _combine(walk, spec)
         valid = place.valid
         zero = torch.zeros((), dtype=FP32, device=dev)
         nan = torch.full((), math.nan, dtype=FP32, device=dev)
