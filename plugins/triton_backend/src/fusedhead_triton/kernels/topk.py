@@ -2,15 +2,15 @@
 
 A program owns a row block and a fixed chunk of consecutive vocabulary tiles (the chunks depend
 on V and the tile width only, never on N: batch invariance). For each tile it writes the plain
-forward's statistics (``forward._stats_epilogue``, the same bits) and folds the tile into a
-running set of the row's ``KP`` best keys:
+forward's statistics (``forward._stats_epilogue``: the same bits) and folds the tile into the
+row's running set of ``KP`` best keys, kept in the program's own output slots ``cand[chunk]``:
 
 - a key is an int64 ordering (value, then lower id): the fp32 logit's bits made monotone in the
   high word, ``2**31 - 1 - column`` in the low word, so one integer order resolves ties;
-- the chunk's first tile fills the set with ``tl.topk``; a later tile only visits the entries
-  above the set's smallest value (about ``KP / j`` per row at the j-th tile), in rounds that take
-  the best remaining entry of each of ``G`` column groups per row and insert it in place of the
-  set's smallest key. The rounds stop when no group holds an entry that could enter.
+- a tile only visits its entries above the set's smallest value (about ``KP / j`` per row at the
+  chunk's j-th tile, all of them at the first), in rounds that take each row's best remaining
+  entry and put it in place of the set's smallest key; the rounds stop when no row holds an
+  entry that could still enter. Each round is a few compare-and-select passes over the tile.
 
 The set is a set (its order is never read), so the result does not depend on the order of the
 insertions; the chunks' sets ``cand[C, N, KP]`` are merged by key afterwards (launcher).
@@ -25,8 +25,11 @@ from .common import grouped_tile, logits_tile, logits_tile_tma, row_inv_temperat
 from .forward import _stats_epilogue
 from .sparse import tile_bounds
 
-#: Below every key (an empty candidate slot).
+#: Below every key (no candidate).
 MIN_KEY = tl.constexpr(-(2**63))
+#: An empty slot of the set (plus the slot index, so that the slots are distinct): the value
+#: word of -inf and a low word below any column's, so above ``MIN_KEY``, below every entry.
+EMPTY_KEY = tl.constexpr(-2139095041 * 2**32)
 
 
 @triton.jit
@@ -176,23 +179,22 @@ def fwd_topk_kernel(
     row_ok = offs_m < N
     slot = tl.arange(0, KP)
     run_ptrs = cand_ptr + (chunk.to(tl.int64) * N + offs_m)[:, None] * KP + slot[None, :]
-    t0 = chunk * L
-    z = _tile_z(
-        h_src, w_src, t0, pid_m * BLOCK_M, offs_m, rows, inv_t, labels_ptr, temp_ptr, ws_ptr,
-        zy_ptr, q_ptr, arg_ptr, starts_ptr, sids_ptr, zg_ptr, N, V, H, K_g, stride_hn, stride_hk,
-        stride_wv, stride_wk, label_offset, inv_temp, softcap, inv_softcap, BLOCK_M, BLOCK_N,
-        BLOCK_K, EVEN_K, USE_TMA, PRECISION, PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
-    )  # fmt: skip
-    run = tl.topk(topk_keys(z, t0 * BLOCK_N + tl.arange(0, BLOCK_N)), KP)
-    tl.store(run_ptrs, run, mask=row_ok[:, None])
+    # The set starts with KP distinct keys below every entry's, whose value reads -inf.
+    tl.store(
+        run_ptrs,
+        tl.zeros((BLOCK_M, KP), tl.int64) + EMPTY_KEY + slot[None, :],
+        mask=row_ok[:, None],
+    )
     tl.debug_barrier()
-    thr = key_value(tl.min(run, axis=1))
-    for j in range(1, tl.minimum(L, T - t0)):
+    thr = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    t0 = chunk * L
+    for j in range(0, tl.minimum(L, T - t0)):
         t = t0 + j
         z = _tile_z(
-            h_src, w_src, t, pid_m * BLOCK_M, offs_m, rows, inv_t, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr,
-            arg_ptr, starts_ptr, sids_ptr, zg_ptr, N, V, H, K_g, stride_hn, stride_hk, stride_wv,
-            stride_wk, label_offset, inv_temp, softcap, inv_softcap, BLOCK_M, BLOCK_N, BLOCK_K,
-            EVEN_K, USE_TMA, PRECISION, PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
+            h_src, w_src, t, pid_m * BLOCK_M, offs_m, rows, inv_t, labels_ptr, temp_ptr, ws_ptr,
+            zy_ptr, q_ptr, arg_ptr, starts_ptr, sids_ptr, zg_ptr, N, V, H, K_g, stride_hn,
+            stride_hk, stride_wv, stride_wk, label_offset, inv_temp, softcap, inv_softcap,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, PRECISION, PER_TOKEN_T, HAS_SOFTCAP,
+            HAS_Q, HAS_ARG, HAS_GATHER,
         )  # fmt: skip
         thr = fold_tile(run_ptrs, row_ok, thr, z, t * BLOCK_N, BLOCK_N, KP)
