@@ -1,8 +1,8 @@
 """The core's own cost per call over the bare backend: ``fused_head`` against ``backend.forward``.
 
-CPU, a tiny shape, ``check_labels=False``; the minimum over several runs of many calls each, so
-the figure is the core's Python work, not noise. Usage: ``python scripts/core_overhead.py
-[--backend torch] [--n 8 --hidden 16 --vocab 64] [--json]``.
+CPU, a tiny shape, ``check_labels=False``; the minimum over many short interleaved runs of each,
+so the figure is the core's Python work, not noise. Usage: ``python scripts/core_overhead.py
+[--backend torch|null] [--n 8 --hidden 16 --vocab 64] [--calls 200 --runs 60] [--json]``.
 """
 
 from __future__ import annotations
@@ -41,22 +41,27 @@ class NullBackend:
         return self.out
 
 
-def best_us(fns: list[Callable[[], object]], calls: int, runs: int) -> list[float]:
-    """For each function, the minimum over ``runs`` of the mean time of ``calls`` calls (µs).
+def run_times(fns: list[Callable[[], object]], calls: int, runs: int) -> list[list[float]]:
+    """For each function, the mean time of ``calls`` calls (µs) in each of ``runs`` runs.
 
-    The functions take turns run by run, so a slow spell of the machine hits them alike.
+    The functions take turns run by run, in alternating order (A B, B A, ...), so a slow spell of
+    the machine, or the cache state one leaves the other, hits them alike. Short runs, many of them:
+    on a shared machine a short run has a fair chance to fall between other people's work.
     """
     for fn in fns:
-        for _ in range(calls // 10 + 1):
+        for _ in range(max(calls, 200)):
             fn()
-    best = [float("inf")] * len(fns)
+    times: list[list[float]] = [[] for _ in fns]
+    order = list(range(len(fns)))
     for _ in range(runs):
-        for i, fn in enumerate(fns):
+        for i in order:
+            fn = fns[i]
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
-            best[i] = min(best[i], (time.perf_counter() - start) / calls)
-    return [b * 1e6 for b in best]
+            times[i].append((time.perf_counter() - start) / calls * 1e6)
+        order.reverse()
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=64)
-    parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=200, help="calls per run")
+    parser.add_argument("--runs", type=int, default=60, help="runs per function, interleaved")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -86,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         NullBackend.out = HeadOutput(torch.zeros(args.n), torch.zeros(args.n))
     backend = get_fused_head(name).backend
     call = HeadCall.make(hidden, weight, labels)
-    bare, core = best_us(
+    bare_t, core_t = run_times(
         [
             lambda: backend.forward(call),
             lambda: fused_head(hidden, weight, labels, backend=name, check_labels=False),
@@ -94,12 +99,21 @@ def main(argv: list[str] | None = None) -> int:
         args.calls,
         args.runs,
     )
+    bare, core = min(bare_t), min(core_t)
+    half = args.runs // 2
     result = {
         "backend": args.backend,
         "shape": [args.n, args.hidden, args.vocab],
         "bare_us": round(bare, 1),
         "fused_head_us": round(core, 1),
         "overhead_us": round(core - bare, 1),
+        # The same figure from each half of the runs alone: apart by more than a few tenths, the
+        # machine was busy (run again, or with more runs).
+        "halves_us": [
+            round(min(core_t[:half]) - min(bare_t[:half]), 1),
+            round(min(core_t[half:]) - min(bare_t[half:]), 1),
+        ],
+        "runs": f"{args.runs}x{args.calls}",
         "torch": torch.__version__,
     }
     print(json.dumps(result) if args.json else " ".join(f"{k}={v}" for k, v in result.items()))

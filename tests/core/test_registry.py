@@ -229,3 +229,31 @@ def test_import_fusedhead_imports_no_torch():
         text=True,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_installed_entry_points_ignore_the_allowlist_and_in_process_names(
+    with_fixture_dists, ref_backend, monkeypatch
+):
+    monkeypatch.setenv("FUSEDHEAD_BACKENDS", "good")
+    assert set(registry.candidates()) == {"good"}
+    installed = registry.installed_entry_points()
+    names = {c.name for c in installed}
+    assert {"good", "broken", "missing", "incompatible", "dup", "torch"} <= names
+    assert "ref-test" not in names  # registered in-process, not installed
+    dups = sorted(c.distribution or "" for c in installed if c.name == "dup")
+    assert dups == ["fh-fixture-dup-a", "fh-fixture-dup-b"]
+    assert [c.name for c in installed] == sorted(c.name for c in installed)
+    assert all(c.distribution and c.version for c in installed)
+    assert not [m for m in sys.modules if m.startswith("fh_fixture_")]
+
+
+def test_probe_backend_gives_the_status_and_reason_without_raising(with_fixture_dists):
+    cands = {c.name: c for c in registry.installed_entry_points()}
+    assert registry.probe_backend(cands["good"], "cpu") == (Status.OK, None)
+    status, reason = registry.probe_backend(cands["broken"])
+    assert status is Status.BROKEN and "fails on import on purpose" in (reason or "")
+    assert registry.probe_backend(cands["incompatible"], "cpu")[0] is Status.INCOMPATIBLE
+    assert registry.probe_backend(cands["missing"], "cpu")[0] is Status.BROKEN
+    rows = rows_by_name(probe=True, device="cpu")
+    for name in ("good", "broken", "incompatible", "missing"):
+        assert (rows[name].status, rows[name].reason) == registry.probe_backend(cands[name], "cpu")

@@ -155,17 +155,10 @@ def installed_backends() -> list[tuple[str, str, str]]:
 
     Ignores ``FUSEDHEAD_BACKENDS``: this is what is installed, not what discovery shows.
     """
-    seen: set[tuple[str, str]] = set()
-    out: list[tuple[str, str, str]] = []
-    for dist in md.distributions():
-        eps = [ep for ep in dist.entry_points if ep.group == registry.ENTRY_POINT_GROUP]
-        name = dist.metadata["Name"] or "unknown"
-        for ep in eps:
-            key = (re.sub(r"[-_.]+", "-", name).lower(), ep.name)
-            if key not in seen:
-                seen.add(key)
-                out.append((ep.name, name, dist.version))
-    return sorted(out)
+    return sorted(
+        (c.name, c.distribution or "unknown", c.version or "")
+        for c in registry.installed_entry_points()
+    )
 
 
 def version_text() -> str:
@@ -293,7 +286,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     out["device"] = str(device)
     out["capabilities"] = backend.capabilities(device).model_dump(mode="json")
     out["options_schema"] = option_rows(cls.Options)
-    status, reason = registry._probe(cand, device)
+    status, reason = registry.probe_backend(cand, device)
     out["status"] = status.value
     if reason:
         out["reason"] = reason

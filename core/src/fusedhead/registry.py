@@ -157,6 +157,15 @@ def refresh() -> None:
     reload_entry_points()
 
 
+def installed_entry_points() -> tuple[Candidate, ...]:
+    """Every installed claim (one per distribution and name), ignoring ``FUSEDHEAD_BACKENDS``.
+
+    What is installed, not what discovery shows; metadata only, sorted by name. In-process
+    registrations are not included (they are not installed).
+    """
+    return _discover_entry_points()
+
+
 def candidates() -> dict[str, list[Candidate]]:
     """Every claim on every name, honouring ``FUSEDHEAD_BACKENDS``; nothing is imported."""
     limit = _limit()
@@ -478,14 +487,19 @@ def listing(*, probe: bool = False, device: Any = None) -> list[BackendListing]:
         if not allowed or _name_violation(allowed[0]):
             continue
         first = allowed[0]
-        status, reason = (Status.INSTALLED, None) if not probe else _probe(first, device)
+        status, reason = (Status.INSTALLED, None) if not probe else probe_backend(first, device)
         rows.append(
             BackendListing(name, first.distribution, first.version, first.value, status, reason)
         )
     return rows
 
 
-def _probe(cand: Candidate, device: Any) -> tuple[Status, str | None]:
+def probe_backend(cand: Candidate, device: Any = None) -> tuple[Status, str | None]:
+    """Import ``cand``'s class and run its ``check()`` on ``device``: its status and the reason.
+
+    A broken plugin gives ``broken`` (or its error's status) with the reason, never an exception;
+    ``device=None`` is :func:`default_device`. What ``fusedhead list --check`` and ``info`` show.
+    """
     from fusedhead.errors import BackendError, BackendUnavailableError
 
     try:
