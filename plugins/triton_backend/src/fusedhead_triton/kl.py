@@ -249,8 +249,7 @@ def kl(call: KLCall, key: str) -> KLOutput:
     n = hs.shape[0]
     temp, inv = _temperature("temperature", call.temperature, n, dev)
     t_temp, t_inv = _temperature("teacher_temperature", call.teacher_temperature, n, dev)
-    softcap = getattr(call, "softcap", None)
-    teacher_softcap = getattr(call, "teacher_softcap", None)
+    softcap, teacher_softcap = call.softcap, call.teacher_softcap
     kl_out, _, _ = torch.ops.fusedhead_triton.kl_forward(
         hs.contiguous(), call.weight, ht.detach().contiguous(), call.teacher_weight.detach(),
         call.valid.contiguous(), temp, t_temp, inv, t_inv,
