@@ -10,9 +10,14 @@ plain call; the extras are read off each logit tile before ``forward_tile`` reus
   order), ties resolved to the lower id, merged into a running ``[N, k]`` candidate list;
 - sum of squared p: ``q = sum exp(2 (z - m))`` per tile, merged like ``s``; ``sum_p2 = q / s^2``.
 
+Under a process group every rank walks its own shard; the row statistics, ``q`` and the gathered
+logits are combined like the log-probs', and the top-k / argmax candidates of all ranks are
+all-gathered and merged (``merge_ranks``: by raw logit, equal ones by the lower global id).
+
 Backward recomputes each tile once and forms, in fp32, ``dz = e (A + B d + C e)`` plus the sparse
-one-hot terms (label, gathered ids, top-k ids), with ``d = z - m``, ``e = exp(d)``, per-row
-``A, B, C`` folding every upstream gradient. Memory: ``O(N k + N K)`` plus the tile workspace.
+one-hot terms (label, gathered ids, top-k ids: on a shard, those it owns), with ``d = z - m``,
+``e = exp(d)``, per-row ``A, B, C`` folding every upstream gradient. Memory: ``O(N k + N K)``
+(``O(world N k)`` for the merge under a process group) plus the tile workspace.
 """
 
 from __future__ import annotations
