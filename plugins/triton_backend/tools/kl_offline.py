@@ -13,7 +13,6 @@ accumulators are live at once, which is what bounds the KL tile.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import asdict, replace
@@ -22,7 +21,6 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import offline_resources as off
 import torch
-import triton
 
 from fusedhead_triton.configs import TileConfig, settings_for
 from fusedhead_triton.kernels import kl
@@ -99,15 +97,9 @@ def main() -> None:
                 label = f"{name} {which} {'reverse' if reverse else 'forward'}"
                 rows.append({"name": name, "kernel": which, "reverse": reverse, "fuse_k": fuse_k,
                              "config": asdict(cfg), **asdict(res)})  # fmt: skip
-                print(
-                    f"{label:40s} regs {res.registers:3d}  stack {res.stack_bytes:5d} B  "
-                    f"shared {res.shared_bytes / 1024:6.1f} KiB",
-                    flush=True,
-                )
+                print(off.line(label, res, 40), flush=True)
     if opts.json:
-        meta = {"triton": triton.__version__, "arch": opts.arch, "python": sys.version.split()[0]}
-        with open(opts.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        off.write_json(opts.json, opts.arch, rows)
 
 
 if __name__ == "__main__":

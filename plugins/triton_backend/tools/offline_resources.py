@@ -119,6 +119,21 @@ def resources(compiled: Any) -> Resources:
     return Resources(int(match[1]), int(match[2]), int(compiled.metadata.shared))
 
 
+def line(label: str, res: Resources, width: int = 22) -> str:
+    """One row of the printed table."""
+    return (
+        f"{label:{width}s} regs {res.registers:3d}  stack {res.stack_bytes:5d} B  "
+        f"shared {res.shared_bytes / 1024:6.1f} KiB"
+    )
+
+
+def write_json(path: str, arch: int, rows: list[dict[str, Any]]) -> None:
+    """The table with the triton version and the architecture it was compiled for."""
+    meta = {"triton": triton.__version__, "arch": arch, "python": sys.version.split()[0]}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
 def candidates() -> dict[str, tuple[str, TileConfig, int]]:
     """name -> (kernel, config, SUM_LO): the shipped tiles and narrower ones, every sum format."""
     import torch
@@ -151,15 +166,9 @@ def main() -> None:
         else:
             res = resources(compile_dh(cfg, arch=opts.arch, sum_lo=sum_lo))
         rows.append({"name": name, "config": asdict(cfg), "sum_lo": sum_lo, **asdict(res)})
-        print(
-            f"{name:22s} regs {res.registers:3d}  stack {res.stack_bytes:5d} B  "
-            f"shared {res.shared_bytes / 1024:6.1f} KiB",
-            flush=True,
-        )
+        print(line(name, res), flush=True)
     if opts.json:
-        meta = {"triton": triton.__version__, "arch": opts.arch, "python": sys.version.split()[0]}
-        with open(opts.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_json(opts.json, opts.arch, rows)
 
 
 if __name__ == "__main__":
