@@ -650,16 +650,22 @@ def kl_accuracy(target: Target) -> None:
         case = make_case(rows, hidden, vv, scale=FLAT, seed=49)
         teacher = make_case(rows, hidden, vv, scale=FLAT, seed=50)
         temps = torch.linspace(0.4, 2.0, rows)
+        capped: list[tuple[float | None, float | None]] = [(None, None)]
+        if target.caps.softcap:
+            capped.append((0.5, 0.75))
         for direction in directions:
-            _check_kl(
-                target,
-                case,
-                teacher,
-                direction,
-                temps,
-                temps.flip(0),
-                f"{direction} KL, per-token temperatures, {case.description}",
-            )
+            for pair in capped:
+                _check_kl(
+                    target,
+                    case,
+                    teacher,
+                    direction,
+                    temps,
+                    temps.flip(0),
+                    f"{direction} KL, per-token temperatures, softcap {pair[0]}, teacher softcap "
+                    f"{pair[1]}, {case.description}",
+                    pair,
+                )
 
 
 def _check_kl(
