@@ -60,7 +60,9 @@ def _reference(hs, ws, ht, wt, lab, t_s, t_t, direction, cap_s=None, cap_t=None)
 )
 def test_accuracy_against_fp32(n, h, h_t, v, options, direction, dtype, grad_tol) -> None:
     if dtype == torch.float32 and n * v > 3e7:
-        pytest.skip("fp32 exact dots are slow; one fp32 shape is enough")
+        pytest.skip("fp32 exact dots are slow; two fp32 shapes are enough")
+    if dtype == torch.float16 and not options:
+        pytest.skip("fp16 shares bf16's kernels but for the dtype: one shape is enough")
     hs, ws, ht, wt, lab = _heads(n, h, h_t, v, dtype)
     t_s = torch.rand(n, device="cuda") + 0.5
     hh, ww = hs.clone().requires_grad_(), ws.clone().requires_grad_()
@@ -130,9 +132,10 @@ def test_forward_memory_is_the_chunk_statistics_only() -> None:
     assert extra <= 5 * (v // 512 + 1) * n * 4 + 64 * n * 4, extra
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
-def test_kit_kl_property(dtype: str) -> None:
-    result = check_property("kl_accuracy", "triton", device="cuda", dtype=dtype)
+def test_kit_kl_property_bf16() -> None:
+    """The kit's KL cases (softcap, per-token T) in bf16; the interpreter runs them in fp32
+    (test_triton_kit.py) and fp16 (``fusedhead check triton --dtype fp16 -k kl``)."""
+    result = check_property("kl_accuracy", "triton", device="cuda", dtype="bf16")
     assert result.outcome is Outcome.PASS, result.line()
 
 
