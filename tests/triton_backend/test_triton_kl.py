@@ -13,6 +13,7 @@ from triton_backend_helpers import IGNORE, SMALL_TILES, TOLERANCE, make_case, re
 
 from fusedhead import fused_kl
 from fusedhead.protocol import KLCall
+from fusedhead.testing import Outcome, check_property
 from fusedhead_triton import TritonBackend, TritonOptions
 from fusedhead_triton.kl import CHUNK, KLScalars, kl_grads, kl_tile, kl_values
 from fusedhead_triton.launch import tma_usable
@@ -318,3 +319,10 @@ def test_one_k_loop_for_both_heads_gives_the_same_bits(direction: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     want = _reference(heads, torch.float16, direction, 0.7, 1.0)
     assert rel_err(runs[1][0], want[0]) <= TOLERANCE[torch.float16][0]
+
+
+@pytest.mark.slow
+def test_the_kits_kl_property_passes_in_fp16() -> None:
+    """test_triton_kit.py runs every property in fp32; the KL's in fp16 too (TMA loads)."""
+    result = check_property("kl_accuracy", "triton", device="cpu", dtype="fp16")
+    assert result.outcome is Outcome.PASS, result.line()
