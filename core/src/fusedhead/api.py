@@ -269,6 +269,7 @@ class FusedHead:
             and return_argmax is False
         )
         if not basic:
+            shape = tuple(shape)  # a torch.Size from validate: messages show it as a tuple
             call = with_outputs(
                 call,
                 shape,

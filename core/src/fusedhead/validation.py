@@ -133,8 +133,9 @@ def validate(
 ) -> tuple[HeadCall, tuple[int, ...], int, torch.device, torch.dtype, str | None]:
     """Check a call against the contract, reading each tensor property once (it runs every step).
 
-    Returns the backend's 2-D call, the labels' shape, N, the device and dtype the backend runs on,
-    and the device type whose autocast is on (None: off), so the caller reads none of them again.
+    Returns the backend's 2-D call, the labels' shape (a torch.Size), N, the device and dtype the
+    backend runs on, and the device type whose autocast is on (None: off), so the caller reads
+    none of them again.
     """
     h = hidden if hidden.__class__ in _PLAIN else _tensor("hidden", hidden)
     w = weight if weight.__class__ in _PLAIN else _tensor("weight", weight)
