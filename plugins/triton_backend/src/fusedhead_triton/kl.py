@@ -63,7 +63,7 @@ class KLScalars:
 
 
 def kl_tile(cfg: TileConfig) -> TileConfig:
-    """A KL kernel's tile: the log-prob kernel's ``cfg``, at most ``KL_MAX_BLOCK_N`` columns wide."""
+    """A KL kernel's tile: the log-prob kernel's ``cfg``, at most ``KL_MAX_BLOCK_N`` wide."""
     return replace(cfg, block_n=min(cfg.block_n, KL_MAX_BLOCK_N))
 
 

@@ -7,7 +7,7 @@ statistics: each head's max ``m`` and ``s = sum exp(z - m)``, and the cross term
 maxima, ``w = sum e_c (d_c - d_o)`` with ``d = z - m``, ``c`` the head weighting the direction
 (forward: the teacher, reverse: the student) and ``o`` the other one. Then
 ``KL = w / s_c - log s_c + log s_o``: the maxima cancel exactly, so no large-logit cancellation.
-``ws[5, C, N]`` holds the chunks' statistics; the combine reduces them over C in a fixed order
+``part[5, C, N]`` holds the chunks' statistics; the combine reduces them over C in a fixed order
 (batch invariant, deterministic). The backward recomputes both tiles and writes the student's
 ``dz``: ``g (p_s - p_t)`` (forward) or ``g p_s (log p_s - log p_t - KL)`` (reverse), over ``T_s``
 and through the softcap's derivative.
@@ -171,7 +171,7 @@ def kl_stats_kernel(
 
 @triton.jit(do_not_specialize=["N", "C"])
 def kl_combine_kernel(
-    ws_ptr, valid_ptr, kl_ptr, lse_s_ptr, lse_t_ptr, N, C,
+    part_ptr, valid_ptr, kl_ptr, lse_s_ptr, lse_t_ptr, N, C,
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, REVERSE: tl.constexpr,
 ):  # fmt: skip
     """Reduce the C chunks of each row in a fixed order (the maxima, then the sums): the KL (0
@@ -185,8 +185,8 @@ def kl_combine_kernel(
         cc = c0 + tl.arange(0, BLOCK_T)
         mask = (cc < C)[:, None] & row_ok[None, :]
         off = cc.to(tl.int64)[:, None] * N + rows[None, :]
-        big_s = tl.maximum(big_s, tl.max(tl.load(ws_ptr + off, mask=mask, other=EMPTY), axis=0))
-        m_t = tl.load(ws_ptr + 2 * stat_stride + off, mask=mask, other=EMPTY)
+        big_s = tl.maximum(big_s, tl.max(tl.load(part_ptr + off, mask=mask, other=EMPTY), axis=0))
+        m_t = tl.load(part_ptr + 2 * stat_stride + off, mask=mask, other=EMPTY)
         big_t = tl.maximum(big_t, tl.max(m_t, axis=0))
     s_s = tl.zeros((BLOCK_R,), tl.float32)
     s_t = tl.zeros((BLOCK_R,), tl.float32)
@@ -196,11 +196,11 @@ def kl_combine_kernel(
         mask = (cc < C)[:, None] & row_ok[None, :]
         off = cc.to(tl.int64)[:, None] * N + rows[None, :]
         # a masked chunk (s = w = 0, max EMPTY) adds exactly 0
-        d_s = tl.load(ws_ptr + off, mask=mask, other=EMPTY) - big_s[None, :]
-        c_ss = tl.load(ws_ptr + stat_stride + off, mask=mask, other=0.0)
-        d_t = tl.load(ws_ptr + 2 * stat_stride + off, mask=mask, other=EMPTY) - big_t[None, :]
-        c_st = tl.load(ws_ptr + 3 * stat_stride + off, mask=mask, other=0.0)
-        c_w = tl.load(ws_ptr + 4 * stat_stride + off, mask=mask, other=0.0)
+        d_s = tl.load(part_ptr + off, mask=mask, other=EMPTY) - big_s[None, :]
+        c_ss = tl.load(part_ptr + stat_stride + off, mask=mask, other=0.0)
+        d_t = tl.load(part_ptr + 2 * stat_stride + off, mask=mask, other=EMPTY) - big_t[None, :]
+        c_st = tl.load(part_ptr + 3 * stat_stride + off, mask=mask, other=0.0)
+        c_w = tl.load(part_ptr + 4 * stat_stride + off, mask=mask, other=0.0)
         a_s = tl.exp2(d_s * LOG2E)
         a_t = tl.exp2(d_t * LOG2E)
         s_s += tl.sum(c_ss * a_s, axis=0)
@@ -230,8 +230,9 @@ def kl_dz_kernel(
     softcap_t, inv_softcap_t,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGS: tl.constexpr, TMA: tl.constexpr, FUSE_K: tl.constexpr, EVEN_KS: tl.constexpr,
-    EVEN_KT: tl.constexpr, PRECISION: tl.constexpr, PER_TOKEN_TS: tl.constexpr, PER_TOKEN_TT: tl.constexpr,
-    SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr, REVERSE: tl.constexpr,
+    EVEN_KT: tl.constexpr, PRECISION: tl.constexpr, PER_TOKEN_TS: tl.constexpr,
+    PER_TOKEN_TT: tl.constexpr, SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):  # fmt: skip
     """Persistent: the student's ``dz[N, Vb]`` of the block ``ws[0:Vb]`` / ``wt[0:Vb]`` (its
     rows already offset), from both recomputed tiles; rows whose ``coef`` is 0 give exactly 0."""
