@@ -16,7 +16,7 @@ from fusedhead_triton.launch import (
     forward_partials,
     sort_ids,
 )
-from fusedhead_triton.topk import MAX_TOP_K, TopK, finish, topk_partials
+from fusedhead_triton.topk import MAX_TOP_K, TopK, chunk_tiles, finish, topk_partials
 
 DTYPES = [torch.float32, torch.float16]
 IDS = ["fp32", "fp16"]
@@ -186,3 +186,11 @@ def test_finish_gives_log_probs_and_blanks_ignored_rows() -> None:
     assert torch.equal(out.ids[keep], ids[keep]) and bool((out.ids[~keep] == -1).all())
     assert (out.logits[keep].double() - logp[keep]).abs().max() <= 1e-5
     assert bool((out.logits[~keep] == 0).all())
+
+
+def test_chunks_depend_on_the_vocabulary_only() -> None:
+    assert chunk_tiles(151936, 256) == 149  # Qwen's V: 4 chunks of 149 tiles (594 in all)
+    assert chunk_tiles(32000, 256) == 32  # 4 chunks
+    assert chunk_tiles(5000, 256) == 16  # at least 16 tiles per chunk: 2 chunks
+    assert chunk_tiles(333, 64) == 6  # fewer tiles than that: one chunk
+    assert chunk_tiles(333, 64, chunks=4) == 2

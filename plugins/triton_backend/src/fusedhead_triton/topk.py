@@ -1,7 +1,7 @@
 """Launcher of the forward with top-k (``kernels/topk.py``): the forward's tile statistics and
 each row's ``k`` most likely ids and their scaled logits, in one pass over the logits tiles.
 
-The vocabulary is cut into ``chunks_for(V)`` chunks of whole tiles (from V and the tile width,
+The vocabulary is cut into chunks of whole tiles (``chunk_tiles``: from V and the tile width,
 never from N: every row is computed alike whatever the batch). Each chunk keeps its ``KP`` best
 keys per row (``cand[C, N, KP]``, int64, ``O(N k)``); their merge by key is exact and
 order-free, so the result is deterministic and batch invariant.
@@ -29,8 +29,11 @@ from .launch import (
 
 #: Largest ``top_k`` (the running set lives in registers: ``BLOCK_M x KP`` int64 per program).
 MAX_TOP_K = 64
-#: Vocabulary chunks a row's tiles are cut into (each chunk is one program per row block).
+#: Vocabulary chunks a row's tiles are cut into (each chunk is one program per row block) ...
 CHUNKS = 4
+#: ... of at least this many tiles: a chunk's first tile costs about KP rounds (its set starts
+#: empty), a later one about KP / j.
+MIN_CHUNK_TILES = 16
 #: Rows per program: at most 64 (a 128-row block's tile and running set spill registers on
 #: sm90). The statistics of a row depend on the tile's columns and K steps, not on its rows.
 BLOCK_M = 64
@@ -49,9 +52,13 @@ def padded_k(k: int) -> int:
     return max(2, 1 << (k - 1).bit_length())
 
 
-def chunk_tiles(v: int, block_n: int, chunks: int = CHUNKS) -> int:
-    """Tiles per chunk for a vocabulary of ``v`` columns (a function of V and the tile only)."""
-    return max(1, math.ceil(math.ceil(v / block_n) / chunks))
+def chunk_tiles(v: int, block_n: int, chunks: int | None = None) -> int:
+    """Tiles per chunk for a vocabulary of ``v`` columns (a function of V and the tile only):
+    ``CHUNKS`` chunks of at least ``MIN_CHUNK_TILES`` tiles, or ``chunks`` chunks if given."""
+    tiles = math.ceil(v / block_n)
+    if chunks is None:
+        return max(1, min(tiles, max(MIN_CHUNK_TILES, math.ceil(tiles / CHUNKS))))
+    return max(1, math.ceil(tiles / chunks))
 
 
 def check_top_k(k: object, vocab_size: int) -> int:
@@ -85,7 +92,7 @@ def merge(cand: torch.Tensor, k: int, id_offset: int) -> TopK:
 def topk_partials(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
     sc: HeadScalars, cfg: TileConfig, k: int, extras: PartialExtras | None = None, *,
-    chunks: int = CHUNKS, block_m: int = BLOCK_M,
+    chunks: int | None = None, block_m: int = BLOCK_M,
 ) -> tuple[Partials, TopK]:  # fmt: skip
     """``launch.forward_partials``'s statistics (the same bits) and the rows' top ``k`` over this
     shard's columns (ids offset by ``sc.label_offset``)."""
