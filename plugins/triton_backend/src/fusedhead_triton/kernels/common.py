@@ -120,15 +120,3 @@ def row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T: tl.constexpr):
         return 1.0 / tl.load(temp_ptr + rows)
     else:
         return tl.zeros_like(rows).to(tl.float32) + inv_temp
-
-
-@triton.jit
-def tempered_logits(
-    acc, inv_t, col_ok, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr
-):  # fmt: skip
-    """The scaled logits ``z`` of a raw tile as the forward's statistics see them: softcap, then
-    the per-row 1/T; columns past the vocabulary are -inf."""
-    if HAS_SOFTCAP:
-        acc = softcap * tanh_f32(acc * inv_softcap)
-    z = acc * inv_t[:, None]
-    return tl.where(col_ok[None, :], z, float("-inf"))

@@ -50,7 +50,8 @@ def _stats_epilogue(
     HAS_GATHER: tl.constexpr,
 ):
     """Turn a raw logits tile into (m, s, w) per row and the label logit if the tile holds it
-    (and the asked-for extras: q, the tile argmax, the logits at caller ids)."""
+    (and the asked-for extras: q, the tile argmax, the logits at caller ids). Returns the scaled
+    tile ``z`` (the top-k kernel folds it into its running set)."""
     row_ok = offs_m < N
     rows = tl.minimum(offs_m, N - 1)
     col_ok = offs_n < V
@@ -84,6 +85,7 @@ def _stats_epilogue(
     col = tl.where(hit, lab - tile_start, -1).to(tl.int32)  # int32 compare per element
     zy = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == col[:, None], z, 0.0), axis=1)
     tl.store(zy_ptr + rows, zy, mask=hit)
+    return z
 
 
 @triton.jit(do_not_specialize=["N", "V", "K_g"])

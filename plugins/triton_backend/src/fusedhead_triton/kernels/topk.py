@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature, tempered_logits
+from .common import grouped_tile, logits_tile, logits_tile_tma
 from .forward import _stats_epilogue
 from .sparse import tile_bounds
 
@@ -96,7 +96,7 @@ def fold_tile(
 
 @triton.jit
 def _tile_z(
-    h_src, w_src, t, off_m, offs_m, rows, inv_t, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr,
+    h_src, w_src, t, off_m, offs_m, rows, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr,
     arg_ptr, starts_ptr, sids_ptr, zg_ptr, N, V, H, K_g, stride_hn, stride_hk, stride_wv, stride_wk,
     label_offset, inv_temp, softcap, inv_softcap, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
@@ -116,12 +116,11 @@ def _tile_z(
             h_src, w_src, rows, tl.minimum(offs_n, V - 1), H, stride_hn, stride_hk, stride_wv,
             stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
         )  # fmt: skip
-    _stats_epilogue(
+    return _stats_epilogue(
         acc, offs_m, offs_n, t, N, V, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr, arg_ptr,
         sids_ptr, zg_ptr, g_lo, g_hi, K_g, label_offset, inv_temp, softcap, inv_softcap,
         BLOCK_N, PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
     )  # fmt: skip
-    return tempered_logits(acc, inv_t, offs_n < V, softcap, inv_softcap, HAS_SOFTCAP)
 
 
 @triton.jit(do_not_specialize=["N", "V", "K_g", "L"])
@@ -175,7 +174,6 @@ def fwd_topk_kernel(
     pid_m, chunk = grouped_tile(tl.program_id(0), num_pid_m, tl.cdiv(T, L), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.minimum(offs_m, N - 1)
-    inv_t = row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T)
     row_ok = offs_m < N
     slot = tl.arange(0, KP)
     run_ptrs = cand_ptr + (chunk.to(tl.int64) * N + offs_m)[:, None] * KP + slot[None, :]
@@ -191,7 +189,7 @@ def fwd_topk_kernel(
     for j in range(0, tl.minimum(L, T - t0)):
         t = t0 + j
         z = _tile_z(
-            h_src, w_src, t, pid_m * BLOCK_M, offs_m, rows, inv_t, labels_ptr, temp_ptr, ws_ptr,
+            h_src, w_src, t, pid_m * BLOCK_M, offs_m, rows, labels_ptr, temp_ptr, ws_ptr,
             zy_ptr, q_ptr, arg_ptr, starts_ptr, sids_ptr, zg_ptr, N, V, H, K_g, stride_hn,
             stride_hk, stride_wv, stride_wk, label_offset, inv_temp, softcap, inv_softcap,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, PRECISION, PER_TOKEN_T, HAS_SOFTCAP,
