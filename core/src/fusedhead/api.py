@@ -303,13 +303,13 @@ class FusedHead:
         # The output contract, as one expression over each tensor's properties read once; any
         # doubt goes to _check_output, which names the breach (and is the authority).
         h, w = call.hidden, call.weight
-        needs_grad = (h.requires_grad or w.requires_grad) and torch.is_grad_enabled()
+        needs_grad = (h.requires_grad or w.requires_grad) and _grad_enabled()
         ok = False
         if out.__class__ is HeadOutput:
             lp, ent = out.log_probs, out.entropy
             ok = (
-                lp.__class__ is torch.Tensor
-                and lp.dtype is torch.float32
+                lp.__class__ is _Tensor
+                and lp.dtype is _F32
                 and lp.shape == (n,)
                 and lp.device == device
                 and (not needs_grad or lp.requires_grad)
@@ -318,8 +318,8 @@ class FusedHead:
                 pass
             elif "entropy" in call.outputs:
                 ok = (
-                    ent.__class__ is torch.Tensor
-                    and ent.dtype is torch.float32
+                    ent.__class__ is _Tensor
+                    and ent.dtype is _F32
                     and ent.shape == (n,)
                     and ent.device == device
                     and (not needs_grad or ent.requires_grad)
@@ -531,6 +531,11 @@ def _describe(value: object) -> str:
         return f"a {len(value)}-tuple"
     return f"{type(value).__name__} {value!r}"[:120]
 
+
+# Module constants for the per-call path (a global read, not a global and an attribute).
+_Tensor = torch.Tensor
+_F32 = torch.float32
+_grad_enabled = torch.is_grad_enabled
 
 #: Device types with an autocast mode (``torch.is_autocast_enabled`` raises for others, e.g. meta).
 _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "xla", "mtia", "ipu"})

@@ -16,6 +16,10 @@ from fusedhead.protocol import KL_DIRECTIONS, HeadCall, KLCall
 
 _FLOAT_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Module constants for the per-call path (a global read, not a global and an attribute).
+_I64 = torch.int64
+_INF = math.inf
+_autocast_enabled = torch.is_autocast_enabled
 _INT_DTYPES = frozenset(
     {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32}
 )
@@ -185,7 +189,7 @@ def validate(
             )
         n = math.prod(ys)
     ydt = y.dtype
-    if ydt is not torch.int64 and ydt not in _INT_DTYPES:
+    if ydt is not _I64 and ydt not in _INT_DTYPES:
         raise TypeError(f"labels must be an integer tensor, got dtype {ydt}")
     hdt, wdt = h.dtype, w.dtype
     if hdt not in _FLOAT_DTYPES:
@@ -202,7 +206,7 @@ def validate(
     if ydev != dev:
         raise ValueError(f"labels must be on hidden's device {dev}, got {ydev}")
     dev_type, known = _DEVICES.get(dev) or _device_entry(dev)
-    cast = dev_type if known and torch.is_autocast_enabled(dev_type) else None
+    cast = dev_type if known and _autocast_enabled(dev_type) else None
     if cast is not None:  # compute in the autocast dtype, like the matmul this replaces
         hdt = torch.get_autocast_dtype(cast)
         h, w = h.to(hdt), w.to(hdt)
@@ -225,14 +229,14 @@ def validate(
     else:
         start, size = _shard(process_group, V, vocab_start, vocab_size)
 
-    if temperature.__class__ is float and 0.0 < temperature < math.inf:  # type: ignore[operator]
+    if temperature.__class__ is float and 0.0 < temperature < _INF:  # type: ignore[operator]
         temp: float | torch.Tensor = temperature  # type: ignore[assignment]
     else:
         temp = _temperature(temperature, y, dev)
     cap = None if softcap is None else _positive_float("softcap", softcap)
 
     flat = y if nd == 2 else y.reshape(-1)
-    if ydt is not torch.int64:
+    if ydt is not _I64:
         flat = flat.to(torch.int64)
     if not flat.is_contiguous():
         flat = flat.contiguous()
