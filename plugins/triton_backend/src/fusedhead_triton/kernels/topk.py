@@ -81,14 +81,17 @@ def fold_tile(
     go = tl.max(live.to(tl.int32), axis=0)
     if go > 0:
         run = tl.load(run_ptrs, mask=row_ok[:, None], other=MIN_KEY)
-        while go > 0:
+        # As many rounds as the row with the most entries that may enter (at most KP): a for
+        # loop, since triton 3.6 fails to lower a tensor-carrying while loop here (its
+        # RemoveLayoutConversions pass asserts). Rounds past a row's last entry change nothing.
+        above = tl.sum((rem > float("-inf")).to(tl.int32), axis=1)
+        for _ in range(tl.minimum(tl.max(above, axis=0), KP)):
             at = tl.min(tl.where(rem == best[:, None], cols, BLOCK_N), axis=1)
             run = _insert(run, tl.where(live, topk_keys(best, at + col0), MIN_KEY))
             thr = _in_tile_rows(key_value(tl.min(run, axis=1)), cols)
             rem = tl.where(cols == at[:, None], float("-inf"), rem)
             best = tl.max(rem, axis=1)
             live = (best >= thr) & (best > float("-inf"))
-            go = tl.max(live.to(tl.int32), axis=0)
         tl.store(run_ptrs, run, mask=row_ok[:, None])
         tl.debug_barrier()  # the next tile's load may be another thread's
     return thr
