@@ -3,7 +3,7 @@
 A program owns a row block and a fixed chunk of consecutive vocabulary tiles (the chunks depend
 on V and the tile width only, never on N: batch invariance). For each tile it writes the plain
 forward's statistics (``forward._stats_epilogue``: the same bits) and folds the tile into the
-row's running set of ``KP`` best keys, kept in the program's own output slots ``cand[chunk]``:
+row's running set of ``KP`` best keys (in registers; written to ``cand[chunk]`` at the end):
 
 - a key is an int64 ordering (value, then lower id): the fp32 logit's bits made monotone in the
   high word, ``2**31 - 1 - column`` in the low word, so one integer order resolves ties;
@@ -59,42 +59,26 @@ def _insert(run, cand):
 
 
 @triton.jit
-def _in_tile_rows(v, cols):
-    """``v [BLOCK_M]`` through a reduction of a tile-shaped tensor: the compiler then keeps it in
-    the tile's row layout instead of moving the whole tile into the running set's layout."""
-    return tl.max(tl.where(cols == 0, v[:, None], float("-inf")), axis=1)
-
-
-@triton.jit
-def fold_tile(
-    run_ptrs, row_ok, thr, z, col0, BLOCK_N: tl.constexpr, KP: tl.constexpr
-):  # fmt: skip
+def fold_tile(run, thr, z, col0, BLOCK_N: tl.constexpr):
     """Fold the tile ``z [BLOCK_M, BLOCK_N]`` (first column ``col0``, past every column of the
-    set) into the running set at ``run_ptrs [BLOCK_M, KP]`` (the program's own slots), visiting
-    only entries above the set's smallest value ``thr``: one entry per row and round, the best
-    remaining. Returns the new ``thr``."""
+    set) into the running set ``run [BLOCK_M, KP]``, visiting only entries above the set's
+    smallest value ``thr``: one entry per row and round, the best remaining. Returns the new
+    set and ``thr``."""
     cols = tl.arange(0, BLOCK_N)[None, :]
     rem = tl.where(z > thr[:, None], z, float("-inf"))
     best = tl.max(rem, axis=1)
     # >=: an entry equal to the smallest value may still enter by its lower column.
     live = (best >= thr) & (best > float("-inf"))
     go = tl.max(live.to(tl.int32), axis=0)
-    if go > 0:
-        run = tl.load(run_ptrs, mask=row_ok[:, None], other=MIN_KEY)
-        # As many rounds as the row with the most entries that may enter (at most KP): a for
-        # loop, since triton 3.6 fails to lower a tensor-carrying while loop here (its
-        # RemoveLayoutConversions pass asserts). Rounds past a row's last entry change nothing.
-        above = tl.sum((rem > float("-inf")).to(tl.int32), axis=1)
-        for _ in range(tl.minimum(tl.max(above, axis=0), KP)):
-            at = tl.min(tl.where(rem == best[:, None], cols, BLOCK_N), axis=1)
-            run = _insert(run, tl.where(live, topk_keys(best, at + col0), MIN_KEY))
-            thr = _in_tile_rows(key_value(tl.min(run, axis=1)), cols)
-            rem = tl.where(cols == at[:, None], float("-inf"), rem)
-            best = tl.max(rem, axis=1)
-            live = (best >= thr) & (best > float("-inf"))
-        tl.store(run_ptrs, run, mask=row_ok[:, None])
-        tl.debug_barrier()  # the next tile's load may be another thread's
-    return thr
+    while go > 0:
+        at = tl.min(tl.where(rem == best[:, None], cols, BLOCK_N), axis=1)
+        run = _insert(run, tl.where(live, topk_keys(best, at + col0), MIN_KEY))
+        thr = key_value(tl.min(run, axis=1))
+        rem = tl.where(cols == at[:, None], float("-inf"), rem)
+        best = tl.max(rem, axis=1)
+        live = (best >= thr) & (best > float("-inf"))
+        go = tl.max(live.to(tl.int32), axis=0)
+    return run, thr
 
 
 @triton.jit
@@ -181,12 +165,7 @@ def fwd_topk_kernel(
     slot = tl.arange(0, KP)
     run_ptrs = cand_ptr + (chunk.to(tl.int64) * N + offs_m)[:, None] * KP + slot[None, :]
     # The set starts with KP distinct keys below every entry's, whose value reads -inf.
-    tl.store(
-        run_ptrs,
-        tl.zeros((BLOCK_M, KP), tl.int64) + EMPTY_KEY + slot[None, :],
-        mask=row_ok[:, None],
-    )
-    tl.debug_barrier()
+    run = tl.zeros((BLOCK_M, KP), tl.int64) + EMPTY_KEY + slot[None, :]
     thr = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     t0 = chunk * L
     for j in range(0, tl.minimum(L, T - t0)):
@@ -198,4 +177,5 @@ def fwd_topk_kernel(
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, PRECISION, PER_TOKEN_T, HAS_SOFTCAP,
             HAS_Q, HAS_ARG, HAS_GATHER,
         )  # fmt: skip
-        thr = fold_tile(run_ptrs, row_ok, thr, z, t * BLOCK_N, BLOCK_N, KP)
+        run, thr = fold_tile(run, thr, z, t * BLOCK_N, BLOCK_N)
+    tl.store(run_ptrs, run, mask=row_ok[:, None])
