@@ -52,7 +52,7 @@ def configs(shipped: TileConfig) -> list[tuple[str, TileConfig, int, bool]]:
     gains first (the budget may stop the list)."""
     changes: list[tuple[str, dict[str, Any], int, bool]] = [
         ("fuse_k", {}, CHUNK, not FUSE_K),
-        ("stages=4", {"num_stages": 4}, CHUNK, FUSE_K),
+        ("stages=3", {"num_stages": 3}, CHUNK, FUSE_K),
         ("group_m=8", {"group_m": 8}, CHUNK, FUSE_K),
         ("chunk=8", {}, 8, FUSE_K),
         ("chunk=1", {}, 1, FUSE_K),
