@@ -84,7 +84,11 @@ def test_statistics_batch_invariance_and_determinism_bf16() -> None:
     cfg = settings_for(torch.bfloat16).forward
     with torch.no_grad():
         plain = forward_partials(hid, w, lab, None, HeadScalars(0, IGNORE, 1.0, None), cfg)
-    assert torch.equal(ws, plain.ws)
+    # The tile maxima are order-free: the same logits give the same bits. The sums are reduced
+    # in each program's own thread layout (64-row programs here, 128-row ones in the plain
+    # forward), so on the GPU they agree to fp32 rounding rather than bit for bit.
+    assert torch.equal(ws[0], plain.ws[0])
+    torch.testing.assert_close(ws[1:], plain.ws[1:], rtol=2e-6, atol=0.0)
     _, again, _ = _run(hid, w, lab, 32)
     assert torch.equal(again.ids, top.ids) and torch.equal(again.logits, top.logits)
     for sl in (slice(0, 1), slice(700, 701), slice(333, 1111), slice(n - 1, n)):

@@ -94,8 +94,8 @@ def topk_partials(
     sc: HeadScalars, cfg: TileConfig, k: int, extras: PartialExtras | None = None, *,
     chunks: int | None = None, block_m: int = BLOCK_M,
 ) -> tuple[Partials, TopK]:  # fmt: skip
-    """``launch.forward_partials``'s statistics (the same bits) and the rows' top ``k`` over this
-    shard's columns (ids offset by ``sc.label_offset``)."""
+    """``launch.forward_partials``'s statistics (the same logits, sums equal to fp32 rounding)
+    and the rows' top ``k`` over this shard's columns (ids offset by ``sc.label_offset``)."""
     check_top_k(k, weight.shape[0])
     cfg = replace(cfg, block_m=min(cfg.block_m, block_m))
     (n, h), v = hidden.shape, weight.shape[0]

@@ -2,7 +2,8 @@
 
 A program owns a row block and a fixed chunk of consecutive vocabulary tiles (the chunks depend
 on V and the tile width only, never on N: batch invariance). For each tile it writes the plain
-forward's statistics (``forward._stats_epilogue``: the same bits) and folds the tile into the
+forward's statistics (``forward._stats_epilogue``: the same logits; the sums are reduced in
+this kernel's 64-row layout, equal to fp32 rounding on a GPU) and folds the tile into the
 row's running set of ``KP`` best keys (in registers; written to ``cand[chunk]`` at the end):
 
 - a key is an int64 ordering (value, then lower id): the fp32 logit's bits made monotone in the
