@@ -190,6 +190,8 @@ def check_outputs(
     w = case.weight.detach().to(dev, dt).requires_grad_(True)
     y = case.labels.to(dev)
     ids = None if gather_ids is None else gather_ids.to(dev)
+    if isinstance(temperature, torch.Tensor):  # per-token: the inputs' device, like the rest
+        temperature = temperature.to(dev)
     kw = _request(target, outputs, k, ids)
     try:
         out = target(h, w, y, temperature=temperature, softcap=softcap, **kw)
