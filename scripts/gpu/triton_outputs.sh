@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# triton_outputs.sh [bench|tests|all] [OUT]: issue 18's GPU run of the triton backend's outputs
+# triton_outputs.sh [bench|tests|sweep|all] [OUT]: issue 18's GPU run of the triton backend's outputs
 # (top-k, gather, lse, sum_p2, argmax, the KL of two heads), from the repository root on any CUDA
 # machine with torch and triton, with .gpu-wheels/{small,install-wheels} carried (pydantic,
 # hatchling: made by shared/gpu/prepare-wheels). Outputs in OUT (default $OUT or ./.gpu-out):
 #   bench  setup.log, heads.json (+ heads.log): `fusedhead bench --case ...` on triton, N = 8192
-#   tests  pytest.log (pytest -m gpu tests/triton_backend), check.log (fusedhead check triton bf16)
+#   tests  pytest.log (pytest -m gpu -v tests/triton_backend, the outputs' files first: one line a
+#          test, so a run cut by its limit still names each result), check.log (the kit in bf16)
+#   sweep  sweep.log, kl_sweep.json, topk_bench.json: the KL's and the top-k's tile alternatives
+# "all" is bench and tests (about 15 minutes: two calls of a 10-minute limit, bench then tests).
 set -uo pipefail
 STEP=${1:-all}
 OUT=${2:-${OUT:-$PWD/.gpu-out}}
@@ -35,10 +38,18 @@ if [[ $STEP == bench || $STEP == all ]]; then
     --max-minutes 5 --json "$OUT/heads.json"
 fi
 if [[ $STEP == tests || $STEP == all ]]; then
-  run "${PYTEST_LIMIT:-360}" "$OUT/pytest.log" python3 -m pytest -m gpu -q -rfEs \
-    -p no:cacheprovider tests/triton_backend ${PYTEST_K:+-k "$PYTEST_K"}
+  T=tests/triton_backend
+  run "${PYTEST_LIMIT:-360}" "$OUT/pytest.log" python3 -m pytest -m gpu -v -rfEs \
+    -p no:cacheprovider $T/test_triton_outputs_gpu.py $T/test_triton_topk_gpu.py \
+    $T/test_triton_kl_gpu.py $T ${PYTEST_K:+-k "$PYTEST_K"}
   run "${CHECK_LIMIT:-180}" "$OUT/check.log" python3 -m fusedhead.cli check triton \
     --device cuda --dtype bf16
+fi
+if [[ $STEP == sweep ]]; then
+  run "${SWEEP_LIMIT:-200}" "$OUT/sweep.log" python3 plugins/triton_backend/tools/kl_sweep.py \
+    "$OUT" --budget-s "${SWEEP_BUDGET_S:-150}"
+  run "${TOPK_LIMIT:-150}" "$OUT/sweep.log" python3 plugins/triton_backend/tools/topk_bench.py \
+    --out "$OUT"
 fi
 for f in "$OUT"/*.log; do
   echo "## $(basename "$f")"
