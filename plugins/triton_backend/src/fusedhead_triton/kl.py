@@ -30,7 +30,7 @@ from .launch import (
     precision,
     tma_usable,
 )
-from .ops import DOUBLE_BACKWARD, backward_fake, grads_or_empty
+from .ops import backward_fake, grads_or_empty, refuse_double_backward
 
 #: Vocabulary tiles a forward program folds into one set of statistics (fixed: batch invariance);
 #: the workspace is 5 x N x V / (BLOCK_N x CHUNK) fp32 values.
@@ -224,14 +224,10 @@ def _backward(ctx: Any, g_kl: Any, g_lse: Any, g_teacher_lse: Any) -> tuple[Any,
     return (dh if need_dh else None, dw if need_dw else None, *none)
 
 
-def _refuse_double_backward(ctx: Any, *grads: Any) -> Any:
-    raise RuntimeError(DOUBLE_BACKWARD)
-
-
 torch.library.register_autograd("fusedhead_triton::kl_forward", _backward, setup_context=_setup)
 torch.library.register_autograd(
     "fusedhead_triton::kl_backward",
-    _refuse_double_backward,
+    refuse_double_backward,
     setup_context=lambda ctx, inputs, output: None,
 )
 

@@ -198,6 +198,24 @@ def _tiles(cfg: TileConfig, dtype: torch.dtype, **flags: Any) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def forward_workspaces(
+    n: int, t: int, block_n: int, ex: PartialExtras, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+           torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """The forward's outputs over ``t`` tiles of ``n`` rows: ``ws``, ``zy`` and, where asked,
+    ``q`` (sum_p2), ``arg`` (argmax), ``zg`` (gathered logits) and the gather's tile table."""
+    ws = torch.empty((3, t, n), dtype=torch.float32, device=dev)
+    zy = torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
+    q = torch.zeros((t, n), dtype=torch.float32, device=dev) if ex.sum_p2 else None
+    arg = torch.zeros((t, n), dtype=torch.int32, device=dev) if ex.argmax else None
+    zg = starts = None
+    if ex.gather is not None:
+        zg = torch.full((n, ex.gather.sids.shape[1]), float("nan"), dtype=torch.float32, device=dev)
+        if t:
+            starts = tile_starts(ex.gather, t, block_n)
+    return ws, zy, q, arg, zg, starts
+
+
 def forward_partials(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
     sc: HeadScalars, cfg: TileConfig, extras: PartialExtras | None = None,
@@ -207,18 +225,9 @@ def forward_partials(
     (n, h), v = hidden.shape, weight.shape[0]
     dev = hidden.device
     t = math.ceil(v / cfg.block_n)
-    ws = torch.empty((3, t, n), dtype=torch.float32, device=dev)
-    zy = torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
     ex = extras if extras is not None else PartialExtras()
-    q = torch.zeros((t, n), dtype=torch.float32, device=dev) if ex.sum_p2 else None
-    arg = torch.zeros((t, n), dtype=torch.int32, device=dev) if ex.argmax else None
-    zg = starts = None
-    k_g = 0
-    if ex.gather is not None:
-        k_g = ex.gather.sids.shape[1]
-        zg = torch.full((n, k_g), float("nan"), dtype=torch.float32, device=dev)
-        if t:
-            starts = tile_starts(ex.gather, t, cfg.block_n)
+    ws, zy, q, arg, zg, starts = forward_workspaces(n, t, cfg.block_n, ex, dev)
+    k_g = 0 if ex.gather is None else ex.gather.sids.shape[1]
     if t == 0:
         return Partials(ws, zy, q, arg, zg)
     flags = _tiles(

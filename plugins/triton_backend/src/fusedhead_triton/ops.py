@@ -128,7 +128,8 @@ def _forward_backward(ctx: Any, g_lp: Any, g_lse: Any, g_ent: Any) -> tuple[Any,
     return (dh if need_dh else None, dw if need_dw else None, *none)
 
 
-def _refuse_double_backward(ctx: Any, *grads: Any) -> Any:
+def refuse_double_backward(ctx: Any, *grads: Any) -> Any:
+    """The registered backward of every backward op: it raises (see the module docstring)."""
     raise RuntimeError(DOUBLE_BACKWARD)
 
 
@@ -137,7 +138,7 @@ torch.library.register_autograd(
 )
 torch.library.register_autograd(
     "fusedhead_triton::head_backward",
-    _refuse_double_backward,
+    refuse_double_backward,
     setup_context=lambda ctx, inputs, output: None,
 )
 

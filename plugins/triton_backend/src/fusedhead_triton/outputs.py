@@ -43,7 +43,7 @@ from .launch import (
     shard_stats_extras,
     sort_ids,
 )
-from .ops import DOUBLE_BACKWARD
+from .ops import DOUBLE_BACKWARD, refuse_double_backward
 from .topk import finish, topk_partials
 
 
@@ -337,14 +337,10 @@ def _backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
     return (dh if need_dh else None, dw if need_dw else None, *none)
 
 
-def _refuse_double_backward(ctx: Any, *grads: Any) -> Any:
-    raise RuntimeError(DOUBLE_BACKWARD)
-
-
 torch.library.register_autograd("fusedhead_triton::head_outputs", _backward, setup_context=_setup)
 torch.library.register_autograd(
     "fusedhead_triton::head_outputs_backward",
-    _refuse_double_backward,
+    refuse_double_backward,
     setup_context=lambda ctx, inputs, output: None,
 )
 

@@ -22,8 +22,8 @@ from .launch import (
     Partials,
     _tiles,
     descriptor,
+    forward_workspaces,
     kernel,
-    tile_starts,
     tma_usable,
 )
 
@@ -106,17 +106,9 @@ def topk_partials(
         raise ValueError(f"top_k: {k} needs tiles of at least {kp} columns, got {cfg.block_n}")
     per = chunk_tiles(v, cfg.block_n, chunks)
     c = math.ceil(t / per)
-    ws = torch.empty((3, t, n), dtype=torch.float32, device=dev)
-    zy = torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
     ex = extras if extras is not None else PartialExtras()
-    q = torch.zeros((t, n), dtype=torch.float32, device=dev) if ex.sum_p2 else None
-    arg = torch.zeros((t, n), dtype=torch.int32, device=dev) if ex.argmax else None
-    zg = starts = None
-    k_g = 0
-    if ex.gather is not None:
-        k_g = ex.gather.sids.shape[1]
-        zg = torch.full((n, k_g), float("nan"), dtype=torch.float32, device=dev)
-        starts = tile_starts(ex.gather, t, cfg.block_n)
+    ws, zy, q, arg, zg, starts = forward_workspaces(n, t, cfg.block_n, ex, dev)
+    k_g = 0 if ex.gather is None else ex.gather.sids.shape[1]
     cand = torch.empty((c, n, kp), dtype=torch.int64, device=dev)
     if n:
         flags = _tiles(
