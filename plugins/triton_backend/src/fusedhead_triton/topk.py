@@ -1,42 +1,33 @@
-"""Launcher of the forward with top-k (``kernels/topk.py``): the forward's tile statistics and
-each row's ``k`` most likely ids and their scaled logits, in one pass over the logits tiles.
+"""Launcher of the top-k (``kernels/topk.py``): the plain forward, then each row's ``k`` most
+likely ids from the few tiles that can hold them, recomputed.
 
-The vocabulary is cut into chunks of whole tiles (``chunk_tiles``: from V and the tile width,
-never from N: every row is computed alike whatever the batch). Each chunk keeps its ``KP`` best
-keys per row (``cand[C, N, KP]``, int64, ``O(N k)``); their merge by key is exact and
-order-free, so the result is deterministic and batch invariant.
+1. ``launch.forward_partials`` (unchanged): the statistics and extras are a plain call's bits,
+   and ``ws[0] = m[T, N]`` is each (tile, row)'s max of the scaled logits.
+2. ``candidate_tiles``: per row the ``k`` tiles with the largest max, equal maxima by the lower
+   tile. Exact: with tau the k-th chosen (max, tile), every top-k entry is >= tau; tiles above
+   tau are all chosen, and each chosen tile at tau holds an entry equal to tau with a lower id
+   than any entry of an unchosen one, so the k best (value, then lower id) lie in the chosen.
+3. ``recompute``: only those tiles, grouped by tile, into ``cand[N, k, BLOCK_N]`` (fp32: 268 MB
+   at N = 8192, k = 32 and 256-column tiles); ``select`` folds each row's into its best keys.
+
+All on the device with shapes fixed by N, V and k (no host sync: CUDA graphs, torch.compile);
+every step is per row, so the result is deterministic and batch invariant.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 
 from .configs import TileConfig
-from .launch import (
-    HeadScalars,
-    PartialExtras,
-    Partials,
-    _tiles,
-    descriptor,
-    forward_workspaces,
-    kernel,
-    tma_usable,
-)
+from .launch import HeadScalars, PartialExtras, Partials, _tiles, forward_partials, kernel
 
-#: Largest ``top_k`` (the running set lives in registers: ``BLOCK_M x KP`` int64 per program).
+#: Largest ``top_k`` (the selection's running set lives in registers: ``SELECT_ROWS x KP``).
 MAX_TOP_K = 64
-#: Vocabulary chunks a row's tiles are cut into (each chunk is one program per row block) ...
-CHUNKS = 4
-#: ... of at least this many tiles: a chunk's first tile costs about KP rounds (its set starts
-#: empty), a later one about KP / j.
-MIN_CHUNK_TILES = 16
-#: Rows per program: at most 64 (a 128-row block's tile and running set spill registers on
-#: sm90). The statistics of a row depend on the tile's columns and K steps, not on its rows.
-BLOCK_M = 64
+#: Rows per program of the selection (small: many programs, a small tile in registers).
+SELECT_ROWS = 16
 
 
 class TopK(NamedTuple):
@@ -48,17 +39,8 @@ class TopK(NamedTuple):
 
 
 def padded_k(k: int) -> int:
-    """Keys kept per row and chunk: ``k`` rounded up to a power of two (at least 2)."""
+    """Keys kept per row by the selection: ``k`` rounded up to a power of two (at least 2)."""
     return max(2, 1 << (k - 1).bit_length())
-
-
-def chunk_tiles(v: int, block_n: int, chunks: int | None = None) -> int:
-    """Tiles per chunk for a vocabulary of ``v`` columns (a function of V and the tile only):
-    ``CHUNKS`` chunks of at least ``MIN_CHUNK_TILES`` tiles, or ``chunks`` chunks if given."""
-    tiles = math.ceil(v / block_n)
-    if chunks is None:
-        return max(1, min(tiles, max(MIN_CHUNK_TILES, math.ceil(tiles / CHUNKS))))
-    return max(1, math.ceil(tiles / chunks))
 
 
 def check_top_k(k: object, vocab_size: int) -> int:
@@ -73,69 +55,91 @@ def check_top_k(k: object, vocab_size: int) -> int:
     return k
 
 
-def decode(keys: torch.Tensor, id_offset: int) -> TopK:
-    """Ids (``id_offset`` added) and fp32 values of int64 keys (``kernels.topk.topk_keys``)."""
+def _keys(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering (fp32 value, then lower index), as ``kernels.topk.topk_keys``."""
+    b = torch.where(values == 0, 0, values.view(torch.int32))
+    mono = (b ^ ((b >> 31) & 0x7FFFFFFF)).to(torch.int64)
+    return (mono << 32) | (0x7FFFFFFF - index)
+
+
+def decode(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (index, fp32 value) pairs int64 keys were made from."""
     mono = (keys >> 32).to(torch.int32)
     values = (mono ^ ((mono >> 31) & 0x7FFFFFFF)).view(torch.float32)
-    ids = (0x7FFFFFFF - (keys & 0xFFFFFFFF)) + id_offset
+    return 0x7FFFFFFF - (keys & 0xFFFFFFFF), values
+
+
+def candidate_tiles(m: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row the ``min(k, T)`` tiles with the largest tile max ``m[T, N]`` (equal maxima: the
+    lower tile), in ascending tile order: ``[N, min(k, T)]`` int64."""
+    t = m.shape[0]
+    keys = _keys(m.t().contiguous(), torch.arange(t, device=m.device))
+    top = torch.topk(keys, min(k, t), dim=1, largest=True, sorted=False).values
+    return torch.sort(decode(top)[0], dim=1).values
+
+
+def recompute(
+    hidden: torch.Tensor, weight: torch.Tensor, temp: torch.Tensor | None, sc: HeadScalars,
+    cfg: TileConfig, tiles: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``cand[n, j, :]``: row ``n``'s scaled logits over tile ``tiles[n, j]`` (the forward's
+    bits; columns past V at -inf), fp32 ``[N, KT, BLOCK_N]``."""
+    (n, h), v = hidden.shape, weight.shape[0]
+    kt, bm, bn = tiles.shape[1], cfg.block_m, cfg.block_n
+    t = math.ceil(v / bn)
+    cand = torch.empty((n, kt, bn), dtype=torch.float32, device=hidden.device)
+    if n == 0:
+        return cand
+    # The (row, slot) pairs row * KT + slot grouped by tile; a program per chunk of BM pairs
+    # of one tile: at most ceil(N KT / BM) + T programs, those past the end do nothing.
+    by_tile, pairs = torch.sort(tiles.reshape(-1), stable=True)
+    starts = torch.searchsorted(by_tile, torch.arange(t + 1, device=tiles.device))
+    chunks = (starts[1:] - starts[:-1] + bm - 1) // bm
+    ends = torch.cumsum(chunks, 0)
+    g = math.ceil(n * kt / bm) + t
+    pid = torch.arange(g, device=tiles.device)
+    tile = torch.searchsorted(ends, pid, right=True)
+    at = tile.clamp(max=t - 1)
+    first = starts[at] + (pid - ends[at] + chunks[at]) * bm
+    prog = torch.stack((tile, first)).to(torch.int32)
+    flags = _tiles(
+        cfg, hidden.dtype, PER_TOKEN_T=temp is not None, HAS_SOFTCAP=sc.softcap is not None
+    )
+    del flags["GROUP_M"]
+    kernel("topk").tiles_at_kernel[(g,)](
+        hidden, weight, cand if temp is None else temp, prog, starts, pairs, cand, n, v, h, kt, g,
+        *hidden.stride(), *weight.stride(), sc.inv_temp, *sc.softcap_args,
+        EVEN_K=h % cfg.block_k == 0, **flags,
+    )  # fmt: skip
+    return cand
+
+
+def select(cand: torch.Tensor, tiles: torch.Tensor, k: int, id_offset: int) -> TopK:
+    """Each row's ``k`` best (value, then lower id) of its candidate tiles ``cand[N, KT, BN]``
+    (``tiles[N, KT]`` ascending), ids offset by ``id_offset``."""
+    n, kt, bn = cand.shape
+    kp = padded_k(k)
+    keys = torch.empty((n, kp), dtype=torch.int64, device=cand.device)
+    if n:
+        kernel("topk").select_kernel[(math.ceil(n / SELECT_ROWS),)](
+            cand, keys, n, kt, BLOCK_R=SELECT_ROWS, BLOCK_N=bn, KP=kp, num_warps=4
+        )
+    col, values = decode(torch.topk(keys, k, dim=1, largest=True, sorted=True).values)
+    ids = tiles.gather(1, col // bn) * bn + col % bn + id_offset
     return TopK(ids, values)
-
-
-def merge(cand: torch.Tensor, k: int, id_offset: int) -> TopK:
-    """The ``k`` best of the chunks' keys ``cand[C, N, KP]`` per row (keys are distinct: exact)."""
-    c, n, kp = cand.shape
-    keys = cand.permute(1, 0, 2).reshape(n, c * kp)
-    top = torch.topk(keys, k, dim=1, largest=True, sorted=True).values
-    return decode(top, id_offset)
 
 
 def topk_partials(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
-    sc: HeadScalars, cfg: TileConfig, k: int, extras: PartialExtras | None = None, *,
-    chunks: int | None = None, block_m: int = BLOCK_M,
+    sc: HeadScalars, cfg: TileConfig, k: int, extras: PartialExtras | None = None,
 ) -> tuple[Partials, TopK]:  # fmt: skip
-    """``launch.forward_partials``'s statistics (the same logits, sums equal to fp32 rounding)
-    and the rows' top ``k`` over this shard's columns (ids offset by ``sc.label_offset``)."""
+    """``launch.forward_partials`` (its bits) and the rows' top ``k`` over this shard's columns
+    (ids offset by ``sc.label_offset``)."""
     check_top_k(k, weight.shape[0])
-    cfg = replace(cfg, block_m=min(cfg.block_m, block_m))
-    (n, h), v = hidden.shape, weight.shape[0]
-    dev = hidden.device
-    t = math.ceil(v / cfg.block_n)
-    kp = padded_k(k)
-    if kp > cfg.block_n:
-        raise ValueError(f"top_k: {k} needs tiles of at least {kp} columns, got {cfg.block_n}")
-    per = chunk_tiles(v, cfg.block_n, chunks)
-    c = math.ceil(t / per)
-    ex = extras if extras is not None else PartialExtras()
-    ws, zy, q, arg, zg, starts = forward_workspaces(n, t, cfg.block_n, ex, dev)
-    k_g = 0 if ex.gather is None else ex.gather.sids.shape[1]
-    cand = torch.empty((c, n, kp), dtype=torch.int64, device=dev)
-    if n:
-        flags = _tiles(
-            cfg, hidden.dtype, PER_TOKEN_T=temp is not None, HAS_SOFTCAP=sc.softcap is not None,
-            HAS_Q=q is not None, HAS_ARG=arg is not None, HAS_GATHER=zg is not None, KP=kp,
-        )  # fmt: skip
-        dummy = zy  # never read or written: its flag is off
-        extra_args = tuple(
-            dummy if x is None else x
-            for x in (q, arg, starts, None if ex.gather is None else ex.gather.sids, zg)
-        )
-        temp_arg = temp if temp is not None else dummy
-        use_tma = tma_usable(cfg, hidden.dtype, h, dev)
-        strides: tuple[int, ...] = (0, 0, 0, 0)
-        if use_tma:
-            srcs = (descriptor(hidden, [cfg.block_m, cfg.block_k]),
-                    descriptor(weight, [cfg.block_n, cfg.block_k]))  # fmt: skip
-        else:
-            srcs = (hidden, weight)
-            strides = (*hidden.stride(), *weight.stride())
-        grid = (math.ceil(n / cfg.block_m) * c,)
-        kernel("topk").fwd_topk_kernel[grid](
-            *srcs, labels, temp_arg, ws, zy, *extra_args, cand, n, v, h, k_g, per, *strides,
-            sc.label_offset, sc.inv_temp, *sc.softcap_args, EVEN_K=h % cfg.block_k == 0,
-            USE_TMA=use_tma, **flags,
-        )  # fmt: skip
-    return Partials(ws, zy, q, arg, zg), merge(cand, k, sc.label_offset)
+    p = forward_partials(hidden, weight, labels, temp, sc, cfg, extras)
+    tiles = candidate_tiles(p.ws[0], k)
+    cand = recompute(hidden, weight, temp, sc, cfg, tiles)
+    return p, select(cand, tiles, k, sc.label_offset)
 
 
 def finish(top: TopK, lse: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> TopK:

@@ -20,6 +20,20 @@ from .sparse import gather_tile, tile_bounds
 
 
 @triton.jit
+def scaled_tile(
+    acc, rows, offs_n, V, temp_ptr, inv_temp, softcap, inv_softcap, PER_TOKEN_T: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """The scaled logits ``z`` of raw tile ``acc`` (rows ``rows``, columns ``offs_n``): softcap,
+    then 1/T, columns past V at -inf. The forward and the top-k recompute share it (same bits)."""
+    inv_t = row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T)
+    if HAS_SOFTCAP:
+        acc = softcap * tanh_f32(acc * inv_softcap)
+    z = acc * inv_t[:, None]
+    return tl.where((offs_n < V)[None, :], z, float("-inf"))
+
+
+@triton.jit
 def _stats_epilogue(
     acc,
     offs_m,
@@ -50,16 +64,13 @@ def _stats_epilogue(
     HAS_GATHER: tl.constexpr,
 ):
     """Turn a raw logits tile into (m, s, w) per row and the label logit if the tile holds it
-    (and the asked-for extras: q, the tile argmax, the logits at caller ids). Returns the scaled
-    tile ``z`` (the top-k kernel folds it into its running set)."""
+    (and the asked-for extras: q, the tile argmax, the logits at caller ids)."""
     row_ok = offs_m < N
     rows = tl.minimum(offs_m, N - 1)
     col_ok = offs_n < V
-    inv_t = row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T)
-    if HAS_SOFTCAP:
-        acc = softcap * tanh_f32(acc * inv_softcap)
-    z = acc * inv_t[:, None]
-    z = tl.where(col_ok[None, :], z, float("-inf"))
+    z = scaled_tile(
+        acc, rows, offs_n, V, temp_ptr, inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP
+    )
     if HAS_GATHER:
         gather_tile(z, rows, row_ok, g_lo, g_hi, pid_n * BLOCK_N, sids_ptr, zg_ptr, K_g, BLOCK_N)
     m = tl.max(z, axis=1)
@@ -85,7 +96,6 @@ def _stats_epilogue(
     col = tl.where(hit, lab - tile_start, -1).to(tl.int32)  # int32 compare per element
     zy = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == col[:, None], z, 0.0), axis=1)
     tl.store(zy_ptr + rows, zy, mask=hit)
-    return z
 
 
 @triton.jit(do_not_specialize=["N", "V", "K_g"])

@@ -1,20 +1,21 @@
-"""Forward with top-k: the forward's tile statistics and each row's most likely ids, one pass.
+"""Top-k kernels: the scaled logits of chosen (row, tile) pairs again, and each row's best keys.
 
-A program owns a row block and a fixed chunk of consecutive vocabulary tiles (the chunks depend
-on V and the tile width only, never on N: batch invariance). For each tile it writes the plain
-forward's statistics (``forward._stats_epilogue``: the same logits; the sums are reduced in
-this kernel's 64-row layout, equal to fp32 rounding on a GPU) and folds the tile into the
-row's running set of ``KP`` best keys (in registers; written to ``cand[chunk]`` at the end):
+The launcher (``fusedhead_triton.topk``) runs the plain forward, takes per row the ``k`` tiles
+with the largest tile max (the top-k lie in them), and then:
 
-- a key is an int64 ordering (value, then lower id): the fp32 logit's bits made monotone in the
-  high word, ``2**31 - 1 - column`` in the low word, so one integer order resolves ties;
-- a tile only visits its entries above the set's smallest value (about ``KP / j`` per row at the
-  chunk's j-th tile, all of them at the first), in rounds that take each row's best remaining
-  entry and put it in place of the set's smallest key; the rounds stop when no row holds an
-  entry that could still enter. Each round is a few compare-and-select passes over the tile.
+- ``tiles_at_kernel`` recomputes only those tiles, a program per chunk of rows of one tile (the
+  pairs grouped by tile), with the forward's GEMM and ``forward.scaled_tile``: a row's logits
+  do not depend on the other rows of its tile, so these are the forward's bits;
+- ``select_kernel`` folds each row's candidate tiles into its ``KP`` best keys:
+
+  - a key is an int64 ordering (value, then lower id): the fp32 logit's bits made monotone in
+    the high word, ``2**31 - 1 - column`` in the low word, so one integer order resolves ties;
+  - a tile only visits its entries above the set's smallest value, in rounds that take each
+    row's best remaining entry and put it in place of the set's smallest key; the rounds stop
+    when no row holds an entry that could still enter.
 
 The set is a set (its order is never read), so the result does not depend on the order of the
-insertions; the chunks' sets ``cand[C, N, KP]`` are merged by key afterwards (launcher).
+insertions.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import grouped_tile, logits_tile, logits_tile_tma
-from .forward import _stats_epilogue
-from .sparse import tile_bounds
+from .common import logits_tile
+from .forward import scaled_tile
 
 #: Below every key (no candidate).
 MIN_KEY = tl.constexpr(-(2**63))
@@ -82,101 +82,80 @@ def fold_tile(run, thr, z, col0, BLOCK_N: tl.constexpr):
     return run, thr
 
 
-@triton.jit
-def _tile_z(
-    h_src, w_src, t, off_m, offs_m, rows, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr,
-    arg_ptr, starts_ptr, sids_ptr, zg_ptr, N, V, H, K_g, stride_hn, stride_hk, stride_wv, stride_wk,
-    label_offset, inv_temp, softcap, inv_softcap, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    PER_TOKEN_T: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_Q: tl.constexpr,
-    HAS_ARG: tl.constexpr, HAS_GATHER: tl.constexpr,
-):  # fmt: skip
-    """Tile ``t`` of the row block: its logits GEMM, the forward's statistics (written), and
-    the scaled logits ``z`` returned."""
-    offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    g_lo, g_hi = tile_bounds(starts_ptr, t, rows, N, HAS_GATHER)
-    if USE_TMA:
-        acc = logits_tile_tma(
-            h_src, w_src, off_m, t * BLOCK_N, H, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION
-        )
-    else:
-        acc = logits_tile(
-            h_src, w_src, rows, tl.minimum(offs_n, V - 1), H, stride_hn, stride_hk, stride_wv,
-            stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
-        )  # fmt: skip
-    return _stats_epilogue(
-        acc, offs_m, offs_n, t, N, V, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr, arg_ptr,
-        sids_ptr, zg_ptr, g_lo, g_hi, K_g, label_offset, inv_temp, softcap, inv_softcap,
-        BLOCK_N, PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
-    )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["N", "V", "K_g", "L"])
-def fwd_topk_kernel(
-    h_src,
-    w_src,
-    labels_ptr,
+@triton.jit(do_not_specialize=["N", "V", "KT"])
+def tiles_at_kernel(
+    h_ptr,
+    w_ptr,
     temp_ptr,
-    ws_ptr,
-    zy_ptr,
-    q_ptr,
-    arg_ptr,
+    prog_ptr,
     starts_ptr,
-    sids_ptr,
-    zg_ptr,
+    pairs_ptr,
     cand_ptr,
     N,
     V,
     H,
-    K_g,
-    L,
+    KT,
+    G,
     stride_hn,
     stride_hk,
     stride_wv,
     stride_wk,
-    label_offset,
     inv_temp,
     softcap,
     inv_softcap,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
-    USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
-    HAS_Q: tl.constexpr,
-    HAS_ARG: tl.constexpr,
-    HAS_GATHER: tl.constexpr,
-    KP: tl.constexpr,
 ):
-    """One program per (row block, chunk of ``L`` tiles): the tiles' statistics as the forward
-    writes them, and the chunk's ``KP`` best keys per row into ``cand[chunk, N, KP]``.
+    """One program per chunk of ``BLOCK_M`` (row, slot) pairs of one tile: that tile's scaled
+    logits for the pairs' rows, as the forward computes them (``forward.scaled_tile``), into
+    ``cand[row, slot, :]``.
 
-    ``h_src``/``w_src`` are TMA descriptors with ``USE_TMA``, else pointers (with the strides).
+    ``prog[0, pid]`` is the program's tile (``T`` or more: nothing to do), ``prog[1, pid]`` its
+    first position in ``pairs`` (the pairs ``row * KT + slot`` sorted by tile); the tile's
+    pairs end at ``starts[tile + 1]``.
     """
-    num_pid_m = tl.cdiv(N, BLOCK_M)
-    T = tl.cdiv(V, BLOCK_N)
-    pid_m, chunk = grouped_tile(tl.program_id(0), num_pid_m, tl.cdiv(T, L), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.minimum(offs_m, N - 1)
-    row_ok = offs_m < N
-    slot = tl.arange(0, KP)
-    run_ptrs = cand_ptr + (chunk.to(tl.int64) * N + offs_m)[:, None] * KP + slot[None, :]
-    # The set starts with KP distinct keys below every entry's, whose value reads -inf.
-    run = tl.zeros((BLOCK_M, KP), tl.int64) + EMPTY_KEY + slot[None, :]
-    thr = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    t0 = chunk * L
-    for j in range(0, tl.minimum(L, T - t0)):
-        t = t0 + j
-        z = _tile_z(
-            h_src, w_src, t, pid_m * BLOCK_M, offs_m, rows, labels_ptr, temp_ptr, ws_ptr,
-            zy_ptr, q_ptr, arg_ptr, starts_ptr, sids_ptr, zg_ptr, N, V, H, K_g, stride_hn,
-            stride_hk, stride_wv, stride_wk, label_offset, inv_temp, softcap, inv_softcap,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, PRECISION, PER_TOKEN_T, HAS_SOFTCAP,
-            HAS_Q, HAS_ARG, HAS_GATHER,
+    pid = tl.program_id(0)
+    t = tl.load(prog_ptr + pid)
+    if t < tl.cdiv(V, BLOCK_N):
+        lo = tl.load(prog_ptr + G + pid)
+        idx = lo + tl.arange(0, BLOCK_M)
+        ok = idx < tl.load(starts_ptr + t + 1)
+        pair = tl.load(pairs_ptr + idx, mask=ok, other=0)
+        rows = pair // KT
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = logits_tile(
+            h_ptr, w_ptr, rows, tl.minimum(offs_n, V - 1), H, stride_hn, stride_hk, stride_wv,
+            stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
         )  # fmt: skip
-        run, thr = fold_tile(run, thr, z, t * BLOCK_N, BLOCK_N)
-    tl.store(run_ptrs, run, mask=row_ok[:, None])
+        z = scaled_tile(
+            acc, rows, offs_n, V, temp_ptr, inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP
+        )
+        out = cand_ptr + pair[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(out, z, mask=ok[:, None])
+
+
+@triton.jit(do_not_specialize=["N", "KT"])
+def select_kernel(
+    cand_ptr, keys_ptr, N, KT, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr
+):
+    """One program per ``BLOCK_R`` rows: fold the rows' ``KT`` candidate tiles
+    ``cand[row, slot, :]`` (slot order: ascending vocabulary ids) into each row's ``KP`` best
+    keys, written to ``keys[N, KP]`` (a set: unordered). Column ``slot * BLOCK_N + c`` stands
+    for the slot's column ``c``: the same order as the ids."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    base = tl.minimum(rows, N - 1).to(tl.int64) * KT
+    cols = tl.arange(0, BLOCK_N)
+    slot = tl.arange(0, KP)
+    # The set starts with KP distinct keys below every entry's, whose value reads -inf.
+    run = tl.zeros((BLOCK_R, KP), tl.int64) + EMPTY_KEY + slot[None, :]
+    thr = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    for j in range(0, KT):
+        z = tl.load(cand_ptr + (base + j)[:, None] * BLOCK_N + cols[None, :])
+        run, thr = fold_tile(run, thr, z, j * BLOCK_N, BLOCK_N)
+    out = keys_ptr + rows.to(tl.int64)[:, None] * KP + slot[None, :]
+    tl.store(out, run, mask=(rows < N)[:, None])
