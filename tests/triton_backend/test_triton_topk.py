@@ -1,6 +1,7 @@
-"""The triton top-k kernel (``kernels/topk.py`` through ``fusedhead_triton.topk``) under the
-interpreter: ids exactly a stable descending sort's (equal logits by the lower id), values against
-float64, the forward's statistics unchanged, batch invariance, determinism, and the refusals."""
+"""The triton top-k (``fusedhead_triton.topk``: the plain forward, candidate tiles, their recompute
+and the selection) under the interpreter: ids exactly a stable descending sort's (equal logits by
+the lower id), values against float64, the candidate tiles exact under ties, the recompute the
+forward's bits, the statistics and extras a plain call's, batch invariance, and the refusals."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ from fusedhead_triton.launch import (
     forward_partials,
     sort_ids,
 )
-from fusedhead_triton.topk import MAX_TOP_K, TopK, chunk_tiles, finish, topk_partials
+from fusedhead_triton.topk import (
+    MAX_TOP_K,
+    TopK,
+    candidate_tiles,
+    finish,
+    recompute,
+    topk_partials,
+)
 
 DTYPES = [torch.float32, torch.float16]
 IDS = ["fp32", "fp16"]
@@ -75,12 +83,59 @@ def test_ids_are_a_stable_descending_sort_with_exact_ties(dtype: torch.dtype, k:
     assert torch.equal(top.logits.double(), vals)  # exact products and sums
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 7])
-def test_any_chunking_gives_the_same_ids(chunks: int) -> None:
-    hid, w, lab = _dyadic(N, H, V, seed=5)
-    ids, vals = _reference(hid.double() @ w.double().T, 16)
-    _, top = _run(hid, w, lab, torch.float32, 16, chunks=chunks)
-    assert torch.equal(top.ids, ids) and torch.equal(top.logits.double(), vals)
+def test_all_equal_logits_give_the_lowest_ids() -> None:
+    hid, _, lab = _dyadic(N, H, V, seed=1)
+    w = torch.zeros(V, H)  # every logit 0: every tile ties, every column ties
+    for k in (1, 33, 64):
+        _, top = _run(hid, w, lab, torch.float32, k)
+        assert torch.equal(top.ids, torch.arange(k).expand(N, k))
+        assert bool((top.logits == 0).all())
+
+
+def _reference_tiles(m: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` tiles of largest max per row (a stable sort: equal maxima keep the lower tile),
+    ascending."""
+    order = torch.sort(m.t(), dim=1, descending=True, stable=True).indices[:, :k]
+    return torch.sort(order, dim=1).values
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 20])
+def test_candidate_tiles_are_exact_under_ties(k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    t, n = 20, 50
+    m = torch.randint(-3, 4, (t, n), generator=g).float() / 4  # few values: ties everywhere
+    m[:, :5] = 0.5  # rows whose tiles all tie
+    m[3, 5] = -0.0  # -0.0 ties with +0.0
+    m[:, 6] = -1e30
+    got = candidate_tiles(m, k)
+    assert got.dtype == torch.int64 and got.shape == (n, k)
+    assert torch.equal(got, _reference_tiles(m.where(m != 0, 0.0), k))
+    assert torch.equal(got[:5], torch.arange(k).expand(5, k))
+    assert torch.equal(candidate_tiles(m, t + 5), torch.arange(t).expand(n, t))  # fewer tiles
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_recompute_is_the_forwards_z(dtype: torch.dtype) -> None:
+    """At the chosen tiles the recomputed logits are the forward's bits: their maxima are the
+    forward's tile maxima, and the top-k values are the forward's gathered logits at the ids."""
+    g = torch.Generator().manual_seed(21)
+    hid = torch.randn(N, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)
+    lab = torch.randint(0, V, (N,), generator=g)
+    temp = torch.rand(N, generator=g) + 0.5
+    cfg = settings_for(dtype, **SMALL_TILES).forward
+    sc = HeadScalars(0, IGNORE, 1.0, 4.0)
+    p, top = topk_partials(hid, w, lab, temp, sc, cfg, 9)
+    tiles = candidate_tiles(p.ws[0], 9)
+    cand = recompute(hid, w, temp, sc, cfg, tiles)
+    assert torch.equal(cand.amax(dim=2), p.ws[0].t().gather(1, tiles))
+    ex = PartialExtras(gather=sort_ids(top.ids, lab, 0, V, IGNORE))
+    at = forward_partials(hid, w, lab, temp, sc, cfg, ex)
+    assert at.zg is not None
+    zg = torch.empty_like(at.zg).scatter_(1, ex.gather.perm, at.zg)  # type: ignore[union-attr]
+    assert torch.equal(top.logits, zg)
+    ref = torch.sort(cand.reshape(N, -1), dim=1, descending=True, stable=True).values[:, :9]
+    assert torch.equal(top.logits, ref)  # the selection keeps the candidates' best values
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -186,11 +241,3 @@ def test_finish_gives_log_probs_and_blanks_ignored_rows() -> None:
     assert torch.equal(out.ids[keep], ids[keep]) and bool((out.ids[~keep] == -1).all())
     assert (out.logits[keep].double() - logp[keep]).abs().max() <= 1e-5
     assert bool((out.logits[~keep] == 0).all())
-
-
-def test_chunks_depend_on_the_vocabulary_only() -> None:
-    assert chunk_tiles(151936, 256) == 149  # Qwen's V: 4 chunks of 149 tiles (594 in all)
-    assert chunk_tiles(32000, 256) == 32  # 4 chunks
-    assert chunk_tiles(5000, 256) == 16  # at least 16 tiles per chunk: 2 chunks
-    assert chunk_tiles(333, 64) == 6  # fewer tiles than that: one chunk
-    assert chunk_tiles(333, 64, chunks=4) == 2
