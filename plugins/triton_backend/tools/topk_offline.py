@@ -1,99 +1,81 @@
-"""Registers and stack of the top-k forward kernel, compiled for an H100/H200 without a GPU.
+"""Registers, stack and shared memory of the top-k kernels, compiled for a GPU without one.
 
 Usage (any machine with triton's NVIDIA backend, no GPU needed):
     python plugins/triton_backend/tools/topk_offline.py [--arch 90] [--json OUT]
 
-Compiles ``kernels/topk.fwd_topk_kernel`` (the bf16 TMA path: the shipped 16-bit tile with the
-launcher's rows per program, and 128 rows) for ``sm_<arch>a`` at a few ``KP`` and reads the
-cubin's resource usage with the ``cuobjdump`` of the triton wheel. A non-zero stack on a
-255-register kernel means spilled registers. The numbers depend on the triton version: run it
-with the GPU's (the kernel's round loop is a while loop; triton 3.6 and 3.9 both compile it).
+Compiles ``kernels/topk.tiles_at_kernel`` (the recompute of the candidate tiles: the shipped
+16-bit tile's columns, the launcher's rows per program and 128, the gathered rows by pointers
+and the weight by TMA, with softcap and per-token temperature) and ``select_kernel`` (the
+fold of a row's candidates, at a few ``KP``) for ``sm_<arch>a``, and reads the resource usage as
+tools/offline_resources.py does: a non-zero stack means spilled registers. The numbers depend
+on the triton version: run it with the GPU's.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
+from dataclasses import asdict, replace
 from typing import Any
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import offline_resources as off
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from fusedhead_triton.configs import settings_for
 from fusedhead_triton.kernels import topk
-from fusedhead_triton.topk import BLOCK_M
+from fusedhead_triton.topk import RECOMPUTE_ROWS, SELECT_ROWS
 
-_POINTERS = {
-    "labels_ptr": "*i64", "temp_ptr": "*fp32", "ws_ptr": "*fp32", "zy_ptr": "*fp32",
-    "q_ptr": "*fp32", "arg_ptr": "*i32", "starts_ptr": "*i32", "sids_ptr": "*i32",
-    "zg_ptr": "*fp32", "cand_ptr": "*i64",
-}  # fmt: skip
-_SCALARS = {"inv_temp": "fp32", "softcap": "fp32", "inv_softcap": "fp32"}
+#: The selection's keys per row: k = 1 and the k = 32, 64 of the tests (KP = padded k).
+KPS = (2, 32, 64)
 
 
-def compile_topk(block_m: int, kp: int, arch: int) -> Any:
-    """The bf16 TMA kernel for ``block_m`` rows per program and ``kp`` keys per row."""
-    cfg = settings_for(torch.bfloat16).forward
-    fn = topk.fwd_topk_kernel
-    sig: dict[str, str] = {}
-    for name in fn.arg_names:
-        if name == "h_src":
-            sig[name] = f"tensordesc<bf16[{block_m}, {cfg.block_k}]>"
-        elif name == "w_src":
-            sig[name] = f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>"
-        else:
-            sig[name] = _POINTERS.get(name, _SCALARS.get(name, "i32"))
+def compile_tiles_at(block_m: int, arch: int) -> Any:
+    """``tiles_at_kernel`` for bf16 as the launcher builds it (the forward's tile and warps) with
+    ``block_m`` rows per program."""
+    cfg = replace(settings_for(torch.bfloat16).forward, block_m=block_m)
+    signature = {
+        "h_ptr": "*bf16", "w_src": f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>", "temp_ptr": "*fp32", "prog_ptr": "*i32",
+        "starts_ptr": "*i64", "pairs_ptr": "*i64", "cand_ptr": "*fp32",
+        **{k: "i32" for k in ("N", "V", "H", "KT", "G", "stride_hn", "stride_hk", "stride_wv",
+                              "stride_wk")},
+        "inv_temp": "fp32", "softcap": "fp32", "inv_softcap": "fp32",
+    }  # fmt: skip
     consts = dict(
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=True, USE_TMA=True, PRECISION="tf32", PER_TOKEN_T=False, HAS_SOFTCAP=False,
-        HAS_Q=False, HAS_ARG=False, HAS_GATHER=False, KP=kp,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True, USE_TMA=True,
+        PRECISION="tf32", PER_TOKEN_T=True, HAS_SOFTCAP=True,
     )  # fmt: skip
-    for name in consts:
-        sig[name] = "constexpr"
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("ws_ptr", "cand_ptr")}
-    src = ASTSource(fn, sig, consts, attrs=attrs)
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+    return off._compile(topk.tiles_at_kernel, signature, consts, cfg, arch)
 
 
-def resources(compiled: Any) -> dict[str, int]:
-    """Registers and stack bytes per thread, from the cubin."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        out = subprocess.run(
-            [str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    assert found, out
-    return {"registers": int(found.group(1)), "stack_bytes": int(found.group(2))}
+def compile_select(kp: int, arch: int) -> Any:
+    """``select_kernel`` over the shipped 16-bit tile's columns with ``kp`` keys per row."""
+    cfg = settings_for(torch.bfloat16).forward
+    signature = {"cand_ptr": "*fp32", "keys_ptr": "*i64", "N": "i32", "KT": "i32"}
+    consts = dict(BLOCK_R=SELECT_ROWS, BLOCK_N=cfg.block_n, KP=kp)
+    return off._compile(
+        topk.select_kernel, signature, consts, replace(cfg, num_warps=4, num_stages=3), arch
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--json", default="", help="write the rows here")
     opts = ap.parse_args()
     rows = []
-    for block_m in (BLOCK_M, 128):
-        for kp in (2, 32, 64):
-            row = {"block_m": block_m, "kp": kp, **resources(compile_topk(block_m, kp, opts.arch))}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    todo = [
+        (f"tiles_at_{m}rows", 0, lambda m=m: compile_tiles_at(m, opts.arch))
+        for m in (RECOMPUTE_ROWS, 128)
+    ]
+    todo += [(f"select_kp{kp}", kp, lambda kp=kp: compile_select(kp, opts.arch)) for kp in KPS]
+    for name, kp, build in todo:
+        res = off.resources(build())
+        rows.append({"name": name, "kp": kp, **asdict(res)})
+        print(off.line(name, res), flush=True)
     if opts.json:
-        meta = {"triton": triton.__version__, "arch": opts.arch, "python": sys.version.split()[0]}
-        Path(opts.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        off.write_json(opts.json, opts.arch, rows)
 
 
 if __name__ == "__main__":

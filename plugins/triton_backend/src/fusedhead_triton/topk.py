@@ -17,15 +17,29 @@ every step is per row, so the result is deterministic and batch invariant.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 
 from .configs import TileConfig
-from .launch import HeadScalars, PartialExtras, Partials, _tiles, forward_partials, kernel
+from .launch import (
+    HeadScalars,
+    PartialExtras,
+    Partials,
+    _tiles,
+    descriptor,
+    forward_partials,
+    kernel,
+    tma_usable,
+)
 
 #: Largest ``top_k`` (the selection's running set lives in registers: ``SELECT_ROWS x KP``).
 MAX_TOP_K = 64
+#: Rows per program of the recompute, at most: 128 rows' gathered row pointers spill registers
+#: on sm90 (1.9 KB of stack, tools/topk_offline.py); 64 do not (and waste fewer rows per tile).
+#: A row's logits do not depend on the rows beside it: the forward's bits either way.
+RECOMPUTE_ROWS = 64
 #: Rows per program of the selection (small: many programs, a small tile in registers).
 SELECT_ROWS = 16
 
@@ -85,6 +99,7 @@ def recompute(
     """``cand[n, j, :]``: row ``n``'s scaled logits over tile ``tiles[n, j]`` (the forward's
     bits; columns past V at -inf), fp32 ``[N, KT, BLOCK_N]``."""
     (n, h), v = hidden.shape, weight.shape[0]
+    cfg = replace(cfg, block_m=min(cfg.block_m, RECOMPUTE_ROWS))
     kt, bm, bn = tiles.shape[1], cfg.block_m, cfg.block_n
     t = math.ceil(v / bn)
     cand = torch.empty((n, kt, bn), dtype=torch.float32, device=hidden.device)
@@ -106,10 +121,12 @@ def recompute(
         cfg, hidden.dtype, PER_TOKEN_T=temp is not None, HAS_SOFTCAP=sc.softcap is not None
     )
     del flags["GROUP_M"]
+    use_tma = tma_usable(cfg, hidden.dtype, h, hidden.device)  # the weight as the forward loads it
+    w_src = descriptor(weight, [bn, cfg.block_k]) if use_tma else weight
     kernel("topk").tiles_at_kernel[(g,)](
-        hidden, weight, cand if temp is None else temp, prog, starts, pairs, cand, n, v, h, kt, g,
+        hidden, w_src, cand if temp is None else temp, prog, starts, pairs, cand, n, v, h, kt, g,
         *hidden.stride(), *weight.stride(), sc.inv_temp, *sc.softcap_args,
-        EVEN_K=h % cfg.block_k == 0, **flags,
+        EVEN_K=h % cfg.block_k == 0, USE_TMA=use_tma, **flags,
     )  # fmt: skip
     return cand
 
