@@ -68,7 +68,7 @@ def _reference(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return order, z.gather(1, order)
 
 
-@pytest.mark.parametrize("k", [1, 7, 32, 64])
+@pytest.mark.parametrize("k", [1, 4, 7, 32, 64])  # 1, 4: fewer than the 6 tiles (a floor)
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_ids_are_a_stable_descending_sort_with_exact_ties(dtype: torch.dtype, k: int) -> None:
     hid, w, lab = _dyadic(N, H, V, seed=k)
@@ -107,11 +107,14 @@ def test_candidate_tiles_are_exact_under_ties(k: int) -> None:
     m[:, :5] = 0.5  # rows whose tiles all tie
     m[3, 5] = -0.0  # -0.0 ties with +0.0
     m[:, 6] = -1e30
-    got = candidate_tiles(m, k)
+    got, floor = candidate_tiles(m, k)
     assert got.dtype == torch.int64 and got.shape == (n, k)
     assert torch.equal(got, _reference_tiles(m.where(m != 0, 0.0), k))
     assert torch.equal(got[:5], torch.arange(k).expand(5, k))
-    assert torch.equal(candidate_tiles(m, t + 5), torch.arange(t).expand(n, t))  # fewer tiles
+    assert torch.equal(floor, torch.sort(m, dim=0, descending=True).values[k - 1])  # k-th max
+    every, none = candidate_tiles(m, t + 5)  # fewer tiles than k: all of them, no floor
+    assert torch.equal(every, torch.arange(t).expand(n, t))
+    assert bool((none == float("-inf")).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -126,7 +129,7 @@ def test_recompute_is_the_forwards_z(dtype: torch.dtype) -> None:
     cfg = settings_for(dtype, **SMALL_TILES).forward
     sc = HeadScalars(0, IGNORE, 1.0, 4.0)
     p, top = topk_partials(hid, w, lab, temp, sc, cfg, 9)
-    tiles = candidate_tiles(p.ws[0], 9)
+    tiles, floor = candidate_tiles(p.ws[0], 9)
     cand = recompute(hid, w, temp, sc, cfg, tiles)
     assert torch.equal(cand.amax(dim=2), p.ws[0].t().gather(1, tiles))
     ex = PartialExtras(gather=sort_ids(top.ids, lab, 0, V, IGNORE))
@@ -136,6 +139,7 @@ def test_recompute_is_the_forwards_z(dtype: torch.dtype) -> None:
     assert torch.equal(top.logits, zg)
     ref = torch.sort(cand.reshape(N, -1), dim=1, descending=True, stable=True).values[:, :9]
     assert torch.equal(top.logits, ref)  # the selection keeps the candidates' best values
+    assert bool((top.logits[:, -1] >= floor).all())  # what the selection may skip below
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)

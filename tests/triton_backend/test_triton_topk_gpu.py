@@ -87,7 +87,7 @@ def test_recomputed_tiles_are_the_forwards_bits_bf16(softcap: float | None) -> N
     sc = HeadScalars(0, IGNORE, 1.0, softcap)
     with torch.no_grad():
         p = forward_partials(hid, w, lab, temp, sc, cfg)
-        tiles = candidate_tiles(p.ws[0], 32)
+        tiles, _ = candidate_tiles(p.ws[0], 32)
         cand = recompute(hid, w, temp, sc, cfg, tiles)
     assert torch.equal(cand.amax(dim=2), p.ws[0].t().gather(1, tiles))
 

@@ -1,15 +1,14 @@
 """The triton forward with top-k against the plain forward, on a GPU, in GEMM units.
 
 Usage on a CUDA machine (writes topk_bench.json to --out):
-    python plugins/triton_backend/tools/topk_bench.py [--n 8192] [--k 32] [--out DIR]
+    python plugins/triton_backend/tools/topk_bench.py [--n 8192] [--k 32,1,64] [--out DIR]
 ``--dry`` runs tiny shapes on the CPU interpreter (checks the script, times nothing useful).
 
 Times (``triton.testing.do_bench`` medians, bf16, N x H x V = 8192 x 4096 x 151936 by default):
 one cuBLAS ``hidden @ weight.T`` (the unit), the plain forward (tile statistics + combine) and
-the forward with top-k (statistics and top-k in one pass, the chunks' merge, combine, log-probs)
-for each variant of the kernel's two knobs (vocabulary chunks, rows per program), with the peak
-memory beyond the inputs and whether its ids match the default variant's. The lead's target:
-top-k 32 at most 1.25 units against 1.06 for the plain forward.
+the forward with top-k (the plain forward, candidate tiles, their recompute, the selection,
+combine, log-probs) at each k, with the peak memory beyond the inputs; for the first k also each
+step alone. The lead's target (issue 18): top-k 32 at most 1.25 units against 1.06 plain.
 """
 
 from __future__ import annotations
@@ -26,12 +25,9 @@ ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--n", type=int, default=8192)
 ARGS.add_argument("--hidden", type=int, default=4096)
 ARGS.add_argument("--vocab", type=int, default=151936)
-ARGS.add_argument("--k", default="32,1,64", help="top-k sizes; the first gets every variant")
-ARGS.add_argument(
-    "--variants", default="4x64,2x64,8x64,4x128,16x64", help="chunks x rows-per-program to time"
-)
+ARGS.add_argument("--k", default="32,1,64", help="top-k sizes; the first also gets its steps")
 ARGS.add_argument("--dry", action="store_true", help="CPU interpreter, tiny shapes")
-ARGS.add_argument("--budget-s", type=float, default=420.0, help="stop after this many seconds")
+ARGS.add_argument("--budget-s", type=float, default=120.0, help="stop after this many seconds")
 ARGS.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder")
 OPTS = ARGS.parse_args()
 if OPTS.dry:
@@ -42,7 +38,13 @@ import triton  # noqa: E402
 
 from fusedhead_triton.configs import settings_for  # noqa: E402
 from fusedhead_triton.launch import HeadScalars, combine, forward_partials  # noqa: E402
-from fusedhead_triton.topk import BLOCK_M, CHUNKS, finish, topk_partials  # noqa: E402
+from fusedhead_triton.topk import (  # noqa: E402
+    candidate_tiles,
+    finish,
+    recompute,
+    select,
+    topk_partials,
+)
 
 DEV = torch.device("cpu" if OPTS.dry else "cuda")
 DTYPE = torch.float16 if OPTS.dry else torch.bfloat16
@@ -54,7 +56,7 @@ def median_ms(fn: Any) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    return float(triton.testing.do_bench(fn, warmup=200, rep=1000, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=100, rep=500, return_mode="median"))
 
 
 def peak_extra_gib(fn: Any) -> float | None:
@@ -81,43 +83,45 @@ def main() -> None:
     def plain() -> Any:
         return combine(forward_partials(hid, w, lab, None, sc, cfg), lab, IGNORE, entropy=True)
 
-    def with_topk(k: int, chunks: int, rows: int) -> Any:
-        p, top = topk_partials(hid, w, lab, None, sc, cfg, k, chunks=chunks, block_m=rows)
+    def with_topk(k: int) -> Any:
+        p, top = topk_partials(hid, w, lab, None, sc, cfg, k)
         out = combine(p, lab, IGNORE, entropy=True)
         return out, finish(top, out.lse, lab, IGNORE)
 
+    rows: list[dict[str, Any]] = []
     with torch.no_grad():
         unit = median_ms(lambda: torch.mm(hid, w.T))
-        rows: list[dict[str, Any]] = []
-        base = {"case": "plain forward", "ms": median_ms(plain)}
+        base = {"case": "plain forward", "ms": median_ms(plain), "peak_extra_gib": None}
         base["peak_extra_gib"] = peak_extra_gib(plain)
         rows.append(base)
-        ks = [int(x) for x in OPTS.k.split(",") if x]
-        variants = [tuple(int(x) for x in s.split("x")) for s in OPTS.variants.split(",") if s]
-        ref: dict[int, Any] = {}
-        for i, k in enumerate(ks):
-            for chunks, block_m in variants if i == 0 else [(CHUNKS, BLOCK_M)]:
-                if time.time() - t_start > OPTS.budget_s:
-                    print(f"budget of {OPTS.budget_s:g} s spent: k={k} {chunks}x{block_m} not run")
-                    continue
-                t0 = time.time()
-                _, top = with_topk(k, chunks, block_m)  # compiles
-                compile_s = time.time() - t0
-                same = None
-                if (chunks, block_m) == (CHUNKS, BLOCK_M):
-                    ref[k] = top
-                elif k in ref:
-                    same = bool(torch.equal(top.ids, ref[k].ids))
-                row = {
-                    "case": f"top-k {k}", "chunks": chunks, "block_m": block_m,
-                    "ms": median_ms(lambda: with_topk(k, chunks, block_m)),  # noqa: B023
-                    "peak_extra_gib": peak_extra_gib(lambda: with_topk(k, chunks, block_m)),  # noqa: B023
-                    "ids_as_default": same, "first_call_s": round(compile_s, 1),
+        for i, k in enumerate(int(x) for x in OPTS.k.split(",") if x):
+            if time.time() - t_start > OPTS.budget_s:
+                print(f"budget of {OPTS.budget_s:g} s spent: k={k} not run", flush=True)
+                continue
+            t0 = time.time()
+            with_topk(k)  # compiles
+            row = {
+                "case": f"top-k {k}", "ms": median_ms(lambda: with_topk(k)),  # noqa: B023
+                "peak_extra_gib": peak_extra_gib(lambda: with_topk(k)),  # noqa: B023
+                "first_call_s": round(time.time() - t0, 1),
+            }  # fmt: skip
+            if i == 0:  # each step alone, on the inputs the previous one made
+                p = forward_partials(hid, w, lab, None, sc, cfg)
+                tiles, floor = candidate_tiles(p.ws[0], k)
+                cand = recompute(hid, w, None, sc, cfg, tiles)
+                row["steps_ms"] = {
+                    "candidate_tiles": median_ms(lambda: candidate_tiles(p.ws[0], k)),  # noqa: B023
+                    "recompute": median_ms(lambda: recompute(hid, w, None, sc, cfg, tiles)),  # noqa: B023
+                    "select": median_ms(lambda: select(cand, tiles, floor, k, 0)),  # noqa: B023
                 }  # fmt: skip
-                rows.append(row)
-                print(json.dumps({**row, "units": row["ms"] / unit}), flush=True)
+                row["cand_gib"] = cand.numel() * 4 / 2**30
+                del p, tiles, floor, cand
+            rows.append(row)
+            print(json.dumps({**row, "units": row["ms"] / unit}), flush=True)
     for r in rows:
         r["units"] = r["ms"] / unit
+        for step, ms in r.get("steps_ms", {}).items():
+            r.setdefault("steps_units", {})[step] = ms / unit
     print(json.dumps({"unit_ms": unit, "plain_units": base["ms"] / unit, "n": n, "h": h, "v": v}))
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

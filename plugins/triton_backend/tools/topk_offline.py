@@ -52,7 +52,9 @@ def compile_tiles_at(block_m: int, arch: int) -> Any:
 def compile_select(kp: int, arch: int) -> Any:
     """``select_kernel`` over the shipped 16-bit tile's columns with ``kp`` keys per row."""
     cfg = settings_for(torch.bfloat16).forward
-    signature = {"cand_ptr": "*fp32", "keys_ptr": "*i64", "N": "i32", "KT": "i32"}
+    signature = {
+        "cand_ptr": "*fp32", "floor_ptr": "*fp32", "keys_ptr": "*i64", "N": "i32", "KT": "i32"
+    }  # fmt: skip
     consts = dict(BLOCK_R=SELECT_ROWS, BLOCK_N=cfg.block_n, KP=kp)
     return off._compile(
         topk.select_kernel, signature, consts, replace(cfg, num_warps=4, num_stages=3), arch

@@ -83,13 +83,16 @@ def decode(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return 0x7FFFFFFF - (keys & 0xFFFFFFFF), values
 
 
-def candidate_tiles(m: torch.Tensor, k: int) -> torch.Tensor:
+def candidate_tiles(m: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row the ``min(k, T)`` tiles with the largest tile max ``m[T, N]`` (equal maxima: the
-    lower tile), in ascending tile order: ``[N, min(k, T)]`` int64."""
+    lower tile), in ascending tile order (``[N, min(k, T)]`` int64), and the row's floor: the
+    k-th largest tile max (k entries reach it, so no top-k entry is below it), -inf if T < k."""
     t = m.shape[0]
     keys = _keys(m.t().contiguous(), torch.arange(t, device=m.device))
     top = torch.topk(keys, min(k, t), dim=1, largest=True, sorted=False).values
-    return torch.sort(decode(top)[0], dim=1).values
+    tiles, maxima = decode(top)
+    floor = maxima.amin(dim=1) if t >= k else torch.full_like(maxima[:, 0], float("-inf"))
+    return torch.sort(tiles, dim=1).values, floor
 
 
 def recompute(
@@ -131,15 +134,18 @@ def recompute(
     return cand
 
 
-def select(cand: torch.Tensor, tiles: torch.Tensor, k: int, id_offset: int) -> TopK:
+def select(
+    cand: torch.Tensor, tiles: torch.Tensor, floor: torch.Tensor, k: int, id_offset: int
+) -> TopK:
     """Each row's ``k`` best (value, then lower id) of its candidate tiles ``cand[N, KT, BN]``
-    (``tiles[N, KT]`` ascending), ids offset by ``id_offset``."""
+    (``tiles[N, KT]`` ascending; ``floor[N]`` at most the k-th best value), ids offset by
+    ``id_offset``."""
     n, kt, bn = cand.shape
     kp = padded_k(k)
     keys = torch.empty((n, kp), dtype=torch.int64, device=cand.device)
     if n:
         kernel("topk").select_kernel[(math.ceil(n / SELECT_ROWS),)](
-            cand, keys, n, kt, BLOCK_R=SELECT_ROWS, BLOCK_N=bn, KP=kp, num_warps=4
+            cand, floor, keys, n, kt, BLOCK_R=SELECT_ROWS, BLOCK_N=bn, KP=kp, num_warps=4
         )
     col, values = decode(torch.topk(keys, k, dim=1, largest=True, sorted=True).values)
     ids = tiles.gather(1, col // bn) * bn + col % bn + id_offset
@@ -154,9 +160,9 @@ def topk_partials(
     (ids offset by ``sc.label_offset``)."""
     check_top_k(k, weight.shape[0])
     p = forward_partials(hidden, weight, labels, temp, sc, cfg, extras)
-    tiles = candidate_tiles(p.ws[0], k)
+    tiles, floor = candidate_tiles(p.ws[0], k)
     cand = recompute(hidden, weight, temp, sc, cfg, tiles)
-    return p, select(cand, tiles, k, sc.label_offset)
+    return p, select(cand, tiles, floor, k, sc.label_offset)
 
 
 def finish(top: TopK, lse: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> TopK:

@@ -6,7 +6,8 @@ with the largest tile max (the top-k lie in them), and then:
 - ``tiles_at_kernel`` recomputes only those tiles, a program per chunk of rows of one tile (the
   pairs grouped by tile), with the forward's GEMM and ``forward.scaled_tile``: a row's logits
   do not depend on the other rows of its tile, so these are the forward's bits;
-- ``select_kernel`` folds each row's candidate tiles into its ``KP`` best keys:
+- ``select_kernel`` folds each row's candidate tiles into its ``KP`` best keys, skipping the
+  entries below the k-th largest tile max (k entries reach it: no top-k entry is below it):
 
   - a key is an int64 ordering (value, then lower id): the fp32 logit's bits made monotone in
     the high word, ``2**31 - 1 - column`` in the low word, so one integer order resolves ties;
@@ -172,14 +173,18 @@ def tiles_at_kernel(
 
 @triton.jit(do_not_specialize=["N", "KT"])
 def select_kernel(
-    cand_ptr, keys_ptr, N, KT, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr
-):
+    cand_ptr, floor_ptr, keys_ptr, N, KT, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    KP: tl.constexpr,
+):  # fmt: skip
     """One program per ``BLOCK_R`` rows: fold the rows' ``KT`` candidate tiles
     ``cand[row, slot, :]`` (slot order: ascending vocabulary ids) into each row's ``KP`` best
     keys, written to ``keys[N, KP]`` (a set: unordered). Column ``slot * BLOCK_N + c`` stands
-    for the slot's column ``c``: the same order as the ids."""
+    for the slot's column ``c``: the same order as the ids. Entries below the row's
+    ``floor`` (no top-k entry is) are skipped: most of the rounds a tile would take."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    base = tl.minimum(rows, N - 1).to(tl.int64) * KT
+    r = tl.minimum(rows, N - 1)
+    base = r.to(tl.int64) * KT
+    lim = tl.load(floor_ptr + r)[:, None]
     cols = tl.arange(0, BLOCK_N)
     slot = tl.arange(0, KP)
     # The set starts with KP distinct keys below every entry's, whose value reads -inf.
@@ -187,6 +192,7 @@ def select_kernel(
     thr = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     for j in range(0, KT):
         z = tl.load(cand_ptr + (base + j)[:, None] * BLOCK_N + cols[None, :])
+        z = tl.where(z >= lim, z, float("-inf"))
         run, thr = fold_tile(run, thr, z, j * BLOCK_N, BLOCK_N)
     out = keys_ptr + rows.to(tl.int64)[:, None] * KP + slot[None, :]
     tl.store(out, run, mask=(rows < N)[:, None])
