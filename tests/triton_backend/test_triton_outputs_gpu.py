@@ -111,15 +111,12 @@ def _assert_sum_p2_at_fp32_gemm_precision(
     out: Any, ref: dict[str, torch.Tensor], hid: torch.Tensor, w: torch.Tensor,
     temp: torch.Tensor, valid: torch.Tensor,
 ) -> None:  # fmt: skip
-    """sum p^2 moves by 2 sum p^2 |d log p| for an error d log p of the few likeliest tokens, so
-    it carries twice the logits' absolute error. An fp32-accumulated tensor-core GEMM (cuBLAS as
-    much as the kernel: on the H200 both shrink the logits by about 3.7e-6 relative) puts it near
-    5e-5 relative at H = 3584, above the 1e-5 the log-probs meet. So it is held to what it can
-    be: each row within twice its worst top-k log-prob error (the derivation), and overall
-    within cuBLAS's own fp32 logits' error."""
+    """sum p^2 moves by 2 sum p^2 d(log p) (weighted by p^2), so it carries about twice the
+    logits' absolute error, and an fp32-accumulated tensor-core GEMM's logits are off by a few
+    1e-6 (on the H200 cuBLAS and the kernel alike shrink them by about 3.7e-6 relative at
+    H = 3584): that puts sum p^2 near 5e-5 relative, above the 1e-5 the log-probs meet. So it
+    is held to the yardstick of the same precision: float64 sum p^2 of cuBLAS's fp32 logits."""
     got, want = out.sum_p2.double()[valid], ref["sum_p2"].detach()[valid]
-    lp_err = (out.topk_log_probs.double() - ref["topk_log_probs"].detach()).abs().amax(dim=1)
-    assert bool(((got - want).abs() <= 2 * want * lp_err[valid] + 1e-7 * want).all())
     with torch.no_grad():
         z = torch.mm(hid, w.T, out_dtype=torch.float32).double() / temp.double().unsqueeze(1)
         cublas = torch.softmax(z, dim=1).pow(2).sum(1)[valid]
