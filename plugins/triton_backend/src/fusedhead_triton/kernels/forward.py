@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature, tanh_f32
-from .sparse import gather_tile, tile_bounds
+from .sparse import first_ids, gather_tile, tile_bounds
 
 
 @triton.jit
@@ -51,6 +51,7 @@ def _stats_epilogue(
     zg_ptr,
     g_lo,
     g_hi,
+    g_first,
     K_g,
     label_offset,
     inv_temp,
@@ -72,7 +73,9 @@ def _stats_epilogue(
         acc, rows, offs_n, V, temp_ptr, inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP
     )
     if HAS_GATHER:
-        gather_tile(z, rows, row_ok, g_lo, g_hi, pid_n * BLOCK_N, sids_ptr, zg_ptr, K_g, BLOCK_N)
+        gather_tile(
+            z, rows, row_ok, g_lo, g_hi, g_first, pid_n * BLOCK_N, sids_ptr, zg_ptr, K_g, BLOCK_N
+        )
     m = tl.max(z, axis=1)
     d = z - m[:, None]
     e = tl.exp2(d * LOG2E)  # masked columns: exp2(-inf) = 0
@@ -143,14 +146,15 @@ def fwd_stats_kernel(
     rows = tl.minimum(offs_m, N - 1)
     cols = tl.minimum(offs_n, V - 1)
     g_lo, g_hi = tile_bounds(starts_ptr, pid_n, rows, N, HAS_GATHER)
+    g_first = first_ids(sids_ptr, rows, g_lo, g_hi, K_g, HAS_GATHER)
     acc = logits_tile(
         h_ptr, w_ptr, rows, cols, H, stride_hn, stride_hk, stride_wv, stride_wk,
         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
     )  # fmt: skip
     _stats_epilogue(
         acc, offs_m, offs_n, pid_n, N, V, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr, arg_ptr,
-        sids_ptr, zg_ptr, g_lo, g_hi, K_g, label_offset, inv_temp, softcap, inv_softcap, BLOCK_N,
-        PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
+        sids_ptr, zg_ptr, g_lo, g_hi, g_first, K_g, label_offset, inv_temp, softcap, inv_softcap,
+        BLOCK_N, PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
     )  # fmt: skip
 
 
@@ -195,6 +199,7 @@ def fwd_stats_tma_kernel(
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         b_rows = tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), N - 1)
         g_lo, g_hi = tile_bounds(starts_ptr, pid_n, b_rows, N, HAS_GATHER)
+        g_first = first_ids(sids_ptr, b_rows, g_lo, g_hi, K_g, HAS_GATHER)
         acc = logits_tile_tma(
             h_desc,
             w_desc,
@@ -210,7 +215,7 @@ def fwd_stats_tma_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         _stats_epilogue(
             acc, offs_m, offs_n, pid_n, N, V, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr,
-            arg_ptr, sids_ptr, zg_ptr, g_lo, g_hi, K_g, label_offset, inv_temp, softcap,
+            arg_ptr, sids_ptr, zg_ptr, g_lo, g_hi, g_first, K_g, label_offset, inv_temp, softcap,
             inv_softcap, BLOCK_N, PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
         )  # fmt: skip
 

@@ -60,15 +60,32 @@ def tile_bounds(starts_ptr, tile, rows, N, ON: tl.constexpr):
 
 
 @triton.jit
-def gather_tile(z, rows, row_ok, lo, hi, tile_start, sids_ptr, out_ptr, K, BLOCK_N: tl.constexpr):
+def first_ids(sids_ptr, rows, lo, hi, K, ON: tl.constexpr):
+    """Each row's first sorted id inside the tile (0 where none), loaded with ``tile_bounds``
+    before the GEMM: most tiles hold at most one id per row, so the gather's one pass then
+    waits on no load (H200, K = 32: the gather forward 1.11 -> 1.08 GEMM units)."""
+    if ON:
+        return tl.load(sids_ptr + rows.to(tl.int64) * K + lo, mask=hi > lo, other=0)
+    else:
+        return tl.zeros_like(lo)
+
+
+@triton.jit
+def gather_tile(
+    z, rows, row_ok, lo, hi, first, tile_start, sids_ptr, out_ptr, K, BLOCK_N: tl.constexpr
+):  # fmt: skip
     """Write ``z`` at each row's ids inside this tile to ``out[n, pos]`` (sorted positions),
-    with the label logit's own extraction: the same value bit for bit."""
+    with the label logit's own extraction: the same value bit for bit (``first``: from
+    ``first_ids``)."""
     cnt = tl.where(row_ok, hi - lo, 0)
     passes = tl.max(cnt, axis=0)
     base = rows.to(tl.int64) * K + lo
     for j in range(0, passes):
         on = cnt > j
-        sid = tl.load(sids_ptr + base + j, mask=on, other=0)
+        if j == 0:  # noqa: SIM108 - a runtime branch (Triton takes no runtime ternary)
+            sid = first
+        else:
+            sid = tl.load(sids_ptr + base + j, mask=on, other=0)
         col = tl.where(on, sid - tile_start, -1).to(tl.int32)
         val = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == col[:, None], z, 0.0), axis=1)
         tl.store(out_ptr + base + j, val, mask=on)
