@@ -52,11 +52,6 @@ class TopK(NamedTuple):
     logits: torch.Tensor
 
 
-def padded_k(k: int) -> int:
-    """Keys kept per row by the selection: ``k`` rounded up to a power of two (at least 2)."""
-    return max(2, 1 << (k - 1).bit_length())
-
-
 def check_top_k(k: object, vocab_size: int) -> int:
     """``k`` as an int in ``[1, min(MAX_TOP_K, vocab_size)]``, else ValueError/TypeError naming
     ``top_k``."""
@@ -67,13 +62,6 @@ def check_top_k(k: object, vocab_size: int) -> int:
     if k > vocab_size:
         raise ValueError(f"top_k: {k} is more than the vocabulary's {vocab_size} ids")
     return k
-
-
-def _keys(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordering (fp32 value, then lower index), as ``kernels.topk.topk_keys``."""
-    b = torch.where(values == 0, 0, values.view(torch.int32))
-    mono = (b ^ ((b >> 31) & 0x7FFFFFFF)).to(torch.int64)
-    return (mono << 32) | (0x7FFFFFFF - index)
 
 
 def decode(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +75,10 @@ def candidate_tiles(m: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     """Per row the ``min(k, T)`` tiles with the largest tile max ``m[T, N]`` (equal maxima: the
     lower tile), in ascending tile order (``[N, min(k, T)]`` int64), and the row's floor: the
     k-th largest tile max (k entries reach it, so no top-k entry is below it), -inf if T < k."""
-    t = m.shape[0]
-    keys = _keys(m.t().contiguous(), torch.arange(t, device=m.device))
+    t, mt = m.shape[0], m.t().contiguous()
+    b = torch.where(mt == 0, 0, mt.view(torch.int32))  # int64 keys as kernels.topk.topk_keys
+    b = (b ^ ((b >> 31) & 0x7FFFFFFF)).to(torch.int64)
+    keys = (b << 32) | (0x7FFFFFFF - torch.arange(t, device=m.device))
     top = torch.topk(keys, min(k, t), dim=1, largest=True, sorted=False).values
     tiles, maxima = decode(top)
     floor = maxima.amin(dim=1) if t >= k else torch.full_like(maxima[:, 0], float("-inf"))
@@ -106,8 +96,6 @@ def recompute(
     kt, bm, bn = tiles.shape[1], cfg.block_m, cfg.block_n
     t = math.ceil(v / bn)
     cand = torch.empty((n, kt, bn), dtype=torch.float32, device=hidden.device)
-    if n == 0:
-        return cand
     # The (row, slot) pairs row * KT + slot grouped by tile; a program per chunk of BM pairs
     # of one tile: at most ceil(N KT / BM) + T programs, those past the end do nothing.
     by_tile, pairs = torch.sort(tiles.reshape(-1), stable=True)
@@ -141,7 +129,7 @@ def select(
     (``tiles[N, KT]`` ascending; ``floor[N]`` at most the k-th best value), ids offset by
     ``id_offset``."""
     n, kt, bn = cand.shape
-    kp = padded_k(k)
+    kp = max(2, 1 << (k - 1).bit_length())  # keys kept per row: a power of two
     keys = torch.empty((n, kp), dtype=torch.int64, device=cand.device)
     if n:
         kernel("topk").select_kernel[(math.ceil(n / SELECT_ROWS),)](

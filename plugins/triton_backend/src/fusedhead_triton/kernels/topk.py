@@ -1,22 +1,13 @@
-"""Top-k kernels: the scaled logits of chosen (row, tile) pairs again, and each row's best keys.
+"""Top-k kernels (launcher: ``fusedhead_triton.topk``): the candidate tiles' scaled logits again
+(``tiles_at_kernel``: the forward's GEMM and ``forward.scaled_tile``, so the forward's bits), and
+each row's best keys among them (``select_kernel``):
 
-The launcher (``fusedhead_triton.topk``) runs the plain forward, takes per row the ``k`` tiles
-with the largest tile max (the top-k lie in them), and then:
-
-- ``tiles_at_kernel`` recomputes only those tiles, a program per chunk of rows of one tile (the
-  pairs grouped by tile), with the forward's GEMM and ``forward.scaled_tile``: a row's logits
-  do not depend on the other rows of its tile, so these are the forward's bits;
-- ``select_kernel`` folds each row's candidate tiles into its ``KP`` best keys, skipping the
-  entries below the k-th largest tile max (k entries reach it: no top-k entry is below it):
-
-  - a key is an int64 ordering (value, then lower id): the fp32 logit's bits made monotone in
-    the high word, ``2**31 - 1 - column`` in the low word, so one integer order resolves ties;
-  - a tile only visits its entries above the set's smallest value, in rounds that take each
-    row's best remaining entry and put it in place of the set's smallest key; the rounds stop
-    when no row holds an entry that could still enter.
-
-The set is a set (its order is never read), so the result does not depend on the order of the
-insertions.
+- a key is an int64 ordering (value, then lower id): the fp32 logit's bits made monotone in the
+  high word, ``2**31 - 1 - column`` in the low word, so one integer order resolves ties;
+- a tile only visits its entries above the set's smallest value, in rounds that take each row's
+  best remaining entry and put it in place of the set's smallest key, until no row holds an
+  entry that could still enter. The set's order is never read: the result does not depend on
+  the order of the insertions.
 """
 
 from __future__ import annotations
@@ -115,34 +106,11 @@ def _rows_tile(
 
 @triton.jit(do_not_specialize=["N", "V", "KT", "G"])
 def tiles_at_kernel(
-    h_ptr,
-    w_src,
-    temp_ptr,
-    prog_ptr,
-    starts_ptr,
-    pairs_ptr,
-    cand_ptr,
-    N,
-    V,
-    H,
-    KT,
-    G,
-    stride_hn,
-    stride_hk,
-    stride_wv,
-    stride_wk,
-    inv_temp,
-    softcap,
-    inv_softcap,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PER_TOKEN_T: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-):
+    h_ptr, w_src, temp_ptr, prog_ptr, starts_ptr, pairs_ptr, cand_ptr, N, V, H, KT, G, stride_hn,
+    stride_hk, stride_wv, stride_wk, inv_temp, softcap, inv_softcap, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr, PER_TOKEN_T: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
     """One program per chunk of ``BLOCK_M`` (row, slot) pairs of one tile: that tile's scaled
     logits for the pairs' rows, as the forward computes them (``forward.scaled_tile``), into
     ``cand[row, slot, :]``.
