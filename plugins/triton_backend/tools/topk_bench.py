@@ -8,7 +8,9 @@ Times (``triton.testing.do_bench`` medians, bf16, N x H x V = 8192 x 4096 x 1519
 one cuBLAS ``hidden @ weight.T`` (the unit), the plain forward (tile statistics + combine) and
 the forward with top-k (the plain forward, candidate tiles, their recompute, the selection,
 combine, log-probs) at each k, with the peak memory beyond the inputs; for the first k also each
-step alone. The lead's target (issue 18): top-k 32 at most 1.25 units against 1.06 plain.
+step alone, at each recompute rows per program (``--rows``), and whether the recompute gives
+the forward's bits (``max_mismatches``: 0). The lead's target (issue 18): top-k 32 at most
+1.25 units against 1.06 plain.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ ARGS.add_argument("--n", type=int, default=8192)
 ARGS.add_argument("--hidden", type=int, default=4096)
 ARGS.add_argument("--vocab", type=int, default=151936)
 ARGS.add_argument("--k", default="32,1,64", help="top-k sizes; the first also gets its steps")
+ARGS.add_argument(
+    "--rows", default="64,128", help="recompute rows per program to time at the first k"
+)
 ARGS.add_argument("--dry", action="store_true", help="CPU interpreter, tiny shapes")
 ARGS.add_argument("--budget-s", type=float, default=120.0, help="stop after this many seconds")
 ARGS.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder")
@@ -36,6 +41,7 @@ if OPTS.dry:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from fusedhead_triton import topk  # noqa: E402
 from fusedhead_triton.configs import settings_for  # noqa: E402
 from fusedhead_triton.launch import HeadScalars, combine, forward_partials  # noqa: E402
 from fusedhead_triton.topk import (  # noqa: E402
@@ -94,18 +100,25 @@ def main() -> None:
         base = {"case": "plain forward", "ms": median_ms(plain), "peak_extra_gib": None}
         base["peak_extra_gib"] = peak_extra_gib(plain)
         rows.append(base)
-        for i, k in enumerate(int(x) for x in OPTS.k.split(",") if x):
+        ks = [int(x) for x in OPTS.k.split(",") if x]
+        shipped = topk.RECOMPUTE_ROWS
+        cases = [(ks[0], int(r)) for r in OPTS.rows.split(",") if r] + [
+            (k, shipped) for k in ks[1:]
+        ]
+        for k, block_m in cases:
             if time.time() - t_start > OPTS.budget_s:
-                print(f"budget of {OPTS.budget_s:g} s spent: k={k} not run", flush=True)
+                print(f"budget of {OPTS.budget_s:g} s spent: k={k} rows={block_m} not run")
                 continue
+            topk.RECOMPUTE_ROWS = block_m
             t0 = time.time()
             with_topk(k)  # compiles
             row = {
-                "case": f"top-k {k}", "ms": median_ms(lambda: with_topk(k)),  # noqa: B023
+                "case": f"top-k {k}", "recompute_rows": block_m,
+                "ms": median_ms(lambda: with_topk(k)),  # noqa: B023
                 "peak_extra_gib": peak_extra_gib(lambda: with_topk(k)),  # noqa: B023
                 "first_call_s": round(time.time() - t0, 1),
             }  # fmt: skip
-            if i == 0:  # each step alone, on the inputs the previous one made
+            if k == ks[0]:  # each step alone, and whether the recompute is the forward's bits
                 p = forward_partials(hid, w, lab, None, sc, cfg)
                 tiles, floor = candidate_tiles(p.ws[0], k)
                 cand = recompute(hid, w, None, sc, cfg, tiles)
@@ -115,7 +128,13 @@ def main() -> None:
                     "select": median_ms(lambda: select(cand, tiles, floor, k, 0)),  # noqa: B023
                 }  # fmt: skip
                 row["cand_gib"] = cand.numel() * 4 / 2**30
+                # (row, tile) pairs whose recomputed max is not the forward's tile max: 0 if the
+                # recompute gives the forward's bits.
+                row["max_mismatches"] = int(
+                    (cand.amax(dim=2) != p.ws[0].t().gather(1, tiles)).sum()
+                )
                 del p, tiles, floor, cand
+            topk.RECOMPUTE_ROWS = shipped
             rows.append(row)
             print(json.dumps({**row, "units": row["ms"] / unit}), flush=True)
     for r in rows:
