@@ -6,7 +6,7 @@ Usage (any machine with triton's NVIDIA backend, no GPU needed):
 Compiles ``kernels/topk.tiles_at_kernel`` (the recompute of the candidate tiles: the shipped
 16-bit tile's columns, the launcher's rows per program and 128, the gathered rows by pointers
 and the weight by TMA, with softcap and per-token temperature) and ``select_kernel`` (the
-fold of a row's candidates, at a few ``KP``) for ``sm_<arch>a``, and reads the resource usage as
+fold of a row's candidate logits, and of its tile maxima, at a few ``KP``) for ``sm_<arch>a``, and reads the resource usage as
 tools/offline_resources.py does: a non-zero stack means spilled registers. The numbers depend
 on the triton version: run it with the GPU's.
 """
@@ -25,7 +25,7 @@ import torch
 
 from fusedhead_triton.configs import settings_for
 from fusedhead_triton.kernels import topk
-from fusedhead_triton.topk import RECOMPUTE_ROWS, SELECT_ROWS
+from fusedhead_triton.topk import RECOMPUTE_ROWS, SELECT_ROWS, TILE_SLOT
 
 #: The selection's keys per row: k = 1 and the k = 32, 64 of the tests (KP = padded k).
 KPS = (2, 32, 64)
@@ -49,16 +49,14 @@ def compile_tiles_at(block_m: int, arch: int) -> Any:
     return off._compile(topk.tiles_at_kernel, signature, consts, cfg, arch)
 
 
-def compile_select(kp: int, arch: int) -> Any:
-    """``select_kernel`` over the shipped 16-bit tile's columns with ``kp`` keys per row."""
-    cfg = settings_for(torch.bfloat16).forward
+def compile_select(kp: int, width: int, arch: int) -> Any:
+    """``select_kernel`` over slots of ``width`` columns with ``kp`` keys per row."""
     signature = {
         "cand_ptr": "*fp32", "floor_ptr": "*fp32", "keys_ptr": "*i64", "N": "i32", "KT": "i32"
     }  # fmt: skip
-    consts = dict(BLOCK_R=SELECT_ROWS, BLOCK_N=cfg.block_n, KP=kp)
-    return off._compile(
-        topk.select_kernel, signature, consts, replace(cfg, num_warps=4, num_stages=3), arch
-    )
+    consts = dict(BLOCK_R=SELECT_ROWS, BLOCK_N=width, KP=kp)
+    cfg = replace(settings_for(torch.bfloat16).forward, num_warps=4, num_stages=3)
+    return off._compile(topk.select_kernel, signature, consts, cfg, arch)
 
 
 def main() -> None:
@@ -71,7 +69,12 @@ def main() -> None:
         (f"tiles_at_{m}rows", 0, lambda m=m: compile_tiles_at(m, opts.arch))
         for m in (RECOMPUTE_ROWS, 128)
     ]
-    todo += [(f"select_kp{kp}", kp, lambda kp=kp: compile_select(kp, opts.arch)) for kp in KPS]
+    bn = settings_for(torch.bfloat16).forward.block_n
+    for what, width in (("select", bn), ("select_tiles", TILE_SLOT)):  # logits, tile maxima
+        todo += [
+            (f"{what}_kp{kp}", kp, lambda kp=kp, w=width: compile_select(kp, w, opts.arch))
+            for kp in KPS
+        ]
     for name, kp, build in todo:
         res = off.resources(build())
         rows.append({"name": name, "kp": kp, **asdict(res)})

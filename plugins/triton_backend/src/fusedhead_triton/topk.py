@@ -42,6 +42,8 @@ MAX_TOP_K = 64
 RECOMPUTE_ROWS = 64
 #: Rows per program of the selection (small: many programs, a small tile in registers).
 SELECT_ROWS = 16
+#: Tiles per slot when the candidate tiles are selected by the same fold (594 at Qwen's V).
+TILE_SLOT = 64
 
 
 class TopK(NamedTuple):
@@ -75,13 +77,12 @@ def candidate_tiles(m: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     """Per row the ``min(k, T)`` tiles with the largest tile max ``m[T, N]`` (equal maxima: the
     lower tile), in ascending tile order (``[N, min(k, T)]`` int64), and the row's floor: the
     k-th largest tile max (k entries reach it, so no top-k entry is below it), -inf if T < k."""
-    t, mt = m.shape[0], m.t().contiguous()
-    b = torch.where(mt == 0, 0, mt.view(torch.int32))  # int64 keys as kernels.topk.topk_keys
-    b = (b ^ ((b >> 31) & 0x7FFFFFFF)).to(torch.int64)
-    keys = (b << 32) | (0x7FFFFFFF - torch.arange(t, device=m.device))
-    top = torch.topk(keys, min(k, t), dim=1, largest=True, sorted=False).values
-    tiles, maxima = decode(top)
-    floor = maxima.amin(dim=1) if t >= k else torch.full_like(maxima[:, 0], float("-inf"))
+    (t, n), w = m.shape, TILE_SLOT
+    # The rows' tile maxima as slots of w tiles (padded with -inf), folded like logits tiles.
+    mt = torch.nn.functional.pad(m.t(), (0, -t % w), value=float("-inf")).contiguous()
+    none = torch.full((n,), float("-inf"), device=m.device)
+    tiles, maxima = decode(torch.topk(_best_keys(mt.view(n, -1, w), none, k), min(k, t)).values)
+    floor = maxima.amin(dim=1) if t >= k else none
     return torch.sort(tiles, dim=1).values, floor
 
 
@@ -122,20 +123,27 @@ def recompute(
     return cand
 
 
+def _best_keys(cand: torch.Tensor, floor: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's best keys (at least ``k``, unordered) of ``cand[N, S, W]``, column ``j * W + c``
+    for slot ``j``'s ``c``, skipping the entries below ``floor[N]``."""
+    n, s, w = cand.shape
+    kp = max(2, 1 << (k - 1).bit_length())  # keys kept per row: a power of two
+    keys = torch.empty((n, kp), dtype=torch.int64, device=cand.device)
+    if n:
+        kernel("topk").select_kernel[(math.ceil(n / SELECT_ROWS),)](
+            cand, floor, keys, n, s, BLOCK_R=SELECT_ROWS, BLOCK_N=w, KP=kp, num_warps=4
+        )
+    return keys
+
+
 def select(
     cand: torch.Tensor, tiles: torch.Tensor, floor: torch.Tensor, k: int, id_offset: int
 ) -> TopK:
     """Each row's ``k`` best (value, then lower id) of its candidate tiles ``cand[N, KT, BN]``
     (``tiles[N, KT]`` ascending; ``floor[N]`` at most the k-th best value), ids offset by
     ``id_offset``."""
-    n, kt, bn = cand.shape
-    kp = max(2, 1 << (k - 1).bit_length())  # keys kept per row: a power of two
-    keys = torch.empty((n, kp), dtype=torch.int64, device=cand.device)
-    if n:
-        kernel("topk").select_kernel[(math.ceil(n / SELECT_ROWS),)](
-            cand, floor, keys, n, kt, BLOCK_R=SELECT_ROWS, BLOCK_N=bn, KP=kp, num_warps=4
-        )
-    col, values = decode(torch.topk(keys, k, dim=1, largest=True, sorted=True).values)
+    bn = cand.shape[2]
+    col, values = decode(torch.topk(_best_keys(cand, floor, k), k, dim=1, sorted=True).values)
     ids = tiles.gather(1, col // bn) * bn + col % bn + id_offset
     return TopK(ids, values)
 

@@ -144,10 +144,10 @@ def select_kernel(
     cand_ptr, floor_ptr, keys_ptr, N, KT, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     KP: tl.constexpr,
 ):  # fmt: skip
-    """One program per ``BLOCK_R`` rows: fold the rows' ``KT`` candidate tiles
-    ``cand[row, slot, :]`` (slot order: ascending vocabulary ids) into each row's ``KP`` best
-    keys, written to ``keys[N, KP]`` (a set: unordered). Column ``slot * BLOCK_N + c`` stands
-    for the slot's column ``c``: the same order as the ids. Entries below the row's
+    """One program per ``BLOCK_R`` rows: fold the rows' ``KT`` slots ``cand[row, slot, :]``
+    (the candidate tiles' logits in ascending id order, or the tile maxima) into each row's
+    ``KP`` best keys, written to ``keys[N, KP]`` (a set: unordered). Column
+    ``slot * BLOCK_N + c`` stands for the slot's column ``c``. Entries below the row's
     ``floor`` (no top-k entry is) are skipped: most of the rounds a tile would take."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r = tl.minimum(rows, N - 1)
