@@ -35,7 +35,7 @@ if [[ $STEP == bench || $STEP == all ]]; then
   run "${BENCH_LIMIT:-330}" "$OUT/heads.log" python3 -m fusedhead.cli bench --device cuda \
     --dtype bf16 --n 8192 --hidden 4096 --vocab 151936 --temperature 0.7 --impl triton \
     --case ${BENCH_CASES:-logprobs topk32 gather32 kl kl-reverse lse sum_p2 argmax} \
-    --max-minutes 5 --json "$OUT/heads.json"
+    --max-minutes "${BENCH_MINUTES:-5}" --json "$OUT/heads.json"
 fi
 if [[ $STEP == tests || $STEP == all ]]; then
   T=tests/triton_backend
