@@ -9,8 +9,8 @@ one cuBLAS ``hidden @ weight.T`` (the unit), the plain forward (tile statistics 
 the forward with top-k (the plain forward, candidate tiles, their recompute, the selection,
 combine, log-probs) at each k, with the peak memory beyond the inputs; for the first k also each
 step alone, at each recompute rows per program (``--rows``), and whether the recompute gives
-the forward's bits (``max_mismatches``: 0). The lead's target (issue 18): top-k 32 at most
-1.25 units against 1.06 plain.
+the forward's bits (``max_mismatches``: 0; also with 4 warps, the forward's wgmma shape). The
+lead's target (issue 18): top-k 32 at most 1.25 units against 1.06 plain.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -130,10 +131,17 @@ def main() -> None:
                 row["cand_gib"] = cand.numel() * 4 / 2**30
                 # (row, tile) pairs whose recomputed max is not the forward's tile max: 0 if the
                 # recompute gives the forward's bits.
-                row["max_mismatches"] = int(
-                    (cand.amax(dim=2) != p.ws[0].t().gather(1, tiles)).sum()
-                )
-                del p, tiles, floor, cand
+                want = p.ws[0].t().gather(1, tiles)
+                row["max_mismatches"] = int((cand.amax(dim=2) != want).sum())
+                # The forward's own wgmma shape (m64n256k16 on sm90; 8 warps give m64n128k16).
+                cfg4 = replace(cfg, num_warps=4)
+                row["recompute_4_warps"] = {
+                    "ms": median_ms(lambda: recompute(hid, w, None, sc, cfg4, tiles)),  # noqa: B023
+                    "max_mismatches": int(
+                        (recompute(hid, w, None, sc, cfg4, tiles).amax(dim=2) != want).sum()
+                    ),
+                }  # fmt: skip
+                del p, tiles, floor, cand, want
             topk.RECOMPUTE_ROWS = shipped
             rows.append(row)
             print(json.dumps({**row, "units": row["ms"] / unit}), flush=True)
