@@ -304,8 +304,13 @@ def _temperature(value: object, labels: torch.Tensor, device: torch.device) -> f
             f"temperature tensor of shape {tuple(t.shape)} must broadcast to the labels' shape {tuple(labels.shape)}"
         ) from None
     t = t.detach().reshape(-1).to(torch.float32).contiguous()
-    if t.numel() and t.device.type != "meta" and not bool(torch.isfinite(t).all() & (t > 0).all()):
-        raise ValueError("temperature tensor must hold finite values > 0, got a value that is not")
+    if t.numel() and t.device.type != "meta":
+        ok = torch.isfinite(t).all() & (t > 0).all()
+        message = "temperature tensor must hold finite values > 0, got a value that is not"
+        if torch.compiler.is_compiling():
+            _assert_in_graph(ok, message)
+        elif not bool(ok):
+            raise ValueError(message)
     return t
 
 
@@ -329,9 +334,27 @@ def _shard(group: Any, v_local: int, vocab_start: object, vocab_size: object) ->
     return start, size
 
 
+def _assert_in_graph(ok: torch.Tensor, message: str) -> None:
+    """Under torch.compile: a check that neither syncs nor breaks the graph (``torch._assert_async``:
+    a RuntimeError with ``message`` on the CPU, a device-side assert on CUDA, when ``ok`` is False).
+
+    ``message`` is written into the generated kernel as a string literal: no quotes or backslashes.
+    """
+    torch._assert_async(ok, message)
+
+
 def _check_label_range(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> None:
-    """One device-to-host sync; the first offending position is named."""
+    """One device-to-host sync; the first offending position is named (under torch.compile, an
+    in-graph assertion that cannot read the value or its position back)."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if torch.compiler.is_compiling():
+        _assert_in_graph(
+            ~bad.any(),
+            f"labels must be in [0, {vocab_size}) or ignore_index={ignore_index}, got a label out "
+            "of range (checked under torch.compile, which cannot name it); pass "
+            "check_labels=False to skip this check (such rows then give NaN)",
+        )
+        return
     if bool(bad.any()):
         idx = int(bad.nonzero()[0, 0])
         count = int(bad.sum())
@@ -378,7 +401,15 @@ def _gather_ids(
         scored = (call.labels != call.ignore_index).unsqueeze(1)
         counted = scored & (flat != call.ignore_index)
         bad = counted & ((flat < 0) | (flat >= call.vocab_size))
-        if bool(bad.any()):
+        if torch.compiler.is_compiling():
+            _assert_in_graph(
+                ~bad.any(),
+                f"gather_ids must be in [0, {call.vocab_size}) or "
+                f"ignore_index={call.ignore_index} on scored rows, got an id out of range "
+                "(checked under torch.compile, which cannot name it); pass check_labels=False "
+                "to skip this check (such ids then give NaN)",
+            )
+        elif bool(bad.any()):
             row, col = (int(i) for i in bad.nonzero()[0])
             raise ValueError(
                 f"gather_ids must be in [0, {call.vocab_size}) or ignore_index={call.ignore_index} "

@@ -17,7 +17,7 @@ from fusedhead_torch.outputs import (
     VOCAB_PARALLEL_OUTPUTS,
     forward_outputs,
 )
-from fusedhead_torch.tiling import Tiles, plan_tiles
+from fusedhead_torch.tiling import Tiles, plan_tiles, skips_rows
 
 #: Default workspace for the logit tiles, per device type, in MiB. CUDA: 12 vocabulary blocks at
 #: N=8192, V=151936 in bf16 (wider blocks gain little, see tools/gpu_tune.py). CPU: small enough
@@ -53,7 +53,7 @@ class TorchOptions(BaseModel):
         default=None,
         description="Leave rows whose label is ignore_index out of every GEMM (they give 0 "
         "anyway). Finding them costs a device-to-host sync, so the default is on for the CPU "
-        "and off for CUDA (CUDA graphs, torch.compile).",
+        "and off for CUDA (CUDA graphs); under torch.compile they are always masked instead.",
     )
     fp32_logits: bool | None = Field(
         default=None,
@@ -155,10 +155,11 @@ class TorchBackend:
             inv_t: float | torch.Tensor = temp.expand(n).reciprocal()
         else:
             inv_t = 1.0 / float(temperature)
-        skip = self.options.skip_ignored_rows
-        if skip is None:
-            skip = hidden.device.type == "cpu"
-        keep = (labels != ignore_index).nonzero().squeeze(1) if skip else None
+        keep = (
+            (labels != ignore_index).nonzero().squeeze(1)
+            if skips_rows(self.options.skip_ignored_rows, hidden)
+            else None
+        )
         if keep is not None and keep.numel() < n:
             # Scored rows only; index_select/index_copy carry the gradients back (0 elsewhere).
             hidden = hidden.index_select(0, keep)

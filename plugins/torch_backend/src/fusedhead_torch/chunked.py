@@ -250,8 +250,9 @@ class ChunkedFusedHead(torch.autograd.Function):
         scaling = Scaling(inv_t, spec.softcap)
         place = LabelPlace.locate(labels, weight.shape[0], spec)
         h = hidden.contiguous()
-        # On the CPU, checking is free; on CUDA it would sync, so the rows are always masked there.
-        if h.device.type != "cpu" or not bool(place.valid.all()):
+        # On the CPU, checking is free; on CUDA it would sync and under torch.compile it is a
+        # data-dependent branch, so the rows are always masked there.
+        if h.device.type != "cpu" or torch.compiler.is_compiling() or not bool(place.valid.all()):
             # Ignored rows read as zeros: a NaN in one (whose coefficients are 0) must reach
             # neither dh nor dW through 0 * NaN; their statistics become those of zero logits.
             valid = place.valid

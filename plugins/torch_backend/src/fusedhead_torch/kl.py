@@ -33,7 +33,7 @@ from fusedhead_torch.tile_math import (
     logits_mm,
     scale_factor,
 )
-from fusedhead_torch.tiling import Tiles, plan_tiles
+from fusedhead_torch.tiling import Tiles, plan_tiles, skips_rows
 
 if TYPE_CHECKING:
     from fusedhead_torch.backend import TorchBackend
@@ -250,7 +250,16 @@ class ChunkedKL(torch.autograd.Function):
         inv_s = t_s if t_s is not None else ctx.inv[0]
         inv_t = t_t if t_t is not None else ctx.inv[1]
         coef = torch.where(valid, g.float(), torch.zeros((), dtype=FP32, device=g.device))
-        saved = (hidden.contiguous(), weight, ht, wt, m_s, s_s, m_t, s_t, kl)
+        hs = hidden.contiguous()
+        if hs.device.type != "cpu" or torch.compiler.is_compiling() or not bool(valid.all()):
+            # Ignored rows read as zeros (max 0, sum 1) in both heads, as the head's backward
+            # does: a NaN or inf in one (coefficient 0) must not reach dh or dW through 0 * NaN.
+            rows = valid.unsqueeze(1)
+            hs = torch.where(rows, hs, torch.zeros((), dtype=hs.dtype, device=hs.device))
+            ht = torch.where(rows, ht, torch.zeros((), dtype=ht.dtype, device=ht.device))
+            m_s, m_t, kl = (torch.where(valid, t, torch.zeros_like(t)) for t in (m_s, m_t, kl))
+            s_s, s_t = (torch.where(valid, t, torch.ones_like(t)) for t in (s_s, s_t))
+        saved = (hs, weight, ht, wt, m_s, s_s, m_t, s_t, kl)
         with torch.no_grad(), torch.autocast(device_type=hidden.device.type, enabled=False):
             dh, dw = _backward_walk(saved, inv_s, inv_t, coef, ctx.spec, need_h, need_w)
         return dh, dw, None, None, None, None, None, None
@@ -278,10 +287,7 @@ def forward_kl(backend: TorchBackend, call: KLCall) -> KLOutput:
     n = hs.shape[0]
     inv_s = _inverse(call.temperature, n, hs.device)
     inv_t = _inverse(call.teacher_temperature, n, hs.device)
-    skip = backend.options.skip_ignored_rows
-    if skip is None:
-        skip = hs.device.type == "cpu"
-    keep = valid.nonzero().squeeze(1) if skip else None
+    keep = valid.nonzero().squeeze(1) if skips_rows(backend.options.skip_ignored_rows, hs) else None
     if keep is not None and keep.numel() < n:
         hs, ht, valid = hs.index_select(0, keep), ht.index_select(0, keep), valid[keep]
         inv_s = inv_s.index_select(0, keep) if isinstance(inv_s, torch.Tensor) else inv_s

@@ -41,6 +41,7 @@ from fusedhead_torch.tile_math import (
     forward_tile,
     logits_mm,
 )
+from fusedhead_torch.tiling import skips_rows
 
 if TYPE_CHECKING:
     from fusedhead_torch.backend import TorchBackend
@@ -78,6 +79,19 @@ def _rank_desc(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tor
     return vals, ids.gather(1, order2)
 
 
+def _first_k_columns(x: torch.Tensor, th: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row of ``x``, the columns of its values above ``th [R, 1]`` (the k-th largest), then
+    of those equal to it by lowest column: ``k`` in all, in fixed shapes (a top-k of distinct
+    scores, higher for a lower column, over the columns taken)."""
+    greater = x > th
+    equal = x == th
+    need = k - greater.sum(1, keepdim=True)
+    take = greater | (equal & (equal.cumsum(1) <= need))
+    score = torch.arange(x.shape[1], 0, -1, dtype=torch.int32, device=x.device)
+    zero = torch.zeros((), dtype=torch.int32, device=x.device)
+    return torch.topk(torch.where(take, score, zero), k, dim=1).indices
+
+
 def block_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``min(k, C)`` largest entries of each row of ``x [R, C]`` (fp32) and their columns.
 
@@ -93,7 +107,10 @@ def block_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if extra:
         ambiguous = vals[:, k - 1] == vals[:, k]
         vals, cols = vals[:, :k], cols[:, :k]
-        if bool(ambiguous.any()):
+        if torch.compiler.is_compiling():  # no data-dependent branch: every row the exact way
+            cols = _first_k_columns(x, vals[:, k - 1 :], k)
+            vals = x.gather(1, cols)
+        elif bool(ambiguous.any()):
             rows = ambiguous.nonzero().squeeze(1)
             xs, th = x[rows], vals[rows, k - 1 :]
             greater = xs > th
@@ -517,7 +534,7 @@ class ChunkedHeadOutputs(torch.autograd.Function):
         scaling = Scaling(inv_t, hs.softcap)
         valid = labels != hs.ignore_index
         h = hidden.contiguous()
-        if h.device.type != "cpu" or not bool(valid.all()):
+        if h.device.type != "cpu" or torch.compiler.is_compiling() or not bool(valid.all()):
             # Ignored rows read as zeros (row max 0, sum 1): a NaN in one reaches neither dh nor dW.
             h = torch.where(valid.unsqueeze(1), h, torch.zeros((), dtype=h.dtype, device=h.device))
             m = torch.where(valid, m, torch.zeros_like(m))
@@ -559,10 +576,11 @@ def forward_outputs(backend: TorchBackend, call: HeadCall) -> HeadOutput:
         inv_t = temp.expand(n).reciprocal()
     else:
         inv_t = 1.0 / float(call.temperature)
-    skip = backend.options.skip_ignored_rows
-    if skip is None:
-        skip = hidden.device.type == "cpu"
-    keep = (labels != call.ignore_index).nonzero().squeeze(1) if skip else None
+    keep = (
+        (labels != call.ignore_index).nonzero().squeeze(1)
+        if skips_rows(backend.options.skip_ignored_rows, hidden)
+        else None
+    )
     if keep is not None and keep.numel() < n:
         hidden = hidden.index_select(0, keep)
         labels = labels.index_select(0, keep)

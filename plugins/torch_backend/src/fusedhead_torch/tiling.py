@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 #: Auto-planned vocabulary blocks are at least this wide (when V allows); rows shrink instead.
 MIN_AUTO_COLS = 1024
 #: Auto-planned blocks are rounded to a multiple of this many columns, for GEMM-friendly shapes.
@@ -80,3 +82,13 @@ def plan_tiles(
         return Tiles(n, _balanced(v, cols))
     cols = min(v, MIN_AUTO_COLS)
     return Tiles(min(n, max(1, elements // cols)), cols)
+
+
+def skips_rows(option: bool | None, hidden: torch.Tensor) -> bool:
+    """Whether ignored rows are left out of the tiles (``skip_ignored_rows``) rather than masked.
+
+    Never while torch.compile traces: the kept rows' count is data-dependent, so the rows are
+    masked instead (the same values on scored rows, 0 elsewhere) and the graph has fixed shapes.
+    """
+    skip = hidden.device.type == "cpu" if option is None else option
+    return skip and not torch.compiler.is_compiling()
