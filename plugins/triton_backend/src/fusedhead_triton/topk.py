@@ -7,8 +7,9 @@ likely ids from the few tiles that can hold them, recomputed.
    tile. Exact: with tau the k-th chosen (max, tile), every top-k entry is >= tau; tiles above
    tau are all chosen, and each chosen tile at tau holds an entry equal to tau with a lower id
    than any entry of an unchosen one, so the k best (value, then lower id) lie in the chosen.
-3. ``recompute``: only those tiles, grouped by tile, into ``cand[N, k, BLOCK_N]`` (fp32: 268 MB
-   at N = 8192, k = 32 and 256-column tiles); ``select`` folds each row's into its best keys.
+3. ``recompute``: only those tiles, grouped by tile, into ``cand[N, k, BLOCK_N]`` (fp32, the
+   peak memory past the forward's: 268 MB at N = 8192, k = 32 and 256-column tiles, 537 MB at
+   k = 64); ``select`` folds each row's into its best keys, skipping entries below tau.
 
 All on the device with shapes fixed by N, V and k (no host sync: CUDA graphs, torch.compile);
 every step is per row, so the result is deterministic and batch invariant.
