@@ -74,36 +74,6 @@ def fold_tile(run, thr, z, col0, BLOCK_N: tl.constexpr):
     return run, thr
 
 
-@triton.jit
-def _rows_tile(
-    h_ptr, w_src, rows, off_n, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """fp32 tile of ``h[rows] @ W[off_n : off_n + BLOCK_N].T`` in the forward's K order: the
-    rows by pointers (gathered), the weight by TMA with ``USE_TMA`` (a descriptor, as the
-    forward loads it; out-of-range columns read zero), else by pointers too."""
-    if USE_TMA:
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hn + offs_k[None, :] * stride_hk
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(H, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=(offs_k < H - k * BLOCK_K)[None, :], other=0.0)
-            b = w_src.load([off_n, k * BLOCK_K])
-            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_hk
-    else:
-        cols = tl.minimum(off_n + tl.arange(0, BLOCK_N), V - 1)
-        acc = logits_tile(
-            h_ptr, w_src, rows, cols, H, stride_hn, stride_hk, stride_wv, stride_wk, BLOCK_M,
-            BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
-        )  # fmt: skip
-    return acc
-
-
 @triton.jit(do_not_specialize=["N", "V", "KT", "G"])
 def tiles_at_kernel(
     h_ptr, w_src, temp_ptr, prog_ptr, starts_ptr, pairs_ptr, cand_ptr, N, V, H, KT, G, stride_hn,
@@ -117,7 +87,8 @@ def tiles_at_kernel(
 
     ``prog[0, pid]`` is the program's tile (``T`` or more: nothing to do), ``prog[1, pid]`` its
     first position in ``pairs`` (the pairs ``row * KT + slot`` sorted by tile); the tile's
-    pairs end at ``starts[tile + 1]``. ``w_src`` is a TMA descriptor with ``USE_TMA``.
+    pairs end at ``starts[tile + 1]``. The rows come by pointers (gathered), the weight by TMA
+    with ``USE_TMA`` (``w_src`` a descriptor, as the forward loads it), in the forward's K order.
     """
     pid = tl.program_id(0)
     t = tl.load(prog_ptr + pid)
@@ -127,10 +98,24 @@ def tiles_at_kernel(
         ok = idx < tl.load(starts_ptr + t + 1)
         pair = tl.load(pairs_ptr + idx, mask=ok, other=0)
         rows = pair // KT
-        acc = _rows_tile(
-            h_ptr, w_src, rows, t * BLOCK_N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, PRECISION,
-        )  # fmt: skip
+        if USE_TMA:
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = h_ptr + rows[:, None] * stride_hn + offs_k[None, :] * stride_hk
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, tl.cdiv(H, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                else:
+                    a = tl.load(a_ptrs, mask=(offs_k < H - k * BLOCK_K)[None, :], other=0.0)
+                b = w_src.load([t * BLOCK_N, k * BLOCK_K])  # columns past V read zero
+                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+                a_ptrs += BLOCK_K * stride_hk
+        else:
+            cols = tl.minimum(t * BLOCK_N + tl.arange(0, BLOCK_N), V - 1)
+            acc = logits_tile(
+                h_ptr, w_src, rows, cols, H, stride_hn, stride_hk, stride_wv, stride_wk, BLOCK_M,
+                BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
+            )  # fmt: skip
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         z = scaled_tile(
             acc, rows, offs_n, V, temp_ptr, inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP
