@@ -241,7 +241,7 @@ def validate(
     if not flat.is_contiguous():
         flat = flat.contiguous()
     if check_labels and n and dev_type != "meta":
-        _check_label_range(flat, ignore_index, size)
+        flat = _check_label_range(flat, ignore_index, size)
     # The tuple of the fields in _HEAD_CALL_FIELDS' order, without HeadCall's Python __new__.
     call: HeadCall = _new_tuple(
         HeadCall,
@@ -287,7 +287,9 @@ def _apply_autocast(
     return h, w
 
 
-def _temperature(value: object, labels: torch.Tensor, device: torch.device) -> float | torch.Tensor:
+def _temperature(
+    value: object, labels: torch.Tensor, device: torch.device, arg: str = "temperature"
+) -> float | torch.Tensor:
     if value.__class__ is float and 0.0 < value < math.inf:  # type: ignore[operator]
         return value  # type: ignore[return-value]
     if not isinstance(value, torch.Tensor):
@@ -305,13 +307,16 @@ def _temperature(value: object, labels: torch.Tensor, device: torch.device) -> f
         ) from None
     t = t.detach().reshape(-1).to(torch.float32).contiguous()
     if t.numel() and t.device.type != "meta":
-        ok = torch.isfinite(t).all() & (t > 0).all()
-        message = "temperature tensor must hold finite values > 0, got a value that is not"
         if torch.compiler.is_compiling():
-            _assert_in_graph(ok, message)
-        elif not bool(ok):
-            raise ValueError(message)
+            return _temperature_checked(t, arg)  # the check below, as an op of the graph
+        _check_temperature_values(t, "temperature")  # _temperature_named renames it
     return t
+
+
+def _check_temperature_values(t: torch.Tensor, arg: str) -> None:
+    """One device-to-host sync: every per-token temperature finite and > 0."""
+    if not bool(torch.isfinite(t).all() & (t > 0).all()):
+        raise ValueError(f"{arg} tensor must hold finite values > 0, got a value that is not")
 
 
 def _shard(group: Any, v_local: int, vocab_start: object, vocab_size: object) -> tuple[int, int]:
@@ -334,27 +339,12 @@ def _shard(group: Any, v_local: int, vocab_start: object, vocab_size: object) ->
     return start, size
 
 
-def _assert_in_graph(ok: torch.Tensor, message: str) -> None:
-    """Under torch.compile: a check that neither syncs nor breaks the graph (``torch._assert_async``:
-    a RuntimeError with ``message`` on the CPU, a device-side assert on CUDA, when ``ok`` is False).
-
-    ``message`` is written into the generated kernel as a string literal: no quotes or backslashes.
-    """
-    torch._assert_async(ok, message)
-
-
-def _check_label_range(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> None:
-    """One device-to-host sync; the first offending position is named (under torch.compile, an
-    in-graph assertion that cannot read the value or its position back)."""
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+def _check_label_range(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> torch.Tensor:
+    """One device-to-host sync; the first offending position is named. Returns ``labels`` (under
+    torch.compile, the checked copy from the graph's op: see ``_labels_checked``)."""
     if torch.compiler.is_compiling():
-        _assert_in_graph(
-            ~bad.any(),
-            f"labels must be in [0, {vocab_size}) or ignore_index={ignore_index}, got a label out "
-            "of range (checked under torch.compile, which cannot name it); pass "
-            "check_labels=False to skip this check (such rows then give NaN)",
-        )
-        return
+        return _labels_checked(labels, ignore_index, vocab_size)
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
     if bool(bad.any()):
         idx = int(bad.nonzero()[0, 0])
         count = int(bad.sum())
@@ -363,6 +353,7 @@ def _check_label_range(labels: torch.Tensor, ignore_index: int, vocab_size: int)
             f"at flat position {idx} ({count} label(s) out of range); pass check_labels=False to skip "
             "this check (such rows then give NaN)"
         )
+    return labels
 
 
 def _top_k(value: object, vocab_size: int) -> int:
@@ -398,26 +389,65 @@ def _gather_ids(
         )
     flat = ids.reshape(-1, ids.shape[-1]).to(torch.int64).contiguous()
     if do_check and flat.numel() and flat.device.type != "meta":
-        scored = (call.labels != call.ignore_index).unsqueeze(1)
-        counted = scored & (flat != call.ignore_index)
-        bad = counted & ((flat < 0) | (flat >= call.vocab_size))
-        if torch.compiler.is_compiling():
-            _assert_in_graph(
-                ~bad.any(),
-                f"gather_ids must be in [0, {call.vocab_size}) or "
-                f"ignore_index={call.ignore_index} on scored rows, got an id out of range "
-                "(checked under torch.compile, which cannot name it); pass check_labels=False "
-                "to skip this check (such ids then give NaN)",
-            )
-        elif bool(bad.any()):
-            row, col = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"gather_ids must be in [0, {call.vocab_size}) or ignore_index={call.ignore_index} "
-                f"on scored rows, got {int(flat[row, col])} at flat row {row}, position {col} "
-                f"({int(bad.sum())} id(s) out of range); pass check_labels=False to skip this "
-                "check (such ids then give NaN)"
-            )
+        if torch.compiler.is_compiling():  # the check below, as an op of the graph
+            return _gather_ids_checked(flat, call.labels, call.ignore_index, call.vocab_size)
+        _check_gather_range(flat, call.labels, call.ignore_index, call.vocab_size)
     return flat
+
+
+def _check_gather_range(
+    flat: torch.Tensor, labels: torch.Tensor, ignore_index: int, vocab_size: int
+) -> None:
+    """One device-to-host sync: the ids that count (scored rows, not ignore_index) in range."""
+    counted = (labels != ignore_index).unsqueeze(1) & (flat != ignore_index)
+    bad = counted & ((flat < 0) | (flat >= vocab_size))
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"gather_ids must be in [0, {vocab_size}) or ignore_index={ignore_index} "
+            f"on scored rows, got {int(flat[row, col])} at flat row {row}, position {col} "
+            f"({int(bad.sum())} id(s) out of range); pass check_labels=False to skip this "
+            "check (such ids then give NaN)"
+        )
+
+
+# While torch.compile traces, a check cannot read a tensor's values: that is a data-dependent
+# branch, which breaks the graph. Each check above is then one opaque custom op whose kernel is
+# the eager check, so a compiled step raises the very same ValueError (and pays the same host
+# sync). The op hands its input back as a copy that the call goes on with: an op whose output
+# nothing reads would be dropped from the graph as dead code. (``torch._assert_async`` is no
+# substitute: inductor's CPU kernels throw its error inside OpenMP regions, which aborts.)
+
+
+@torch.library.custom_op("fusedhead::check_labels", mutates_args=())
+def _labels_checked(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> torch.Tensor:
+    """``_check_label_range`` in a compiled graph; a copy of ``labels``."""
+    _check_label_range(labels, ignore_index, vocab_size)
+    return labels.clone()
+
+
+@torch.library.custom_op("fusedhead::check_temperature", mutates_args=())
+def _temperature_checked(t: torch.Tensor, arg: str) -> torch.Tensor:
+    """``_check_temperature_values`` in a compiled graph; a copy of ``t``."""
+    _check_temperature_values(t, arg)
+    return t.clone()
+
+
+@torch.library.custom_op("fusedhead::check_gather_ids", mutates_args=())
+def _gather_ids_checked(
+    flat: torch.Tensor, labels: torch.Tensor, ignore_index: int, vocab_size: int
+) -> torch.Tensor:
+    """``_check_gather_range`` in a compiled graph; a copy of ``flat``."""
+    _check_gather_range(flat, labels, ignore_index, vocab_size)
+    return flat.clone()
+
+
+@_labels_checked.register_fake
+@_temperature_checked.register_fake
+@_gather_ids_checked.register_fake
+def _checked_copy(t: torch.Tensor, *_: object) -> torch.Tensor:
+    """What the three ops give while tracing: a tensor like their first input."""
+    return torch.empty_like(t)
 
 
 def with_outputs(
@@ -564,6 +594,6 @@ def _temperature_named(
 ) -> float | torch.Tensor:
     """``_temperature`` with errors naming ``arg``."""
     try:
-        return _temperature(value, rows, device)
+        return _temperature(value, rows, device, arg)
     except (TypeError, ValueError) as exc:
         raise type(exc)(str(exc).replace("temperature", arg, 1)) from None

@@ -431,6 +431,12 @@ def _backward_walk(
     return grads.result(spec.process_group, spec.reduce_hidden_grad)
 
 
+def _unasked(device: torch.device, dtype: torch.dtype = FP32) -> torch.Tensor:
+    """The placeholder of an output not asked for: a new one each time, since torch.compile's
+    tracing of an autograd Function mis-wires its backward when one tensor is returned twice."""
+    return torch.zeros(0, dtype=dtype, device=device)
+
+
 class ChunkedHeadOutputs(torch.autograd.Function):
     """All requested outputs of one head in one pass; see the module docstring.
 
@@ -468,21 +474,20 @@ class ChunkedHeadOutputs(torch.autograd.Function):
         out_of_range = valid & ((labels < 0) | (labels >= hs.vocab_size))
         log_probs = torch.where(out_of_range, nan, log_probs)
         entropy = torch.where(valid, stats.entropy(), zero) if hs.return_entropy else None
-        empty = torch.zeros(0, dtype=FP32, device=dev)
-        lse = torch.where(valid, stats.log_sum_exp(), zero) if spec.lse else empty
-        sum_p2 = empty
+        lse = torch.where(valid, stats.log_sum_exp(), zero) if spec.lse else _unasked(dev)
+        sum_p2 = _unasked(dev)
         if walk.q is not None:
             sum_p2 = torch.where(valid, walk.q / (stats.s * stats.s), zero)
-        gathered = empty
+        gathered = _unasked(dev)
         if walk.z_gather is not None and gather_ids is not None:
             g = (walk.z_gather - stats.m.unsqueeze(1)).sub_(log_s.unsqueeze(1))
             counted = valid.unsqueeze(1) & (gather_ids != hs.ignore_index)
             gathered = torch.where(counted, g, zero)
             bad = counted & ((gather_ids < 0) | (gather_ids >= hs.vocab_size))
             gathered = torch.where(bad, nan, gathered)
-        topk_lp = empty
-        topk_ids = torch.zeros(0, dtype=torch.int64, device=dev)
-        argmax = topk_ids
+        topk_lp = _unasked(dev)
+        topk_ids = _unasked(dev, torch.int64)
+        argmax = _unasked(dev, torch.int64)
         if walk.cand_vals is not None and walk.cand_ids is not None:
             ids = torch.where(valid.unsqueeze(1), walk.cand_ids, -1)
             if spec.argmax:
@@ -507,7 +512,7 @@ class ChunkedHeadOutputs(torch.autograd.Function):
             sum_p2 if spec.sum_p2 else None,
             inv_t if isinstance(inv_t, torch.Tensor) else None,
         )
-        ent_out = entropy if entropy is not None else empty
+        ent_out = entropy if entropy is not None else _unasked(dev)
         return log_probs, ent_out, lse, sum_p2, topk_lp, gathered, argmax, topk_ids
 
     @staticmethod
