@@ -308,7 +308,8 @@ def _temperature(
     t = t.detach().reshape(-1).to(torch.float32).contiguous()
     if t.numel() and t.device.type != "meta":
         if torch.compiler.is_compiling():
-            return _temperature_checked(t, arg)  # the check below, as an op of the graph
+            checked: torch.Tensor = _temperature_checked(t, arg)  # the check below, in the graph
+            return checked
         _check_temperature_values(t, "temperature")  # _temperature_named renames it
     return t
 
@@ -343,7 +344,8 @@ def _check_label_range(labels: torch.Tensor, ignore_index: int, vocab_size: int)
     """One device-to-host sync; the first offending position is named. Returns ``labels`` (under
     torch.compile, the checked copy from the graph's op: see ``_labels_checked``)."""
     if torch.compiler.is_compiling():
-        return _labels_checked(labels, ignore_index, vocab_size)
+        checked: torch.Tensor = _labels_checked(labels, ignore_index, vocab_size)
+        return checked
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
     if bool(bad.any()):
         idx = int(bad.nonzero()[0, 0])
@@ -390,7 +392,10 @@ def _gather_ids(
     flat = ids.reshape(-1, ids.shape[-1]).to(torch.int64).contiguous()
     if do_check and flat.numel() and flat.device.type != "meta":
         if torch.compiler.is_compiling():  # the check below, as an op of the graph
-            return _gather_ids_checked(flat, call.labels, call.ignore_index, call.vocab_size)
+            checked: torch.Tensor = _gather_ids_checked(
+                flat, call.labels, call.ignore_index, call.vocab_size
+            )
+            return checked
         _check_gather_range(flat, call.labels, call.ignore_index, call.vocab_size)
     return flat
 
