@@ -215,3 +215,12 @@ def test_gather_forward_memory_is_o_of_n_k_bf16() -> None:
     tiles = -(-v // be._settings(torch.bfloat16)[0].forward.block_n)
     allowed = 8 * n * k * 8 + (tiles + 1) * n * 4 + 4 * n * 8  # ids, sorts, values; starts; rows
     assert gathered - plain <= allowed, (plain, gathered)
+
+
+def test_no_rows_gives_empty_outputs_bf16() -> None:
+    """N = 0 straight at the backend (the TMA path takes no descriptor of an empty tensor)."""
+    hid, w, lab, ids = _inputs(0, 4096, 151936, 8, torch.bfloat16)
+    with torch.no_grad():
+        out = _call(TritonBackend(), hid, w, lab, ids, 8)
+    assert out.log_probs.shape == (0,) and out.topk_ids.shape == (0, 8)
+    assert out.gathered.shape == (0, 8) and out.sum_p2.shape == (0,)

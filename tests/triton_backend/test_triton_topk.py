@@ -245,3 +245,14 @@ def test_finish_gives_log_probs_and_blanks_ignored_rows() -> None:
     assert torch.equal(out.ids[keep], ids[keep]) and bool((out.ids[~keep] == -1).all())
     assert (out.logits[keep].double() - logp[keep]).abs().max() <= 1e-5
     assert bool((out.logits[~keep] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_no_rows_give_empty_top_k(dtype: torch.dtype) -> None:
+    """N = 0: empty ids and logits of width k (no tile to choose, nothing launched)."""
+    cfg = settings_for(dtype, **SMALL_TILES).forward
+    sc = HeadScalars(0, IGNORE, 1.0, None)
+    hid, w = torch.randn(0, H).to(dtype), torch.randn(V, H).to(dtype)
+    _, top = topk_partials(hid, w, torch.zeros(0, dtype=torch.long), None, sc, cfg, 8)
+    assert top.ids.shape == (0, 8) and top.ids.dtype == torch.int64
+    assert top.logits.shape == (0, 8) and top.logits.dtype == torch.float32

@@ -228,7 +228,7 @@ def forward_partials(
     ex = extras if extras is not None else PartialExtras()
     ws, zy, q, arg, zg, starts = forward_workspaces(n, t, cfg.block_n, ex, dev)
     k_g = 0 if ex.gather is None else ex.gather.sids.shape[1]
-    if t == 0:
+    if t == 0 or n == 0:  # nothing to compute (and no TMA descriptor of an empty tensor)
         return Partials(ws, zy, q, arg, zg)
     flags = _tiles(
         cfg, hidden.dtype, PER_TOKEN_T=temp is not None, HAS_SOFTCAP=sc.softcap is not None,

@@ -157,6 +157,9 @@ def topk_partials(
     (ids offset by ``sc.label_offset``)."""
     check_top_k(k, weight.shape[0])
     p = forward_partials(hidden, weight, labels, temp, sc, cfg, extras)
+    if hidden.shape[0] == 0:  # no rows: no candidates to choose (a [0, -1] view is ambiguous)
+        ids = torch.empty((0, k), dtype=torch.int64, device=hidden.device)
+        return p, TopK(ids, torch.empty((0, k), dtype=torch.float32, device=hidden.device))
     tiles, floor = candidate_tiles(p.ws[0], k)
     cand = recompute(hidden, weight, temp, sc, cfg, tiles)
     return p, select(cand, tiles, floor, k, sc.label_offset)
