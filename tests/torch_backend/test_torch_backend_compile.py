@@ -1,7 +1,11 @@
 """``torch.compile(fullgraph=True, dynamic=False)`` through ``fused_head`` and ``FusedHead.kl`` on
 the torch backend (CPU), forward and backward: the same values as eager, ignored rows exactly 0
 (gradients too, even with NaN in their hidden state), the label, temperature and gather_ids
-checks kept inside the graph; and eager still leaves ignored rows out of its GEMMs."""
+checks kept inside the graph; and eager still leaves ignored rows out of its GEMMs.
+
+Inductor (the default) compiles the main cases; the variants of one trace (more tiles, per-token
+temperature, softcap, the reverse KL) use ``aot_eager``, the same dynamo and AOTAutograd capture
+with fullgraph, without inductor's C++ build (which takes most of this file's time on the CPU)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,9 @@ IGNORED = slice(0, None, 5)  #: every fifth row is ignored
 Outputs = dict[str, torch.Tensor]
 
 
-def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(
+    seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (a NaN in one ignored row), weight, labels (every fifth ignored), all leaves."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, H, generator=g)
@@ -30,7 +36,7 @@ def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     labels = torch.randint(0, V, (N,), generator=g)
     labels[IGNORED] = IGNORE
     hidden[5] = float("nan")  # ignored: must reach neither an output nor a gradient
-    return hidden.requires_grad_(), weight.requires_grad_(), labels
+    return hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_(), labels
 
 
 def _run(
@@ -49,12 +55,15 @@ def _run(
 
 
 def _compiled_matches_eager(
-    fn: Callable[..., Outputs], args: tuple[Any, ...], leaves: tuple[torch.Tensor, ...]
+    fn: Callable[..., Outputs],
+    args: tuple[Any, ...],
+    leaves: tuple[torch.Tensor, ...],
+    backend: str = "inductor",
 ) -> tuple[Outputs, dict[str, tuple[torch.Tensor, ...]]]:
     """Eager first (it resolves the head: see docs/configuration.md), then the compiled function;
     outputs and gradients within fp32 rounding, integer outputs and ignored rows exact."""
     want, want_g = _run(fn, args, leaves)
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
     got, got_g = _run(compiled, args, leaves)
     assert got.keys() == want.keys() and got_g.keys() == want_g.keys()
     for name, t in got.items():
@@ -93,12 +102,23 @@ def _head_outputs(o: Any) -> Outputs:
 
 
 @pytest.mark.parametrize(
-    "options",
-    [None, {"skip_ignored_rows": True, "chunk_rows": 16, "block_vocab": 128}],
-    ids=["fused_head-defaults", "FusedHead-skip-3x3-tiles"],
+    ("options", "dtype", "backend"),
+    [
+        (None, torch.float32, "inductor"),
+        (None, torch.bfloat16, "inductor"),
+        (
+            {"skip_ignored_rows": True, "chunk_rows": 16, "block_vocab": 128},
+            torch.float32,
+            "aot_eager",
+        ),
+    ],
+    ids=["fused_head-defaults", "fused_head-bf16", "FusedHead-skip-3x3-tiles"],
 )
-def test_log_probs_and_entropy_with_ignored_rows(options: dict[str, Any] | None) -> None:
-    hidden, weight, labels = _inputs()
+def test_log_probs_and_entropy_with_ignored_rows(
+    options: dict[str, Any] | None, dtype: torch.dtype, backend: str
+) -> None:
+    """fp32 outputs within fp32 rounding of eager; gradients in the input dtype within its own."""
+    hidden, weight, labels = _inputs(dtype=dtype)
     if options is None:
 
         def fn(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Outputs:
@@ -111,7 +131,7 @@ def test_log_probs_and_entropy_with_ignored_rows(options: dict[str, Any] | None)
             o = head(h, w, y, temperature=0.7)
             return {"log_probs": o.log_probs, "entropy": o.entropy}
 
-    _compiled_matches_eager(fn, (hidden, weight, labels), (hidden, weight))
+    _compiled_matches_eager(fn, (hidden, weight, labels), (hidden, weight), backend)
 
 
 def test_per_token_temperature() -> None:
@@ -134,7 +154,7 @@ def test_softcap() -> None:
         o = fused_head(h, w, y, temperature=0.8, softcap=4.0, check_labels=False)
         return {"log_probs": o.log_probs, "entropy": o.entropy}
 
-    _compiled_matches_eager(fn, (hidden, weight, labels), (hidden, weight))
+    _compiled_matches_eager(fn, (hidden, weight, labels), (hidden, weight), "aot_eager")
 
 
 # --- the declared extras ------------------------------------------------------------------------
@@ -201,8 +221,10 @@ def test_tie_resolution_in_fixed_shapes_is_the_eager_one(monkeypatch: pytest.Mon
 # --- the KL of two heads ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("direction", ["forward", "reverse"])
-def test_kl(direction: str) -> None:
+@pytest.mark.parametrize(
+    ("direction", "backend"), [("forward", "inductor"), ("reverse", "aot_eager")]
+)
+def test_kl(direction: str, backend: str) -> None:
     hidden, weight, labels = _inputs(seed=8)
     g = torch.Generator().manual_seed(9)
     t_hidden, t_weight = torch.randn(N, HT, generator=g), torch.randn(V, HT, generator=g) / 4
@@ -218,7 +240,7 @@ def test_kl(direction: str) -> None:
         return {"kl": kl, "kl_plain": plain}
 
     got, _ = _compiled_matches_eager(
-        fn, (hidden, weight, t_hidden, t_weight, labels), (hidden, weight)
+        fn, (hidden, weight, t_hidden, t_weight, labels), (hidden, weight), backend
     )
     assert bool((got["kl"][labels != IGNORE] > 0).all())
 

@@ -81,15 +81,13 @@ def _rank_desc(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def _first_k_columns(x: torch.Tensor, th: torch.Tensor, k: int) -> torch.Tensor:
     """Per row of ``x``, the columns of its values above ``th [R, 1]`` (the k-th largest), then
-    of those equal to it by lowest column: ``k`` in all, in fixed shapes (a top-k of distinct
-    scores, higher for a lower column, over the columns taken)."""
+    of those equal to it by lowest column, in fixed shapes: exactly ``k`` columns are taken, so a
+    top-k of the taken flags finds them all (in no particular order)."""
     greater = x > th
     equal = x == th
     need = k - greater.sum(1, keepdim=True)
     take = greater | (equal & (equal.cumsum(1) <= need))
-    score = torch.arange(x.shape[1], 0, -1, dtype=torch.int32, device=x.device)
-    zero = torch.zeros((), dtype=torch.int32, device=x.device)
-    return torch.topk(torch.where(take, score, zero), k, dim=1).indices
+    return torch.topk(take.to(torch.int32), k, dim=1).indices
 
 
 def block_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
