@@ -48,7 +48,7 @@ def _run(
     g = torch.Generator().manual_seed(1)
     for name, t in out.items():
         if t.requires_grad:
-            upstream = torch.randn(t.shape, generator=g)
+            upstream = torch.randn(t.shape, generator=g).to(t.device)
             loss = (t * upstream).sum()
             grads[name] = torch.autograd.grad(loss, leaves, retain_graph=True)
     return out, grads
@@ -299,6 +299,45 @@ def test_teacher_temperature_named_in_the_compiled_graph() -> None:
     for run in (fn, compiled):
         with pytest.raises(ValueError, match=r"^teacher_temperature tensor must hold finite"):
             run(hidden, weight, temp)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_on_cuda(dtype: torch.dtype) -> None:
+    """The same capture on CUDA (rows always masked there), inductor's Triton kernels: every
+    output and the KL, per-token temperature, softcap, ignored rows (one with NaN); the compiled
+    step's check raises eager's ValueError."""
+    h_cpu, w_cpu, y_cpu = _inputs(seed=14, dtype=dtype)
+    hidden = h_cpu.detach().cuda().requires_grad_()
+    weight = w_cpu.detach().cuda().requires_grad_()
+    labels = y_cpu.cuda()
+    g = torch.Generator().manual_seed(15)
+    temp = (torch.rand(N, generator=g) + 0.5).cuda()
+    ids = torch.randint(0, V, (N, 3), generator=g).cuda()
+    t_hidden = torch.randn(N, HT, generator=g).to("cuda", dtype)
+    t_weight = (torch.randn(V, HT, generator=g) / 4).to("cuda", dtype)
+
+    def fn(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, t: torch.Tensor) -> Outputs:
+        o = fused_head(
+            h,
+            w,
+            y,
+            temperature=t,
+            softcap=5.0,
+            top_k=4,
+            gather_ids=ids,
+            return_lse=True,
+            return_sum_p2=True,
+            return_argmax=True,
+        )
+        kl = fused_kl(h, w, t_hidden, t_weight, y, direction="reverse", temperature=t)
+        return {**_head_outputs(o), "kl": kl}
+
+    _compiled_matches_eager(fn, (hidden, weight, labels, temp), (hidden, weight))
+    bad = labels.clone()
+    bad[3] = -7
+    with pytest.raises(ValueError, match=r"got -7 at flat position 3"):
+        torch.compile(fn, fullgraph=True, dynamic=False)(hidden, weight, bad, temp)
 
 
 # --- eager keeps its speed path, and masking gives its bits -------------------------------------

@@ -13,7 +13,6 @@ sync).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
@@ -49,9 +48,21 @@ class Workspace:
         return flat[: rows * cols].view(rows, cols)
 
 
-@cache
+#: ``_mm_out_dtype_works`` per (device, dtype): a plain dict, which torch.compile reads as a
+#: constant (it would trace a ``functools.cache``'d function's body, the trial GEMM included).
+_MM_OUT_DTYPE: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
 def _mm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs for ``dtype`` on ``device``."""
+    works = _MM_OUT_DTYPE.get((device, dtype))
+    if works is None:
+        works = _MM_OUT_DTYPE[(device, dtype)] = _try_mm_out_dtype(device, dtype)
+    return works
+
+
+def _try_mm_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+    """One trial GEMM with ``out_dtype`` (CUDA only; torch >= 2.8 has ``aten::mm.dtype``)."""
     if device.type != "cuda" or not hasattr(torch.ops.aten.mm, "dtype"):
         return False
     a = torch.ones(2, 2, dtype=dtype, device=device)
