@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 import fusedhead_torch.outputs as outputs_mod
 from fusedhead import FusedHead, FusedHeadConfig, fused_head, fused_kl
+from fusedhead.extras import EXTRA_FIELDS
 
 N, H, V, HT = 40, 24, 384, 16
 IGNORE = -100
@@ -81,16 +82,7 @@ def _compiled_matches_eager(
 
 
 #: The outputs a FusedHeadOutput can carry.
-HEAD_OUTPUTS = (
-    "log_probs",
-    "entropy",
-    "lse",
-    "sum_p2",
-    "argmax",
-    "topk_ids",
-    "topk_log_probs",
-    "gathered",
-)
+HEAD_OUTPUTS = ("log_probs", "entropy", *EXTRA_FIELDS)
 
 
 def _head_outputs(o: Any) -> Outputs:
@@ -185,16 +177,7 @@ def test_every_extra_output() -> None:
         return _head_outputs(o)
 
     got, grads = _compiled_matches_eager(fn, (hidden, weight, labels, ids), (hidden, weight))
-    assert set(got) == {
-        "log_probs",
-        "entropy",
-        "lse",
-        "sum_p2",
-        "argmax",
-        "topk_ids",
-        "topk_log_probs",
-        "gathered",
-    }
+    assert set(got) == set(HEAD_OUTPUTS)
     assert set(grads) == {"log_probs", "entropy", "lse", "sum_p2", "topk_log_probs", "gathered"}
     scored = labels != IGNORE
     top = got["topk_ids"][scored]  # pairs (i, i + V/2), then the 5th: the lower id of its pair
