@@ -295,6 +295,38 @@ def test_out_of_range_ids_on_ignored_rows_and_unchecked_ids():
     assert torch.isnan(out.gathered[3, 1]) and not torch.isnan(out.gathered[3, 0])
 
 
+
+def test_with_gather_ids_labels_and_ids_are_checked_in_one_host_read(monkeypatch):
+    """The labels' range check joins the ids' (one sync a step, not two); labels still first."""
+    hidden, weight, labels = _case()
+    ids = torch.zeros(40, 2, dtype=torch.long)
+    reads = []
+    real = torch.Tensor.tolist
+
+    def counting(t):
+        reads.append(t.numel())
+        return real(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    fused_head(hidden, weight, labels, gather_ids=ids)
+    assert reads == [2]  # one read of (labels bad, ids bad)
+    bad_labels = labels.clone()
+    bad_labels[5] = 611
+    bad_ids = ids.clone()
+    bad_ids[6, 1] = 611
+    for y, g, words in (
+        (bad_labels, ids, ["labels must be in [0, 611)", "got 611 at flat position 5"]),
+        (labels, bad_ids, ["gather_ids must be in [0, 611)", "got 611 at flat row 6, position 1"]),
+        (bad_labels, bad_ids, ["labels must be in [0, 611)"]),  # the labels are named first
+    ):
+        with pytest.raises(ValueError) as info:
+            fused_head(hidden, weight, y, gather_ids=g)
+        for word in words:
+            assert word in str(info.value)
+    out = fused_head(hidden, weight, bad_labels, gather_ids=bad_ids, check_labels=False)
+    assert torch.isnan(out.log_probs[5]) and torch.isnan(out.gathered[6, 1])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "words"),
     [

@@ -247,6 +247,10 @@ class FusedHead:
         /,
     ) -> FusedHeadOutput:
         """One call, arguments resolved and positional: the per-step path, kept to few tensor reads."""
+        # With gather_ids, the labels' range check joins the ids' (one host sync, not two).
+        defer = (
+            gather_ids is not None and check_labels is True and not torch.compiler.is_compiling()
+        )
         call, shape, n, device, dtype, cast = validate(
             hidden,
             weight,
@@ -258,7 +262,7 @@ class FusedHead:
             vocab_start,
             vocab_size,
             reduce_hidden_grad,
-            check_labels,
+            False if defer else check_labels,
             softcap,
         )
         basic = (
@@ -279,6 +283,7 @@ class FusedHead:
                 return_sum_p2=return_sum_p2,
                 return_argmax=return_argmax,
                 check_labels=check_labels,
+                labels_unchecked=defer,
             )
             basic = call.outputs <= extras.BASIC_OUTPUTS
         ready = self._caps.get((device, dtype)) or self._ready_entry(device, dtype)

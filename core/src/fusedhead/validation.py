@@ -346,16 +346,26 @@ def _check_label_range(labels: torch.Tensor, ignore_index: int, vocab_size: int)
     if torch.compiler.is_compiling():
         checked: torch.Tensor = _labels_checked(labels, ignore_index, vocab_size)
         return checked
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    bad = _bad_labels(labels, ignore_index, vocab_size)
     if bool(bad.any()):
-        idx = int(bad.nonzero()[0, 0])
-        count = int(bad.sum())
-        raise ValueError(
-            f"labels must be in [0, {vocab_size}) or ignore_index={ignore_index}, got {int(labels[idx])} "
-            f"at flat position {idx} ({count} label(s) out of range); pass check_labels=False to skip "
-            "this check (such rows then give NaN)"
-        )
+        _raise_bad_labels(labels, bad, ignore_index, vocab_size)
     return labels
+
+
+def _bad_labels(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> torch.Tensor:
+    return (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+
+
+def _raise_bad_labels(
+    labels: torch.Tensor, bad: torch.Tensor, ignore_index: int, vocab_size: int
+) -> None:
+    idx = int(bad.nonzero()[0, 0])
+    count = int(bad.sum())
+    raise ValueError(
+        f"labels must be in [0, {vocab_size}) or ignore_index={ignore_index}, got {int(labels[idx])} "
+        f"at flat position {idx} ({count} label(s) out of range); pass check_labels=False to skip "
+        "this check (such rows then give NaN)"
+    )
 
 
 def _top_k(value: object, vocab_size: int) -> int:
@@ -373,8 +383,10 @@ def _gather_ids(
     shape: tuple[int, ...],
     call: HeadCall,
     do_check: bool,
+    with_labels: bool = False,
 ) -> torch.Tensor | None:
-    """``gather_ids [..., K]`` as a contiguous int64 ``[N, K]``; ids in range where they count."""
+    """``gather_ids [..., K]`` as a contiguous int64 ``[N, K]``; ids in range where they count
+    (``with_labels``: the labels' range too, in the same host sync)."""
     if value is None:
         return None
     ids = _tensor("gather_ids", value)
@@ -396,17 +408,29 @@ def _gather_ids(
                 flat, call.labels, call.ignore_index, call.vocab_size
             )
             return checked
-        _check_gather_range(flat, call.labels, call.ignore_index, call.vocab_size)
+        _check_gather_range(flat, call.labels, call.ignore_index, call.vocab_size, with_labels)
     return flat
 
 
 def _check_gather_range(
-    flat: torch.Tensor, labels: torch.Tensor, ignore_index: int, vocab_size: int
+    flat: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    vocab_size: int,
+    with_labels: bool = False,
 ) -> None:
-    """One device-to-host sync: the ids that count (scored rows, not ignore_index) in range."""
+    """One device-to-host sync: the ids that count (scored rows, not ignore_index) in range, and
+    with ``with_labels`` the labels first (a call with both checks pays one sync, not two)."""
     counted = (labels != ignore_index).unsqueeze(1) & (flat != ignore_index)
     bad = counted & ((flat < 0) | (flat >= vocab_size))
-    if bool(bad.any()):
+    if with_labels:
+        bad_labels = _bad_labels(labels, ignore_index, vocab_size)
+        labels_wrong, ids_wrong = torch.stack((bad_labels.any(), bad.any())).tolist()
+        if labels_wrong:
+            _raise_bad_labels(labels, bad_labels, ignore_index, vocab_size)
+    else:
+        ids_wrong = bool(bad.any())
+    if ids_wrong:
         row, col = (int(i) for i in bad.nonzero()[0])
         raise ValueError(
             f"gather_ids must be in [0, {vocab_size}) or ignore_index={ignore_index} "
@@ -465,8 +489,13 @@ def with_outputs(
     return_sum_p2: object = False,
     return_argmax: object = False,
     check_labels: object = True,
+    labels_unchecked: bool = False,
 ) -> HeadCall:
-    """``call`` with the further outputs asked for (top-k, gather, lse, sum_p2, argmax) validated."""
+    """``call`` with the further outputs asked for (top-k, gather, lse, sum_p2, argmax) validated.
+
+    ``labels_unchecked``: ``validate`` left the labels' range check to this call (with
+    ``gather_ids``, both checks then share one host sync).
+    """
 
     outputs = set(call.outputs)
     for arg, flag, name in (
@@ -479,7 +508,10 @@ def with_outputs(
     k = _top_k(top_k, call.vocab_size)
     if k:
         outputs.add("topk")
-    ids = _gather_ids(gather_ids, shape, call, _flag("check_labels", check_labels))
+    do_check = _flag("check_labels", check_labels)
+    ids = _gather_ids(gather_ids, shape, call, do_check, labels_unchecked)
+    if labels_unchecked and do_check and ids is None and call.labels.numel():
+        _check_label_range(call.labels, call.ignore_index, call.vocab_size)  # not merged after all
     if ids is not None:
         outputs.add("gather")
     if outputs == call.outputs:

@@ -7,7 +7,7 @@ logit is written to ``zy[N]`` by the one tile that holds it (no race, no atomics
 
 Asked-for extras, each behind a constexpr flag (no cost when off): ``q[T, N]`` = sum exp(2 (z - m))
 (sum of squared p), ``arg[T, N]`` the tile's lowest column among its maxima (argmax), and the
-logits at caller ids (gather, ``sparse.gather_tile``), written like the label logit.
+logits at caller ids (gather), written with the label logit (``sparse.extract_tile``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature, tanh_f32
-from .sparse import first_ids, gather_tile, tile_bounds
+from .sparse import extract_tile, first_ids, tile_bounds
 
 
 @triton.jit
@@ -72,10 +72,15 @@ def _stats_epilogue(
     z = scaled_tile(
         acc, rows, offs_n, V, temp_ptr, inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP
     )
-    if HAS_GATHER:
-        gather_tile(
-            z, rows, row_ok, g_lo, g_hi, g_first, pid_n * BLOCK_N, sids_ptr, zg_ptr, K_g, BLOCK_N
-        )
+    # The label logit and the gathered ones first, before the softmax's temporaries exist.
+    lab = tl.load(labels_ptr + rows) - label_offset
+    tile_start = pid_n * BLOCK_N
+    hit = row_ok & (lab >= tile_start) & (lab < tile_start + BLOCK_N) & (lab < V)
+    col = tl.where(hit, lab - tile_start, -1).to(tl.int32)  # int32 compare per element
+    extract_tile(
+        z, rows, row_ok, hit, col, zy_ptr, g_lo, g_hi, g_first, tile_start, sids_ptr, zg_ptr, K_g,
+        BLOCK_N, HAS_GATHER,
+    )  # fmt: skip
     m = tl.max(z, axis=1)
     d = z - m[:, None]
     e = tl.exp2(d * LOG2E)  # masked columns: exp2(-inf) = 0
@@ -93,12 +98,6 @@ def _stats_epilogue(
         a = tl.argmax(z, axis=1, tie_break_left=True).to(tl.int32)
         tl.store(arg_ptr + pid_n.to(tl.int64) * N + offs_m, a, mask=row_ok)
 
-    lab = tl.load(labels_ptr + rows) - label_offset
-    tile_start = pid_n * BLOCK_N
-    hit = row_ok & (lab >= tile_start) & (lab < tile_start + BLOCK_N) & (lab < V)
-    col = tl.where(hit, lab - tile_start, -1).to(tl.int32)  # int32 compare per element
-    zy = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == col[:, None], z, 0.0), axis=1)
-    tl.store(zy_ptr + rows, zy, mask=hit)
 
 
 @triton.jit(do_not_specialize=["N", "V", "K_g"])
