@@ -272,3 +272,253 @@ def kl_dz_kernel(
             mask = (offs_m < N)[:, None] & (offs_n < Vb)[None, :]
             ptrs = dz + offs_m.to(tl.int64)[:, None] * stride_dzm + offs_n[None, :]
             tl.store(ptrs, g.to(dz.dtype.element_ty), mask=mask)
+
+
+# --- One head's tile at a time (``single256``): the log-prob kernels' 128 x 256 tile -------------
+#
+# A program computes the teacher's tile, parks it (scaled, fp32) in its own scratch buffer
+# ``scratch[NUM_PROGS, BLOCK_M * BLOCK_N]`` (an L2-resident 16.5 MiB on 132 SMs), then the
+# student's tile, whose epilogue reads the teacher's back in SPLIT column pieces (fewer live
+# registers). The scratch is stored piece-major: piece ``j`` is a contiguous BLOCK_M x PIECE block.
+# The stores and loads may be laid out over the threads differently (the compiler coalesces them),
+# so a CTA barrier orders both hazards: the teacher's writes before the student's reads of a tile
+# (read after write) and those reads before the next tile's writes (write after read).
+
+
+@triton.jit
+def _half(x, right: tl.constexpr, M: tl.constexpr, N: tl.constexpr):
+    """Columns [0, N/2) (or [N/2, N) if ``right``) of a register tile ``x[M, N]``."""
+    left_half, right_half = x.reshape(M, 2, N // 2).permute(0, 2, 1).split()
+    if right:  # noqa: SIM108 - constexpr branch
+        out = right_half
+    else:
+        out = left_half
+    return out
+
+
+@triton.jit
+def _piece(x, j: tl.constexpr, M: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr):
+    """Columns [j, j + 1) * N / SPLIT of a register tile ``x[M, N]`` (SPLIT 1, 2, 4 or 8), by
+    halving: the column bits of the MMA layout are register bits, and equal halvings of the
+    pieces are one operation (common subexpressions)."""
+    tl.static_assert(SPLIT == 1 or SPLIT == 2 or SPLIT == 4 or SPLIT == 8)
+    out = x
+    if SPLIT >= 2:
+        out = _half(out, (j * 2) // SPLIT == 1, M, N)
+    if SPLIT >= 4:
+        out = _half(out, ((j * 4) // SPLIT) % 2 == 1, M, N // 2)
+    if SPLIT >= 8:
+        out = _half(out, j % 2 == 1, M, N // 4)
+    return out
+
+
+@triton.jit
+def _park(z, park, offs_p, BLOCK_M: tl.constexpr, PIECE: tl.constexpr, SPLIT: tl.constexpr):
+    """Store tile ``z[BLOCK_M, SPLIT * PIECE]`` into the program's scratch, piece by piece."""
+    for j in tl.static_range(SPLIT):
+        tl.store(park + j * (BLOCK_M * PIECE) + offs_p, _piece(z, j, BLOCK_M, SPLIT * PIECE, SPLIT))
+
+
+@triton.jit
+def _head_tile(a_desc, b_desc, off_m, off_n, K, acc, BLOCK_K: tl.constexpr,
+               PRECISION: tl.constexpr):  # fmt: skip
+    """``acc + A[off_m:] @ B[off_n:].T`` through TMA, K steps in order (``logits_tile_tma`` with
+    the accumulator passed in)."""
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([off_m, k * BLOCK_K])
+        b = b_desc.load([off_n, k * BLOCK_K])
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _park_ptrs(scratch, zero, BLOCK_M: tl.constexpr, PIECE: tl.constexpr):
+    """(row pointers ``[BLOCK_M, 1]`` of piece 0 of the program's scratch, column offsets
+    ``[1, PIECE]``). ``zero`` is 0 but changes with the tile loop's variable, so the compiler
+    cannot hoist the address tensors out of the loop, where they would stay live (and spill)
+    across both heads' K loops."""
+    park = (scratch + zero * (BLOCK_M * PIECE)) + tl.arange(0, BLOCK_M)[:, None] * PIECE
+    return park, tl.arange(0, PIECE)[None, :]
+
+
+@triton.jit
+def _piece_stats(zc, zo, m_c, m_o, col_ok):
+    """(s_c, w) of one column piece: ``e_c = exp(z_c - m_c)`` of the parked (weighting) head and
+    ``w = sum e_c ((z_c - z_o) - (m_c - m_o))``, relative to the whole tile's maxima."""
+    e_c = tl.where(col_ok[None, :], tl.exp2((zc - m_c[:, None]) * LOG2E), 0.0)
+    w = tl.sum(e_c * ((zc - zo) - (m_c - m_o)[:, None]), axis=1)
+    return tl.sum(e_c, axis=1), w
+
+
+@triton.jit
+def _cross_stats(
+    zo, m_c, m_o, park, offs_p, off_n, V,
+    BLOCK_M: tl.constexpr, PIECE: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """(s_c, w) of the parked head's tile against the register tile ``zo``, the pieces summed
+    left to right (a fixed order)."""
+    s_c = tl.zeros((BLOCK_M,), tl.float32)
+    w = tl.zeros((BLOCK_M,), tl.float32)
+    for j in tl.static_range(SPLIT):
+        ok = off_n + j * PIECE + tl.arange(0, PIECE) < V
+        zc = tl.load(park + j * (BLOCK_M * PIECE) + offs_p)
+        s2, w2 = _piece_stats(zc, _piece(zo, j, BLOCK_M, SPLIT * PIECE, SPLIT), m_c, m_o, ok)
+        s_c += s2
+        w += w2
+    return s_c, w
+
+
+@triton.jit
+def _max_sum(z, col_ok):
+    """(row max of ``z`` over the columns ``col_ok``, sum of exp(z - max) over them)."""
+    m = tl.max(tl.where(col_ok[None, :], z, float("-inf")), axis=1)
+    e = tl.where(col_ok[None, :], tl.exp2((z - m[:, None]) * LOG2E), 0.0)
+    return m, tl.sum(e, axis=1)
+
+
+@triton.jit(do_not_specialize=["N", "V"])
+def kl_stats_single_kernel(
+    hs, ws, ht, wt, temp_s_ptr, temp_t_ptr, out_ptr, scratch_ptr, N, V, HS, HT,
+    inv_temp_s, inv_temp_t, softcap_s, inv_softcap_s, softcap_t, inv_softcap_t,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    CHUNK: tl.constexpr, NUM_PROGS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    PER_TOKEN_TS: tl.constexpr, PER_TOKEN_TT: tl.constexpr, SOFTCAP_S: tl.constexpr,
+    SOFTCAP_T: tl.constexpr, REVERSE: tl.constexpr,
+):  # fmt: skip
+    """``kl_stats_kernel``'s statistics (same ``out[5, C, N]``), one head's TMA tile at a time.
+
+    The head weighting the cross term (``c``: the teacher, or the student when REVERSE) goes
+    first and is parked; the other head's tile (``o``) stays in registers, its max and sum taken
+    over the whole tile; the epilogue reads ``c`` back piece by piece (``e_c``, ``s_c``, ``w``).
+    So every piece-wise value derives from the loaded piece, in one register layout (with both
+    heads' pieces derived from registers the compiler keeps two layouts of each and spills).
+    Tiles fold in vocabulary order, pieces left to right: a row's result depends only on its own
+    data and the constexpr shapes.
+    """
+    PIECE: tl.constexpr = BLOCK_N // SPLIT
+    scratch = scratch_ptr + tl.program_id(0).to(tl.int64) * (BLOCK_M * BLOCK_N)
+    num_pid_m = tl.cdiv(N, BLOCK_M)
+    num_tiles_n = tl.cdiv(V, BLOCK_N)
+    num_chunks = tl.cdiv(num_tiles_n, CHUNK)
+    stat_stride = num_chunks.to(tl.int64) * N
+    for item in range(tl.program_id(0), num_pid_m * num_chunks, NUM_PROGS):
+        pid_m, chunk = grouped_tile(item, num_pid_m, num_chunks, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        rows = tl.minimum(offs_m, N - 1)
+        inv_s = row_inv_temperature(temp_s_ptr, rows, inv_temp_s, PER_TOKEN_TS)
+        inv_t = row_inv_temperature(temp_t_ptr, rows, inv_temp_t, PER_TOKEN_TT)
+        m_s = tl.full((BLOCK_M,), EMPTY, tl.float32)
+        m_t = tl.full((BLOCK_M,), EMPTY, tl.float32)
+        s_s = tl.zeros((BLOCK_M,), tl.float32)
+        s_t = tl.zeros((BLOCK_M,), tl.float32)
+        w = tl.zeros((BLOCK_M,), tl.float32)
+        first = chunk * CHUNK
+        for tile_n in range(first, tl.minimum(first + CHUNK, num_tiles_n)):
+            off_n = tile_n * BLOCK_N
+            col_ok = off_n + tl.arange(0, BLOCK_N) < V
+            park, offs_p = _park_ptrs(scratch, tile_n // num_tiles_n, BLOCK_M, PIECE)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if REVERSE:  # c = the student
+                acc = _head_tile(hs, ws, off_m, off_n, HS, acc, BLOCK_K, PRECISION)
+                zc, _ = _scaled(acc, inv_s, softcap_s, inv_softcap_s, SOFTCAP_S)
+            else:  # c = the teacher
+                acc = _head_tile(ht, wt, off_m, off_n, HT, acc, BLOCK_K, PRECISION)
+                zc, _ = _scaled(acc, inv_t, softcap_t, inv_softcap_t, SOFTCAP_T)
+            t_mc = tl.max(tl.where(col_ok[None, :], zc, float("-inf")), axis=1)
+            tl.debug_barrier()  # the previous tile's reads of the scratch are done
+            _park(zc, park, offs_p, BLOCK_M, PIECE, SPLIT)
+            tl.debug_barrier()  # every thread's piece is written
+            # the accumulator starts from the parked registers (x 0): a zero constant would be
+            # materialised while they are still live, and spill
+            acc = zc * 0.0
+            if REVERSE:
+                acc = _head_tile(ht, wt, off_m, off_n, HT, acc, BLOCK_K, PRECISION)
+                zo, _ = _scaled(acc, inv_t, softcap_t, inv_softcap_t, SOFTCAP_T)
+            else:
+                acc = _head_tile(hs, ws, off_m, off_n, HS, acc, BLOCK_K, PRECISION)
+                zo, _ = _scaled(acc, inv_s, softcap_s, inv_softcap_s, SOFTCAP_S)
+            t_mo, t_so = _max_sum(zo, col_ok)
+            t_sc, t_w = _cross_stats(zo, t_mc, t_mo, park, offs_p, off_n, V, BLOCK_M, PIECE, SPLIT)
+            if REVERSE:
+                m_s, s_s, m_t, s_t, w = _merge(
+                    m_s, s_s, m_t, s_t, w, t_mc, t_sc, t_mo, t_so, t_w, REVERSE
+                )
+            else:
+                m_s, s_s, m_t, s_t, w = _merge(
+                    m_s, s_s, m_t, s_t, w, t_mo, t_so, t_mc, t_sc, t_w, REVERSE
+                )
+        row_ok = offs_m < N
+        base = out_ptr + chunk.to(tl.int64) * N + offs_m
+        tl.store(base, m_s, mask=row_ok)
+        tl.store(base + stat_stride, s_s, mask=row_ok)
+        tl.store(base + 2 * stat_stride, m_t, mask=row_ok)
+        tl.store(base + 3 * stat_stride, s_t, mask=row_ok)
+        tl.store(base + 4 * stat_stride, w, mask=row_ok)
+
+
+@triton.jit
+def _piece_dz(
+    dz, zs, th, u, off_m, off_n, lse_s, scale, keep, SOFTCAP_S: tl.constexpr,
+    REVERSE: tl.constexpr,
+):  # fmt: skip
+    """Store one column piece of the student's ``dz`` from its scaled logits ``zs`` (and tanh
+    ``th``) and the parked teacher term ``u`` (``p_t``, or ``log p_t + KL`` when REVERSE)."""
+    ls = zs - lse_s[:, None]
+    p_s = tl.exp2(ls * LOG2E)
+    if REVERSE:  # noqa: SIM108 - constexpr branch
+        g = p_s * (ls - u) * scale[:, None]
+    else:
+        g = (p_s - u) * scale[:, None]
+    if SOFTCAP_S:
+        g = g * (1.0 - th * th)
+    g = tl.where(keep[:, None], g, 0.0)
+    dz.store([off_m, off_n], g.to(dz.dtype))
+
+
+@triton.jit(do_not_specialize=["N", "Vb"])
+def kl_dz_single_kernel(
+    hs, ws, ht, wt, dz, temp_s_ptr, temp_t_ptr, lse_s_ptr, lse_t_ptr, kl_ptr, coef_ptr,
+    scratch_ptr, N, Vb, HS, HT, inv_temp_s, inv_temp_t, softcap_s, inv_softcap_s, softcap_t,
+    inv_softcap_t,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    PER_TOKEN_TS: tl.constexpr, PER_TOKEN_TT: tl.constexpr, SOFTCAP_S: tl.constexpr,
+    SOFTCAP_T: tl.constexpr, REVERSE: tl.constexpr,
+):  # fmt: skip
+    """``kl_dz_kernel``'s ``dz`` one head's TMA tile at a time: the teacher's term (``p_t``, or
+    ``log p_t + KL`` when REVERSE) parked in the program's scratch, then the student's tile;
+    ``dz`` (a descriptor of BLOCK_M x BLOCK_N / SPLIT blocks) is stored piece by piece."""
+    PIECE: tl.constexpr = BLOCK_N // SPLIT
+    size: tl.constexpr = BLOCK_M * PIECE
+    scratch = scratch_ptr + tl.program_id(0).to(tl.int64) * (BLOCK_M * BLOCK_N)
+    num_pid_m = tl.cdiv(N, BLOCK_M)
+    num_pid_n = tl.cdiv(Vb, BLOCK_N)
+    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS):
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        rows = tl.minimum(off_m + tl.arange(0, BLOCK_M), N - 1)
+        park, offs_p = _park_ptrs(scratch, tile // (num_pid_m * num_pid_n), BLOCK_M, PIECE)
+        acc = logits_tile_tma(ht, wt, off_m, off_n, HT, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        inv_t = row_inv_temperature(temp_t_ptr, rows, inv_temp_t, PER_TOKEN_TT)
+        zt, _ = _scaled(acc, inv_t, softcap_t, inv_softcap_t, SOFTCAP_T)
+        lt = zt - tl.load(lse_t_ptr + rows)[:, None]
+        if REVERSE:  # noqa: SIM108 - constexpr branch
+            u = lt + tl.load(kl_ptr + rows)[:, None]
+        else:
+            u = tl.exp2(lt * LOG2E)
+        tl.debug_barrier()  # the previous tile's reads of the scratch are done
+        _park(u, park, offs_p, BLOCK_M, PIECE, SPLIT)
+        tl.debug_barrier()  # every thread's piece is written
+        acc = _head_tile(hs, ws, off_m, off_n, HS, u * 0.0, BLOCK_K, PRECISION)
+        inv_s = row_inv_temperature(temp_s_ptr, rows, inv_temp_s, PER_TOKEN_TS)
+        zs, th = _scaled(acc, inv_s, softcap_s, inv_softcap_s, SOFTCAP_S)
+        coef = tl.load(coef_ptr + rows)
+        lse_s = tl.load(lse_s_ptr + rows)
+        scale = coef * inv_s
+        keep = coef != 0.0
+        for j in tl.static_range(SPLIT):
+            u = tl.load(park + j * size + offs_p)
+            _piece_dz(dz, _piece(zs, j, BLOCK_M, BLOCK_N, SPLIT), _piece(th, j, BLOCK_M, BLOCK_N, SPLIT),
+                      u, off_m, off_n + j * PIECE, lse_s, scale, keep, SOFTCAP_S, REVERSE)  # fmt: skip
