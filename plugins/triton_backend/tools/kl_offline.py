@@ -1,13 +1,16 @@
 """Registers, stack and shared memory of the KL kernels, compiled for a GPU without one.
 
 Usage (any machine with triton's NVIDIA backend, no GPU needed):
-    python plugins/triton_backend/tools/kl_offline.py [--arch 90] [--json OUT]
+    python plugins/triton_backend/tools/kl_offline.py [--arch 90] [--only NAMES] [--json OUT]
 
-Compiles ``kl_stats_kernel`` and ``kl_dz_kernel`` (bf16, TMA, both directions) for ``sm_<arch>a``
-with the shipped KL tile and the sweep's alternatives (tools/kl_sweep.py), and reads the
-resource usage as tools/offline_resources.py does: a non-zero stack means spilled registers, the
-shared memory must fit one program per SM (228 KiB on an H100/H200). Both heads' fp32
-accumulators are live at once, which is what bounds the KL tile.
+Compiles the KL's stats and dz kernels (bf16, TMA, both directions) for ``sm_<arch>a`` with the
+shipped KL tile, both layouts (``kl.KL_TILE``: "dual128", both heads' 128 x 128 tiles at once;
+"single256", one head's 128 x 256 tile at a time through a scratch tile) and the sweep's
+alternatives (tools/kl_sweep.py), and reads the resource usage as tools/offline_resources.py
+does: a non-zero stack means spilled registers, the shared memory must fit one program per SM
+(228 KiB on an H100/H200). Pointer arguments and the specialised integers (H, strides) carry the
+16-byte divisibility the JIT gives them at launch (without it the scratch accesses of "single256"
+are not vectorised and its numbers are not the launched kernel's).
 """
 
 from __future__ import annotations
@@ -15,20 +18,58 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import offline_resources as off
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 from fusedhead_triton.configs import TileConfig, settings_for
 from fusedhead_triton.kernels import kl
-from fusedhead_triton.kl import CHUNK, kl_tile
+from fusedhead_triton.kl import CHUNK, KL_SPLIT, KL_TILE, kl_tile
 
 _HEADS = ("hs", "ws", "ht", "wt")
 _STRIDES = tuple(f"stride_{x}" for x in ("hsn", "hsk", "wsv", "wsk", "htn", "htk", "wtv", "wtk"))
 _SCALARS = ("inv_temp_s", "inv_temp_t", "softcap_s", "inv_softcap_s", "softcap_t", "inv_softcap_t")
+_ROWS = ("temp_s_ptr", "temp_t_ptr", "lse_s_ptr", "lse_t_ptr", "kl_ptr", "coef_ptr")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One compiled variant: the tile, the layout and its knobs."""
+
+    cfg: TileConfig
+    layout: str
+    fuse_k: bool = False
+    split: int = KL_SPLIT
+    softcap: bool = False
+
+
+#: Integer arguments the JIT does not specialise (``do_not_specialize``): no divisibility.
+_UNSPECIALISED = ("N", "V", "Vb")
+
+
+def _compile(kernel: Any, signature: dict[str, str], consts: dict[str, Any], cfg: TileConfig,
+             arch: int) -> Any:  # fmt: skip
+    """``kernel`` for ``sm_<arch>a`` with the launch's divisibility: every pointer and every
+    specialised integer (here 4096-sized H and strides) a multiple of 16."""
+    names = list(kernel.arg_names)
+    attrs = {
+        (names.index(k),): [["tt.divisibility", 16]]
+        for k, ty in signature.items()
+        if ty.startswith("*") or (ty == "i32" and k not in _UNSPECIALISED)
+    }
+    signature = {**signature, **{k: "constexpr" for k in consts}}
+    src = ASTSource(
+        fn=kernel, signature=signature, attrs=attrs,
+        constexprs={(names.index(k),): v for k, v in consts.items()},
+    )  # fmt: skip
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def _descriptors(cfg: TileConfig) -> dict[str, str]:
@@ -37,46 +78,66 @@ def _descriptors(cfg: TileConfig) -> dict[str, str]:
     return dict(zip(_HEADS, (a, b, a, b)))
 
 
-def _consts(cfg: TileConfig, reverse: bool, fuse_k: bool) -> dict[str, Any]:
-    return dict(
+def _consts(c: Candidate, reverse: bool) -> dict[str, Any]:
+    cfg = c.cfg
+    out = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_PROGS=132, TMA=True, FUSE_K=fuse_k, EVEN_KS=True, EVEN_KT=True, PRECISION="tf32",
-        PER_TOKEN_TS=False, PER_TOKEN_TT=False, SOFTCAP_S=False, SOFTCAP_T=False, REVERSE=reverse,
+        NUM_PROGS=132, PRECISION="tf32", PER_TOKEN_TS=False, PER_TOKEN_TT=False,
+        SOFTCAP_S=c.softcap, SOFTCAP_T=c.softcap, REVERSE=reverse,
     )  # fmt: skip
+    if c.layout == "single256":
+        return {**out, "SPLIT": c.split}
+    return {**out, "TMA": True, "FUSE_K": c.fuse_k, "EVEN_KS": True, "EVEN_KT": True}
 
 
-def compile_stats(cfg: TileConfig, *, arch: int, reverse: bool, fuse_k: bool) -> Any:
-    """``kl_stats_kernel`` as the launcher builds it for bf16 heads of equal H."""
-    signature = {
-        **_descriptors(cfg), "temp_s_ptr": "*fp32", "temp_t_ptr": "*fp32", "out_ptr": "*fp32",
-        "N": "i32", "V": "i32", "HS": "i32", "HT": "i32", **dict.fromkeys(_STRIDES, "i32"),
-        **dict.fromkeys(_SCALARS, "fp32"),
-    }  # fmt: skip
-    consts = {**_consts(cfg, reverse, fuse_k), "CHUNK": CHUNK}
-    return off._compile(kl.kl_stats_kernel, signature, consts, cfg, arch)
+def compile_stats(c: Candidate, *, arch: int, reverse: bool) -> Any:
+    """The stats kernel of ``c``'s layout as the launcher builds it for bf16 heads of equal H."""
+    signature = {**_descriptors(c.cfg), "temp_s_ptr": "*fp32", "temp_t_ptr": "*fp32",
+                 "out_ptr": "*fp32"}  # fmt: skip
+    if c.layout == "single256":
+        signature["scratch_ptr"] = "*fp32"
+    signature.update({"N": "i32", "V": "i32", "HS": "i32", "HT": "i32"})
+    if c.layout == "dual128":
+        signature.update(dict.fromkeys(_STRIDES, "i32"))
+    signature.update(dict.fromkeys(_SCALARS, "fp32"))
+    fn = kl.kl_stats_single_kernel if c.layout == "single256" else kl.kl_stats_kernel
+    return _compile(fn, signature, {**_consts(c, reverse), "CHUNK": CHUNK}, c.cfg, arch)
 
 
-def compile_dz(cfg: TileConfig, *, arch: int, reverse: bool, fuse_k: bool) -> Any:
-    """``kl_dz_kernel`` as the launcher builds it for bf16 heads of equal H."""
-    rows = ("temp_s_ptr", "temp_t_ptr", "lse_s_ptr", "lse_t_ptr", "kl_ptr", "coef_ptr")
-    signature = {
-        **_descriptors(cfg), "dz": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n}]>",
-        **dict.fromkeys(rows, "*fp32"), "N": "i32", "Vb": "i32", "HS": "i32", "HT": "i32",
-        **dict.fromkeys(_STRIDES, "i32"), "stride_dzm": "i32", **dict.fromkeys(_SCALARS, "fp32"),
-    }  # fmt: skip
-    return off._compile(kl.kl_dz_kernel, signature, _consts(cfg, reverse, fuse_k), cfg, arch)
+def compile_dz(c: Candidate, *, arch: int, reverse: bool) -> Any:
+    """The dz kernel of ``c``'s layout as the launcher builds it for bf16 heads of equal H."""
+    cfg = c.cfg
+    width = cfg.block_n // c.split if c.layout == "single256" else cfg.block_n
+    signature = {**_descriptors(cfg), "dz": f"tensordesc<bf16[{cfg.block_m}, {width}]>",
+                 **dict.fromkeys(_ROWS, "*fp32")}  # fmt: skip
+    if c.layout == "single256":
+        signature["scratch_ptr"] = "*fp32"
+    signature.update({"N": "i32", "Vb": "i32", "HS": "i32", "HT": "i32"})
+    if c.layout == "dual128":
+        signature.update({**dict.fromkeys(_STRIDES, "i32"), "stride_dzm": "i32"})
+    signature.update(dict.fromkeys(_SCALARS, "fp32"))
+    fn = kl.kl_dz_single_kernel if c.layout == "single256" else kl.kl_dz_kernel
+    return _compile(fn, signature, _consts(c, reverse), cfg, arch)
 
 
-def candidates() -> dict[str, tuple[TileConfig, bool]]:
-    """name -> (tile, fuse_k): the shipped KL tile and the sweep's main alternatives."""
-    shipped = kl_tile(settings_for(torch.bfloat16).forward)
+def candidates() -> dict[str, Candidate]:
+    """name -> candidate: the shipped KL tile, both layouts and the sweep's main alternatives."""
+    fwd = settings_for(torch.bfloat16).forward
+    dual, single = kl_tile(fwd, "dual128"), kl_tile(fwd, "single256")
     return {
-        "shipped": (shipped, False),
-        "fuse_k": (shipped, True),
-        "fuse_k,stages=2": (replace(shipped, num_stages=2), True),
-        "fuse_k,block_k=32,stages=4": (replace(shipped, block_k=32, num_stages=4), True),
-        "stages=4": (replace(shipped, num_stages=4), False),
-        "block_n=256": (replace(shipped, block_n=256), False),
+        "shipped": Candidate(kl_tile(fwd), KL_TILE),
+        "dual128": Candidate(dual, "dual128"),
+        "dual128+fuse_k": Candidate(dual, "dual128", fuse_k=True),
+        "dual128+block_n=256": Candidate(replace(dual, block_n=256), "dual128"),
+        "single256": Candidate(single, "single256"),
+        "single256+split=1": Candidate(single, "single256", split=1),
+        "single256+split=2": Candidate(single, "single256", split=2),
+        "single256+split=4": Candidate(single, "single256", split=4),
+        "single256+split=8": Candidate(single, "single256", split=8),
+        "single256+stages=4": Candidate(replace(single, num_stages=4), "single256"),
+        "single256+group_m=8": Candidate(replace(single, group_m=8), "single256"),
+        "single256+softcap": Candidate(single, "single256", softcap=True),
+        "dual128+softcap": Candidate(dual, "dual128", softcap=True),
     }
 
 
@@ -88,16 +149,24 @@ def main() -> None:
     opts = args.parse_args()
     only = {x for x in opts.only.split(",") if x}
     rows = []
-    for name, (cfg, fuse_k) in candidates().items():
+    for name, c in candidates().items():
         if only and name not in only:
             continue
         for which, build in (("stats", compile_stats), ("dz", compile_dz)):
             for reverse in (False, True):
-                res = off.resources(build(cfg, arch=opts.arch, reverse=reverse, fuse_k=fuse_k))
                 label = f"{name} {which} {'reverse' if reverse else 'forward'}"
-                rows.append({"name": name, "kernel": which, "reverse": reverse, "fuse_k": fuse_k,
-                             "config": asdict(cfg), **asdict(res)})  # fmt: skip
-                print(off.line(label, res, 40), flush=True)
+                try:
+                    res = off.resources(build(c, arch=opts.arch, reverse=reverse))
+                except Exception as exc:  # e.g. shared memory past the SM's: say so, go on
+                    print(f"{label:44s} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                    rows.append({"name": name, "kernel": which, "reverse": reverse,
+                                 "error": f"{type(exc).__name__}: {str(exc)[:300]}"})  # fmt: skip
+                    continue
+                rows.append({"name": name, "kernel": which, "reverse": reverse,
+                             "layout": c.layout, "fuse_k": c.fuse_k, "split": c.split,
+                             "softcap": c.softcap, "config": asdict(c.cfg),
+                             **asdict(res)})  # fmt: skip
+                print(off.line(label, res, 44), flush=True)
     if opts.json:
         off.write_json(opts.json, opts.arch, rows)
 
