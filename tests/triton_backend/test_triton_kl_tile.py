@@ -163,3 +163,15 @@ def test_unknown_layout_and_split_are_refused_by_name() -> None:
         kl_tile(cfg, "dual256")
     with pytest.raises(ValueError, match=r"^split: 3 is not one of \(1, 2, 4, 8\)"):
         _run(heads, torch.float16, "forward", "single256", split=3)
+
+
+def test_narrow_tiles_take_fewer_pieces_of_at_least_16_bytes() -> None:
+    """A 16-column fp16 tile has 2 pieces of 8 columns at most (TMA's 16-byte minimum width of
+    dz's block): asking for 8 gives the bits of 2; either matches float64."""
+    heads = Heads(19, 32, 16, 120, seed=38)
+    tiny = {"block_m": 16, "block_n": 16, "block_k": 16}
+    eight = _run(heads, torch.float16, "reverse", "single256", split=8, options=tiny)
+    two = _run(heads, torch.float16, "reverse", "single256", split=2, options=tiny)
+    assert all(torch.equal(a, b) for a, b in zip(eight, two))
+    want = _reference(heads, torch.float16, "reverse", 0.7, 1.3)
+    assert rel_err(eight[0], want[0]) <= TOLERANCE[torch.float16][0]

@@ -49,9 +49,10 @@ FUSE_K = False
 KL_TMA_STAGES = 4
 #: How the 16-bit TMA path tiles the KL: "dual128" computes both heads' 128 x 128 tiles at once
 #: (both accumulators live, ``KL_TMA_STAGES`` stages); "single256" computes one head's tile at a
-#: time on the log-prob kernels' tile (128 x 256, ``KL_SINGLE_STAGES`` stages): the teacher's,
-#: parked in a per-program fp32 scratch tile (L2), then the student's, whose epilogue reads it
-#: back in ``KL_SPLIT`` column pieces. Pointer loads (fp32, odd H) always take "dual128".
+#: time on the log-prob kernels' tile (128 x 256, ``KL_SINGLE_STAGES`` stages): the first head's
+#: (stats: the one weighting the cross term; dz: the teacher's term) parked in a per-program fp32
+#: scratch tile (L2), then the other's, whose epilogue reads it back in ``KL_SPLIT`` column
+#: pieces. Pointer loads (fp32, odd H) always take "dual128".
 KL_TILE = "single256"
 KL_LAYOUTS = ("single256", "dual128")
 #: Pipeline stages of the "single256" tile (the log-prob kernels': 48 KiB a stage).
@@ -101,9 +102,10 @@ def kl_tile(cfg: TileConfig, layout: str | None = None) -> TileConfig:
 
 
 def _plan(cfg: TileConfig, hs: torch.Tensor, ht: torch.Tensor, layout: str | None, split: int
-          ) -> tuple[TileConfig, bool, bool]:  # fmt: skip
-    """(the tile launched, TMA or pointers, one head at a time): "single256" where TMA applies to
-    both heads, else both heads' tiles at once, at most ``KL_MAX_BLOCK_N`` wide."""
+          ) -> tuple[TileConfig, bool, bool, int]:  # fmt: skip
+    """(the tile launched, TMA or pointers, one head at a time, pieces): "single256" where TMA
+    applies to both heads, else both heads' tiles at once, at most ``KL_MAX_BLOCK_N`` wide. A
+    piece's dz block is at least 16 bytes wide (TMA's minimum): fewer pieces on narrow tiles."""
     if split not in KL_SPLITS or cfg.block_n % split:
         raise ValueError(f"split: {split} is not one of {KL_SPLITS} dividing block_n {cfg.block_n}")
     dev, dtype = hs.device, hs.dtype
@@ -111,11 +113,11 @@ def _plan(cfg: TileConfig, hs: torch.Tensor, ht: torch.Tensor, layout: str | Non
     single = tma and kl_layout(layout) == "single256"
     if not single:
         cfg = replace(cfg, block_n=min(cfg.block_n, KL_MAX_BLOCK_N))
-    return cfg, tma, single
+    return cfg, tma, single, min(split, max(1, cfg.block_n * hs.element_size() // 16))
 
 
 def _scratch(cfg: TileConfig, programs: int, device: torch.device) -> torch.Tensor:
-    """One fp32 [block_m, block_n] tile per program, where "single256" parks the teacher's."""
+    """One fp32 [block_m, block_n] tile per program, where "single256" parks a head's tile."""
     return torch.empty(programs * cfg.block_m * cfg.block_n, dtype=torch.float32, device=device)
 
 
@@ -163,7 +165,7 @@ def kl_values(
     """(kl, lse_s, lse_t), fp32 [N] each: one pass over the vocabulary, then the combine
     (``chunk``, ``fuse_k``, ``layout``, ``split``: tuning knobs, never dependent on N)."""
     k = kernel("kl")
-    cfg, tma, single = _plan(cfg, hs, ht, layout, split)
+    cfg, tma, single, split = _plan(cfg, hs, ht, layout, split)
     n, v, dev = hs.shape[0], ws.shape[0], hs.device
     chunks = math.ceil(math.ceil(v / cfg.block_n) / chunk)
     outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3)]
@@ -202,7 +204,7 @@ def kl_grads(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """The student's (dh, dW) for the upstream gradient ``coef`` (0 on ignored rows)."""
     k = kernel("kl")
-    cfg, tma, single = _plan(cfg, hs, ht, layout, split)
+    cfg, tma, single, split = _plan(cfg, hs, ht, layout, split)
     flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc, fuse_k, tma, single, split)
     n = hs.shape[0]
     row_args = (temp_s if temp_s is not None else coef, temp_t if temp_t is not None else coef,
