@@ -11,6 +11,10 @@ maxima, ``w = sum e_c (d_c - d_o)`` with ``d = z - m``, ``c`` the head weighting
 (batch invariant, deterministic). The backward recomputes both tiles and writes the student's
 ``dz``: ``g (p_s - p_t)`` (forward) or ``g p_s (log p_s - log p_t - KL)`` (reverse), over ``T_s``
 and through the softcap's derivative.
+
+Two ways to hold the tiles (``kl.KL_TILE``): both heads' 128 x 128 accumulators at once
+(``kl_stats_kernel``, ``kl_dz_kernel``: the pointer path too), or one head's 128 x 256 tile at a
+time through a per-program scratch tile (``*_single_kernel``, TMA only; see their section).
 """
 
 from __future__ import annotations
@@ -276,13 +280,16 @@ def kl_dz_kernel(
 
 # --- One head's tile at a time (``single256``): the log-prob kernels' 128 x 256 tile -------------
 #
-# A program computes the teacher's tile, parks it (scaled, fp32) in its own scratch buffer
-# ``scratch[NUM_PROGS, BLOCK_M * BLOCK_N]`` (an L2-resident 16.5 MiB on 132 SMs), then the
-# student's tile, whose epilogue reads the teacher's back in SPLIT column pieces (fewer live
-# registers). The scratch is stored piece-major: piece ``j`` is a contiguous BLOCK_M x PIECE block.
-# The stores and loads may be laid out over the threads differently (the compiler coalesces them),
-# so a CTA barrier orders both hazards: the teacher's writes before the student's reads of a tile
-# (read after write) and those reads before the next tile's writes (write after read).
+# A program computes one head's tile, parks it (fp32) in its own scratch buffer
+# ``scratch[NUM_PROGS, BLOCK_M * BLOCK_N]`` (an L2-resident 16.5 MiB on 132 SMs), then the other
+# head's tile, whose epilogue reads the parked one back in SPLIT column pieces (fewer live
+# registers). The stats kernel parks the head weighting the cross term (the teacher, or the student
+# when REVERSE), the dz kernel the teacher's term. The scratch is stored piece-major: piece ``j`` is
+# a contiguous BLOCK_M x PIECE block. The stores and loads may be laid out over the threads
+# differently (the compiler coalesces them), so a CTA barrier orders both hazards: the writes
+# before the reads of a tile (read after write) and those reads before the next tile's writes
+# (write after read). Register shape (sm90, 8 warps: the 128 x 256 fp32 accumulator is 128 of a
+# thread's 255 registers) decided three details, each noted where it is.
 
 
 @triton.jit
