@@ -43,8 +43,6 @@ def _grad_tile(
     inv_temp,
     softcap,
     inv_softcap,
-    tile_start,
-    BLOCK_N: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_GLP: tl.constexpr,
@@ -90,10 +88,8 @@ def _grad_tile(
     if HAS_C:  # sum of squared p: dz += c p^2
         cc = tl.where(valid, tl.load(c_ptr + rows), 0.0) * inv_t
         g = g + cc[:, None] * (p * p)
-    if HAS_GLP:  # the one-hot term, in the tiles that hold a row's label (1 in Vb / BLOCK_N)
-        hit = valid & (lab_local >= tile_start) & (lab_local < tile_start + BLOCK_N)
-        if tl.max(hit.to(tl.int32), axis=0) > 0:
-            g = tl.where(offs_n[None, :] == lab_local[:, None], g + glp[:, None], g)
+    if HAS_GLP:
+        g = tl.where(offs_n[None, :] == lab_local[:, None], g + glp[:, None], g)
     if HAS_SPARSE:
         g = add_sparse(g, offs_n, rows, row_ok, sp_lo, sp_hi, col0, sids_ptr, gs_ptr, K_sp, inv_t)
     if HAS_SOFTCAP:
@@ -161,8 +157,8 @@ def dz_kernel(
     g = _grad_tile(
         acc, offs_m, offs_n, N, Vb, labels_ptr, temp_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
         ax_ptr, c_ptr, sids_ptr, gs_ptr, sp_lo, sp_hi, K_sp, col0, label_offset, ignore_index,
-        inv_temp, softcap, inv_softcap, pid_n * BLOCK_N, BLOCK_N, PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP,
-        HAS_GENT, HAS_AX, HAS_C, HAS_SPARSE,
+        inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP, HAS_GENT, HAS_AX, HAS_C,
+        HAS_SPARSE,
     )  # fmt: skip
     mask = (offs_m < N)[:, None] & (offs_n < Vb)[None, :]
     ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dzm + offs_n[None, :]
@@ -225,7 +221,7 @@ def dz_tma_kernel(
         g = _grad_tile(
             acc, offs_m, offs_n, N, Vb, labels_ptr, temp_ptr, lse_ptr, ent_ptr, glp_ptr,
             gent_ptr, ax_ptr, c_ptr, sids_ptr, gs_ptr, sp_lo, sp_hi, K_sp, col0, label_offset,
-            ignore_index, inv_temp, softcap, inv_softcap, off_n, BLOCK_N, PER_TOKEN_T, HAS_SOFTCAP,
-            HAS_GLP, HAS_GENT, HAS_AX, HAS_C, HAS_SPARSE,
+            ignore_index, inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP,
+            HAS_GENT, HAS_AX, HAS_C, HAS_SPARSE,
         )  # fmt: skip
         dz_desc.store([off_m, off_n], g.to(dz_desc.dtype))

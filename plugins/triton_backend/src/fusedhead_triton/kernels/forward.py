@@ -7,7 +7,7 @@ logit is written to ``zy[N]`` by the one tile that holds it (no race, no atomics
 
 Asked-for extras, each behind a constexpr flag (no cost when off): ``q[T, N]`` = sum exp(2 (z - m))
 (sum of squared p), ``arg[T, N]`` the tile's lowest column among its maxima (argmax), and the
-logits at caller ids (gather), written with the label logit (``sparse.extract_tile``).
+logits at caller ids (gather), written with the label logit (``sparse.gather_tile``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature, tanh_f32
-from .sparse import extract_tile, first_ids, tile_bounds
+from .sparse import first_ids, gather_tile, tile_bounds
 
 
 @triton.jit
@@ -72,15 +72,13 @@ def _stats_epilogue(
     z = scaled_tile(
         acc, rows, offs_n, V, temp_ptr, inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP
     )
-    # The label logit and the gathered ones first, before the softmax's temporaries exist.
-    lab = tl.load(labels_ptr + rows) - label_offset
     tile_start = pid_n * BLOCK_N
-    hit = row_ok & (lab >= tile_start) & (lab < tile_start + BLOCK_N) & (lab < V)
-    col = tl.where(hit, lab - tile_start, -1).to(tl.int32)  # int32 compare per element
-    extract_tile(
-        z, rows, row_ok, hit, col, zy_ptr, g_lo, g_hi, g_first, tile_start, sids_ptr, zg_ptr, K_g,
-        BLOCK_N, HAS_GATHER,
-    )  # fmt: skip
+    if HAS_GATHER:  # the gathered logits with the label's, before the softmax temporaries exist
+        hit, col = _label_column(labels_ptr, rows, row_ok, label_offset, tile_start, V, BLOCK_N)
+        gather_tile(
+            z, rows, row_ok, hit, col, zy_ptr, g_lo, g_hi, g_first, tile_start, sids_ptr, zg_ptr,
+            K_g, BLOCK_N,
+        )  # fmt: skip
     m = tl.max(z, axis=1)
     d = z - m[:, None]
     e = tl.exp2(d * LOG2E)  # masked columns: exp2(-inf) = 0
@@ -97,7 +95,18 @@ def _stats_epilogue(
     if HAS_ARG:  # lowest column among the maxima
         a = tl.argmax(z, axis=1, tie_break_left=True).to(tl.int32)
         tl.store(arg_ptr + pid_n.to(tl.int64) * N + offs_m, a, mask=row_ok)
+    if not HAS_GATHER:  # every tile, at the end: cheaper than skipping the tiles without one
+        hit, col = _label_column(labels_ptr, rows, row_ok, label_offset, tile_start, V, BLOCK_N)
+        zy = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == col[:, None], z, 0.0), axis=1)
+        tl.store(zy_ptr + rows, zy, mask=hit)
 
+
+@triton.jit
+def _label_column(labels_ptr, rows, row_ok, label_offset, tile_start, V, BLOCK_N: tl.constexpr):
+    """Which rows' labels fall in this tile, and their column in it (int32, -1 elsewhere)."""
+    lab = tl.load(labels_ptr + rows) - label_offset
+    hit = row_ok & (lab >= tile_start) & (lab < tile_start + BLOCK_N) & (lab < V)
+    return hit, tl.where(hit, lab - tile_start, -1).to(tl.int32)  # int32 compare per element
 
 
 @triton.jit(do_not_specialize=["N", "V", "K_g"])

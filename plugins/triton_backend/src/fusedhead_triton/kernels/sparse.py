@@ -71,41 +71,34 @@ def first_ids(sids_ptr, rows, lo, hi, K, ON: tl.constexpr):
 
 
 @triton.jit
-def extract_tile(
+def gather_tile(
     z, rows, row_ok, lab_hit, lab_col, zy_ptr, lo, hi, first, tile_start, sids_ptr, out_ptr, K,
-    BLOCK_N: tl.constexpr, HAS_GATHER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Write the label logit (``zy[n]``, where ``lab_hit``) and, with ``HAS_GATHER``, ``z`` at each
-    row's ids inside this tile (``out[n, pos]``, sorted positions; ``first``: from ``first_ids``).
+    """Write ``z`` at each row's ids inside this tile (``out[n, pos]``, sorted positions;
+    ``first``: from ``first_ids``) and the label logit (``zy[n]`` where ``lab_hit``).
 
-    Each pass takes one item a row: its label first, then its ids in order. A pass is a compare
-    and select over the whole tile, so the tile makes only as many as its busiest row needs,
-    none where no row's label or id falls in it (most tiles, without a gather: a label is in 1
-    of V / BLOCK_N tiles). Label and ids come out of the same expression: the same bits.
+    A pass is one compare and select over the tile and takes one item a row, its label first,
+    then its ids: a tile makes as many passes as its busiest row needs, mostly one at K = 32.
+    Label and ids come out of the one expression the label alone uses: the same bits.
     """
     n_lab = lab_hit.to(tl.int32)
-    if HAS_GATHER:  # noqa: SIM108 - constexpr branch
-        cnt = tl.where(row_ok, hi - lo, 0)
-    else:
-        cnt = tl.zeros_like(n_lab)
+    cnt = tl.where(row_ok, hi - lo, 0)
     passes = tl.max(n_lab + cnt, axis=0)
     base = rows.to(tl.int64) * K + lo
     for j in range(0, passes):
         is_lab = lab_hit & (j == 0)
         g = j - n_lab  # this pass's position among the row's ids in the tile
         on = (g >= 0) & (g < cnt)
-        col = lab_col
-        if HAS_GATHER:
-            if j == 0:  # a runtime branch: pass 0 waits on no load
-                sid = first
-            else:
-                more = tl.load(sids_ptr + base + g, mask=on & (g > 0), other=0)
-                sid = tl.where(g == 0, first, more)
-            col = tl.where(is_lab, lab_col, tl.where(on, sid - tile_start, -1)).to(tl.int32)
+        if j == 0:  # a runtime branch: pass 0 waits on no load
+            sid = first
+        else:
+            more = tl.load(sids_ptr + base + g, mask=on & (g > 0), other=0)
+            sid = tl.where(g == 0, first, more)
+        col = tl.where(is_lab, lab_col, tl.where(on, sid - tile_start, -1)).to(tl.int32)
         val = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == col[:, None], z, 0.0), axis=1)
         tl.store(zy_ptr + rows, val, mask=is_lab)
-        if HAS_GATHER:
-            tl.store(out_ptr + base + g, val, mask=on)
+        tl.store(out_ptr + base + g, val, mask=on)
 
 
 @triton.jit
