@@ -52,8 +52,10 @@ KL_TMA_STAGES = 4
 #: time on the log-prob kernels' tile (128 x 256, ``KL_SINGLE_STAGES`` stages): the first head's
 #: (stats: the one weighting the cross term; dz: the teacher's term) parked in a per-program fp32
 #: scratch tile (L2), then the other's, whose epilogue reads it back in ``KL_SPLIT`` column
-#: pieces. Pointer loads (fp32, odd H) always take "dual128".
-KL_TILE = "single256"
+#: pieces. Pointer loads (fp32, odd H) always take "dual128". "dual128" ships: it is the layout
+#: measured on an H200 (2.21 / 6.72 GEMM units forward / forward + backward); "single256" awaits
+#: the same measurement (``tools/kl_sweep.py OUT --budget-s 480`` times both in one call).
+KL_TILE = "dual128"
 KL_LAYOUTS = ("single256", "dual128")
 #: Pipeline stages of the "single256" tile (the log-prob kernels': 48 KiB a stage).
 KL_SINGLE_STAGES = 3
