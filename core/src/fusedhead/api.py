@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections.abc import Iterator, Mapping
@@ -37,6 +38,15 @@ def _as_graph_constant(fn: Any) -> Any:
     constant of the graph, which is how a head is resolved inside a compiled function."""
     fn._dynamo_marked_constant = True
     return fn
+
+
+class _Slots:
+    """What a compiled graph reads of a cache, one attribute per entry. Dynamo reads an
+    attribute as it is at that moment, but a dict it has read once in a trace stays, for the
+    rest of that trace, as it was then: entries made later in the trace would not be seen."""
+
+
+_slot_numbers = itertools.count()  # slot names are never reused: a stale graph never matches
 
 
 @_as_graph_constant
@@ -115,6 +125,8 @@ class FusedHead:
         with self._identified():
             self.backend = cls(self.options)
         self._caps: dict[tuple[torch.device, torch.dtype], tuple[Capabilities, frozenset[str]]] = {}
+        self._graph = _Slots()  # _caps's entries for compiled graphs (see _prepare)
+        self._graph_names: dict[tuple[torch.device, torch.dtype], str] = {}
         device = torch.device(config.device) if config.device else registry.default_device()
         with self._identified():
             caps = self.backend.capabilities(device)
@@ -207,11 +219,16 @@ class FusedHead:
         return entry
 
     @_as_graph_constant
-    def _prepare(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Under ``torch.compile``, before the trace reads ``_caps``: Dynamo runs this eagerly
-        (``_ready_entry``'s check and capabilities do not trace) and keeps its None."""
-        if (device, dtype) not in self._caps:
-            self._ready_entry(device, dtype)
+    def _prepare(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Under ``torch.compile``: Dynamo runs this eagerly (the backend's check and capabilities
+        do not trace) and keeps the name of the attribute of ``_graph`` that holds the entry."""
+        key = (device, dtype)
+        name = self._graph_names.get(key)
+        if name is None:
+            entry = self._caps.get(key) or self._ready_entry(device, dtype)
+            name = self._graph_names[key] = f"ready{next(_slot_numbers)}"
+            setattr(self._graph, name, entry)
+        return name
 
     def __call__(
         self,
@@ -323,8 +340,9 @@ class FusedHead:
             )
             basic = call.outputs <= extras.BASIC_OUTPUTS
         if tracing:  # the first call on the pair resolves while Dynamo traces, not in the graph
-            self._prepare(device, dtype)
-        ready = self._caps.get((device, dtype)) or self._ready_entry(device, dtype)
+            ready = getattr(self._graph, self._prepare(device, dtype))
+        else:
+            ready = self._caps.get((device, dtype)) or self._ready_entry(device, dtype)
         if not (
             basic
             and call.temperature.__class__ is float
@@ -420,8 +438,9 @@ class FusedHead:
             teacher_softcap=teacher_softcap,
         )
         if _tracing():
-            self._prepare(call.hidden.device, call.hidden.dtype)
-        caps = self._ready(call.hidden.device, call.hidden.dtype)
+            caps = getattr(self._graph, self._prepare(call.hidden.device, call.hidden.dtype))[0]
+        else:
+            caps = self._ready(call.hidden.device, call.hidden.dtype)
         if call.direction not in caps.kl_directions:
             raise CapabilityError(
                 f"does not compute the {call.direction} KL of two heads (it declares "
@@ -619,12 +638,16 @@ _tracing = torch.compiler.is_dynamo_compiling
 def _flat_key(options: Mapping[str, Any]) -> tuple[tuple[str, str, Any], ...] | None:
     """``options`` as sorted (name, class name, value) items when every value is a flat JSON
     scalar (NaN excepted: it equals nothing), else None."""
+    for k in options:
+        if k.__class__ is not str:
+            return None
     items = []
-    for k, v in options.items():
-        if k.__class__ is not str or v.__class__ not in _FLAT or v != v:
+    for k in sorted(options):  # names, not items: Dynamo sorts constants only
+        v = options[k]
+        if v.__class__ not in _FLAT or v != v:
             return None
         items.append((k, v.__class__.__name__, v))
-    return tuple(sorted(items))
+    return tuple(items)
 
 
 def _options_key(options: Any) -> tuple[tuple[str, str, Any], ...] | str:
@@ -663,18 +686,44 @@ def get_fused_head(backend: str, options: Mapping[str, Any] | BaseModel | None =
     return head
 
 
+#: The cache's heads as compiled graphs read them (``_Slots``), and their names by key.
+_graph = _Slots()
+_graph_names: dict[tuple[Any, ...], str] = {}
+
+
 def _traced_head(backend: str, options: Mapping[str, Any] | BaseModel | None) -> FusedHead:
-    """``get_fused_head`` as Dynamo sees it: the key from a call it runs eagerly (resolving the
-    head if need be: that does not trace), then the cache's entry, which the graph guards."""
-    return _cache[_key_in_trace(backend, options)]
+    """``get_fused_head`` as Dynamo sees it: a call it runs eagerly (resolving the head if need
+    be: that does not trace) names the slot of the head, which the graph reads and guards."""
+    flat = _flat_key(options) if isinstance(options, Mapping) else None
+    # Flat options as the key the trace built (Dynamo hands its own values over more reliably
+    # than a mapping it was given), the rest as given.
+    name = (
+        _key_in_trace(backend, None, flat)
+        if flat is not None
+        else _key_in_trace(backend, options, None)
+    )
+    head: FusedHead = getattr(_graph, name)
+    return head
+
+
+def _slot(key: tuple[Any, ...], head: FusedHead) -> str:
+    """The name of ``head``'s slot in ``_graph`` (made on the first call for ``key``)."""
+    name = _graph_names.get(key)
+    if name is None:
+        name = _graph_names[key] = f"head{next(_slot_numbers)}"
+        setattr(_graph, name, head)
+    return name
 
 
 @_as_graph_constant
-def _key_in_trace(backend: str, options: Any) -> tuple[Any, ...]:
+def _key_in_trace(backend: str, options: Any, flat: tuple[tuple[str, str, Any], ...] | None) -> str:
     """Run by Dynamo while it traces, never traced (the graph guards on its arguments' values):
-    the head for (backend, options) resolved into the cache, and its key there."""
-    get_fused_head(backend, options)
-    return (backend, _options_key(options))
+    the head for (backend, options), resolved into the cache, and the name of its slot;
+    ``flat``: the options as ``_flat_key`` gave them (then ``options`` is None)."""
+    if flat is not None:
+        options = {k: v for k, _, v in flat}
+    head = get_fused_head(backend, options)
+    return _slot((backend, _options_key(options)), head)
 
 
 def cached_head(config: FusedHeadConfig | Mapping[str, Any] | FusedHead | None) -> FusedHead:
@@ -686,7 +735,8 @@ def cached_head(config: FusedHeadConfig | Mapping[str, Any] | FusedHead | None) 
     if isinstance(config, FusedHead):
         return config
     if _tracing():
-        return _cache[_config_key_in_trace(config)]
+        traced: FusedHead = getattr(_graph, _config_key_in_trace(config))
+        return traced
     key = _config_key(config)
     head = _cache.get(key)
     if head is None:
@@ -715,13 +765,21 @@ def _config_key(config: object) -> tuple[str, str, None]:
 
 
 @_as_graph_constant
-def _config_key_in_trace(config: Any) -> tuple[str, str, None]:
+def _config_key_in_trace(config: Any) -> str:
     """``cached_head``'s part that Dynamo runs while it traces (see ``_key_in_trace``)."""
-    cached_head(config)
-    return _config_key(config)
+    head = cached_head(config)
+    return _slot(_config_key(config), head)
 
 
-registry.on_refresh(_cache.clear)
+def _forget() -> None:
+    """``refresh()``: every resolved head dropped; a graph that read one retraces on its next call."""
+    with _lock:
+        _cache.clear()
+        _graph_names.clear()
+        vars(_graph).clear()
+
+
+registry.on_refresh(_forget)
 
 
 def fused_head(
