@@ -631,8 +631,9 @@ _lock = threading.RLock()  # cached_head resolves a mapping through the config p
 _FLAT = (str, int, float, bool, type(None))
 
 #: True while Dynamo traces (it folds the call), a plain ``return False`` eagerly: the one test
-#: the eager hot path pays for the compiled one (30 ns, against 70 for ``is_compiling``).
-_tracing = torch.compiler.is_dynamo_compiling
+#: the eager hot path pays for the compiled one (30 ns, against 70 for ``is_compiling``, which
+#: stands in on a torch without it).
+_tracing = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 
 def _flat_key(options: Mapping[str, Any]) -> tuple[tuple[str, str, Any], ...] | None:
