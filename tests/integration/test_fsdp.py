@@ -61,7 +61,7 @@ def test_transformers_helper_under_fsdp2(tmp_path: Path) -> None:
 def test_a_dtensor_weight_outside_fsdp_forward_is_refused_with_the_fix() -> None:
     """Calling forward directly on a sharded head (bypassing FSDP's hooks) gives a clear error."""
     from fusedhead import FusedLMHead
-    from fusedhead.module import _is_dtensor
+    from fusedhead.validation import is_dtensor
 
     class FakeDTensor(torch.nn.Parameter):
         pass
@@ -69,6 +69,6 @@ def test_a_dtensor_weight_outside_fsdp_forward_is_refused_with_the_fix() -> None
     FakeDTensor.__name__ = "DTensor"
     head = FusedLMHead(torch.nn.Parameter(torch.randn(5, 4)), {"backend": "torch"})
     head.weight = FakeDTensor(torch.randn(5, 4))
-    assert _is_dtensor(head.weight)
+    assert is_dtensor(head.weight)
     with pytest.raises(RuntimeError, match="FSDP2 did not unshard it"):
         head(torch.randn(3, 4), torch.zeros(3, dtype=torch.long))

@@ -295,7 +295,6 @@ def test_out_of_range_ids_on_ignored_rows_and_unchecked_ids():
     assert torch.isnan(out.gathered[3, 1]) and not torch.isnan(out.gathered[3, 0])
 
 
-
 def test_with_gather_ids_labels_and_ids_are_checked_in_one_host_read(monkeypatch):
     """The labels' range check joins the ids' (one sync a step, not two); labels still first."""
     hidden, weight, labels = _case()

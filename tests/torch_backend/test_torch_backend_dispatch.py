@@ -277,3 +277,16 @@ def test_the_out_dtype_route_of_fp32_logits(monkeypatch: pytest.MonkeyPatch) -> 
     assert rel_err(got.log_probs, want.log_probs) <= 1e-5
     assert rel_err(got.entropy, want.entropy) <= 1e-5
     assert_close(got, want, "bf16", "mm.dtype route")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_check_runs_the_out_dtype_probe_eagerly(monkeypatch: pytest.MonkeyPatch, dtype) -> None:
+    """``check`` (eager, also when the core resolves a head inside torch.compile) fills the probe's
+    cache, so a compiled call only reads it instead of retracing after the probe."""
+    monkeypatch.setattr(tile_math, "_MM_OUT_DTYPE", {})
+    cpu = torch.device("cpu")
+    TorchBackend(TorchOptions()).check(cpu, dtype)
+    probed = dict(tile_math._MM_OUT_DTYPE)
+    assert probed == {(cpu, dtype): False}  # no aten::mm.dtype on the CPU
+    TorchBackend(TorchOptions()).check(cpu, torch.float32)  # fp32 needs no probe
+    assert list(tile_math._MM_OUT_DTYPE) == [(cpu, dtype)]

@@ -165,6 +165,31 @@ def test_select_rows_false_matches_and_is_sync_free_shape() -> None:
     assert torch.all(b.log_probs[labels == IGNORE] == 0)
 
 
+def test_select_rows_false_traces_whole_under_torch_compile() -> None:
+    """The sync-free path is one graph (``fullgraph=True``) and gives eager's values and gradients:
+    the DTensor check and the outputs' copy trace."""
+    lin = _linear(bias=True)
+    hidden, labels = _inputs((2, 11))
+
+    def step(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = lm_head_logprobs(lin, h, labels, select_rows=False)
+        assert out.entropy is not None
+        return out.log_probs, out.entropy
+
+    h_eager = hidden.detach().clone().requires_grad_()
+    h_comp = hidden.detach().clone().requires_grad_()
+    lp_e, ent_e = step(h_eager)
+    _loss(lp_e, ent_e).backward()
+    grads_e = _grads(h_eager, lin.weight, lin.bias)
+    lp_c, ent_c = torch.compile(step, fullgraph=True, backend="aot_eager")(h_comp)
+    _loss(lp_c, ent_c).backward()
+    grads_c = _grads(h_comp, lin.weight, lin.bias)
+    torch.testing.assert_close(lp_c, lp_e, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent_c, ent_e, rtol=0, atol=1e-6)
+    for gc, ge in zip(grads_c, grads_e, strict=True):
+        torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("form", ["per_token", "per_sample"])
 def test_per_token_temperature(form: str) -> None:
     lin = _linear()

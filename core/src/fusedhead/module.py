@@ -20,6 +20,7 @@ from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput
 from fusedhead.config import FusedHeadConfig
+from fusedhead.validation import is_dtensor
 
 ConfigLike = FusedHeadConfig | Mapping[str, Any] | FusedHead | None
 T = TypeVar("T")
@@ -37,10 +38,6 @@ def resolve_head(config: ConfigLike, **overrides: Any) -> FusedHead:
             f"got {type(config).__name__}"
         )
     return FusedHead(config, **overrides)
-
-
-def _is_dtensor(t: object) -> bool:
-    return any(c.__name__ == "DTensor" for c in type(t).__mro__)
 
 
 class FusedLMHead(nn.Module):
@@ -69,7 +66,7 @@ class FusedLMHead(nn.Module):
                 f"weight must be an nn.Parameter (shared with the model, so FSDP and optimizers see one "
                 f"tensor), got {type(weight).__name__}; wrap a tensor with nn.Parameter(t)"
             )
-        if _is_dtensor(weight):
+        if is_dtensor(weight):
             raise TypeError(
                 "weight is already a DTensor (sharded by FSDP2): build FusedLMHead from the model's "
                 "parameters before calling fully_shard, and put it inside the sharded model"
@@ -151,7 +148,7 @@ class FusedLMHead(nn.Module):
         Arguments left as None take the config's defaults.
         """
         weight, bias = self.weight, self.bias
-        if _is_dtensor(weight):
+        if is_dtensor(weight):
             raise RuntimeError(
                 "FusedLMHead.weight is a DTensor inside forward, so FSDP2 did not unshard it: call the "
                 "module (head(h, labels)), not head.forward(...), and make sure it was part of the model "
@@ -188,6 +185,8 @@ def owned(out: FusedHeadOutput) -> FusedHeadOutput:
     views (the reshape to the labels' shape), hence this.
     """
     lp, ent = out
+    if torch.compiler.is_compiling():  # `_is_view` does not trace: copy (N floats) either way
+        return FusedHeadOutput(lp.clone(), None if ent is None else ent.clone())
     return FusedHeadOutput(
         lp.clone() if lp._is_view() else lp,
         None if ent is None else (ent.clone() if ent._is_view() else ent),

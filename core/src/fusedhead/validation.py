@@ -30,8 +30,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _FLOAT_DTYPES[dtype]
 
 
-def _is_dtensor(t: object) -> bool:
-    return any(c.__name__ == "DTensor" for c in type(t).__mro__)
+def is_dtensor(t: object) -> bool:
+    """A DTensor (or subclass), known by name: no import of torch.distributed. The MRO is sliced
+    because torch.compile iterates a tuple it made, not a type's own ``__mro__``."""
+    return any(c.__name__ == "DTensor" for c in type(t).__mro__[:])
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -42,7 +44,7 @@ def _tensor(arg: str, value: object) -> torch.Tensor:
         return value  # type: ignore[return-value]
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor, got {type(value).__name__}")
-    if _is_dtensor(value):
+    if is_dtensor(value):
         raise TypeError(
             f"{arg} is a DTensor; fusedhead takes plain local tensors. Under FSDP2 call it inside the "
             "module's forward (where the weight is unsharded), pass weight.to_local() / "

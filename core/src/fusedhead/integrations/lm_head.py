@@ -28,6 +28,7 @@ from torch import nn
 from fusedhead.api import FusedHead, FusedHeadOutput, cached_head
 from fusedhead.config import FusedHeadConfig
 from fusedhead.module import FusedLMHead, call_in_forward, head_forward, owned, run_as_forward
+from fusedhead.validation import is_dtensor
 
 __all__ = [
     "SPEC_PREFIX",
@@ -260,7 +261,7 @@ def _check_lm_head(
 
     def read() -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = lm_head.weight
-        if any(c.__name__ == "DTensor" for c in type(weight).__mro__):
+        if is_dtensor(weight):
             raise RuntimeError(
                 f"lm_head ({name}) .weight is still a DTensor inside its own call, so FSDP2 did not "
                 "unshard it: fully_shard the LM head itself or a parent module that contains it"

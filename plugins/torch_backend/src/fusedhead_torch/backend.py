@@ -17,6 +17,7 @@ from fusedhead_torch.outputs import (
     VOCAB_PARALLEL_OUTPUTS,
     forward_outputs,
 )
+from fusedhead_torch.tile_math import _mm_out_dtype_works
 from fusedhead_torch.tiling import Tiles, plan_tiles, skips_rows
 
 #: Default workspace for the logit tiles, per device type, in MiB. CUDA: 12 vocabulary blocks at
@@ -123,6 +124,8 @@ class TorchBackend:
                 f"backend 'torch' computes fp32, fp16 and bf16 inputs, not {dtype}; cast "
                 "hidden and weight to one of those"
             )
+        if dtype != torch.float32:  # its trial GEMM now, eagerly: a compiled call only reads it
+            _mm_out_dtype_works(device, dtype)
 
     def tiles(
         self, n: int, v: int, dtype: torch.dtype, device: torch.device, softcap: float | None = None
