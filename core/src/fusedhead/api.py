@@ -24,6 +24,7 @@ from fusedhead.hooks import plugin_manager
 from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
 from fusedhead.validation import (
     _DEVICES,
+    Pending,
     _device_entry,
     dtype_name,
     validate,
@@ -300,10 +301,9 @@ class FusedHead:
         ``tracing``: Dynamo traces the call (the caller asked ``_tracing()``, once per call)."""
         if tracing and isinstance(hidden, _Tensor):
             _prime_device(hidden.device)
-        # With gather_ids, the labels' range check joins the ids' (one host sync, not two).
-        defer = (
-            gather_ids is not None and check_labels is True and not torch.compiler.is_compiling()
-        )
+        # The value checks' one host read, after the head's kernels are queued (eager calls only:
+        # a traced call checks through the graph's ops).
+        pending = None if tracing else Pending()
         call, shape, n, device, dtype, cast = validate(
             hidden,
             weight,
@@ -315,8 +315,9 @@ class FusedHead:
             vocab_start,
             vocab_size,
             reduce_hidden_grad,
-            False if defer else check_labels,
+            check_labels,
             softcap,
+            pending,
         )
         basic = (
             top_k is None
@@ -336,7 +337,7 @@ class FusedHead:
                 return_sum_p2=return_sum_p2,
                 return_argmax=return_argmax,
                 check_labels=check_labels,
-                labels_unchecked=defer,
+                pending=pending,
             )
             basic = call.outputs <= extras.BASIC_OUTPUTS
         if tracing:  # the first call on the pair resolves while Dynamo traces, not in the graph
@@ -353,6 +354,8 @@ class FusedHead:
             self._check_call_capabilities(call, ready[0])
         if not n:
             return _empty(call, shape)
+        if pending is not None:
+            pending.send()
         try:
             if cast is None:
                 out = self.backend.forward(call)
@@ -360,7 +363,15 @@ class FusedHead:
                 with torch.autocast(cast, enabled=False):
                     out = self.backend.forward(call)
         except BackendError as exc:
+            if pending is not None:
+                pending.settle()  # a failed check is the cause to name, not what it broke
             raise exc.attach(**self._identity()) from None
+        except Exception:
+            if pending is not None:
+                pending.settle()
+            raise
+        if pending is not None:
+            pending.settle()
         # The output contract, as one expression over each tensor's properties read once; any
         # doubt goes to _check_output, which names the breach (and is the authority).
         h, w = call.hidden, call.weight

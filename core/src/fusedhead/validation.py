@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
@@ -136,12 +137,14 @@ def validate(
     reduce_hidden_grad: object,
     check_labels: object,
     softcap: object,
+    pending: Pending | None = None,
 ) -> tuple[HeadCall, tuple[int, ...], int, torch.device, torch.dtype, str | None]:
     """Check a call against the contract, reading each tensor property once (it runs every step).
 
     Returns the backend's 2-D call, the labels' shape (a torch.Size), N, the device and dtype the
     backend runs on, and the device type whose autocast is on (None: off), so the caller reads
-    none of them again.
+    none of them again. The value checks (label range, per-token temperatures) go to ``pending``
+    when given, else are read at once.
     """
     h = hidden if hidden.__class__ in _PLAIN else _tensor("hidden", hidden)
     w = weight if weight.__class__ in _PLAIN else _tensor("weight", weight)
@@ -234,7 +237,7 @@ def validate(
     if temperature.__class__ is float and 0.0 < temperature < _INF:  # type: ignore[operator]
         temp: float | torch.Tensor = temperature  # type: ignore[assignment]
     else:
-        temp = _temperature(temperature, y, dev)
+        temp = _temperature(temperature, y, dev, pending=pending)
     cap = None if softcap is None else _positive_float("softcap", softcap)
 
     flat = y if nd == 2 else y.reshape(-1)
@@ -243,7 +246,7 @@ def validate(
     if not flat.is_contiguous():
         flat = flat.contiguous()
     if check_labels and n and dev_type != "meta":
-        flat = _check_label_range(flat, ignore_index, size)
+        flat = _check_label_range(flat, ignore_index, size, pending)
     # The tuple of the fields in _HEAD_CALL_FIELDS' order, without HeadCall's Python __new__.
     call: HeadCall = _new_tuple(
         HeadCall,
@@ -290,7 +293,11 @@ def _apply_autocast(
 
 
 def _temperature(
-    value: object, labels: torch.Tensor, device: torch.device, arg: str = "temperature"
+    value: object,
+    labels: torch.Tensor,
+    device: torch.device,
+    arg: str = "temperature",
+    pending: Pending | None = None,
 ) -> float | torch.Tensor:
     if value.__class__ is float and 0.0 < value < math.inf:  # type: ignore[operator]
         return value  # type: ignore[return-value]
@@ -312,14 +319,21 @@ def _temperature(
         if torch.compiler.is_compiling():
             checked: torch.Tensor = _temperature_checked(t, arg)  # the check below, in the graph
             return checked
-        _check_temperature_values(t, "temperature")  # _temperature_named renames it
+        _check_temperature_values(t, "temperature", pending)  # _temperature_named renames it
     return t
 
 
-def _check_temperature_values(t: torch.Tensor, arg: str) -> None:
-    """One device-to-host sync: every per-token temperature finite and > 0."""
-    if not bool(torch.isfinite(t).all() & (t > 0).all()):
-        raise ValueError(f"{arg} tensor must hold finite values > 0, got a value that is not")
+def _check_temperature_values(t: torch.Tensor, arg: str, pending: Pending | None = None) -> None:
+    """Every per-token temperature finite and > 0 (one device-to-host read, or ``pending``'s)."""
+    bad = ~(torch.isfinite(t).all() & (t > 0).all())
+    if pending is not None:
+        pending.add(bad, _raise_bad_temperature, arg)
+    elif bool(bad):
+        _raise_bad_temperature(arg)
+
+
+def _raise_bad_temperature(arg: str) -> NoReturn:
+    raise ValueError(f"{arg} tensor must hold finite values > 0, got a value that is not")
 
 
 def _shard(group: Any, v_local: int, vocab_start: object, vocab_size: object) -> tuple[int, int]:
@@ -342,14 +356,18 @@ def _shard(group: Any, v_local: int, vocab_start: object, vocab_size: object) ->
     return start, size
 
 
-def _check_label_range(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> torch.Tensor:
-    """One device-to-host sync; the first offending position is named. Returns ``labels`` (under
-    torch.compile, the checked copy from the graph's op: see ``_labels_checked``)."""
+def _check_label_range(
+    labels: torch.Tensor, ignore_index: int, vocab_size: int, pending: Pending | None = None
+) -> torch.Tensor:
+    """One device-to-host read (or ``pending``'s); the first offending position is named. Returns
+    ``labels`` (under torch.compile, the checked copy from the graph's op: see ``_labels_checked``)."""
     if torch.compiler.is_compiling():
         checked: torch.Tensor = _labels_checked(labels, ignore_index, vocab_size)
         return checked
     bad = _bad_labels(labels, ignore_index, vocab_size)
-    if bool(bad.any()):
+    if pending is not None:
+        pending.add(bad.any(), _raise_bad_labels, labels, bad, ignore_index, vocab_size)
+    elif bool(bad.any()):
         _raise_bad_labels(labels, bad, ignore_index, vocab_size)
     return labels
 
@@ -360,7 +378,7 @@ def _bad_labels(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> tor
 
 def _raise_bad_labels(
     labels: torch.Tensor, bad: torch.Tensor, ignore_index: int, vocab_size: int
-) -> None:
+) -> NoReturn:
     idx = int(bad.nonzero()[0, 0])
     count = int(bad.sum())
     raise ValueError(
@@ -385,10 +403,9 @@ def _gather_ids(
     shape: tuple[int, ...],
     call: HeadCall,
     do_check: bool,
-    with_labels: bool = False,
+    pending: Pending | None = None,
 ) -> torch.Tensor | None:
-    """``gather_ids [..., K]`` as a contiguous int64 ``[N, K]``; ids in range where they count
-    (``with_labels``: the labels' range too, in the same host sync)."""
+    """``gather_ids [..., K]`` as a contiguous int64 ``[N, K]``; ids in range where they count."""
     if value is None:
         return None
     ids = _tensor("gather_ids", value)
@@ -410,7 +427,7 @@ def _gather_ids(
                 flat, call.labels, call.ignore_index, call.vocab_size
             )
             return checked
-        _check_gather_range(flat, call.labels, call.ignore_index, call.vocab_size, with_labels)
+        _check_gather_range(flat, call.labels, call.ignore_index, call.vocab_size, pending)
     return flat
 
 
@@ -419,27 +436,81 @@ def _check_gather_range(
     labels: torch.Tensor,
     ignore_index: int,
     vocab_size: int,
-    with_labels: bool = False,
+    pending: Pending | None = None,
 ) -> None:
-    """One device-to-host sync: the ids that count (scored rows, not ignore_index) in range, and
-    with ``with_labels`` the labels first (a call with both checks pays one sync, not two)."""
+    """The ids that count (scored rows, not ignore_index) in range: one device-to-host read, or
+    ``pending``'s."""
     counted = (labels != ignore_index).unsqueeze(1) & (flat != ignore_index)
     bad = counted & ((flat < 0) | (flat >= vocab_size))
-    if with_labels:
-        bad_labels = _bad_labels(labels, ignore_index, vocab_size)
-        labels_wrong, ids_wrong = torch.stack((bad_labels.any(), bad.any())).tolist()
-        if labels_wrong:
-            _raise_bad_labels(labels, bad_labels, ignore_index, vocab_size)
-    else:
-        ids_wrong = bool(bad.any())
-    if ids_wrong:
-        row, col = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"gather_ids must be in [0, {vocab_size}) or ignore_index={ignore_index} "
-            f"on scored rows, got {int(flat[row, col])} at flat row {row}, position {col} "
-            f"({int(bad.sum())} id(s) out of range); pass check_labels=False to skip this "
-            "check (such ids then give NaN)"
-        )
+    if pending is not None:
+        pending.add(bad.any(), _raise_bad_ids, flat, bad, ignore_index, vocab_size)
+    elif bool(bad.any()):
+        _raise_bad_ids(flat, bad, ignore_index, vocab_size)
+
+
+def _raise_bad_ids(
+    flat: torch.Tensor, bad: torch.Tensor, ignore_index: int, vocab_size: int
+) -> NoReturn:
+    row, col = (int(i) for i in bad.nonzero()[0])
+    raise ValueError(
+        f"gather_ids must be in [0, {vocab_size}) or ignore_index={ignore_index} "
+        f"on scored rows, got {int(flat[row, col])} at flat row {row}, position {col} "
+        f"({int(bad.sum())} id(s) out of range); pass check_labels=False to skip this "
+        "check (such ids then give NaN)"
+    )
+
+
+class Pending:
+    """A call's value checks (label and id ranges, per-token temperatures), read by the host in
+    one go.
+
+    Each check adds its flag, computed where the tensors are. On CUDA, ``send`` (just before the
+    backend's ``forward``) copies the flags to pinned host memory behind an event, and ``settle``
+    (after ``forward`` has queued the head's kernels) waits for that event only, then raises the
+    first failed check's error, so the GPU never idles while the host waits for a check. That is
+    safe because a backend must be memory-safe on out-of-range values anyway (``check_labels=False``
+    gives NaN rows). Elsewhere ``send`` reads the flags at once, before the backend sees the call.
+    """
+
+    __slots__ = ("_checks", "_event", "_host")
+
+    def __init__(self) -> None:
+        self._checks: list[tuple[torch.Tensor, Callable[..., NoReturn], tuple[Any, ...]]] = []
+        self._host: torch.Tensor | None = None
+        self._event: Any = None
+
+    def add(self, bad: torch.Tensor, raiser: Callable[..., NoReturn], *args: Any) -> None:
+        """A 0-d bool ``bad``; ``raiser(*args)`` raises the check's error when it is set."""
+        self._checks.append((bad, raiser, args))
+
+    def send(self) -> None:
+        """Start the flags' one read (CUDA: queued behind an event), or raise now (elsewhere)."""
+        checks = self._checks
+        if not checks:
+            return
+        flags = checks[0][0] if len(checks) == 1 else torch.stack([c[0] for c in checks])
+        if flags.device.type != "cuda":
+            self._host = flags
+            self.settle()
+            return
+        self._host = flags.to("cpu", non_blocking=True)
+        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._event.record(torch.cuda.current_stream(flags.device))
+
+    def settle(self) -> None:
+        """Wait for the flags (not for the head's kernels) and raise the first failed check's error."""
+        host = self._host
+        if host is None:
+            return
+        self._host = None
+        if self._event is not None:
+            self._event.synchronize()
+        failed = host.tolist()
+        for bad, (_, raiser, args) in zip(
+            failed if isinstance(failed, list) else [failed], self._checks, strict=True
+        ):
+            if bad:
+                raiser(*args)
 
 
 # While torch.compile traces, a check cannot read a tensor's values: that is a data-dependent
@@ -491,13 +562,10 @@ def with_outputs(
     return_sum_p2: object = False,
     return_argmax: object = False,
     check_labels: object = True,
-    labels_unchecked: bool = False,
+    pending: Pending | None = None,
 ) -> HeadCall:
-    """``call`` with the further outputs asked for (top-k, gather, lse, sum_p2, argmax) validated.
-
-    ``labels_unchecked``: ``validate`` left the labels' range check to this call (with
-    ``gather_ids``, both checks then share one host sync).
-    """
+    """``call`` with the further outputs asked for (top-k, gather, lse, sum_p2, argmax) validated;
+    the ids' range check goes to ``pending`` when given (``validate``'s)."""
 
     outputs = set(call.outputs)
     for arg, flag, name in (
@@ -511,9 +579,7 @@ def with_outputs(
     if k:
         outputs.add("topk")
     do_check = _flag("check_labels", check_labels)
-    ids = _gather_ids(gather_ids, shape, call, do_check, labels_unchecked)
-    if labels_unchecked and do_check and ids is None and call.labels.numel():
-        _check_label_range(call.labels, call.ignore_index, call.vocab_size)  # not merged after all
+    ids = _gather_ids(gather_ids, shape, call, do_check, pending)
     if ids is not None:
         outputs.add("gather")
     if outputs == call.outputs:
