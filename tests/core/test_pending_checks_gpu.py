@@ -112,3 +112,12 @@ def test_a_failed_check_is_named_when_the_backend_then_fails(spied, monkeypatch)
     with pytest.raises(ValueError, match="got -5 at flat position 2") as info:
         head(hidden, weight, labels)
     assert isinstance(info.value.__context__, RuntimeError)
+
+
+def test_checks_under_cuda_graph_capture_are_refused_by_name():
+    head = FusedHead(backend="torch", device="cuda")
+    hidden, weight, labels = _case()
+    head(hidden, weight, labels, check_labels=False)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="check_labels=False"), torch.cuda.graph(graph):
+        head(hidden, weight, labels)

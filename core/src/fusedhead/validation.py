@@ -493,6 +493,12 @@ class Pending:
             self._host = flags
             self.settle()
             return
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "check_labels=True (and a per-token temperature tensor) is checked by a "
+                "device-to-host read, which CUDA-graph capture forbids; inside a captured region "
+                "pass check_labels=False and a float temperature"
+            )
         self._host = flags.to("cpu", non_blocking=True)
         self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self._event.record(torch.cuda.current_stream(flags.device))
