@@ -15,7 +15,8 @@ from .configs import Settings, interpret_enabled, settings_for
 from .topk import MAX_TOP_K  # the running top-k set lives in registers; one shard only
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-#: Outputs of the plain log-prob kernels; any other request takes ``outputs.head_outputs_call``.
+#: Outputs of the plain one-shard ops (``ops.head``); any other request, and every vocab-parallel
+#: call, takes ``outputs.head_outputs_call``.
 _BASIC = frozenset({"log_probs", "entropy"})
 #: Outputs past (log_probs, entropy) the triton backend computes (one shard and vocab-parallel).
 EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "gather")
@@ -174,14 +175,13 @@ class TritonBackend:
         softcap = float(call.softcap) if call.softcap is not None else None
         sc = HeadScalars(call.vocab_start, call.ignore_index, inv_temp, softcap)
         st, key = self._settings(hidden.dtype)
-        if not call.outputs <= _BASIC:  # lse, sum_p2, argmax, gather, top-k: the outputs' kernels
+        if call.process_group is not None or not call.outputs <= _BASIC:
             from .outputs import head_outputs_call
 
             return head_outputs_call(call, temp, sc, st, key)
         logp, ent = head(
-            hidden, call.weight, call.labels.contiguous(), temp, sc, st, key,
-            call.return_entropy, call.process_group, call.reduce_hidden_grad,
-        )  # fmt: skip
+            hidden, call.weight, call.labels.contiguous(), temp, sc, key, call.return_entropy
+        )
         return HeadOutput(logp, ent)
 
     def kl(self, call: KLCall) -> KLOutput:

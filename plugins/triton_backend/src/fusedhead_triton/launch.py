@@ -104,15 +104,6 @@ class RowOutputs(NamedTuple):
     entropy: torch.Tensor
 
 
-class RowPartials(NamedTuple):
-    """A row's statistics over one shard: max logit ``m``, ``s`` = sum exp(z - m) and
-    ``w`` = sum exp(z - m) (z - m) (what a vocab-parallel rank gathers)."""
-
-    m: torch.Tensor
-    s: torch.Tensor
-    w: torch.Tensor
-
-
 class DzExtras(NamedTuple):
     """Further per-row terms of the dz kernel: ``dz += p (ax + c p) / T`` and the sparse
     ``gs[N, K]`` (fp32, in sorted order) added at the sorted ids; None: off."""
@@ -296,15 +287,11 @@ def combine_extras(
     return ExtraRowOutputs(*outs)
 
 
-def shard_stats(p: Partials, labels: torch.Tensor, ignore_index: int) -> RowPartials:
-    """The rows' (m, s, w) over this shard, for the cross-rank combine."""
-    return RowPartials(*_combine(p, labels, ignore_index, False, False)[:3])
-
-
-def shard_stats_extras(
+def shard_stats(
     p: Partials, labels: torch.Tensor, ignore_index: int, label_offset: int, arg_width: int
 ) -> list[torch.Tensor]:
-    """The rows' (m, s, w, q-or-dummy, argmax-id-or-dummy) over this shard."""
+    """The rows' statistics over this shard, for the cross-rank combine: max logit ``m``,
+    ``s`` = sum exp(z - m), ``w`` = sum exp(z - m) (z - m), q-or-dummy, argmax-id-or-dummy."""
     return _combine(p, labels, ignore_index, False, False, label_offset, arg_width)
 
 

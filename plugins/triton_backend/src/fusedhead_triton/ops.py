@@ -1,10 +1,10 @@
-"""The autograd boundary: ``torch.library`` custom ops for one shard (so ``torch.compile`` with
-``fullgraph=True`` and CUDA-graph capture see two opaque ops with fake-tensor shapes), and an
-autograd Function for the vocab-parallel path (its collectives run between the launches).
+"""The one-shard autograd boundary: ``torch.library`` custom ops (so ``torch.compile`` with
+``fullgraph=True`` and CUDA-graph capture see two opaque ops with fake-tensor shapes). A
+vocab-parallel call, the plain outputs included, is ``outputs.ShardedOutputs``.
 
-Neither backward is differentiable: a double backward raises, never returning a silently
-first-order gradient (one shard: when the second-order gradient is asked for; vocab-parallel:
-at ``create_graph=True`` already).
+No backward is differentiable: a double backward raises, never returning a silently first-order
+gradient (these ops: when the second-order gradient is asked for; vocab-parallel: at
+``create_graph=True`` already).
 """
 
 # No ``from __future__ import annotations``: torch.library reads the annotations as types.
@@ -13,18 +13,9 @@ from typing import Any
 
 import torch
 
-from . import parallel
 from .backward import backward
 from .configs import Settings, TileConfig
-from .launch import (
-    HeadScalars,
-    Partials,
-    RowGrads,
-    RowOutputs,
-    combine,
-    forward_partials,
-    shard_stats,
-)
+from .launch import HeadScalars, RowGrads, RowOutputs, combine, forward_partials
 
 DOUBLE_BACKWARD = (
     "the triton backend's backward is not differentiable: a double backward "
@@ -35,18 +26,11 @@ DOUBLE_BACKWARD = (
 
 def forward_values(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
-    sc: HeadScalars, cfg: TileConfig, entropy: bool, group: Any = None,
+    sc: HeadScalars, cfg: TileConfig, entropy: bool,
 ) -> RowOutputs:  # fmt: skip
-    """(log_prob, lse, entropy-or-dummy) over the whole (possibly sharded) vocabulary."""
+    """(log_prob, lse, entropy-or-dummy) over one shard's whole vocabulary."""
     p = forward_partials(hidden, weight, labels, temp, sc, cfg)
-    if group is None:
-        return combine(p, labels, sc.ignore_index, entropy=entropy)
-    m, s, w = shard_stats(p, labels, sc.ignore_index)
-    zy, lo = p.zy, sc.label_offset
-    del p  # the tile statistics: T x N x 12 bytes
-    owned = (labels >= lo) & (labels < lo + weight.shape[0])
-    stats = Partials(*parallel.gather_row_stats(m, s, w, zy, owned, group))
-    return combine(stats, labels, sc.ignore_index, entropy=entropy)
+    return combine(p, labels, sc.ignore_index, entropy=entropy)
 
 
 def _grad(g: torch.Tensor | None) -> torch.Tensor | None:
@@ -143,58 +127,13 @@ torch.library.register_autograd(
 )
 
 
-class ShardedHead(torch.autograd.Function):
-    """The vocab-parallel call: stats gathered across ranks, the hidden gradient all-reduced."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-        temp: torch.Tensor | None, sc: HeadScalars, st: Settings, entropy: bool, group: Any,
-        reduce: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        logp, lse, ent = forward_values(
-            hidden, weight, labels, temp, sc, st.forward, entropy, group
-        )
-        ctx.save_for_backward(hidden, weight, labels, temp, lse, ent if entropy else None)
-        ctx.args = (sc, st, entropy, group, reduce)
-        ctx.set_materialize_grads(False)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx: Any, g_lp: Any, g_ent: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        if torch.is_grad_enabled():  # create_graph=True: its collectives have no derivative here
-            raise RuntimeError(DOUBLE_BACKWARD)
-        hidden, weight, labels, temp, lse, ent = ctx.saved_tensors
-        sc, st, entropy, group, reduce = ctx.args
-        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g_ent = g_ent if entropy else None
-        none = (None,) * 7
-        if g_lp is None and g_ent is None:
-            return (None, None, *none)
-        sum_dh = reduce and need_dh
-        rows = RowGrads(labels, temp, lse, ent, _grad(g_lp), _grad(g_ent))
-        dh, dw = backward(
-            hidden, weight, rows, sc, st, need_dh=need_dh, need_dw=need_dw,
-            dh_fp32=sum_dh and hidden.dtype != torch.float32,
-        )  # fmt: skip
-        if sum_dh and dh is not None:
-            parallel.all_reduce_sum(dh, group)
-            dh = dh.to(hidden.dtype)
-        return (dh, dw, *none)
-
-
 def head(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
-    sc: HeadScalars, st: Settings, key: str, entropy: bool, group: Any, reduce: bool,
+    sc: HeadScalars, key: str, entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """(log_probs, entropy or None), differentiable in hidden and weight."""
-    if group is not None:
-        logp, ent = ShardedHead.apply(  # type: ignore[no-untyped-call]
-            hidden, weight, labels, temp, sc, st, entropy, group, reduce
-        )
-    else:
-        logp, _, ent = torch.ops.fusedhead_triton.head_forward(
-            hidden, weight, labels, temp, sc.label_offset, sc.ignore_index, sc.inv_temp,
-            sc.softcap, entropy, key,
-        )  # fmt: skip
+    """One shard's (log_probs, entropy or None), differentiable in hidden and weight."""
+    logp, _, ent = torch.ops.fusedhead_triton.head_forward(
+        hidden, weight, labels, temp, sc.label_offset, sc.ignore_index, sc.inv_temp, sc.softcap,
+        entropy, key,
+    )  # fmt: skip
     return logp, (ent if entropy else None)

@@ -1,7 +1,7 @@
 """The outputs past (log_probs, entropy) on the triton backend: lse, sum_p2, argmax, gather, top-k.
 
-They come from the log-prob forward's own tiles, each behind a constexpr flag (a call without
-them runs the plain kernels, ``ops.head``):
+They come from the log-prob forward's own tiles, each behind a constexpr flag (a one-shard call
+without them runs the plain ops, ``ops.head``):
 
 - lse: the combine's log-sum-exp (ignored rows 0); sum_p2: ``q = sum exp(2 (z - m))`` per tile,
   rebased like ``s`` in the combine, over ``s^2``; argmax: each tile's lowest column among its
@@ -14,9 +14,11 @@ them runs the plain kernels, ``ops.head``):
 
 The backward is the log-prob backward (``backward_from``) with further per-row terms and the
 sparse terms of the gathered ids in the dz kernel, in fp32 before dz is rounded. One shard runs
-as ``torch.library`` custom ops (``torch.compile`` fullgraph); vocab-parallel as an autograd
-Function whose collectives run between the launches (each gathered id owned by one rank, the
-argmax the lowest id among the ranks' maxima).
+as ``torch.library`` custom ops (``torch.compile`` fullgraph); every vocab-parallel call, the plain
+(log_probs, entropy) one included, as one autograd Function, ``ShardedOutputs``, whose collectives
+run between the launches (the ranks' row statistics all-gathered and combined in rank order, each
+gathered id owned by one rank, the argmax the lowest id among the ranks' maxima; the hidden
+gradient summed in fp32 where asked).
 """
 
 # No ``from __future__ import annotations``: torch.library reads the annotations as types.
@@ -40,7 +42,7 @@ from .launch import (
     combine_extras,
     dz_block,
     forward_partials,
-    shard_stats_extras,
+    shard_stats,
     sort_ids,
 )
 from .ops import DOUBLE_BACKWARD, refuse_double_backward
@@ -129,19 +131,20 @@ def _sharded_combine(
     group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """The full vocabulary's outputs from every rank's shard: the ranks' (m, s, w, q) gathered
-    and combined in rank order like tiles; a label logit or gathered logit from its one owner;
-    the argmax the lowest id among the ranks holding the row max."""
+    and combined in rank order like tiles (an all-gather, not an all-reduce: the same bits on
+    every rank and run); a label logit or gathered logit from its one owner (NaN where no rank
+    owns it); the argmax the lowest id among the ranks holding the row max."""
     ig, lo = sc.ignore_index, sc.label_offset
-    m, s, w, q, arg = shard_stats_extras(p, labels, ig, lo, cfg.block_n)
+    m, s, w, q, arg = shard_stats(p, labels, ig, lo, cfg.block_n)
     owned = (labels >= lo) & (labels < lo + v_local)
-    local = [m, s, w, q if sum_p2 else torch.zeros_like(m)]
-    local += [torch.where(owned, p.zy, 0.0), owned.to(torch.float32)]
+    rows = [m, s, w, torch.where(owned, p.zy, 0.0), owned.to(torch.float32)]
+    local = torch.stack([*rows, q] if sum_p2 else rows)
     world = dist.get_world_size(group)
-    parts = [torch.empty_like(torch.stack(local)) for _ in range(world)]
-    dist.all_gather(parts, torch.stack(local).contiguous(), group=group)
-    every = torch.stack(parts, dim=1)  # [6, R, N]
-    label_logit = torch.where(every[5].sum(0) == 1, every[4].sum(0), float("nan"))
-    stats = Partials(every[:3].contiguous(), label_logit, every[3].contiguous() if sum_p2 else None)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local, group=group)
+    every = torch.stack(parts, dim=1)  # [5 or 6, R, N]
+    label_logit = torch.where(every[4].sum(0) == 1, every[3].sum(0), float("nan"))
+    stats = Partials(every[:3].contiguous(), label_logit, every[5].contiguous() if sum_p2 else None)
     out = combine_extras(stats, labels, ig, entropy=entropy)
     arg_out = None
     if argmax:
@@ -349,7 +352,8 @@ torch.library.register_autograd(
 
 
 class ShardedOutputs(torch.autograd.Function):
-    """The vocab-parallel call with extras: stats gathered across ranks, dh all-reduced."""
+    """The vocab-parallel call (every one, with or without extras): stats gathered across ranks,
+    dh all-reduced (in fp32 for 16-bit inputs) with ``reduce``."""
 
     @staticmethod
     def forward(  # type: ignore[override]
