@@ -6,8 +6,8 @@
 #   bench  setup.log, heads.json (+ heads.log): `fusedhead bench --case ...` on triton, N = 8192
 #   tests  pytest.log (pytest -m gpu -v tests/triton_backend, the outputs' files first: one line a
 #          test, so a run cut by its limit still names each result), check.log (the kit in bf16)
-#   sweep  sweep.log, kl_sweep.json: the KL's two layouts and their tile alternatives (about 9
-#          minutes; TOPK_BENCH=1 adds topk_bench.json, the top-k's steps)
+#   sweep  sweep.log, kl_sweep.json: the KL's tile alternatives (TOPK_BENCH=1 adds topk_bench.json,
+#          the top-k's steps)
 # "all" is bench and tests (about 15 minutes: two calls of a 10-minute limit, bench then tests).
 set -uo pipefail
 STEP=${1:-all}
@@ -46,7 +46,7 @@ if [[ $STEP == tests || $STEP == all ]]; then
   run "${CHECK_LIMIT:-180}" "$OUT/check.log" python3 -m fusedhead.cli check triton \
     --device cuda --dtype bf16
 fi
-if [[ $STEP == sweep ]]; then # the KL's layouts A/B (one 10-minute call); TOPK_BENCH=1 adds topk's
+if [[ $STEP == sweep ]]; then # the KL's tiles (one 10-minute call at most); TOPK_BENCH=1 adds topk's
   run "${SWEEP_LIMIT:-560}" "$OUT/sweep.log" python3 plugins/triton_backend/tools/kl_sweep.py \
     "$OUT" --budget-s "${SWEEP_BUDGET_S:-480}"
   if [[ ${TOPK_BENCH:-0} == 1 ]]; then

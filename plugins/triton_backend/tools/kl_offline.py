@@ -3,14 +3,13 @@
 Usage (any machine with triton's NVIDIA backend, no GPU needed):
     python plugins/triton_backend/tools/kl_offline.py [--arch 90] [--only NAMES] [--json OUT]
 
-Compiles the KL's stats and dz kernels (bf16, TMA, both directions) for ``sm_<arch>a`` with the
-shipped KL tile, both layouts (``kl.KL_TILE``: "dual128", both heads' 128 x 128 tiles at once;
-"single256", one head's 128 x 256 tile at a time through a scratch tile) and the sweep's
-alternatives (tools/kl_sweep.py), and reads the resource usage as tools/offline_resources.py
-does: a non-zero stack means spilled registers, the shared memory must fit one program per SM
-(228 KiB on an H100/H200). Pointer arguments and the specialised integers (H, strides) carry the
-16-byte divisibility the JIT gives them at launch (without it the scratch accesses of "single256"
-are not vectorised and its numbers are not the launched kernel's).
+Compiles ``kl_stats_kernel`` and ``kl_dz_kernel`` (bf16, TMA, both directions) for ``sm_<arch>a``
+with the shipped KL tile and the sweep's alternatives (tools/kl_sweep.py), and reads the
+resource usage as tools/offline_resources.py does: a non-zero stack means spilled registers, the
+shared memory must fit one program per SM (228 KiB on an H100/H200). Both heads' fp32
+accumulators are live at once, which is what bounds the KL tile. Pointer arguments and the
+specialised integers (H, strides) carry the 16-byte divisibility the JIT gives them at launch, so
+the numbers are the launched kernel's.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from triton.compiler import ASTSource
 
 from fusedhead_triton.configs import TileConfig, settings_for
 from fusedhead_triton.kernels import kl
-from fusedhead_triton.kl import CHUNK, KL_SPLIT, KL_TILE, kl_tile
+from fusedhead_triton.kl import CHUNK, kl_tile
 
 _HEADS = ("hs", "ws", "ht", "wt")
 _STRIDES = tuple(f"stride_{x}" for x in ("hsn", "hsk", "wsv", "wsk", "htn", "htk", "wtv", "wtk"))
@@ -40,12 +39,10 @@ _ROWS = ("temp_s_ptr", "temp_t_ptr", "lse_s_ptr", "lse_t_ptr", "kl_ptr", "coef_p
 
 @dataclass(frozen=True)
 class Candidate:
-    """One compiled variant: the tile, the layout and its knobs."""
+    """One compiled variant: the tile and its knobs."""
 
     cfg: TileConfig
-    layout: str
     fuse_k: bool = False
-    split: int = KL_SPLIT
     softcap: bool = False
 
 
@@ -80,64 +77,45 @@ def _descriptors(cfg: TileConfig) -> dict[str, str]:
 
 def _consts(c: Candidate, reverse: bool) -> dict[str, Any]:
     cfg = c.cfg
-    out = dict(
+    return dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_PROGS=132, PRECISION="tf32", PER_TOKEN_TS=False, PER_TOKEN_TT=False,
-        SOFTCAP_S=c.softcap, SOFTCAP_T=c.softcap, REVERSE=reverse,
+        NUM_PROGS=132, TMA=True, FUSE_K=c.fuse_k, EVEN_KS=True, EVEN_KT=True, PRECISION="tf32",
+        PER_TOKEN_TS=False, PER_TOKEN_TT=False, SOFTCAP_S=c.softcap, SOFTCAP_T=c.softcap,
+        REVERSE=reverse,
     )  # fmt: skip
-    if c.layout == "single256":
-        return {**out, "SPLIT": c.split}
-    return {**out, "TMA": True, "FUSE_K": c.fuse_k, "EVEN_KS": True, "EVEN_KT": True}
 
 
 def compile_stats(c: Candidate, *, arch: int, reverse: bool) -> Any:
-    """The stats kernel of ``c``'s layout as the launcher builds it for bf16 heads of equal H."""
-    signature = {**_descriptors(c.cfg), "temp_s_ptr": "*fp32", "temp_t_ptr": "*fp32",
-                 "out_ptr": "*fp32"}  # fmt: skip
-    if c.layout == "single256":
-        signature["scratch_ptr"] = "*fp32"
-    signature.update({"N": "i32", "V": "i32", "HS": "i32", "HT": "i32"})
-    if c.layout == "dual128":
-        signature.update(dict.fromkeys(_STRIDES, "i32"))
-    signature.update(dict.fromkeys(_SCALARS, "fp32"))
-    fn = kl.kl_stats_single_kernel if c.layout == "single256" else kl.kl_stats_kernel
-    return _compile(fn, signature, {**_consts(c, reverse), "CHUNK": CHUNK}, c.cfg, arch)
+    """``kl_stats_kernel`` of ``c`` as the launcher builds it for bf16 heads of equal H."""
+    signature = {
+        **_descriptors(c.cfg), "temp_s_ptr": "*fp32", "temp_t_ptr": "*fp32", "out_ptr": "*fp32",
+        "N": "i32", "V": "i32", "HS": "i32", "HT": "i32", **dict.fromkeys(_STRIDES, "i32"),
+        **dict.fromkeys(_SCALARS, "fp32"),
+    }  # fmt: skip
+    consts = {**_consts(c, reverse), "CHUNK": CHUNK}
+    return _compile(kl.kl_stats_kernel, signature, consts, c.cfg, arch)
 
 
 def compile_dz(c: Candidate, *, arch: int, reverse: bool) -> Any:
-    """The dz kernel of ``c``'s layout as the launcher builds it for bf16 heads of equal H."""
+    """``kl_dz_kernel`` of ``c`` as the launcher builds it for bf16 heads of equal H."""
     cfg = c.cfg
-    width = cfg.block_n // c.split if c.layout == "single256" else cfg.block_n
-    signature = {**_descriptors(cfg), "dz": f"tensordesc<bf16[{cfg.block_m}, {width}]>",
-                 **dict.fromkeys(_ROWS, "*fp32")}  # fmt: skip
-    if c.layout == "single256":
-        signature["scratch_ptr"] = "*fp32"
-    signature.update({"N": "i32", "Vb": "i32", "HS": "i32", "HT": "i32"})
-    if c.layout == "dual128":
-        signature.update({**dict.fromkeys(_STRIDES, "i32"), "stride_dzm": "i32"})
-    signature.update(dict.fromkeys(_SCALARS, "fp32"))
-    fn = kl.kl_dz_single_kernel if c.layout == "single256" else kl.kl_dz_kernel
-    return _compile(fn, signature, _consts(c, reverse), cfg, arch)
+    signature = {
+        **_descriptors(cfg), "dz": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n}]>",
+        **dict.fromkeys(_ROWS, "*fp32"), "N": "i32", "Vb": "i32", "HS": "i32", "HT": "i32",
+        **dict.fromkeys(_STRIDES, "i32"), "stride_dzm": "i32", **dict.fromkeys(_SCALARS, "fp32"),
+    }  # fmt: skip
+    return _compile(kl.kl_dz_kernel, signature, _consts(c, reverse), cfg, arch)
 
 
 def candidates() -> dict[str, Candidate]:
-    """name -> candidate: the shipped KL tile, both layouts and the sweep's main alternatives."""
-    fwd = settings_for(torch.bfloat16).forward
-    dual, single = kl_tile(fwd, "dual128"), kl_tile(fwd, "single256")
+    """name -> candidate: the shipped KL tile and the sweep's main alternatives."""
+    shipped = kl_tile(settings_for(torch.bfloat16).forward)
     return {
-        "shipped": Candidate(kl_tile(fwd), KL_TILE),
-        "dual128": Candidate(dual, "dual128"),
-        "dual128+fuse_k": Candidate(dual, "dual128", fuse_k=True),
-        "dual128+block_n=256": Candidate(replace(dual, block_n=256), "dual128"),
-        "single256": Candidate(single, "single256"),
-        "single256+split=1": Candidate(single, "single256", split=1),
-        "single256+split=2": Candidate(single, "single256", split=2),
-        "single256+split=4": Candidate(single, "single256", split=4),
-        "single256+split=8": Candidate(single, "single256", split=8),
-        "single256+stages=4": Candidate(replace(single, num_stages=4), "single256"),
-        "single256+group_m=8": Candidate(replace(single, group_m=8), "single256"),
-        "single256+softcap": Candidate(single, "single256", softcap=True),
-        "dual128+softcap": Candidate(dual, "dual128", softcap=True),
+        "shipped": Candidate(shipped),
+        "fuse_k": Candidate(shipped, fuse_k=True),
+        "stages=3": Candidate(replace(shipped, num_stages=3)),
+        "block_n=256": Candidate(replace(shipped, block_n=256)),
+        "softcap": Candidate(shipped, softcap=True),
     }
 
 
@@ -148,7 +126,7 @@ def main() -> None:
     args.add_argument("--json", default="", help="write the table here too")
     opts = args.parse_args()
     only = {x for x in opts.only.split(",") if x}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, c in candidates().items():
         if only and name not in only:
             continue
@@ -163,8 +141,7 @@ def main() -> None:
                                  "error": f"{type(exc).__name__}: {str(exc)[:300]}"})  # fmt: skip
                     continue
                 rows.append({"name": name, "kernel": which, "reverse": reverse,
-                             "layout": c.layout, "fuse_k": c.fuse_k, "split": c.split,
-                             "softcap": c.softcap, "config": asdict(c.cfg),
+                             "fuse_k": c.fuse_k, "softcap": c.softcap, "config": asdict(c.cfg),
                              **asdict(res)})  # fmt: skip
                 print(off.line(label, res, 44), flush=True)
     if opts.json:

@@ -1,14 +1,12 @@
 """The KL of two heads on the triton backend: launchers and the autograd boundary.
 
 ``fusedhead_triton::kl_forward`` (one pass over the vocabulary computing both heads' tiles, then a
-fixed-order combine; ``KL_TILE`` picks how the 16-bit TMA path tiles it) and ``fusedhead_triton::kl_backward`` (the student's ``dz`` from both
+fixed-order combine) and ``fusedhead_triton::kl_backward`` (the student's ``dz`` from both
 recomputed tiles, driven block by block by ``backward.backward_from``) are ``torch.library``
 custom ops with fake implementations, so ``torch.compile(fullgraph=True)`` traces them. Gradients
 reach the student's hidden states and weight only; the teacher is read, never differentiated.
 Memory: the chunks' statistics ``[5, C, N]`` (``C`` = V / (BLOCK_N * CHUNK)) in the forward, then
-``O(N)`` saved; the backward's is the log-prob head's (the driver's dz blocks and dh sum). The
-"single256" layout adds one fp32 scratch tile per program (132 x 128 x 256 x 4 B = 16.5 MiB on an
-H200) to each launch.
+``O(N)`` saved; the backward's is the log-prob head's (the driver's dz blocks and dh sum).
 """
 
 # No ``from __future__ import annotations``: torch.library reads the annotations as types.
@@ -41,29 +39,13 @@ CHUNK = 4
 #: take 128 registers a thread; two 128 x 256 ones would not fit).
 KL_MAX_BLOCK_N = 128
 #: One K loop feeding both heads' accumulators where their hidden sizes are equal (TMA only):
-#: one pipeline fill per tile instead of two, at twice the shared memory per stage.
+#: one pipeline fill per tile instead of two, at twice the shared memory per stage (at 4 stages
+#: 256 KiB: past an H200's 227 KiB, it does not launch).
 FUSE_K = False
 #: Pipeline stages of the 16-bit TMA tile (128 x 128 x 64: 32 KiB a stage and head). On an H200
 #: (``tools/kl_sweep.py``, bf16, N = 8192, H = 4096, V = 151936) 4 stages against the log-prob
-#: kernels' 3 took the forward from 2.60 to 2.18 GEMM units and the backward from 4.83 to 4.47.
+#: kernels' 3 take the forward from 2.66 to 2.25 GEMM units and the backward from 4.86 to 4.55.
 KL_TMA_STAGES = 4
-#: How the 16-bit TMA path tiles the KL: "dual128" computes both heads' 128 x 128 tiles at once
-#: (both accumulators live, ``KL_TMA_STAGES`` stages); "single256" computes one head's tile at a
-#: time on the log-prob kernels' tile (128 x 256, ``KL_SINGLE_STAGES`` stages): the first head's
-#: (stats: the one weighting the cross term; dz: the teacher's term) parked in a per-program fp32
-#: scratch tile (L2), then the other's, whose epilogue reads it back in ``KL_SPLIT`` column
-#: pieces. Pointer loads (fp32, odd H) always take "dual128". "dual128" ships: it is the layout
-#: measured on an H200 (2.21 / 6.72 GEMM units forward / forward + backward); "single256" awaits
-#: the same measurement (``tools/kl_sweep.py OUT --budget-s 480`` times both in one call).
-KL_TILE = "dual128"
-KL_LAYOUTS = ("single256", "dual128")
-#: Pipeline stages of the "single256" tile (the log-prob kernels': 48 KiB a stage).
-KL_SINGLE_STAGES = 3
-#: Column pieces in which the "single256" student epilogue reads the parked tile back. sm90
-#: offline (``tools/kl_offline.py``, triton 3.9, bf16, 3 stages): stats 255 regs with 408 / 224 /
-#: 184 B of stack at 2 / 4 / 8 pieces, dz no stack at any (the dual tile: none).
-KL_SPLIT = 4
-KL_SPLITS = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -85,61 +67,28 @@ class KLScalars:
         return (self.inv_temp, self.teacher_inv_temp, *caps)
 
 
-def kl_layout(layout: str | None) -> str:
-    """``layout``, or ``KL_TILE`` (read at the call) for None; ValueError for an unknown name."""
-    out = KL_TILE if layout is None else layout
-    if out not in KL_LAYOUTS:
-        raise ValueError(f"layout: {out!r} is not a KL layout; expected one of {KL_LAYOUTS}")
-    return out
-
-
-def kl_tile(cfg: TileConfig, layout: str | None = None) -> TileConfig:
-    """A KL kernel's tile from the log-prob kernel's ``cfg``: on the (16-bit) TMA tile, "single256"
-    keeps its width with ``KL_SINGLE_STAGES`` stages, "dual128" narrows it to ``KL_MAX_BLOCK_N``
-    with ``KL_TMA_STAGES``; a pointer-load tile is at most ``KL_MAX_BLOCK_N`` wide."""
-    if cfg.tma and kl_layout(layout) == "single256":
-        return replace(cfg, num_stages=KL_SINGLE_STAGES)
+def kl_tile(cfg: TileConfig) -> TileConfig:
+    """A KL kernel's tile: the log-prob kernel's ``cfg``, at most ``KL_MAX_BLOCK_N`` wide, with
+    ``KL_TMA_STAGES`` stages on the (16-bit) TMA tile."""
     tile = replace(cfg, block_n=min(cfg.block_n, KL_MAX_BLOCK_N))
     return replace(tile, num_stages=KL_TMA_STAGES) if tile.tma else tile
 
 
-def _plan(cfg: TileConfig, hs: torch.Tensor, ht: torch.Tensor, layout: str | None, split: int
-          ) -> tuple[TileConfig, bool, bool, int]:  # fmt: skip
-    """(the tile launched, TMA or pointers, one head at a time, pieces): "single256" where TMA
-    applies to both heads, else both heads' tiles at once, at most ``KL_MAX_BLOCK_N`` wide. A
-    piece's dz block is at least 16 bytes wide (TMA's minimum): fewer pieces on narrow tiles."""
-    if split not in KL_SPLITS or cfg.block_n % split:
-        raise ValueError(f"split: {split} is not one of {KL_SPLITS} dividing block_n {cfg.block_n}")
+def _flags(cfg: TileConfig, hs: torch.Tensor, ht: torch.Tensor, temps: tuple[Any, Any],
+           sc: KLScalars, fuse_k: bool) -> tuple[bool, dict[str, Any]]:  # fmt: skip
+    """(TMA or pointers, the constexpr arguments shared by the stats and dz kernels)."""
     dev, dtype = hs.device, hs.dtype
     tma = tma_usable(cfg, dtype, hs.shape[1], dev) and tma_usable(cfg, dtype, ht.shape[1], dev)
-    single = tma and kl_layout(layout) == "single256"
-    if not single:
-        cfg = replace(cfg, block_n=min(cfg.block_n, KL_MAX_BLOCK_N))
-    return cfg, tma, single, min(split, max(1, cfg.block_n * hs.element_size() // 16))
-
-
-def _scratch(cfg: TileConfig, programs: int, device: torch.device) -> torch.Tensor:
-    """One fp32 [block_m, block_n] tile per program, where "single256" parks a head's tile."""
-    return torch.empty(programs * cfg.block_m * cfg.block_n, dtype=torch.float32, device=device)
-
-
-def _flags(cfg: TileConfig, hs: torch.Tensor, ht: torch.Tensor, temps: tuple[Any, Any],
-           sc: KLScalars, fuse_k: bool, tma: bool, single: bool, split: int
-           ) -> dict[str, Any]:  # fmt: skip
-    """The constexpr arguments shared by the stats and dz kernels of the layout."""
     flags = dict(
+        FUSE_K=fuse_k and tma and hs.shape[1] == ht.shape[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_PROGS=num_programs(hs.device), PRECISION=precision(hs.dtype),
+        NUM_PROGS=num_programs(dev), TMA=tma, EVEN_KS=hs.shape[1] % cfg.block_k == 0,
+        EVEN_KT=ht.shape[1] % cfg.block_k == 0, PRECISION=precision(dtype),
         PER_TOKEN_TS=temps[0] is not None, PER_TOKEN_TT=temps[1] is not None,
         SOFTCAP_S=sc.softcap is not None, SOFTCAP_T=sc.teacher_softcap is not None,
         REVERSE=sc.reverse, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if single:
-        return {**flags, "SPLIT": split}
-    return {
-        **flags, "FUSE_K": fuse_k and tma and hs.shape[1] == ht.shape[1], "TMA": tma,
-        "EVEN_KS": hs.shape[1] % cfg.block_k == 0, "EVEN_KT": ht.shape[1] % cfg.block_k == 0,
-    }  # fmt: skip
+    return tma, flags
 
 
 def _operands(tma: bool, cfg: TileConfig, *pairs: tuple[torch.Tensor, torch.Tensor]) -> list[Any]:
@@ -162,34 +111,25 @@ def _strides(*ts: torch.Tensor) -> tuple[int, ...]:
 def kl_values(
     hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor, valid: torch.Tensor,
     temp_s: torch.Tensor | None, temp_t: torch.Tensor | None, sc: KLScalars, cfg: TileConfig,
-    chunk: int = CHUNK, fuse_k: bool = FUSE_K, layout: str | None = None, split: int = KL_SPLIT,
+    chunk: int = CHUNK, fuse_k: bool = FUSE_K,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(kl, lse_s, lse_t), fp32 [N] each: one pass over the vocabulary, then the combine
-    (``chunk``, ``fuse_k``, ``layout``, ``split``: tuning knobs, never dependent on N)."""
+    (``chunk``, ``fuse_k``: tuning knobs, never dependent on N)."""
     k = kernel("kl")
-    cfg, tma, single, split = _plan(cfg, hs, ht, layout, split)
     n, v, dev = hs.shape[0], ws.shape[0], hs.device
     chunks = math.ceil(math.ceil(v / cfg.block_n) / chunk)
     outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3)]
     if n == 0:
         return outs[0], outs[1], outs[2]
     part = torch.empty((5, chunks, n), dtype=torch.float32, device=dev)
-    flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc, fuse_k, tma, single, split)
+    tma, flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc, fuse_k)
     items = math.ceil(n / cfg.block_m) * chunks
-    grid = (min(flags["NUM_PROGS"], items),)
     dummy = outs[0]  # a temperature pointer never read without its PER_TOKEN flag
-    temps = (dummy if temp_s is None else temp_s, dummy if temp_t is None else temp_t)
-    ops = _operands(tma, cfg, (hs, ws), (ht, wt))
-    shape = (n, v, hs.shape[1], ht.shape[1])
-    if single:
-        k.kl_stats_single_kernel[grid](
-            *ops, *temps, part, _scratch(cfg, grid[0], dev), *shape, *sc.args(), CHUNK=chunk,
-            **flags,
-        )  # fmt: skip
-    else:
-        k.kl_stats_kernel[grid](
-            *ops, *temps, part, *shape, *_strides(hs, ws, ht, wt), *sc.args(), CHUNK=chunk, **flags,
-        )  # fmt: skip
+    k.kl_stats_kernel[(min(flags["NUM_PROGS"], items),)](
+        *_operands(tma, cfg, (hs, ws), (ht, wt)),
+        dummy if temp_s is None else temp_s, dummy if temp_t is None else temp_t, part, n, v,
+        hs.shape[1], ht.shape[1], *_strides(hs, ws, ht, wt), *sc.args(), CHUNK=chunk, **flags,
+    )  # fmt: skip
     k.kl_combine_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
         part, valid.view(torch.uint8), *outs, n, chunks, BLOCK_R=COMBINE_BLOCK_R,
         BLOCK_T=COMBINE_BLOCK_T, REVERSE=sc.reverse, num_warps=4,
@@ -202,36 +142,24 @@ def kl_grads(
     temp_s: torch.Tensor | None, temp_t: torch.Tensor | None, lse_s: torch.Tensor,
     lse_t: torch.Tensor, kl: torch.Tensor, coef: torch.Tensor, sc: KLScalars, st: Settings,
     cfg: TileConfig, *, need_dh: bool, need_dw: bool, fuse_k: bool = FUSE_K,
-    layout: str | None = None, split: int = KL_SPLIT,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """The student's (dh, dW) for the upstream gradient ``coef`` (0 on ignored rows)."""
     k = kernel("kl")
-    cfg, tma, single, split = _plan(cfg, hs, ht, layout, split)
-    flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc, fuse_k, tma, single, split)
+    tma, flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc, fuse_k)
     n = hs.shape[0]
     row_args = (temp_s if temp_s is not None else coef, temp_t if temp_t is not None else coef,
                 lse_s, lse_t, kl, coef)  # fmt: skip
-    # one scratch for every block: the dz launches run one after another on the stream
-    scratch = _scratch(cfg, flags["NUM_PROGS"] if n else 0, hs.device) if single else None
 
     def fill_dz(v0: int, dz: torch.Tensor) -> None:
         cols = dz.shape[1]
         wsb, wtb = ws[v0 : v0 + cols], wt[v0 : v0 + cols]
         ops = _operands(tma, cfg, (hs, wsb), (ht, wtb))
-        width = cfg.block_n // split if single else cfg.block_n
-        out = descriptor(dz, [cfg.block_m, width]) if tma else dz
+        out = descriptor(dz, [cfg.block_m, cfg.block_n]) if tma else dz
         tiles = math.ceil(n / cfg.block_m) * math.ceil(cols / cfg.block_n)
-        grid = (min(flags["NUM_PROGS"], tiles),)
-        shape = (n, cols, hs.shape[1], ht.shape[1])
-        if single:
-            k.kl_dz_single_kernel[grid](
-                *ops, out, *row_args, scratch, *shape, *sc.args(), **flags
-            )  # fmt: skip
-        else:
-            k.kl_dz_kernel[grid](
-                *ops, out, *row_args, *shape, *_strides(hs, wsb, ht, wtb), dz.stride(0),
-                *sc.args(), **flags,
-            )  # fmt: skip
+        k.kl_dz_kernel[(min(flags["NUM_PROGS"], tiles),)](
+            *ops[:2], *ops[2:], out, *row_args, n, cols, hs.shape[1], ht.shape[1],
+            *_strides(hs, wsb, ht, wtb), dz.stride(0), *sc.args(), **flags,
+        )  # fmt: skip
 
     return backward_from(hs, ws, fill_dz, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=False)
 
