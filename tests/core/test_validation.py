@@ -184,12 +184,3 @@ def test_a_backend_breaking_the_output_contract_is_caught(ref_backend, inputs, m
     monkeypatch.setattr(ref_backend, "forward", bad_forward)
     with pytest.raises(BackendError, match="log_probs must be float32"):
         call(*inputs())
-
-
-def test_off_cuda_a_bad_label_is_refused_before_the_backend_runs(ref_backend, inputs):
-    """Off CUDA the flags are read before ``forward`` (on CUDA after it: test_pending_checks_gpu)."""
-    h, w, y = inputs()
-    y[1] = 11
-    with pytest.raises(ValueError, match="position 1"):
-        call(h, w, y)
-    assert ref_backend.calls == []

@@ -301,8 +301,8 @@ class FusedHead:
         ``tracing``: Dynamo traces the call (the caller asked ``_tracing()``, once per call)."""
         if tracing and isinstance(hidden, _Tensor):
             _prime_device(hidden.device)
-        # The value checks' one host read, after the head's kernels are queued (eager calls only:
-        # a traced call checks through the graph's ops).
+        # The value checks' one host read, before forward (eager calls only: a traced call checks
+        # through the graph's ops).
         pending = None if tracing else Pending()
         call, shape, n, device, dtype, cast = validate(
             hidden,
@@ -355,7 +355,7 @@ class FusedHead:
         if not n:
             return _empty(call, shape)
         if pending is not None:
-            pending.send()
+            pending.read()
         try:
             if cast is None:
                 out = self.backend.forward(call)
@@ -363,15 +363,7 @@ class FusedHead:
                 with torch.autocast(cast, enabled=False):
                     out = self.backend.forward(call)
         except BackendError as exc:
-            if pending is not None:
-                pending.settle()  # a failed check is the cause to name, not what it broke
             raise exc.attach(**self._identity()) from None
-        except Exception:
-            if pending is not None:
-                pending.settle()
-            raise
-        if pending is not None:
-            pending.settle()
         # The output contract, as one expression over each tensor's properties read once; any
         # doubt goes to _check_output, which names the breach (and is the authority).
         h, w = call.hidden, call.weight
