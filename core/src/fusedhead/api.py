@@ -301,9 +301,9 @@ class FusedHead:
         ``tracing``: Dynamo traces the call (the caller asked ``_tracing()``, once per call)."""
         if tracing and isinstance(hidden, _Tensor):
             _prime_device(hidden.device)
-        # The value checks' one host read, before forward (eager calls only: a traced call checks
-        # through the graph's ops).
-        pending = None if tracing else Pending()
+        # The value checks' one host read, before forward (eager checked calls: a traced call
+        # checks through the graph's ops; an unchecked one reads a temperature tensor's alone).
+        pending = Pending() if check_labels is True and not tracing else None
         call, shape, n, device, dtype, cast = validate(
             hidden,
             weight,
