@@ -42,7 +42,6 @@ class Candidate:
     """One compiled variant: the tile and its knobs."""
 
     cfg: TileConfig
-    fuse_k: bool = False
     softcap: bool = False
 
 
@@ -79,7 +78,7 @@ def _consts(c: Candidate, reverse: bool) -> dict[str, Any]:
     cfg = c.cfg
     return dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_PROGS=132, TMA=True, FUSE_K=c.fuse_k, EVEN_KS=True, EVEN_KT=True, PRECISION="tf32",
+        NUM_PROGS=132, TMA=True, EVEN_KS=True, EVEN_KT=True, PRECISION="tf32",
         PER_TOKEN_TS=False, PER_TOKEN_TT=False, SOFTCAP_S=c.softcap, SOFTCAP_T=c.softcap,
         REVERSE=reverse,
     )  # fmt: skip
@@ -112,7 +111,6 @@ def candidates() -> dict[str, Candidate]:
     shipped = kl_tile(settings_for(torch.bfloat16).forward)
     return {
         "shipped": Candidate(shipped),
-        "fuse_k": Candidate(shipped, fuse_k=True),
         "stages=3": Candidate(replace(shipped, num_stages=3)),
         "block_n=256": Candidate(replace(shipped, block_n=256)),
         "softcap": Candidate(shipped, softcap=True),
@@ -141,7 +139,7 @@ def main() -> None:
                                  "error": f"{type(exc).__name__}: {str(exc)[:300]}"})  # fmt: skip
                     continue
                 rows.append({"name": name, "kernel": which, "reverse": reverse,
-                             "fuse_k": c.fuse_k, "softcap": c.softcap, "config": asdict(c.cfg),
+                             "softcap": c.softcap, "config": asdict(c.cfg),
                              **asdict(res)})  # fmt: skip
                 print(off.line(label, res, 44), flush=True)
     if opts.json:

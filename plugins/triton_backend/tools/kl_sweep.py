@@ -5,7 +5,7 @@ Usage on a CUDA machine (writes kl_sweep.json to OUT_DIR and prints a table):
     python plugins/triton_backend/tools/kl_sweep.py OUT_DIR --dry   # CPU interpreter, tiny shapes
 
 Each configuration (the tile of both the stats and the dz kernel, both heads' 128 x 128 tiles at
-once; the forward's chunk of vocabulary tiles; one K loop for both heads or one each) is timed with
+once; the forward's chunk of vocabulary tiles) is timed with
 ``triton.testing.do_bench`` in GEMM units (one cuBLAS ``hidden @ weight.T`` of the shape, timed
 beside them): the forward (stats + combine), the backward (dz blocks + dh + cuBLAS dW through
 ``backward_from``) and their sum, both directions for the shipped configuration. Targets (issue 18, H200 bf16, N = 8192, H = 4096, V = 151936): forward
@@ -43,7 +43,6 @@ from fusedhead_triton import TritonBackend  # noqa: E402
 from fusedhead_triton.configs import TileConfig  # noqa: E402
 from fusedhead_triton.kl import (  # noqa: E402
     CHUNK,
-    FUSE_K,
     KLScalars,
     kl_grads,
     kl_tile,
@@ -62,7 +61,6 @@ class Run:
     cfg: TileConfig
     reverse: bool = False
     chunk: int = CHUNK
-    fuse_k: bool = FUSE_K
 
 
 def runs(forward: TileConfig) -> list[Run]:
@@ -71,7 +69,6 @@ def runs(forward: TileConfig) -> list[Run]:
     shipped = kl_tile(forward)
     out = [Run("shipped", shipped), Run("shipped", shipped, reverse=True)]
     changes: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
-        ("fuse_k", {}, {"fuse_k": not FUSE_K}),
         ("stages=3", {"num_stages": 3}, {}),
         ("group_m=8", {"group_m": 8}, {}),
         ("pointers", {"tma": False}, {}),
@@ -104,22 +101,22 @@ def main() -> int:
     start = time.perf_counter()
     want: dict[bool, torch.Tensor] = {}
     for run in runs(st.forward):
-        name, cfg, chunk, fuse, reverse = run.name, run.cfg, run.chunk, run.fuse_k, run.reverse
+        name, cfg, chunk, reverse = run.name, run.cfg, run.chunk, run.reverse
         if time.perf_counter() - start > OPTS.budget_s:
             print(f"budget of {OPTS.budget_s:.0f} s spent: {name} and the rest not run")
             break
         sc = KLScalars(1 / 0.7, 1.0, None, None, reverse)
-        row: dict[str, Any] = {"name": name, "reverse": reverse, "chunk": chunk, "fuse_k": fuse}
+        row: dict[str, Any] = {"name": name, "reverse": reverse, "chunk": chunk}
         row.update(asdict(cfg))
         try:
-            kl, lse_s, lse_t = kl_values(hs, ws, ht, wt, valid, None, None, sc, cfg, chunk, fuse)
+            kl, lse_s, lse_t = kl_values(hs, ws, ht, wt, valid, None, None, sc, cfg, chunk)
             if reverse not in want:
                 want[reverse] = kl
             row["kl_rel_err_vs_shipped"] = float((kl - want[reverse]).norm() / want[reverse].norm())
 
-            fwd = partial(kl_values, hs, ws, ht, wt, valid, None, None, sc, cfg, chunk, fuse)
+            fwd = partial(kl_values, hs, ws, ht, wt, valid, None, None, sc, cfg, chunk)
             bwd = partial(kl_grads, hs, ws, ht, wt, None, None, lse_s, lse_t, kl, coef, sc, st,
-                          cfg, need_dh=True, need_dw=True, fuse_k=fuse)  # fmt: skip
+                          cfg, need_dh=True, need_dw=True)  # fmt: skip
             row["fwd_units"] = bench(fwd) / unit
             row["bwd_units"] = bench(bwd) / unit
             row["fwd_bwd_units"] = row["fwd_units"] + row["bwd_units"]

@@ -38,10 +38,6 @@ CHUNK = 4
 #: Widest KL tile: both heads' fp32 accumulators are live at once (two 128 x 128 tiles over 8 warps
 #: take 128 registers a thread; two 128 x 256 ones would not fit).
 KL_MAX_BLOCK_N = 128
-#: One K loop feeding both heads' accumulators where their hidden sizes are equal (TMA only):
-#: one pipeline fill per tile instead of two, at twice the shared memory per stage (at 4 stages
-#: 256 KiB: past an H200's 227 KiB, it does not launch).
-FUSE_K = False
 #: Pipeline stages of the 16-bit TMA tile (128 x 128 x 64: 32 KiB a stage and head). On an H200
 #: (``tools/kl_sweep.py``, bf16, N = 8192, H = 4096, V = 151936) 4 stages against the log-prob
 #: kernels' 3 take the forward from 2.66 to 2.25 GEMM units and the backward from 4.86 to 4.55.
@@ -75,12 +71,11 @@ def kl_tile(cfg: TileConfig) -> TileConfig:
 
 
 def _flags(cfg: TileConfig, hs: torch.Tensor, ht: torch.Tensor, temps: tuple[Any, Any],
-           sc: KLScalars, fuse_k: bool) -> tuple[bool, dict[str, Any]]:  # fmt: skip
+           sc: KLScalars) -> tuple[bool, dict[str, Any]]:  # fmt: skip
     """(TMA or pointers, the constexpr arguments shared by the stats and dz kernels)."""
     dev, dtype = hs.device, hs.dtype
     tma = tma_usable(cfg, dtype, hs.shape[1], dev) and tma_usable(cfg, dtype, ht.shape[1], dev)
     flags = dict(
-        FUSE_K=fuse_k and tma and hs.shape[1] == ht.shape[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGS=num_programs(dev), TMA=tma, EVEN_KS=hs.shape[1] % cfg.block_k == 0,
         EVEN_KT=ht.shape[1] % cfg.block_k == 0, PRECISION=precision(dtype),
@@ -111,10 +106,10 @@ def _strides(*ts: torch.Tensor) -> tuple[int, ...]:
 def kl_values(
     hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor, valid: torch.Tensor,
     temp_s: torch.Tensor | None, temp_t: torch.Tensor | None, sc: KLScalars, cfg: TileConfig,
-    chunk: int = CHUNK, fuse_k: bool = FUSE_K,
+    chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(kl, lse_s, lse_t), fp32 [N] each: one pass over the vocabulary, then the combine
-    (``chunk``, ``fuse_k``: tuning knobs, never dependent on N)."""
+    (``chunk``: a tuning knob for tools/kl_sweep.py, never dependent on N)."""
     k = kernel("kl")
     n, v, dev = hs.shape[0], ws.shape[0], hs.device
     chunks = math.ceil(math.ceil(v / cfg.block_n) / chunk)
@@ -122,7 +117,7 @@ def kl_values(
     if n == 0:
         return outs[0], outs[1], outs[2]
     part = torch.empty((5, chunks, n), dtype=torch.float32, device=dev)
-    tma, flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc, fuse_k)
+    tma, flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc)
     items = math.ceil(n / cfg.block_m) * chunks
     dummy = outs[0]  # a temperature pointer never read without its PER_TOKEN flag
     k.kl_stats_kernel[(min(flags["NUM_PROGS"], items),)](
@@ -141,11 +136,11 @@ def kl_grads(
     hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor,
     temp_s: torch.Tensor | None, temp_t: torch.Tensor | None, lse_s: torch.Tensor,
     lse_t: torch.Tensor, kl: torch.Tensor, coef: torch.Tensor, sc: KLScalars, st: Settings,
-    cfg: TileConfig, *, need_dh: bool, need_dw: bool, fuse_k: bool = FUSE_K,
+    cfg: TileConfig, *, need_dh: bool, need_dw: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """The student's (dh, dW) for the upstream gradient ``coef`` (0 on ignored rows)."""
     k = kernel("kl")
-    tma, flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc, fuse_k)
+    tma, flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc)
     n = hs.shape[0]
     row_args = (temp_s if temp_s is not None else coef, temp_t if temp_t is not None else coef,
                 lse_s, lse_t, kl, coef)  # fmt: skip

@@ -41,26 +41,16 @@ def _both_tiles(
     stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, inv_s, inv_t, softcap_s,
     inv_softcap_s, softcap_t, inv_softcap_t,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_KS: tl.constexpr,
-    EVEN_KT: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, FUSE_K: tl.constexpr,
+    EVEN_KT: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
     SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr,
 ):  # fmt: skip
     """Both heads' scaled tiles ``(z_s, tanh of the student's or 0, z_t)``, fp32.
 
-    ``FUSE_K`` (TMA, equal hidden sizes): one K loop feeding both accumulators; otherwise one K
-    loop per head. Either way each head sums its K steps in the same order (the same bits).
-    ``rows``/``cols`` are clamped in range (pointer loads); TMA reads past the edges as zero.
+    One K loop per head (one loop feeding both, at twice the shared memory a stage, was slower
+    and no longer fits at 4 stages: docs/benchmarks.md). ``rows``/``cols`` are clamped in range
+    (pointer loads); TMA reads past the edges as zero.
     """
-    if FUSE_K:
-        acc_s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(HS, BLOCK_K)):
-            a = hs.load([off_m, k * BLOCK_K])
-            b = ws.load([off_n, k * BLOCK_K])
-            acc_s = tl.dot(a, b.T, acc_s, input_precision=PRECISION)
-            a = ht.load([off_m, k * BLOCK_K])
-            b = wt.load([off_n, k * BLOCK_K])
-            acc_t = tl.dot(a, b.T, acc_t, input_precision=PRECISION)
-    elif TMA:
+    if TMA:
         acc_s = logits_tile_tma(hs, ws, off_m, off_n, HS, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         acc_t = logits_tile_tma(ht, wt, off_m, off_n, HT, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     else:
@@ -118,8 +108,7 @@ def kl_stats_kernel(
     stride_hsn, stride_hsk, stride_wsv, stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk,
     inv_temp_s, inv_temp_t, softcap_s, inv_softcap_s, softcap_t, inv_softcap_t,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    CHUNK: tl.constexpr, NUM_PROGS: tl.constexpr, TMA: tl.constexpr, FUSE_K: tl.constexpr,
-    EVEN_KS: tl.constexpr,
+    CHUNK: tl.constexpr, NUM_PROGS: tl.constexpr, TMA: tl.constexpr, EVEN_KS: tl.constexpr,
     EVEN_KT: tl.constexpr, PRECISION: tl.constexpr, PER_TOKEN_TS: tl.constexpr,
     PER_TOKEN_TT: tl.constexpr, SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr,
     REVERSE: tl.constexpr,
@@ -154,7 +143,7 @@ def kl_stats_kernel(
                 hs, ws, ht, wt, off_m, off_n, rows, cols, HS, HT, stride_hsn, stride_hsk,
                 stride_wsv, stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, inv_s,
                 inv_t, softcap_s, inv_softcap_s, softcap_t, inv_softcap_t, BLOCK_M, BLOCK_N,
-                BLOCK_K, EVEN_KS, EVEN_KT, PRECISION, TMA, FUSE_K, SOFTCAP_S, SOFTCAP_T,
+                BLOCK_K, EVEN_KS, EVEN_KT, PRECISION, TMA, SOFTCAP_S, SOFTCAP_T,
             )  # fmt: skip
             t_ms, t_ss, t_mt, t_st, t_w = _tile_stats(zs, zt, offs_n < V, REVERSE)
             m_s, s_s, m_t, s_t, w = _merge(
@@ -229,7 +218,7 @@ def kl_dz_kernel(
     stride_wtv, stride_wtk, stride_dzm, inv_temp_s, inv_temp_t, softcap_s, inv_softcap_s,
     softcap_t, inv_softcap_t,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGS: tl.constexpr, TMA: tl.constexpr, FUSE_K: tl.constexpr, EVEN_KS: tl.constexpr,
+    NUM_PROGS: tl.constexpr, TMA: tl.constexpr, EVEN_KS: tl.constexpr,
     EVEN_KT: tl.constexpr, PRECISION: tl.constexpr, PER_TOKEN_TS: tl.constexpr,
     PER_TOKEN_TT: tl.constexpr, SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr,
     REVERSE: tl.constexpr,
@@ -252,7 +241,7 @@ def kl_dz_kernel(
             hs, ws, ht, wt, off_m, off_n, rows, cols, HS, HT, stride_hsn, stride_hsk, stride_wsv,
             stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, inv_s, inv_t, softcap_s,
             inv_softcap_s, softcap_t, inv_softcap_t, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KS, EVEN_KT,
-            PRECISION, TMA, FUSE_K, SOFTCAP_S, SOFTCAP_T,
+            PRECISION, TMA, SOFTCAP_S, SOFTCAP_T,
         )  # fmt: skip
         coef = tl.load(coef_ptr + rows)
         ls = zs - tl.load(lse_s_ptr + rows)[:, None]
