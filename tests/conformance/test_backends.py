@@ -65,9 +65,14 @@ def test_fusedhead_check_liger_fallback_passes_on_cpu():
 
 
 @needs("triton")
-@pytest.mark.slow
-def test_fusedhead_check_triton_passes_in_the_interpreter():
-    assert_passes(fusedhead_check("triton", "--dtype", "fp32", env={"TRITON_INTERPRET": "1"}))
+def test_fusedhead_check_triton_runs_end_to_end_in_the_interpreter():
+    """The command a user runs, on the cheap properties: every property of the kit runs on triton
+    under the interpreter once, one test each, in tests/triton_backend/test_triton_kit.py."""
+    cheap = "forward_accuracy,without_entropy,ignore_index,unchecked_labels,tiny_batches"
+    proc = fusedhead_check("triton", "--dtype", "fp32", "-k", cheap, env={"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    passed = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("PASS ")}
+    assert passed == set(cheap.split(",")), proc.stdout
 
 
 @needs("liger")
