@@ -1,0 +1,108 @@
+"""Time one source tree's head calls (the tree on ``sys.path``) for an A/B of trees: ``ab.sh``.
+
+Each case is timed after its own GEMM unit (one ``hidden @ weight.T`` of the shape), by
+``triton.testing.do_bench`` medians on a GPU; one JSON line per run, tagged, on stdout.
+
+    python scripts/gpu/ab_cases.py TAG [--backend triton] [--cases plain,gather_check,...]
+    python scripts/gpu/ab_cases.py TAG --dry   # the CPU, the torch backend, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import fusedhead
+from fusedhead import FusedHead
+
+#: name -> (forward only, check_labels, further call arguments by name: see ``_kwargs``)
+CASES: dict[str, tuple[bool, bool, tuple[str, ...]]] = {
+    "plain": (True, False, ()),
+    "plain_check": (True, True, ()),
+    "gather": (True, False, ("gather_ids",)),
+    "gather_check": (True, True, ("gather_ids",)),
+    "topk32": (True, True, ("top_k",)),
+    "fb_check": (False, True, ()),
+    "gather_fb": (False, True, ("gather_ids",)),
+}
+
+
+def main() -> None:
+    args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args.add_argument("tag", help="the tree's name in the output")
+    args.add_argument("--backend", default="triton")
+    args.add_argument(
+        "--cases", default=",".join(CASES), help="comma-separated, of " + ", ".join(CASES)
+    )
+    args.add_argument("--n", type=int, default=8192)
+    args.add_argument("--hidden", type=int, default=4096)
+    args.add_argument("--vocab", type=int, default=151936)
+    args.add_argument("--dry", action="store_true", help="CPU, torch backend, tiny shapes")
+    opts = args.parse_args()
+    if opts.dry:
+        opts.backend, opts.n, opts.hidden, opts.vocab = "torch", 64, 32, 500
+    names = [c for c in opts.cases.split(",") if c]
+    unknown = [c for c in names if c not in CASES]
+    if unknown:
+        raise SystemExit(f"--cases: unknown {unknown}; known: {list(CASES)}")
+    dev = torch.device("cpu" if opts.dry else "cuda")
+    dtype = torch.float32 if opts.dry else torch.bfloat16
+    n, h, v = opts.n, opts.hidden, opts.vocab
+    g = torch.Generator(device=dev).manual_seed(0)
+    hidden = torch.randn(n, h, device=dev, generator=g).to(dtype)
+    weight = (torch.randn(v, h, device=dev, generator=g) / h**0.5).to(dtype)
+    labels = torch.randint(0, v, (n,), device=dev, generator=g)
+    labels[torch.randperm(n, device=dev, generator=g)[: n // 10]] = -100
+    extra = {"gather_ids": torch.randint(0, v, (n, 32), device=dev, generator=g), "top_k": 32}
+    coef = torch.randn(n, device=dev, generator=g)
+    head = FusedHead(backend=opts.backend, device=str(dev))
+    hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+
+    def case(name: str) -> Callable[[], Any]:
+        fwd_only, check, more = CASES[name]
+        kw = {k: extra[k] for k in more}
+
+        def forward() -> Any:
+            with torch.no_grad():
+                return head(hidden, weight, labels, temperature=0.7, check_labels=check, **kw)
+
+        def both() -> None:
+            out = head(hh, ww, labels, temperature=0.7, check_labels=check, **kw)
+            loss = (out.log_probs * coef).sum() + out.entropy.sum()
+            if out.gathered is not None:
+                loss = loss + out.gathered.mean(-1).sum()
+            loss.backward()
+            hh.grad = ww.grad = None
+
+        return forward if fwd_only else both
+
+    def bench(fn: Callable[[], Any], rep_ms: int) -> float:
+        if opts.dry:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=200, rep=rep_ms, return_mode="median"))
+
+    res: dict[str, Any] = {"tag": opts.tag, "src": os.path.dirname(fusedhead.__file__),
+                           "backend": opts.backend, "shape": [n, h, v]}  # fmt: skip
+    for name in names:
+        fn = case(name)
+        fn()  # compile and warm up
+        unit = bench(lambda: hidden @ weight.T, 600)
+        ms = bench(fn, 1200 if CASES[name][0] else 2000)
+        res[name] = round(ms, 3)
+        res[name + "_units"] = round(ms / unit, 4)
+        res[name + "_unit_ms"] = round(unit, 3)
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
