@@ -10,8 +10,7 @@ import torch
 
 from fusedhead import FusedHead
 
-_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]
-DEVICES = ["cpu", pytest.param("cuda", marks=_CUDA)]
+DEVICES = ["cpu"]  # on CUDA the read comes after forward: test_pending_checks_gpu.py
 
 
 def _case(device: str, n: int = 40, h: int = 32, v: int = 611) -> tuple[torch.Tensor, ...]:
@@ -85,14 +84,3 @@ def test_a_failed_check_is_named_and_the_backend_never_runs(spied, device):
         for word in words:
             assert word in str(info.value)
     assert "forward" not in order
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-def test_checks_under_cuda_graph_capture_are_refused_by_name():
-    head = FusedHead(backend="torch", device="cuda")
-    hidden, weight, labels = _case("cuda")
-    head(hidden, weight, labels, check_labels=False)  # warm up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(ValueError, match="check_labels=False"), torch.cuda.graph(graph):
-        head(hidden, weight, labels)

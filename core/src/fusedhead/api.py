@@ -355,7 +355,7 @@ class FusedHead:
         if not n:
             return _empty(call, shape)
         if pending is not None:
-            pending.read()
+            pending.send()
         try:
             if cast is None:
                 out = self.backend.forward(call)
@@ -363,7 +363,15 @@ class FusedHead:
                 with torch.autocast(cast, enabled=False):
                     out = self.backend.forward(call)
         except BackendError as exc:
+            if pending is not None:
+                pending.settle()  # a failed check is the cause to name, not what it broke
             raise exc.attach(**self._identity()) from None
+        except Exception:
+            if pending is not None:
+                pending.settle()
+            raise
+        if pending is not None:
+            pending.settle()
         # The output contract, as one expression over each tensor's properties read once; any
         # doubt goes to _check_output, which names the breach (and is the authority).
         h, w = call.hidden, call.weight

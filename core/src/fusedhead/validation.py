@@ -462,37 +462,58 @@ def _raise_bad_ids(
 
 class Pending:
     """A call's value checks (label and id ranges, per-token temperatures), read by the host in
-    one go just before the backend's ``forward``: one device-to-host sync a call, whichever
-    checks it makes, the first failed one named.
+    one go.
 
-    (Reading the flags on CUDA only after ``forward`` has queued the head's kernels, so the GPU
-    never waits for the host, was built in a66c91d and awaits a GPU A/B: docs/benchmarks.md.)
+    Each check adds its flag, computed where the tensors are. On CUDA, ``send`` (just before the
+    backend's ``forward``) copies the flags to pinned host memory behind an event, and ``settle``
+    (after ``forward`` has queued the head's kernels) waits for that event only, then raises the
+    first failed check's error, so the GPU never idles while the host waits for a check. That is
+    safe because a backend must be memory-safe on out-of-range values anyway (``check_labels=False``
+    gives NaN rows). Elsewhere ``send`` reads the flags at once, before the backend sees the call.
     """
 
-    __slots__ = ("_checks",)
+    __slots__ = ("_checks", "_event", "_host")
 
     def __init__(self) -> None:
         self._checks: list[tuple[torch.Tensor, Callable[..., NoReturn], tuple[Any, ...]]] = []
+        self._host: torch.Tensor | None = None
+        self._event: Any = None
 
     def add(self, bad: torch.Tensor, raiser: Callable[..., NoReturn], *args: Any) -> None:
         """A 0-d bool ``bad``; ``raiser(*args)`` raises the check's error when it is set."""
         self._checks.append((bad, raiser, args))
 
-    def read(self) -> None:
-        """Read every flag at once; raise the first failed check's error."""
+    def send(self) -> None:
+        """Start the flags' one read (CUDA: queued behind an event), or raise now (elsewhere)."""
         checks = self._checks
         if not checks:
             return
         flags = checks[0][0] if len(checks) == 1 else torch.stack([c[0] for c in checks])
-        if flags.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if flags.device.type != "cuda":
+            self._host = flags
+            self.settle()
+            return
+        if torch.cuda.is_current_stream_capturing():
             raise ValueError(
                 "check_labels=True (and a per-token temperature tensor) is checked by a "
                 "device-to-host read, which CUDA-graph capture forbids; inside a captured region "
                 "pass check_labels=False and a float temperature"
             )
-        failed = flags.tolist()
+        self._host = flags.to("cpu", non_blocking=True)
+        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._event.record(torch.cuda.current_stream(flags.device))
+
+    def settle(self) -> None:
+        """Wait for the flags (not for the head's kernels) and raise the first failed check's error."""
+        host = self._host
+        if host is None:
+            return
+        self._host = None
+        if self._event is not None:
+            self._event.synchronize()
+        failed = host.tolist()
         for bad, (_, raiser, args) in zip(
-            failed if isinstance(failed, list) else [failed], checks, strict=True
+            failed if isinstance(failed, list) else [failed], self._checks, strict=True
         ):
             if bad:
                 raiser(*args)
