@@ -1,4 +1,5 @@
-"""Worker for the vocab-parallel tests: one gloo rank runs every case on its vocabulary shard."""
+"""Worker for the vocab-parallel tests: one gloo rank runs every case on its vocabulary shard, in
+each of ``DTYPES`` (the interpreter's dots are right in fp32 and fp16, not bf16)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "no_entropy": {"bounds": [0, 96, 192], "reduce": True, "kwargs": {"entropy": False}},
 }
+#: The dtypes every case runs in (the full inputs are made in fp32, then rounded to each).
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 TILES = {"block_m": 32, "block_n": 64, "block_k": 32, "backward_block_mib": 1e-3}
 
 
@@ -48,18 +51,21 @@ def run_case(
     hi: int,
     reduce: bool,
     group: Any,
+    dtype: torch.dtype = torch.float32,
     *,
     softcap: float | None = None,
     per_token: bool = False,
     entropy: bool = True,
+    memory: str = "low",
 ) -> dict[str, Any]:
-    """Forward + backward on rows [lo, hi) of the weight; outputs and both gradients."""
+    """Forward + backward on rows [lo, hi) of the weight in ``dtype``; outputs and both
+    gradients."""
     from fusedhead_triton import TritonBackend, TritonOptions
 
-    h = x["hidden"].clone().requires_grad_()
-    w = x["weight"][lo:hi].clone().requires_grad_()
+    h = x["hidden"].to(dtype, copy=True).requires_grad_()
+    w = x["weight"][lo:hi].to(dtype, copy=True).requires_grad_()
     temp = x["temps"] if per_token else 0.7
-    lp, ent = call_backend(TritonBackend(TritonOptions(**TILES)),
+    lp, ent = call_backend(TritonBackend(TritonOptions(**TILES, memory=memory)),
         h, w, x["labels"], temperature=temp, ignore_index=IGNORE, return_entropy=entropy,
         process_group=group, vocab_start=lo, vocab_size=V, reduce_hidden_grad=reduce,
         softcap=softcap,
@@ -105,10 +111,14 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     )
     try:
         x = full_inputs()
-        results = {}
-        for name, case in CASES.items():
-            lo, hi = case["bounds"][rank], case["bounds"][rank + 1]
-            results[name] = run_case(x, lo, hi, case["reduce"], dist.group.WORLD, **case["kwargs"])
+        results: dict[str, Any] = {}
+        for d, dtype in DTYPES.items():
+            results[d] = {}
+            for name, case in CASES.items():
+                lo, hi = case["bounds"][rank], case["bounds"][rank + 1]
+                results[d][name] = run_case(
+                    x, lo, hi, case["reduce"], dist.group.WORLD, dtype, **case["kwargs"]
+                )
         lo, hi = CASES["equal"]["bounds"][rank], CASES["equal"]["bounds"][rank + 1]
         results["double_backward"] = double_backward_error(x, lo, hi, dist.group.WORLD)
         torch.save(results, Path(out) / f"rank{rank}.pt")
