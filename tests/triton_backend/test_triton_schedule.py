@@ -69,7 +69,6 @@ def calls(draw: st.DrawFn) -> Call:
         buffer_cols=buffer_cols,
         max_cols=max_cols,
         row_quantum=draw(st.sampled_from([1, 2, 4, 8])),
-        width=draw(st.sampled_from([1, 1, 2])),  # 2: the two-pass KL's dz rows
     )
     # both gradients (where the stash applies) half the time
     need_dw, need_dh = draw(
@@ -128,7 +127,7 @@ def check_plan(c: Call, steps: list[Step]) -> None:
         end = tail if s.v0 < tail else g.v  # end of this block's range
         remaining = end - s.v0
         assert s.cols >= 1
-        assert s.stride == _round_up(s.cols, g.align) * g.width
+        assert s.stride == _round_up(s.cols, g.align)
         if g.max_cols % g.align == 0 and s.v0 + s.cols < end:
             assert s.cols % g.align == 0, s  # only a range's last block is ragged
         own = (s.v0, s.v0 + s.cols)
@@ -137,7 +136,7 @@ def check_plan(c: Call, steps: list[Step]) -> None:
             if lend:  # the buffer only where even a buffer-wide block has no free rows
                 lo, hi = (own[1], tail if s.add_dh else g.v) if s.write_dw else (0, tail)
                 start = _round_up(lo, g.row_quantum)
-                assert start + _dz_rows(g, _round_up(s.cols, g.align) * g.width) > hi, s
+                assert start + _dz_rows(g, _round_up(s.cols, g.align)) > hi, s
         else:
             assert lend, s
             assert min(g.buffer_cols, remaining) <= s.cols <= g.max_cols, s
@@ -242,15 +241,3 @@ def test_geometry_of_the_shipped_shape() -> None:
     assert geometry(8, 3, 50, 2, 64, 2**30, 8192).buffer_cols == 64
     # H = 3 bf16: rows of 6 bytes, a 16-byte aligned start every 8 rows
     assert geometry(9, 3, 50000, 2, 256, 2**26, 8192).row_quantum == 8
-
-
-def test_a_dz_column_of_two_storage_columns_halves_the_blocks() -> None:
-    """The two-pass KL's dz (``width`` 2: the teacher's low halves beside each row): the same
-    64 MiB hold half the columns, and a lent block takes twice the rows of dW."""
-    g = geometry(8192, 4096, 151936, 2, 256, 64 * 2**20, 8192, width=2)
-    assert g.buffer_cols == geometry(8192, 4096, 151936, 2, 256, 64 * 2**20, 8192).buffer_cols // 2
-    steps = plan(g, need_dw=True, need_dh=True, stash=None)
-    check_plan(Call(g, True, True, None), steps)
-    first = steps[0]
-    assert first.stride == 2 * first.cols and first.dz_row is not None
-    assert rows_needed(g, first.stride) == 8192 * 2 * first.cols // 4096

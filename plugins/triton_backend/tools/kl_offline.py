@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 
 from fusedhead_triton.configs import TileConfig, settings_for
 from fusedhead_triton.kernels import kl
-from fusedhead_triton.kl import CHUNK, KL_PIECE, kl_tile
+from fusedhead_triton.kl import CHUNK, kl_tile
 
 _HEADS = ("hs", "ws", "ht", "wt")
 _STRIDES = tuple(f"stride_{x}" for x in ("hsn", "hsk", "wsv", "wsk", "htn", "htk", "wtv", "wtk"))
@@ -106,52 +106,6 @@ def compile_dz(c: Candidate, *, arch: int, reverse: bool) -> Any:
     return _compile(kl.kl_dz_kernel, signature, _consts(c, reverse), cfg, arch)
 
 
-def _one_head(cfg: TileConfig) -> dict[str, str]:
-    a = f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>"
-    b = f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>"
-    return {"h": a, "w": b}
-
-
-def _two_pass_consts(c: Candidate, piece: int) -> dict[str, Any]:
-    cfg = c.cfg
-    return dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_PROGS=132, TMA=True, EVEN_K=True, PRECISION="tf32", PER_TOKEN_T=False,
-        SOFTCAP=c.softcap, SPLIT_LP=True, PIECE=piece,
-    )  # fmt: skip
-
-
-def _piece_views(c: Candidate, piece: int) -> dict[str, str]:
-    i16 = f"tensordesc<i16[{c.cfg.block_m}, {piece}]>"
-    return {"hi": i16, "lo": i16, "dz": f"tensordesc<bf16[{c.cfg.block_m}, {piece}]>"}
-
-
-def compile_teacher(c: Candidate, *, arch: int, reverse: bool, piece: int = KL_PIECE) -> Any:
-    """``kl_teacher_kernel`` (the two-pass backward's first pass) for a bf16 head."""
-    d, v = _one_head(c.cfg), _piece_views(c, piece)
-    signature = {
-        "ht": d["h"], "wt": d["w"], "hi": v["hi"], "lo": v["lo"], "temp_t_ptr": "*fp32",
-        "lse_t_ptr": "*fp32", "N": "i32", "Vb": "i32", "HT": "i32",
-        **dict.fromkeys(("stride_htn", "stride_htk", "stride_wtv", "stride_wtk"), "i32"),
-        "stride_m": "i32", **dict.fromkeys(("inv_temp_t", "softcap_t", "inv_softcap_t"), "fp32"),
-    }  # fmt: skip
-    return _compile(kl.kl_teacher_kernel, signature, _two_pass_consts(c, piece), c.cfg, arch)
-
-
-def compile_student(c: Candidate, *, arch: int, reverse: bool, piece: int = KL_PIECE) -> Any:
-    """``kl_student_dz_kernel`` (the two-pass backward's second pass) for a bf16 head."""
-    d, v = _one_head(c.cfg), _piece_views(c, piece)
-    signature = {
-        "hs": d["h"], "ws": d["w"], **v,
-        **dict.fromkeys(("temp_s_ptr", "lse_s_ptr", "kl_ptr", "coef_ptr"), "*fp32"),
-        "N": "i32", "Vb": "i32", "HS": "i32",
-        **dict.fromkeys(("stride_hsn", "stride_hsk", "stride_wsv", "stride_wsk"), "i32"),
-        "stride_m": "i32", **dict.fromkeys(("inv_temp_s", "softcap_s", "inv_softcap_s"), "fp32"),
-    }  # fmt: skip
-    consts = {**_two_pass_consts(c, piece), "REVERSE": reverse}
-    return _compile(kl.kl_student_dz_kernel, signature, consts, c.cfg, arch)
-
-
 def candidates() -> dict[str, Candidate]:
     """name -> candidate: the shipped KL tile and the sweep's main alternatives."""
     shipped = kl_tile(settings_for(torch.bfloat16).forward)
@@ -160,9 +114,6 @@ def candidates() -> dict[str, Candidate]:
         "stages=3": Candidate(replace(shipped, num_stages=3)),
         "block_n=256": Candidate(replace(shipped, block_n=256)),
         "softcap": Candidate(shipped, softcap=True),
-        "two_pass": Candidate(settings_for(torch.bfloat16).dz),
-        "two_pass softcap": Candidate(settings_for(torch.bfloat16).dz, softcap=True),
-        "two_pass piece128": Candidate(settings_for(torch.bfloat16).dz),
     }
 
 
@@ -177,24 +128,7 @@ def main() -> None:
     for name, c in candidates().items():
         if only and name not in only:
             continue
-        builds = [("stats", compile_stats), ("dz", compile_dz)]
-        if name.startswith("two_pass"):
-            p = 128 if "128" in name else KL_PIECE
-            builds = [
-                (
-                    "teacher",
-                    lambda c, *, arch, reverse, p=p: compile_teacher(
-                        c, arch=arch, reverse=reverse, piece=p
-                    ),
-                ),
-                (
-                    "student",
-                    lambda c, *, arch, reverse, p=p: compile_student(
-                        c, arch=arch, reverse=reverse, piece=p
-                    ),
-                ),
-            ]
-        for which, build in builds:
+        for which, build in (("stats", compile_stats), ("dz", compile_dz)):
             for reverse in (False, True):
                 label = f"{name} {which} {'reverse' if reverse else 'forward'}"
                 try:

@@ -18,8 +18,7 @@ from . import schedule, sum_format
 from .configs import BLOCK_BYTES, MAX_COLS, Settings
 from .launch import HeadScalars, RowGrads, dh_block, dz_block
 
-#: Writes ``dz[N, cols]`` of vocabulary rows ``[v0, v0 + cols)``: ``fill_dz(v0, dz)``; with
-#: ``dz_width`` 2 the columns from ``dz.stride(0) // 2`` on are the fill's scratch, ``cols`` wide.
+#: Writes ``dz[N, cols]`` of vocabulary rows ``[v0, v0 + cols)``: ``fill_dz(v0, dz)``.
 FillDz = Callable[[int, torch.Tensor], None]
 
 
@@ -40,11 +39,10 @@ def backward(
 
 def backward_from(
     hidden: torch.Tensor, weight: torch.Tensor, fill_dz: FillDz, st: Settings,
-    *, need_dh: bool, need_dw: bool, dh_fp32: bool, dz_width: int = 1,
+    *, need_dh: bool, need_dw: bool, dh_fp32: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """(dh, dW) of any head whose logit gradient ``fill_dz`` writes block by block (the
-    log-prob head, a KL): the schedule, the dz buffers and the hidden-gradient sum live here.
-    ``dz_width``: storage columns a dz column takes (the same bytes hold half as many columns)."""
+    log-prob head, a KL): the schedule, the dz buffers and the hidden-gradient sum live here."""
     (n, h), v, dtype, dev = hidden.shape, weight.shape[0], hidden.dtype, hidden.device
     dw = torch.empty((v, h), dtype=dtype, device=dev) if need_dw else None
     if v == 0 or not (need_dh or need_dw):
@@ -53,7 +51,7 @@ def backward_from(
     low = st.memory == "low" and dw is not None and need_dh
     block_bytes = st.block_bytes or BLOCK_BYTES["low" if low else "fast"]
     align = math.lcm(st.dz.block_n, st.dh.block_k)
-    geom = schedule.geometry(n, h, v, hidden.element_size(), align, block_bytes, MAX_COLS, dz_width)
+    geom = schedule.geometry(n, h, v, hidden.element_size(), align, block_bytes, MAX_COLS)
     steps = schedule.plan(geom, need_dw=need_dw, need_dh=need_dh, stash=None)
     acc = None
     if need_dh:
@@ -75,7 +73,7 @@ def backward_from(
             dz = flat.view(n, step.stride)[:, :cols]
         else:
             if buffer is None:
-                buffer = torch.empty((n, geom.buffer_cols * dz_width), dtype=dtype, device=dev)
+                buffer = torch.empty((n, geom.buffer_cols), dtype=dtype, device=dev)
             dz = buffer[:, :cols]
         fill_dz(v0, dz)
         if dw is not None and step.write_dw:

@@ -42,11 +42,6 @@ KL_MAX_BLOCK_N = 128
 #: (``tools/kl_sweep.py``, bf16, N = 8192, H = 4096, V = 151936) 4 stages against the log-prob
 #: kernels' 3 take the forward from 2.66 to 2.25 GEMM units and the backward from 4.86 to 4.55.
 KL_TMA_STAGES = 4
-#: The backward's dz: "two_pass" (the teacher's log-probs into the dz block, then the student's
-#: tile over them, each on the log-prob kernels' tile) or "dual" (both tiles in one program).
-KL_DZ = "two_pass"
-#: Columns of the two-pass epilogue's pieces (a half or a quarter of the tile).
-KL_PIECE = 64
 
 
 @dataclass(frozen=True)
@@ -141,65 +136,6 @@ def kl_grads(
     hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor,
     temp_s: torch.Tensor | None, temp_t: torch.Tensor | None, lse_s: torch.Tensor,
     lse_t: torch.Tensor, kl: torch.Tensor, coef: torch.Tensor, sc: KLScalars, st: Settings,
-    *, need_dh: bool, need_dw: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """The student's (dh, dW) for the upstream gradient ``coef`` (0 on ignored rows)."""
-    if KL_DZ == "dual":
-        return _dual_grads(hs, ws, ht, wt, temp_s, temp_t, lse_s, lse_t, kl, coef, sc, st,
-                           kl_tile(st.dz), need_dh=need_dh, need_dw=need_dw)  # fmt: skip
-    k = kernel("kl")
-    cfg, n, dev = st.dz, hs.shape[0], hs.device
-    tma = tma_usable(cfg, hs.dtype, hs.shape[1], dev) and tma_usable(
-        cfg, ht.dtype, ht.shape[1], dev
-    )
-    split = hs.element_size() < 4  # 16-bit dz: a teacher value's fp32 bits in two halves
-    piece = min(KL_PIECE, cfg.block_n // 2)
-    progs = num_programs(dev)
-    common = dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_PROGS=progs, TMA=tma, PRECISION=precision(hs.dtype), SPLIT_LP=split,
-        PIECE=piece, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    s_cap, t_cap = sc.args()[2:4], sc.args()[4:6]
-
-    def fill_dz(v0: int, dz: torch.Tensor) -> None:
-        cols, stride = dz.shape[1], dz.stride(0)
-        tiles = math.ceil(n / cfg.block_m) * math.ceil(cols / cfg.block_n)
-        if tiles == 0:
-            return
-        grid = (min(progs, tiles),)
-        # the teacher's values: high halves where dz goes, low halves from the row's middle on
-        hi = dz.view(torch.int16) if split else dz
-        lo = (
-            hi.as_strided(hi.shape, hi.stride(), hi.storage_offset() + stride // 2) if split else hi
-        )
-        views = [hi, lo, dz]
-        if tma:  # views of the block's own storage: never copied (``descriptor`` might)
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            views = [TensorDescriptor.from_tensor(t, [cfg.block_m, piece]) for t in views]
-        wsb, wtb = ws[v0 : v0 + cols], wt[v0 : v0 + cols]
-        k.kl_teacher_kernel[grid](
-            *_operands(tma, cfg, (ht, wtb)), *views[:2], coef if temp_t is None else temp_t,
-            lse_t, n, cols, ht.shape[1], *_strides(ht, wtb), stride, sc.teacher_inv_temp, *t_cap,
-            EVEN_K=ht.shape[1] % cfg.block_k == 0, PER_TOKEN_T=temp_t is not None,
-            SOFTCAP=sc.teacher_softcap is not None, **common,
-        )  # fmt: skip
-        k.kl_student_dz_kernel[grid](
-            *_operands(tma, cfg, (hs, wsb)), *views, coef if temp_s is None else temp_s, lse_s,
-            kl, coef, n, cols, hs.shape[1], *_strides(hs, wsb), stride, sc.inv_temp, *s_cap,
-            EVEN_K=hs.shape[1] % cfg.block_k == 0, PER_TOKEN_T=temp_s is not None,
-            SOFTCAP=sc.softcap is not None, REVERSE=sc.reverse, **common,
-        )  # fmt: skip
-
-    return backward_from(hs, ws, fill_dz, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=False,
-                         dz_width=2 if split else 1)  # fmt: skip
-
-
-def _dual_grads(
-    hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor,
-    temp_s: torch.Tensor | None, temp_t: torch.Tensor | None, lse_s: torch.Tensor,
-    lse_t: torch.Tensor, kl: torch.Tensor, coef: torch.Tensor, sc: KLScalars, st: Settings,
     cfg: TileConfig, *, need_dh: bool, need_dw: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """The student's (dh, dW) for the upstream gradient ``coef`` (0 on ignored rows)."""
@@ -255,7 +191,7 @@ def kl_backward(
     st = Settings.from_key(settings)
     dh, dw = kl_grads(
         hidden, weight, teacher_hidden, teacher_weight, temp, teacher_temp, lse, teacher_lse, kl,
-        coef, sc, st, need_dh=need_dh, need_dw=need_dw,
+        coef, sc, st, kl_tile(st.dz), need_dh=need_dh, need_dw=need_dw,
     )  # fmt: skip
     return grads_or_empty(hidden, weight, dh, dw)
 

@@ -22,8 +22,7 @@ class Step:
 
     v0: int
     cols: int
-    #: Row stride of the dz block (``cols`` rounded up to the alignment: TMA-ready rows, times
-    #: the geometry's ``width``).
+    #: Row stride of the dz block (``cols`` rounded up to the alignment: TMA-ready rows).
     stride: int
     #: First dW row of the dz block's storage, or None for the block buffer.
     dz_row: int | None
@@ -45,21 +44,17 @@ class Geometry:
     max_cols: int
     #: dW rows whose start is 16-byte aligned are multiples of this.
     row_quantum: int = 1
-    #: Storage columns a dz column takes (2: the head's fill uses the row's second half).
-    width: int = 1
 
 
 def geometry(
-    n: int, h: int, v: int, esize: int, align: int, block_bytes: int, max_cols: int,
-    width: int = 1,
-) -> Geometry:  # fmt: skip
+    n: int, h: int, v: int, esize: int, align: int, block_bytes: int, max_cols: int
+) -> Geometry:
     """The schedule's shapes: blocks are multiples of ``align`` columns, the buffer's within
-    ``block_bytes`` (at least one ``align``), none wider than ``max_cols`` or the vocabulary;
-    a dz column takes ``width`` columns of storage."""
+    ``block_bytes`` (at least one ``align``), none wider than ``max_cols`` or the vocabulary."""
     widest = max(max_cols // align * align, align)
-    cols = min(block_bytes // max(1, n * esize * width), max_cols)
+    cols = min(block_bytes // max(1, n * esize), max_cols)
     cols = min(max(align, cols // align * align), _round_up(v, align))
-    return Geometry(n, h, v, align, cols, widest, 16 // math.gcd(16, h * esize), width)
+    return Geometry(n, h, v, align, cols, widest, 16 // math.gcd(16, h * esize))
 
 
 def rows_needed(g: Geometry, stride: int) -> int:
@@ -81,12 +76,12 @@ def _place(
     wide as the buffer's blocks; else the buffer's width and None.
     """
     buffer_cols = min(g.buffer_cols, remaining)
-    per_col = g.n * g.width / g.h + (1 if own_rows else 0)
+    per_col = g.n / g.h + (1 if own_rows else 0)
     guess = int(max(0, free_hi - free_lo) / per_col) + g.align
     cols = min(g.max_cols, remaining, _round_up(guess, g.align))
     while cols >= max(buffer_cols, 1):
         start = _round_up(free_lo + (cols if own_rows else 0), g.row_quantum)
-        if start + rows_needed(g, _round_up(cols, g.align) * g.width) <= free_hi:
+        if start + rows_needed(g, _round_up(cols, g.align)) <= free_hi:
             return cols, start
         cols = (cols - 1) // g.align * g.align  # the next narrower aligned width
     return buffer_cols, None
@@ -111,8 +106,7 @@ def plan(g: Geometry, *, need_dw: bool, need_dh: bool, stash: int | None) -> lis
                 cols, row = _place(g, remaining, free_lo, free_hi, own)
             else:
                 cols, row = min(g.buffer_cols, remaining), None
-            stride = _round_up(cols, g.align) * g.width
-            steps.append(Step(v0, cols, stride, row, write_dw, add_dh))
+            steps.append(Step(v0, cols, _round_up(cols, g.align), row, write_dw, add_dh))
             v0 += cols
 
     if tail < g.v:

@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature, tanh_f32
-from .sum_format import sum_join, sum_split
 
 #: The max of an empty set of statistics: finite (``EMPTY - m`` is no NaN), its exp2 exactly 0.
 EMPTY = tl.constexpr(-1e38)
@@ -37,23 +36,6 @@ def _scaled(acc, inv_t, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _one_tile(
-    h, w, off_m, off_n, rows, cols, K, stride_hn, stride_hk, stride_wv, stride_wk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, TMA: tl.constexpr,
-):  # fmt: skip
-    """One head's fp32 logits tile, through TMA descriptors or clamped pointer loads."""
-    if TMA:
-        acc = logits_tile_tma(h, w, off_m, off_n, K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-    else:
-        acc = logits_tile(
-            h, w, rows, cols, K, stride_hn, stride_hk, stride_wv, stride_wk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
-        )  # fmt: skip
-    return acc
-
-
-@triton.jit
 def _both_tiles(
     hs, ws, ht, wt, off_m, off_n, rows, cols, HS, HT, stride_hsn, stride_hsk, stride_wsv,
     stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, inv_s, inv_t, softcap_s,
@@ -68,14 +50,18 @@ def _both_tiles(
     and no longer fits at 4 stages: docs/benchmarks.md). ``rows``/``cols`` are clamped in range
     (pointer loads); TMA reads past the edges as zero.
     """
-    acc_s = _one_tile(
-        hs, ws, off_m, off_n, rows, cols, HS, stride_hsn, stride_hsk, stride_wsv, stride_wsk,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KS, PRECISION, TMA,
-    )  # fmt: skip
-    acc_t = _one_tile(
-        ht, wt, off_m, off_n, rows, cols, HT, stride_htn, stride_htk, stride_wtv, stride_wtk,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KT, PRECISION, TMA,
-    )  # fmt: skip
+    if TMA:
+        acc_s = logits_tile_tma(hs, ws, off_m, off_n, HS, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        acc_t = logits_tile_tma(ht, wt, off_m, off_n, HT, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    else:
+        acc_s = logits_tile(
+            hs, ws, rows, cols, HS, stride_hsn, stride_hsk, stride_wsv, stride_wsk,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KS, PRECISION,
+        )  # fmt: skip
+        acc_t = logits_tile(
+            ht, wt, rows, cols, HT, stride_htn, stride_htk, stride_wtv, stride_wtk,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KT, PRECISION,
+        )  # fmt: skip
     zs, th = _scaled(acc_s, inv_s, softcap_s, inv_softcap_s, SOFTCAP_S)
     zt, _ = _scaled(acc_t, inv_t, softcap_t, inv_softcap_t, SOFTCAP_T)
     return zs, th, zt
@@ -275,186 +261,3 @@ def kl_dz_kernel(
             mask = (offs_m < N)[:, None] & (offs_n < Vb)[None, :]
             ptrs = dz + offs_m.to(tl.int64)[:, None] * stride_dzm + offs_n[None, :]
             tl.store(ptrs, g.to(dz.dtype.element_ty), mask=mask)
-
-
-# The backward in two passes (``kl.KL_DZ = "two_pass"``): the teacher's log-probs of a block are
-# written to the block's dz storage in fp32 by one GEMM, then the student's GEMM reads them back
-# in its epilogue and writes dz over them. Each pass is the log-prob kernels' one-head tile. In
-# 16-bit a value's fp32 bits go in two halves: the high one where its dz will be (overwritten in
-# place by that element's dz, nothing else) and the low one in the row's spare half. ``hi``,
-# ``lo`` and ``dz`` are [N, Vb] views of that storage: TMA descriptors of [BLOCK_M, PIECE]
-# blocks when ``TMA``, else tensors with row stride ``stride_m``. The epilogue runs in pieces of
-# ``PIECE`` columns, a half or a quarter of the tile (registers).
-
-
-@triton.jit
-def _halves(x, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """The left and right column halves of a [BLOCK_M, WIDTH] tile."""
-    return x.reshape(BLOCK_M, 2, WIDTH // 2).permute(0, 2, 1).split()
-
-
-@triton.jit
-def _teacher_piece(
-    acc, off_m, off_n, N, Vb, hi, lo, stride_m, inv_t, lse_t, softcap, inv_softcap,
-    PIECE: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT_LP: tl.constexpr, TMA: tl.constexpr,
-):  # fmt: skip
-    z, _ = _scaled(acc, inv_t, softcap, inv_softcap, SOFTCAP)
-    lp = z - lse_t[:, None]
-    if TMA:
-        if SPLIT_LP:
-            h16, l16 = sum_split(lp, 16)
-            hi.store([off_m, off_n], h16)
-            lo.store([off_m, off_n], l16)
-        else:
-            hi.store([off_m, off_n], lp)
-    else:
-        offs_m = off_m + tl.arange(0, acc.shape[0])
-        offs_n = off_n + tl.arange(0, PIECE)
-        mask = (offs_m < N)[:, None] & (offs_n < Vb)[None, :]
-        idx = offs_m.to(tl.int64)[:, None] * stride_m + offs_n[None, :]
-        if SPLIT_LP:
-            h16, l16 = sum_split(lp, 16)
-            tl.store(hi + idx, h16, mask=mask)
-            tl.store(lo + idx, l16, mask=mask)
-        else:
-            tl.store(hi + idx, lp, mask=mask)
-
-
-@triton.jit
-def _student_piece(
-    acc, off_m, off_n, N, Vb, hi, lo, dz, stride_m, inv_s, lse_s, kl, coef, softcap, inv_softcap,
-    PIECE: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT_LP: tl.constexpr, REVERSE: tl.constexpr,
-    TMA: tl.constexpr,
-):  # fmt: skip
-    offs_m = off_m + tl.arange(0, acc.shape[0])
-    offs_n = off_n + tl.arange(0, PIECE)
-    mask = (offs_m < N)[:, None] & (offs_n < Vb)[None, :]
-    idx = offs_m.to(tl.int64)[:, None] * stride_m + offs_n[None, :]
-    if TMA:
-        if SPLIT_LP:
-            lt = sum_join(hi.load([off_m, off_n]), lo.load([off_m, off_n]), 16)
-        else:
-            lt = hi.load([off_m, off_n])
-    elif SPLIT_LP:
-        lt = sum_join(
-            tl.load(hi + idx, mask=mask, other=0), tl.load(lo + idx, mask=mask, other=0), 16
-        )
-    else:
-        lt = tl.load(hi + idx, mask=mask, other=0.0)
-    zs, th = _scaled(acc, inv_s, softcap, inv_softcap, SOFTCAP)
-    ls = zs - lse_s[:, None]
-    p_s = tl.exp2(ls * LOG2E)
-    scale = (coef * inv_s)[:, None]
-    if REVERSE:  # noqa: SIM108 - constexpr branch
-        g = p_s * (ls - lt - kl[:, None]) * scale
-    else:
-        g = (p_s - tl.exp2(lt * LOG2E)) * scale
-    if SOFTCAP:
-        g = g * (1.0 - th * th)
-    g = tl.where((coef != 0.0)[:, None], g, 0.0)
-    if TMA:
-        dz.store([off_m, off_n], g.to(dz.dtype))
-    else:
-        tl.store(dz + idx, g.to(dz.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _teacher_half(
-    acc, off_m, off_n, N, Vb, hi, lo, stride_m, inv_t, lse_t, softcap, inv_softcap,
-    HALF: tl.constexpr, PIECE: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT_LP: tl.constexpr,
-    TMA: tl.constexpr,
-):  # fmt: skip
-    if PIECE < HALF:
-        a, b = _halves(acc, acc.shape[0], HALF)
-        _teacher_piece(a, off_m, off_n, N, Vb, hi, lo, stride_m, inv_t, lse_t, softcap,
-                       inv_softcap, PIECE, SOFTCAP, SPLIT_LP, TMA)  # fmt: skip
-        _teacher_piece(b, off_m, off_n + PIECE, N, Vb, hi, lo, stride_m, inv_t, lse_t, softcap,
-                       inv_softcap, PIECE, SOFTCAP, SPLIT_LP, TMA)  # fmt: skip
-    else:
-        _teacher_piece(acc, off_m, off_n, N, Vb, hi, lo, stride_m, inv_t, lse_t, softcap,
-                       inv_softcap, PIECE, SOFTCAP, SPLIT_LP, TMA)  # fmt: skip
-
-
-@triton.jit
-def _student_half(
-    acc, off_m, off_n, N, Vb, hi, lo, dz, stride_m, inv_s, lse_s, kl, coef, softcap, inv_softcap,
-    HALF: tl.constexpr, PIECE: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT_LP: tl.constexpr,
-    REVERSE: tl.constexpr, TMA: tl.constexpr,
-):  # fmt: skip
-    if PIECE < HALF:
-        a, b = _halves(acc, acc.shape[0], HALF)
-        _student_piece(a, off_m, off_n, N, Vb, hi, lo, dz, stride_m, inv_s, lse_s, kl, coef,
-                       softcap, inv_softcap, PIECE, SOFTCAP, SPLIT_LP, REVERSE, TMA)  # fmt: skip
-        _student_piece(b, off_m, off_n + PIECE, N, Vb, hi, lo, dz, stride_m, inv_s, lse_s, kl,
-                       coef, softcap, inv_softcap, PIECE, SOFTCAP, SPLIT_LP, REVERSE, TMA)  # fmt: skip
-    else:
-        _student_piece(acc, off_m, off_n, N, Vb, hi, lo, dz, stride_m, inv_s, lse_s, kl, coef,
-                       softcap, inv_softcap, PIECE, SOFTCAP, SPLIT_LP, REVERSE, TMA)  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["N", "Vb"])
-def kl_teacher_kernel(
-    ht, wt, hi, lo, temp_t_ptr, lse_t_ptr, N, Vb, HT, stride_htn, stride_htk, stride_wtv,
-    stride_wtk, stride_m, inv_temp_t, softcap_t, inv_softcap_t,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGS: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    PER_TOKEN_T: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT_LP: tl.constexpr,
-    PIECE: tl.constexpr,
-):  # fmt: skip
-    """Persistent: the teacher's fp32 log-probs of the block ``wt[0:Vb]`` into its dz storage."""
-    num_pid_m = tl.cdiv(N, BLOCK_M)
-    num_pid_n = tl.cdiv(Vb, BLOCK_N)
-    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS):
-        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        rows = tl.minimum(off_m + tl.arange(0, BLOCK_M), N - 1)
-        cols = tl.minimum(off_n + tl.arange(0, BLOCK_N), Vb - 1)
-        acc = _one_tile(
-            ht, wt, off_m, off_n, rows, cols, HT, stride_htn, stride_htk, stride_wtv, stride_wtk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA,
-        )  # fmt: skip
-        inv_t = row_inv_temperature(temp_t_ptr, rows, inv_temp_t, PER_TOKEN_T)
-        lse_t = tl.load(lse_t_ptr + rows)
-        half: tl.constexpr = BLOCK_N // 2
-        left, right = _halves(acc, BLOCK_M, BLOCK_N)
-        _teacher_half(left, off_m, off_n, N, Vb, hi, lo, stride_m, inv_t, lse_t, softcap_t,
-                      inv_softcap_t, half, PIECE, SOFTCAP, SPLIT_LP, TMA)  # fmt: skip
-        _teacher_half(right, off_m, off_n + half, N, Vb, hi, lo, stride_m, inv_t, lse_t,
-                      softcap_t, inv_softcap_t, half, PIECE, SOFTCAP, SPLIT_LP, TMA)  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["N", "Vb"])
-def kl_student_dz_kernel(
-    hs, ws, hi, lo, dz, temp_s_ptr, lse_s_ptr, kl_ptr, coef_ptr, N, Vb, HS, stride_hsn,
-    stride_hsk, stride_wsv, stride_wsk, stride_m, inv_temp_s, softcap_s, inv_softcap_s,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGS: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    PER_TOKEN_T: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT_LP: tl.constexpr,
-    REVERSE: tl.constexpr, PIECE: tl.constexpr,
-):  # fmt: skip
-    """Persistent: the student's ``dz`` of the block from its recomputed tile and the teacher's
-    log-probs that ``kl_teacher_kernel`` left in the same storage; rows with ``coef`` 0 give 0."""
-    num_pid_m = tl.cdiv(N, BLOCK_M)
-    num_pid_n = tl.cdiv(Vb, BLOCK_N)
-    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS):
-        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        rows = tl.minimum(off_m + tl.arange(0, BLOCK_M), N - 1)
-        cols = tl.minimum(off_n + tl.arange(0, BLOCK_N), Vb - 1)
-        acc = _one_tile(
-            hs, ws, off_m, off_n, rows, cols, HS, stride_hsn, stride_hsk, stride_wsv, stride_wsk,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA,
-        )  # fmt: skip
-        inv_s = row_inv_temperature(temp_s_ptr, rows, inv_temp_s, PER_TOKEN_T)
-        lse_s = tl.load(lse_s_ptr + rows)
-        coef = tl.load(coef_ptr + rows)
-        kl = tl.load(kl_ptr + rows)
-        half: tl.constexpr = BLOCK_N // 2
-        left, right = _halves(acc, BLOCK_M, BLOCK_N)
-        _student_half(left, off_m, off_n, N, Vb, hi, lo, dz, stride_m, inv_s, lse_s, kl, coef,
-                      softcap_s, inv_softcap_s, half, PIECE, SOFTCAP, SPLIT_LP, REVERSE, TMA)  # fmt: skip
-        _student_half(right, off_m, off_n + half, N, Vb, hi, lo, dz, stride_m, inv_s, lse_s, kl,
-                      coef, softcap_s, inv_softcap_s, half, PIECE, SOFTCAP, SPLIT_LP, REVERSE,
-                      TMA)  # fmt: skip
