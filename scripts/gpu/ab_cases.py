@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import fusedhead
-from fusedhead import FusedHead
+from fusedhead import FusedHead, fused_kl
 
 #: name -> (forward only, check_labels, further call arguments by name: see ``_kwargs``)
 CASES: dict[str, tuple[bool, bool, tuple[str, ...]]] = {
@@ -30,6 +30,9 @@ CASES: dict[str, tuple[bool, bool, tuple[str, ...]]] = {
     "topk32": (True, True, ("top_k",)),
     "fb_check": (False, True, ()),
     "gather_fb": (False, True, ("gather_ids",)),
+    # fused_kl of two heads of the shape (the teacher: its own hidden states and weight)
+    "kl": (True, False, ("teacher",)),
+    "kl_fb": (False, False, ("teacher",)),
 }
 
 
@@ -61,11 +64,30 @@ def main() -> None:
     labels[torch.randperm(n, device=dev, generator=g)[: n // 10]] = -100
     extra = {"gather_ids": torch.randint(0, v, (n, 32), device=dev, generator=g), "top_k": 32}
     coef = torch.randn(n, device=dev, generator=g)
+    t_hidden = torch.randn(n, h, device=dev, generator=g).to(dtype)
+    t_weight = (torch.randn(v, h, device=dev, generator=g) * 2 / h**0.5).to(dtype)
     head = FusedHead(backend=opts.backend, device=str(dev))
     hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
 
+    def kl_case(fwd_only: bool) -> Callable[[], Any]:
+        def call(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return fused_kl(hidden, weight, t_hidden, t_weight, labels, backend=opts.backend,
+                            temperature=0.7)  # fmt: skip
+
+        def forward() -> Any:
+            with torch.no_grad():
+                return call(hidden, weight)
+
+        def both() -> None:
+            (call(hh, ww) * coef).sum().backward()
+            hh.grad = ww.grad = None
+
+        return forward if fwd_only else both
+
     def case(name: str) -> Callable[[], Any]:
         fwd_only, check, more = CASES[name]
+        if "teacher" in more:
+            return kl_case(fwd_only)
         kw = {k: extra[k] for k in more}
 
         def forward() -> Any:

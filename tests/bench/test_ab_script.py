@@ -39,14 +39,16 @@ def test_each_tree_is_timed_in_its_own_process_round_by_round(tmp_path):
         tgz, tgz.with_name("ab-other.tgz")
     )  # a second tree (a shallow clone has one commit)
     out = tmp_path / "out"
-    run = _ab("run", str(out), "2", "plain,plain_check,fb_check", env=env)
+    run = _ab("run", str(out), "2", "plain,plain_check,fb_check,kl,kl_fb", env=env)
     assert run.returncode == 0, run.stderr + (out / "ab.err").read_text()
     rows = [json.loads(line) for line in (out / "ab.jsonl").read_text().splitlines()]
     tags = [r["tag"] for r in rows]
     assert len(rows) == 4 and tags[:2] == tags[2:] and tags[0] != tags[1]  # in turn, twice
     for row in rows:
         assert str(tmp_path / "trees" / row["tag"]) in row["src"]  # the tree's own code ran
-        assert all(row[f"{c}_units"] > 0 for c in ("plain", "plain_check", "fb_check"))
+        assert all(
+            row[f"{c}_units"] > 0 for c in ("plain", "plain_check", "fb_check", "kl", "kl_fb")
+        )
 
 
 def test_run_without_packed_trees_says_what_to_do(tmp_path):
