@@ -70,7 +70,7 @@ def runs(forward: TileConfig) -> list[Run]:
     out = [Run("shipped", shipped), Run("shipped", shipped, reverse=True)]
     changes: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         ("stages=3", {"num_stages": 3}, {}),
-        ("group_m=8", {"group_m": 8}, {}),
+        ("group_m=16", {"group_m": 16}, {}),
         ("pointers", {"tma": False}, {}),
     ]
     out += [Run(name, replace(shipped, **c), **kw) for name, c, kw in changes]
