@@ -301,8 +301,9 @@ class FusedHead:
         ``tracing``: Dynamo traces the call (the caller asked ``_tracing()``, once per call)."""
         if tracing and isinstance(hidden, _Tensor):
             _prime_device(hidden.device)
-        # The value checks' one host read, before forward (eager checked calls: a traced call
-        # checks through the graph's ops; an unchecked one reads a temperature tensor's alone).
+        # The value checks' one host read (eager checked calls; on CUDA after forward has queued
+        # the head's kernels, elsewhere before it): a traced call checks through the graph's
+        # ops, an unchecked one reads a temperature tensor's alone.
         pending = Pending() if check_labels is True and not tracing else None
         call, shape, n, device, dtype, cast = validate(
             hidden,
