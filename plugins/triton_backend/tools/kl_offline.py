@@ -112,6 +112,9 @@ def candidates() -> dict[str, Candidate]:
     return {
         "shipped": Candidate(shipped),
         "stages=3": Candidate(replace(shipped, num_stages=3)),
+        "stages=5": Candidate(replace(shipped, num_stages=5)),
+        "stages=6": Candidate(replace(shipped, num_stages=6)),
+        "block_k=32,stages=8": Candidate(replace(shipped, block_k=32, num_stages=8)),
         "block_n=256": Candidate(replace(shipped, block_n=256)),
         "softcap": Candidate(shipped, softcap=True),
     }
