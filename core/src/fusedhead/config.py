@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from fusedhead.errors import BackendError, OptionsError
-from fusedhead.protocol import REQUIRABLE_CAPABILITIES
+from fusedhead.protocol import REQUIRABLE_CAPABILITIES, SCALAR_RANGE
 
 #: The one key a YAML file may wrap the fields in (as a trainer's config file holds them).
 YAML_SECTION = "fused_head"
@@ -149,7 +149,15 @@ def _problems(
         elif name in fields:
             field = fields[name]
             expected = describe_type(field.annotation, field.metadata)
-            if kind == "missing":
+            inner = loc[1:]
+            if inner and inner[-1] == "[key]":  # a mapping's key of the wrong type
+                phrase = (
+                    f"{what} {name!r} has the key {_show(err.get('input'))}: expected {expected}"
+                )
+            elif inner and kind.endswith("_type"):  # an item of a list, tuple or mapping
+                where = "".join(f"[{part!r}]" for part in inner)
+                phrase = f"{what} {name!r}{where} = {_show(err.get('input'))}: expected {expected}"
+            elif kind == "missing":
                 phrase = f"{what} {name!r} is required: expected {expected}"
             elif kind == "value_error":  # the field's own check says what it takes
                 phrase = f"{what} {name!r} = {_show(err.get('input'))}: {detail}"
@@ -273,8 +281,19 @@ class FusedHeadConfig(BaseModel):
     @field_validator("temperature", "softcap")
     @classmethod
     def _positive(cls, value: float | None) -> float | None:
-        if value is not None and (not math.isfinite(value) or value <= 0):
-            raise ValueError("must be a finite float > 0")
+        # The range a call checks (protocol.SCALAR_RANGE): a config that builds is one that runs.
+        if value is not None and not SCALAR_RANGE[0] <= value <= SCALAR_RANGE[1]:
+            raise ValueError(
+                "must be a finite float > 0 in [2**-126, 2**126] (about 1.2e-38 to 8.5e37: it and "
+                "its reciprocal normal fp32 numbers)"
+            )
+        return value
+
+    @field_validator("ignore_index")
+    @classmethod
+    def _int64(cls, value: int) -> int:
+        if not -(2**63) <= value < 2**63:
+            raise ValueError("must fit in int64 (labels are int64)")
         return value
 
     @field_validator("device")

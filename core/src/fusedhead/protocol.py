@@ -46,6 +46,11 @@ OUTPUT_FIELDS: dict[str, tuple[str, ...]] = {
 #: Directions of the per-token KL between two heads: forward ``KL(p_teacher || p_student)``,
 #: reverse ``KL(p_student || p_teacher)``.
 KL_DIRECTIONS: tuple[str, ...] = ("forward", "reverse")
+#: The range of a call's float scalars (``temperature``, ``softcap`` and the KL's teacher ones,
+#: per-token temperatures included), checked by the core: 2**-126 to 2**126, where the value and
+#: its reciprocal are both normal fp32 numbers, so a backend may take ``1 / temperature`` or
+#: ``z / softcap`` in fp32 without overflowing to inf or flushing to 0.
+SCALAR_RANGE: tuple[float, float] = (2.0**-126, 2.0**126)
 
 
 class Capabilities(BaseModel):

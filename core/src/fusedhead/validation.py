@@ -13,13 +13,18 @@ from typing import Any, NoReturn
 
 import torch
 
-from fusedhead.protocol import KL_DIRECTIONS, HeadCall, KLCall
+from fusedhead.protocol import KL_DIRECTIONS, SCALAR_RANGE, HeadCall, KLCall
 
 _FLOAT_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # Module constants for the per-call path (a global read, not a global and an attribute).
 _I64 = torch.int64
-_INF = math.inf
+#: Every float scalar of a call lies in [_LO, _HI] (protocol.SCALAR_RANGE).
+_LO, _HI = SCALAR_RANGE
+#: What a scalar out of that range is told, after "must be a finite float > 0".
+_RANGE_TEXT = (
+    "in [2**-126, 2**126] (about 1.2e-38 to 8.5e37: it and its reciprocal normal fp32 numbers)"
+)
 _autocast_enabled = torch.is_autocast_enabled
 _INT_DTYPES = frozenset(
     {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32}
@@ -61,13 +66,13 @@ def _positive_float(arg: str, value: object) -> float:
         out = float(value)
     except OverflowError:  # an int beyond the float range
         out = math.inf
-    if not math.isfinite(out) or out <= 0:
+    if not _LO <= out <= _HI:  # NaN fails both comparisons
         shown = (
             value
             if isinstance(value, float) or abs(value) < 10**20
             else f"an int of {len(str(abs(value)))} digits"
         )
-        raise ValueError(f"{arg} must be a finite float > 0, got {shown}")
+        raise ValueError(f"{arg} must be a finite float > 0 {_RANGE_TEXT}, got {shown}")
     return out
 
 
@@ -222,19 +227,13 @@ def validate(
         )
 
     if process_group is None:
-        if (vocab_start is not None and vocab_start != 0) or (
-            vocab_size is not None and vocab_size != V
-        ):
-            raise ValueError(
-                "vocab_start and vocab_size describe a shard and need process_group; without it the "
-                f"weight is the whole vocabulary (vocab_start=0, vocab_size={V}), got "
-                f"vocab_start={vocab_start!r}, vocab_size={vocab_size!r}"
-            )
+        if vocab_start is not None or vocab_size is not None:
+            _whole_vocabulary(V, vocab_start, vocab_size)
         start, size = 0, V
     else:
         start, size = _shard(process_group, V, vocab_start, vocab_size)
 
-    if temperature.__class__ is float and 0.0 < temperature < _INF:  # type: ignore[operator]
+    if temperature.__class__ is float and _LO <= temperature <= _HI:  # type: ignore[operator]
         temp: float | torch.Tensor = temperature  # type: ignore[assignment]
     else:
         temp = _temperature(temperature, y, dev, pending=pending)
@@ -274,9 +273,10 @@ _LOG_PROBS_ONLY = frozenset({"log_probs"})
 
 
 def _apply_autocast(
-    h: torch.Tensor, w: torch.Tensor, dev: str
+    h: torch.Tensor, w: torch.Tensor, dev: str, names: tuple[str, str] = ("hidden", "weight")
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Under autocast, compute in the autocast dtype like the matmul this replaces; else insist on one dtype."""
+    """Under autocast, compute in the autocast dtype like the matmul this replaces; else insist on
+    one dtype (``names``: the two arguments, for the error)."""
     try:
         autocast = torch.is_autocast_enabled(dev)
     except RuntimeError:  # a device type autocast does not know (meta): no autocast there
@@ -285,9 +285,10 @@ def _apply_autocast(
         dt = torch.get_autocast_dtype(dev)
         return h.to(dt), w.to(dt)
     if h.dtype != w.dtype:
+        a, b = names
         raise TypeError(
-            f"hidden and weight must share a dtype outside torch.autocast, got hidden {h.dtype} and "
-            f"weight {w.dtype}; cast one of them or call inside torch.autocast"
+            f"{a} and {b} must share a dtype outside torch.autocast, got {a} {h.dtype} and "
+            f"{b} {w.dtype}; cast one of them or call inside torch.autocast"
         )
     return h, w
 
@@ -299,41 +300,73 @@ def _temperature(
     arg: str = "temperature",
     pending: Pending | None = None,
 ) -> float | torch.Tensor:
-    if value.__class__ is float and 0.0 < value < math.inf:  # type: ignore[operator]
+    if value.__class__ is float and _LO <= value <= _HI:  # type: ignore[operator]
         return value  # type: ignore[return-value]
     if not isinstance(value, torch.Tensor):
-        return _positive_float("temperature", value)
-    t = _tensor("temperature", value)
+        return _positive_float(arg, value)
+    t = _tensor(arg, value)
     if not t.is_floating_point():
-        raise TypeError(f"temperature tensor must be floating point, got dtype {t.dtype}")
+        raise TypeError(f"{arg} tensor must be floating point, got dtype {t.dtype}")
     if t.device != device:
-        raise ValueError(f"temperature tensor must be on {device}, got {t.device}")
+        raise ValueError(f"{arg} tensor must be on {device}, got {t.device}")
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{arg} tensor requires grad, but fusedhead does not differentiate with respect to a "
+            f"temperature (no gradient would reach it); pass {arg}.detach()"
+        )
     try:
         t = torch.broadcast_to(t, labels.shape)
     except RuntimeError:
         raise ValueError(
-            f"temperature tensor of shape {tuple(t.shape)} must broadcast to the labels' shape {tuple(labels.shape)}"
+            f"{arg} tensor of shape {tuple(t.shape)} must broadcast to the labels' shape {tuple(labels.shape)}"
         ) from None
     t = t.detach().reshape(-1).to(torch.float32).contiguous()
     if t.numel() and t.device.type != "meta":
         if torch.compiler.is_compiling():
             checked: torch.Tensor = _temperature_checked(t, arg)  # the check below, in the graph
             return checked
-        _check_temperature_values(t, "temperature", pending)  # _temperature_named renames it
+        _check_temperature_values(t, arg, pending)
     return t
 
 
 def _check_temperature_values(t: torch.Tensor, arg: str, pending: Pending | None = None) -> None:
-    """Every per-token temperature finite and > 0 (one device-to-host read, or ``pending``'s)."""
-    bad = ~(torch.isfinite(t).all() & (t > 0).all())
+    """Every per-token temperature in ``SCALAR_RANGE`` (so finite and > 0; one device-to-host
+    read, or ``pending``'s)."""
+    bad = ~((t >= _LO) & (t <= _HI)).all()  # NaN fails both comparisons
     if pending is not None:
-        pending.add(bad, _raise_bad_temperature, arg)
+        pending.add(bad, _raise_bad_temperature, arg, t)
     elif bool(bad):
-        _raise_bad_temperature(arg)
+        _raise_bad_temperature(arg, t)
 
 
-def _raise_bad_temperature(arg: str) -> NoReturn:
-    raise ValueError(f"{arg} tensor must hold finite values > 0, got a value that is not")
+def _raise_bad_temperature(arg: str, t: torch.Tensor) -> NoReturn:
+    bad = ~((t >= _LO) & (t <= _HI))
+    idx = int(bad.nonzero()[0, 0])
+    raise ValueError(
+        f"{arg} tensor must hold finite values > 0 {_RANGE_TEXT}, got {float(t[idx])} (as fp32) "
+        f"at flat position {idx} ({int(bad.sum())} value(s) out of range)"
+    )
+
+
+def _vocab_ints(vocab_start: object, vocab_size: object) -> None:
+    """``vocab_start`` and ``vocab_size``: each an int (not a bool) or None."""
+    for arg, val in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int)):
+            raise TypeError(f"{arg} must be an int or None, got {type(val).__name__} {val!r}")
+
+
+def _whole_vocabulary(v: int, vocab_start: object, vocab_size: object) -> None:
+    """Without a process group the weight is the whole vocabulary: ``vocab_start`` may only be 0
+    and ``vocab_size`` only V (or None)."""
+    _vocab_ints(vocab_start, vocab_size)
+    if (vocab_start is not None and vocab_start != 0) or (
+        vocab_size is not None and vocab_size != v
+    ):
+        raise ValueError(
+            "vocab_start and vocab_size describe a shard and need process_group; without it the "
+            f"weight is the whole vocabulary (vocab_start=0, vocab_size={v}), got "
+            f"vocab_start={vocab_start!r}, vocab_size={vocab_size!r}"
+        )
 
 
 def _shard(group: Any, v_local: int, vocab_start: object, vocab_size: object) -> tuple[int, int]:
@@ -341,14 +374,19 @@ def _shard(group: Any, v_local: int, vocab_start: object, vocab_size: object) ->
 
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("process_group was given but torch.distributed is not initialized")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "process_group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD or "
+            f"one from dist.new_group), got {type(group).__name__}"
+        )
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    for arg, val in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
-        if val is not None and (isinstance(val, bool) or not isinstance(val, int)):
-            raise TypeError(f"{arg} must be an int or None, got {type(val).__name__} {val!r}")
+    _vocab_ints(vocab_start, vocab_size)
     start = rank * v_local if vocab_start is None else vocab_start
     size = world * v_local if vocab_size is None else vocab_size
     assert isinstance(start, int) and isinstance(size, int)
+    if size > _INT64_MAX:
+        raise ValueError(f"vocab_size must fit in int64 (global ids are int64), got {size}")
     if start < 0 or start + v_local > size:
         raise ValueError(
             f"vocab_start={start} with a local shard of {v_local} rows must lie within vocab_size={size}"
@@ -661,7 +699,7 @@ def validate_kl(
         if t.device != h.device:
             raise ValueError(f"{arg} must be on hidden's device {h.device}, got {t.device}")
     h, w = _apply_autocast(h, w, h.device.type)
-    th, tw = _apply_autocast(th, tw, th.device.type)
+    th, tw = _apply_autocast(th, tw, th.device.type, ("teacher_hidden", "teacher_weight"))
     if th.dtype != h.dtype:
         raise TypeError(
             f"teacher_hidden and teacher_weight must share the student's dtype {h.dtype}, got "
@@ -688,8 +726,8 @@ def validate_kl(
         teacher_weight=tw,
         valid=valid,
         temperature=_temperature(temperature, rows, h.device),
-        teacher_temperature=_temperature_named(
-            "teacher_temperature", teacher_temperature, rows, h.device
+        teacher_temperature=_temperature(
+            teacher_temperature, rows, h.device, "teacher_temperature"
         ),
         direction=direction,
         softcap=None if softcap is None else _positive_float("softcap", softcap),
@@ -698,13 +736,3 @@ def validate_kl(
         ),
     )
     return call, shape
-
-
-def _temperature_named(
-    arg: str, value: object, rows: torch.Tensor, device: torch.device
-) -> float | torch.Tensor:
-    """``_temperature`` with errors naming ``arg``."""
-    try:
-        return _temperature(value, rows, device, arg)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(str(exc).replace("temperature", arg, 1)) from None

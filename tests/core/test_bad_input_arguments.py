@@ -1,0 +1,97 @@
+"""Arguments beyond the tensors, as a trainer would get them wrong: each refusal is a
+ValueError/TypeError naming the argument, the value and what it takes, raised before a backend
+(or torch.distributed) sees the value.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fusedhead import FusedHeadConfig, fused_head, fused_kl
+
+
+def head(h, w, y, **kw):
+    return fused_head(h, w, y, backend="ref-test", **kw)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"vocab_start": 0.0}, ["vocab_start must be an int or None", "float 0.0"]),
+        ({"vocab_size": "11"}, ["vocab_size must be an int or None", "str '11'"]),
+        ({"vocab_start": False}, ["vocab_start must be an int or None", "bool False"]),
+        ({"vocab_size": 11.0}, ["vocab_size must be an int or None", "float 11.0"]),
+    ],
+)
+def test_vocab_bounds_have_their_type_checked_without_a_process_group(
+    ref_backend, inputs, kwargs, words
+):
+    with pytest.raises(TypeError) as info:
+        head(*inputs(), **kwargs)
+    for word in words:
+        assert word in str(info.value)
+    head(*inputs(), vocab_start=0, vocab_size=11)  # the whole vocabulary, said out loud: fine
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_process_group_must_be_a_process_group(ref_backend, inputs, world_of_one):
+    for group in (object(), "world", 0):
+        with pytest.raises(TypeError) as info:
+            head(*inputs(), process_group=group)
+        text = str(info.value)
+        assert "process_group must be a torch.distributed.ProcessGroup" in text
+        assert type(group).__name__ in text
+    assert not ref_backend.calls
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"vocab_size": 2**70}, ["vocab_size must fit in int64", str(2**70)]),
+        ({"vocab_start": 2**70, "vocab_size": 2**71}, ["vocab_size must fit in int64"]),
+        ({"vocab_start": 1.0}, ["vocab_start must be an int or None", "float 1.0"]),
+    ],
+)
+def test_vocab_bounds_under_a_process_group(ref_backend, inputs, world_of_one, kwargs, words):
+    """Before: an OverflowError from comparing the labels with a 70-bit vocab_size."""
+    with pytest.raises((ValueError, TypeError)) as info:
+        head(*inputs(), process_group=world_of_one, **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_kl_names_the_teacher_pair_whose_dtypes_differ(ref_backend, inputs):
+    h, w, y = inputs()
+    th, tw = inputs(h=5, seed=1)[:2]
+    with pytest.raises(TypeError) as info:
+        fused_kl(h, w, th, tw.half(), y, backend="ref-test")
+    text = str(info.value)
+    assert text.startswith("teacher_hidden and teacher_weight must share a dtype"), text
+    assert "teacher_weight torch.float16" in text
+
+
+@pytest.mark.parametrize(
+    ("data", "error", "words"),
+    [
+        ({"options": {1: 2}}, TypeError, ["field 'options' has the key 1 (int)"]),
+        ({"require": ["deterministic", 3]}, TypeError, ["field 'require'[1] = 3 (int)"]),
+        ({"ignore_index": 2**70}, ValueError, ["field 'ignore_index'", "must fit in int64"]),
+    ],
+)
+def test_config_names_the_key_or_item_at_fault(data, error, words):
+    with pytest.raises(error) as info:
+        FusedHeadConfig(**data)
+    for word in words:
+        assert word in str(info.value)
