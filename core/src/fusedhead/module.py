@@ -20,7 +20,7 @@ from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput
 from fusedhead.config import FusedHeadConfig
-from fusedhead.validation import is_dtensor
+from fusedhead.validation import _tensor, is_dtensor
 
 ConfigLike = FusedHeadConfig | Mapping[str, Any] | FusedHead | None
 T = TypeVar("T")
@@ -156,7 +156,7 @@ class FusedLMHead(nn.Module):
                 "contains it, e.g. the root for tied embeddings)"
             )
         if labels is None:
-            return nn.functional.linear(hidden, weight, bias)
+            return nn.functional.linear(_tensor("hidden", hidden), weight, bias)
         return owned(
             head_forward(
                 self.head,
@@ -203,6 +203,10 @@ def head_forward(
 ) -> FusedHeadOutput:
     """``head`` on ``hidden @ weight.T + bias``; a bias is folded in as one more column."""
     if bias is not None:
+        # The fold reads hidden before the head validates it: its own errors name it first.
+        hidden = _tensor("hidden", hidden)
+        if hidden.dim() == 0:
+            raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
         # [h, 1] @ [W, b].T == h @ W.T + b
         ones = hidden.new_ones((*hidden.shape[:-1], 1))
         hidden = torch.cat([hidden, ones], dim=-1)

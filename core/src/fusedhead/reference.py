@@ -27,6 +27,7 @@ def reference_fused_head(
     division. Out-of-range labels (not ``ignore_index``) give NaN. Outputs have the shape of ``labels`` and dtype ``compute_dtype`` (default: the input
     dtype promoted to at least fp32). Ignored rows give 0 and no gradient.
     """
+    _check(hidden, weight, labels, temperature, softcap)
     dtype = compute_dtype or torch.promote_types(hidden.dtype, torch.float32)
     h = hidden.to(dtype)
     w = weight.to(dtype)
@@ -51,3 +52,28 @@ def reference_fused_head(
     ent = -(logp_all.exp() * logp_all).sum(-1)
     ent = torch.where(valid, ent, zero)
     return logp, ent
+
+
+def _check(
+    hidden: object, weight: object, labels: object, temperature: object, softcap: object
+) -> None:
+    """The arguments' shapes and scalars, named (any float dtype is taken: this is the yardstick)."""
+    from fusedhead.validation import _positive_float, _tensor
+
+    h, w, y = _tensor("hidden", hidden), _tensor("weight", weight), _tensor("labels", labels)
+    if w.dim() != 2:
+        raise ValueError(f"weight must have shape [V, H], got shape {tuple(w.shape)}")
+    if h.dim() == 0 or h.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"hidden must have shape [..., H] with weight's H={w.shape[1]}, got shape {tuple(h.shape)}"
+        )
+    if tuple(y.shape) != tuple(h.shape[:-1]):
+        raise ValueError(
+            f"labels must have hidden's leading shape {tuple(h.shape[:-1])}, got {tuple(y.shape)}"
+        )
+    if y.dtype == torch.bool or y.is_floating_point() or y.is_complex():
+        raise TypeError(f"labels must be an integer tensor, got dtype {y.dtype}")
+    if not isinstance(temperature, torch.Tensor):
+        _positive_float("temperature", temperature)
+    if softcap is not None:
+        _positive_float("softcap", softcap)

@@ -1,0 +1,60 @@
+"""The exported entry points beside ``fused_head``/``fused_kl``: ``FusedLMHead`` (with and
+without a bias) and the float64 yardstick ``reference_fused_head`` name a bad argument as the
+call does, instead of failing inside torch (``torch.cat``, a matmul) on it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fusedhead import FusedLMHead, reference_fused_head
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize(
+    ("hidden", "error", "words"),
+    [
+        ([[1.0] * 8], TypeError, ["hidden must be a torch.Tensor", "list"]),
+        (torch.tensor(1.0), ValueError, ["hidden", "0-d"]),
+    ],
+)
+def test_fused_lm_head_names_hidden_before_folding_its_bias(bias, hidden, error, words):
+    """Before: with a bias, an AttributeError ('list' has no 'new_ones') or torch.cat's
+    RuntimeError, from folding the bias into hidden before it was validated."""
+    lm = FusedLMHead.from_linear(nn.Linear(8, 11, bias=bias))
+    with pytest.raises(error) as info:
+        lm(hidden, torch.zeros(1, dtype=torch.long))
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_fused_lm_head_without_labels_names_hidden():
+    lm = FusedLMHead.from_linear(nn.Linear(8, 11, bias=True))
+    with pytest.raises(TypeError, match=r"hidden must be a torch\.Tensor, got ndarray"):
+        lm(torch.randn(2, 8).numpy())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "words"),
+    [
+        (lambda h, w, y: (h.tolist(), w, y), TypeError, ["hidden must be a torch.Tensor"]),
+        (lambda h, w, y: (h, w[:, :-1], y), ValueError, ["hidden must have shape [..., H]", "H=7"]),
+        (lambda h, w, y: (h, w[0], y), ValueError, ["weight must have shape [V, H]"]),
+        (lambda h, w, y: (h, w, y[:-1]), ValueError, ["labels must have hidden's leading shape"]),
+        (lambda h, w, y: (h, w, y.float()), TypeError, ["labels must be an integer tensor"]),
+    ],
+)
+def test_reference_names_its_arguments(inputs, mutate, error, words):
+    """The exported float64 yardstick: before, AttributeError and matmul's RuntimeError."""
+    with pytest.raises(error) as info:
+        reference_fused_head(*mutate(*inputs()))
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize(("arg", "value"), [("temperature", 0.0), ("softcap", -1.0)])
+def test_reference_refuses_a_scalar_a_call_refuses(inputs, arg, value):
+    with pytest.raises(ValueError, match=f"^{arg} must be a finite float > 0"):
+        reference_fused_head(*inputs(), **{arg: value})
