@@ -556,8 +556,9 @@ class ChunkedHeadOutputs(torch.autograd.Function):
 
 
 def _scatter_rows(t: torch.Tensor, keep: torch.Tensor | None, n: int, fill: int) -> torch.Tensor:
-    """``t`` of the kept rows back in all ``n`` rows (``fill`` elsewhere; differentiable)."""
-    if keep is None or t.numel() == 0:
+    """``t`` of the kept rows back in all ``n`` rows (``fill`` elsewhere; differentiable). No
+    kept row (every label ignore_index) is ``n`` rows of ``fill`` too, not the empty ``t``."""
+    if keep is None:
         return t
     out = t.new_full((n, *t.shape[1:]), fill)
     return out.index_copy(0, keep, t)
