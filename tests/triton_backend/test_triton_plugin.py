@@ -45,6 +45,31 @@ def test_options_are_validated() -> None:
             TritonOptions(**{gone: True})
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "words"),
+    [
+        ("block_n", 2**40, ["option 'block_n' = 1099511627776", "powers of two from 16 to 1024"]),
+        ("block_m", 2048, ["option 'block_m' = 2048", "powers of two from 16 to 1024"]),
+        ("backward_block_mib", float("inf"), ["option 'backward_block_mib' = inf", "finite"]),
+        ("backward_block_mib", float("nan"), ["option 'backward_block_mib' = nan", "finite"]),
+    ],
+)
+def test_options_a_kernel_cannot_take_are_refused_by_name(
+    option: str, value: object, words: list[str]
+) -> None:
+    """Before: a 2**40 tile reached the interpreter (an int32 overflow, on a GPU a compile
+    failure) and an infinite buffer bound an OverflowError in the first call."""
+    import fusedhead
+    from fusedhead.errors import OptionsError
+
+    h, w, y = torch.randn(4, 16), torch.randn(32, 16), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(OptionsError) as info:
+        fusedhead.fused_head(h, w, y, backend="triton", options={option: value})
+    for word in words:
+        assert word in str(info.value)
+    TritonOptions(block_m=1024, block_n=1024, block_k=1024, backward_block_mib=1e-3)  # the ends
+
+
 def test_one_memory_choice_and_tile_overrides() -> None:
     """Every option is the memory-or-speed choice or a tuning override."""
     assert set(TritonOptions.model_fields) == {

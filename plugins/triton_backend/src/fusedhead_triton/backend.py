@@ -20,6 +20,8 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
 _BASIC = frozenset({"log_probs", "entropy"})
 #: Outputs past (log_probs, entropy) the triton backend computes (one shard and vocab-parallel).
 EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "gather")
+#: Largest tile size the options take (block_m, block_n, block_k).
+MAX_TILE = 1024
 
 
 class TritonOptions(BaseModel):
@@ -39,18 +41,21 @@ class TritonOptions(BaseModel):
     backward_block_mib: float | None = Field(
         default=None,
         gt=0,
+        allow_inf_nan=False,
         description="Tuning: bound on the backward's dz[N, Vb] block buffer in MiB (sets Vb from N; "
         "wider blocks are faster, fewer hidden-gradient read-modify-writes). None: memory's default.",
     )
     block_m: int | None = Field(
         None,
-        description="Tuning: rows per tile (power of two >= 16); None keeps the shipped per-dtype config.",
+        description="Tuning: rows per tile (power of two, 16 to 1024); None keeps the shipped "
+        "per-dtype config.",
     )
     block_n: int | None = Field(
-        None, description="Tuning: vocabulary columns per tile (power of two >= 16)."
+        None, description="Tuning: vocabulary columns per tile (power of two, 16 to 1024)."
     )
     block_k: int | None = Field(
-        None, description="Tuning: hidden (reduction) step per tile iteration (power of two >= 16)."
+        None,
+        description="Tuning: hidden (reduction) step per tile iteration (power of two, 16 to 1024).",
     )
     tma: bool | None = Field(
         None,
@@ -61,8 +66,9 @@ class TritonOptions(BaseModel):
     @field_validator("block_m", "block_n", "block_k")
     @classmethod
     def _power_of_two(cls, v: int | None) -> int | None:
-        if v is not None and (v < 16 or v & (v - 1)):
-            raise ValueError(f"tile sizes must be powers of two >= 16, got {v}")
+        # At most 1024: two of them make a tile of at most 2**20 values, Triton's largest block.
+        if v is not None and (not 16 <= v <= MAX_TILE or v & (v - 1)):
+            raise ValueError(f"tile sizes must be powers of two from 16 to {MAX_TILE}, got {v}")
         return v
 
 
