@@ -220,7 +220,7 @@ class FusedHeadConfig(BaseModel):
     return_entropy: bool = Field(True, description="Compute the entropy output by default.")
     check_labels: bool = Field(
         True,
-        description="Validate the label range, and gather_ids' where given (one device-to-host read for both, before the backend runs; under torch.compile one op of the graph each, the same ValueError); False for CUDA graphs.",
+        description="Validate the label range, and gather_ids' where given (one device-to-host read for all of a call's value checks, on CUDA after the backend has queued its kernels; under torch.compile one op of the graph each, the same ValueError); False for CUDA graphs.",
     )
     softcap: float | None = Field(
         None,
