@@ -89,16 +89,7 @@ def _reference(d: str, name: str) -> dict[str, Any]:
         return_entropy=kw.get("entropy", True), softcap=kw.get("softcap"),
         compute_dtype=torch.float64,
     )  # fmt: skip
-    loss = (lp * x["g_lp"].double()).nansum()
-    if ent is not None:
-        loss = loss + (ent * x["g_ent"].double()).sum()
-    loss.backward()
-    return {
-        "log_probs": lp.detach(),
-        "entropy": None if ent is None else ent.detach(),
-        "d_hidden": h.grad,
-        "d_weight": w.grad,
-    }
+    return tp.backward_outputs(lp, ent, h, w, x)
 
 
 @pytest.mark.parametrize(("d", "name"), CASE_IDS)

@@ -70,9 +70,18 @@ def run_case(
         process_group=group, vocab_start=lo, vocab_size=V, reduce_hidden_grad=reduce,
         softcap=softcap,
     )  # fmt: skip
-    loss = (lp * x["g_lp"]).nansum()
+    return backward_outputs(lp, ent, h, w, x)
+
+
+def backward_outputs(
+    lp: torch.Tensor, ent: torch.Tensor | None, h: torch.Tensor, w: torch.Tensor,
+    x: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """The loss every run differentiates (upstream gradients ``x["g_lp"]``, ``x["g_ent"]``; an
+    ignored row's NaN skipped), then the outputs and both gradients."""
+    loss = (lp * x["g_lp"].to(lp.dtype)).nansum()
     if ent is not None:
-        loss = loss + (ent * x["g_ent"]).sum()
+        loss = loss + (ent * x["g_ent"].to(ent.dtype)).sum()
     loss.backward()
     return {
         "log_probs": lp.detach(),
