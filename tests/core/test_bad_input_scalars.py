@@ -128,3 +128,18 @@ def test_the_config_refuses_what_a_call_would(field, value):
     text = str(info.value)
     assert f"field {field!r} = {value!r} (float)" in text and "[2**-126, 2**126]" in text
     FusedHeadConfig(**{field: SCALAR_RANGE[1]})  # the end of the range builds
+
+
+def test_numpy_scalars_are_floats_and_numpy_bools_are_not(ref_backend, inputs):
+    """A temperature or softcap from a NumPy-typed config runs as its float; a bool never does."""
+    np = pytest.importorskip("numpy")
+    ref_backend.caps = {"softcap": True}
+    h, w, y = inputs()
+    want = head(h, w, y, temperature=0.75, softcap=30.0)
+    got = head(h, w, y, temperature=np.float32(0.75), softcap=np.int64(30))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for bad in (np.bool_(True), True):
+        with pytest.raises(TypeError, match="temperature must be a float, got"):
+            head(h, w, y, temperature=bad)
+    with pytest.raises(ValueError, match=r"got 0\.0"):
+        head(h, w, y, temperature=np.float32(0.0))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -60,7 +61,9 @@ def _tensor(arg: str, value: object) -> torch.Tensor:
 
 
 def _positive_float(arg: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """``value`` as a float in ``SCALAR_RANGE``: any real number but a bool (Python's, or a
+    NumPy scalar such as a config's ``np.float32``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{arg} must be a float, got {type(value).__name__} {value!r}")
     try:
         out = float(value)
@@ -69,7 +72,7 @@ def _positive_float(arg: str, value: object) -> float:
     if not _LO <= out <= _HI:  # NaN fails both comparisons
         shown = (
             value
-            if isinstance(value, float) or abs(value) < 10**20
+            if not isinstance(value, int) or abs(value) < 10**20
             else f"an int of {len(str(abs(value)))} digits"
         )
         raise ValueError(f"{arg} must be a finite float > 0 {_RANGE_TEXT}, got {shown}")
