@@ -71,3 +71,82 @@ def test_required_capability_is_checked_at_resolution_and_never_picks(ref_backen
 def test_call_defaults_are_validated(ref_backend, field, value):
     with pytest.raises(ValueError, match=field):
         FusedHeadConfig(backend="ref-test", **{field: value})
+
+
+# --- the config's device: one this process cannot use is refused where a head is resolved --------
+
+
+def _no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def _one_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:3"])
+def test_a_cuda_device_without_cuda_is_refused_at_construction(ref_backend, monkeypatch, device):
+    from fusedhead import FusedLMHead
+    from fusedhead.api import cached_head
+
+    _no_cuda(monkeypatch)
+    import torch
+
+    weight = torch.nn.Parameter(torch.randn(11, 8))
+    builds = {
+        "FusedHead(device=)": lambda: FusedHead(backend="ref-test", device=device),
+        "FusedHead(config)": lambda: FusedHead(FusedHeadConfig(backend="ref-test", device=device)),
+        "FusedHead(mapping)": lambda: FusedHead({"backend": "ref-test", "device": device}),
+        "FusedLMHead": lambda: FusedLMHead(weight, {"backend": "ref-test", "device": device}),
+        "cached_head": lambda: cached_head({"backend": "ref-test", "device": device}),
+    }
+    for what, build in builds.items():
+        with pytest.raises(ValueError) as info:
+            build()
+        msg = str(info.value)
+        assert f"device={device!r}" in msg, (what, msg)
+        assert "torch.cuda.is_available() is False" in msg and "expected 'cpu'" in msg, (what, msg)
+    # The config alone only parses it: a config file travels between machines.
+    assert FusedHeadConfig(backend="ref-test", device=device).device == device
+
+
+def test_a_cuda_index_past_the_device_count_is_refused(ref_backend, monkeypatch):
+    _one_cuda(monkeypatch)
+    with pytest.raises(ValueError) as info:
+        FusedHead(backend="ref-test", device="cuda:1")
+    msg = str(info.value)
+    assert "device='cuda:1'" in msg and "torch.cuda.device_count() is 1" in msg, msg
+    assert "indices 0..0" in msg, msg
+    for device in ("cuda", "cuda:0"):  # those exist
+        assert FusedHead(backend="ref-test", device=device).name == "ref-test"
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu:0", "hpu"])
+def test_an_accelerator_type_this_process_lacks_is_refused(ref_backend, device):
+    with pytest.raises(ValueError, match=rf"device={device!r} cannot be used in this process"):
+        FusedHead(backend="ref-test", device=device)
+
+
+def test_an_unknown_device_string_names_the_field(ref_backend):
+    with pytest.raises(
+        ValueError, match=r"field 'device' = 'gpu0' \(str\): must be a torch device"
+    ):
+        FusedHead(backend="ref-test", device="gpu0")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", "meta", None])
+def test_cpu_meta_and_the_default_still_resolve(ref_backend, device):
+    assert FusedHead(backend="ref-test", device=device).name == "ref-test"
+
+
+def test_usable_device_names_its_argument():
+    from fusedhead.validation import usable_device
+
+    assert usable_device("cpu").type == "cpu"
+    with pytest.raises(ValueError, match=r"--device='bogus' is not a torch device string"):
+        usable_device("bogus", "--device")

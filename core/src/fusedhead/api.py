@@ -27,6 +27,7 @@ from fusedhead.validation import (
     Pending,
     _device_entry,
     dtype_name,
+    usable_device,
     validate,
     validate_kl,
     with_outputs,
@@ -128,7 +129,9 @@ class FusedHead:
         self._caps: dict[tuple[torch.device, torch.dtype], tuple[Capabilities, frozenset[str]]] = {}
         self._graph = _Slots()  # _caps's entries for compiled graphs (see _prepare)
         self._graph_names: dict[tuple[torch.device, torch.dtype], str] = {}
-        device = torch.device(config.device) if config.device else registry.default_device()
+        # A device this process cannot use is refused here, where it is first used (the config
+        # itself only parses it: a config file travels between machines).
+        device = usable_device(config.device) if config.device else registry.default_device()
         with self._identified():
             caps = self.backend.capabilities(device)
         self._check_required(caps, device)

@@ -132,6 +132,46 @@ def _device_entry(dev: torch.device) -> tuple[str, bool]:
     return entry
 
 
+#: Device types every process can use: tensors there need no accelerator.
+_ALWAYS_USABLE = frozenset({"cpu", "meta"})
+
+
+def usable_device(value: str, arg: str = "device") -> torch.device:
+    """``value`` as a ``torch.device`` this process can use, else a ``ValueError`` naming ``arg``.
+
+    ``cpu`` and ``meta`` always; ``cuda`` / ``cuda:K`` where torch sees CUDA and K is below
+    ``torch.cuda.device_count()``; another accelerator type (``xpu``, ``mps``, ...) where its
+    torch module says it is available, likewise by index. Run once, where a head is resolved.
+    """
+    expected = "expected 'cpu', 'meta' or an accelerator device this process sees"
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(
+            f"{arg}={value!r} is not a torch device string; {expected}, such as 'cuda' or 'cuda:1'"
+        ) from None
+    kind = dev.type
+    if kind in _ALWAYS_USABLE:
+        return dev
+    module = getattr(torch, kind, None)
+    is_available = getattr(module, "is_available", None)
+    if not callable(is_available) or not is_available():
+        why = (
+            f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)"
+            if kind == "cuda"
+            else f"torch {torch.__version__} has no usable {kind!r} device here"
+        )
+        raise ValueError(f"{arg}={value!r} cannot be used in this process: {why}; {expected}")
+    count = getattr(module, "device_count", None)
+    if dev.index is not None and callable(count) and dev.index >= count():
+        n = count()
+        raise ValueError(
+            f"{arg}={value!r} cannot be used in this process: torch.{kind}.device_count() is {n} "
+            f"(indices 0..{n - 1}); {expected}"
+        )
+    return dev
+
+
 def validate(
     hidden: object,
     weight: object,
