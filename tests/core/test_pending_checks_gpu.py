@@ -121,3 +121,29 @@ def test_checks_under_cuda_graph_capture_are_refused_by_name():
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(ValueError, match="check_labels=False"), torch.cuda.graph(graph):
         head(hidden, weight, labels)
+
+
+def test_an_unchecked_call_with_a_temperature_tensor_is_captured_and_replayed():
+    """check_labels=False reads no value, the per-token temperature's included: such a call can
+    be captured in a CUDA graph (it used to read the temperature's flag and be refused)."""
+    head = FusedHead(backend="torch", device="cuda", options={"skip_ignored_rows": False})
+    hidden, weight, labels = _case()
+    temperature = torch.full((40,), 0.7, device="cuda")
+    temperature[::3] = 1.3
+    want = head(hidden, weight, labels, temperature=temperature)  # checked, eagerly
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on a side stream, as capture wants
+        head(hidden, weight, labels, temperature=temperature, check_labels=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = head(hidden, weight, labels, temperature=temperature, check_labels=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=0)
+    temperature.fill_(0.9)  # the graph reads the tensor in place: replays see new values
+    graph.replay()
+    torch.cuda.synchronize()
+    again = head(hidden, weight, labels, temperature=temperature)
+    torch.testing.assert_close(got.log_probs, again.log_probs, rtol=0, atol=0)

@@ -84,3 +84,85 @@ def test_a_failed_check_is_named_and_the_backend_never_runs(spied, device):
         for word in words:
             assert word in str(info.value)
     assert "forward" not in order
+
+
+# --- check_labels=False: the documented opt-out skips the per-token temperature's check too -----
+
+
+def _bad_temperature(device: str, n: int = 40) -> torch.Tensor:
+    t = torch.full((n,), 0.7, device=device)
+    t[7] = 0.0  # out of range: checked, it is named; unchecked, only its row is wrong
+    return t
+
+
+@pytest.fixture
+def temperature_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names the temperature value check was asked for (eager and in-graph alike)."""
+    from fusedhead import validation
+
+    seen: list[str] = []
+    real = validation._check_temperature_values
+
+    def spy(t: torch.Tensor, arg: str, pending: Any = None) -> None:
+        seen.append(arg)
+        real(t, arg, pending)
+
+    monkeypatch.setattr(validation, "_check_temperature_values", spy)
+    return seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_check_labels_false_reads_no_temperature_value(spied, temperature_checks, device):
+    head, order = spied(device)
+    hidden, weight, labels = _case(device)
+    bad = _bad_temperature(device)
+    out = head(hidden, weight, labels, temperature=bad, check_labels=False)
+    assert order == ["forward"]  # no host read before the forward: nothing was checked
+    assert temperature_checks == []
+    good = bad.clone()
+    good[7] = 0.7
+    ref = head(hidden, weight, labels, temperature=good, check_labels=False)
+    keep = torch.arange(40) != 7  # every other row is the checked call's
+    assert torch.equal(out.log_probs[keep], ref.log_probs[keep])
+    assert torch.equal(out.entropy[keep], ref.entropy[keep])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_config_and_fused_head_opt_out_alike(temperature_checks, device):
+    from fusedhead import fused_head
+
+    hidden, weight, labels = _case(device)
+    bad = _bad_temperature(device)
+    FusedHead(backend="torch", check_labels=False)(hidden, weight, labels, temperature=bad)
+    fused_head(hidden, weight, labels, temperature=bad, check_labels=False)
+    assert temperature_checks == []
+    with pytest.raises(ValueError, match="temperature tensor must hold finite values > 0"):
+        fused_head(hidden, weight, labels, temperature=bad)  # the default still checks
+    with pytest.raises(ValueError, match=r"got 0.0 \(as fp32\) at flat position 7"):
+        FusedHead(backend="torch", check_labels=False)(
+            hidden, weight, labels, temperature=bad, check_labels=True
+        )
+    assert temperature_checks == ["temperature", "temperature"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_check_labels_false_puts_no_temperature_check_in_a_compiled_graph(
+    temperature_checks, device
+):
+    from fusedhead import fused_head
+
+    hidden, weight, labels = _case(device)
+    bad = _bad_temperature(device)
+
+    def step(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return fused_head(h, w, y, temperature=t, check_labels=False).log_probs
+
+    def checked(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return fused_head(h, w, y, temperature=t).log_probs
+
+    torch._dynamo.reset()
+    torch.compile(step, backend="aot_eager", fullgraph=True)(hidden, weight, labels, bad)
+    assert temperature_checks == []
+    with pytest.raises(ValueError, match="temperature tensor must hold finite values > 0"):
+        torch.compile(checked, backend="aot_eager", fullgraph=True)(hidden, weight, labels, bad)
+    assert temperature_checks == ["temperature"]

@@ -306,7 +306,7 @@ class FusedHead:
             _prime_device(hidden.device)
         # The value checks' one host read (eager checked calls; on CUDA after forward has queued
         # the head's kernels, elsewhere before it): a traced call checks through the graph's
-        # ops, an unchecked one reads a temperature tensor's alone.
+        # ops, an unchecked one (check_labels=False) reads nothing, a temperature tensor included.
         pending = Pending() if check_labels is True and not tracing else None
         call, shape, n, device, dtype, cast = validate(
             hidden,

@@ -279,7 +279,7 @@ def validate(
     if temperature.__class__ is float and _LO <= temperature <= _HI:  # type: ignore[operator]
         temp: float | torch.Tensor = temperature  # type: ignore[assignment]
     else:
-        temp = _temperature(temperature, y, dev, pending=pending)
+        temp = _temperature(temperature, y, dev, pending=pending, check=check_labels)
     cap = None if softcap is None else _positive_float("softcap", softcap)
 
     flat = y if nd == 2 else y.reshape(-1)
@@ -342,7 +342,15 @@ def _temperature(
     device: torch.device,
     arg: str = "temperature",
     pending: Pending | None = None,
+    check: object = True,
 ) -> float | torch.Tensor:
+    """A float in ``SCALAR_RANGE``, or a tensor as fp32 ``[N]`` (broadcast to ``labels``).
+
+    A tensor's type, device, gradient and shape are always checked (metadata: no read); its
+    values only with ``check`` (a call's ``check_labels``: one device-to-host read, or
+    ``pending``'s, or under ``torch.compile`` an op of the graph). ``check=False`` is the opt-out
+    CUDA graphs need; the values then reach the backend unchecked (a bad one gives its row wrong values).
+    """
     if value.__class__ is float and _LO <= value <= _HI:  # type: ignore[operator]
         return value  # type: ignore[return-value]
     if not isinstance(value, torch.Tensor):
@@ -364,7 +372,7 @@ def _temperature(
             f"{arg} tensor of shape {tuple(t.shape)} must broadcast to the labels' shape {tuple(labels.shape)}"
         ) from None
     t = t.detach().reshape(-1).to(torch.float32).contiguous()
-    if t.numel() and t.device.type != "meta":
+    if check and t.numel() and t.device.type != "meta":
         if torch.compiler.is_compiling():
             checked: torch.Tensor = _temperature_checked(t, arg)  # the check below, in the graph
             return checked
@@ -576,9 +584,9 @@ class Pending:
             return
         if torch.cuda.is_current_stream_capturing():
             raise ValueError(
-                "check_labels=True (and a per-token temperature tensor) is checked by a "
-                "device-to-host read, which CUDA-graph capture forbids; inside a captured region "
-                "pass check_labels=False and a float temperature"
+                "check_labels=True checks the label range (and any gather_ids and per-token "
+                "temperature tensor) by a device-to-host read, which CUDA-graph capture forbids; "
+                "inside a captured region pass check_labels=False (it skips all three value checks)"
             )
         self._host = flags.to("cpu", non_blocking=True)
         self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
