@@ -8,10 +8,16 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from fusedhead.errors import BackendUnavailableError
+from fusedhead.errors import BackendUnavailableError, OptionsError
 from fusedhead.protocol import KL_DIRECTIONS, Capabilities, HeadCall, HeadOutput, KLCall, KLOutput
 
-from .configs import Settings, interpret_enabled, settings_for
+from .configs import (
+    Settings,
+    fitting_tile,
+    interpret_enabled,
+    settings_for,
+    shared_memory_excess,
+)
 from .topk import MAX_TOP_K  # the running top-k set lives in registers; one shard only
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -48,7 +54,8 @@ class TritonOptions(BaseModel):
     block_m: int | None = Field(
         None,
         description="Tuning: rows per tile (power of two, 16 to 1024); None keeps the shipped "
-        "per-dtype config.",
+        "per-dtype config. Tiles whose pipeline stages would not fit the GPU's shared memory are "
+        "an OptionsError at the first call on that GPU (the estimate and the limit named).",
     )
     block_n: int | None = Field(
         None, description="Tuning: vocabulary columns per tile (power of two, 16 to 1024)."
@@ -141,6 +148,13 @@ class TritonBackend:
                     f"the triton backend needs a GPU of compute capability 8.0 or newer "
                     f"(Ampere+); {name} is {cap[0]}.{cap[1]}; use backend='torch'"
                 )
+            props = torch.cuda.get_device_properties(index)
+            limit = getattr(props, "shared_memory_per_block_optin", None)  # torch >= 2.1
+            if limit:
+                self.check_shared_memory(
+                    dtype, int(limit), tma=_has_tma(cap),
+                    where=f"{props.name} (cuda:{index}, shared_memory_per_block_optin)",
+                )  # fmt: skip
             return
         if device.type == "cpu":
             if not interp:
@@ -157,6 +171,49 @@ class TritonBackend:
             return
         raise BackendUnavailableError(
             f"the triton backend runs on CUDA devices, not {device.type!r}; use backend='torch'"
+        )
+
+    def check_shared_memory(
+        self, dtype: torch.dtype, limit: int, *, tma: bool, where: str = "the device"
+    ) -> None:
+        """Raise ``OptionsError`` where a kernel's staged tiles for ``dtype`` (this backend's
+        options) would need more than ``limit`` bytes of shared memory per block, which Triton
+        would only report when compiling ("out of resources"). ``configs.shared_memory_estimates``
+        says what is counted; ``tma``: the device takes the TMA path (Hopper+)."""
+        st, _ = self._settings(dtype)
+        esize = torch.empty((), dtype=dtype).element_size()
+        over = shared_memory_excess(st, esize, limit, tma=tma)
+        if over is None:
+            return
+        o, t = self.options, over.tile
+        given = [n for n in ("block_m", "block_n", "block_k") if getattr(o, n) is not None]
+        tiles = f"block_m={t.block_m}, block_n={t.block_n}, block_k={t.block_k}"
+        origin = (
+            f"set by the options {', '.join(f'{n}={getattr(o, n)}' for n in given)}, the rest "
+            "shipped"
+            if given
+            else f"the shipped {_DTYPE_NAMES[dtype]} tile: no block_m/block_n/block_k set"
+        )
+        fit = fitting_tile(
+            dtype, esize, limit, tma=tma, memory=o.memory, block_m=o.block_m, block_n=o.block_n,
+            block_k=o.block_k, tma_option=o.tma,
+        )  # fmt: skip
+        hint = "set smaller block_k, block_n or block_m"
+        if fit is not None:
+            hint += " (e.g. options " + ", ".join(f"{k}={v}" for k, v in fit.items()) + " fits)"
+        if o.tma is not False and tma:
+            hint += ", or tma=False (no TMA store tile)"
+        from fusedhead.config import option_signatures
+
+        raise OptionsError(
+            f"tiles {tiles} with {t.num_stages} stages ({origin}) need about {over.nbytes} bytes "
+            f"of shared memory per block in the {over.kernel} kernel ({over.terms}) for "
+            f"{_DTYPE_NAMES[dtype]} inputs, more than the {limit} bytes of {where}; Triton would "
+            "fail to compile it (out of resources)",
+            option=given[-1] if given else None,
+            expected=f"tiles whose staged operands fit {limit} bytes of shared memory",
+            valid_options=option_signatures(TritonOptions),
+            hint=hint,
         )
 
     def forward(self, call: HeadCall) -> HeadOutput:
@@ -207,3 +264,15 @@ class TritonBackend:
             )  # fmt: skip
             self._by_dtype[dtype] = (st, st.key())
         return self._by_dtype[dtype]
+
+
+def _has_tma(capability: tuple[int, int]) -> bool:
+    """Whether the TMA path can run on a device of ``capability`` (``launch.tma_usable``'s
+    device part: Hopper+ and a triton with tensor descriptors)."""
+    if capability < (9, 0):
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:  # triton < 3.4
+        return False
+    return True

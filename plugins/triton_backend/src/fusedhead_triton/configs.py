@@ -93,3 +93,95 @@ def settings_for(
     }
     tile = replace(base, **{k: v for k, v in changes.items() if v is not None})
     return Settings(tile, tile, tile, memory, block_bytes)
+
+
+# --- shared memory: what the configured tiles stage, against the device's limit ------------------
+
+#: Bytes a kernel holds in shared memory past its staged tiles (mbarriers, reduction scratch):
+#: at most 1 KiB in every kernel of the shipped configs compiled on an H200 (triton 3.6).
+SHARED_SLACK = 1024
+
+
+@dataclass(frozen=True)
+class SharedUse:
+    """One kernel's estimated shared memory per block: its tile, the bytes and how they add up."""
+
+    kernel: str
+    tile: TileConfig
+    nbytes: int
+    terms: str
+
+
+def _staged(kernel: str, cfg: TileConfig, esize: int, *, tma: bool, store: bool) -> SharedUse:
+    """The operand tiles' pipeline buffers (``[block_m, block_k]`` and ``[block_n, block_k]``
+    each), plus what the TMA path stages past them where ``tma``: the output tile of a TMA store
+    (``store``) and, for fp32, the transposed weight tile the FMA dot reads.
+
+    16-bit tiles (tensor-core dots) hold ``num_stages`` buffers; fp32 ("ieee" FMA dots) hold
+    ``num_stages - 1``, as Triton 3.6 compiles them on an H200.
+    """
+    fp32 = esize == 4
+    buffers = cfg.num_stages - 1 if fp32 else cfg.num_stages
+    nbytes = buffers * (cfg.block_m + cfg.block_n) * cfg.block_k * esize + SHARED_SLACK
+    terms = f"{buffers} buffers x ({cfg.block_m} + {cfg.block_n}) x {cfg.block_k} x {esize} B"
+    if tma and fp32:
+        nbytes += cfg.block_n * cfg.block_k * esize
+        terms += f" + a {cfg.block_n} x {cfg.block_k} x {esize} B transposed weight tile"
+    if tma and store:
+        nbytes += cfg.block_m * cfg.block_n * esize
+        terms += f" + a {cfg.block_m} x {cfg.block_n} x {esize} B TMA store tile"
+    return SharedUse(kernel, cfg, nbytes, f"{terms} + {SHARED_SLACK} B")
+
+
+def shared_memory_estimates(st: Settings, element_size: int, *, tma: bool) -> list[SharedUse]:
+    """Each kernel's shared memory per block for the settings ``st`` (inputs of ``element_size``
+    bytes); ``tma``: the device takes the TMA path where a tile asks for it (Hopper+).
+
+    Every logits GEMM pipelines its two operand tiles (``_staged``): the forward (``hidden``,
+    ``weight``), dz (the same, then its output tile through a TMA store), dh (``dz`` and
+    ``weight``, not transposed); the two-head KL kernels (``kl.kl_tile``: at most 128 columns,
+    4 stages on the 16-bit TMA tile) run one K loop per head, so one head's operands are staged
+    at a time, and kl_dz stores like dz. The top-k recompute stages at most the forward's tile.
+    On an H200 (triton 3.6) each of 75 kernels compiled in 20 configurations (the shipped ones, TMA
+    and pointers, and oversized tiles) took at most this, and at least this minus ``SHARED_SLACK``.
+    TMA is assumed wherever the tile asks and the device has it (rows of a hidden size that are
+    not 16-byte aligned take the pointer path, without those extra tiles): an upper bound there.
+    """
+    from .kl import kl_tile  # the KL's own tile rule, from the one place it is made
+
+    kl_forward, kl_dz = kl_tile(st.forward), kl_tile(st.dz)
+    es = element_size
+    return [
+        _staged("forward", st.forward, es, tma=tma and st.forward.tma, store=False),
+        _staged("dz", st.dz, es, tma=tma and st.dz.tma, store=True),
+        _staged("dh", st.dh, es, tma=False, store=False),
+        _staged("kl forward", kl_forward, es, tma=tma and kl_forward.tma, store=False),
+        _staged("kl dz", kl_dz, es, tma=tma and kl_dz.tma, store=True),
+    ]
+
+
+def shared_memory_excess(
+    st: Settings, element_size: int, limit: int, *, tma: bool
+) -> SharedUse | None:
+    """The kernel whose estimate most exceeds ``limit`` bytes (None: every kernel fits)."""
+    over = [u for u in shared_memory_estimates(st, element_size, tma=tma) if u.nbytes > limit]
+    return max(over, key=lambda u: u.nbytes) if over else None
+
+
+def fitting_tile(
+    dtype: torch.dtype, element_size: int, limit: int, *, tma: bool, memory: Memory = "low",
+    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+    tma_option: bool | None = None,
+) -> dict[str, int] | None:  # fmt: skip
+    """Tile options that fit ``limit``, found by halving block_k, then block_n, then block_m of
+    the given ones (down to 16); None if none does."""
+    base = settings_for(dtype, memory=memory, block_m=block_m, block_n=block_n,
+                        block_k=block_k, tma=tma_option).forward  # fmt: skip
+    sizes = {"block_m": base.block_m, "block_n": base.block_n, "block_k": base.block_k}
+    for name in ("block_k", "block_n", "block_m"):
+        while sizes[name] > 16:
+            sizes[name] //= 2
+            st = settings_for(dtype, memory=memory, tma=tma_option, **sizes)
+            if shared_memory_excess(st, element_size, limit, tma=tma) is None:
+                return sizes
+    return None
