@@ -214,7 +214,8 @@ class ChunkedFusedHead(torch.autograd.Function):
         with _no_autocast(h.device):
             stats, z_label = _forward_stats(h, weight, place, scaling, spec)
         if spec.process_group is not None and h.shape[0] > 0:  # every rank has the same rows
-            stats, z_label = all_reduce_row_stats(stats, z_label, spec.process_group)
+            shard = (spec.vocab_start, weight.shape[0], spec.vocab_size)
+            stats, z_label = all_reduce_row_stats(stats, z_label, spec.process_group, shard)
         zero = torch.zeros((), dtype=FP32, device=h.device)
         # (z_y - m) - log s, not z_y - lse: lse = m + log s would round away a small log s.
         log_probs = torch.where(place.valid, (z_label - stats.m).sub_(torch.log(stats.s)), zero)

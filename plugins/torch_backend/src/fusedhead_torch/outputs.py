@@ -260,7 +260,7 @@ def merge_ranks(
     return ranked_vals[:, :k].contiguous(), ranked_ids[:, :k].contiguous()
 
 
-def _combine(walk: _Walk, spec: OutputSpec) -> tuple[RowStats, _Walk]:
+def _combine(walk: _Walk, spec: OutputSpec, v_local: int) -> tuple[RowStats, _Walk]:
     """Full-vocabulary statistics from every rank's shard: the same combine as the plain call.
 
     The row max is MAX-reduced and ``s``, ``t`` rebased and summed (``all_reduce_row_stats``);
@@ -270,7 +270,8 @@ def _combine(walk: _Walk, spec: OutputSpec) -> tuple[RowStats, _Walk]:
     """
     group = spec.head.process_group
     local_m = walk.stats.m
-    stats, z_label = all_reduce_row_stats(walk.stats, walk.z_label, group)
+    shard = (spec.head.vocab_start, v_local, spec.head.vocab_size)
+    stats, z_label = all_reduce_row_stats(walk.stats, walk.z_label, group, shard)
     q = walk.q
     if q is not None:
         q = q * torch.exp(2 * (local_m - stats.m))
@@ -463,7 +464,7 @@ class ChunkedHeadOutputs(torch.autograd.Function):
             walk = _forward_walk(h, weight, place, gather_ids, scaling, spec)
         stats = walk.stats
         if hs.process_group is not None and n > 0:
-            stats, walk = _combine(walk, spec)
+            stats, walk = _combine(walk, spec, weight.shape[0])
         valid = place.valid
         zero = torch.zeros((), dtype=FP32, device=dev)
         nan = torch.full((), math.nan, dtype=FP32, device=dev)

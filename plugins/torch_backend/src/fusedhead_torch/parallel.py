@@ -2,8 +2,9 @@
 
 Each rank holds a contiguous shard of the vocabulary (shards may differ in size, or be empty). A
 rank's per-row statistics cover its shard; two all-reduces (a MAX of the row max, then one SUM of
-the rebased sums and of the label logit, which exactly one rank owns) give every rank the values
-of the full vocabulary. Per-row candidate lists (top-k) are all-gathered and merged by the caller.
+the rebased sums and of the label logit, which exactly one rank owns, and of every rank's shard
+bounds, which each rank checks against vocab_size) give every rank the values of the full
+vocabulary. Per-row candidate lists (top-k) are all-gathered and merged by the caller.
 """
 
 from __future__ import annotations
@@ -13,22 +14,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fusedhead.validation import check_shards, shard_slots_tensor, shards_need_check
 from fusedhead_torch.rowstats import RowStats
 
 
 def all_reduce_row_stats(
-    stats: RowStats, label_logit: torch.Tensor, group: Any
+    stats: RowStats, label_logit: torch.Tensor, group: Any, shard: tuple[int, int, int]
 ) -> tuple[RowStats, torch.Tensor]:
     """Full-vocabulary statistics and label logit from every rank's shard values.
 
     ``label_logit`` is the label's scaled logit on the rank that owns the label and 0 elsewhere.
+    ``shard``: this rank's (vocab_start, local rows, vocab_size). Every rank's rides in the SUM
+    all-reduce (``SHARD_FLOATS`` floats in its own slot), so each rank checks the shards' union
+    against vocab_size with no further collective (``fusedhead.validation.check_shards``).
     """
     m = stats.m.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     s, t = stats.rebased(m)
-    packed = torch.stack([s, t, label_logit])
+    n = s.shape[0]
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    slots = shard_slots_tensor(*shard, s.device, world, rank)
+    packed = torch.cat([s, t, label_logit.to(s.dtype), slots.reshape(-1)])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    return RowStats(m, packed[0], packed[1]), packed[2]
+    if not torch.compiler.is_compiling() and shards_need_check(group, *shard, s.device):
+        check_shards(packed[3 * n :], rank, group, *shard)
+    rows = packed[: 3 * n].view(3, n)
+    return RowStats(m, rows[0], rows[1]), rows[2]
 
 
 def all_reduce_sum_(tensor: torch.Tensor, group: Any) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fusedhead.protocol import HeadCall, HeadOutput
+from fusedhead.validation import check_shards, shard_slots_tensor, shards_need_check
 
 from .backward import backward_from
 from .configs import Settings, TileConfig
@@ -87,9 +88,10 @@ def _gathered(
 def forward_values(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
     gather_ids: torch.Tensor | None, sc: HeadScalars, cfg: TileConfig, *, entropy: bool,
-    sum_p2: bool, argmax: bool, top_k: int = 0, group: Any = None,
+    sum_p2: bool, argmax: bool, top_k: int = 0, group: Any = None, vocab_size: int = 0,
 ) -> Values:  # fmt: skip
-    """Every asked output over the whole (possibly sharded) vocabulary, in fixed-order sums."""
+    """Every asked output over the whole (possibly sharded) vocabulary, in fixed-order sums
+    (``vocab_size``: under ``group``, the one the shards must cover)."""
     ig, lo, v_local = sc.ignore_index, sc.label_offset, weight.shape[0]
     ids = None if gather_ids is None else sort_ids(gather_ids, labels, lo, v_local, ig)
     extras = PartialExtras(sum_p2=sum_p2, argmax=argmax, gather=ids)
@@ -111,8 +113,8 @@ def forward_values(
         p2, arg_out = out.sum_p2, out.argmax
     else:
         lp, lse, ent, p2, arg_out, zg = _sharded_combine(
-            p, zg, gather_ids, labels, sc, v_local, cfg, entropy, sum_p2, argmax, group
-        )
+            p, zg, gather_ids, labels, sc, v_local, cfg, entropy, sum_p2, argmax, group, vocab_size
+        )  # fmt: skip
     valid = labels != ig
     tk = None if top is None else finish(top, lse, labels, ig)
     return Values(
@@ -128,21 +130,29 @@ def forward_values(
 def _sharded_combine(
     p: Partials, zg: torch.Tensor | None, gather_ids: torch.Tensor | None, labels: torch.Tensor,
     sc: HeadScalars, v_local: int, cfg: TileConfig, entropy: bool, sum_p2: bool, argmax: bool,
-    group: Any,
+    group: Any, vocab_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """The full vocabulary's outputs from every rank's shard: the ranks' (m, s, w, q) gathered
     and combined in rank order like tiles (an all-gather, not an all-reduce: the same bits on
     every rank and run); a label logit or gathered logit from its one owner (NaN where no rank
-    owns it); the argmax the lowest id among the ranks holding the row max."""
+    owns it); the argmax the lowest id among the ranks holding the row max. Each rank's shard
+    bounds ride in the same all-gather (``SHARD_FLOATS`` more columns), and each rank checks the
+    shards' union against ``vocab_size`` (``fusedhead.validation.check_shards``)."""
     ig, lo = sc.ignore_index, sc.label_offset
     m, s, w, q, arg = shard_stats(p, labels, ig, lo, cfg.block_n)
     owned = (labels >= lo) & (labels < lo + v_local)
     rows = [m, s, w, torch.where(owned, p.zy, 0.0), owned.to(torch.float32)]
     local = torch.stack([*rows, q] if sum_p2 else rows)
+    k, n = local.shape
+    shard = (lo, v_local, vocab_size)
+    local = torch.cat([local, shard_slots_tensor(*shard, local.device).expand(k, -1)], dim=1)
     world = dist.get_world_size(group)
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local, group=group)
-    every = torch.stack(parts, dim=1)  # [5 or 6, R, N]
+    carried = torch.stack(parts, dim=1)  # [5 or 6, R, N + SHARD_FLOATS]
+    if not torch.compiler.is_compiling() and shards_need_check(group, *shard, local.device):
+        check_shards(carried[0, :, n:], dist.get_rank(group), group, *shard)
+    every = carried[..., :n]  # [5 or 6, R, N]
     label_logit = torch.where(every[4].sum(0) == 1, every[3].sum(0), float("nan"))
     stats = Partials(every[:3].contiguous(), label_logit, every[5].contiguous() if sum_p2 else None)
     out = combine_extras(stats, labels, ig, entropy=entropy)
@@ -364,7 +374,7 @@ class ShardedOutputs(torch.autograd.Function):
         entropy, sum_p2, argmax = flags
         v = forward_values(
             hidden, weight, labels, temp, gather_ids, sc, st.forward, entropy=entropy,
-            sum_p2=sum_p2, argmax=argmax, group=group,
+            sum_p2=sum_p2, argmax=argmax, group=group, vocab_size=vocab_size,
         )  # fmt: skip
         ctx.save_for_backward(
             hidden, weight, labels, temp, gather_ids, v.lse, v.entropy if entropy else None,
