@@ -116,10 +116,6 @@ def candidates() -> dict[str, Candidate]:
         "stages=6": Candidate(replace(shipped, num_stages=6)),
         "block_k=32,stages=8": Candidate(replace(shipped, block_k=32, num_stages=8)),
         "block_n=256": Candidate(replace(shipped, block_n=256)),
-        "block_k=64,stages=3": Candidate(replace(shipped, block_k=64, num_stages=3)),
-        "block_k=32,stages=4": Candidate(replace(shipped, block_k=32, num_stages=4)),
-        "block_k=32,stages=5": Candidate(replace(shipped, block_k=32, num_stages=5)),
-        "block_k=32,stages=6": Candidate(replace(shipped, block_k=32, num_stages=6)),
         "softcap": Candidate(shipped, softcap=True),
     }
 

@@ -82,7 +82,8 @@ def _tile_stats(xs, xt, c_s, c_t, col_ok, MASKED: tl.constexpr, REVERSE: tl.cons
     ``w`` relative to the tile's own maxima.
 
     ``max(x) c`` is ``max(x c)`` exactly (rounding is monotone, ``c`` > 0), so each ``exp2`` takes
-    one fused multiply-add. ``MASKED`` (a tile past V) zeroes the columns past V; ``y_c - y_o`` is
+    one multiply-add, which Triton 3.6-3.9 contract to one instruction (``tl.fma`` spelled out
+    compiled to more instructions and registers on triton 3.6). ``MASKED`` (a tile past V) zeroes the columns past V; ``y_c - y_o`` is
     formed from the raw tiles (finite there), so no ``-inf - -inf`` arises.
     """
     if MASKED:
