@@ -7,8 +7,10 @@ statistics: each head's max ``m`` and ``s = sum exp(z - m)``, and the cross term
 maxima, ``w = sum e_c (d_c - d_o)`` with ``d = z - m``, ``c`` the head weighting the direction
 (forward: the teacher, reverse: the student) and ``o`` the other one. Then
 ``KL = w / s_c - log s_c + log s_o``: the maxima cancel exactly, so no large-logit cancellation.
-``part[5, C, N]`` holds the chunks' statistics; the combine reduces them over C in a fixed order
-(batch invariant, deterministic). The backward recomputes both tiles and writes the student's
+The statistics are kept in base 2 (``z log2(e)``: ``exp2`` of one fused multiply-add a logit, no
+separate scaling), the combine turning them back to nats. Only a tile reaching past V masks its
+columns. ``part[5, C, N]`` holds the chunks' statistics; the combine reduces them over C in a fixed
+order (batch invariant, deterministic). The backward recomputes both tiles and writes the student's
 ``dz``: ``g (p_s - p_t)`` (forward) or ``g p_s (log p_s - log p_t - KL)`` (reverse), over ``T_s``
 and through the softcap's derivative.
 """
@@ -18,33 +20,40 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E, grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature, tanh_f32
+from .common import (
+    LN2,
+    LOG2E,
+    grouped_tile,
+    logits_tile,
+    logits_tile_tma,
+    row_inv_temperature,
+    tanh_f32,
+)
 
 #: The max of an empty set of statistics: finite (``EMPTY - m`` is no NaN), its exp2 exactly 0.
 EMPTY = tl.constexpr(-1e38)
 
 
 @triton.jit
-def _scaled(acc, inv_t, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr):
-    """``z = c tanh(x / c) / T`` per row (the log-prob kernels' order), and ``tanh`` (or 0)."""
+def _capped(acc, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr):
+    """``(c tanh(x / c), tanh)`` of the raw tile (the log-prob kernels' order), or ``(x, 0)``; the
+    per-row ``log2(e) / T`` is applied by the callers, inside their ``exp2``'s argument."""
     if HAS_SOFTCAP:
         th = tanh_f32(acc * inv_softcap)
-        acc = softcap * th
-    else:
-        th = acc * 0.0
-    return acc * inv_t[:, None], th
+        return softcap * th, th
+    return acc, acc * 0.0
 
 
 @triton.jit
 def _both_tiles(
     hs, ws, ht, wt, off_m, off_n, rows, cols, HS, HT, stride_hsn, stride_hsk, stride_wsv,
-    stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, inv_s, inv_t, softcap_s,
-    inv_softcap_s, softcap_t, inv_softcap_t,
+    stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, softcap_s, inv_softcap_s,
+    softcap_t, inv_softcap_t,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_KS: tl.constexpr,
     EVEN_KT: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
     SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr,
 ):  # fmt: skip
-    """Both heads' scaled tiles ``(z_s, tanh of the student's or 0, z_t)``, fp32.
+    """Both heads' tiles before ``1 / T``: ``(x_s, tanh of the student's or 0, x_t)``, fp32.
 
     One K loop per head (one loop feeding both, at twice the shared memory a stage, was slower
     and no longer fits at 4 stages: docs/benchmarks.md). ``rows``/``cols`` are clamped in range
@@ -62,26 +71,35 @@ def _both_tiles(
             ht, wt, rows, cols, HT, stride_htn, stride_htk, stride_wtv, stride_wtk,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KT, PRECISION,
         )  # fmt: skip
-    zs, th = _scaled(acc_s, inv_s, softcap_s, inv_softcap_s, SOFTCAP_S)
-    zt, _ = _scaled(acc_t, inv_t, softcap_t, inv_softcap_t, SOFTCAP_T)
-    return zs, th, zt
+    xs, th = _capped(acc_s, softcap_s, inv_softcap_s, SOFTCAP_S)
+    xt, _ = _capped(acc_t, softcap_t, inv_softcap_t, SOFTCAP_T)
+    return xs, th, xt
 
 
 @triton.jit
-def _tile_stats(zs, zt, col_ok, REVERSE: tl.constexpr):
-    """(m_s, s_s, m_t, s_t, w) of one tile; ``w`` relative to the tile's own maxima.
+def _tile_stats(xs, xt, c_s, c_t, col_ok, MASKED: tl.constexpr, REVERSE: tl.constexpr):
+    """(m_s, s_s, m_t, s_t, w) of one tile in base 2 (``y = x c``, ``c = log2(e) / T`` > 0 a row);
+    ``w`` relative to the tile's own maxima.
 
-    ``d_c - d_o`` is formed from the raw tiles (finite in masked columns, whose ``e`` is 0), so
-    no ``-inf - -inf`` arises.
+    ``max(x) c`` is ``max(x c)`` exactly (rounding is monotone, ``c`` > 0), so each ``exp2`` takes
+    one multiply-add, which Triton 3.6-3.9 contract to one instruction (``tl.fma`` spelled out
+    compiled to more instructions and registers on triton 3.6). ``MASKED`` (a tile past V) zeroes the columns past V; ``y_c - y_o`` is
+    formed from the raw tiles (finite there), so no ``-inf - -inf`` arises.
     """
-    m_s = tl.max(tl.where(col_ok[None, :], zs, float("-inf")), axis=1)
-    m_t = tl.max(tl.where(col_ok[None, :], zt, float("-inf")), axis=1)
-    e_s = tl.where(col_ok[None, :], tl.exp2((zs - m_s[:, None]) * LOG2E), 0.0)
-    e_t = tl.where(col_ok[None, :], tl.exp2((zt - m_t[:, None]) * LOG2E), 0.0)
-    if REVERSE:
-        w = tl.sum(e_s * ((zs - zt) - (m_s - m_t)[:, None]), axis=1)
+    if MASKED:
+        m_s = tl.max(tl.where(col_ok[None, :], xs, float("-inf")), axis=1) * c_s
+        m_t = tl.max(tl.where(col_ok[None, :], xt, float("-inf")), axis=1) * c_t
+        e_s = tl.where(col_ok[None, :], tl.exp2(xs * c_s[:, None] - m_s[:, None]), 0.0)
+        e_t = tl.where(col_ok[None, :], tl.exp2(xt * c_t[:, None] - m_t[:, None]), 0.0)
     else:
-        w = tl.sum(e_t * ((zt - zs) - (m_t - m_s)[:, None]), axis=1)
+        m_s = tl.max(xs, axis=1) * c_s
+        m_t = tl.max(xt, axis=1) * c_t
+        e_s = tl.exp2(xs * c_s[:, None] - m_s[:, None])
+        e_t = tl.exp2(xt * c_t[:, None] - m_t[:, None])
+    if REVERSE:
+        w = tl.sum(e_s * (xs * c_s[:, None] - (xt * c_t[:, None] + (m_s - m_t)[:, None])), axis=1)
+    else:
+        w = tl.sum(e_t * (xt * c_t[:, None] - (xs * c_s[:, None] + (m_t - m_s)[:, None])), axis=1)
     return m_s, tl.sum(e_s, axis=1), m_t, tl.sum(e_t, axis=1), w
 
 
@@ -93,8 +111,8 @@ def _merge(m_s, s_s, m_t, s_t, w, m2_s, s2_s, m2_t, s2_t, w2, REVERSE: tl.conste
     big_t = tl.maximum(m_t, m2_t)
     d1_s, d2_s = m_s - big_s, m2_s - big_s  # <= 0
     d1_t, d2_t = m_t - big_t, m2_t - big_t
-    a1_s, a2_s = tl.exp2(d1_s * LOG2E), tl.exp2(d2_s * LOG2E)
-    a1_t, a2_t = tl.exp2(d1_t * LOG2E), tl.exp2(d2_t * LOG2E)
+    a1_s, a2_s = tl.exp2(d1_s), tl.exp2(d2_s)  # base 2: the statistics' own
+    a1_t, a2_t = tl.exp2(d1_t), tl.exp2(d2_t)
     if REVERSE:  # w is weighted by the student: it rebases with the student's max
         w = a1_s * (w + (d1_s - d1_t) * s_s) + a2_s * (w2 + (d2_s - d2_t) * s2_s)
     else:
@@ -127,8 +145,8 @@ def kl_stats_kernel(
         off_m = pid_m * BLOCK_M
         offs_m = off_m + tl.arange(0, BLOCK_M)
         rows = tl.minimum(offs_m, N - 1)
-        inv_s = row_inv_temperature(temp_s_ptr, rows, inv_temp_s, PER_TOKEN_TS)
-        inv_t = row_inv_temperature(temp_t_ptr, rows, inv_temp_t, PER_TOKEN_TT)
+        c_s = row_inv_temperature(temp_s_ptr, rows, inv_temp_s, PER_TOKEN_TS) * LOG2E
+        c_t = row_inv_temperature(temp_t_ptr, rows, inv_temp_t, PER_TOKEN_TT) * LOG2E
         m_s = tl.full((BLOCK_M,), EMPTY, tl.float32)
         m_t = tl.full((BLOCK_M,), EMPTY, tl.float32)
         s_s = tl.zeros((BLOCK_M,), tl.float32)
@@ -139,13 +157,18 @@ def kl_stats_kernel(
             off_n = tile_n * BLOCK_N
             offs_n = off_n + tl.arange(0, BLOCK_N)
             cols = tl.minimum(offs_n, V - 1)
-            zs, _, zt = _both_tiles(
+            xs, _, xt = _both_tiles(
                 hs, ws, ht, wt, off_m, off_n, rows, cols, HS, HT, stride_hsn, stride_hsk,
-                stride_wsv, stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, inv_s,
-                inv_t, softcap_s, inv_softcap_s, softcap_t, inv_softcap_t, BLOCK_M, BLOCK_N,
-                BLOCK_K, EVEN_KS, EVEN_KT, PRECISION, TMA, SOFTCAP_S, SOFTCAP_T,
+                stride_wsv, stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, softcap_s,
+                inv_softcap_s, softcap_t, inv_softcap_t, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KS,
+                EVEN_KT, PRECISION, TMA, SOFTCAP_S, SOFTCAP_T,
             )  # fmt: skip
-            t_ms, t_ss, t_mt, t_st, t_w = _tile_stats(zs, zt, offs_n < V, REVERSE)
+            if off_n + BLOCK_N <= V:  # every tile but a last one reaching past V
+                t_ms, t_ss, t_mt, t_st, t_w = _tile_stats(xs, xt, c_s, c_t, offs_n < V, False,
+                                                          REVERSE)  # fmt: skip
+            else:
+                t_ms, t_ss, t_mt, t_st, t_w = _tile_stats(xs, xt, c_s, c_t, offs_n < V, True,
+                                                          REVERSE)  # fmt: skip
             m_s, s_s, m_t, s_t, w = _merge(
                 m_s, s_s, m_t, s_t, w, t_ms, t_ss, t_mt, t_st, t_w, REVERSE
             )
@@ -164,7 +187,7 @@ def kl_combine_kernel(
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, REVERSE: tl.constexpr,
 ):  # fmt: skip
     """Reduce the C chunks of each row in a fixed order (the maxima, then the sums): the KL (0
-    where not valid) and both heads' log-sum-exp."""
+    where not valid) and both heads' log-sum-exp, in nats."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N
     stat_stride = C.to(tl.int64) * N
@@ -190,8 +213,8 @@ def kl_combine_kernel(
         d_t = tl.load(part_ptr + 2 * stat_stride + off, mask=mask, other=EMPTY) - big_t[None, :]
         c_st = tl.load(part_ptr + 3 * stat_stride + off, mask=mask, other=0.0)
         c_w = tl.load(part_ptr + 4 * stat_stride + off, mask=mask, other=0.0)
-        a_s = tl.exp2(d_s * LOG2E)
-        a_t = tl.exp2(d_t * LOG2E)
+        a_s = tl.exp2(d_s)
+        a_t = tl.exp2(d_t)
         s_s += tl.sum(c_ss * a_s, axis=0)
         s_t += tl.sum(c_st * a_t, axis=0)
         if REVERSE:
@@ -200,15 +223,15 @@ def kl_combine_kernel(
             w += tl.sum(a_t * (c_w + (d_t - d_s) * c_st), axis=0)
     s_s = tl.where(row_ok, s_s, 1.0)  # rows past N: keep the math finite
     s_t = tl.where(row_ok, s_t, 1.0)
-    log_ss, log_st = tl.log(s_s), tl.log(s_t)
+    log_ss, log_st = tl.log2(s_s), tl.log2(s_t)
     if REVERSE:  # noqa: SIM108 - constexpr branch
         kl = w / s_s - log_ss + log_st
     else:
         kl = w / s_t - log_st + log_ss
     valid = tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0
-    tl.store(kl_ptr + rows, tl.where(valid, kl, 0.0), mask=row_ok)
-    tl.store(lse_s_ptr + rows, big_s + log_ss, mask=row_ok)
-    tl.store(lse_t_ptr + rows, big_t + log_st, mask=row_ok)
+    tl.store(kl_ptr + rows, tl.where(valid, kl * LN2, 0.0), mask=row_ok)  # base 2 -> nats
+    tl.store(lse_s_ptr + rows, (big_s + log_ss) * LN2, mask=row_ok)
+    tl.store(lse_t_ptr + rows, (big_t + log_st) * LN2, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["N", "Vb"])
@@ -236,22 +259,23 @@ def kl_dz_kernel(
         rows = tl.minimum(offs_m, N - 1)
         cols = tl.minimum(offs_n, Vb - 1)
         inv_s = row_inv_temperature(temp_s_ptr, rows, inv_temp_s, PER_TOKEN_TS)
-        inv_t = row_inv_temperature(temp_t_ptr, rows, inv_temp_t, PER_TOKEN_TT)
-        zs, th, zt = _both_tiles(
+        c_t = row_inv_temperature(temp_t_ptr, rows, inv_temp_t, PER_TOKEN_TT) * LOG2E
+        xs, th, xt = _both_tiles(
             hs, ws, ht, wt, off_m, off_n, rows, cols, HS, HT, stride_hsn, stride_hsk, stride_wsv,
-            stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, inv_s, inv_t, softcap_s,
-            inv_softcap_s, softcap_t, inv_softcap_t, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KS, EVEN_KT,
-            PRECISION, TMA, SOFTCAP_S, SOFTCAP_T,
+            stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, softcap_s, inv_softcap_s,
+            softcap_t, inv_softcap_t, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KS, EVEN_KT, PRECISION, TMA,
+            SOFTCAP_S, SOFTCAP_T,
         )  # fmt: skip
         coef = tl.load(coef_ptr + rows)
-        ls = zs - tl.load(lse_s_ptr + rows)[:, None]
-        lt = zt - tl.load(lse_t_ptr + rows)[:, None]
-        p_s = tl.exp2(ls * LOG2E)
-        if REVERSE:
-            kl = tl.load(kl_ptr + rows)
-            g = p_s * (ls - lt - kl[:, None]) * (coef * inv_s)[:, None]
+        # log2 of each head's probabilities: one fused multiply-add a logit
+        ls = xs * (inv_s * LOG2E)[:, None] - (tl.load(lse_s_ptr + rows) * LOG2E)[:, None]
+        lt = xt * c_t[:, None] - (tl.load(lse_t_ptr + rows) * LOG2E)[:, None]
+        p_s = tl.exp2(ls)
+        if REVERSE:  # p_s (ln p_s - ln p_t - KL) = p_s (ls - lt - KL log2(e)) ln 2
+            kl2 = tl.load(kl_ptr + rows) * LOG2E
+            g = p_s * ((ls - lt) - kl2[:, None]) * (coef * inv_s * LN2)[:, None]
         else:
-            g = (p_s - tl.exp2(lt * LOG2E)) * (coef * inv_s)[:, None]
+            g = (p_s - tl.exp2(lt)) * (coef * inv_s)[:, None]
         if SOFTCAP_S:
             g = g * (1.0 - th * th)
         g = tl.where((coef != 0.0)[:, None], g, 0.0)
