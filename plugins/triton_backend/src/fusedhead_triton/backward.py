@@ -4,7 +4,8 @@ cuBLAS, then dh += dz @ W[block] into the running sum (``sum_format``).
 ``memory="low"`` (with both gradients asked) keeps the sum's low byte in dW's last rows until the
 sum is final, those rows' blocks recomputed at the end, and a 64 MiB dz buffer; ``"fast"`` keeps
 the sum's exact low half beside the output and a 256 MiB buffer. dz blocks go in dW's unwritten
-rows where they fit either way (``schedule``).
+rows where they fit either way (``schedule``). The KL's backward (``Dense``) keeps the sum in one
+fp32 ``[N, H]`` tensor instead, added to by cuBLAS, in blocks of whole waves of its dz tiles.
 """
 
 from __future__ import annotations

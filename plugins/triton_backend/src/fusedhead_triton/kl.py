@@ -6,7 +6,7 @@ recomputed tiles, driven block by block by ``backward.backward_from``) are ``tor
 custom ops with fake implementations, so ``torch.compile(fullgraph=True)`` traces them. Gradients
 reach the student's hidden states and weight only; the teacher is read, never differentiated.
 Memory: the chunks' statistics ``[5, C, N]`` (``C`` = V / (BLOCK_N * CHUNK)) in the forward, then
-``O(N)`` saved; the backward's is the log-prob head's (the driver's dz blocks and dh sum).
+``O(N)`` saved; the backward's the driver's dz blocks and an fp32 ``[N, H]`` dh sum (``Dense``).
 """
 
 # No ``from __future__ import annotations``: torch.library reads the annotations as types.
