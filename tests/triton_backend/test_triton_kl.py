@@ -119,7 +119,7 @@ def test_both_loaders_many_chunks_and_backward_blocks(
     dtype: torch.dtype, tma: bool, direction: str
 ) -> None:
     """More than 64 chunks (the combine's several steps), a last chunk of fewer tiles than CHUNK,
-    a ragged last tile, and many backward blocks (the split hidden-gradient sum in fp16)."""
+    a ragged last tile, and many backward blocks (the dense fp32 hidden-gradient sum in fp16)."""
     v = 64 * CHUNK * 16 + 3 * 16 + 5
     heads = Heads(9, 24, 40, v, seed=5)  # rows of 16-byte multiples: TMA applies where asked
     st = TritonBackend(TritonOptions(**TINY, tma=tma))._settings(dtype)[0]

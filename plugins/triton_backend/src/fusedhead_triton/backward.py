@@ -4,13 +4,15 @@ cuBLAS, then dh += dz @ W[block] into the running sum (``sum_format``).
 ``memory="low"`` (with both gradients asked) keeps the sum's low byte in dW's last rows until the
 sum is final, those rows' blocks recomputed at the end, and a 64 MiB dz buffer; ``"fast"`` keeps
 the sum's exact low half beside the output and a 256 MiB buffer. dz blocks go in dW's unwritten
-rows where they fit either way (``schedule``).
+rows where they fit either way (``schedule``). The KL's backward (``Dense``) keeps the sum in one
+fp32 ``[N, H]`` tensor instead, added to by cuBLAS, in blocks of whole waves of its dz tiles.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +22,73 @@ from .launch import HeadScalars, RowGrads, dh_block, dz_block
 
 #: Writes ``dz[N, cols]`` of vocabulary rows ``[v0, v0 + cols)``: ``fill_dz(v0, dz)``.
 FillDz = Callable[[int, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Dense:
+    """The dense hidden-gradient sum of a head whose dz tiles are ``block_m x block_n`` on
+    ``programs`` persistent programs (the KL's two-head tiles)."""
+
+    block_m: int
+    block_n: int
+    programs: int
+
+
+def wave_columns(n: int, d: Dense, esize: int, block_bytes: int) -> tuple[int, int] | None:
+    """(align, widest) block columns whose ``ceil(N / block_m) x cols / block_n`` dz tiles are a
+    whole number of waves of ``d.programs``, or None where such a block would not fit the buffer
+    bound (``block_bytes``, 10 % over allowed) or past twice ``MAX_COLS``. A block of 4096 columns
+    at N = 8192 is 15.5 waves of 132 programs: the last wave runs half empty (3 % of the launch)."""
+    rows = -(-n // d.block_m)
+    align = d.programs // math.gcd(d.programs, rows) * d.block_n
+    if align > 2 * MAX_COLS or align * n * esize > 1.1 * block_bytes:
+        return None
+    return align, max(1, round(MAX_COLS / align)) * align
+
+
+def _dense_backward(
+    hidden: torch.Tensor, weight: torch.Tensor, fill_dz: FillDz, st: Settings, d: Dense,
+    *, need_dw: bool, dh_fp32: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``backward_from`` with the sum in fp32 (``dense``): no low part, so nothing is stashed or
+    recomputed, and each block's ``dz @ W[block]`` is one cuBLAS GEMM with an fp32 output."""
+    (n, h), v, dtype, dev = hidden.shape, weight.shape[0], hidden.dtype, hidden.device
+    dw = torch.empty((v, h), dtype=dtype, device=dev) if need_dw else None
+    if v == 0:
+        acc = torch.zeros((n, h), dtype=torch.float32, device=dev)
+        return (acc if dh_fp32 else acc.to(dtype)), dw
+    acc = torch.empty((n, h), dtype=torch.float32, device=dev)  # the first block writes it
+    block_bytes = st.block_bytes or BLOCK_BYTES[st.memory]
+    cols = wave_columns(n, d, hidden.element_size(), block_bytes)
+    align, widest = cols if cols is not None else (d.block_n, MAX_COLS)
+    geom = schedule.geometry(n, h, v, hidden.element_size(), align, block_bytes, widest)
+    buffer: torch.Tensor | None = None
+    for i, step in enumerate(schedule.plan(geom, need_dw=need_dw, need_dh=True, stash=None)):
+        v0, c = step.v0, step.cols
+        if step.dz_row is not None and dw is not None:  # in dW's unwritten rows
+            flat = dw.view(-1)[step.dz_row * h : step.dz_row * h + n * step.stride]
+            dz = flat.view(n, step.stride)[:, :c]
+        else:
+            if buffer is None:
+                buffer = torch.empty((n, geom.buffer_cols), dtype=dtype, device=dev)
+            dz = buffer[:, :c]
+        fill_dz(v0, dz)
+        if dw is not None and step.write_dw:
+            torch.mm(dz.t(), hidden, out=dw[v0 : v0 + c])
+        _add_product(acc, dz, weight[v0 : v0 + c], first=i == 0)
+    return (acc if dh_fp32 else acc.to(dtype)), dw
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> None:
+    """``acc (+)= a @ b`` in fp32: cuBLAS's fp32 output for 16-bit inputs on CUDA; elsewhere (the
+    CPU interpreter's tests) the same exact products, upcast, summed in fp32."""
+    beta = 0.0 if first else 1.0
+    if a.dtype == torch.float32:
+        torch.addmm(acc, a, b, beta=beta, out=acc)
+    elif a.is_cuda:
+        torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
+    else:
+        torch.addmm(acc, a.float(), b.float(), beta=beta, out=acc)
 
 
 def backward(
@@ -39,11 +108,16 @@ def backward(
 
 def backward_from(
     hidden: torch.Tensor, weight: torch.Tensor, fill_dz: FillDz, st: Settings,
-    *, need_dh: bool, need_dw: bool, dh_fp32: bool,
+    *, need_dh: bool, need_dw: bool, dh_fp32: bool, dense: Dense | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """(dh, dW) of any head whose logit gradient ``fill_dz`` writes block by block (the
-    log-prob head, a KL): the schedule, the dz buffers and the hidden-gradient sum live here."""
+    log-prob head, a KL): the schedule, the dz buffers and the hidden-gradient sum live here.
+
+    ``dense`` (the KL's): the sum in an fp32 ``[N, H]`` buffer that cuBLAS adds each block to,
+    and block widths of whole waves of dz tiles where they fit (``Dense``)."""
     (n, h), v, dtype, dev = hidden.shape, weight.shape[0], hidden.dtype, hidden.device
+    if dense is not None and need_dh:
+        return _dense_backward(hidden, weight, fill_dz, st, dense, need_dw=need_dw, dh_fp32=dh_fp32)
     dw = torch.empty((v, h), dtype=dtype, device=dev) if need_dw else None
     if v == 0 or not (need_dh or need_dw):
         dh0 = torch.zeros((n, h), dtype=torch.float32 if dh_fp32 else dtype, device=dev)

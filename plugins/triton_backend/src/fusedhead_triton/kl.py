@@ -6,7 +6,7 @@ recomputed tiles, driven block by block by ``backward.backward_from``) are ``tor
 custom ops with fake implementations, so ``torch.compile(fullgraph=True)`` traces them. Gradients
 reach the student's hidden states and weight only; the teacher is read, never differentiated.
 Memory: the chunks' statistics ``[5, C, N]`` (``C`` = V / (BLOCK_N * CHUNK)) in the forward, then
-``O(N)`` saved; the backward's is the log-prob head's (the driver's dz blocks and dh sum).
+``O(N)`` saved; the backward's the driver's dz blocks and an fp32 ``[N, H]`` dh sum (``Dense``).
 """
 
 # No ``from __future__ import annotations``: torch.library reads the annotations as types.
@@ -19,7 +19,7 @@ import torch
 
 from fusedhead.protocol import KLCall, KLOutput
 
-from .backward import backward_from
+from .backward import Dense, backward_from
 from .configs import Settings, TileConfig
 from .launch import (
     COMBINE_BLOCK_R,
@@ -160,7 +160,9 @@ def kl_grads(
             *_strides(hs, wsb, ht, wtb), dz.stride(0), *sc.args(), **flags,
         )  # fmt: skip
 
-    return backward_from(hs, ws, fill_dz, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=False)
+    dense = Dense(cfg.block_m, cfg.block_n, flags["NUM_PROGS"])
+    return backward_from(hs, ws, fill_dz, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=False,
+                         dense=dense)  # fmt: skip
 
 
 @torch.library.custom_op("fusedhead_triton::kl_forward", mutates_args=())
