@@ -166,3 +166,34 @@ def test_check_labels_false_puts_no_temperature_check_in_a_compiled_graph(
     with pytest.raises(ValueError, match="temperature tensor must hold finite values > 0"):
         torch.compile(checked, backend="aot_eager", fullgraph=True)(hidden, weight, labels, bad)
     assert temperature_checks == ["temperature"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_kl_of_two_heads_opts_out_alike(temperature_checks, device):
+    """``fused_kl`` and ``FusedHead.kl`` follow ``check_labels`` as a head call does: unchecked,
+    neither head's per-token temperature is read (only the bad row is wrong); checked (the
+    default), the bad one is named."""
+    from fusedhead import fused_kl
+
+    hidden, weight, labels = _case(device)
+    t_hidden, t_weight, _ = _case(device)
+    bad = _bad_temperature(device)
+    good = bad.clone()
+    good[7] = 0.7
+    out = fused_kl(hidden, weight, t_hidden, t_weight, labels, temperature=bad,
+                   teacher_temperature=bad, check_labels=False)  # fmt: skip
+    FusedHead(backend="torch", check_labels=False).kl(
+        hidden, weight, t_hidden, t_weight, labels, teacher_temperature=bad
+    )
+    assert temperature_checks == []
+    ref = fused_kl(hidden, weight, t_hidden, t_weight, labels, temperature=good,
+                   teacher_temperature=good, check_labels=False)  # fmt: skip
+    keep = torch.arange(40) != 7
+    assert torch.equal(out[keep], ref[keep])
+    with pytest.raises(ValueError, match="teacher_temperature tensor must hold finite values > 0"):
+        fused_kl(hidden, weight, t_hidden, t_weight, labels, teacher_temperature=bad)
+    with pytest.raises(ValueError, match="temperature tensor must hold finite values > 0"):
+        FusedHead(backend="torch", check_labels=False).kl(
+            hidden, weight, t_hidden, t_weight, labels, temperature=bad, check_labels=True
+        )
+    assert temperature_checks == ["teacher_temperature", "temperature"]

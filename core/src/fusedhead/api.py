@@ -437,8 +437,11 @@ class FusedHead:
         ignore_index: int | None = None,
         softcap: float | None = None,
         teacher_softcap: float | None = None,
+        check_labels: bool | None = None,
     ) -> torch.Tensor:
-        """Per-token fp32 KL between the student and the teacher head (see ``fused_kl``)."""
+        """Per-token fp32 KL between the student and the teacher head (see ``fused_kl``);
+        ``check_labels`` (default: the config's) also decides whether per-token temperatures'
+        values are read and checked, as in a head call."""
         call, shape = validate_kl(
             hidden,
             weight,
@@ -451,6 +454,7 @@ class FusedHead:
             direction=direction,
             softcap=softcap,
             teacher_softcap=teacher_softcap,
+            check=self.config.check_labels if check_labels is None else check_labels,
         )
         if _tracing():
             caps = getattr(self._graph, self._prepare(call.hidden.device, call.hidden.dtype))[0]
@@ -875,6 +879,7 @@ def fused_kl(
     options: Mapping[str, Any] | BaseModel | None = None,
     softcap: float | None = None,
     teacher_softcap: float | None = None,
+    check_labels: bool = True,
 ) -> torch.Tensor:
     """Per-token KL between a student head (``hidden``, ``weight``) and a teacher head, fp32.
 
@@ -882,7 +887,9 @@ def fused_kl(
     p_teacher)``. Each head has its own temperature and softcap (``c * tanh(z / c)`` before the
     temperature, as in ``fused_head``); the heads share V, their H may differ.
     Rows whose label is ``ignore_index`` give 0 (``labels=None``: every row counts). Gradients
-    reach the student only; no ``[N, V]`` tensor is formed. See docs/distillation.md.
+    reach the student only; no ``[N, V]`` tensor is formed. ``check_labels=False`` reads no
+    per-token temperature's values (CUDA-graph capture), as in ``fused_head``.
+    See docs/distillation.md.
     """
     if not isinstance(backend, str):
         raise TypeError(
@@ -900,4 +907,5 @@ def fused_kl(
         ignore_index=ignore_index,
         softcap=softcap,
         teacher_softcap=teacher_softcap,
+        check_labels=check_labels,
     )

@@ -698,8 +698,10 @@ def validate_kl(
     direction: object,
     softcap: object = None,
     teacher_softcap: object = None,
+    check: object = True,
 ) -> tuple[KLCall, tuple[int, ...]]:
-    """Check a two-head KL call: the backend's 2-D call and the rows' shape."""
+    """Check a two-head KL call: the backend's 2-D call and the rows' shape (``check``: read
+    and check per-token temperatures' values, as ``_temperature`` does)."""
 
     h = _tensor("hidden", hidden)
     w = _tensor("weight", weight)
@@ -776,9 +778,9 @@ def validate_kl(
         teacher_hidden=th.reshape(-1, th.shape[-1]),
         teacher_weight=tw,
         valid=valid,
-        temperature=_temperature(temperature, rows, h.device),
+        temperature=_temperature(temperature, rows, h.device, check=check),
         teacher_temperature=_temperature(
-            teacher_temperature, rows, h.device, "teacher_temperature"
+            teacher_temperature, rows, h.device, "teacher_temperature", check=check
         ),
         direction=direction,
         softcap=None if softcap is None else _positive_float("softcap", softcap),
