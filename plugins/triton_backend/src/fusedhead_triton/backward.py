@@ -11,7 +11,7 @@ fp32 ``[N, H]`` tensor instead, added to by cuBLAS, in blocks of whole waves of 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -62,21 +62,33 @@ def _dense_backward(
     cols = wave_columns(n, d, hidden.element_size(), block_bytes)
     align, widest = cols if cols is not None else (d.block_n, MAX_COLS)
     geom = schedule.geometry(n, h, v, hidden.element_size(), align, block_bytes, widest)
+    steps = schedule.plan(geom, need_dw=need_dw, need_dh=True, stash=None)
+    for i, step, dz in _blocks(hidden, fill_dz, steps, geom, dw):
+        _add_product(acc, dz, weight[step.v0 : step.v0 + step.cols], first=i == 0)
+    return (acc if dh_fp32 else acc.to(dtype)), dw
+
+
+def _blocks(
+    hidden: torch.Tensor, fill_dz: FillDz, steps: list[schedule.Step], geom: schedule.Geometry,
+    dw: torch.Tensor | None,
+) -> Iterator[tuple[int, schedule.Step, torch.Tensor]]:  # fmt: skip
+    """Each step's ``dz`` (in dW's unwritten rows or the block buffer), filled and its dW rows
+    written, as ``(index, step, dz)``: what is left to the caller is the hidden-gradient sum."""
+    (n, h), dtype, dev = hidden.shape, hidden.dtype, hidden.device
     buffer: torch.Tensor | None = None
-    for i, step in enumerate(schedule.plan(geom, need_dw=need_dw, need_dh=True, stash=None)):
-        v0, c = step.v0, step.cols
+    for i, step in enumerate(steps):
+        v0, cols = step.v0, step.cols
         if step.dz_row is not None and dw is not None:  # in dW's unwritten rows
             flat = dw.view(-1)[step.dz_row * h : step.dz_row * h + n * step.stride]
-            dz = flat.view(n, step.stride)[:, :c]
+            dz = flat.view(n, step.stride)[:, :cols]
         else:
             if buffer is None:
                 buffer = torch.empty((n, geom.buffer_cols), dtype=dtype, device=dev)
-            dz = buffer[:, :c]
+            dz = buffer[:, :cols]
         fill_dz(v0, dz)
         if dw is not None and step.write_dw:
-            torch.mm(dz.t(), hidden, out=dw[v0 : v0 + c])
-        _add_product(acc, dz, weight[v0 : v0 + c], first=i == 0)
-    return (acc if dh_fp32 else acc.to(dtype)), dw
+            torch.mm(dz.t(), hidden, out=dw[v0 : v0 + cols])
+        yield i, step, dz
 
 
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> None:
@@ -139,19 +151,8 @@ def backward_from(
                     steps = schedule.plan(geom, need_dw=need_dw, need_dh=need_dh, stash=stash)
         acc = sum_format.allocate(n, h, dtype, dev, dh_fp32, fmt, stash, dw)
     dh_steps = [i for i, s in enumerate(steps) if s.add_dh]
-    buffer: torch.Tensor | None = None
-    for i, step in enumerate(steps):
-        v0, cols = step.v0, step.cols
-        if step.dz_row is not None and dw is not None:  # in dW's unwritten rows
-            flat = dw.view(-1)[step.dz_row * h : step.dz_row * h + n * step.stride]
-            dz = flat.view(n, step.stride)[:, :cols]
-        else:
-            if buffer is None:
-                buffer = torch.empty((n, geom.buffer_cols), dtype=dtype, device=dev)
-            dz = buffer[:, :cols]
-        fill_dz(v0, dz)
-        if dw is not None and step.write_dw:
-            torch.mm(dz.t(), hidden, out=dw[v0 : v0 + cols])
+    for i, step, dz in _blocks(hidden, fill_dz, steps, geom, dw):
         if acc is not None and step.add_dh:
-            dh_block(dz, weight, v0, acc, st.dh, first=i == dh_steps[0], last=i == dh_steps[-1])
+            first, last = i == dh_steps[0], i == dh_steps[-1]
+            dh_block(dz, weight, step.v0, acc, st.dh, first=first, last=last)
     return (acc.out if acc is not None else None), dw
