@@ -95,3 +95,22 @@ def test_config_names_the_key_or_item_at_fault(data, error, words):
         FusedHeadConfig(**data)
     for word in words:
         assert word in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["no", 0, 1, "False"])
+def test_kl_check_labels_must_be_a_bool(ref_backend, inputs, value):
+    """Before: the KL took any object as check_labels and used its truth value, so ``0`` or
+    ``"False"`` skipped or kept the temperature checks silently (a head call refuses it)."""
+    from fusedhead import FusedHead
+
+    h, w, y = inputs()
+    th, tw = inputs(h=5, seed=1)[:2]
+    for call in (
+        lambda: fused_kl(h, w, th, tw, y, backend="ref-test", check_labels=value),
+        lambda: FusedHead(backend="ref-test").kl(h, w, th, tw, y, check_labels=value),
+    ):
+        with pytest.raises(TypeError) as info:
+            call()
+        assert (
+            str(info.value) == f"check_labels must be a bool, got {type(value).__name__} {value!r}"
+        )

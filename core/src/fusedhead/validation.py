@@ -707,6 +707,7 @@ def validate_kl(
     w = _tensor("weight", weight)
     th = _tensor("teacher_hidden", teacher_hidden)
     tw = _tensor("teacher_weight", teacher_weight)
+    check = _flag("check_labels", check)  # a truthy str or 0 must not pick a check silently
     if not isinstance(direction, str) or direction not in KL_DIRECTIONS:
         raise ValueError(
             f"direction must be one of {list(KL_DIRECTIONS)} (forward: KL(p_teacher || p_student), "
