@@ -368,6 +368,7 @@ def test_with_gather_ids_labels_and_ids_are_checked_in_one_host_read(monkeypatch
         ),
         ({"softcap": float("inf")}, ValueError, ["softcap must be a finite float > 0", "inf"]),
         ({"teacher_softcap": "3"}, TypeError, ["teacher_softcap must be a float", "str '3'"]),
+        ({"temperature": None}, TypeError, ["temperature must be a float or a tensor, got None"]),
         (
             {"labels": torch.zeros(39, dtype=torch.long)},
             ValueError,
@@ -408,6 +409,28 @@ def test_kl_softcap_changes_the_kl_and_a_cap_far_above_the_logits_does_not():
         assert float((capped - plain).abs().max()) > 0.1, kw
     loose = fused_kl(hidden, weight, t_hidden, t_weight, labels, softcap=1e6, teacher_softcap=1e6)
     assert float((loose - plain).abs().max()) < 1e-5
+
+
+def test_head_kl_takes_the_student_temperature_and_softcap_from_its_config():
+    """Before: ``FusedHead.kl`` took the config's ignore_index and check_labels but ran the
+    student at temperature 1.0 without its softcap, whatever the config said (a Gemma-2 head
+    configured with ``softcap: 30`` got an uncapped KL, silently)."""
+    from fusedhead import FusedHead
+
+    hidden, weight, labels = _case(seed=18)
+    t_hidden, t_weight, _ = _case(seed=19, h=20)
+    head = FusedHead(backend="torch", temperature=0.6, softcap=2.0)
+    for direction in ("forward", "reverse"):
+        got = head.kl(hidden, weight, t_hidden, t_weight, labels, direction=direction)
+        want = fused_kl(hidden, weight, t_hidden, t_weight, labels, direction=direction,
+                        temperature=0.6, softcap=2.0)  # fmt: skip
+        assert torch.equal(got, want), direction
+        # The call's own values still win, and the teacher keeps its own defaults (1.0, none).
+        got = head.kl(hidden, weight, t_hidden, t_weight, labels, direction=direction,
+                      temperature=1.5, softcap=1e6)  # fmt: skip
+        want = fused_kl(hidden, weight, t_hidden, t_weight, labels, direction=direction,
+                        temperature=1.5, softcap=1e6)  # fmt: skip
+        assert torch.equal(got, want), direction
 
 
 def test_kl_softcap_needs_a_backend_that_declares_softcap(output_backends):

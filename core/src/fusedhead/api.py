@@ -432,29 +432,34 @@ class FusedHead:
         labels: torch.Tensor | None = None,
         *,
         direction: str = "forward",
-        temperature: float | torch.Tensor = 1.0,
+        temperature: float | torch.Tensor | None = None,
         teacher_temperature: float | torch.Tensor = 1.0,
         ignore_index: int | None = None,
         softcap: float | None = None,
         teacher_softcap: float | None = None,
         check_labels: bool | None = None,
     ) -> torch.Tensor:
-        """Per-token fp32 KL between the student and the teacher head (see ``fused_kl``);
-        ``check_labels`` (default: the config's) also decides whether per-token temperatures'
-        values are read and checked, as in a head call."""
+        """Per-token fp32 KL between the student and the teacher head (see ``fused_kl``).
+
+        The config describes the student's head: its ``temperature``, ``softcap``,
+        ``ignore_index`` and ``check_labels`` apply where the call passes none, as in a head
+        call; the teacher's temperature is 1.0 and its softcap none unless passed.
+        ``check_labels`` also decides whether per-token temperatures' values are read and
+        checked, as in a head call."""
+        cfg = self.config
         call, shape = validate_kl(
             hidden,
             weight,
             teacher_hidden,
             teacher_weight,
             labels,
-            temperature=temperature,
+            temperature=cfg.temperature if temperature is None else temperature,
             teacher_temperature=teacher_temperature,
-            ignore_index=self.config.ignore_index if ignore_index is None else ignore_index,
+            ignore_index=cfg.ignore_index if ignore_index is None else ignore_index,
             direction=direction,
-            softcap=softcap,
+            softcap=cfg.softcap if softcap is None else softcap,
             teacher_softcap=teacher_softcap,
-            check=self.config.check_labels if check_labels is None else check_labels,
+            check=cfg.check_labels if check_labels is None else check_labels,
         )
         if _tracing():
             caps = getattr(self._graph, self._prepare(call.hidden.device, call.hidden.dtype))[0]
@@ -895,6 +900,8 @@ def fused_kl(
         raise TypeError(
             f"backend must be a str naming a backend, got {type(backend).__name__} {backend!r}"
         )
+    if temperature is None:  # FusedHead.kl reads None as its config's: here it is a mistake
+        raise TypeError("temperature must be a float or a tensor, got None")
     return get_fused_head(backend, options).kl(
         hidden,
         weight,
