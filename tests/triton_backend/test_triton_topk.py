@@ -256,3 +256,21 @@ def test_no_rows_give_empty_top_k(dtype: torch.dtype) -> None:
     _, top = topk_partials(hid, w, torch.zeros(0, dtype=torch.long), None, sc, cfg, 8)
     assert top.ids.shape == (0, 8) and top.ids.dtype == torch.int64
     assert top.logits.shape == (0, 8) and top.logits.dtype == torch.float32
+
+
+def test_a_row_of_non_finite_logits_gives_ids_minus_one_never_past_the_vocabulary() -> None:
+    """Before: a scored row whose hidden state held a NaN or an inf (a diverged step) had no
+    candidate tile, and its ids decoded the selection's empty keys: about 2.7e11 with V = 20, an
+    index a gather of the teacher's log-probs at those ids then went out of bounds with. Such a
+    row reads -1, as its argmax does; the finite rows keep their ids."""
+    from fusedhead import fused_head
+
+    hid, w, lab = _dyadic(4, 8, 20, seed=3)
+    hid[1, 2], hid[2] = float("nan"), float("inf")
+    out = fused_head(hid, w, lab, backend="triton", top_k=3, return_argmax=True)
+    assert out.topk_ids is not None and out.argmax is not None
+    bad = torch.tensor([False, True, True, False])
+    assert bool((out.topk_ids[bad] == -1).all()), out.topk_ids
+    assert bool((out.argmax[bad] == -1).all()), out.argmax
+    ids, _ = _reference(hid[~bad].double() @ w.double().T, 3)
+    assert torch.equal(out.topk_ids[~bad], ids)

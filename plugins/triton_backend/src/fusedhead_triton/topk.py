@@ -138,15 +138,24 @@ def _best_keys(cand: torch.Tensor, floor: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def select(
-    cand: torch.Tensor, tiles: torch.Tensor, floor: torch.Tensor, k: int, id_offset: int
+    cand: torch.Tensor, tiles: torch.Tensor, floor: torch.Tensor, k: int, id_offset: int, v: int
 ) -> TopK:
     """Each row's ``k`` best (value, then lower id) of its candidate tiles ``cand[N, KT, BN]``
     (``tiles[N, KT]`` ascending; ``floor[N]`` at most the k-th best value), ids offset by
-    ``id_offset``."""
-    bn = cand.shape[2]
+    ``id_offset``; an entry whose id falls outside the shard's ``v`` columns gives id -1 and
+    value NaN.
+
+    A row whose logits are not all finite (a NaN or inf in its hidden state) has no ranking:
+    its candidate tiles and keys are the selection's empty ones, whose columns lie past the
+    row's slots and whose tiles past V. Such an entry is never used as an index (the gather
+    below would overrun, a device-side assert on CUDA) and reads -1, as the row's argmax does.
+    """
+    kt, bn = cand.shape[1], cand.shape[2]
     col, values = decode(torch.topk(_best_keys(cand, floor, k), k, dim=1, sorted=True).values)
-    ids = tiles.gather(1, col // bn) * bn + col % bn + id_offset
-    return TopK(ids, values)
+    slot = col // bn
+    ids = tiles.gather(1, slot.clamp(0, kt - 1)) * bn + col % bn + id_offset
+    inside = (slot >= 0) & (slot < kt) & (ids >= id_offset) & (ids < id_offset + v)
+    return TopK(torch.where(inside, ids, -1), torch.where(inside, values, float("nan")))
 
 
 def topk_partials(
@@ -162,7 +171,7 @@ def topk_partials(
         return p, TopK(ids, torch.empty((0, k), dtype=torch.float32, device=hidden.device))
     tiles, floor = candidate_tiles(p.ws[0], k)
     cand = recompute(hidden, weight, temp, sc, cfg, tiles)
-    return p, select(cand, tiles, floor, k, sc.label_offset)
+    return p, select(cand, tiles, floor, k, sc.label_offset, weight.shape[0])
 
 
 def finish(top: TopK, lse: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> TopK:
