@@ -433,6 +433,22 @@ def test_head_kl_takes_the_student_temperature_and_softcap_from_its_config():
         assert torch.equal(got, want), direction
 
 
+def test_kl_with_only_the_teacher_requiring_grad_does_not_require_grad():
+    """Gradients reach the student only. Before: the torch backend's KL required grad when only
+    the teacher did (the triton backend's did not), and its backward gave nothing to anyone."""
+    hidden, weight, labels = _case(seed=20)
+    t_hidden, t_weight, _ = _case(seed=21, h=20)
+    t_hidden.requires_grad_(True)
+    t_weight.requires_grad_(True)
+    for direction in ("forward", "reverse"):
+        kl = fused_kl(hidden, weight, t_hidden, t_weight, labels, direction=direction)
+        assert not kl.requires_grad and kl.grad_fn is None, direction
+        student = hidden.detach().requires_grad_(True)
+        kl = fused_kl(student, weight, t_hidden, t_weight, labels, direction=direction)
+        kl.sum().backward()
+        assert student.grad is not None and t_hidden.grad is None and t_weight.grad is None
+
+
 def test_kl_softcap_needs_a_backend_that_declares_softcap(output_backends):
     from fusedhead import registry
 

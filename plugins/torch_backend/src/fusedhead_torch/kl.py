@@ -311,7 +311,9 @@ def forward_kl(backend: TorchBackend, call: KLCall) -> KLOutput:
         softcap=None if call.softcap is None else float(call.softcap),
         teacher_softcap=None if call.teacher_softcap is None else float(call.teacher_softcap),
     )
-    kl = ChunkedKL.apply(hs, ws_, ht, wt, valid, inv_s, inv_t, spec)  # type: ignore[no-untyped-call]
+    # The teacher only read: detached, so a teacher that requires grad (and a student that does
+    # not) gives a KL that does not require grad either, as on the triton backend.
+    kl = ChunkedKL.apply(hs, ws_, ht.detach(), wt.detach(), valid, inv_s, inv_t, spec)  # type: ignore[no-untyped-call]
     if keep is not None:
         kl = kl.new_zeros(n).index_copy(0, keep, kl)
     return KLOutput(kl)
