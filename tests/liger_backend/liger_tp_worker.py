@@ -1,13 +1,17 @@
-"""One rank of the vocab-parallel check: ``python liger_tp_worker.py RANK WORLD RENDEZVOUS OUT``.
+"""One rank of the vocab-parallel check: ``python liger_tp_worker.py RANK WORLD RENDEZVOUS OUT``
+(append ``shards`` to run only the disagreeing-shard cases).
 
 Every rank builds the same full inputs from a seed, keeps its vocabulary shard of the weight and
 runs the ``liger`` backend (fallback) over gloo, with ``reduce_hidden_grad`` True and False; the
-outputs and gradients go to ``OUT`` (torch.save) for the test to compare with one process.
+outputs and gradients go to ``OUT`` (torch.save) for the test to compare with one process. With
+``shards``, each rank calls it on shards that disagree (``SHARD_CASES``) and records what each call
+raised, in processes of their own: a missing check hangs or misleads those, not the runs above.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,11 +71,60 @@ def run(rank: int, world: int, x: dict[str, torch.Tensor], reduce_hidden_grad: b
     }
 
 
+#: name -> per rank (vocab_start, local rows, vocab_size) for two ranks; None: the core's default.
+#: The two "unequal" cases pass each rank's own equal-shard check (each rank's view of its shard
+#: is consistent) yet the ranks disagree; "gap" and "overlap" fail that check on both ranks.
+SHARD_CASES: dict[str, list[tuple[int | None, int, int | None]]] = {
+    "unequal_rows": [(0, 400, 800), (600, 600, 1200)],
+    "unequal_core_defaults": [(None, 400, None), (None, 600, None)],
+    "gap": [(0, 400, 1000), (500, 400, 1000)],
+    "overlap": [(0, 600, 1000), (400, 600, 1000)],
+    "covered_again": [(0, 500, 1000), (500, 500, 1000)],
+}
+
+
+def shard_cases(rank: int, x: dict[str, torch.Tensor]) -> dict[str, tuple[str, Any]]:
+    """Each case's outcome on this rank: ("ok", log-probs) or (exception name, message)."""
+    from fusedhead_liger import LigerBackend, LigerOptions
+
+    backend = LigerBackend(LigerOptions(implementation="fallback"))
+    # Ids below every case's smallest vocab_size (800): the core checks labels before the backend
+    # on each rank alone, and a rank stopped there would leave the others in a collective.
+    labels = torch.where(x["labels"] == IGNORE, IGNORE, x["labels"] % 800)
+    rows = x["weight"].repeat(2, 1)  # enough rows for a shard past V (their values do not matter)
+    results: dict[str, tuple[str, Any]] = {}
+    for name, shards in SHARD_CASES.items():
+        start, width, size = shards[rank]
+        first = (rank * width) if start is None else start
+        w = rows[first : first + width].contiguous()
+        try:
+            if name.endswith("core_defaults"):
+                from fusedhead.api import fused_head
+
+                lp, _ = fused_head(
+                    x["hidden"], w, labels, backend="liger", temperature=T,
+                    options={"implementation": "fallback"}, process_group=dist.group.WORLD,
+                )  # fmt: skip
+            else:
+                lp, _ = call_backend(
+                    backend, x["hidden"], w, labels, temperature=T, ignore_index=IGNORE,
+                    return_entropy=True, process_group=dist.group.WORLD, vocab_start=start,
+                    vocab_size=size, reduce_hidden_grad=True,
+                )  # fmt: skip
+            results[name] = ("ok", lp.detach())
+        except Exception as exc:  # what each rank raised, to compare across ranks
+            results[name] = (type(exc).__name__, str(exc))
+    return results
+
+
 def main() -> None:
     rank, world, rendezvous, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         x = full_inputs()
+        if sys.argv[5:] == ["shards"]:
+            torch.save(shard_cases(rank, x), out)
+            return
         results = {
             "reduce": run(rank, world, x, True, True),
             "partial": run(rank, world, x, False, True),

@@ -24,25 +24,40 @@ WORLD = 2
 WORKER = Path(worker.__file__)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """Run WORLD gloo processes once; their saved results, by rank."""
-    tmp = tmp_path_factory.mktemp("liger-tp")
+def _spawn(tmp: Path, *mode: str, timeout: float = 300) -> list[dict]:
+    """Run WORLD gloo worker processes; their saved results, by rank."""
     rendezvous = tmp / "rendezvous"
     outs = [tmp / f"rank{r}.pt" for r in range(WORLD)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(WORLD), str(rendezvous), str(outs[r])],
+            [sys.executable, str(WORKER), str(r), str(WORLD), str(rendezvous), str(outs[r]), *mode],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
         for r in range(WORLD)
     ]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()  # a no-op on a process that has exited; frees a rank left in a collective
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} failed:\n{logs[r]}"
     return [torch.load(o) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Run WORLD gloo processes once; their saved results, by rank."""
+    return _spawn(tmp_path_factory.mktemp("liger-tp"))
+
+
+@pytest.fixture(scope="module")
+def shard_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Each rank's outcome of every ``SHARD_CASES`` case (separate processes: a rank left
+    waiting in a collective fails these tests only, after ``timeout``)."""
+    return _spawn(tmp_path_factory.mktemp("liger-tp-shards"), "shards", timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +171,40 @@ def test_through_the_core(ranks: list[dict], truth: dict) -> None:
         _close(r["core"]["ent"], truth["ent"])
         _close(r["core"]["dh"], truth["dh"])
         _close(r["core"]["dw"], truth["dw"][rank * local : (rank + 1) * local])
+
+
+@pytest.mark.parametrize(
+    "name,words",
+    [
+        ("unequal_rows", ["vocab_size must be the same on every rank", "[800, 1200]"]),
+        ("unequal_core_defaults", ["vocab_size must be the same on every rank", "[800, 1200]"]),
+        ("gap", ["vocab_size=1000 is larger than the union", "ids [400, 500), [900, 1000)"]),
+        ("overlap", ["shards of process_group overlap at id 400"]),
+    ],
+)
+def test_shards_that_disagree_raise_the_same_named_error_on_every_rank(
+    shard_ranks: list[dict], name: str, words: list[str]
+) -> None:
+    """Each rank's own equal-shard check passes on 400 rows of 800 beside 600 of 1200, so only
+    the gathered shards show that the union is not the vocabulary; every rank must say so."""
+    for r, rank in enumerate(shard_ranks):
+        kind, msg = rank[name]
+        assert kind == "ValueError", (r, kind, msg)
+        for word in words:
+            assert word in msg, (r, word, msg)
+        assert "rank 0: [" in msg and "rank 1: [" in msg, msg  # every rank's shard shown
+        assert f"this rank ({r}) passed vocab_start=" in msg, msg
+    # One message on every rank but for the clause naming the rank's own arguments.
+    assert len({rank[name][1].split("; this rank")[0] for rank in shard_ranks}) == 1
+
+
+def test_shards_that_cover_the_vocabulary_still_run_after_the_errors(
+    ranks: list[dict], shard_ranks: list[dict]
+) -> None:
+    """The check leaves the group usable: equal shards after the errors give the full values."""
+    outs = [rank["covered_again"] for rank in shard_ranks]
+    for kind, lp in outs:
+        assert kind == "ok", lp
+    assert torch.equal(outs[0][1], outs[1][1])
+    same = _valid_rows() & (worker.full_inputs()["labels"] < 800)  # the labels the cases keep
+    _close(outs[0][1][same], ranks[0]["reduce"]["lp"][same], 1e-6)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fusedhead.errors import BackendUnavailableError
 from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
+from fusedhead.validation import check_shards, shard_slots_tensor, shards_need_check
 from fusedhead_liger import _liger, _run, availability
 
 Implementation = Literal["native", "fallback"]
@@ -172,7 +173,8 @@ class LigerBackend:
     def _check_shards(
         self, weight: torch.Tensor, process_group: Any, vocab_start: int, vocab_size: int
     ) -> None:
-        """Vocab-parallel runs through Liger's chunked TP path, which needs equal shards in rank order."""
+        """Vocab-parallel runs through Liger's chunked TP path, which needs equal shards in rank
+        order, and every rank's shard must agree with the others' (``_check_union``)."""
         if self.implementation == "native":
             raise BackendUnavailableError(
                 "backend 'liger' with implementation='native' does not run vocab-parallel: Liger's "
@@ -186,9 +188,28 @@ class LigerBackend:
         rank = dist.get_rank(process_group)
         world = dist.get_world_size(process_group)
         local = weight.shape[0]
+        # The union first: it is a collective, so every rank reaches it before any rank raises.
+        _check_union(weight.device, process_group, rank, world, (vocab_start, local, vocab_size))
         if (vocab_start, vocab_size) != (rank * local, world * local):
             raise BackendUnavailableError(
                 f"backend 'liger' needs equal contiguous vocabulary shards in rank order: rank {rank} "
                 f"of {world} holds {local} rows, so vocab_start={rank * local} and "
                 f"vocab_size={world * local}, got vocab_start={vocab_start}, vocab_size={vocab_size}"
             )
+
+
+def _check_union(
+    device: torch.device, group: Any, rank: int, world: int, shard: tuple[int, int, int]
+) -> None:
+    """Every rank's (vocab_start, rows, vocab_size) through the core's ``check_shards``: a gap,
+    an overlap or a disagreeing vocab_size is the same ``ValueError`` on every rank (each rank's
+    own check passes 400 rows of 800 beside 600 of 1200). Liger's TP function has no collective
+    to carry the bounds, so this costs one all-gather of ``SHARD_FLOATS`` fp32 per rank on every
+    forward (read on CUDA only on a layout's first call, as in the torch and triton backends)."""
+    import torch.distributed as dist
+
+    mine = shard_slots_tensor(*shard, device)  # [1, SHARD_FLOATS], never written to
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)  # every call on every rank: collectives must match
+    if not torch.compiler.is_compiling() and shards_need_check(group, *shard, device):
+        check_shards(torch.cat(parts), rank, group, *shard)
