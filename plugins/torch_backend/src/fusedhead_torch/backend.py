@@ -68,7 +68,7 @@ def _bytes_per_element(dtype: torch.dtype, softcap: float | None) -> int:
     """Workspace bytes per tile element: the GEMM output plus the fp32 buffers of the worse pass."""
     fp32 = dtype == torch.float32
     base = 8 if fp32 else 2 + 8  # fp32 tiles are worked in place; others add two fp32 buffers
-    return base + (4 if softcap is not None else 0)
+    return base + (8 if softcap is not None else 0)  # a softcap's tanh and its derivative
 
 
 class TorchBackend:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 KL_DIRECTIONS = ("forward", "reverse")
 #: Workspace bytes per tile element: two GEMM outputs (input dtype) and four fp32 buffers (the
-#: student's and the teacher's z, e, and the student's tanh under a softcap).
+#: student's and the teacher's z, e, and the student's softcap derivative).
 _BYTES_PER_ELEMENT = 2 * 4 + 4 * 4
 
 
@@ -62,20 +62,14 @@ def _z(
     r0: int,
     r1: int,
     out: torch.Tensor,
-    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A head's ``z = k * src`` of one tile in fp32 (``src``: ``x``, or ``tanh(x / c)``).
 
-    An fp32 tile is worked in place (``x`` itself at ``k = 1``), another goes into ``out``. With
-    ``keep`` and a softcap, ``src`` is written to ``keep`` and left there (the backward's tanh).
+    An fp32 tile is worked in place (``x`` itself at ``k = 1``), another goes into ``out``.
     A ``[1, 1]`` fp32 factor, not a Python float, makes a bf16/fp16 tile multiply in fp32.
     """
-    if keep is not None and scaling.softcap is not None:
-        src = scaling.source(x, out=keep)
-        dst = out
-    else:
-        src = scaling.source(x, out=x if x.dtype == FP32 else out)
-        dst = src if src.dtype == FP32 else out
+    src = scaling.source(x, out=x if x.dtype == FP32 else out)
+    dst = src if src.dtype == FP32 else out
     k = scaling.rows(r0, r1)
     if dst is src and not isinstance(k, torch.Tensor) and k == 1.0:
         return src
@@ -171,9 +165,10 @@ def _backward_walk(
         for r0, r1 in row_chunks:
             rows = r1 - r0
             h_rows = hs[r0:r1]
-            tanh = buf.get(3, rows, cols) if capped else None
             x_s = logits_mm(h_rows, w_block.T, spec.fp32_logits)
-            zs = _z(x_s, sc_s, r0, r1, buf.get(0, rows, cols), keep=tanh)
+            # the softcap's derivative from x itself (before z may overwrite it): exact at any x
+            sech2 = sc_s.sech2(x_s, out=buf.get(3, rows, cols)) if capped else None
+            zs = _z(x_s, sc_s, r0, r1, buf.get(0, rows, cols))
             del x_s
             x_t = logits_mm(ht[r0:r1], wt[v0:v1].T, spec.fp32_logits)
             zt = _z(x_t, sc_t, r0, r1, buf.get(1, rows, cols))
@@ -187,8 +182,8 @@ def _backward_walk(
                 u = torch.sub(zs, zt, out=zt).add_(shift[r0:r1].unsqueeze(1))
                 dz = es.mul_(u).mul_(a_s[r0:r1].unsqueeze(1))
             dz.mul_(scale_factor(sc_s.inv_t_rows(r0, r1), hs.device))
-            if tanh is not None:
-                dz.addcmul_(dz, tanh.square_(), value=-1.0)  # d tanh = 1 - tanh^2
+            if sech2 is not None:
+                dz.mul_(sech2)  # d tanh(y) = sech(y)^2
             grads.add(dz.to(hs.dtype) if low else dz, w_block, h_rows, (r0, r1), (v0, v1))
             del dz
         grads.end_block((v0, v1))

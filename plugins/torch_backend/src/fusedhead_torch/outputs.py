@@ -395,9 +395,11 @@ def _backward_walk(
             x = logits_mm(h_rows, w_block.T, spec.fp32_logits)
             # Buffers as the plain path has them: an fp32 tile is worked in place (src, or d
             # without softcap); e and a separate d take workspace slots; dz goes back into a
-            # tile of the input dtype. No more fp32 buffers than ``backward_tile`` uses.
+            # tile of the input dtype; a softcap's derivative takes one more.
             x32 = x.dtype == FP32
             capped = scaling.softcap is not None
+            # the softcap's derivative from x itself, before src may overwrite it
+            sech2 = scaling.sech2(x, out=ws.get(3, rows, cols)) if capped else None
             src = scaling.source(x, out=x if x32 else ws.get(0, rows, cols))
             d_out = x if x32 and not capped else ws.get(2, rows, cols)
             d = _shifted(src, _k_col(scaling.rows(r0, r1), h.device), row_max[r0:r1], d_out)
@@ -414,8 +416,8 @@ def _backward_walk(
                 local = ids[r0:r1] - (spec.vocab_start + v0)
                 _sparse_add_(dz, local, values[r0:r1], counted[r0:r1])
             dz.mul_(_k_col(scaling.inv_t_rows(r0, r1), h.device))
-            if capped:
-                dz.addcmul_(dz, src.square_(), value=-1.0)  # d tanh = 1 - tanh^2
+            if sech2 is not None:
+                dz.mul_(sech2)  # d tanh(y) = sech(y)^2
             if not low:
                 dz_in = dz
             elif x.dtype == h.dtype:  # x is free now: the cast dz takes its place

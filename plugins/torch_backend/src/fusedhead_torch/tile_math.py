@@ -125,6 +125,13 @@ class Scaling:
         inv_c = torch.full((1, 1), 1.0 / self.softcap, dtype=FP32, device=x.device)
         return torch.mul(x, inv_c, out=out).tanh_()
 
+    def sech2(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``1 - tanh(x / c)^2`` of a tile in fp32 into ``out``, as ``1 / cosh(x / c)^2``: the
+        softcap's derivative to fp32 relative precision at any ``x`` (``1 - tanh^2`` from the
+        rounded tanh cancels once the cap saturates; past ``|x / c|`` 89 it is 0, as it rounds)."""
+        inv_c = torch.full((1, 1), 1.0 / float(self.softcap or 1.0), dtype=FP32, device=x.device)
+        return torch.mul(x, inv_c, out=out).cosh_().square_().reciprocal_()
+
     def scaled(self, raw: torch.Tensor, k: float | torch.Tensor) -> torch.Tensor:
         """``z`` of a few raw fp32 values, one per row (for callers that need ``z`` itself)."""
         if self.softcap is not None:
@@ -212,7 +219,7 @@ def backward_tile(
 ) -> torch.Tensor:
     """``dz`` of one tile in ``dz_dtype`` (default ``x.dtype``), for the two gradient GEMMs.
 
-    ``row_max`` is the forward's ``m`` (scaled). With ``d = k src - m`` and ``e = exp(d)``: ``dz = (a e + b (e d)) [* (1 - tanh^2)] + onehot
+    ``row_max`` is the forward's ``m`` (scaled). With ``d = k src - m`` and ``e = exp(d)``: ``dz = (a e + b (e d)) [* sech^2(x / c)] + onehot
     * label_term``, where the per-row ``a``, ``b`` and ``label_term`` fold in the upstream gradients,
     ``1 / T`` and the softmax normaliser (see ``chunked._coefficients``). ``e d`` is formed first:
     ``b d`` alone can overflow at tiny temperatures where ``e`` is 0.
@@ -223,6 +230,7 @@ def backward_tile(
     out_dtype = x.dtype if dz_dtype is None else dz_dtype
     capped = scaling.softcap is not None
     if capped:
+        sech2 = scaling.sech2(x, out=ws.get(4, rows, cols))  # before src may overwrite x
         src = scaling.source(x, out=ws.get(0, rows, cols) if low else x)
         d_out, e_out = ws.get(1, rows, cols), ws.get(2, rows, cols)
     else:
@@ -248,9 +256,8 @@ def backward_tile(
     else:
         g = torch.mul(e, a_col, out=final)
     if capped:
-        t_label = src.gather(1, col).squeeze(1)
-        dz_label = dz_label - dz_label * t_label * t_label
-        dz = torch.addcmul(g, g, src.square_(), value=-1.0, out=dz_out)
+        dz_label = dz_label * sech2.gather(1, col).squeeze(1)
+        dz = torch.mul(g, sech2, out=dz_out)
     else:
         dz = g
     current = dz.gather(1, col).squeeze(1)

@@ -13,7 +13,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E, grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature, tanh_f32
+from .common import (
+    LOG2E,
+    grouped_tile,
+    logits_tile,
+    logits_tile_tma,
+    row_inv_temperature,
+    sech2_f32,
+    tanh_f32,
+)
 from .sparse import add_sparse, tile_bounds
 
 
@@ -77,8 +85,8 @@ def _grad_tile(
     if HAS_AX:  # the extras' p-proportional terms: dz += ax p
         base = base - tl.where(valid, tl.load(ax_ptr + rows), 0.0) * inv_t
     if HAS_SOFTCAP:
-        th = tanh_f32(acc * inv_softcap)
-        acc = softcap * th
+        dcap = sech2_f32(acc * inv_softcap)  # d tanh, exact where the cap saturates
+        acc = softcap * tanh_f32(acc * inv_softcap)
     logp = acc * inv_t[:, None] - lse[:, None]
     p = tl.exp2(logp * LOG2E)
     if HAS_GENT:  # noqa: SIM108 - constexpr branch
@@ -93,7 +101,7 @@ def _grad_tile(
     if HAS_SPARSE:
         g = add_sparse(g, offs_n, rows, row_ok, sp_lo, sp_hi, col0, sids_ptr, gs_ptr, K_sp, inv_t)
     if HAS_SOFTCAP:
-        g = g * (1.0 - th * th)
+        g = g * dcap
     return g
 
 

@@ -27,6 +27,7 @@ from .common import (
     logits_tile,
     logits_tile_tma,
     row_inv_temperature,
+    sech2_f32,
     tanh_f32,
 )
 
@@ -36,11 +37,11 @@ EMPTY = tl.constexpr(-1e38)
 
 @triton.jit
 def _capped(acc, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr):
-    """``(c tanh(x / c), tanh)`` of the raw tile (the log-prob kernels' order), or ``(x, 0)``; the
-    per-row ``log2(e) / T`` is applied by the callers, inside their ``exp2``'s argument."""
+    """``(c tanh(x / c), 1 - tanh^2)`` of the raw tile (the log-prob kernels' order), or ``(x, 0)``;
+    the per-row ``log2(e) / T`` is applied by the callers, inside their ``exp2``'s argument."""
     if HAS_SOFTCAP:
-        th = tanh_f32(acc * inv_softcap)
-        return softcap * th, th
+        y = acc * inv_softcap
+        return softcap * tanh_f32(y), sech2_f32(y)
     return acc, acc * 0.0
 
 
@@ -53,7 +54,7 @@ def _both_tiles(
     EVEN_KT: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
     SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr,
 ):  # fmt: skip
-    """Both heads' tiles before ``1 / T``: ``(x_s, tanh of the student's or 0, x_t)``, fp32.
+    """Both heads' tiles before ``1 / T``: ``(x_s, the student's cap derivative 1 - tanh^2 or 0, x_t)``, fp32.
 
     One K loop per head (one loop feeding both, at twice the shared memory a stage, was slower
     and no longer fits at 4 stages: docs/benchmarks.md). ``rows``/``cols`` are clamped in range
@@ -71,9 +72,9 @@ def _both_tiles(
             ht, wt, rows, cols, HT, stride_htn, stride_htk, stride_wtv, stride_wtk,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KT, PRECISION,
         )  # fmt: skip
-    xs, th = _capped(acc_s, softcap_s, inv_softcap_s, SOFTCAP_S)
+    xs, dcap = _capped(acc_s, softcap_s, inv_softcap_s, SOFTCAP_S)
     xt, _ = _capped(acc_t, softcap_t, inv_softcap_t, SOFTCAP_T)
-    return xs, th, xt
+    return xs, dcap, xt
 
 
 @triton.jit
@@ -260,7 +261,7 @@ def kl_dz_kernel(
         cols = tl.minimum(offs_n, Vb - 1)
         inv_s = row_inv_temperature(temp_s_ptr, rows, inv_temp_s, PER_TOKEN_TS)
         c_t = row_inv_temperature(temp_t_ptr, rows, inv_temp_t, PER_TOKEN_TT) * LOG2E
-        xs, th, xt = _both_tiles(
+        xs, dcap, xt = _both_tiles(
             hs, ws, ht, wt, off_m, off_n, rows, cols, HS, HT, stride_hsn, stride_hsk, stride_wsv,
             stride_wsk, stride_htn, stride_htk, stride_wtv, stride_wtk, softcap_s, inv_softcap_s,
             softcap_t, inv_softcap_t, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_KS, EVEN_KT, PRECISION, TMA,
@@ -277,7 +278,7 @@ def kl_dz_kernel(
         else:
             g = (p_s - tl.exp2(lt)) * (coef * inv_s)[:, None]
         if SOFTCAP_S:
-            g = g * (1.0 - th * th)
+            g = g * dcap
         g = tl.where((coef != 0.0)[:, None], g, 0.0)
         if TMA:
             dz.store([off_m, off_n], g.to(dz.dtype))
