@@ -79,6 +79,7 @@ SHARD_CASES: dict[str, list[tuple[int | None, int, int | None]]] = {
     "unequal_core_defaults": [(None, 400, None), (None, 600, None)],
     "gap": [(0, 400, 1000), (500, 400, 1000)],
     "overlap": [(0, 600, 1000), (400, 600, 1000)],
+    "out_of_order": [(500, 500, 1000), (0, 500, 1000)],
     "covered_again": [(0, 500, 1000), (500, 500, 1000)],
 }
 

@@ -198,6 +198,22 @@ def test_shards_that_disagree_raise_the_same_named_error_on_every_rank(
     assert len({rank[name][1].split("; this rank")[0] for rank in shard_ranks}) == 1
 
 
+def test_shards_out_of_rank_order_are_one_backend_error_judged_from_every_ranks_shard(
+    shard_ranks: list[dict],
+) -> None:
+    """Liger's TP path needs equal shards in rank order; the verdict comes from the gathered
+    shards, so every rank raises it alike (with 3+ ranks a layout can fail on some ranks only,
+    which judged per rank would leave the others waiting in Liger's collectives)."""
+    msgs = []
+    for r, rank in enumerate(shard_ranks):
+        kind, msg = rank["out_of_order"]
+        assert kind == "BackendUnavailableError", (r, kind, msg)
+        assert "equal contiguous vocabulary shards in rank order" in msg, msg
+        assert "ranks [0, 1] do not" in msg and "rank 0: [500, 1000) of 1000" in msg, msg
+        msgs.append(msg.split("; this is rank")[0])
+    assert len(set(msgs)) == 1
+
+
 def test_shards_that_cover_the_vocabulary_still_run_after_the_errors(
     ranks: list[dict], shard_ranks: list[dict]
 ) -> None:

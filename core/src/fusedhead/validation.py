@@ -824,6 +824,11 @@ def _shard_ints(row: list[float]) -> tuple[int, int, int]:
     return out[0], out[1], out[2]
 
 
+def gathered_shards(layout: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Each rank's ``(vocab_start, width, vocab_size)`` from a gathered ``layout`` (one host read)."""
+    return [_shard_ints(r) for r in layout.reshape(-1, SHARD_FLOATS).tolist()]
+
+
 def shards_need_check(group: Any, start: int, width: int, size: int, device: torch.device) -> bool:
     """Whether ``check_shards`` should read this call's gathered layout: always on the CPU (the
     values are in host memory already); on CUDA, where reading them waits for the collective, the
@@ -838,8 +843,7 @@ def check_shards(
     rank) against ``vocab_size``: all ranks give one vocab_size, and their shards, none
     overlapping another, cover ``[0, vocab_size)``. Each rank reads the same layout, so on a bad
     one every rank raises the same ``ValueError`` (naming its own shard too)."""
-    rows = layout.reshape(-1, SHARD_FLOATS).tolist()  # the one host read
-    shards = [_shard_ints(r) for r in rows]
+    shards = gathered_shards(layout)  # the one host read
     shown = ", ".join(f"rank {r}: [{a}, {a + w}) of {s}" for r, (a, w, s) in enumerate(shards))
     mine = f"this rank ({rank}) passed vocab_start={start}, {width} local rows, vocab_size={size}"
     sizes = {s for _, _, s in shards}

@@ -14,7 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fusedhead.errors import BackendUnavailableError
 from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
-from fusedhead.validation import check_shards, shard_slots_tensor, shards_need_check
+from fusedhead.validation import (
+    check_shards,
+    gathered_shards,
+    shard_slots_tensor,
+    shards_need_check,
+)
 from fusedhead_liger import _liger, _run, availability
 
 Implementation = Literal["native", "fallback"]
@@ -212,4 +217,22 @@ def _check_union(
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=group)  # every call on every rank: collectives must match
     if not torch.compiler.is_compiling() and shards_need_check(group, *shard, device):
-        check_shards(torch.cat(parts), rank, group, *shard)
+        layout = torch.cat(parts)
+        check_shards(layout, rank, group, *shard)
+        _check_rank_order(gathered_shards(layout), rank)
+
+
+def _check_rank_order(shards: list[tuple[int, int, int]], rank: int) -> None:
+    """Liger's TP path needs equal shards in rank order. Judged from every rank's shard, so a
+    layout that covers the vocabulary but not so (3 ranks: 300, 200, 400 rows of 900; or equal
+    shards out of order) is the same error on every rank, not an error on some ranks while the
+    others wait in Liger's collectives."""
+    world = len(shards)
+    bad = [r for r, (a, w, s) in enumerate(shards) if (a, s) != (r * w, world * w)]
+    if bad:
+        shown = ", ".join(f"rank {r}: [{a}, {a + w}) of {s}" for r, (a, w, s) in enumerate(shards))
+        raise BackendUnavailableError(
+            f"backend 'liger' needs equal contiguous vocabulary shards in rank order (rank r "
+            f"holding [r * rows, (r + 1) * rows) of world * rows); ranks {bad} do not ({shown}); "
+            f"this is rank {rank}. Use backend='torch' or 'triton' for other layouts"
+        )
