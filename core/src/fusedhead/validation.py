@@ -772,7 +772,10 @@ def validate_kl(
             raise TypeError(f"labels must be an integer tensor, got dtype {rows.dtype}")
         if rows.device != h.device:
             raise ValueError(f"labels must be on hidden's device {h.device}, got {rows.device}")
-        valid = (rows.reshape(-1) != ignore_index).contiguous()
+        flat = rows.reshape(-1)
+        if flat.dtype != torch.int64:  # compared in int64, as fused_head's labels: in a narrower
+            flat = flat.to(torch.int64)  # dtype torch wraps ignore_index (uint8: -100 == 156)
+        valid = (flat != ignore_index).contiguous()
     call = KLCall(
         hidden=h.reshape(-1, h.shape[-1]),
         weight=w,

@@ -1,0 +1,54 @@
+"""The KL's labels of any integer dtype are compared with ``ignore_index`` as int64 values.
+
+``fused_kl`` compared ``labels != ignore_index`` in the labels' own dtype, where torch wraps the
+scalar into that dtype: uint8 label 156 equals -100 (mod 256), int16 label 1 equals
+ignore_index=65537, so scored rows read as ignored and gave a KL of 0 and no gradient, silently.
+``fused_head`` casts its labels to int64 first; the KL now does too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedhead import FusedHead, fused_kl
+
+BACKENDS = {"torch": None, "triton": {"block_m": 16, "block_n": 16, "block_k": 16}}
+#: (labels dtype, a label value of that dtype, an ignore_index that wraps onto it)
+WRAPS = [
+    (torch.uint8, 156, -100),
+    (torch.int8, 28, 284),
+    (torch.int16, 1, 65537),
+    (torch.int32, 5, 2**32 + 5),
+]
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize(("dtype", "label", "ignore_index"), WRAPS, ids=lambda x: str(x))
+def test_a_label_that_wraps_onto_ignore_index_is_still_scored(backend, dtype, label, ignore_index):
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 6, 8, 300
+    hidden = torch.randn(n, h, generator=g, requires_grad=True)
+    weight = torch.randn(v, h, generator=g) / 3
+    t_hidden, t_weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) / 3
+    labels = torch.full((n,), label, dtype=dtype)
+    opts = BACKENDS[backend]
+    kl = fused_kl(hidden, weight, t_hidden, t_weight, labels, backend=backend, options=opts,
+                  ignore_index=ignore_index)  # fmt: skip
+    every = fused_kl(hidden, weight, t_hidden, t_weight, backend=backend, options=opts)
+    assert torch.equal(kl, every)  # no row is ignored: the KL of labels=None
+    assert bool((kl > 0).all())
+    head = FusedHead({"backend": backend, "options": opts or {}, "ignore_index": ignore_index})
+    assert torch.equal(head.kl(hidden, weight, t_hidden, t_weight, labels), every)
+    kl.sum().backward()
+    assert bool((hidden.grad.abs().sum(-1) > 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.uint16])
+def test_narrow_labels_equal_to_ignore_index_are_ignored(dtype):
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(4, 8, generator=g), torch.randn(50, 8, generator=g)
+    t_hidden, t_weight = torch.randn(4, 8, generator=g), torch.randn(50, 8, generator=g)
+    labels = torch.tensor([3, 7, 3, 9], dtype=dtype)
+    kl = fused_kl(hidden, weight, t_hidden, t_weight, labels, ignore_index=3)
+    assert kl[0] == 0 and kl[2] == 0 and bool((kl[[1, 3]] > 0).all())
