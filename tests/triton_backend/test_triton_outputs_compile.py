@@ -35,11 +35,12 @@ def _variants() -> dict[str, dict[str, Any]]:
     fcfg = cfg.forward
     out: dict[str, dict[str, Any]] = {}
     fwd_sig = {
-        "h_desc": f"tensordesc<bf16[{fcfg.block_m}, {fcfg.block_k}]>",
-        "w_desc": f"tensordesc<bf16[{fcfg.block_n}, {fcfg.block_k}]>",
+        "h": f"tensordesc<bf16[{fcfg.block_m}, {fcfg.block_k}]>",
+        "w": f"tensordesc<bf16[{fcfg.block_n}, {fcfg.block_k}]>",
         "labels_ptr": "*i64", "temp_ptr": "*fp32", "ws_ptr": "*fp32", "zy_ptr": "*fp32",
         "q_ptr": "*fp32", "arg_ptr": "*i32", "starts_ptr": "*i32", "sids_ptr": "*i32",
         "zg_ptr": "*fp32", "N": "i32", "V": "i32", "H": "i32", "K_g": "i32",
+        **dict.fromkeys(("stride_hn", "stride_hk", "stride_wv", "stride_wk"), "i32"),
         "label_offset": "i32", "inv_temp": "fp32", "softcap": "fp32", "inv_softcap": "fp32",
     }  # fmt: skip
     for name, (q, arg, gather) in {
@@ -49,19 +50,22 @@ def _variants() -> dict[str, dict[str, Any]]:
         "fwd_gather": (False, False, True),
         "fwd_all": (True, True, True),
     }.items():
-        consts = {**off._tiles(fcfg), "PER_TOKEN_T": False, "HAS_SOFTCAP": False, "HAS_Q": q,
+        consts = {**off._tiles(fcfg), "TMA": True, "EVEN_K": True, "PER_TOKEN_T": False, "HAS_SOFTCAP": False, "HAS_Q": q,
                   "HAS_ARG": arg, "HAS_GATHER": gather}  # fmt: skip
-        compiled = off._compile(forward.fwd_stats_tma_kernel, dict(fwd_sig), consts, fcfg, 90)
+        compiled = off._compile(forward.fwd_stats_kernel, dict(fwd_sig), consts, fcfg, 90)
         out[name] = off.resources(compiled).__dict__
     dcfg = cfg.dz
     dz_sig = {
-        "h_desc": f"tensordesc<bf16[{dcfg.block_m}, {dcfg.block_k}]>",
-        "w_desc": f"tensordesc<bf16[{dcfg.block_n}, {dcfg.block_k}]>",
-        "dz_desc": f"tensordesc<bf16[{dcfg.block_m}, {dcfg.block_n}]>",
+        "h": f"tensordesc<bf16[{dcfg.block_m}, {dcfg.block_k}]>",
+        "w": f"tensordesc<bf16[{dcfg.block_n}, {dcfg.block_k}]>",
+        "dz": f"tensordesc<bf16[{dcfg.block_m}, {dcfg.block_n}]>",
         "labels_ptr": "*i64", "temp_ptr": "*fp32", "lse_ptr": "*fp32", "ent_ptr": "*fp32",
         "glp_ptr": "*fp32", "gent_ptr": "*fp32", "ax_ptr": "*fp32", "c_ptr": "*fp32",
         "starts_ptr": "*i32", "sids_ptr": "*i32", "gs_ptr": "*fp32", "N": "i32", "Vb": "i32",
-        "H": "i32", "label_offset": "i32", "ignore_index": "i32", "inv_temp": "fp32",
+        "H": "i32", **dict.fromkeys(
+            ("stride_hn", "stride_hk", "stride_wv", "stride_wk", "stride_dzm"), "i32"
+        ),
+        "label_offset": "i32", "ignore_index": "i32", "inv_temp": "fp32",
         "softcap": "fp32", "inv_softcap": "fp32", "K_sp": "i32", "col0": "i32",
     }  # fmt: skip
     for name, (glp, ax, c, sp, cap) in {
@@ -69,9 +73,10 @@ def _variants() -> dict[str, dict[str, Any]]:
         "dz_gather": (True, True, False, True, False),
         "dz_all": (True, True, True, True, True),
     }.items():
-        consts = {**off._tiles(dcfg), "PER_TOKEN_T": False, "HAS_SOFTCAP": cap, "HAS_GLP": glp,
+        consts = {**off._tiles(dcfg), "TMA": True, "EVEN_K": True, "PER_TOKEN_T": False,
+                  "HAS_SOFTCAP": cap, "HAS_GLP": glp,
                   "HAS_GENT": True, "HAS_AX": ax, "HAS_C": c, "HAS_SPARSE": sp}  # fmt: skip
-        compiled = off._compile(dz.dz_tma_kernel, dict(dz_sig), consts, dcfg, 90)
+        compiled = off._compile(dz.dz_kernel, dict(dz_sig), consts, dcfg, 90)
         out[name] = off.resources(compiled).__dict__
     comb_sig = {
         "ws_ptr": "*fp32", "zy_ptr": "*fp32", "labels_ptr": "*i64", "q_ptr": "*fp32",

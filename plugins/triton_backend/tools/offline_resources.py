@@ -3,7 +3,7 @@
 Usage (any machine with triton's NVIDIA backend, no GPU needed):
     python plugins/triton_backend/tools/offline_resources.py [--arch 90] [--json OUT]
 
-Compiles ``dh_tma_kernel`` (and ``dz_tma_kernel``) for ``sm_<arch>a`` with the shipped tiles and a
+Compiles ``dh_tma_kernel`` (and ``dz_kernel`` on its TMA path) for ``sm_<arch>a`` with the shipped tiles and a
 few others, for each sum format, and reads the cubin's resource usage with the ``cuobjdump`` that
 ships in the triton wheel. A non-zero stack on a 255-register kernel means spilled registers; the
 shared memory decides how many programs fit on one SM (228 KiB on an H100/H200). This is how the
@@ -85,23 +85,26 @@ def compile_dh(
 
 
 def compile_dz(cfg: TileConfig, *, arch: int = 90, entropy: bool = True) -> Any:
-    """``dz_tma_kernel`` for bf16 with both output gradients, as the launcher builds it."""
+    """``dz_kernel``'s TMA path for bf16 with both output gradients, as the launcher builds it."""
     signature = {
-        "h_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
-        "w_desc": f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>",
-        "dz_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n}]>",
+        "h": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
+        "w": f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>",
+        "dz": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n}]>",
         **{k: "*i64" if k == "labels_ptr" else "*fp32" for k in
            ("labels_ptr", "temp_ptr", "lse_ptr", "ent_ptr", "glp_ptr", "gent_ptr")},
         "ax_ptr": "*fp32", "c_ptr": "*fp32", "starts_ptr": "*i32", "sids_ptr": "*i32",
         "gs_ptr": "*fp32",
-        "N": "i32", "Vb": "i32", "H": "i32", "label_offset": "i32", "ignore_index": "i32",
+        "N": "i32", "Vb": "i32", "H": "i32",
+        **dict.fromkeys(("stride_hn", "stride_hk", "stride_wv", "stride_wk", "stride_dzm"), "i32"),
+        "label_offset": "i32", "ignore_index": "i32",
         "inv_temp": "fp32", "softcap": "fp32", "inv_softcap": "fp32", "K_sp": "i32",
         "col0": "i32",
     }  # fmt: skip
-    consts = {**_tiles(cfg), "PER_TOKEN_T": False, "HAS_SOFTCAP": False, "HAS_GLP": True,
+    consts = {**_tiles(cfg), "TMA": True, "EVEN_K": True, "PER_TOKEN_T": False,
+              "HAS_SOFTCAP": False, "HAS_GLP": True,
               "HAS_GENT": entropy, "HAS_AX": False, "HAS_C": False,
               "HAS_SPARSE": False}  # fmt: skip
-    return _compile(dz.dz_tma_kernel, signature, consts, cfg, arch)
+    return _compile(dz.dz_kernel, signature, consts, cfg, arch)
 
 
 def resources(compiled: Any) -> Resources:

@@ -236,19 +236,17 @@ def forward_partials(
         zy if zg is None else zg,
     )
     tiles = math.ceil(n / cfg.block_m) * t
-    if tma_usable(cfg, hidden.dtype, h, dev):
-        hd = descriptor(hidden, [cfg.block_m, cfg.block_k])
-        wd = descriptor(weight, [cfg.block_n, cfg.block_k])
-        progs = num_programs(dev)
-        fwd.fwd_stats_tma_kernel[(min(progs, tiles),)](
-            hd, wd, labels, temp_arg, ws, zy, *extra_args, n, v, h, k_g, *scalars,
-            NUM_PROGS=progs, **flags,
-        )  # fmt: skip
-    else:
-        fwd.fwd_stats_kernel[(tiles,)](
-            hidden, weight, labels, temp_arg, ws, zy, *extra_args, n, v, h, k_g, *hidden.stride(),
-            *weight.stride(), *scalars, EVEN_K=h % cfg.block_k == 0, **flags,
-        )  # fmt: skip
+    tma = tma_usable(cfg, hidden.dtype, h, dev)
+    hw = (hidden, weight) if not tma else (
+        descriptor(hidden, [cfg.block_m, cfg.block_k]),
+        descriptor(weight, [cfg.block_n, cfg.block_k]),
+    )  # fmt: skip
+    progs = num_programs(dev)
+    fwd.fwd_stats_kernel[(min(progs, tiles),)](
+        *hw, labels, temp_arg, ws, zy, *extra_args, n, v, h, k_g, *hidden.stride(),
+        *weight.stride(), *scalars, NUM_PROGS=progs, TMA=tma, EVEN_K=h % cfg.block_k == 0,
+        **flags,
+    )  # fmt: skip
     return Partials(ws, zy, q, arg, zg)
 
 
@@ -325,21 +323,18 @@ def dz_block(
     k_sp = ex.ids.sids.shape[1] if sparse else 0  # type: ignore[union-attr]
     sp_scalars = (k_sp, v0)
     tiles = math.ceil(n / cfg.block_m) * tiles_n
-    if tma_usable(cfg, hidden.dtype, h, hidden.device):
-        hd = descriptor(hidden, [cfg.block_m, cfg.block_k])
-        wd = descriptor(wb, [cfg.block_n, cfg.block_k])
-        zd = descriptor(dz, [cfg.block_m, cfg.block_n])
-        progs = num_programs(hidden.device)
-        dzk.dz_tma_kernel[(min(progs, tiles),)](
-            hd, wd, zd, *rows.args(), *extra_args, n, cols, h, *scalars, *sp_scalars,
-            NUM_PROGS=progs, **flags,
-        )  # fmt: skip
-    else:
-        dzk.dz_kernel[(tiles,)](
-            hidden, wb, *rows.args(), *extra_args, dz, n, cols, h, *hidden.stride(),
-            *wb.stride(), dz.stride(0), *scalars, *sp_scalars, EVEN_K=h % cfg.block_k == 0,
-            **flags,
-        )  # fmt: skip
+    tma = tma_usable(cfg, hidden.dtype, h, hidden.device)
+    ops = (hidden, wb, dz) if not tma else (
+        descriptor(hidden, [cfg.block_m, cfg.block_k]),
+        descriptor(wb, [cfg.block_n, cfg.block_k]),
+        descriptor(dz, [cfg.block_m, cfg.block_n]),
+    )  # fmt: skip
+    progs = num_programs(hidden.device)
+    dzk.dz_kernel[(min(progs, tiles),)](
+        *ops, *rows.args(), *extra_args, n, cols, h, *hidden.stride(), *wb.stride(),
+        dz.stride(0), *scalars, *sp_scalars, NUM_PROGS=progs, TMA=tma,
+        EVEN_K=h % cfg.block_k == 0, **flags,
+    )  # fmt: skip
 
 
 def dh_block(

@@ -107,123 +107,34 @@ def _grad_tile(
 
 @triton.jit(do_not_specialize=["N", "Vb", "K_sp", "col0"])
 def dz_kernel(
-    h_ptr,
-    w_ptr,
-    labels_ptr,
-    temp_ptr,
-    lse_ptr,
-    ent_ptr,
-    glp_ptr,
-    gent_ptr,
-    ax_ptr,
-    c_ptr,
-    starts_ptr,
-    sids_ptr,
-    gs_ptr,
-    dz_ptr,
-    N,
-    Vb,
-    H,
-    stride_hn,
-    stride_hk,
-    stride_wv,
-    stride_wk,
-    stride_dzm,
-    label_offset,
-    ignore_index,
-    inv_temp,
-    softcap,
-    inv_softcap,
-    K_sp,
-    col0,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PER_TOKEN_T: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_GLP: tl.constexpr,
-    HAS_GENT: tl.constexpr,
-    HAS_AX: tl.constexpr,
-    HAS_C: tl.constexpr,
-    HAS_SPARSE: tl.constexpr,
-):
-    """One program per (row tile, column tile) of the block ``w_ptr[0:Vb]``: recompute, write dz."""
-    pid = tl.program_id(0)
-    pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), tl.cdiv(Vb, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_m, N - 1)
-    cols = tl.minimum(offs_n, Vb - 1)
-    sp_lo, sp_hi = tile_bounds(starts_ptr, pid_n, rows, N, HAS_SPARSE)
-    acc = logits_tile(
-        h_ptr, w_ptr, rows, cols, H, stride_hn, stride_hk, stride_wv, stride_wk,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
-    )  # fmt: skip
-    g = _grad_tile(
-        acc, offs_m, offs_n, N, Vb, labels_ptr, temp_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
-        ax_ptr, c_ptr, sids_ptr, gs_ptr, sp_lo, sp_hi, K_sp, col0, label_offset, ignore_index,
-        inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP, HAS_GENT, HAS_AX, HAS_C,
-        HAS_SPARSE,
-    )  # fmt: skip
-    mask = (offs_m < N)[:, None] & (offs_n < Vb)[None, :]
-    ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dzm + offs_n[None, :]
-    tl.store(ptrs, g.to(dz_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["N", "Vb", "K_sp", "col0"])
-def dz_tma_kernel(
-    h_desc,
-    w_desc,
-    dz_desc,
-    labels_ptr,
-    temp_ptr,
-    lse_ptr,
-    ent_ptr,
-    glp_ptr,
-    gent_ptr,
-    ax_ptr,
-    c_ptr,
-    starts_ptr,
-    sids_ptr,
-    gs_ptr,
-    N,
-    Vb,
-    H,
-    label_offset,
-    ignore_index,
-    inv_temp,
-    softcap,
-    inv_softcap,
-    K_sp,
-    col0,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    NUM_PROGS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PER_TOKEN_T: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_GLP: tl.constexpr,
-    HAS_GENT: tl.constexpr,
-    HAS_AX: tl.constexpr,
-    HAS_C: tl.constexpr,
-    HAS_SPARSE: tl.constexpr,
-):
-    """Persistent TMA variant of ``dz_kernel``; dz leaves through a TMA store (clipped)."""
+    h, w, dz, labels_ptr, temp_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, ax_ptr, c_ptr,
+    starts_ptr, sids_ptr, gs_ptr, N, Vb, H, stride_hn, stride_hk, stride_wv, stride_wk,
+    stride_dzm, label_offset, ignore_index, inv_temp, softcap, inv_softcap, K_sp, col0,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    PER_TOKEN_T: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr, HAS_AX: tl.constexpr, HAS_C: tl.constexpr, HAS_SPARSE: tl.constexpr,
+):  # fmt: skip
+    """Persistent: NUM_PROGS programs walk the (row tile, column tile) grid of the block
+    ``w[0:Vb]``, recomputing each logits tile and writing its dz. ``h``/``w``/``dz`` are TMA
+    descriptors when ``TMA`` (strides unused; the store clipped at the edges), else pointers."""
     num_pid_m = tl.cdiv(N, BLOCK_M)
     num_pid_n = tl.cdiv(Vb, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    for tile in range(tl.program_id(0), num_tiles, NUM_PROGS):
+    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS):
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         b_rows = tl.minimum(off_m + tl.arange(0, BLOCK_M), N - 1)
         sp_lo, sp_hi = tile_bounds(starts_ptr, pid_n, b_rows, N, HAS_SPARSE)
-        acc = logits_tile_tma(h_desc, w_desc, off_m, off_n, H, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        if TMA:
+            acc = logits_tile_tma(h, w, off_m, off_n, H, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        else:
+            cols = tl.minimum(off_n + tl.arange(0, BLOCK_N), Vb - 1)
+            acc = logits_tile(
+                h, w, b_rows, cols, H, stride_hn, stride_hk, stride_wv, stride_wk, BLOCK_M,
+                BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
+            )  # fmt: skip
+        # the tile's indices after the K loop: none of them held in registers across it
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         g = _grad_tile(
@@ -232,4 +143,9 @@ def dz_tma_kernel(
             ignore_index, inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP,
             HAS_GENT, HAS_AX, HAS_C, HAS_SPARSE,
         )  # fmt: skip
-        dz_desc.store([off_m, off_n], g.to(dz_desc.dtype))
+        if TMA:
+            dz.store([off_m, off_n], g.to(dz.dtype))
+        else:
+            mask = (offs_m < N)[:, None] & (offs_n < Vb)[None, :]
+            ptrs = dz + offs_m.to(tl.int64)[:, None] * stride_dzm + offs_n[None, :]
+            tl.store(ptrs, g.to(dz.dtype.element_ty), mask=mask)

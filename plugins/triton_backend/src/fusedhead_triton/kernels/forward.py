@@ -111,114 +111,35 @@ def _label_column(labels_ptr, rows, row_ok, label_offset, tile_start, V, BLOCK_N
 
 @triton.jit(do_not_specialize=["N", "V", "K_g"])
 def fwd_stats_kernel(
-    h_ptr,
-    w_ptr,
-    labels_ptr,
-    temp_ptr,
-    ws_ptr,
-    zy_ptr,
-    q_ptr,
-    arg_ptr,
-    starts_ptr,
-    sids_ptr,
-    zg_ptr,
-    N,
-    V,
-    H,
-    K_g,
-    stride_hn,
-    stride_hk,
-    stride_wv,
-    stride_wk,
-    label_offset,
-    inv_temp,
-    softcap,
+    h, w, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr, arg_ptr, starts_ptr, sids_ptr, zg_ptr,
+    N, V, H, K_g, stride_hn, stride_hk, stride_wv, stride_wk, label_offset, inv_temp, softcap,
     inv_softcap,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PER_TOKEN_T: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_Q: tl.constexpr,
-    HAS_ARG: tl.constexpr,
-    HAS_GATHER: tl.constexpr,
-):
-    """One program per (row tile, vocab tile): fp32 logits tile, then its softmax statistics."""
-    pid = tl.program_id(0)
-    pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), tl.cdiv(V, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_m, N - 1)
-    cols = tl.minimum(offs_n, V - 1)
-    g_lo, g_hi = tile_bounds(starts_ptr, pid_n, rows, N, HAS_GATHER)
-    g_first = first_ids(sids_ptr, rows, g_lo, g_hi, K_g, HAS_GATHER)
-    acc = logits_tile(
-        h_ptr, w_ptr, rows, cols, H, stride_hn, stride_hk, stride_wv, stride_wk,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
-    )  # fmt: skip
-    _stats_epilogue(
-        acc, offs_m, offs_n, pid_n, N, V, labels_ptr, temp_ptr, ws_ptr, zy_ptr, q_ptr, arg_ptr,
-        sids_ptr, zg_ptr, g_lo, g_hi, g_first, K_g, label_offset, inv_temp, softcap, inv_softcap,
-        BLOCK_N, PER_TOKEN_T, HAS_SOFTCAP, HAS_Q, HAS_ARG, HAS_GATHER,
-    )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["N", "V", "K_g"])
-def fwd_stats_tma_kernel(
-    h_desc,
-    w_desc,
-    labels_ptr,
-    temp_ptr,
-    ws_ptr,
-    zy_ptr,
-    q_ptr,
-    arg_ptr,
-    starts_ptr,
-    sids_ptr,
-    zg_ptr,
-    N,
-    V,
-    H,
-    K_g,
-    label_offset,
-    inv_temp,
-    softcap,
-    inv_softcap,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    NUM_PROGS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PER_TOKEN_T: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_Q: tl.constexpr,
-    HAS_ARG: tl.constexpr,
-    HAS_GATHER: tl.constexpr,
-):
-    """Persistent variant: NUM_PROGS programs walk the same tiles, loading through TMA."""
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    PER_TOKEN_T: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_Q: tl.constexpr,
+    HAS_ARG: tl.constexpr, HAS_GATHER: tl.constexpr,
+):  # fmt: skip
+    """Persistent: NUM_PROGS programs walk the (row tile, vocab tile) grid, each tile an fp32
+    logits tile, then its softmax statistics. ``h``/``w`` are TMA descriptors when ``TMA``
+    (strides unused), else pointers."""
     num_pid_m = tl.cdiv(N, BLOCK_M)
     num_pid_n = tl.cdiv(V, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    for tile in range(tl.program_id(0), num_tiles, NUM_PROGS):
+    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS):
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         b_rows = tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), N - 1)
         g_lo, g_hi = tile_bounds(starts_ptr, pid_n, b_rows, N, HAS_GATHER)
         g_first = first_ids(sids_ptr, b_rows, g_lo, g_hi, K_g, HAS_GATHER)
-        acc = logits_tile_tma(
-            h_desc,
-            w_desc,
-            pid_m * BLOCK_M,
-            pid_n * BLOCK_N,
-            H,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            PRECISION,
-        )
+        if TMA:
+            acc = logits_tile_tma(
+                h, w, pid_m * BLOCK_M, pid_n * BLOCK_N, H, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION
+            )
+        else:
+            cols = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), V - 1)
+            acc = logits_tile(
+                h, w, b_rows, cols, H, stride_hn, stride_hk, stride_wv, stride_wk, BLOCK_M,
+                BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
+            )  # fmt: skip
+        # the tile's indices after the K loop: none of them held in registers across it
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         _stats_epilogue(
