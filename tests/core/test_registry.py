@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,8 +95,63 @@ def test_unknown_first_party_name_says_how_to_install_it(with_fixture_dists, mon
     monkeypatch.setenv("FUSEDHEAD_BACKENDS", "good")
     with pytest.raises(UnknownBackendError) as info:
         registry.load_class("liger")
-    assert "pip install 'fusedhead[liger]'" in str(info.value)
+    assert registry.install_command("liger") in str(info.value)
+    assert "fusedhead-liger" in str(info.value)
     assert "FUSEDHEAD_BACKENDS" in str(info.value)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _pip_targets(message: str) -> list[str]:
+    """What each `pip install ...` in ``message`` asks for (its last argument, quotes dropped)."""
+    return [
+        re.split(r"\s+", cmd.strip())[-1].rstrip(",.").strip("'\"")
+        for cmd in re.findall(r"pip install ((?:--find-links \S+ )?'[^']+'|\S+)", message)
+    ]
+
+
+@pytest.mark.parametrize("name", ["triton", "liger"])
+def test_uninstalled_first_party_backend_gets_a_pip_command_that_works_before_pypi(
+    name, with_fixture_dists, monkeypatch
+):
+    """Nothing is on PyPI: `pip install 'fusedhead[NAME]'` alone finds no fusedhead-NAME there.
+
+    The advice is a folder of this clone holding the distribution, or --find-links with the
+    wheels; an install from this clone (the dev venv: editable) names this clone's folder.
+    """
+    assert registry.ON_PYPI is False
+    monkeypatch.setenv("FUSEDHEAD_BACKENDS", "good")
+    dist = registry.RESERVED_NAMES[name]
+    for root in (str(REPO), None):  # installed from this clone; from wheels (no clone known)
+        monkeypatch.setattr(registry, "_source_checkout", lambda root=root: root)
+        with pytest.raises(UnknownBackendError) as info:
+            registry.load_class(name)
+        msg = str(info.value)
+        targets = _pip_targets(msg)
+        assert targets, msg
+        for target in targets:
+            if target.startswith("fusedhead["):  # from the index: only with the built wheels
+                assert f"--find-links dist '{target}'" in msg and "build-dists" in msg, msg
+                continue
+            folder = Path(target) if root else REPO / target
+            project = (folder / "pyproject.toml").read_text()
+            assert f'name = "{dist}"' in project, (target, msg)
+            if root:
+                assert folder.is_absolute() and str(folder).startswith(str(REPO)), msg
+        with pytest.raises(UnknownBackendError) as close:
+            registry.load_class(name[:-1] + "x")  # a near miss: "Did you mean ..."
+        assert registry.install_command(name) in str(close.value)
+
+
+def test_once_on_pypi_the_advice_is_the_extra(monkeypatch):
+    monkeypatch.setattr(registry, "ON_PYPI", True)
+    assert registry.install_command("triton") == "pip install 'fusedhead[triton]'"
+
+
+def test_source_checkout_is_the_clone_of_an_install_from_source():
+    # The dev venv installs ./core editable (scripts/setup.sh): direct_url.json names this clone.
+    assert registry._source_checkout() == str(REPO)
 
 
 def test_environment_limits_discovery(with_fixture_dists, monkeypatch):

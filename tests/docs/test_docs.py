@@ -55,3 +55,16 @@ def test_doc_block_runs(path: Path, code: str, mark: str, tmp_path: Path) -> Non
     assert proc.returncode == 0, (
         f"{path.name} block failed:\n{code}\n--- stderr ---\n{proc.stderr[-4000:]}"
     )
+
+
+def test_install_advice_matches_whether_fusedhead_is_on_pypi() -> None:
+    """The errors advise `pip install 'fusedhead[NAME]'` only once the README says it is on PyPI."""
+    from fusedhead import registry
+
+    not_yet = "There is no release on PyPI yet" in (ROOT / "README.md").read_text()
+    assert registry.ON_PYPI is not not_yet, (
+        "README.md and registry.ON_PYPI disagree on whether fusedhead is on PyPI "
+        "(docs/releasing.md, step 6, changes both)"
+    )
+    advice = registry.install_command("triton")
+    assert (advice == "pip install 'fusedhead[triton]'") is registry.ON_PYPI, advice

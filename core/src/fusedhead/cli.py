@@ -176,7 +176,9 @@ def version_text() -> str:
     for dist, (version, names) in sorted(dists.items()):
         lines.append(f"{dist} {version} (backend {', '.join(names)})")
     if not dists:
-        lines.append("(no backend distributions installed: pip install 'fusedhead[torch]')")
+        lines.append(
+            f"(no backend distributions installed; the portable one: {registry.install_command('torch')})"
+        )
     lines.append(f"python {sys.version.split()[0]}")
     return "\n".join(lines)
 
@@ -245,7 +247,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         if note:
             print(f"({note})" if len(table) > 1 else f"no backends shown: {note}")
         elif len(table) == 1:
-            print("no backends installed: pip install 'fusedhead[torch]' for the portable one")
+            print("no backends installed; the portable one: " + registry.install_command("torch"))
     bad = {registry.Status.BROKEN, registry.Status.INCOMPATIBLE, registry.Status.CONFLICT}
     return 1 if args.check and any(r.status in bad for r in rows) else 0
 

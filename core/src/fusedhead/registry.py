@@ -13,8 +13,11 @@ import importlib
 import importlib.metadata as md
 import importlib.util
 import inspect
+import json
 import os
 import re
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -38,6 +41,16 @@ FIRST_PARTY_EXTRAS = {
     "triton": "fusedhead[triton]",
     "liger": "fusedhead[liger]",
 }
+#: Where each first-party backend's project lives in a clone of the repository.
+FIRST_PARTY_SOURCES = {
+    "torch": "plugins/torch_backend",
+    "triton": "plugins/triton_backend",
+    "liger": "plugins/liger_backend",
+}
+#: Whether the first-party distributions are published on PyPI. Until they are, a bare
+#: ``pip install 'fusedhead[triton]'`` finds no fusedhead-triton, so :func:`install_command`
+#: names what works from a clone instead; docs/releasing.md (step 6) sets it after the first upload.
+ON_PYPI = False
 #: Reserved names: each may only come from the project's own distribution (normalized name).
 RESERVED_NAMES = {
     "torch": "fusedhead-torch",
@@ -242,6 +255,43 @@ def _check_name(name: object) -> None:
         raise ValueError(f"backend name {name!r} is not valid: expected lowercase [a-z0-9_-]+")
 
 
+def _source_checkout() -> str | None:
+    """The clone the core was installed from (``pip install [-e] ./core``), if it is still there.
+
+    Read from the core's PEP 610 ``direct_url.json``; None for an install from wheels or an index.
+    """
+    try:
+        text = md.distribution("fusedhead").read_text("direct_url.json")
+        url = json.loads(text or "{}").get("url", "")
+    except (md.PackageNotFoundError, ValueError, AttributeError, OSError):
+        return None
+    if not isinstance(url, str) or not url.startswith("file:"):
+        return None
+    core = urllib.request.url2pathname(urllib.parse.urlparse(url).path).rstrip("/")
+    root = os.path.dirname(core)
+    return root if os.path.isfile(os.path.join(root, "core", "pyproject.toml")) else None
+
+
+def install_command(name: str) -> str:
+    """The pip command that installs first-party backend ``name``, true for how it is published.
+
+    ``pip install 'fusedhead[NAME]'`` once the distributions are on PyPI; until then the backend's
+    folder in the clone the core came from, or a clone and the wheels ``scripts/build-dists`` makes.
+    """
+    extra = FIRST_PARTY_EXTRAS[name]
+    if ON_PYPI:
+        return f"pip install '{extra}'"
+    source = FIRST_PARTY_SOURCES[name]
+    root = _source_checkout()
+    if root is not None and os.path.isfile(os.path.join(root, source, "pyproject.toml")):
+        return f"pip install '{os.path.join(root, source)}' (fusedhead is not on PyPI yet)"
+    return (
+        f"from a clone of the fusedhead repository (it is not on PyPI yet), pip install ./{source}, "
+        f"or pip install --find-links dist '{extra}' with the wheels that scripts/build-dists "
+        "built in dist/"
+    )
+
+
 def unknown_name_message(name: str, available: Iterable[str]) -> str:
     names = sorted(available)
     msg = f"unknown fusedhead backend {name!r}. "
@@ -252,9 +302,9 @@ def unknown_name_message(name: str, available: Iterable[str]) -> str:
     else:
         close = difflib.get_close_matches(name, list(FIRST_PARTY_EXTRAS), n=1, cutoff=0.6)
         if close and close[0] != name:
-            msg += f" Did you mean {close[0]!r} (not installed: pip install '{FIRST_PARTY_EXTRAS[close[0]]}')?"
+            msg += f" Did you mean {close[0]!r} (not installed: {install_command(close[0])})?"
     if name in FIRST_PARTY_EXTRAS:
-        msg += f" Backend {name!r} is provided by: pip install '{FIRST_PARTY_EXTRAS[name]}'."
+        msg += f" Backend {name!r} is provided by {RESERVED_NAMES[name]}: {install_command(name)}."
     else:
         extras = ", ".join(f"{n} ({e})" for n, e in FIRST_PARTY_EXTRAS.items())
         msg += f" First-party backends: {extras}; third-party ones register the entry-point group {ENTRY_POINT_GROUP!r}."
@@ -305,7 +355,7 @@ def find(name: str) -> Candidate:
             distribution=bad.distribution,
             version=bad.version,
             claimants=tuple(c.origin for c in claims),
-            hint=f"install the first-party backend with pip install '{FIRST_PARTY_EXTRAS[name]}' "
+            hint=f"install the first-party backend ({install_command(name)}) "
             f"and uninstall {bad.distribution}",
         )
     if len(allowed) > 1:
