@@ -10,15 +10,22 @@ when there are several) before the next block starts, so no ``[V, H]`` fp32 buff
 Ignored rows (label ``ignore_index``) get exactly zero gradients even when their hidden state holds
 NaN or inf: backward reads their hidden rows and row max as zeros, so every product with them is a
 finite zero (the weight gradient never sees them).
+
+No backward is differentiable (``first_order``): under ``create_graph=True`` the gradients come
+back attached to a node that raises ``DOUBLE_BACKWARD`` when a gradient of them is asked for,
+never a silently first-order (or detached) one.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._C import _functions
 
 from fusedhead_torch.grads import TileGrads
 from fusedhead_torch.parallel import all_reduce_row_stats
@@ -189,6 +196,43 @@ def _backward_grads(
     return grads.result(spec.process_group, spec.reduce_hidden_grad)
 
 
+DOUBLE_BACKWARD = (
+    "the torch backend's backward is not differentiable: a double backward (create_graph=True, "
+    "then a gradient of that gradient, e.g. a gradient penalty through the log-probs, an extra "
+    "output or the KL) is not supported; form such a term from full logits (hidden @ weight.T) "
+    "with plain PyTorch ops"
+)
+
+_Backward = Callable[..., tuple[Any, ...]]
+
+
+def first_order(backward: _Backward) -> _Backward:
+    """A Function's ``backward``, run without grad; under ``create_graph=True`` its gradients
+    are handed back through a node that raises ``DOUBLE_BACKWARD`` if it is differentiated (as
+    ``torch.autograd.function.once_differentiable``, with this message, and attached whatever
+    the incoming gradients are: a penalty through them must fail, not vanish)."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return backward(ctx, *grads)
+        with torch.no_grad():
+            out = backward(ctx, *grads)
+        tensors = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return out
+        refuse = _functions.DelayedError(DOUBLE_BACKWARD.encode(), len(tensors))
+        attached = refuse(*(out[i].detach().requires_grad_() for i in tensors))
+        if isinstance(attached, torch.Tensor):
+            attached = (attached,)
+        result = list(out)
+        for i, t in zip(tensors, attached, strict=True):
+            result[i] = t
+        return tuple(result)
+
+    return wrapper
+
+
 def _no_autocast(device: torch.device) -> torch.autocast:
     """GEMMs in the dtype of the tensors given, whatever autocast region the caller is in."""
     return torch.autocast(device_type=device.type, enabled=False)
@@ -238,6 +282,7 @@ class ChunkedFusedHead(torch.autograd.Function):
         return log_probs, torch.where(place.valid, entropy, zero)
 
     @staticmethod
+    @first_order
     def backward(
         ctx: Any, g_lp: torch.Tensor | None, *rest: torch.Tensor | None
     ) -> tuple[Any, ...]:

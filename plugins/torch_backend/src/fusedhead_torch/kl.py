@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fusedhead.protocol import KLCall, KLOutput
+from fusedhead_torch.chunked import first_order
 from fusedhead_torch.grads import TileGrads
 from fusedhead_torch.tile_math import (
     FP32,
@@ -236,6 +237,7 @@ class ChunkedKL(torch.autograd.Function):
         return kl
 
     @staticmethod
+    @first_order
     def backward(ctx: Any, g: torch.Tensor | None) -> tuple[Any, ...]:
         hidden, weight, ht, wt, valid, m_s, s_s, m_t, s_t, kl, t_s, t_t = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

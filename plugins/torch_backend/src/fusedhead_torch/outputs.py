@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fusedhead.protocol import HeadCall, HeadOutput
-from fusedhead_torch.chunked import HeadSpec, LabelPlace
+from fusedhead_torch.chunked import HeadSpec, LabelPlace, first_order
 from fusedhead_torch.grads import TileGrads
 from fusedhead_torch.parallel import all_gather_rows, all_reduce_row_stats, all_reduce_sum_
 from fusedhead_torch.rowstats import RowStats
@@ -517,6 +517,7 @@ class ChunkedHeadOutputs(torch.autograd.Function):
         return log_probs, ent_out, lse, sum_p2, topk_lp, gathered, argmax, topk_ids
 
     @staticmethod
+    @first_order
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         (hidden, weight, labels, gather_ids, topk_ids, m, s, entropy, sum_p2, inv_t_tensor) = (
             ctx.saved_tensors

@@ -19,8 +19,9 @@ from .launch import HeadScalars, RowGrads, RowOutputs, combine, forward_partials
 
 DOUBLE_BACKWARD = (
     "the triton backend's backward is not differentiable: a double backward "
-    "(create_graph=True, e.g. a gradient penalty through the log-probs) is not supported; "
-    "use backend='torch' for second-order gradients"
+    "(create_graph=True, e.g. a gradient penalty through the log-probs) is not supported, nor "
+    "on the torch backend; form such a term from full logits (hidden @ weight.T) with plain "
+    "PyTorch ops"
 )
 
 
