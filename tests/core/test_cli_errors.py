@@ -329,3 +329,78 @@ def test_a_cuda_device_that_is_not_here_is_one_error_line(capsys, command):
     line = one_error_line(err)
     assert rc == 2 and "--device cuda:99" in line and "PASS" not in out
     assert "CUDA is not available here" in line or "CUDA device(s)" in line
+
+
+# --- each sub-command's --help, bench's output paths, demo --model ------------------------------
+
+
+@pytest.mark.parametrize("command", ["list", "info", "check", "bench", "demo"])
+def test_each_sub_command_help_says_what_it_does(capsys, command):
+    rc, out, _err = run_main(capsys, command, "--help")
+    assert rc == 0
+    intro = out.split("\n\n")[1]  # after the usage: the description, before the arguments
+    assert not intro.startswith(("options:", "positional arguments:")), out
+    words = " ".join(intro.split())
+    top = cli.build_parser(delegated=False)._subparsers._group_actions[0]  # type: ignore[union-attr]
+    summary = next(a.help for a in top._choices_actions if a.dest == command)
+    assert summary and words.lower().startswith(summary.lower()), (words, summary)
+
+
+def test_info_name_says_what_it_takes(capsys):
+    _rc, out, _err = run_main(capsys, "info", "--help")
+    assert "backend name" in out
+
+
+TINY = ["--impl", "torch", "--n", "8", "--hidden", "8", "--vocab", "16", "--no-memory"]
+
+
+@pytest.mark.parametrize("flag", ["--json", "--markdown", "--plot"])
+def test_bench_output_under_a_file_is_refused_before_any_work(capsys, tmp_path, flag):
+    (tmp_path / "afile").write_text("x")
+    target = tmp_path / "afile" / "out.png"
+    rc, out, err = run_main(capsys, "bench", *TINY, flag, str(target))
+    line = one_error_line(err)  # one line: no progress lines, nothing was measured
+    assert rc == 2 and line.startswith(f"fusedhead: error: {flag} {target}:"), line
+    assert "is a file, not a folder" in line and "|" not in out  # no table either
+
+
+@pytest.mark.parametrize("flag", ["--json", "--markdown", "--plot"])
+def test_bench_output_that_is_a_folder_is_refused_before_any_work(capsys, tmp_path, flag):
+    rc, _out, err = run_main(capsys, "bench", *TINY, flag, str(tmp_path))
+    line = one_error_line(err)
+    assert rc == 2 and f"{flag} {tmp_path}: is a folder" in line
+
+
+def test_bench_plot_in_a_format_matplotlib_does_not_write_is_refused_first(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    rc, _out, err = run_main(capsys, "bench", *TINY, "--plot", str(tmp_path / "bench.txt"))
+    line = one_error_line(err)
+    assert rc == 2 and "--plot" in line and "'txt'" in line and "png" in line
+
+
+def test_bench_output_folders_that_do_not_exist_yet_are_made(capsys, tmp_path):
+    md = tmp_path / "a" / "b" / "bench.md"
+    rc, _out, _err = run_main(capsys, "bench", *TINY, "--markdown", str(md), "--max-minutes", "0")
+    assert rc == 0 and md.is_file()
+
+
+def test_bench_append_needs_json(capsys):
+    rc, _out, err = run_main(capsys, "bench", *TINY, "--append")
+    line = one_error_line(err)
+    assert rc == 2 and "--append" in line and "--json" in line
+
+
+@pytest.mark.parametrize("mode", [["--report-only"], ["--append", *TINY]])
+def test_bench_results_that_are_not_json_name_the_file_and_the_flag(capsys, tmp_path, mode):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not json\n")
+    rc, _out, err = run_main(capsys, "bench", *mode, "--json", str(bad))
+    line = one_error_line(err)
+    assert rc == 2 and f"--json {bad}" in line and "JSON list" in line, line
+
+
+def test_demo_unknown_model_is_one_error_line_on_stderr(capsys):
+    pytest.importorskip("transformers")
+    rc, out, err = run_main(capsys, "demo", "--model", "nope", "--quiet")
+    line = one_error_line(err)
+    assert rc == 2 and "--model nope" in line and "tiny-llama" in line and out == ""

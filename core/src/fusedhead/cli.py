@@ -337,9 +337,8 @@ def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
         help="print the versions of fusedhead and of every installed backend distribution",
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser(
-        "list", help="installed backends and their status (metadata only unless --check)"
-    )
+    text = "installed backends and their status (metadata only unless --check)"
+    p = sub.add_parser("list", help=text, description=_sentence(text))
     p.add_argument("--json", action="store_true", help="print a JSON list of objects")
     p.add_argument(
         "--check",
@@ -350,10 +349,9 @@ def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
         "--device", default=None, help="device for --check (default: cuda if present, else cpu)"
     )
     p.set_defaults(func=_cmd_list)
-    p = sub.add_parser(
-        "info", help="capabilities, options (their allowed values), distribution and status"
-    )
-    p.add_argument("name")
+    text = "capabilities, options (their allowed values), distribution and status of a backend"
+    p = sub.add_parser("info", help=text, description=_sentence(text))
+    p.add_argument("name", help="backend name (as in `fusedhead list`)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--device",
@@ -363,12 +361,17 @@ def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_info)
     for name, (module, help_text) in _DELEGATED.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=_sentence(help_text))
         p.set_defaults(module=module)
         if delegated:
             importlib.import_module(module).add_arguments(p)
             _typed_options(p)
     return parser
+
+
+def _sentence(text: str) -> str:
+    """A sub-command's one-line help as the first line of its own ``--help``."""
+    return text[0].upper() + text[1:] + "."
 
 
 def _typed_options(parser: argparse.ArgumentParser) -> None:

@@ -121,8 +121,84 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any work, an output path that could not be written at the end of a run.
+
+    A folder where a file goes, a file where a folder goes, a folder that cannot be created or
+    written, a plot format matplotlib does not write, ``--append`` without ``--json``: each is a
+    ValueError naming the flag (a run of hours must not end in an error writing its table).
+    """
+    import os
+    from pathlib import Path
+
+    if args.append and not args.json:
+        raise ValueError("--append adds to the results in --json PATH: give --json too")
+    for flag, value in (
+        ("--json", args.json),
+        ("--markdown", args.markdown),
+        ("--plot", args.plot),
+    ):
+        if not value or (flag == "--json" and args.report_only):  # read, not written
+            continue
+        path = Path(value)
+        if path.is_dir():
+            raise ValueError(f"{flag} {value}: is a folder; give a file path in it")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise ValueError(f"{flag} {value}: the file is not writable")
+        folder = path.parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent  # the nearest existing ancestor: made into the folder later
+        if not folder.is_dir():
+            raise ValueError(f"{flag} {value}: {folder} is a file, not a folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {value}: the folder {folder} is not writable")
+    if args.append and Path(args.json).is_file():
+        read_results(args.json, "--append: --json")  # what it adds to must be earlier results
+    if args.plot:
+        suffix = Path(args.plot).suffix.lower().lstrip(".")
+        try:
+            from matplotlib.backend_bases import FigureCanvasBase
+        except ImportError:
+            return  # the plot is skipped with a note at the end (fusedhead[bench] installs it)
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if suffix and suffix not in formats:
+            raise ValueError(
+                f"--plot {args.plot}: matplotlib writes no {suffix!r} file; "
+                f"use one of {', '.join(sorted(formats))} (e.g. bench.png)"
+            )
+
+
+def read_results(path: str, flag: str) -> list[dict[str, Any]]:
+    """The JSON list of results that an earlier ``--json PATH`` wrote, or a ValueError naming it."""
+    import json
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ValueError(
+            f"{flag} {path}: No such file (it reads an earlier run's --json)"
+        ) from None
+    except (IsADirectoryError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{flag} {path}: not a results file ({exc})") from None
+    try:
+        records = json.loads(text or "[]")
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{flag} {path}: not the JSON list that fusedhead bench --json writes "
+            f"({exc.msg} at line {exc.lineno}, column {exc.colno})"
+        ) from None
+    if not isinstance(records, list):
+        raise ValueError(
+            f"{flag} {path}: holds a JSON {type(records).__name__}, not the list of results "
+            "that fusedhead bench --json writes"
+        )
+    return records
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the grid; exit 0 when every attempted measurement succeeded, 1 otherwise."""
+    check_outputs(args)
     if args.report_only:
         return _report_only(args)
     import signal
@@ -267,12 +343,7 @@ def _report_only(args: argparse.Namespace) -> int:
 
     if not args.json:
         raise ValueError("--report-only needs --json PATH with earlier results")
-    import json
-    from pathlib import Path
-
-    records = json.loads(Path(args.json).read_text())
-    if not isinstance(records, list):
-        raise ValueError(f"{args.json} does not hold a JSON list of results")
+    records = read_results(args.json, "--report-only: --json")
     _finish(args, records, report)
     return 0
 

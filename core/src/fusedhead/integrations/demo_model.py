@@ -140,9 +140,8 @@ def run(args: Any) -> int:
 
     try:
         model: Any = build_model(args.model, dtype=dtype).to(device)
-    except DemoUnavailable as exc:
-        print(f"fusedhead demo --model: {exc}")
-        return 2
+    except DemoUnavailable as exc:  # the command's one error line on stderr, exit 2
+        raise ValueError(f"demo --model {args.model}: {exc}") from None
     vocab = model.config.vocab_size
     input_ids, mask = padded_batch(4, 128, vocab)
     input_ids, mask = input_ids.to(device), mask.to(device)
