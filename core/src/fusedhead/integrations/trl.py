@@ -69,7 +69,8 @@ def _trl_utils() -> types.ModuleType:
             f"fusedhead.integrations.trl needs TRL ({TESTED_TRL} tested): pip install 'trl{TESTED_TRL}' "
             f"({exc})"
         ) from exc
-    return utils
+    module: types.ModuleType = utils  # Any where TRL is not installed (mypy without the trainers)
+    return module
 
 
 def _check_outputs(outputs: object) -> tuple[str, ...]:
