@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# run_all.sh [PARTS_DIR ...]: the one GPU call that measures everything, on one H200.
+# run_all.sh [--out OUT] [PARTS_DIR ...]: the one GPU call that measures everything, on one H200.
 #
 # Run from the repository root on the GPU host (Python 3.12, torch, triton, no internet), with
 # .gpu-wheels/small and .gpu-wheels/install-wheels carried. PARTS_DIR are folders holding the
@@ -19,7 +19,7 @@
 #   check-*       fusedhead check {triton,liger,torch} --device cuda --dtype bf16, in parallel with
 #   pytest-gpu    pytest -m gpu over tests/ (nothing of these four is timed)
 #   *-gpu-check   plugins/{liger,triton}_backend/tools/gpu_check.py when present, one at a time
-# Results in $OUT, at most 8 files (anything more is packed into extra.tar.gz): summary.txt,
+# Results in OUT (--out, else $OUT, else ./.gpu-out), at most 8 files (anything more is packed into extra.tar.gz): summary.txt,
 # bench.json, bench.md, bench.png, bench.log, checks.log, liger_gpu_check.json,
 # triton_gpu_check.json.
 #
@@ -38,6 +38,10 @@ set -uo pipefail
 START=$SECONDS
 DEADLINE_S=${DEADLINE_S:-570}
 RESERVE_S=15
+if [[ ${1:-} == --out ]]; then
+  OUT=${2:?usage: run_all.sh [--out OUT] [PARTS_DIR ...]}
+  shift 2
+fi
 OUT=${OUT:-$PWD/.gpu-out}
 WHEELS=${WHEELS:-.gpu-wheels}
 BENCH_MINUTES=${BENCH_MINUTES:-2.5}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# trainers_outputs.sh: one GPU call for the trainer integration, the torch backend's logits
+# trainers_outputs.sh [OUT]: one GPU call for the trainer integration, the torch backend's logits
 # precision and the distillation outputs, from the repository root on any CUDA machine with
 # torch and triton, with .gpu-wheels/{small,install-wheels} (pydantic, hatchling: made by
 # shared/gpu/prepare-wheels) and .whl/trl-1.16.0-*.whl carried (TRL is installed --no-deps: the

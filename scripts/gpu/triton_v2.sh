@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# triton_v2.sh stash|bench: the triton backend's GPU runs (issue 17) in two calls on one warm H200,
+# triton_v2.sh stash|bench [OUT]: the triton backend's GPU runs (issue 17) in two calls on one warm H200,
 # from the repository root, with .gpu-wheels/{small,install-wheels} carried and part-a (stash) or
 # part-b (bench) of the CuTe DSL wheel (shared/gpu/prepare-wheels makes them).
 #   stash  keeps part-a on the machine for the next call, installs the small wheels and the
@@ -7,9 +7,9 @@
 #          where the profiler reads counters), then pytest -m gpu tests/triton_backend.
 #   bench  run_all.sh's install + bench (liger-direct, then triton in its own process), then a
 #          second triton process into bench-again.json: the two triton runs' agreement.
-# Outputs in $OUT (at most 8 files).
+# Outputs in OUT (default $OUT, else ./.gpu-out; at most 8 files).
 set -uo pipefail
-OUT=${OUT:-$PWD/.gpu-out}
+OUT=${2:-${OUT:-$PWD/.gpu-out}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -39,14 +39,15 @@ stash)
 bench)
   STEPS="install bench" BENCH_IMPLS=${BENCH_IMPLS:-liger-direct} BENCH_LAST_IMPLS=triton \
     BENCH_MINUTES=${BENCH_MINUTES:-2} BENCH_LAST_MINUTES=${BENCH_LAST_MINUTES:-2} \
-    DEADLINE_S=${DEADLINE_S:-420} bash "$HERE/run_all.sh" /tmp/fusedhead-wheel-parts .gpu-wheels/part-b
+    DEADLINE_S=${DEADLINE_S:-420} bash "$HERE/run_all.sh" --out "$OUT" \
+    /tmp/fusedhead-wheel-parts .gpu-wheels/part-b
   timeout 200 python3 -m fusedhead.cli bench --device cuda --dtype bf16 --n 8192 32768 \
     --hidden 4096 --vocab 151936 --temperature 0.7 --impl triton --max-minutes 2 \
     --json "$OUT/bench-again.json" >"$OUT/bench-again.log" 2>&1
   tail -n 12 "$OUT/bench-again.log"
   ;;
 *)
-  echo "usage: triton_v2.sh stash|bench" >&2
+  echo "usage: triton_v2.sh stash|bench [OUT]" >&2
   exit 2
   ;;
 esac

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# two_gpu.sh: the issue-9 call on a machine with two GPUs (nvidia-h200-x2), from the repo root,
+# two_gpu.sh [OUT]: the issue-9 call on a machine with two GPUs (nvidia-h200-x2), from the repo root,
 # carrying .gpu-wheels/small and .gpu-wheels/install-wheels. Installs the project, runs the NCCL
 # vocab-parallel comparison (scripts/gpu/vocab_parallel_nccl.py under torchrun), then the
 # conformance kit on cuda for every backend that declares vocab-parallel (its vocab_parallel
 # property uses NCCL on two GPUs), then, if time is left, `fusedhead bench` on GPU 0 (BENCH_IMPLS).
-# Results in $OUT: vocab_parallel_nccl.json, vp.log, checks.log, setup.log, bench.json, bench.log.
+# Results in OUT (default $OUT, else ./.gpu-out): vocab_parallel_nccl.json, vp.log, checks.log, setup.log, bench.json, bench.log.
 set -uo pipefail
 # The tree's commit, stamped here before the call (scripts/gpu/stamp.sh; carry .gpu-stamp):
 # the machine's copy of .git can be older than the files it received.
 [[ -f .gpu-stamp ]] && export FUSEDHEAD_GIT_COMMIT=$(<.gpu-stamp)
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-$PWD/.gpu-out}
+OUT=${1:-${OUT:-$PWD/.gpu-out}}
 WHEELS=${WHEELS:-.gpu-wheels}
 BENCH_IMPLS=${BENCH_IMPLS:-triton torch}
 mkdir -p "$OUT"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def test_run_all_rehearsal_on_the_cpu(tmp_path: Path) -> None:
         **os.environ,
         "WHEELS": str(wheels),
         "PATH": f"{_stub_bin(tmp_path)}{os.pathsep}{os.environ['PATH']}",
-        "OUT": str(out),
+        "OUT": str(tmp_path / "decoy"),  # the folder given as --out wins over $OUT
         "DEVICE": "cpu",
         "DTYPE": "fp32",
         "STEPS": "install bench",
@@ -142,7 +143,7 @@ def test_run_all_rehearsal_on_the_cpu(tmp_path: Path) -> None:
         "DEADLINE_S": "300",
     }
     proc = subprocess.run(
-        ["bash", str(SCRIPTS / "run_all.sh"), str(parts_b), str(parts_a)],
+        ["bash", str(SCRIPTS / "run_all.sh"), "--out", str(out), str(parts_b), str(parts_a)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -150,6 +151,7 @@ def test_run_all_rehearsal_on_the_cpu(tmp_path: Path) -> None:
         timeout=400,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (tmp_path / "decoy").exists()
     summary = (out / "summary.txt").read_text()
     for step in ("install-wheels", "install-project", "env", "list", "bench", "bench-last",
                  "bench-report"):  # fmt: skip
@@ -176,3 +178,20 @@ def test_run_all_rehearsal_on_the_cpu(tmp_path: Path) -> None:
     assert "| verl-chunked |" in (out / "bench.md").read_text()
     entries = list(out.iterdir())
     assert len(entries) <= 8 and all(p.is_file() for p in entries)
+
+
+def test_every_gpu_script_that_writes_outputs_takes_the_folder_as_an_argument():
+    """A stranger's GPU machine has no $OUT convention: the output folder is an argument.
+
+    Each script of scripts/gpu/ that writes under "$OUT" sets OUT from a positional parameter
+    or --out (the environment and ./.gpu-out only as defaults), and its header's usage names it.
+    """
+    takes = re.compile(r"^\s*OUT=\$\{\d[:?]", re.M)
+    for script in sorted(SCRIPTS.glob("*.sh")):
+        text = script.read_text()
+        if '"$OUT' not in text:
+            continue
+        assert takes.search(text), f"{script.name}: OUT comes only from the environment"
+        header = "\n".join(line for line in text.splitlines()[1:12] if line.startswith("#"))
+        usage = re.search(rf"{re.escape(script.name)} [^:\n]*\bOUT\b", header)
+        assert usage, f"{script.name}: no usage line in its header names OUT:\n{header}"
