@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "core" / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 BLOCK = re.compile(
     r"(?:<!--\s*docs-test:\s*(?P<mark>[^>]*?)\s*-->\s*\n)?```python\n(?P<code>.*?)```", re.S
 )
@@ -68,3 +68,23 @@ def test_install_advice_matches_whether_fusedhead_is_on_pypi() -> None:
     )
     advice = registry.install_command("triton")
     assert (advice == "pip install 'fusedhead[triton]'") is registry.ON_PYPI, advice
+
+
+#: The four published distributions' projects; each one's README is its page on PyPI.
+PUBLISHED = ["core", "plugins/torch_backend", "plugins/triton_backend", "plugins/liger_backend"]
+
+
+@pytest.mark.parametrize("project", PUBLISHED)
+def test_a_distribution_readme_stands_on_its_own(project: str) -> None:
+    """On PyPI a README has no repository around it: a relative link leads nowhere there.
+
+    And the core's page is what a stranger reads first: it says how to install and call it.
+    """
+    readme = ROOT / project / "README.md"
+    assert 'readme = "README.md"' in (ROOT / project / "pyproject.toml").read_text()
+    text = readme.read_text()
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    relative = [t for t in targets if not t.startswith(("http://", "https://", "#"))]
+    assert not relative, f"{project}/README.md links to {relative}, dead on PyPI"
+    if project == "core":
+        assert "pip install" in text and "fused_head(" in text and len(text.splitlines()) > 20
