@@ -82,6 +82,23 @@ def logits_tile_tma(
     return acc
 
 
+@triton.jit
+def store_tile(
+    dst, tile, off_m, off_n, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
+):  # fmt: skip
+    """Write an fp32 ``tile`` at ``(off_m, off_n)`` of ``dst [M, N]`` in ``dst``'s dtype: through
+    its TMA descriptor (clipped at the edges) when ``TMA``, else masked pointer stores."""
+    if TMA:
+        dst.store([off_m, off_n], tile.to(dst.dtype))
+    else:
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        ptrs = dst + offs_m.to(tl.int64)[:, None] * stride_m + offs_n[None, :]
+        tl.store(ptrs, tile.to(dst.dtype.element_ty), mask=mask)
+
+
 #: Odd Taylor coefficients of tanh (x, x^3, ..., x^17): below |x| = 0.625 nine terms reach fp32.
 _T1 = tl.constexpr(-0.3333333333333333)
 _T2 = tl.constexpr(0.13333333333333333)

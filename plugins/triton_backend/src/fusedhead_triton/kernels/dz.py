@@ -20,6 +20,7 @@ from .common import (
     logits_tile_tma,
     row_inv_temperature,
     sech2_f32,
+    store_tile,
     tanh_f32,
 )
 from .sparse import add_sparse, tile_bounds
@@ -143,9 +144,4 @@ def dz_kernel(
             ignore_index, inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP,
             HAS_GENT, HAS_AX, HAS_C, HAS_SPARSE,
         )  # fmt: skip
-        if TMA:
-            dz.store([off_m, off_n], g.to(dz.dtype))
-        else:
-            mask = (offs_m < N)[:, None] & (offs_n < Vb)[None, :]
-            ptrs = dz + offs_m.to(tl.int64)[:, None] * stride_dzm + offs_n[None, :]
-            tl.store(ptrs, g.to(dz.dtype.element_ty), mask=mask)
+        store_tile(dz, g, off_m, off_n, N, Vb, stride_dzm, BLOCK_M, BLOCK_N, TMA)

@@ -28,6 +28,7 @@ from .common import (
     logits_tile_tma,
     row_inv_temperature,
     sech2_f32,
+    store_tile,
     tanh_f32,
 )
 
@@ -280,9 +281,4 @@ def kl_dz_kernel(
         if SOFTCAP_S:
             g = g * dcap
         g = tl.where((coef != 0.0)[:, None], g, 0.0)
-        if TMA:
-            dz.store([off_m, off_n], g.to(dz.dtype))
-        else:
-            mask = (offs_m < N)[:, None] & (offs_n < Vb)[None, :]
-            ptrs = dz + offs_m.to(tl.int64)[:, None] * stride_dzm + offs_n[None, :]
-            tl.store(ptrs, g.to(dz.dtype.element_ty), mask=mask)
+        store_tile(dz, g, off_m, off_n, N, Vb, stride_dzm, BLOCK_M, BLOCK_N, TMA)
