@@ -24,9 +24,12 @@ def test_cli_demo_tiny_llama_passes() -> None:
 
 
 def test_unknown_model_cannot_run() -> None:
+    """An unknown model is a ValueError naming it and the choices (the CLI's one error line on
+    stderr, exit 2: tests/core/test_cli_errors.py), never a run."""
     from fusedhead.integrations.demo_model import run
 
     args = argparse.Namespace(
         model="tiny-nope", backend="torch", device="cpu", dtype="fp32", options=None
     )
-    assert run(args) == 2
+    with pytest.raises(ValueError, match=r"demo --model tiny-nope: unknown demo model 'tiny-nope'"):
+        run(args)
