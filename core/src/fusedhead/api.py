@@ -21,7 +21,7 @@ from fusedhead.errors import (
     CapabilityError,
 )
 from fusedhead.hooks import plugin_manager
-from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
+from fusedhead.protocol import SCALAR_RANGE, Capabilities, HeadCall, HeadOutput
 from fusedhead.validation import (
     _DEVICES,
     Pending,
@@ -351,11 +351,12 @@ class FusedHead:
         if not (
             basic
             and call.temperature.__class__ is float
+            and call.temperature >= ready[0].min_temperature  # type: ignore[operator]
             and call.softcap is None
             and process_group is None
             and call.outputs <= ready[1]
         ):  # anything beyond a plain call: the full check (a plain one passes it by construction)
-            self._check_call_capabilities(call, ready[0])
+            self._check_call_capabilities(call, ready[0], pending)
         if not n:
             return _empty(call, shape)
         if pending is not None:
@@ -461,6 +462,8 @@ class FusedHead:
             teacher_softcap=teacher_softcap,
             check=cfg.check_labels if check_labels is None else check_labels,
         )
+        check = cfg.check_labels if check_labels is None else check_labels
+        floor_read = Pending() if check is True else None
         if _tracing():
             caps = getattr(self._graph, self._prepare(call.hidden.device, call.hidden.dtype))[0]
         else:
@@ -484,6 +487,11 @@ class FusedHead:
                     hint="pass a float, or name a backend that declares per_token_temperature",
                     **self._identity(),
                 )
+            # per-token values: one more read where the call reads its checks (none traced)
+            self._check_min_temperature(arg, temp, caps, floor_read if not _tracing() else None)
+        if floor_read is not None:
+            floor_read.send()
+            floor_read.settle()
         for arg, cap in (("softcap", call.softcap), ("teacher_softcap", call.teacher_softcap)):
             if cap is not None and not caps.softcap:
                 raise CapabilityError(
@@ -513,7 +521,9 @@ class FusedHead:
         extras.check_kl(out, call.valid.shape[0], call.hidden.device, needs_grad, self._broke)
         return _shaped(out.kl, shape)
 
-    def _check_call_capabilities(self, call: HeadCall, caps: Capabilities) -> None:
+    def _check_call_capabilities(
+        self, call: HeadCall, caps: Capabilities, pending: Pending | None = None
+    ) -> None:
         if call.temperature.__class__ is not float and not caps.per_token_temperature:
             raise CapabilityError(
                 "does not support a per-token temperature tensor",
@@ -521,6 +531,7 @@ class FusedHead:
                 hint="pass a float, or name a backend that declares per_token_temperature, e.g. 'torch'",
                 **self._identity(),
             )
+        self._check_min_temperature("temperature", call.temperature, caps, pending)
         if call.softcap is not None and not caps.softcap:
             raise CapabilityError(
                 "does not support softcap",
@@ -603,6 +614,41 @@ class FusedHead:
                 f"{what} does not require grad although hidden or weight does: the backend "
                 "detached it, so no gradient would reach the model"
             )
+
+    def _check_min_temperature(
+        self, arg: str, temp: float | torch.Tensor, caps: Capabilities, pending: Pending | None
+    ) -> None:
+        """``temp`` at least the backend's ``min_temperature``: a float now; a per-token tensor in
+        ``pending``'s one read (no read without one: ``check_labels=False`` or a traced call)."""
+        floor = caps.min_temperature
+        if floor <= SCALAR_RANGE[0]:
+            return  # the core's own range, already checked
+        if isinstance(temp, torch.Tensor):
+            if pending is not None:
+                pending.add((temp < floor).any(), self._below_min_temperature, arg, temp, floor)
+        elif temp < floor:
+            self._below_min_temperature(arg, temp, floor)
+
+    def _below_min_temperature(
+        self, arg: str, temp: float | torch.Tensor, floor: float
+    ) -> NoReturn:
+        if isinstance(temp, torch.Tensor):
+            low = temp < floor
+            idx = int(low.nonzero()[0, 0])
+            got = (
+                f"a per-token {arg} of {float(temp[idx]):g} (as fp32) at flat position {idx} "
+                f"({int(low.sum())} value(s) below it)"
+            )
+        else:
+            got = f"{arg}={temp!r}"
+        raise CapabilityError(
+            f"computes at temperatures >= {floor:g} (it declares min_temperature={floor:g}), "
+            f"got {got}",
+            capability="min_temperature",
+            hint="raise the temperature, or name a backend with a smaller min_temperature, "
+            "e.g. 'torch'",
+            **self._identity(),
+        )
 
     def _broke(self, reason: str) -> NoReturn:
         raise BackendContractError(

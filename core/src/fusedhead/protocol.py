@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +76,10 @@ class Capabilities(BaseModel):
     logits_precision: Precision = "fp32"
     #: ``temperature`` may be a tensor broadcastable to the labels' shape.
     per_token_temperature: bool = False
+    #: Smallest temperature (a float or any per-token value, either head of the KL) the backend
+    #: computes to its declared precision; the core refuses a smaller one by name (per-token
+    #: values within the call's checked read: ``check_labels``). Default: the core's own floor.
+    min_temperature: float = Field(default=2.0**-126, ge=2.0**-126, le=2.0**126)
     #: ``softcap=c`` applies ``c * tanh(z / c)`` before the temperature division.
     softcap: bool = False
     #: Vocabulary shards may have unequal sizes under ``process_group``.

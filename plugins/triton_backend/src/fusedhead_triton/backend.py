@@ -20,6 +20,14 @@ from .configs import (
 )
 from .topk import MAX_TOP_K  # the running top-k set lives in registers; one shard only
 
+#: Smallest temperature computed to the declared precision. The backward forms each logit's
+#: ``z / T - lse`` in one fused multiply-add against the rounded ``lse``, so its error is about
+#: half an fp32 ulp of ``lse``: by the arithmetic about 1e-3 of a probability at ``|z| / T`` ~ 3e4
+#: (logits of 30 at T = 1e-3), growing with 1/T; on an H200 gradients were non-finite from
+#: T = 1e-8 (the KL) and 1e-10 (log-probs) with logits of about 5 (docs/benchmarks.md). The torch backend forms
+#: ``z - max`` exactly and takes temperatures down to the core's 2**-126.
+MIN_TEMPERATURE = 1e-3
+
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 #: Outputs of the plain one-shard ops (``ops.head``); any other request, and every vocab-parallel
 #: call, takes ``outputs.head_outputs_call``.
@@ -107,6 +115,7 @@ class TritonBackend:
             entropy_precision="fp32",
             logits_precision="fp32",
             per_token_temperature=True,
+            min_temperature=MIN_TEMPERATURE,
             softcap=True,
             uneven_shards=True,
             kl_directions=KL_DIRECTIONS,
