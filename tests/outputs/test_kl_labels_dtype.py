@@ -52,3 +52,24 @@ def test_narrow_labels_equal_to_ignore_index_are_ignored(dtype):
     labels = torch.tensor([3, 7, 3, 9], dtype=dtype)
     kl = fused_kl(hidden, weight, t_hidden, t_weight, labels, ignore_index=3)
     assert kl[0] == 0 and kl[2] == 0 and bool((kl[[1, 3]] > 0).all())
+
+
+def test_uint64_ids_are_refused_by_name_everywhere():
+    """uint64 has no exact int64 form (2**64 - 100 would wrap onto ignore_index -100): labels of
+    the head and of the KL, and gather_ids, are refused alike, naming the argument and dtype."""
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(4, 8, generator=g), torch.randn(30, 8, generator=g)
+    y = torch.randint(0, 30, (4,), generator=g)
+    calls = {
+        "labels": lambda: FusedHead(backend="torch")(h, w, y.to(torch.uint64)),
+        "labels ": lambda: fused_kl(h, w, h, w, y.to(torch.uint64), backend="torch"),
+        "gather_ids": lambda: FusedHead(backend="torch")(
+            h, w, y, gather_ids=y[:, None].to(torch.uint64)
+        ),
+    }
+    for arg, call in calls.items():
+        with pytest.raises(TypeError) as info:
+            call()
+        text = str(info.value)
+        assert text.startswith(f"{arg.strip()} must be an integer tensor that converts to int64")
+        assert "torch.uint64" in text, text

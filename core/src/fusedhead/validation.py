@@ -32,6 +32,16 @@ _INT_DTYPES = frozenset(
 )
 
 
+def _not_int64_exact(arg: str, dtype: torch.dtype) -> NoReturn:
+    """An id tensor of a dtype without an exact int64 form (compared with ``ignore_index`` and
+    the vocabulary in int64): floats, bool, complex, and uint64 (past 2**63 it wraps negative,
+    e.g. onto -100)."""
+    raise TypeError(
+        f"{arg} must be an integer tensor that converts to int64 exactly (int8 to int64, uint8 to "
+        f"uint32), got dtype {dtype}"
+    )
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``fp32``/``fp16``/``bf16`` for a supported dtype."""
     return _FLOAT_DTYPES[dtype]
@@ -243,7 +253,7 @@ def validate(
         n = math.prod(ys)
     ydt = y.dtype
     if ydt is not _I64 and ydt not in _INT_DTYPES:
-        raise TypeError(f"labels must be an integer tensor, got dtype {ydt}")
+        _not_int64_exact("labels", ydt)
     hdt, wdt = h.dtype, w.dtype
     if hdt not in _FLOAT_DTYPES:
         raise TypeError(f"hidden must be float32, float16 or bfloat16, got dtype {hdt}")
@@ -498,8 +508,8 @@ def _gather_ids(
     if value is None:
         return None
     ids = _tensor("gather_ids", value)
-    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-        raise TypeError(f"gather_ids must be an integer tensor, got dtype {ids.dtype}")
+    if ids.dtype not in _INT_DTYPES:
+        _not_int64_exact("gather_ids", ids.dtype)
     if ids.dim() != len(shape) + 1 or tuple(ids.shape[:-1]) != shape or ids.shape[-1] < 1:
         raise ValueError(
             f"gather_ids must have the labels' shape {shape} plus a last dimension K >= 1, got "
@@ -768,8 +778,8 @@ def validate_kl(
             raise ValueError(
                 f"labels must have hidden's leading shape {shape}, got {tuple(rows.shape)}"
             )
-        if rows.dtype == torch.bool or rows.is_floating_point() or rows.is_complex():
-            raise TypeError(f"labels must be an integer tensor, got dtype {rows.dtype}")
+        if rows.dtype not in _INT_DTYPES:
+            _not_int64_exact("labels", rows.dtype)
         if rows.device != h.device:
             raise ValueError(f"labels must be on hidden's device {h.device}, got {rows.device}")
         flat = rows.reshape(-1)
