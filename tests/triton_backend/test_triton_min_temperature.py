@@ -90,3 +90,26 @@ def test_either_head_of_the_kl_below_the_floor_is_refused(arg: str, per_token: b
     # the torch backend takes it
     kl = fused_kl(h, w, h.detach() * 0.9, w.detach(), y, backend="torch", **kwargs)  # type: ignore[arg-type]
     assert torch.isfinite(kl).all()
+
+
+@pytest.mark.parametrize("kl", [False, True])
+def test_a_traced_per_token_temperature_below_the_floor_is_refused_by_the_graph(kl: bool) -> None:
+    """Under torch.compile(fullgraph=True) the check is an op of the graph (no graph break), as
+    the core's other value checks: the same CapabilityError; a good tensor gives eager's bits."""
+    torch._dynamo.reset()
+    h, w, y = _inputs()
+    teacher = h.detach() * 0.9
+
+    def step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if kl:
+            return fused_kl(h, w, teacher, w.detach(), y, backend="triton", teacher_temperature=t)
+        return fused_head(h, w, y, backend="triton", temperature=t).log_probs
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    low = torch.full((N,), 0.7)
+    low[2] = 1e-5
+    with pytest.raises(CapabilityError) as info:
+        compiled(h, w, low)
+    _refused(info, "teacher_temperature" if kl else "a per-token temperature of 1e-05")
+    good = torch.full((N,), 0.7)
+    assert torch.equal(compiled(h, w, good), step(h, w, good))

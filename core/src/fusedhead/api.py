@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import threading
@@ -32,6 +33,44 @@ from fusedhead.validation import (
     validate_kl,
     with_outputs,
 )
+
+
+def _raise_below_min_temperature(
+    arg: str, temp: float | torch.Tensor, floor: float, identity: Mapping[str, Any]
+) -> NoReturn:
+    """The backend's ``min_temperature`` refusal, naming ``arg`` and the (smallest) value."""
+    if isinstance(temp, torch.Tensor):
+        low = temp < floor
+        idx = int(low.nonzero()[0, 0])
+        got = (
+            f"a per-token {arg} of {float(temp[idx]):g} (as fp32) at flat position {idx} "
+            f"({int(low.sum())} value(s) below it)"
+        )
+    else:
+        got = f"{arg}={temp!r}"
+    raise CapabilityError(
+        f"computes at temperatures >= {floor:g} (it declares min_temperature={floor:g}), got {got}",
+        capability="min_temperature",
+        hint="raise the temperature, or name a backend with a smaller min_temperature, e.g. 'torch'",
+        **identity,
+    )
+
+
+@torch.library.custom_op("fusedhead::check_min_temperature", mutates_args=())
+def _min_temperature_checked(
+    t: torch.Tensor, floor: float, arg: str, backend: str, distribution: str, version: str
+) -> torch.Tensor:
+    """The ``min_temperature`` check of a per-token tensor in a compiled graph (as the
+    validation's value checks: the eager check as an opaque op); a copy of ``t``."""
+    if bool((t < floor).any()):
+        who = {"backend": backend, "distribution": distribution, "version": version}
+        _raise_below_min_temperature(arg, t, floor, {k: v or None for k, v in who.items()})
+    return t.clone()
+
+
+@_min_temperature_checked.register_fake
+def _(t: torch.Tensor, *_: object) -> torch.Tensor:
+    return torch.empty_like(t)
 
 
 def _as_graph_constant(fn: Any) -> Any:
@@ -356,7 +395,9 @@ class FusedHead:
             and process_group is None
             and call.outputs <= ready[1]
         ):  # anything beyond a plain call: the full check (a plain one passes it by construction)
-            self._check_call_capabilities(call, ready[0], pending)
+            call = self._check_call_capabilities(
+                call, ready[0], pending, tracing and check_labels is True
+            )
         if not n:
             return _empty(call, shape)
         if pending is not None:
@@ -463,8 +504,9 @@ class FusedHead:
             check=cfg.check_labels if check_labels is None else check_labels,
         )
         check = cfg.check_labels if check_labels is None else check_labels
-        floor_read = Pending() if check is True else None
-        if _tracing():
+        traced = _tracing()
+        floor_read = Pending() if check is True and not traced else None
+        if traced:
             caps = getattr(self._graph, self._prepare(call.hidden.device, call.hidden.dtype))[0]
         else:
             caps = self._ready(call.hidden.device, call.hidden.dtype)
@@ -487,8 +529,16 @@ class FusedHead:
                     hint="pass a float, or name a backend that declares per_token_temperature",
                     **self._identity(),
                 )
-            # per-token values: one more read where the call reads its checks (none traced)
-            self._check_min_temperature(arg, temp, caps, floor_read if not _tracing() else None)
+            # per-token values: one more read where the call reads its checks (traced: a graph op)
+            checked = self._check_min_temperature(
+                arg, temp, caps, floor_read, traced and check is True
+            )
+            if checked is not temp:
+                call = (
+                    dataclasses.replace(call, temperature=checked)
+                    if arg == "temperature"
+                    else dataclasses.replace(call, teacher_temperature=checked)
+                )
         if floor_read is not None:
             floor_read.send()
             floor_read.settle()
@@ -522,8 +572,14 @@ class FusedHead:
         return _shaped(out.kl, shape)
 
     def _check_call_capabilities(
-        self, call: HeadCall, caps: Capabilities, pending: Pending | None = None
-    ) -> None:
+        self,
+        call: HeadCall,
+        caps: Capabilities,
+        pending: Pending | None = None,
+        traced: bool = False,
+    ) -> HeadCall:
+        """Refuse what ``caps`` does not declare, by name; the call to go on with (traced, its
+        per-token temperature passes through the graph's ``min_temperature`` check)."""
         if call.temperature.__class__ is not float and not caps.per_token_temperature:
             raise CapabilityError(
                 "does not support a per-token temperature tensor",
@@ -531,7 +587,9 @@ class FusedHead:
                 hint="pass a float, or name a backend that declares per_token_temperature, e.g. 'torch'",
                 **self._identity(),
             )
-        self._check_min_temperature("temperature", call.temperature, caps, pending)
+        temp = self._check_min_temperature("temperature", call.temperature, caps, pending, traced)
+        if temp is not call.temperature:
+            call = call._replace(temperature=temp)
         if call.softcap is not None and not caps.softcap:
             raise CapabilityError(
                 "does not support softcap",
@@ -574,6 +632,7 @@ class FusedHead:
                         hint="shard the vocabulary evenly, or name a backend that declares uneven_shards",
                         **self._identity(),
                     )
+        return call
 
     def _check_output(self, call: HeadCall, out: object) -> None:
         """The backend's output against the contract; any breach is a ``BackendContractError``."""
@@ -616,39 +675,35 @@ class FusedHead:
             )
 
     def _check_min_temperature(
-        self, arg: str, temp: float | torch.Tensor, caps: Capabilities, pending: Pending | None
-    ) -> None:
+        self,
+        arg: str,
+        temp: float | torch.Tensor,
+        caps: Capabilities,
+        pending: Pending | None,
+        traced: bool = False,
+    ) -> float | torch.Tensor:
         """``temp`` at least the backend's ``min_temperature``: a float now; a per-token tensor in
-        ``pending``'s one read (no read without one: ``check_labels=False`` or a traced call)."""
+        ``pending``'s one read, or (``traced``: a checked call Dynamo traces) as an op of the graph,
+        whose checked copy is returned; no read otherwise (``check_labels=False``)."""
         floor = caps.min_temperature
         if floor <= SCALAR_RANGE[0]:
-            return  # the core's own range, already checked
+            return temp  # the core's own range, already checked
         if isinstance(temp, torch.Tensor):
             if pending is not None:
                 pending.add((temp < floor).any(), self._below_min_temperature, arg, temp, floor)
+            elif traced:
+                checked: torch.Tensor = _min_temperature_checked(
+                    temp, floor, arg, self.name or "", self.distribution or "", self.version or ""
+                )
+                return checked
         elif temp < floor:
             self._below_min_temperature(arg, temp, floor)
+        return temp
 
     def _below_min_temperature(
         self, arg: str, temp: float | torch.Tensor, floor: float
     ) -> NoReturn:
-        if isinstance(temp, torch.Tensor):
-            low = temp < floor
-            idx = int(low.nonzero()[0, 0])
-            got = (
-                f"a per-token {arg} of {float(temp[idx]):g} (as fp32) at flat position {idx} "
-                f"({int(low.sum())} value(s) below it)"
-            )
-        else:
-            got = f"{arg}={temp!r}"
-        raise CapabilityError(
-            f"computes at temperatures >= {floor:g} (it declares min_temperature={floor:g}), "
-            f"got {got}",
-            capability="min_temperature",
-            hint="raise the temperature, or name a backend with a smaller min_temperature, "
-            "e.g. 'torch'",
-            **self._identity(),
-        )
+        _raise_below_min_temperature(arg, temp, floor, self._identity())
 
     def _broke(self, reason: str) -> NoReturn:
         raise BackendContractError(
