@@ -489,6 +489,7 @@ class FusedHead:
         ``check_labels`` also decides whether per-token temperatures' values are read and
         checked, as in a head call."""
         cfg = self.config
+        check = cfg.check_labels if check_labels is None else check_labels
         call, shape = validate_kl(
             hidden,
             weight,
@@ -501,9 +502,8 @@ class FusedHead:
             direction=direction,
             softcap=cfg.softcap if softcap is None else softcap,
             teacher_softcap=teacher_softcap,
-            check=cfg.check_labels if check_labels is None else check_labels,
+            check=check,
         )
-        check = cfg.check_labels if check_labels is None else check_labels
         traced = _tracing()
         floor_read = Pending() if check is True and not traced else None
         if traced:
