@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import enum
 import math
+import numbers
 import os
 import types
 import typing
@@ -291,6 +292,12 @@ class FusedHeadConfig(BaseModel):
             )
         return value
 
+    @field_validator("ignore_index", mode="before")
+    @classmethod
+    def _integer(cls, value: Any) -> Any:
+        # A NumPy integer is the int it stands for, as in a call; a bool (NumPy's too) is not.
+        return _plain_number(value) if isinstance(value, numbers.Integral) else value
+
     @field_validator("ignore_index")
     @classmethod
     def _int64(cls, value: int) -> int:
@@ -415,6 +422,14 @@ def _identity(name: str) -> tuple[str | None, str | None]:
     return claims[0].distribution, claims[0].version
 
 
+def _plain_number(value: Any) -> Any:
+    """A NumPy number as the Python one its type stands for (``np.int64`` an int, ``np.float32``
+    a float), as a call takes it; anything else (``np.bool_`` included) as given."""
+    if value.__class__ in (int, float, bool) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
 def validate_options(name: str, cls: type, options: Any) -> BaseModel:
     """The backend's ``Options`` instance for ``options`` (a mapping, an Options instance or None).
 
@@ -435,7 +450,7 @@ def validate_options(name: str, cls: type, options: Any) -> BaseModel:
             f"options for backend {name!r} must be a mapping of option names to values, "
             f"got {type(options).__name__}"
         )
-    data = dict(options)
+    data = {key: _plain_number(value) for key, value in options.items()}
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as exc:

@@ -89,6 +89,16 @@ def _positive_float(arg: str, value: object) -> float:
     return out
 
 
+def _integer(arg: str, value: object, expected: str) -> int:
+    """``value`` as an int: any integer but a bool (Python's, or a NumPy integer such as a
+    config's ``np.int64``, as ``operator.index`` takes it)."""
+    if value.__class__ is int:
+        return value  # type: ignore[return-value]
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{arg} must be {expected}, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
 def _flag(arg: str, value: object) -> bool:
     if value is True or value is False:
         return value
@@ -218,11 +228,7 @@ def validate(
     if check_labels is not True and check_labels is not False:
         _not_a_flag("check_labels", check_labels)
     if ignore_index.__class__ is not int:
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-            raise TypeError(
-                f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}"
-            )
-        ignore_index = int(ignore_index)
+        ignore_index = _integer("ignore_index", ignore_index, "an int")
     if not _INT64_MIN <= ignore_index <= _INT64_MAX:
         raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
 
@@ -409,17 +415,19 @@ def _raise_bad_temperature(arg: str, t: torch.Tensor) -> NoReturn:
     )
 
 
-def _vocab_ints(vocab_start: object, vocab_size: object) -> None:
-    """``vocab_start`` and ``vocab_size``: each an int (not a bool) or None."""
-    for arg, val in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
-        if val is not None and (isinstance(val, bool) or not isinstance(val, int)):
-            raise TypeError(f"{arg} must be an int or None, got {type(val).__name__} {val!r}")
+def _vocab_ints(vocab_start: object, vocab_size: object) -> tuple[int | None, int | None]:
+    """``vocab_start`` and ``vocab_size``: each an int (not a bool; a NumPy integer as its int)
+    or None."""
+    return (
+        None if vocab_start is None else _integer("vocab_start", vocab_start, "an int or None"),
+        None if vocab_size is None else _integer("vocab_size", vocab_size, "an int or None"),
+    )
 
 
 def _whole_vocabulary(v: int, vocab_start: object, vocab_size: object) -> None:
     """Without a process group the weight is the whole vocabulary: ``vocab_start`` may only be 0
     and ``vocab_size`` only V (or None)."""
-    _vocab_ints(vocab_start, vocab_size)
+    vocab_start, vocab_size = _vocab_ints(vocab_start, vocab_size)
     if (vocab_start is not None and vocab_start != 0) or (
         vocab_size is not None and vocab_size != v
     ):
@@ -442,7 +450,7 @@ def _shard(group: Any, v_local: int, vocab_start: object, vocab_size: object) ->
         )
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    _vocab_ints(vocab_start, vocab_size)
+    vocab_start, vocab_size = _vocab_ints(vocab_start, vocab_size)
     start = rank * v_local if vocab_start is None else vocab_start
     size = world * v_local if vocab_size is None else vocab_size
     assert isinstance(start, int) and isinstance(size, int)
@@ -490,8 +498,7 @@ def _raise_bad_labels(
 def _top_k(value: object, vocab_size: int) -> int:
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"top_k must be an int or None, got {type(value).__name__} {value!r}")
+    value = _integer("top_k", value, "an int or None")
     if not 1 <= value <= vocab_size:
         raise ValueError(f"top_k must be in [1, vocab_size={vocab_size}] or None, got {value}")
     return value
@@ -724,11 +731,7 @@ def validate_kl(
             f"reverse: KL(p_student || p_teacher)), got {direction!r}"
         )
     if ignore_index.__class__ is not int:
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-            raise TypeError(
-                f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}"
-            )
-        ignore_index = int(ignore_index)
+        ignore_index = _integer("ignore_index", ignore_index, "an int")
     if not _INT64_MIN <= ignore_index <= _INT64_MAX:
         raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
     for arg, t in (("hidden", h), ("teacher_hidden", th)):
