@@ -58,3 +58,26 @@ def test_reference_names_its_arguments(inputs, mutate, error, words):
 def test_reference_refuses_a_scalar_a_call_refuses(inputs, arg, value):
     with pytest.raises(ValueError, match=f"^{arg} must be a finite float > 0"):
         reference_fused_head(*inputs(), **{arg: value})
+
+
+@pytest.mark.parametrize("name", ["nope", "torch"])
+def test_unregistering_an_unregistered_name_names_it(ref_backend, name):
+    """Before: 'is not registered in-process', with no name in the message."""
+    from fusedhead import registry
+    from fusedhead.errors import UnknownBackendError
+
+    with pytest.raises(UnknownBackendError) as info:
+        registry.unregister_backend(name)
+    text = str(info.value)
+    assert f"backend {name!r} is not registered in-process" in text
+    assert "registered in-process: ref-test" in text and info.value.backend == name
+
+
+@pytest.mark.parametrize("name", [3, None, b"ref-test"])
+def test_unregistering_a_name_that_is_no_str_is_a_type_error(ref_backend, name):
+    """Before: an UnknownBackendError (a KeyError) saying nothing of the type."""
+    from fusedhead import registry
+
+    with pytest.raises(TypeError) as info:
+        registry.unregister_backend(name)
+    assert "backend must be a str" in str(info.value) and type(name).__name__ in str(info.value)

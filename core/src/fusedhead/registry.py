@@ -234,9 +234,13 @@ def register_backend(name: str, cls: type, *, replace: bool = False) -> None:
 
 def unregister_backend(name: str) -> None:
     """Remove an in-process registration; installed entry points cannot be removed."""
+    if name.__class__ is not str:
+        _check_name(name)  # a TypeError naming what it got
     if name not in _registered:
+        names = sorted(_registered)
         raise UnknownBackendError(
-            "is not registered in-process",
+            f"backend {name!r} is not registered in-process (registered in-process: "
+            f"{', '.join(names) if names else 'none'})",
             backend=name,
             hint="installed entry points are removed by uninstalling their distribution",
         )
