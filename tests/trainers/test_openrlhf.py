@@ -259,3 +259,68 @@ def test_flash_attn_stand_in_is_not_left_behind() -> None:
         pytest.skip("the real flash-attn is installed; no stand-in was used")
     assert "flash_attn" not in sys.modules and STUBS not in sys.path
     assert importlib.util.find_spec("flash_attn") is None
+
+
+def _launcher_block() -> str:
+    """The launcher in docs/integrations/openrlhf.md (its first Python block)."""
+    doc = Path(__file__).parents[2] / "docs" / "integrations" / "openrlhf.md"
+    text = doc.read_text(encoding="utf-8")
+    start = text.index("```python\n") + len("```python\n")
+    return text[start : text.index("```", start)]
+
+
+def test_documented_launcher_patches_both_ray_actors(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The doc's launcher runs under Ray 2.60's rules: OpenRLHF's Ray actor classes are
+    ``@ray.remote`` (subclassing one raises), so the launcher must subclass the plain classes."""
+    import types
+
+    ray = pytest.importorskip("ray", reason="Ray is installed with OpenRLHF")
+
+    class Strategy:
+        def prepare(self, model: Any) -> Any:  # DeepSpeed's prepare keeps the Actor
+            return model
+
+    class Policy:  # what OpenRLHF's PolicyModelActor builds: self.actor, prepared
+        def init_model_from_pretrained(
+            self, strategy: Any, pretrain: str, max_steps: Any = None, vllm_engines: Any = None
+        ) -> None:
+            self.actor = strategy.prepare(_actor(Path(pretrain), False, 0.7))
+
+    class Reference:  # what OpenRLHF's ReferenceModelActor builds: self.model, prepared
+        def init_model_from_pretrained(self, strategy: Any, pretrain: str) -> None:
+            self.model = strategy.prepare(_actor(Path(pretrain), False, 0.7))
+
+    # OpenRLHF's Ray modules import vLLM (not installed on the CPU): stand-ins with its classes.
+    ppo_actor = types.ModuleType("openrlhf.trainer.ray.ppo_actor")
+    ppo_actor.PolicyModelActor = ray.remote(num_gpus=1)(Policy)  # type: ignore[attr-defined]
+    launcher = types.ModuleType("openrlhf.trainer.ray.launcher")
+    launcher.ReferenceModelActor = ray.remote(num_gpus=1)(Reference)  # type: ignore[attr-defined]
+    package = types.ModuleType("openrlhf.trainer.ray")
+    package.__path__ = []
+    package.ppo_actor, package.launcher = ppo_actor, launcher  # type: ignore[attr-defined]
+    for module in (package, ppo_actor, launcher):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    import openrlhf.trainer
+
+    monkeypatch.setattr(openrlhf.trainer, "ray", package, raising=False)
+    ran: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        "runpy.run_module", lambda name, run_name, alter_sys: ran.append((name, run_name))
+    )
+    monkeypatch.setenv("FUSED_HEAD_BACKEND", "fusedhead:torch")
+
+    exec(compile(_launcher_block(), "openrlhf.md", "exec"), {"__name__": "launch"})
+
+    assert ran == [("openrlhf.cli.train_ppo_ray", "__main__")]
+    policy_cls = ppo_actor.PolicyModelActor.__ray_actor_class__  # type: ignore[attr-defined]
+    reference_cls = launcher.ReferenceModelActor.__ray_actor_class__  # type: ignore[attr-defined]
+    assert issubclass(policy_cls, Policy) and policy_cls is not Policy
+    assert issubclass(reference_cls, Reference) and reference_cls is not Reference
+    policy, reference = policy_cls(), reference_cls()
+    policy.init_model_from_pretrained(Strategy(), str(model_dir))
+    reference.init_model_from_pretrained(Strategy(), str(model_dir))
+    for actor in (policy.actor, reference.model):
+        assert is_patched(actor)
+        assert actor.__dict__["_fusedhead_head"].config.backend == "torch"
