@@ -261,6 +261,52 @@ def test_no_entropy_and_all_rows_ignored() -> None:
     assert hidden.grad is not None and torch.all(hidden.grad == 0)
 
 
+@pytest.mark.parametrize("select_rows", [True, False], ids=["selected", "all-rows"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_gather_ids_give_differentiable_log_probs_at_those_ids(
+    select_rows: bool, bias: bool
+) -> None:
+    """A teacher's top-k ids: ``out.gathered [..., K]`` equals float64 logits' log-softmax at
+    them (temperature and softcap applied), 0 on ignored rows, gradients those of float64."""
+    lin = _linear(bias=bias)
+    hidden, labels = _inputs((3, 7))
+    ids = torch.randint(0, V, (3, 7, 4), generator=torch.Generator().manual_seed(3))
+    t, cap = 0.7, 6.0
+    out = lm_head_logprobs(
+        lin, hidden, labels, temperature=t, softcap=cap, gather_ids=ids, select_rows=select_rows
+    )
+    assert out.gathered is not None and out.gathered.shape == (3, 7, 4)
+    assert out.gathered.dtype == torch.float32
+    w = torch.randn(3, 7, 4, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    (out.gathered.double() * w).sum().backward()
+    got = _grads(hidden, lin.weight)
+
+    z = hidden.double() @ lin.weight.double().T
+    if bias:
+        assert lin.bias is not None
+        z = z + lin.bias.double()
+    logp = torch.log_softmax(cap * torch.tanh(z / cap) / t, -1)
+    want = torch.where((labels != IGNORE).unsqueeze(-1), logp.gather(-1, ids), 0.0)
+    torch.testing.assert_close(out.gathered.double(), want.detach(), rtol=0, atol=ATOL)
+    assert bool((out.gathered[labels == IGNORE] == 0).all())
+    (want * w).sum().backward()
+    for a, b in zip(got, _grads(hidden, lin.weight), strict=True):
+        torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=ATOL)
+    # The label's own id gathers its log-prob.
+    same = lm_head_logprobs(lin, hidden, labels, gather_ids=labels.clamp_min(0).unsqueeze(-1))
+    assert same.gathered is not None
+    torch.testing.assert_close(same.gathered[..., 0], same.log_probs, rtol=0, atol=0)
+
+
+def test_gather_ids_must_extend_the_labels_shape() -> None:
+    lin = _linear()
+    hidden, labels = _inputs((2, 5))
+    with pytest.raises(ValueError, match=r"gather_ids must have shape \[\*labels.shape, K\]"):
+        lm_head_logprobs(lin, hidden, labels, gather_ids=torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"gather_ids must be a torch\.Tensor"):
+        lm_head_logprobs(lin, hidden, labels, gather_ids=[[1]])  # type: ignore[arg-type]
+
+
 def test_other_ignore_index() -> None:
     lin = _linear()
     hidden, labels = _inputs((2, 6))

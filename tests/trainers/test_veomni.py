@@ -21,6 +21,7 @@ pytest.importorskip("veomni", reason="VeOmni is not installed (bash scripts/trai
 
 from veomni_helpers import (
     IGNORE,
+    VOCAB,
     assert_fp32_close,
     build,
     packed_batch,
@@ -162,17 +163,79 @@ def test_veomni_names_still_go_to_veomni() -> None:
         cross_entropy.install_loss_mapping("bogus")
 
 
-def test_top_k_distillation_is_refused_not_ignored(models: tuple[Any, Any]) -> None:
+def _teacher(shape: tuple[int, ...], k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A teacher's top-k ids and log-probs per position (spread so a clamp at -5.5 bites)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack(
+        [torch.randperm(VOCAB, generator=gen)[:k] for _ in range(shape[0] * shape[1])]
+    )
+    log_probs = torch.log_softmax(torch.randn(shape[0] * shape[1], k, generator=gen) * 3, -1) - 0.2
+    return ids.reshape(*shape, k), log_probs.reshape(*shape, k)
+
+
+def _distill(model: Any, batch: dict[str, torch.Tensor], **kwargs: Any) -> dict[str, torch.Tensor]:
+    """The five aux outputs of the top-k distillation path and every gradient of a loss on them."""
+    aux = model(**batch, return_log_probs=True, **kwargs).fused_linear_aux
+    loss = aux.distillation_losses.sum() + 0.5 * aux.log_probs.sum() + 0.3 * aux.entropy.sum()
+    loss.backward()
+    names = ("log_probs", "entropy", "distillation_losses", "student_mass", "teacher_mass")
+    result = {name: getattr(aux, name).detach() for name in names}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        result[f"grad:{name}"] = p.grad.detach().clone()
+    model.zero_grad(set_to_none=True)
+    return result
+
+
+@pytest.mark.parametrize(
+    ("impl", "layout", "clamp"),
+    [
+        ("fusedhead:torch", "packed", None),
+        ("fusedhead:torch", "packed", -5.5),
+        ("fusedhead:torch", "padded", -5.5),
+        ("fusedhead:triton", "packed", -5.5),
+    ],
+)
+def test_top_k_distillation_matches_chunk_topk_distill(
+    models: tuple[Any, Any],
+    impl: str,
+    layout: str,
+    clamp: float | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """verl's VeOmni engine passes teacher_topk_ids / teacher_topk_log_probs for top-k
+    distillation; the outputs and gradients are those of VeOmni's chunk_topk_distill_function
+    (packed with shift_labels, padded with VeOmni's causal shift, with and without
+    log_prob_min_clamp)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    theirs, ours = models
+    if layout == "packed":
+        batch = packed_batch([6, 9, 4], seed=4)
+    else:
+        batch = padded_batch([8, 5, 2], width=8, seed=4)
+    ids, log_probs = _teacher(tuple(batch["input_ids"].shape), 5, seed=5)
+    kwargs: dict[str, Any] = {
+        "temperature": 0.7,
+        "teacher_topk_ids": ids,
+        "teacher_topk_log_probs": log_probs,
+        "log_prob_min_clamp": clamp,
+    }
+    expected = _distill(_bind(theirs, "chunk_loss"), batch, **kwargs)
+    got = _distill(_bind(ours, impl), batch, **kwargs)
+    _compare(got, expected)
+    assert float(got["distillation_losses"].abs().max()) > 0.1  # not vacuous
+    if clamp is not None:  # the clamp changed the loss
+        unclamped = _distill(ours, batch, **{**kwargs, "log_prob_min_clamp": None})
+        diff = (unclamped["distillation_losses"] - got["distillation_losses"]).abs().max()
+        assert float(diff) > 1e-3
+
+
+def test_top_k_distillation_needs_both_teacher_tensors(models: tuple[Any, Any]) -> None:
     _, ours = models
     batch = packed_batch([4, 4], seed=4)
     ids = torch.zeros(1, 8, 2, dtype=torch.long)
-    with pytest.raises(ValueError, match="top-k distillation"):
-        _bind(ours, "fusedhead:torch")(
-            **batch,
-            return_log_probs=True,
-            teacher_topk_ids=ids,
-            teacher_topk_log_probs=torch.zeros(1, 8, 2),
-        )
+    with pytest.raises(ValueError, match="must be provided together"):
+        _bind(ours, "fusedhead:torch")(**batch, return_log_probs=True, teacher_topk_ids=ids)
 
 
 def test_nothing_is_patched_until_install_is_called() -> None:

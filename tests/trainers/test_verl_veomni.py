@@ -87,3 +87,54 @@ def test_import_verl_arms_the_veomni_integration() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("OUT ")]
     assert lines == ["OUT True CrossEntropy (fusedhead:torch)"]
+
+
+def _with_teacher(micro_batch: Any, lengths: list[int], k: int, seed: int) -> Any:
+    """The micro-batch with a teacher's top-k (verl's teacher_ids / teacher_logprobs, jagged)."""
+    from veomni_helpers import VOCAB
+    from verl.utils import tensordict_utils as tu
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = [
+        torch.stack([torch.randperm(VOCAB, generator=gen)[:k] for _ in range(n)]) for n in lengths
+    ]
+    lps = [torch.log_softmax(torch.randn(n, k, generator=gen) * 3, -1) - 0.2 for n in lengths]
+    micro_batch["teacher_ids"] = torch.nested.nested_tensor(ids, layout=torch.jagged)
+    micro_batch["teacher_logprobs"] = torch.nested.nested_tensor(lps, layout=torch.jagged)
+    tu.assign_non_tensor(micro_batch, distillation_use_topk=True)
+    return micro_batch
+
+
+def _distilled(model: Any, impl: str, micro_batch: Any) -> dict[str, torch.Tensor]:
+    sys.modules[type(model).__module__].veomni_causal_lm_loss.bind(impl)
+    eng = _veomni_engine(model)
+    inputs, args = eng.prepare_model_inputs(micro_batch)
+    assert inputs["teacher_topk_ids"].shape == (1, 17, 4)
+    result = eng.prepare_model_outputs(model(**inputs), args, micro_batch, None)
+    names = ("log_probs", "entropy", "distillation_losses", "student_mass", "teacher_mass")
+    out = {name: result[name].values() for name in names}
+    (out["distillation_losses"].sum() + 0.5 * out["log_probs"].sum()).backward()
+    out = {name: value.detach() for name, value in out.items()}
+    for name, p in model.named_parameters():
+        out[f"grad:{name}"] = p.grad.detach().clone()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_verls_veomni_engine_top_k_distillation_matches_veomnis_kernel() -> None:
+    """``distillation_use_topk``: verl's engine hands the teacher's top-k to the loss kernel and
+    reads distillation_losses / student_mass / teacher_mass back; fusedhead's equal VeOmni's."""
+    theirs = build("chunk_loss")
+    ours = build("fusedhead:torch", theirs.state_dict())
+    lengths = [5, 9, 3]
+    expected = _distilled(
+        theirs, "chunk_loss", _with_teacher(packed_micro_batch(lengths, seed=6), lengths, 4, 7)
+    )
+    got = _distilled(
+        ours, "fusedhead:torch", _with_teacher(packed_micro_batch(lengths, seed=6), lengths, 4, 7)
+    )
+    assert got.keys() == expected.keys()
+    for key in got:
+        assert_fp32_close(got[key], expected[key], key)
+    assert got["distillation_losses"].shape == (17,)
+    assert float(got["distillation_losses"].min()) > 0.1

@@ -123,6 +123,7 @@ def lm_head_logprobs(
     compute_dtype: torch.dtype | None = None,
     select_rows: bool = True,
     in_call: bool = True,
+    gather_ids: torch.Tensor | None = None,
 ) -> FusedHeadOutput:
     """Log-prob of each already-shifted label and entropy of each row, fp32 in ``labels``' shape.
 
@@ -139,9 +140,12 @@ def lm_head_logprobs(
     sync); ``False`` sends every row, sync-free, for CUDA graphs and ``torch.compile``.
     ``in_call=False`` reads the weight directly, for a caller that already runs inside
     ``lm_head``'s forward (one that stands in for it during the model's own call).
+    ``gather_ids [..., K]`` (a teacher's top-k ids): ``out.gathered [..., K]``, the log-probs at
+    those ids, differentiable, 0 on ignored rows (top-k distillation).
     """
     weight_of = _check_lm_head(lm_head)
     _check_inputs(hidden, labels, ignore_index, return_entropy, select_rows, in_call)
+    _check_gather_ids(gather_ids, labels)
     scale = _logit_scale(logit_scale)
     if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
         raise TypeError(
@@ -164,7 +168,13 @@ def lm_head_logprobs(
         "softcap": softcap,
     }
 
-    def run(h: torch.Tensor, y: torch.Tensor, t: float | torch.Tensor) -> FusedHeadOutput:
+    flat_gather = None if gather_ids is None else gather_ids.reshape(flat_labels.shape[0], -1)
+
+    def run(
+        h: torch.Tensor, y: torch.Tensor, t: float | torch.Tensor, g: torch.Tensor | None
+    ) -> FusedHeadOutput:
+        call = kwargs if g is None else {**kwargs, "gather_ids": g}
+
         # Inside lm_head's own call: parameter-gathering hooks (FSDP2, ZeRO-3) have run.
         def body() -> FusedHeadOutput:
             weight, bias = weight_of()
@@ -176,25 +186,36 @@ def lm_head_logprobs(
                 h_ = h_ * scale
                 bias = None if bias is None else bias * scale
             if compute_dtype is None:
-                return head_forward(fused, h_, weight, bias, y, temperature=t, **kwargs)
+                return head_forward(fused, h_, weight, bias, y, temperature=t, **call)
             with torch.autocast(h_.device.type, enabled=False):
-                return head_forward(fused, h_, weight, bias, y, temperature=t, **kwargs)
+                return head_forward(fused, h_, weight, bias, y, temperature=t, **call)
 
         return in_module_call(lm_head, body) if in_call else body()
 
     if not select_rows:
-        out = run(flat_hidden, flat_labels, flat_temp)
+        out = run(flat_hidden, flat_labels, flat_temp, flat_gather)
         entropy = None if out.entropy is None else out.entropy.reshape(shape)
-        return owned(FusedHeadOutput(out.log_probs.reshape(shape), entropy))
+        kept = owned(FusedHeadOutput(out.log_probs.reshape(shape), entropy))
+        if out.gathered is None:
+            return kept
+        gathered = out.gathered.reshape(*shape, -1)
+        gathered = gathered.clone() if gathered._is_view() else gathered
+        return FusedHeadOutput(kept.log_probs, kept.entropy, gathered=gathered)
     rows = valid.nonzero().squeeze(1)  # one host sync; ignored rows never reach the backend
     t = flat_temp.index_select(0, rows) if isinstance(flat_temp, torch.Tensor) else flat_temp
-    out = run(flat_hidden.index_select(0, rows), flat_labels.index_select(0, rows), t)
+    g = None if flat_gather is None else flat_gather.index_select(0, rows)
+    out = run(flat_hidden.index_select(0, rows), flat_labels.index_select(0, rows), t, g)
     zeros = torch.zeros(flat_labels.shape, dtype=torch.float32, device=hidden.device)
     log_probs = zeros.index_put((rows,), out.log_probs).reshape(shape)
     entropy = None
     if out.entropy is not None:
         entropy = zeros.index_put((rows,), out.entropy).reshape(shape)
-    return FusedHeadOutput(log_probs, entropy)
+    if out.gathered is None:
+        return FusedHeadOutput(log_probs, entropy)
+    assert flat_gather is not None
+    gathered = torch.zeros(flat_gather.shape, dtype=torch.float32, device=hidden.device)
+    gathered = gathered.index_put((rows,), out.gathered).reshape(*shape, -1)
+    return FusedHeadOutput(log_probs, entropy, gathered=gathered)
 
 
 def model_logit_transform(config: Any) -> tuple[float, float | None]:
@@ -323,6 +344,25 @@ def _check_inputs(
     ):
         if not isinstance(value, bool):
             raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _check_gather_ids(gather_ids: object, labels: torch.Tensor) -> None:
+    """``gather_ids`` is None or integer ids ``[*labels.shape, K]`` on the labels' device."""
+    if gather_ids is None:
+        return
+    if not isinstance(gather_ids, torch.Tensor):
+        raise TypeError(
+            f"gather_ids must be a torch.Tensor [..., K] or None, got {type(gather_ids).__name__}"
+        )
+    if tuple(gather_ids.shape[:-1]) != tuple(labels.shape) or gather_ids.dim() != labels.dim() + 1:
+        raise ValueError(
+            f"gather_ids must have shape [*labels.shape, K] = [{', '.join(map(str, labels.shape))}"
+            f", K], got {tuple(gather_ids.shape)}"
+        )
+    if gather_ids.device != labels.device:
+        raise ValueError(
+            f"gather_ids must be on the labels' device {labels.device}, got {gather_ids.device}"
+        )
 
 
 def _logit_scale(value: object) -> float:

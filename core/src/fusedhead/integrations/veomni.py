@@ -212,6 +212,9 @@ def fusedhead_causal_lm_loss(
     weights: Any = None,
     return_log_probs: bool = False,
     temperature: Any = 1.0,
+    teacher_topk_ids: Any = None,
+    teacher_topk_log_probs: Any = None,
+    log_prob_min_clamp: float | None = None,
     **kwargs: Any,
 ) -> tuple[Any, Any, Any]:
     """VeOmni's causal-LM loss contract, ``(loss, logits, fused_linear_aux)``, from fusedhead.
@@ -219,10 +222,14 @@ def fusedhead_causal_lm_loss(
     ``return_log_probs=True``: ``(None, None, FusedLinearAuxOutput(log_probs, entropy))``,
     fp32, the shape of ``shift_labels`` when given (used verbatim), else of ``labels`` with the
     causal shift applied here and a 0 in the last slot (none under sequence parallelism, whose
-    collator shifted already); ``ignore_index`` rows give 0.
+    collator shifted already); ``ignore_index`` rows give 0. With ``teacher_topk_ids`` and
+    ``teacher_topk_log_probs`` (verl's VeOmni engine with top-k distillation) the aux output
+    also holds ``distillation_losses``, ``student_mass`` and ``teacher_mass`` as VeOmni's
+    ``chunk_topk_distill_function`` computes them (``log_prob_min_clamp`` included), the
+    student's top-k log-probs gathered by the backend (``gather_ids``).
     Otherwise ``(loss, None, None)``: the mean negative log-likelihood of the shifted labels
     (over ``num_items_in_batch`` when given), reduced across the sequence-parallel group as
-    VeOmni's ``ForCausalLMLoss`` does. Top-k distillation is not supported.
+    VeOmni's ``ForCausalLMLoss`` does; teacher tensors are ignored there, as VeOmni ignores them.
     """
     import torch
     from veomni.distributed.parallel_state import get_parallel_state
@@ -230,15 +237,7 @@ def fusedhead_causal_lm_loss(
 
     from fusedhead.integrations.lm_head import lm_head_logprobs
 
-    if (
-        kwargs.get("teacher_topk_ids") is not None
-        or kwargs.get("teacher_topk_log_probs") is not None
-    ):
-        raise ValueError(
-            "fusedhead's VeOmni kernel does not compute top-k distillation (teacher_topk_ids / "
-            "teacher_topk_log_probs were given): use cross_entropy_loss_implementation "
-            "'chunk_loss' for distillation runs"
-        )
+    teacher_ids, teacher_log_probs = teacher_topk_ids, teacher_topk_log_probs
     if hidden_states is None or weights is None:
         raise ValueError(
             "fusedhead's VeOmni kernel needs hidden_states= and weights= (VeOmni's patched "
@@ -250,6 +249,11 @@ def fusedhead_causal_lm_loss(
     lm_head = _weight_holder(weights)
     sp_enabled = bool(get_parallel_state().sp_enabled)
     if return_log_probs:
+        if (teacher_ids is None) != (teacher_log_probs is None):
+            raise ValueError(  # VeOmni's own message and type
+                "teacher_topk_ids and teacher_topk_log_probs must be provided together for "
+                "the top-k distillation path."
+            )
         pad = shift_labels is None and not sp_enabled
         if shift_labels is not None:
             hidden, target = hidden_states, shift_labels
@@ -257,20 +261,35 @@ def fusedhead_causal_lm_loss(
             hidden, target = hidden_states, labels
         else:
             hidden, target = hidden_states[..., :-1, :], labels[..., 1:]
-        log_probs, entropy = lm_head_logprobs(
+            if teacher_ids is not None:  # aligned with the labels: the same causal shift
+                teacher_ids, teacher_log_probs = (
+                    teacher_ids[..., 1:, :],
+                    teacher_log_probs[..., 1:, :],
+                )
+        out = lm_head_logprobs(
             lm_head,
             hidden,
             target.to(torch.int64),
             head=head,
             temperature=float(temperature),
             ignore_index=ignore_index,
+            gather_ids=None if teacher_ids is None else teacher_ids.to(torch.int64),
         )
-        assert entropy is not None  # return_entropy defaults to True
+        fields: dict[str, Any] = {"log_probs": out.log_probs, "entropy": out.entropy}
+        if teacher_ids is not None:
+            fields.update(
+                _topk_distillation(
+                    out.gathered,
+                    teacher_log_probs,
+                    target != ignore_index,
+                    log_prob_min_clamp,
+                )
+            )
         if pad:
-            log_probs = torch.nn.functional.pad(log_probs, (0, 1), value=0.0)
-            entropy = torch.nn.functional.pad(entropy, (0, 1), value=0.0)
-        return None, None, FusedLinearAuxOutput(log_probs=log_probs, entropy=entropy)
+            fields = {k: torch.nn.functional.pad(v, (0, 1), value=0.0) for k, v in fields.items()}
+        return None, None, FusedLinearAuxOutput(**fields)
 
+    # The loss path ignores teacher tensors, as VeOmni's ForCausalLMLoss does.
     if sp_enabled:
         target = labels  # the sequence-parallel collator shifted them
     elif shift_labels is not None:
@@ -297,3 +316,28 @@ def fusedhead_causal_lm_loss(
 
         loss = reduce_sequence_parallel_loss(loss, (labels != ignore_index).sum())
     return loss, None, None
+
+
+def _topk_distillation(
+    student: Any, teacher: Any, scored: Any, clamp: float | None
+) -> dict[str, Any]:
+    """VeOmni's top-k forward KL from the student's log-probs at the teacher's top-k ids.
+
+    The formula of ``chunk_topk_distill_function``: ``sum_k p_t (log p_t - log q_s)`` on
+    ``log_prob_min_clamp``-clamped log-probs, the masses before the clamp (detached metrics),
+    every output 0 on ignored rows.
+    """
+    import torch
+
+    zero = torch.zeros((), dtype=torch.float32, device=student.device)
+    student_mass = torch.where(scored, student.exp().sum(-1), zero).detach()
+    teacher_mass = torch.where(scored, teacher.exp().sum(-1).float(), zero).detach()
+    if clamp is not None:
+        student, teacher = student.clamp_min(clamp), teacher.clamp_min(clamp)
+    teacher = teacher.float()
+    kl = (teacher.exp() * (teacher - student.float())).sum(-1)
+    return {
+        "distillation_losses": torch.where(scored, kl, zero),
+        "student_mass": student_mass,
+        "teacher_mass": teacher_mass,
+    }
