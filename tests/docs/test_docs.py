@@ -39,6 +39,38 @@ def blocks() -> list[object]:
     return found
 
 
+#: ``print(...)  # COMMENT``: the comment is what the reader is told the line prints.
+PRINTED = re.compile(r"^\s*print\(.*\)\s+#\s*(?P<comment>.+)$", re.M)
+SIZE = re.compile(r"torch\.Size\(\[[\d, ]*\]\)")
+
+
+def promised_output(code: str) -> list[str]:
+    """Fragments a block's print comments promise its output holds.
+
+    A comment quoting a message with elisions (``# ... Did you mean 'torch'? ...``) promises each
+    piece between the ``...``; one that starts with a ``torch.Size`` promises that size. Other
+    comments are prose (``# the gathered gradient``) and promise nothing checkable.
+    """
+    fragments: list[str] = []
+    for m in PRINTED.finditer(code):
+        comment = m.group("comment").strip()
+        if "..." in comment:
+            fragments += [part.strip() for part in comment.split("...") if part.strip()]
+        elif size := SIZE.match(comment):
+            fragments.append(size.group(0))
+    return fragments
+
+
+def test_promised_output_reads_quotes_and_sizes() -> None:
+    """The comment reader itself: quotes and sizes are read, prose is not."""
+    code = (
+        "print(exc)  # ... Did you mean 'torch'? ...\n"
+        "print(x.shape)  # torch.Size([4, 16]) twice, fp32\n"
+        "print(g.shape)  # the gathered gradient\n"
+    )
+    assert promised_output(code) == ["Did you mean 'torch'?", "torch.Size([4, 16])"]
+
+
 @pytest.mark.parametrize(("path", "code", "mark"), blocks())
 def test_doc_block_runs(path: Path, code: str, mark: str, tmp_path: Path) -> None:
     if mark.startswith("gpu"):
@@ -54,6 +86,11 @@ def test_doc_block_runs(path: Path, code: str, mark: str, tmp_path: Path) -> Non
     )
     assert proc.returncode == 0, (
         f"{path.name} block failed:\n{code}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    )
+    missing = [f for f in promised_output(code) if f not in proc.stdout]
+    assert not missing, (
+        f"{path.name} block's comments promise output it does not print: {missing}\n"
+        f"--- stdout ---\n{proc.stdout[-4000:]}"
     )
 
 
