@@ -404,3 +404,53 @@ def test_demo_unknown_model_is_one_error_line_on_stderr(capsys):
     rc, out, err = run_main(capsys, "demo", "--model", "nope", "--quiet")
     line = one_error_line(err)
     assert rc == 2 and "--model nope" in line and "tiny-llama" in line and out == ""
+
+
+SMALL = ("--n", "4", "--hidden", "8", "--vocab", "16", "--no-memory")
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (("demo", "--quiet", *SMALL), "--seed"),
+        (("bench", "--impl", "torch", *SMALL), "--seed"),
+        (("demo", "--quiet", "--hidden", "8"), "--n"),
+        (("bench", "--impl", "torch", "--hidden", "8"), "--n"),
+    ],
+)
+@pytest.mark.parametrize("value", [str(2**63), "99999999999999999999999"])
+def test_an_integer_beyond_int64_is_refused_naming_the_flag(capsys, argv, flag, value):
+    """Before: 'Overflow when unpacking long long' (a seed) or torch's randn() error (a size),
+    naming no flag, after the run had started."""
+    rc, out, err = run_main(capsys, *argv, flag, value)
+    line = one_error_line(err)
+    assert rc == 2 and f"argument {flag}: must be an integer >=" in line, line
+    assert "fits in int64 (at most 2**63 - 1)" in line and repr(value) in line and not out
+
+
+def test_the_largest_seed_runs(capsys):
+    rc, out, _err = run_main(
+        capsys,
+        "demo",
+        "--seed",
+        str(2**63 - 1),
+        "--n",
+        "8",
+        "--hidden",
+        "8",
+        "--vocab",
+        "16",
+        "--reps",
+        "1",
+        "--no-memory",
+        "--quiet",
+    )
+    assert rc == 0 and "PASS" in out
+
+
+def test_list_check_with_an_empty_device_is_one_line(capsys):
+    """Before: '--device ""' counted as absent, and each backend listed as broken with
+    'probe failed: RuntimeError: Device string must not be empty', exit 1."""
+    rc, out, err = run_main(capsys, "list", "--check", "--device", "")
+    line = one_error_line(err)
+    assert rc == 2 and "--device" in line and "got ''" in line and "broken" not in out

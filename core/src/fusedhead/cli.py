@@ -42,6 +42,10 @@ EXIT_ERROR = 2
 # --- argument types: each names what it takes; argparse adds the flag ---------------------------
 
 
+#: The largest integer a flag takes: sizes and seeds reach torch as int64.
+_INT_FLAG_MAX = 2**63 - 1
+
+
 def _int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -50,6 +54,10 @@ def _int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        if value > _INT_FLAG_MAX:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {low} that fits in int64 (at most 2**63 - 1), got {text!r}"
+            )
         return value
 
     parse.__name__ = f"int_at_least_{low}"
@@ -220,7 +228,9 @@ def _limit_note(shown: set[str]) -> str | None:
 
 def _cmd_list(args: argparse.Namespace) -> int:
     # --device matters with --check only; parsing it needs torch, which plain `list` never imports.
-    device = _device_or_error(args.device) if args.check and args.device else args.device
+    device = (
+        _device_or_error(args.device) if args.check and args.device is not None else args.device
+    )
     rows = registry.listing(probe=args.check, device=device)
     note = _limit_note({r.name for r in rows})
     if args.json:
