@@ -88,7 +88,7 @@ def test_h200_without_the_cute_dsl(fake_gpu, monkeypatch: pytest.MonkeyPatch) ->
         LigerBackend().check(CUDA, torch.bfloat16)
     msg = str(info.value)
     assert "CuTe DSL (nvidia-cutlass-dsl) is not installed" in msg
-    assert "fusedhead-liger[sm90]" in msg and "fusedhead[liger-sm90]" in msg
+    assert "fusedhead-liger[sm90]" in msg and "nvidia-cutlass-dsl[cu13]==4.8.1" in msg
     assert "compute capability" not in msg
 
 
@@ -178,8 +178,12 @@ def test_entry_point_and_cheap_import() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_install_hint_names_the_extra() -> None:
+def test_install_hint_names_the_extra_and_what_installs_before_pypi() -> None:
     assert "fusedhead-liger[sm90]" in availability.INSTALL_HINT
+    # the DSL's own packages are on PyPI today, at the pins the extra holds
+    assert "pip install 'nvidia-cutlass-dsl[cu13]==4.8.1' 'apache-tvm-ffi==0.1.15.post2'" in (
+        availability.INSTALL_HINT
+    )
 
 
 # ----------------------------------------------------------------------------- through the core

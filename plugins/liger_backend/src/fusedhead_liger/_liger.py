@@ -54,7 +54,7 @@ def _attribute(dotted: str) -> Any:
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] == "liger_kernel":
             raise MissingDependencyError(
-                "fusedhead-liger needs liger-kernel: pip install fusedhead[liger]"
+                "fusedhead-liger needs liger-kernel: pip install liger-kernel==0.8.5 (the version it pins)"
             ) from exc
         raise
     try:

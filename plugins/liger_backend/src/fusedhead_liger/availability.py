@@ -13,8 +13,8 @@ from fusedhead_liger import _liger
 
 NATIVE_CAPABILITY = (9, 0)
 INSTALL_HINT = (
-    'pip install "fusedhead[liger-sm90]" (= fusedhead-liger[sm90], opt-in; Linux x86-64 only: '
-    f"it pins nvidia-cutlass-dsl=={_liger.TESTED_CUTE_DSL})"
+    f"pip install 'nvidia-cutlass-dsl[cu13]=={_liger.TESTED_CUTE_DSL}' "
+    "'apache-tvm-ffi==0.1.15.post2' (the pins of fusedhead-liger[sm90]; Linux x86-64)"
 )
 
 

@@ -130,7 +130,7 @@ class TritonBackend:
         if importlib.util.find_spec("triton") is None:
             raise BackendUnavailableError(
                 "the triton backend needs the 'triton' package, which is not installed; "
-                "install it with: pip install 'fusedhead[triton]'"
+                "install it with: pip install triton (on Linux with CUDA it comes with torch)"
             )
         if dtype not in _DTYPE_NAMES:
             raise BackendUnavailableError(
