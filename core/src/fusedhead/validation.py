@@ -27,6 +27,7 @@ _RANGE_TEXT = (
     "in [2**-126, 2**126] (about 1.2e-38 to 8.5e37: it and its reciprocal normal fp32 numbers)"
 )
 _autocast_enabled = torch.is_autocast_enabled
+_grad_enabled = torch.is_grad_enabled
 _INT_DTYPES = frozenset(
     {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32}
 )
@@ -54,13 +55,26 @@ def is_dtensor(t: object) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+
+
+def _not_dense(arg: str, t: torch.Tensor) -> NoReturn:
+    """A sparse, nested or other non-strided tensor, named (the backends index strided memory)."""
+    what = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+    fix = f"; pass {arg}.to_dense()" if t.layout is not _STRIDED and not t.is_nested else ""
+    raise TypeError(f"{arg} must be a dense (torch.strided) tensor, got {what}{fix}")
 
 
 def _tensor(arg: str, value: object) -> torch.Tensor:
     if value.__class__ in _PLAIN:  # the common case, without walking the MRO
-        return value  # type: ignore[return-value]
+        t: torch.Tensor = value  # type: ignore[assignment]
+        if t.layout is not _STRIDED or t.is_nested:
+            _not_dense(arg, t)
+        return t
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout is not _STRIDED or value.is_nested:
+        _not_dense(arg, value)
     if is_dtensor(value):
         raise TypeError(
             f"{arg} is a DTensor; fusedhead takes plain local tensors. Under FSDP2 call it inside the "
@@ -97,6 +111,21 @@ def _integer(arg: str, value: object, expected: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{arg} must be {expected}, got {type(value).__name__} {value!r}")
     return int(value)
+
+
+def _no_inference_tensor(*named: tuple[str, torch.Tensor]) -> None:
+    """Refuse an inference tensor where a gradient is due: autograd cannot save it for backward
+    (torch's own RuntimeError, raised deep inside a backend, names no argument)."""
+    if torch.compiler.is_compiling():  # Dynamo cannot trace is_inference() (a graph break)
+        return
+    for arg, t in named:
+        if t.is_inference():
+            raise ValueError(
+                f"{arg} is an inference tensor (made under torch.inference_mode()), which autograd "
+                "cannot save for the gradient this call owes (hidden or weight "
+                f"requires grad); make it under torch.no_grad() instead, pass {arg}.clone(), or "
+                "call under torch.no_grad() where no gradient is wanted"
+            )
 
 
 def _flag(arg: str, value: object) -> bool:
@@ -217,6 +246,12 @@ def validate(
     h = hidden if hidden.__class__ in _PLAIN else _tensor("hidden", hidden)
     w = weight if weight.__class__ in _PLAIN else _tensor("weight", weight)
     y = labels if labels.__class__ in _PLAIN else _tensor("labels", labels)
+    if h.layout is not _STRIDED or w.layout is not _STRIDED or y.layout is not _STRIDED:
+        for arg, t in (("hidden", h), ("weight", w), ("labels", y)):
+            _tensor(arg, t)
+    if h.is_nested or w.is_nested or y.is_nested:  # a nested tensor has no sizes to read
+        for arg, t in (("hidden", h), ("weight", w), ("labels", y)):
+            _tensor(arg, t)
     if return_entropy is True:
         outputs = _WITH_ENTROPY
     elif return_entropy is False:
@@ -284,6 +319,8 @@ def validate(
             f"hidden and weight must share a dtype outside torch.autocast, got hidden {hdt} and "
             f"weight {wdt}; cast one of them or call inside torch.autocast"
         )
+    if (h.requires_grad or w.requires_grad) and _grad_enabled():  # what the backend will save
+        _no_inference_tensor(("hidden", h), ("weight", w))
 
     if process_group is None:
         if vocab_start is not None or vocab_size is not None:
@@ -767,6 +804,10 @@ def validate_kl(
             raise ValueError(f"{arg} must be on hidden's device {h.device}, got {t.device}")
     h, w = _apply_autocast(h, w, h.device.type)
     th, tw = _apply_autocast(th, tw, th.device.type, ("teacher_hidden", "teacher_weight"))
+    if (h.requires_grad or w.requires_grad) and torch.is_grad_enabled():  # what is saved
+        _no_inference_tensor(
+            ("hidden", h), ("weight", w), ("teacher_hidden", th), ("teacher_weight", tw)
+        )
     if th.dtype != h.dtype:
         raise TypeError(
             f"teacher_hidden and teacher_weight must share the student's dtype {h.dtype}, got "
