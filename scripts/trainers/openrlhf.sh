@@ -7,8 +7,10 @@
 # torch stays at the version setup.sh installed. About 30 s when the wheels are cached.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-constraints=()
-[ -n "${FUSEDHEAD_PIP_CONSTRAINTS:-}" ] && constraints=(-c "$FUSEDHEAD_PIP_CONSTRAINTS")
+# The trainers come without their dependency lists on purpose: pip's report of their unmet
+# requirements after each install is expected, so it is not printed (--no-warn-conflicts).
+constraints=(--no-warn-conflicts)
+[ -n "${FUSEDHEAD_PIP_CONSTRAINTS:-}" ] && constraints+=(-c "$FUSEDHEAD_PIP_CONSTRAINTS")
 .venv/bin/python -m pip install -q "${constraints[@]}" --no-deps "openrlhf==0.11.2"
 # A source build without isolation needs setuptools and wheel in the venv first.
 .venv/bin/python -m pip install -q "${constraints[@]}" setuptools wheel

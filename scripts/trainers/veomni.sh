@@ -6,8 +6,10 @@
 # torch stays as setup.sh installed it (FUSEDHEAD_PIP_CONSTRAINTS, from setup-trainers.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-constraints=()
-[ -n "${FUSEDHEAD_PIP_CONSTRAINTS:-}" ] && constraints=(-c "$FUSEDHEAD_PIP_CONSTRAINTS")
+# The trainers come without their dependency lists on purpose: pip's report of their unmet
+# requirements after each install is expected, so it is not printed (--no-warn-conflicts).
+constraints=(--no-warn-conflicts)
+[ -n "${FUSEDHEAD_PIP_CONSTRAINTS:-}" ] && constraints+=(-c "$FUSEDHEAD_PIP_CONSTRAINTS")
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q "${constraints[@]}" --no-deps veomni==0.1.12
 pip install -q "${constraints[@]}" "transformers>=5.9,<5.23" "einops>=0.8.1" psutil

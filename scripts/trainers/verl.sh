@@ -5,8 +5,10 @@
 # apply_fsdp2 import. torch stays as setup.sh installed it (FUSEDHEAD_PIP_CONSTRAINTS, from setup-trainers.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-constraints=()
-[ -n "${FUSEDHEAD_PIP_CONSTRAINTS:-}" ] && constraints=(-c "$FUSEDHEAD_PIP_CONSTRAINTS")
+# The trainers come without their dependency lists on purpose: pip's report of their unmet
+# requirements after each install is expected, so it is not printed (--no-warn-conflicts).
+constraints=(--no-warn-conflicts)
+[ -n "${FUSEDHEAD_PIP_CONSTRAINTS:-}" ] && constraints+=(-c "$FUSEDHEAD_PIP_CONSTRAINTS")
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q "${constraints[@]}" --no-deps verl==0.9.1
 # import verl: ray, tensordict (verl wants <=0.10); the engine module: peft, datasets, codetiming.
