@@ -298,6 +298,29 @@ def test_gather_ids_give_differentiable_log_probs_at_those_ids(
     torch.testing.assert_close(same.gathered[..., 0], same.log_probs, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("select_rows", [True, False], ids=["selected", "all-rows"])
+def test_sum_p2_and_argmax(select_rows: bool) -> None:
+    """``out.sum_p2`` and ``out.argmax`` of the tempered distribution, 0 / -1 on ignored rows."""
+    lin = _linear()
+    hidden, labels = _inputs((3, 7))
+    out = lm_head_logprobs(
+        lin,
+        hidden,
+        labels,
+        temperature=0.7,
+        return_sum_p2=True,
+        return_argmax=True,
+        select_rows=select_rows,
+    )
+    assert out.sum_p2 is not None and out.argmax is not None
+    assert out.sum_p2.shape == out.argmax.shape == (3, 7) and out.argmax.dtype == torch.int64
+    logp = torch.log_softmax(hidden.detach().double() @ lin.weight.detach().double().T / 0.7, -1)
+    scored = labels != IGNORE
+    want = torch.where(scored, logp.exp().pow(2).sum(-1), 0.0)
+    torch.testing.assert_close(out.sum_p2.double(), want, rtol=0, atol=ATOL)
+    assert torch.equal(out.argmax, torch.where(scored, logp.argmax(-1), -1))
+
+
 def test_gather_ids_must_extend_the_labels_shape() -> None:
     lin = _linear()
     hidden, labels = _inputs((2, 5))

@@ -232,6 +232,51 @@ def test_drop_in_matches_trl_kernel_and_full_logits(
     assert torch.all(b.log_probs[y == IGNORE] == 0)
 
 
+@pytest.mark.parametrize(
+    ("attrs", "temperature"),
+    [({}, 1.0), ({}, 0.7), ({"final_logit_softcapping": 4.0, "logit_scale": 0.5}, 0.9)],
+    ids=["plain", "temperature", "softcap-scale"],
+)
+def test_sft_and_dpo_statistics_match_trl_kernel(
+    model_dir: Path, attrs: dict[str, Any], temperature: float
+) -> None:
+    """``is_top1`` (SFT's token accuracy) and ``log_sum_sq_probs`` (DPO's WPO weights) as TRL's
+    kernel computes them: the label is the lowest-id maximum; log(sum p^2); no gradient; 0 /
+    False where the label is -100."""
+    from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head
+
+    theirs, ours = _pair(model_dir, **attrs)
+    outputs = ("log_probs", "entropy", "log_sum_sq_probs", "is_top1")
+    trl_add_fused_lm_head(theirs, temperature=temperature, outputs=outputs)
+    fh_trl.add_fused_lm_head(ours, temperature=temperature, outputs=outputs, head="torch")
+    ids, mask, labels = _batch(3)
+    with torch.no_grad():  # make about half of the scored labels the model's top-1
+        hidden = ours.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+        z = hidden.double() @ ours.lm_head.weight.double().T * attrs.get("logit_scale", 1.0)
+        cap = attrs.get("final_logit_softcapping")
+        if cap is not None:
+            z = cap * torch.tanh(z / cap)
+        logp = torch.log_softmax(z / temperature, -1)
+    top = logp.argmax(-1)
+    y = labels[:, 1:]
+    y.copy_(torch.where((y != IGNORE) & (torch.arange(9) % 2 == 0), top, y))
+    a = theirs(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    b = ours(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    assert b.is_top1.dtype == torch.bool and b.log_sum_sq_probs.dtype == torch.float32
+    assert b.is_top1.shape == b.log_sum_sq_probs.shape == (3, 9)
+    assert b.mean_logits is None
+    assert torch.equal(b.is_top1, a.is_top1)
+    scored = y != IGNORE
+    assert torch.equal(b.is_top1, (y == top) & scored)
+    assert 4 <= int(b.is_top1.sum()) < int(scored.sum())  # both values occur
+    assert not b.log_sum_sq_probs.requires_grad and not b.is_top1.requires_grad
+    tol = 1e-6 if temperature == 1.0 else 4e-6
+    torch.testing.assert_close(b.log_sum_sq_probs, a.log_sum_sq_probs, rtol=0, atol=tol)
+    want = torch.logsumexp(2 * logp, -1).masked_fill(~scored, 0)
+    torch.testing.assert_close(b.log_sum_sq_probs.double(), want, rtol=0, atol=2e-6)
+    assert bool((b.log_sum_sq_probs[~scored] == 0).all()) and not bool(b.is_top1[~scored].any())
+
+
 def test_shift_labels_num_items_and_plain_forward(model_dir: Path) -> None:
     from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head
 
@@ -286,8 +331,8 @@ def test_moe_auxiliary_loss_matches(tmp_path: Path) -> None:
 
 def test_outputs_fusedhead_does_not_compute_are_refused(model_dir: Path) -> None:
     _, ours = _pair(model_dir)
-    with pytest.raises(ValueError, match=r"\['is_top1'\].*not computed by fusedhead"):
-        fh_trl.add_fused_lm_head(ours, outputs=("log_probs", "is_top1"), head="torch")
+    with pytest.raises(ValueError, match=r"\['mean_logits'\].*not computed by fusedhead"):
+        fh_trl.add_fused_lm_head(ours, outputs=("log_probs", "mean_logits"), head="torch")
     with pytest.raises(ValueError, match="not fields TRL knows"):
         fh_trl.add_fused_lm_head(ours, outputs=("log_prob",), head="torch")
     with pytest.raises(TypeError, match="outputs must be a tuple"):
@@ -327,8 +372,8 @@ def test_trainer_without_the_field_fails_before_building(model_dir: Path) -> Non
     args = GRPOConfig(output_dir="unused", report_to="none", use_cpu=True)
     with pytest.raises(ValueError, match="has no fused_head_backend"):
         fh_trl.FusedHeadGRPOTrainer(model=str(model_dir), reward_funcs=[], args=args)
-    with pytest.raises(AttributeError, match="FusedHeadSFTTrainer"):
-        fh_trl.FusedHeadSFTTrainer  # noqa: B018
+    with pytest.raises(AttributeError, match="FusedHeadDPOTrainer"):
+        fh_trl.FusedHeadDPOTrainer  # noqa: B018
 
 
 def test_replace_refuses_a_trainer_without_trls_fused_head(model_dir: Path) -> None:
@@ -376,3 +421,60 @@ def test_grpo_bench_script_smoke(tmp_path: Path, hide_transformers: bool) -> Non
         assert r["logprob_max_abs_err"] < 1e-5 and r["entropy_max_abs_err"] < 1e-5
     diff = record["results"]["fusedhead"]["grad_rel_diff_vs_trl"]
     assert diff["hidden"] < 1e-5 and diff["weight"] < 1e-5
+
+
+def _run_sft(model_dir: Path, out_dir: Path, backend: str | None) -> dict[str, Any]:
+    """Two SFT steps on made-up text; every fused call's log-probs and the logged metrics."""
+    import trl
+    from datasets import Dataset
+    from trl_helpers import WORDS, make_tokenizer, record_fused_calls
+
+    texts = [" ".join(WORDS[i : i + 5 + i % 3]) for i in range(0, 32, 2)]
+    common: dict[str, Any] = dict(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        learning_rate=0.02,
+        optim="sgd",
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        bf16=False,
+        fp16=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        max_length=16,
+    )
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        train_dataset=Dataset.from_dict({"text": texts}),
+        processing_class=make_tokenizer(),
+    )
+    if backend is None:
+        trainer: Any = trl.SFTTrainer(args=trl.SFTConfig(**common), **kwargs)
+    else:
+        args = fh_trl.FusedHeadSFTConfig(fused_head_backend=backend, **common)
+        trainer = fh_trl.FusedHeadSFTTrainer(args=args, **kwargs)
+    calls: list[tuple[str, torch.Tensor]] = []
+    record_fused_calls(trainer.model, "policy", calls)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"calls": calls, "logs": logs, "trainer": trainer}
+
+
+def test_sft_two_steps_match_trls_own_kernel(model_dir: Path, tmp_path: Path) -> None:
+    """SFT asks the fused head for ``is_top1`` (its ``mean_token_accuracy``): it runs on
+    fusedhead, loss, entropy and accuracy as logged by TRL's own kernel."""
+    theirs = _run_sft(model_dir, tmp_path / "trl", None)
+    ours = _run_sft(model_dir, tmp_path / "fusedhead", "fusedhead:torch")
+    assert ours["trainer"].fused_head.name == "torch"
+    assert len(theirs["calls"]) == len(ours["calls"]) == 2
+    for (_, a), (_, b) in zip(theirs["calls"], ours["calls"], strict=True):
+        assert a.shape == b.shape and float(a.abs().max()) > 0.5
+        assert float((a - b).abs().max()) <= 1e-6
+    assert len(theirs["logs"]) == len(ours["logs"]) == 2
+    for a, b in zip(theirs["logs"], ours["logs"], strict=True):
+        for key in ("loss", "entropy", "mean_token_accuracy"):
+            assert abs(a[key] - b[key]) <= 1e-6, (key, a[key], b[key])

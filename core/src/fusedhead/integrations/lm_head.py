@@ -27,7 +27,7 @@ from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput, cached_head
 from fusedhead.config import FusedHeadConfig
-from fusedhead.module import FusedLMHead, call_in_forward, head_forward, owned, run_as_forward
+from fusedhead.module import FusedLMHead, call_in_forward, head_forward, run_as_forward
 from fusedhead.validation import is_dtensor
 
 __all__ = [
@@ -124,6 +124,8 @@ def lm_head_logprobs(
     select_rows: bool = True,
     in_call: bool = True,
     gather_ids: torch.Tensor | None = None,
+    return_sum_p2: bool = False,
+    return_argmax: bool = False,
 ) -> FusedHeadOutput:
     """Log-prob of each already-shifted label and entropy of each row, fp32 in ``labels``' shape.
 
@@ -141,11 +143,16 @@ def lm_head_logprobs(
     ``in_call=False`` reads the weight directly, for a caller that already runs inside
     ``lm_head``'s forward (one that stands in for it during the model's own call).
     ``gather_ids [..., K]`` (a teacher's top-k ids): ``out.gathered [..., K]``, the log-probs at
-    those ids, differentiable, 0 on ignored rows (top-k distillation).
+    those ids, differentiable, 0 on ignored rows (top-k distillation). ``return_sum_p2`` /
+    ``return_argmax``: ``out.sum_p2`` (sum of squared probabilities, 0 on ignored rows) and
+    ``out.argmax`` (the most likely id, the lower on ties; -1 on ignored rows).
     """
     weight_of = _check_lm_head(lm_head)
     _check_inputs(hidden, labels, ignore_index, return_entropy, select_rows, in_call)
     _check_gather_ids(gather_ids, labels)
+    for arg, value in (("return_sum_p2", return_sum_p2), ("return_argmax", return_argmax)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
     scale = _logit_scale(logit_scale)
     if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
         raise TypeError(
@@ -167,6 +174,10 @@ def lm_head_logprobs(
         "return_entropy": return_entropy,
         "softcap": softcap,
     }
+    if return_sum_p2:
+        kwargs["return_sum_p2"] = True
+    if return_argmax:
+        kwargs["return_argmax"] = True
 
     flat_gather = None if gather_ids is None else gather_ids.reshape(flat_labels.shape[0], -1)
 
@@ -194,28 +205,35 @@ def lm_head_logprobs(
 
     if not select_rows:
         out = run(flat_hidden, flat_labels, flat_temp, flat_gather)
-        entropy = None if out.entropy is None else out.entropy.reshape(shape)
-        kept = owned(FusedHeadOutput(out.log_probs.reshape(shape), entropy))
-        if out.gathered is None:
-            return kept
-        gathered = out.gathered.reshape(*shape, -1)
-        gathered = gathered.clone() if gathered._is_view() else gathered
-        return FusedHeadOutput(kept.log_probs, kept.entropy, gathered=gathered)
-    rows = valid.nonzero().squeeze(1)  # one host sync; ignored rows never reach the backend
-    t = flat_temp.index_select(0, rows) if isinstance(flat_temp, torch.Tensor) else flat_temp
-    g = None if flat_gather is None else flat_gather.index_select(0, rows)
-    out = run(flat_hidden.index_select(0, rows), flat_labels.index_select(0, rows), t, g)
-    zeros = torch.zeros(flat_labels.shape, dtype=torch.float32, device=hidden.device)
-    log_probs = zeros.index_put((rows,), out.log_probs).reshape(shape)
-    entropy = None
-    if out.entropy is not None:
-        entropy = zeros.index_put((rows,), out.entropy).reshape(shape)
-    if out.gathered is None:
-        return FusedHeadOutput(log_probs, entropy)
-    assert flat_gather is not None
-    gathered = torch.zeros(flat_gather.shape, dtype=torch.float32, device=hidden.device)
-    gathered = gathered.index_put((rows,), out.gathered).reshape(*shape, -1)
-    return FusedHeadOutput(log_probs, entropy, gathered=gathered)
+
+        def place(x: torch.Tensor | None, fill: float) -> torch.Tensor | None:
+            if x is None:
+                return None
+            x = x.reshape(*shape, *x.shape[1:])
+            # No view outputs, as fusedhead.module.owned (``_is_view`` does not trace: copy).
+            return x.clone() if torch.compiler.is_compiling() or x._is_view() else x
+
+    else:
+        rows = valid.nonzero().squeeze(1)  # one host sync; ignored rows never reach the backend
+        t = flat_temp.index_select(0, rows) if isinstance(flat_temp, torch.Tensor) else flat_temp
+        g = None if flat_gather is None else flat_gather.index_select(0, rows)
+        out = run(flat_hidden.index_select(0, rows), flat_labels.index_select(0, rows), t, g)
+
+        def place(x: torch.Tensor | None, fill: float) -> torch.Tensor | None:
+            if x is None:
+                return None
+            full = x.new_full((flat_labels.shape[0], *x.shape[1:]), fill)
+            return full.index_put((rows,), x).reshape(*shape, *x.shape[1:])
+
+    log_probs = place(out.log_probs, 0.0)
+    assert log_probs is not None
+    return FusedHeadOutput(
+        log_probs,
+        place(out.entropy, 0.0),
+        sum_p2=place(out.sum_p2, 0.0),
+        argmax=place(out.argmax, -1),
+        gathered=place(out.gathered, 0.0),
+    )
 
 
 def model_logit_transform(config: Any) -> tuple[float, float | None]:

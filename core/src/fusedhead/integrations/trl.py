@@ -10,8 +10,9 @@ computed by TRL's own chunked kernel. This module keeps that contract and swaps 
   its fused head (policy and reference) gets fusedhead's instead, with the same temperature and
   fp32 setting, the backend read from ``args.fused_head_backend`` (and
   ``args.fused_head_options``) or the ``fused_head=`` keyword;
-- ``FusedHeadGRPOTrainer``/``FusedHeadGRPOConfig`` and ``FusedHeadRLOOTrainer``/
-  ``FusedHeadRLOOConfig``: the mixin and the two config fields on TRL's own classes.
+- ``FusedHeadGRPOTrainer``/``FusedHeadGRPOConfig``, ``FusedHeadRLOOTrainer``/
+  ``FusedHeadRLOOConfig`` and ``FusedHeadSFTTrainer``/``FusedHeadSFTConfig``: the mixin and the
+  two config fields on TRL's own classes (DPO and KTO ask for ``mean_logits``, not computed here).
 
 Nothing in TRL is patched: the model's ``forward`` is layered exactly as TRL itself layers it
 (calls without ``fused_lm_head=True`` go through TRL's forward unchanged, so generation is
@@ -53,9 +54,10 @@ __all__ = [
 
 #: TRL versions this module was tested against.
 TESTED_TRL = ">=1.16.0,<1.17"
-#: ``FusedCausalLMOutput`` fields fusedhead computes; TRL's others (mean_logits, is_top1,
-#: log_sum_sq_probs) are statistics a fused head does not produce.
-SUPPORTED_OUTPUTS = ("log_probs", "entropy")
+#: ``FusedCausalLMOutput`` fields fusedhead computes: ``is_top1`` from the backend's argmax,
+#: ``log_sum_sq_probs`` from its sum of squared probabilities. TRL's ``mean_logits`` (the mean
+#: logit over the vocabulary, a DPO / KTO metric) is not a fusedhead output.
+SUPPORTED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "is_top1")
 _TRL_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 #: Marks a forward installed here (the installing head is the value).
 _MARK = "__fusedhead_head__"
@@ -86,7 +88,8 @@ def _check_outputs(outputs: object) -> tuple[str, ...]:
         raise ValueError(
             f"outputs {unsupported} (asked for by the trainer) are not computed by fusedhead, which "
             f"returns {list(SUPPORTED_OUTPUTS)}: use it with trainers that need only those (GRPO, "
-            "RLOO), or keep TRL's own kernel for this trainer"
+            "RLOO, SFT), or keep TRL's own kernel for this trainer (DPO and KTO ask for "
+            "mean_logits)"
         )
     return tuple(outputs)
 
@@ -155,6 +158,7 @@ def add_fused_lm_head(
     softcap = getattr(text_config, "final_logit_softcapping", None)
     scale = _logit_scale(text_config)
     entropy = "entropy" in wanted
+    sum_sq, top1 = "log_sum_sq_probs" in wanted, "is_top1" in wanted
     temp = float(temperature)
 
     # functools.wraps keeps the model class's signature: `generate` checks kwargs against it.
@@ -202,8 +206,17 @@ def add_fused_lm_head(
             softcap=softcap,
             logit_scale=scale,
             compute_dtype=torch.float32 if cast_lm_head_to_fp32 else None,
+            return_sum_p2=sum_sq,
+            return_argmax=top1,
         )
         mask = targets != -100
+        # TRL's statistics: no gradient, 0 / False where the label is -100.
+        log_sum_sq_probs = None
+        if out.sum_p2 is not None:
+            log_sum_sq_probs = out.sum_p2.detach().log().masked_fill(~mask, 0.0)
+        # TRL: the label's logit is the maximum and no lower id reaches it (the lower id on
+        # ties), which is the backend's argmax.
+        is_top1 = None if out.argmax is None else (out.argmax == targets) & mask
         denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = -out.log_probs.sum() / denom
         aux_loss = None
@@ -214,6 +227,8 @@ def add_fused_lm_head(
             loss=loss,
             log_probs=out.log_probs,
             entropy=out.entropy,
+            log_sum_sq_probs=log_sum_sq_probs,
+            is_top1=is_top1,
             label_mask=mask,
             aux_loss=aux_loss,
         )
@@ -321,8 +336,9 @@ def fused_head_from_args(args: Any) -> HeadLike:
     name = getattr(args, "fused_head_backend", None)
     if name is None:
         raise ValueError(
-            f"{type(args).__name__} has no fused_head_backend: use FusedHeadGRPOConfig / "
-            "FusedHeadRLOOConfig, or pass fused_head='triton' (a backend name) to the trainer"
+            f"{type(args).__name__} has no fused_head_backend: use FusedHeadGRPOConfig, "
+            "FusedHeadRLOOConfig or FusedHeadSFTConfig, or pass fused_head='triton' (a backend "
+            "name) to the trainer"
         )
     options = getattr(args, "fused_head_options", None)
     if isinstance(options, str):
@@ -371,7 +387,7 @@ class _FusedHeadFields:
 
 
 _BUILT: dict[str, Any] = {}
-_TRAINERS = {"GRPO": "GRPOTrainer", "RLOO": "RLOOTrainer"}
+_TRAINERS = {"GRPO": "GRPOTrainer", "RLOO": "RLOOTrainer", "SFT": "SFTTrainer"}
 
 
 def _build(name: str) -> Any:
