@@ -81,3 +81,46 @@ def test_unregistering_a_name_that_is_no_str_is_a_type_error(ref_backend, name):
     with pytest.raises(TypeError) as info:
         registry.unregister_backend(name)
     assert "backend must be a str" in str(info.value) and type(name).__name__ in str(info.value)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize(
+    ("hidden", "error", "words"),
+    [
+        (
+            torch.randn(2, 9),
+            ValueError,
+            ["hidden's last dimension must equal weight's H=8", "(2, 9)"],
+        ),
+        (torch.tensor(1.0), ValueError, ["hidden's last dimension", "shape ()"]),
+        (
+            torch.randn(2, 8).double(),
+            TypeError,
+            ["hidden and weight must share a dtype", "float64"],
+        ),
+        (
+            torch.ones(2, 8, dtype=torch.long),
+            TypeError,
+            ["hidden must be a floating-point", "int64"],
+        ),
+        (torch.randn(2, 8, device="meta"), ValueError, ["hidden must be on the weight's device"]),
+    ],
+)
+def test_fused_lm_head_logits_path_names_a_mismatched_hidden(bias, hidden, error, words):
+    """Without labels the head is the nn.Linear it replaced; a mismatch was torch's RuntimeError
+    ('mat1 and mat2 shapes cannot be multiplied', 'expected m1 and m2 to have the same dtype')."""
+    lm = FusedLMHead.from_linear(nn.Linear(8, 11, bias=bias))
+    with pytest.raises(error) as info:
+        lm(hidden)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_fused_lm_head_logits_path_takes_what_nn_linear_takes():
+    linear = nn.Linear(8, 11)
+    lm = FusedLMHead.from_linear(linear)
+    h = torch.randn(3, 8)
+    assert torch.equal(lm(h), linear(h))
+    assert torch.equal(lm(h.to_sparse()), linear(h.to_sparse()))  # a sparse hidden, as before
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed dtypes under autocast
+        assert lm(h.bfloat16()).dtype == torch.bfloat16

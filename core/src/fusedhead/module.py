@@ -156,7 +156,7 @@ class FusedLMHead(nn.Module):
                 "contains it, e.g. the root for tied embeddings)"
             )
         if labels is None:
-            return nn.functional.linear(_tensor("hidden", hidden), weight, bias)
+            return nn.functional.linear(_linear_input(hidden, weight), weight, bias)
         return owned(
             head_forward(
                 self.head,
@@ -175,6 +175,37 @@ class FusedLMHead(nn.Module):
                 reduce_hidden_grad=reduce_hidden_grad,
             )
         )
+
+
+def _linear_input(hidden: object, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden`` checked for the logits path as a call checks it (shape, dtype, device), so a
+    mismatch is named instead of failing in the matmul ('mat1 and mat2 shapes cannot be
+    multiplied'); under autocast the dtypes may differ, and a sparse hidden is taken, as by
+    ``nn.Linear``."""
+    if not isinstance(hidden, torch.Tensor) or hidden.is_nested:
+        _tensor("hidden", hidden)  # the call's TypeError
+    h: torch.Tensor = hidden  # type: ignore[assignment]
+    if h.dim() == 0 or h.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden's last dimension must equal weight's H={weight.shape[1]}, got hidden shape "
+            f"{tuple(h.shape)}"
+        )
+    if h.device != weight.device:
+        raise ValueError(f"hidden must be on the weight's device {weight.device}, got {h.device}")
+    if not h.is_floating_point():
+        raise TypeError(f"hidden must be a floating-point tensor, got dtype {h.dtype}")
+    if h.dtype != weight.dtype:
+        try:
+            autocast = torch.is_autocast_enabled(h.device.type)
+        except RuntimeError:  # a device type autocast does not know (meta)
+            autocast = False
+        if not autocast:
+            raise TypeError(
+                f"hidden and weight must share a dtype outside torch.autocast, got hidden "
+                f"{h.dtype} and weight {weight.dtype}; cast one of them or call inside "
+                "torch.autocast"
+            )
+    return h
 
 
 def owned(out: FusedHeadOutput) -> FusedHeadOutput:
