@@ -114,3 +114,37 @@ def test_kl_check_labels_must_be_a_bool(ref_backend, inputs, value):
         assert (
             str(info.value) == f"check_labels must be a bool, got {type(value).__name__} {value!r}"
         )
+
+
+@pytest.mark.parametrize(
+    ("text", "want"), [("1e-3", 1e-3), ("1.e-3", 1e-3), ("2E+1", 20.0), ("-1.5e2", None)]
+)
+def test_yaml_reads_an_exponent_float_as_a_float(ref_backend, text, want):
+    """PyYAML's YAML 1.1 rules read '1e-3' as a str: 'temperature: 1e-3' was refused as
+    "'1e-3' (str): expected float"; YAML 1.2 and OmegaConf (Hydra) read the float."""
+    pytest.importorskip("yaml")
+    if want is None:  # a float, so the range check (not the type check) refuses it
+        with pytest.raises(ValueError, match=r"field 'temperature' = -150\.0 \(float\)"):
+            FusedHeadConfig.from_yaml(f"temperature: {text}")
+        return
+    assert FusedHeadConfig.from_yaml(f"temperature: {text}").temperature == want
+    assert FusedHeadConfig.from_yaml(f"softcap: {text}").softcap == want
+
+
+def test_yaml_keeps_ints_and_quoted_strs(ref_backend):
+    pytest.importorskip("yaml")
+    config = FusedHeadConfig.from_yaml("ignore_index: 10\ntemperature: 2\n")
+    assert config.ignore_index == 10 and type(config.ignore_index) is int
+    with pytest.raises(TypeError, match=r"field 'temperature' = '1e-3' \(str\)"):
+        FusedHeadConfig.from_yaml("temperature: '1e-3'")
+
+
+def test_yaml_given_a_file_name_as_text_says_to_pass_a_path(tmp_path):
+    pytest.importorskip("yaml")
+    with pytest.raises(TypeError) as info:
+        FusedHeadConfig.from_yaml("configs/head.yaml")
+    text = str(info.value)
+    assert "got a YAML str" in text and "pathlib.Path('configs/head.yaml')" in text
+    with pytest.raises(TypeError) as info:
+        FusedHeadConfig.from_yaml("just words")
+    assert "pathlib" not in str(info.value)

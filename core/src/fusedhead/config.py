@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import difflib
 import enum
+import functools
 import math
 import numbers
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -358,7 +360,7 @@ class FusedHeadConfig(BaseModel):
             raise TypeError(f"text must be YAML text (str) or a path, got {type(text).__name__}")
         where = source or "<yaml text>"
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader subclass
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -370,9 +372,16 @@ class FusedHeadConfig(BaseModel):
         if data is None:
             data = {}
         if not isinstance(data, dict):
+            path_like = isinstance(data, str) and data.endswith((".yaml", ".yml", ".json"))
             raise TypeError(
                 f"{where}: a fusedhead config is a mapping of fields (or one {YAML_SECTION!r} key "
                 f"holding them), got a YAML {type(data).__name__}"
+                + (
+                    f"; from_yaml reads a str as YAML text: to read the file {data!r}, pass "
+                    f"pathlib.Path({data!r})"
+                    if path_like
+                    else ""
+                )
             )
         if YAML_SECTION in data:
             others = sorted(str(k) for k in data if k != YAML_SECTION)
@@ -407,6 +416,31 @@ class FusedHeadConfig(BaseModel):
     def to_dict(self) -> dict[str, Any]:
         """A plain dict that ``from_dict`` turns back into an equal config."""
         return self.model_dump(mode="json")
+
+
+#: YAML 1.2 floats that PyYAML's YAML 1.1 rules read as str: an exponent without a dot (``1e-3``)
+#: or with a bare dot (``1.e-3``); what OmegaConf's loader (Hydra) also reads as floats.
+_YAML_FLOAT = re.compile(
+    r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+
+
+@functools.cache
+def _yaml_loader() -> type:
+    """PyYAML's SafeLoader that reads ``1e-3`` as the float a YAML 1.2 reader (and OmegaConf)
+    gives, not the str YAML 1.1 gives (a config's ``temperature: 1e-3`` was refused as a str)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no types here
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_FLOAT, list("-+0123456789."))
+    return Loader
 
 
 def _identity(name: str) -> tuple[str | None, str | None]:
