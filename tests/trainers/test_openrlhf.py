@@ -125,13 +125,30 @@ def _grads(actor: Any) -> dict[str, torch.Tensor]:
     return grads
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.8])
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_actor_forward_matches_openrlhf(model_dir: Path, packing: bool, temperature: float) -> None:
+@pytest.mark.parametrize(
+    ("backend", "packing", "temperature"),
+    [
+        ("torch", False, 1.0),
+        ("torch", False, 0.8),
+        ("torch", True, 1.0),
+        ("torch", True, 0.8),
+        ("triton", False, 0.8),
+        ("triton", True, 0.8),
+    ],
+)
+def test_actor_forward_matches_openrlhf(
+    model_dir: Path,
+    backend: str,
+    packing: bool,
+    temperature: float,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``triton`` runs its kernels under the Triton interpreter on the CPU (fp32)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     theirs = _actor(model_dir, packing, temperature)
     ours = _actor(model_dir, packing, temperature)
-    head = patch_actor(ours, "fusedhead:torch")
-    assert head.name == "torch" and is_patched(ours) and not is_patched(theirs)
+    head = patch_actor(ours, f"fusedhead:{backend}")
+    assert head.name == backend and is_patched(ours) and not is_patched(theirs)
     seq, mask, action_mask = _batch()
     needed = mask[:, 1:].bool()  # positions whose next token is real
 

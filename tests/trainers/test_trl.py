@@ -176,19 +176,30 @@ def _float64_grads(
 
 
 @pytest.mark.parametrize(
-    ("attrs", "temperature"),
-    [({}, 1.0), ({}, 0.7), ({"final_logit_softcapping": 4.0, "logit_scale": 0.5}, 0.9)],
-    ids=["plain", "temperature", "softcap-scale"],
+    ("attrs", "temperature", "backend"),
+    [
+        ({}, 1.0, "torch"),
+        ({}, 0.7, "torch"),
+        ({"final_logit_softcapping": 4.0, "logit_scale": 0.5}, 0.9, "torch"),
+        ({"final_logit_softcapping": 4.0, "logit_scale": 0.5}, 0.9, "triton"),
+    ],
+    ids=["plain", "temperature", "softcap-scale", "softcap-scale-triton"],
 )
 def test_drop_in_matches_trl_kernel_and_full_logits(
-    model_dir: Path, attrs: dict[str, Any], temperature: float
+    model_dir: Path,
+    attrs: dict[str, Any],
+    temperature: float,
+    backend: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """``triton`` runs its kernels under the Triton interpreter on the CPU (fp32)."""
     from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head
 
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     theirs, ours = _pair(model_dir, **attrs)
     outputs = ("log_probs", "entropy")
     trl_add_fused_lm_head(theirs, temperature=temperature, outputs=outputs)
-    fh_trl.add_fused_lm_head(ours, temperature=temperature, outputs=outputs, head="torch")
+    fh_trl.add_fused_lm_head(ours, temperature=temperature, outputs=outputs, head=backend)
     ids, mask, labels = _batch()
     results = []
     for model in (theirs, ours):
@@ -233,12 +244,21 @@ def test_drop_in_matches_trl_kernel_and_full_logits(
 
 
 @pytest.mark.parametrize(
-    ("attrs", "temperature"),
-    [({}, 1.0), ({}, 0.7), ({"final_logit_softcapping": 4.0, "logit_scale": 0.5}, 0.9)],
-    ids=["plain", "temperature", "softcap-scale"],
+    ("attrs", "temperature", "backend"),
+    [
+        ({}, 1.0, "torch"),
+        ({}, 0.7, "torch"),
+        ({"final_logit_softcapping": 4.0, "logit_scale": 0.5}, 0.9, "torch"),
+        ({}, 0.7, "triton"),
+    ],
+    ids=["plain", "temperature", "softcap-scale", "temperature-triton"],
 )
 def test_sft_and_dpo_statistics_match_trl_kernel(
-    model_dir: Path, attrs: dict[str, Any], temperature: float
+    model_dir: Path,
+    attrs: dict[str, Any],
+    temperature: float,
+    backend: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``is_top1`` (SFT's token accuracy) and ``log_sum_sq_probs`` (DPO's WPO weights) as TRL's
     kernel computes them: the label is the lowest-id maximum; log(sum p^2); no gradient; 0 /
@@ -248,7 +268,8 @@ def test_sft_and_dpo_statistics_match_trl_kernel(
     theirs, ours = _pair(model_dir, **attrs)
     outputs = ("log_probs", "entropy", "log_sum_sq_probs", "is_top1")
     trl_add_fused_lm_head(theirs, temperature=temperature, outputs=outputs)
-    fh_trl.add_fused_lm_head(ours, temperature=temperature, outputs=outputs, head="torch")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton: its kernels interpreted, fp32
+    fh_trl.add_fused_lm_head(ours, temperature=temperature, outputs=outputs, head=backend)
     ids, mask, labels = _batch(3)
     with torch.no_grad():  # make about half of the scored labels the model's top-1
         hidden = ours.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
