@@ -126,6 +126,7 @@ def lm_head_logprobs(
     gather_ids: torch.Tensor | None = None,
     return_sum_p2: bool = False,
     return_argmax: bool = False,
+    on_weight: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None,
 ) -> FusedHeadOutput:
     """Log-prob of each already-shifted label and entropy of each row, fp32 in ``labels``' shape.
 
@@ -145,7 +146,9 @@ def lm_head_logprobs(
     ``gather_ids [..., K]`` (a teacher's top-k ids): ``out.gathered [..., K]``, the log-probs at
     those ids, differentiable, 0 on ignored rows (top-k distillation). ``return_sum_p2`` /
     ``return_argmax``: ``out.sum_p2`` (sum of squared probabilities, 0 on ignored rows) and
-    ``out.argmax`` (the most likely id, the lower on ties; -1 on ignored rows).
+    ``out.argmax`` (the most likely id, the lower on ties; -1 on ignored rows). ``on_weight`` is
+    called with the ``(weight, bias)`` read inside the call (gathered, as given: before
+    ``compute_dtype`` and ``logit_scale``), for a statistic of the head under the same gather.
     """
     weight_of = _check_lm_head(lm_head)
     _check_inputs(hidden, labels, ignore_index, return_entropy, select_rows, in_call)
@@ -189,6 +192,8 @@ def lm_head_logprobs(
         # Inside lm_head's own call: parameter-gathering hooks (FSDP2, ZeRO-3) have run.
         def body() -> FusedHeadOutput:
             weight, bias = weight_of()
+            if on_weight is not None:
+                on_weight(weight, bias)
             h_ = h
             if compute_dtype is not None:
                 weight, h_ = weight.to(compute_dtype), h.to(compute_dtype)

@@ -10,9 +10,8 @@ computed by TRL's own chunked kernel. This module keeps that contract and swaps 
   its fused head (policy and reference) gets fusedhead's instead, with the same temperature and
   fp32 setting, the backend read from ``args.fused_head_backend`` (and
   ``args.fused_head_options``) or the ``fused_head=`` keyword;
-- ``FusedHeadGRPOTrainer``/``FusedHeadGRPOConfig``, ``FusedHeadRLOOTrainer``/
-  ``FusedHeadRLOOConfig`` and ``FusedHeadSFTTrainer``/``FusedHeadSFTConfig``: the mixin and the
-  two config fields on TRL's own classes (DPO and KTO ask for ``mean_logits``, not computed here).
+- ``FusedHead{GRPO,RLOO,SFT,DPO,KTO}Trainer`` / ``...Config``: the mixin and the two config
+  fields on TRL's own classes.
 
 Nothing in TRL is patched: the model's ``forward`` is layered exactly as TRL itself layers it
 (calls without ``fused_lm_head=True`` go through TRL's forward unchanged, so generation is
@@ -55,9 +54,9 @@ __all__ = [
 #: TRL versions this module was tested against.
 TESTED_TRL = ">=1.16.0,<1.17"
 #: ``FusedCausalLMOutput`` fields fusedhead computes: ``is_top1`` from the backend's argmax,
-#: ``log_sum_sq_probs`` from its sum of squared probabilities. TRL's ``mean_logits`` (the mean
-#: logit over the vocabulary, a DPO / KTO metric) is not a fusedhead output.
-SUPPORTED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "is_top1")
+#: ``log_sum_sq_probs`` from its sum of squared probabilities, ``mean_logits`` (a DPO / KTO
+#: metric) from the mean weight row, as the mean logit is linear in it (not under a softcap).
+SUPPORTED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 _TRL_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 #: Marks a forward installed here (the installing head is the value).
 _MARK = "__fusedhead_head__"
@@ -87,9 +86,7 @@ def _check_outputs(outputs: object) -> tuple[str, ...]:
     if unsupported:
         raise ValueError(
             f"outputs {unsupported} (asked for by the trainer) are not computed by fusedhead, which "
-            f"returns {list(SUPPORTED_OUTPUTS)}: use it with trainers that need only those (GRPO, "
-            "RLOO, SFT), or keep TRL's own kernel for this trainer (DPO and KTO ask for "
-            "mean_logits)"
+            f"returns {list(SUPPORTED_OUTPUTS)}: keep TRL's own kernel for this trainer"
         )
     return tuple(outputs)
 
@@ -151,14 +148,20 @@ def add_fused_lm_head(
         )
     wanted = _check_outputs(outputs)
     fused = resolve_lm_head(head)
+    text_config = _text_config(model)
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    if "mean_logits" in wanted and softcap is not None:
+        raise ValueError(
+            f"outputs ['mean_logits'] (asked for by the trainer) is not computed by fusedhead for "
+            f"a model with final_logit_softcapping={softcap}: the mean of capped logits needs "
+            "every logit; keep TRL's own kernel for this trainer and model"
+        )
     utils = _trl_utils()
     output_cls = utils.FusedCausalLMOutput
     previous = model.forward
-    text_config = _text_config(model)
-    softcap = getattr(text_config, "final_logit_softcapping", None)
     scale = _logit_scale(text_config)
     entropy = "entropy" in wanted
-    sum_sq, top1 = "log_sum_sq_probs" in wanted, "is_top1" in wanted
+    sum_sq, top1, mean = "log_sum_sq_probs" in wanted, "is_top1" in wanted, "mean_logits" in wanted
     temp = float(temperature)
 
     # functools.wraps keeps the model class's signature: `generate` checks kwargs against it.
@@ -196,6 +199,19 @@ def add_fused_lm_head(
         lm_head: nn.Module = self.get_output_embeddings()  # type: ignore[operator]
         device: torch.device = lm_head.weight.device  # type: ignore[assignment]
         hidden, targets = hidden.to(device), targets.to(device)
+        rows: list[torch.Tensor] = []
+
+        def mean_row(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+            # mean_v (s * (h . W_v + b_v)) / T == s * (h . mean_v W_v + mean_v b_v) / T
+            with torch.no_grad():
+                w = weight.detach().float().mean(0)
+                b = (
+                    torch.zeros((), device=w.device)
+                    if bias is None
+                    else bias.detach().float().mean()
+                )
+                rows.append(((hidden.detach().float() @ w + b) * (scale / temp)).float())
+
         out = lm_head_logprobs(
             lm_head,
             hidden,
@@ -208,6 +224,7 @@ def add_fused_lm_head(
             compute_dtype=torch.float32 if cast_lm_head_to_fp32 else None,
             return_sum_p2=sum_sq,
             return_argmax=top1,
+            on_weight=mean_row if mean else None,
         )
         mask = targets != -100
         # TRL's statistics: no gradient, 0 / False where the label is -100.
@@ -217,6 +234,7 @@ def add_fused_lm_head(
         # TRL: the label's logit is the maximum and no lower id reaches it (the lower id on
         # ties), which is the backend's argmax.
         is_top1 = None if out.argmax is None else (out.argmax == targets) & mask
+        mean_logits = rows[0].masked_fill(~mask, 0.0) if rows else None
         denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = -out.log_probs.sum() / denom
         aux_loss = None
@@ -228,6 +246,7 @@ def add_fused_lm_head(
             log_probs=out.log_probs,
             entropy=out.entropy,
             log_sum_sq_probs=log_sum_sq_probs,
+            mean_logits=mean_logits,
             is_top1=is_top1,
             label_mask=mask,
             aux_loss=aux_loss,
@@ -336,8 +355,9 @@ def fused_head_from_args(args: Any) -> HeadLike:
     name = getattr(args, "fused_head_backend", None)
     if name is None:
         raise ValueError(
-            f"{type(args).__name__} has no fused_head_backend: use FusedHeadGRPOConfig, "
-            "FusedHeadRLOOConfig or FusedHeadSFTConfig, or pass fused_head='triton' (a backend "
+            f"{type(args).__name__} has no fused_head_backend: use fusedhead's config class for "
+            "the trainer (FusedHeadGRPOConfig, FusedHeadRLOOConfig, FusedHeadSFTConfig, "
+            "FusedHeadDPOConfig, FusedHeadKTOConfig), or pass fused_head='triton' (a backend "
             "name) to the trainer"
         )
     options = getattr(args, "fused_head_options", None)
@@ -387,7 +407,13 @@ class _FusedHeadFields:
 
 
 _BUILT: dict[str, Any] = {}
-_TRAINERS = {"GRPO": "GRPOTrainer", "RLOO": "RLOOTrainer", "SFT": "SFTTrainer"}
+_TRAINERS = {
+    "GRPO": "GRPOTrainer",
+    "RLOO": "RLOOTrainer",
+    "SFT": "SFTTrainer",
+    "DPO": "DPOTrainer",
+    "KTO": "KTOTrainer",
+}
 
 
 def _build(name: str) -> Any:
