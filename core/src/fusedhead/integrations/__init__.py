@@ -9,6 +9,10 @@
   entry point, ``docs/integrations/verl.md``).
 - ``fusedhead.integrations.veomni``: VeOmni's ``cross_entropy_loss_implementation:
   fusedhead:<name>`` (its ``KERNEL_REGISTRY``, ``docs/integrations/veomni.md``).
+- ``fusedhead.integrations.trl``: TRL's fused LM head on a fusedhead backend
+  (``FusedHead{GRPO,RLOO,SFT,DPO,KTO}Trainer``, ``docs/integrations/trl.md``).
+- ``fusedhead.integrations.openrlhf``: ``patch_actor``, an opt-in patch of OpenRLHF's
+  ``Actor.forward`` (``docs/integrations/openrlhf.md``).
 """
 
 from __future__ import annotations
