@@ -125,18 +125,33 @@ def test_fusedhead_uses_the_engines_shift_labels_verbatim() -> None:
     torch.testing.assert_close(ignored.log_probs[0, keep], expected[0, keep], atol=1e-6, rtol=0)
 
 
-def test_an_unknown_impl_backend_raises_instead_of_verls_silent_skip() -> None:
+def test_a_misspelt_fusedhead_name_raises_instead_of_verls_silent_skip() -> None:
     model = tiny_qwen2(0)
     forward = type(model).forward
     with restored_verl_patches(type(model)):
-        with pytest.raises(ValueError, match=r"'tritonn' is not a fused-kernel backend") as info:
-            apply_verl_monkey_patch(model, "tritonn")
-        assert "'fusedhead:torch'" in str(info.value) and "'liger'" in str(info.value)
+        for typo in ("fusedhaed:torch", "fused-head:triton", "fused_head"):
+            with pytest.raises(ValueError, match=f"'{typo}' is not a fused-kernel backend") as info:
+                apply_verl_monkey_patch(model, typo)
+            assert "'fusedhead:torch'" in str(info.value) and "'liger'" in str(info.value)
         with pytest.raises(UnknownBackendError, match="no-such-backend"):
             apply_verl_monkey_patch(model, "fusedhead:no-such-backend")
         with pytest.raises(ValueError, match="not one of the accepted forms"):
             apply_verl_monkey_patch(model, "fusedhead:")
         assert type(model).forward is forward  # nothing was patched on the way
+
+
+def test_a_value_not_meant_for_fusedhead_is_verls_to_handle_as_without_fusedhead() -> None:
+    """Installing fusedhead changes nothing for a config that does not name it: verl's own
+    silent skip of a name it does not know, with the patch as with verl's original function."""
+    from verl.models.transformers import monkey_patch
+
+    assert fh_verl.is_installed()
+    model = tiny_qwen2(0)
+    forward = type(model).forward
+    for value in ("tritonn", "", None):
+        with restored_verl_patches(type(model)):
+            monkey_patch.patch_forward_with_backends(model, True, value)  # no error: verl's skip
+            assert type(model).forward is forward
 
 
 def test_a_fusedhead_backend_with_fused_kernels_off_raises() -> None:
@@ -274,7 +289,7 @@ def test_the_docs_example_runs(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     # Only fusedhead's forward takes shift_labels and returns log_probs: the entry point loaded.
     assert "torch.Size([1, 12]) torch.Size([1, 12])" in done.stdout
-    assert "'tritonn' is not a fused-kernel backend" in done.stdout
+    assert "'fusedhaed:torch' is not a fused-kernel backend" in done.stdout
 
 
 def test_uninstall_gives_verl_its_function_back_and_install_is_idempotent() -> None:

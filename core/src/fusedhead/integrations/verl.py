@@ -13,9 +13,10 @@ one public function, as soon as verl imports its module, with :func:`patch_forwa
   through :func:`fusedhead.integrations.lm_head.lm_head_logprobs`. The LM-head weight is read
   inside ``lm_head``'s own call, so it also works when FSDP2 shards an untied ``lm_head`` on its
   own (``apply_fsdp2`` does), where verl's own fused path reads a DTensor (verl #5633);
-- verl's own names go to verl's own function, unchanged;
-- anything else with ``use_fused_kernels: true`` (a typo, ``None``) raises ``ValueError`` instead
-  of verl's silent skip, and so does a fusedhead name with fused kernels off.
+- every other value goes to verl's own function, unchanged (installing fusedhead changes nothing
+  for a config that does not name it), except a value that looks meant for fusedhead (a misspelt
+  ``fusedhaed:triton``), which raises ``ValueError`` instead of verl's silent skip, as does a
+  fusedhead name with fused kernels off.
 
 The same entry point arms :mod:`fusedhead.integrations.veomni` when verl imports VeOmni, so
 verl's VeOmni engine takes ``cross_entropy_loss_implementation: fusedhead:<name>`` from verl's
@@ -28,6 +29,7 @@ provenance then. Nothing here imports verl or torch at import time.
 
 from __future__ import annotations
 
+import difflib
 import importlib.abc
 import importlib.machinery
 import logging
@@ -213,16 +215,29 @@ def _accepted_names() -> str:
     return f"verl's own {theirs}; fusedhead's {ours}"
 
 
+def _misspelt_spec(value: object) -> bool:
+    """A value meant for fusedhead that is not its spelling: ``fusedhaed:triton``, ``fused-head``.
+
+    Only these are refused: any other value stays verl's to handle (or skip), so that a config
+    which does not name fusedhead behaves as it does without fusedhead installed.
+    """
+    if not isinstance(value, str) or value in VERL_BACKENDS:
+        return False
+    word = value.partition(":")[0].strip().lower().replace("-", "").replace("_", "")
+    return bool(difflib.get_close_matches(word, ["fusedhead"], n=1, cutoff=0.75))
+
+
 def patch_forward_with_backends(
     model: Any,
     use_fused_kernels: bool = False,
     fused_kernels_backend: str | None = None,
 ) -> None:
-    """verl's ``patch_forward_with_backends`` with fusedhead's names added and no silent skip.
+    """verl's ``patch_forward_with_backends`` with fusedhead's names added, the rest verl's.
 
     ``fused_kernels_backend`` is ``actor_rollout_ref.model.fused_kernel_options.impl_backend``.
-    A ``fusedhead:<name>`` value patches the model's forward to fusedhead's; verl's own names
-    go to verl's function; any other value with ``use_fused_kernels`` on raises ``ValueError``.
+    A ``fusedhead:<name>`` value patches the model's forward to fusedhead's; a misspelt
+    fusedhead name with ``use_fused_kernels`` on raises ``ValueError``; everything else goes to
+    verl's function as it is (verl's own names, and verl's own skip of names it does not know).
     """
     from fusedhead.integrations.lm_head import is_fusedhead_spec
 
@@ -236,7 +251,7 @@ def patch_forward_with_backends(
             )
         _patch_model(model, fused_kernels_backend)
         return
-    if use_fused_kernels and fused_kernels_backend not in VERL_BACKENDS:
+    if use_fused_kernels and _misspelt_spec(fused_kernels_backend):
         raise ValueError(
             f"fused_kernel_options.impl_backend={fused_kernels_backend!r} is not a fused-kernel "
             f"backend (use_fused_kernels=True); accepted: {_accepted_names()}. verl itself would "
