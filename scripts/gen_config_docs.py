@@ -24,7 +24,9 @@ A `FusedHeadConfig` loads from a dict (`FusedHeadConfig.from_dict`), YAML text o
 (`from_yaml(text)`, `from_yaml(pathlib.Path(...))`) or an OmegaConf/Hydra node
 (`from_omegaconf`), and round-trips through `to_dict()`. In a YAML file the fields sit under one
 `fused_head:` key, as below, or at the top; `from_dict` and `from_omegaconf` take the fields
-themselves (pass the `fused_head` section).
+themselves (pass the `fused_head` section). YAML needs PyYAML (the core's `yaml` extra:
+`pip install './core[yaml]'` from a clone, `fusedhead[yaml]` once on PyPI); OmegaConf comes with
+Hydra.
 
 ```yaml
 fused_head:
