@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+# The Triton interpreter's tl.dot is NumPy's matmul. OpenBLAS's Haswell and Zen sgemm kernels
+# (NumPy's BLAS; 2.3.5 and 2.4.6 alike) give a row bits that depend on the row's place in the
+# matrix (a row tile permuted or shifted gives other last bits), so under them the interpreter's
+# bitwise batch-invariance and top-k tie checks fail while the kernels are invariant (as on the
+# GPU). Which kernels load depends on the CPU and on OPENBLAS_CORETYPE, which some machine images
+# set to Haswell. OpenBLAS's Sandybridge kernels (AVX: every x86-64 CPU of the last decade) are
+# row-invariant, so the test session takes them; the choice is read when OpenBLAS loads, before
+# NumPy is imported.
+if platform.machine().lower() in ("x86_64", "amd64") and "numpy" not in sys.modules:
+    os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
 
 import pytest
 import torch

@@ -10,6 +10,7 @@ import math
 import torch
 
 from fusedhead.testing.inputs import FLAT, PEAKED, TEMPERATURE, Case, make_case
+from fusedhead.testing.interpreter import unless_interpreter_dot_varies
 from fusedhead.testing.measure import Outputs, check_against_reference, evaluate
 from fusedhead.testing.outcome import NotRun, PropertyFailure
 from fusedhead.testing.target import Target
@@ -64,6 +65,7 @@ def _forward(
     return evaluate(target, case, target.dtype, loss=(), temperature=TEMPERATURE)
 
 
+@unless_interpreter_dot_varies
 def batch_invariance(target: Target) -> None:
     """If declared: a row's forward outputs are bitwise equal alone, in a permuted, sliced or larger batch."""
     _declared(target, "batch_invariant")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fusedhead.testing.inputs import FLAT, IGNORE_INDEX, PEAKED, TEMPERATURE, Case, make_case
+from fusedhead.testing.interpreter import unless_interpreter_dot_varies
 from fusedhead.testing.outcome import NotRun, PropertyFailure
 from fusedhead.testing.target import Target
 from fusedhead.testing.tolerances import Bound, Tolerances, assert_close
@@ -549,6 +550,7 @@ def extras_together(target: Target) -> None:
     )
 
 
+@unless_interpreter_dot_varies
 def batch_invariant_extras(target: Target) -> None:
     """If batch_invariant is declared: each declared extra of a row is bitwise the same alone and in a larger batch."""
     if not target.caps.batch_invariant:
