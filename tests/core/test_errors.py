@@ -24,7 +24,7 @@ WHO = {"backend": "demo", "distribution": "fh-demo", "version": "1.2.3"}
 CASES = [
     (
         BackendError("went wrong", hint="try again", **WHO),
-        "backend 'demo' (fh-demo 1.2.3): went wrong Fix: try again",
+        "backend 'demo' (fh-demo 1.2.3): went wrong. Fix: try again",
     ),
     (
         UnknownBackendError("unknown fusedhead backend 'demo'. Installed: torch.", backend="demo"),
@@ -38,11 +38,11 @@ CASES = [
             **WHO,
         ),
         "backend 'demo' (fh-demo 1.2.3): could not be imported: the package 'xyz' is not "
-        "installed Fix: pip install xyz",
+        "installed. Fix: pip install xyz",
     ),
     (
         BackendLoadError("has no method forward()", hint="define forward(self, call)", **WHO),
-        "backend 'demo' (fh-demo 1.2.3): has no method forward() Fix: define forward(self, call)",
+        "backend 'demo' (fh-demo 1.2.3): has no method forward(). Fix: define forward(self, call)",
     ),
     (
         BackendConflictError(
@@ -58,7 +58,7 @@ CASES = [
     ),
     (
         BackendUnavailableError("runs on CUDA only", hint="use backend='torch'"),
-        "runs on CUDA only Fix: use backend='torch'",
+        "runs on CUDA only. Fix: use backend='torch'",
     ),
     (
         CapabilityError("does not support softcap", capability="softcap", backend="demo"),
@@ -124,7 +124,7 @@ def test_each_class_names_the_status_that_listings_show() -> None:
 def test_attach_fills_only_what_the_raiser_left_out() -> None:
     raised = BackendUnavailableError("no GPU", hint="use cpu")
     assert raised.attach(**WHO) is raised
-    assert str(raised) == "backend 'demo' (fh-demo 1.2.3): no GPU Fix: use cpu"
+    assert str(raised) == "backend 'demo' (fh-demo 1.2.3): no GPU. Fix: use cpu"
     own = BackendUnavailableError("no GPU", backend="mine").attach(**WHO)
     assert own.backend == "mine" and own.distribution == "fh-demo"
 

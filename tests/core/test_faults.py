@@ -223,7 +223,7 @@ def test_check_raising_unavailable_carries_the_backend(ref_backend, inputs, monk
     monkeypatch.setattr(ref_backend, "check", no)
     with pytest.raises(BackendUnavailableError) as info:
         fused_head(*inputs(), backend="ref-test")
-    assert str(info.value) == "backend 'ref-test': no such device here Fix: use cpu"
+    assert str(info.value) == "backend 'ref-test': no such device here. Fix: use cpu"
 
 
 def _outputs(n: int, like: torch.Tensor) -> dict[str, Callable[[], object]]:

@@ -91,8 +91,19 @@ def test_unknown_name_lists_installed_and_suggests(with_fixture_dists):
     assert "'godo'" in msg and "good" in msg and "Did you mean 'good'?" in msg
 
 
+def _not_installed(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Discovery as on a machine without the first-party backend ``name`` (the dev venv has it)."""
+    installed = registry.installed_entry_points
+    monkeypatch.setattr(
+        registry,
+        "installed_entry_points",
+        lambda: tuple(c for c in installed() if c.name != name),
+    )
+
+
 def test_unknown_first_party_name_says_how_to_install_it(with_fixture_dists, monkeypatch):
     monkeypatch.setenv("FUSEDHEAD_BACKENDS", "good")
+    _not_installed(monkeypatch, "liger")
     with pytest.raises(UnknownBackendError) as info:
         registry.load_class("liger")
     assert registry.install_command("liger") in str(info.value)
@@ -122,6 +133,7 @@ def test_uninstalled_first_party_backend_gets_a_pip_command_that_works_before_py
     """
     assert registry.ON_PYPI is False
     monkeypatch.setenv("FUSEDHEAD_BACKENDS", "good")
+    _not_installed(monkeypatch, name)
     dist = registry.RESERVED_NAMES[name]
     for root in (str(REPO), None):  # installed from this clone; from wheels (no clone known)
         monkeypatch.setattr(registry, "_source_checkout", lambda root=root: root)
@@ -313,3 +325,26 @@ def test_probe_backend_gives_the_status_and_reason_without_raising(with_fixture_
     rows = rows_by_name(probe=True, device="cpu")
     for name in ("good", "broken", "incompatible", "missing"):
         assert (rows[name].status, rows[name].reason) == registry.probe_backend(cands[name], "cpu")
+
+
+def test_an_installed_backend_hidden_by_the_limit_is_named_as_hidden_not_missing(
+    with_fixture_dists, monkeypatch
+):
+    """FUSEDHEAD_BACKENDS hides an installed backend: the fix is the variable, not a pip install."""
+    monkeypatch.setenv("FUSEDHEAD_BACKENDS", "good")
+    with pytest.raises(UnknownBackendError) as info:
+        registry.load_class("torch")
+    msg = str(info.value)
+    assert "'torch' is installed, but FUSEDHEAD_BACKENDS='good' hides it" in msg, msg
+    assert "pip install" not in msg, msg
+
+
+def test_an_unknown_name_lists_the_first_party_backends_as_they_install_before_pypi(
+    with_fixture_dists,
+):
+    assert registry.ON_PYPI is False
+    with pytest.raises(UnknownBackendError) as info:
+        registry.load_class("my-backend")
+    msg = str(info.value)
+    assert "fusedhead[" not in msg, msg  # not on PyPI: an extra there installs nothing
+    assert "triton (./plugins/triton_backend)" in msg and "fusedhead.backends" in msg, msg

@@ -136,7 +136,13 @@ def test_dtensor_is_refused_with_fsdp2_advice(ref_backend, inputs):
     dw = torch.Tensor._make_subclass(DTensor, w)
     with pytest.raises(TypeError) as info:
         call(h, dw, y)
-    assert "weight" in str(info.value) and "FSDP2" in str(info.value)
+    text = str(info.value)
+    assert "weight" in text and "FSDP2" in text and "FusedLMHead" in text
+    # a sharded weight's local tensor is part of the vocabulary: never advised for the weight
+    assert "not weight.to_local()" in text, text
+    dh = torch.Tensor._make_subclass(DTensor, h)
+    with pytest.raises(TypeError, match=r"pass hidden\.to_local\(\)"):
+        call(dh, w, y)
 
 
 def test_zero_rows_give_empty_outputs_and_zero_grads(ref_backend, inputs):

@@ -351,7 +351,14 @@ class FusedHeadConfig(BaseModel):
         docs/configuration.md). A malformed file is a ``ValueError`` naming the file (``source``)
         and the line and column. Needs PyYAML: ``pip install 'fusedhead[yaml]'``.
         """
-        import yaml
+        try:
+            import yaml
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                "FusedHeadConfig.from_yaml needs PyYAML, which is not installed: pip install "
+                "pyyaml (the core's 'yaml' extra); or build the config with from_dict",
+                name="yaml",
+            ) from exc
 
         if isinstance(text, os.PathLike):
             source = source or os.fspath(text)

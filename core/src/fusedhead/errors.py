@@ -60,8 +60,8 @@ class BackendError(RuntimeError):
     def message(self) -> str:
         """The message built from the fields: who, why, and the fix."""
         text = f"{self.where}: {self.reason}" if self.where else self.reason
-        if self.hint:
-            text += f" Fix: {self.hint}"
+        if self.hint:  # the reason as a sentence, then the fix
+            text += ("" if text.endswith((".", "!", "?", ":", ";")) else ".") + f" Fix: {self.hint}"
         return text
 
     def __str__(self) -> str:

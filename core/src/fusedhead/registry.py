@@ -307,12 +307,25 @@ def unknown_name_message(name: str, available: Iterable[str]) -> str:
         close = difflib.get_close_matches(name, list(FIRST_PARTY_EXTRAS), n=1, cutoff=0.6)
         if close and close[0] != name:
             msg += f" Did you mean {close[0]!r} (not installed: {install_command(close[0])})?"
+    limit = _limit()
+    hidden = limit is not None and any(c.name == name for c in installed_entry_points())
+    if hidden:
+        msg += (
+            f" Backend {name!r} is installed, but {LIMIT_ENV}={os.environ[LIMIT_ENV]!r} hides it: "
+            f"add {name!r} there or unset {LIMIT_ENV}."
+        )
+        return msg
     if name in FIRST_PARTY_EXTRAS:
         msg += f" Backend {name!r} is provided by {RESERVED_NAMES[name]}: {install_command(name)}."
-    else:
+    elif ON_PYPI:
         extras = ", ".join(f"{n} ({e})" for n, e in FIRST_PARTY_EXTRAS.items())
         msg += f" First-party backends: {extras}; third-party ones register the entry-point group {ENTRY_POINT_GROUP!r}."
-    limit = _limit()
+    else:
+        sources = ", ".join(f"{n} (./{s})" for n, s in FIRST_PARTY_SOURCES.items())
+        msg += (
+            f" First-party backends, installed from a clone until fusedhead is on PyPI: {sources}; "
+            f"third-party ones register the entry-point group {ENTRY_POINT_GROUP!r}."
+        )
     if limit is not None:
         msg += f" Discovery is limited by {LIMIT_ENV}={os.environ[LIMIT_ENV]!r}."
     return msg

@@ -76,10 +76,15 @@ def _tensor(arg: str, value: object) -> torch.Tensor:
     if value.layout is not _STRIDED or value.is_nested:
         _not_dense(arg, value)
     if is_dtensor(value):
+        local = (
+            f"{arg}.to_local() (rows are scored independently, so a shard of them is fine)"
+            if "hidden" in arg
+            else f"not {arg}.to_local(), which is only this rank's shard of the vocabulary rows"
+        )
         raise TypeError(
-            f"{arg} is a DTensor; fusedhead takes plain local tensors. Under FSDP2 call it inside the "
-            "module's forward (where the weight is unsharded), pass weight.to_local() / "
-            "hidden.to_local() or use fusedhead.FusedLMHead, which does this for you"
+            f"{arg} is a DTensor; fusedhead takes plain local tensors. Under FSDP2 call it inside "
+            "the LM-head module's forward, where the weight is gathered (fusedhead.FusedLMHead and "
+            f"fusedhead.integrations.lm_head.lm_head_logprobs do this for you); pass {local}"
         )
     return value
 

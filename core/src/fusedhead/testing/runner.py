@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--options",
         default=None,
-        help="backend options as a JSON object, e.g. '{\"chunk_size\": 256}'",
+        help="backend options as a JSON object, e.g. '{\"chunk_rows\": 256}' (torch's)",
     )
     parser.add_argument(
         "-k",
