@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from integration_helpers import BACKEND, assert_close64, full_logits_reference
@@ -207,3 +209,27 @@ def test_unknown_backend_fails_at_construction() -> None:
 
     with pytest.raises(BackendError, match="unknown fusedhead backend"):
         FusedLMHead(_linear(bias=False).weight, {"backend": "no-such-backend"})
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_the_distillation_outputs_come_through_the_module_as_through_the_call(bias: bool) -> None:
+    """top_k, gather_ids and the extras reach the head; values are the full logits' (bias too)."""
+    hidden, labels = _inputs(4)
+    lin = _linear(bias, seed=5)
+    head = FusedLMHead.from_linear(lin, FusedHeadConfig(backend=BACKEND))
+    ids = torch.randint(0, V, (2, N // 2, 6), generator=torch.Generator().manual_seed(6))
+    out = head(hidden, labels, 0.7, top_k=4, gather_ids=ids, return_lse=True,
+               return_sum_p2=True, return_argmax=True)  # fmt: skip
+    z = (copy.deepcopy(lin).double()(hidden.double()) / 0.7).detach()
+    logp = torch.log_softmax(z, -1)
+    valid = labels != -100
+    assert out.topk_ids is not None and out.topk_log_probs is not None and out.gathered is not None
+    assert torch.equal(out.topk_ids[valid], logp.topk(4, -1).indices[valid])
+    assert_close64(out.topk_log_probs[valid], logp.topk(4, -1).values[valid])
+    assert_close64(out.gathered[valid], logp.gather(-1, ids)[valid])
+    assert out.lse is not None and out.sum_p2 is not None and out.argmax is not None
+    assert_close64(out.lse[valid], torch.logsumexp(z, -1)[valid])
+    assert_close64(out.sum_p2[valid], (logp.exp() ** 2).sum(-1)[valid])
+    assert torch.equal(out.argmax[valid], z.argmax(-1)[valid])
+    for t in (out.lse, out.topk_log_probs, out.gathered):  # FSDP2 hooks need non-view outputs
+        assert not t._is_view()

@@ -140,8 +140,14 @@ class FusedLMHead(nn.Module):
         vocab_start: int | None = None,
         vocab_size: int | None = None,
         reduce_hidden_grad: bool = True,
+        top_k: int | None = None,
+        gather_ids: torch.Tensor | None = None,
+        return_lse: bool = False,
+        return_sum_p2: bool = False,
+        return_argmax: bool = False,
     ) -> Any:
-        """``FusedHeadOutput(log_probs, entropy)`` of ``labels`` (fp32, the labels' shape).
+        """``FusedHeadOutput(log_probs, entropy)`` of ``labels`` (fp32, the labels' shape), and
+        the further outputs asked for (``top_k``, ``gather_ids``, ``return_*``: docs/distillation.md).
 
         Without ``labels`` it behaves as the ``nn.Linear`` it replaced and returns the logits
         ``hidden @ W.T + b`` (for generation or evaluation code that calls ``lm_head(h)``).
@@ -173,6 +179,11 @@ class FusedLMHead(nn.Module):
                 vocab_start=vocab_start,
                 vocab_size=vocab_size,
                 reduce_hidden_grad=reduce_hidden_grad,
+                top_k=top_k,
+                gather_ids=gather_ids,
+                return_lse=return_lse,
+                return_sum_p2=return_sum_p2,
+                return_argmax=return_argmax,
             )
         )
 
@@ -209,19 +220,24 @@ def _linear_input(hidden: object, weight: torch.Tensor) -> torch.Tensor:
 
 
 def owned(out: FusedHeadOutput) -> FusedHeadOutput:
-    """Outputs that are not views (a copy of N floats at most).
+    """Outputs that are not views (a copy of each that is one: N floats, N k for top-k).
 
     FSDP2 hooks its pre-backward all-gather onto a module's outputs; an in-place op on an output
     that is a view would drop that hook, so FSDP2 warns about view outputs. The core returns
     views (the reshape to the labels' shape), hence this.
     """
+    compiling = torch.compiler.is_compiling()  # `_is_view` does not trace: copy either way
+
+    def own(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else (t.clone() if compiling or t._is_view() else t)
+
     lp, ent = out
-    if torch.compiler.is_compiling():  # `_is_view` does not trace: copy (N floats) either way
-        return FusedHeadOutput(lp.clone(), None if ent is None else ent.clone())
-    return FusedHeadOutput(
-        lp.clone() if lp._is_view() else lp,
-        None if ent is None else (ent.clone() if ent._is_view() else ent),
-    )
+    extras = {name: own(getattr(out, name)) for name in _EXTRA_OUTPUTS}
+    return FusedHeadOutput(own(lp), own(ent), **extras)  # type: ignore[arg-type]
+
+
+#: ``FusedHeadOutput``'s attributes past ``(log_probs, entropy)``, carried through ``owned``.
+_EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "topk_ids", "topk_log_probs", "gathered")
 
 
 def head_forward(
