@@ -335,7 +335,8 @@ def test_an_installed_backend_hidden_by_the_limit_is_named_as_hidden_not_missing
     with pytest.raises(UnknownBackendError) as info:
         registry.load_class("torch")
     msg = str(info.value)
-    assert "'torch' is installed, but FUSEDHEAD_BACKENDS='good' hides it" in msg, msg
+    assert "Available under FUSEDHEAD_BACKENDS='good': good." in msg, msg  # not "Installed: good"
+    assert "'torch' is installed, but FUSEDHEAD_BACKENDS hides it" in msg, msg
     assert "pip install" not in msg, msg
 
 

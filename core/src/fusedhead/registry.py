@@ -298,8 +298,13 @@ def install_command(name: str) -> str:
 
 def unknown_name_message(name: str, available: Iterable[str]) -> str:
     names = sorted(available)
+    limit = _limit()
     msg = f"unknown fusedhead backend {name!r}. "
-    msg += f"Installed: {', '.join(names)}." if names else "No backends are installed."
+    if limit is not None:  # what is listed is what the variable lets through, not all installed
+        shown = ", ".join(names) if names else "none"
+        msg += f"Available under {LIMIT_ENV}={os.environ[LIMIT_ENV]!r}: {shown}."
+    else:
+        msg += f"Installed: {', '.join(names)}." if names else "No backends are installed."
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     if close:
         msg += f" Did you mean {close[0]!r}?"
@@ -307,13 +312,9 @@ def unknown_name_message(name: str, available: Iterable[str]) -> str:
         close = difflib.get_close_matches(name, list(FIRST_PARTY_EXTRAS), n=1, cutoff=0.6)
         if close and close[0] != name:
             msg += f" Did you mean {close[0]!r} (not installed: {install_command(close[0])})?"
-    limit = _limit()
     hidden = limit is not None and any(c.name == name for c in installed_entry_points())
     if hidden:
-        msg += (
-            f" Backend {name!r} is installed, but {LIMIT_ENV}={os.environ[LIMIT_ENV]!r} hides it: "
-            f"add {name!r} there or unset {LIMIT_ENV}."
-        )
+        msg += f" Backend {name!r} is installed, but {LIMIT_ENV} hides it: add {name!r} there or unset it."
         return msg
     if name in FIRST_PARTY_EXTRAS:
         msg += f" Backend {name!r} is provided by {RESERVED_NAMES[name]}: {install_command(name)}."
@@ -326,8 +327,6 @@ def unknown_name_message(name: str, available: Iterable[str]) -> str:
             f" First-party backends, installed from a clone until fusedhead is on PyPI: {sources}; "
             f"third-party ones register the entry-point group {ENTRY_POINT_GROUP!r}."
         )
-    if limit is not None:
-        msg += f" Discovery is limited by {LIMIT_ENV}={os.environ[LIMIT_ENV]!r}."
     return msg
 
 
