@@ -20,7 +20,7 @@ import fusedhead
 
 pytest.importorskip("trl", reason="TRL is not installed (bash scripts/trainers/trl.sh)")
 
-from trl_helpers import build_trainer, make_model_dir, run_grpo
+from trl_helpers import CPU_STEPS, build_trainer, make_model_dir, run_grpo
 
 from fusedhead.errors import UnknownBackendError
 from fusedhead.hooks import hookimpl, register_hooks, unregister_hooks
@@ -477,16 +477,7 @@ def _run_offline(kind: str, model_dir: Path, out_dir: Path, backend: str | None)
         per_device_train_batch_size=4,
         max_steps=2,
         learning_rate=0.02,
-        optim="sgd",
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        bf16=False,
-        fp16=False,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        **CPU_STEPS,
     )
     if kind == "SFT":
         common["max_length"] = 16

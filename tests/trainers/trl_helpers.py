@@ -12,6 +12,23 @@ WORDS = [f"w{i}" for i in range(40)]
 SPECIAL = ["[PAD]", "[EOS]", "[UNK]"]
 
 
+#: Training arguments of the two-step CPU runs that compare a trainer with and without fusedhead:
+#: sgd (updates proportional to gradients: both runs stay within fp32 rounding), fp32, one logged
+#: line a step, nothing saved or reported.
+CPU_STEPS: dict[str, Any] = dict(
+    optim="sgd",
+    logging_steps=1,
+    report_to="none",
+    use_cpu=True,
+    save_strategy="no",
+    seed=0,
+    bf16=False,
+    fp16=False,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
+
+
 def make_tokenizer() -> Any:
     """A word-level fast tokenizer over a made-up vocabulary (no download)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -92,16 +109,7 @@ def build_trainer(
         max_steps=2,
         beta=0.1,
         learning_rate=0.02,
-        optim="sgd",  # updates proportional to gradients: both runs stay within fp32 rounding
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        bf16=False,
-        fp16=False,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        **CPU_STEPS,
     )
     common.update(overrides)
     trainer_kwargs: dict[str, Any] = dict(

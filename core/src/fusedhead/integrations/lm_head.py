@@ -27,7 +27,7 @@ from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput, cached_head
 from fusedhead.config import FusedHeadConfig
-from fusedhead.module import FusedLMHead, call_in_forward, head_forward, run_as_forward
+from fusedhead.module import FusedLMHead, call_in_forward, head_forward, owned, run_as_forward
 from fusedhead.validation import is_dtensor
 
 __all__ = [
@@ -212,11 +212,7 @@ def lm_head_logprobs(
         out = run(flat_hidden, flat_labels, flat_temp, flat_gather)
 
         def place(x: torch.Tensor | None, fill: float) -> torch.Tensor | None:
-            if x is None:
-                return None
-            x = x.reshape(*shape, *x.shape[1:])
-            # No view outputs, as fusedhead.module.owned (``_is_view`` does not trace: copy).
-            return x.clone() if torch.compiler.is_compiling() or x._is_view() else x
+            return None if x is None else x.reshape(*shape, *x.shape[1:])  # views: owned() below
 
     else:
         rows = valid.nonzero().squeeze(1)  # one host sync; ignored rows never reach the backend
@@ -232,13 +228,14 @@ def lm_head_logprobs(
 
     log_probs = place(out.log_probs, 0.0)
     assert log_probs is not None
-    return FusedHeadOutput(
+    result = FusedHeadOutput(
         log_probs,
         place(out.entropy, 0.0),
         sum_p2=place(out.sum_p2, 0.0),
         argmax=place(out.argmax, -1),
         gathered=place(out.gathered, 0.0),
     )
+    return result if select_rows else owned(result)  # index_put's outputs are fresh tensors
 
 
 def model_logit_transform(config: Any) -> tuple[float, float | None]:
