@@ -28,6 +28,7 @@ CASES: dict[str, tuple[bool, bool, tuple[str, ...]]] = {
     "gather": (True, False, ("gather_ids",)),
     "gather_check": (True, True, ("gather_ids",)),
     "topk32": (True, True, ("top_k",)),
+    "fb": (False, False, ()),
     "fb_check": (False, True, ()),
     "gather_fb": (False, True, ("gather_ids",)),
     # fused_kl of two heads of the shape (the teacher: its own hidden states and weight)
@@ -43,20 +44,27 @@ def main() -> None:
     args.add_argument(
         "--cases", default=",".join(CASES), help="comma-separated, of " + ", ".join(CASES)
     )
-    args.add_argument("--n", type=int, default=8192)
+    args.add_argument("--n", type=int, nargs="+", default=[8192], help="token counts, in turn")
     args.add_argument("--hidden", type=int, default=4096)
     args.add_argument("--vocab", type=int, default=151936)
     args.add_argument("--dry", action="store_true", help="CPU, torch backend, tiny shapes")
     opts = args.parse_args()
     if opts.dry:
-        opts.backend, opts.n, opts.hidden, opts.vocab = "torch", 64, 32, 500
+        opts.backend, opts.n, opts.hidden, opts.vocab = "torch", [64], 32, 500
     names = [c for c in opts.cases.split(",") if c]
     unknown = [c for c in names if c not in CASES]
     if unknown:
         raise SystemExit(f"--cases: unknown {unknown}; known: {list(CASES)}")
     dev = torch.device("cpu" if opts.dry else "cuda")
     dtype = torch.float32 if opts.dry else torch.bfloat16
-    n, h, v = opts.n, opts.hidden, opts.vocab
+    for n in opts.n:
+        run(opts, names, dev, dtype, n)
+
+
+def run(opts: argparse.Namespace, names: list[str], dev: torch.device, dtype: torch.dtype,
+        n: int) -> None:  # fmt: skip
+    """One JSON line: each case at ``n`` tokens, after its own GEMM unit."""
+    h, v = opts.hidden, opts.vocab
     g = torch.Generator(device=dev).manual_seed(0)
     hidden = torch.randn(n, h, device=dev, generator=g).to(dtype)
     weight = (torch.randn(v, h, device=dev, generator=g) / h**0.5).to(dtype)
