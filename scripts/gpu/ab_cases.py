@@ -131,6 +131,13 @@ def run(opts: argparse.Namespace, names: list[str], dev: torch.device, dtype: to
         res[name] = round(ms, 3)
         res[name + "_units"] = round(ms / unit, 4)
         res[name + "_unit_ms"] = round(unit, 3)
+        if dev.type == "cuda":  # one more call's peak beyond what was allocated before it
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            res[name + "_peak_gib"] = round((torch.cuda.max_memory_allocated() - before) / 2**30, 4)
     print(json.dumps(res), flush=True)
 
 
