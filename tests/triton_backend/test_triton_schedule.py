@@ -241,3 +241,14 @@ def test_geometry_of_the_shipped_shape() -> None:
     assert geometry(8, 3, 50, 2, 64, 2**30, 8192).buffer_cols == 64
     # H = 3 bf16: rows of 6 bytes, a 16-byte aligned start every 8 rows
     assert geometry(9, 3, 50000, 2, 256, 2**26, 8192).row_quantum == 8
+
+
+def test_lent_blocks_widen_while_the_buffer_keeps_its_bound() -> None:
+    """``lent_cols`` widens only the blocks in dW's unwritten rows: the buffer keeps ``max_cols``
+    (and its bytes), and the first block at N = 8192 (where dW is all free) is 16384 wide."""
+    g = geometry(8192, 4096, 151936, 2, 256, 256 * 2**20, 8192, 16384)
+    assert (g.buffer_cols, g.max_cols) == (8192, 16384)
+    steps = plan(g, need_dw=True, need_dh=True, stash=None)
+    assert steps[0].cols == 16384 and steps[0].dz_row is not None
+    assert all(s.cols <= 8192 for s in steps if s.dz_row is None)
+    assert max(s.cols for s in steps) == 16384

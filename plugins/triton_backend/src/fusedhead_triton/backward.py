@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import schedule, sum_format
-from .configs import BLOCK_BYTES, MAX_COLS, Settings
+from .configs import BLOCK_BYTES, LENT_COLS, MAX_COLS, Settings
 from .launch import HeadScalars, RowGrads, dh_block, dz_block
 
 #: Writes ``dz[N, cols]`` of vocabulary rows ``[v0, v0 + cols)``: ``fill_dz(v0, dz)``.
@@ -137,7 +137,9 @@ def backward_from(
     low = st.memory == "low" and dw is not None and need_dh
     block_bytes = st.block_bytes or BLOCK_BYTES["low" if low else "fast"]
     align = math.lcm(st.dz.block_n, st.dh.block_k)
-    geom = schedule.geometry(n, h, v, hidden.element_size(), align, block_bytes, MAX_COLS)
+    geom = schedule.geometry(
+        n, h, v, hidden.element_size(), align, block_bytes, MAX_COLS, LENT_COLS
+    )
     steps = schedule.plan(geom, need_dw=need_dw, need_dh=need_dh, stash=None)
     acc = None
     if need_dh:

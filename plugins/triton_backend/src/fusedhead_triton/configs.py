@@ -40,8 +40,12 @@ _FP32 = TileConfig(64, 128, 32, group_m=8, num_warps=8, num_stages=3)
 #: low byte stashed in dW's last rows) and "fast" (the sum's exact low half beside the output).
 #: H200, N = 32768, bf16, low: 64 MiB 4.38 units / 1.47 GiB, 32 MiB 4.43 / 1.44 GiB.
 BLOCK_BYTES = {"low": 64 * 2**20, "fast": 256 * 2**20}
-#: Widest backward block (vocabulary columns); 16384 measured ~1 % faster, within the spread.
+#: Widest backward block (vocabulary columns) in the dz buffer, and in the KL's backward.
 MAX_COLS = 8192
+#: Widest block of the log-prob head whose dz lies in dW's unwritten rows (no memory cost).
+#: H200, bf16, low: against 8192, 0.4 % faster at N = 8192 and 0.9-1.2 % at 32768, the same peak
+#: (two rounds of one call, and a call of 11-29; docs/benchmarks.md).
+LENT_COLS = 16384
 
 
 @dataclass(frozen=True)

@@ -47,11 +47,13 @@ class Geometry:
 
 
 def geometry(
-    n: int, h: int, v: int, esize: int, align: int, block_bytes: int, max_cols: int
-) -> Geometry:
+    n: int, h: int, v: int, esize: int, align: int, block_bytes: int, max_cols: int,
+    lent_cols: int | None = None,
+) -> Geometry:  # fmt: skip
     """The schedule's shapes: blocks are multiples of ``align`` columns, the buffer's within
-    ``block_bytes`` (at least one ``align``), none wider than ``max_cols`` or the vocabulary."""
-    widest = max(max_cols // align * align, align)
+    ``block_bytes`` (at least one ``align``), none wider than ``max_cols`` (``lent_cols`` for
+    those in dW's rows, when given) or the vocabulary."""
+    widest = max((lent_cols or max_cols) // align * align, align)
     cols = min(block_bytes // max(1, n * esize), max_cols)
     cols = min(max(align, cols // align * align), _round_up(v, align))
     return Geometry(n, h, v, align, cols, widest, 16 // math.gcd(16, h * esize))
