@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,3 +150,27 @@ def test_triton_backend_brings_what_its_cpu_advice_needs(wheels: dict[str, Path]
     assert "TRITON_INTERPRET=1 to run the kernels on the CPU" in backend.read_text()
     always, _ = requirements(metadata(wheels["fusedhead-triton"]))
     assert "numpy" in always, always
+
+
+@pytest.mark.parametrize("dist", list(DISTS))
+def test_classifiers_say_typed_and_match_requires_python(
+    wheels: dict[str, Path], dist: str
+) -> None:
+    meta = metadata(wheels[dist])
+    classifiers = meta.get_all("Classifier") or []
+    with zipfile.ZipFile(wheels[dist]) as z:
+        assert f"{DISTS[dist][1]}/py.typed" in z.namelist()
+    assert "Typing :: Typed" in classifiers, (dist, classifiers)
+    supported = SpecifierSet(meta["Requires-Python"])
+    versions = [
+        c.rsplit(" :: ", 1)[1]
+        for c in classifiers
+        if c.startswith("Programming Language :: Python :: 3.")
+    ]
+    assert versions, (dist, classifiers)
+    for v in versions:
+        assert supported.contains(v), f"{dist}: classifier Python {v} outside {supported}"
+    lowest = min(versions, key=lambda v: tuple(map(int, v.split("."))))
+    assert not supported.contains(f"3.{int(lowest.split('.')[1]) - 1}"), (
+        f"{dist}: Requires-Python {supported} admits a Python below its lowest classifier {lowest}"
+    )
