@@ -8,10 +8,12 @@ script makes is asserted here again on what it recorded. Needs an index for the 
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,10 @@ def test_build_dists_builds_installs_and_checks_every_distribution(tmp_path: Pat
     for dist, (_, package) in DISTS.items():
         assert f"{package}/py.typed" in report["packaged"][dist]
 
+    # The venvs got this interpreter's torch build (its +label kept), not PyPI's CUDA build.
+    import torch
+
+    assert report["torch"]["spec"] == f"torch=={torch.__version__}", report["torch"]
     assert set(report["venvs"]) == {"wheel", "sdist"}
     for kind, seen in report["venvs"].items():
         for dist, version in versions.items():
@@ -93,3 +99,25 @@ def test_build_dists_refuses_a_folder_with_other_files(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "files other than distributions" in proc.stderr
     assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def load_script() -> types.ModuleType:
+    loader = importlib.machinery.SourceFileLoader("build_dists", str(SCRIPT))
+    module = types.ModuleType(loader.name)
+    module.__file__ = str(SCRIPT)
+    loader.exec_module(module)
+    return module
+
+
+def test_venv_torch_is_this_build_from_its_index() -> None:
+    """A CPU torch (``+cpu``) must not become PyPI's CUDA build (gigabytes) in the check venvs."""
+    script = load_script()
+    assert script.torch_requirement("2.13.0+cpu") == (
+        "torch==2.13.0+cpu",
+        "https://download.pytorch.org/whl/cpu",
+    )
+    assert script.torch_requirement("2.9.1+cu128") == (
+        "torch==2.9.1+cu128",
+        "https://download.pytorch.org/whl/cu128",
+    )
+    assert script.torch_requirement("2.13.0") == ("torch==2.13.0", None)
