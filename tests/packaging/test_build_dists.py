@@ -121,3 +121,35 @@ def test_venv_torch_is_this_build_from_its_index() -> None:
         "https://download.pytorch.org/whl/cu128",
     )
     assert script.torch_requirement("2.13.0") == ("torch==2.13.0", None)
+
+
+def test_torch_comes_from_pips_own_sources_before_the_labels_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A derived index is the fallback: where pip's cache or configured sources hold the build,
+    nothing is fetched from PyTorch's index; where they do not, the index is used; an index the
+    caller asked for is used at once."""
+    script = load_script()
+    calls: list[list[str]] = []
+    fail_first = [True]
+
+    def run(cmd: list[str], log: list[str]) -> str:
+        calls.append([str(c) for c in cmd])
+        if fail_first[0] and "--index-url" not in cmd:
+            raise script.CheckError("no matching distribution")
+        return ""
+
+    monkeypatch.setattr(script, "run", run)
+    index = "https://download.pytorch.org/whl/cpu"
+    script.install_torch(["pip"], "torch==2.13.0+cpu", index, [], derived=True)
+    assert calls == [
+        ["pip", "-q", "torch==2.13.0+cpu"],
+        ["pip", "-q", "torch==2.13.0+cpu", "--index-url", index],
+    ]
+    calls.clear()
+    fail_first[0] = False
+    script.install_torch(["pip"], "torch==2.13.0+cpu", index, [], derived=True)
+    assert calls == [["pip", "-q", "torch==2.13.0+cpu"]]
+    calls.clear()
+    script.install_torch(["pip"], "torch==2.13.0+cpu", index, [], derived=False)
+    assert calls == [["pip", "-q", "torch==2.13.0+cpu", "--index-url", index]]
