@@ -233,3 +233,26 @@ def test_the_distillation_outputs_come_through_the_module_as_through_the_call(bi
     assert torch.equal(out.argmax[valid], z.argmax(-1)[valid])
     for t in (out.lse, out.topk_log_probs, out.gathered):  # FSDP2 hooks need non-view outputs
         assert not t._is_view()
+
+
+def test_fsdp2_is_recognised_where_its_class_is_still_private(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.4-2.5 (the core's floor) export ``FSDPModule`` only from
+    ``torch.distributed._composable.fsdp``: a sharded head must still be recognised there, or it
+    would read its weight outside FSDP2's forward (a shard, not the full rows)."""
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    from torch.distributed._composable.fsdp import FSDPModule
+
+    from fusedhead.module import _is_fsdp_module
+
+    class Sharded(FSDPModule, torch.nn.Linear):
+        pass
+
+    sharded = torch.nn.Linear(2, 3)
+    sharded.__class__ = Sharded  # what fully_shard does to a module's class
+    monkeypatch.delattr(fsdp, "FSDPModule")  # the public name, as before torch 2.6
+    with pytest.raises(ImportError):
+        from torch.distributed.fsdp import FSDPModule as _  # noqa: F401
+    assert _is_fsdp_module(sharded)
+    assert not _is_fsdp_module(torch.nn.Linear(2, 3))

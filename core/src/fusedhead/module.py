@@ -316,10 +316,17 @@ def _with_model_softcap(config: ConfigLike, model: nn.Module) -> ConfigLike:
 
 
 def _is_fsdp_module(module: nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) shards ``module``: its class is public from torch 2.6,
+    private in 2.4-2.5 (the core's floor); False on a torch built without distributed."""
     try:
         from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed
-        return False
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import (  # type: ignore[attr-defined,no-redef]
+                FSDPModule,
+            )
+        except ImportError:
+            return False
     return isinstance(module, FSDPModule)
 
 
