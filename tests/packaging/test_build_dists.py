@@ -17,16 +17,8 @@ import types
 from pathlib import Path
 
 import pytest
+from packaging_layout import DISTS, REPO, SCRIPT
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "build-dists"
-DISTS = {
-    "fusedhead": ("core", "fusedhead"),
-    "fusedhead-torch": ("plugins/torch_backend", "fusedhead_torch"),
-    "fusedhead-triton": ("plugins/triton_backend", "fusedhead_triton"),
-    "fusedhead-liger": ("plugins/liger_backend", "fusedhead_liger"),
-    "fusedhead-example-batchinvariant": ("examples/third_party_backend", "fusedhead_example_bi"),
-}
 BACKENDS = {
     "torch": "fusedhead-torch",
     "triton": "fusedhead-triton",

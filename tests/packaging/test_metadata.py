@@ -20,16 +20,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
+from packaging_layout import DISTS, REPO, SCRIPT
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "build-dists"
-DISTS = {
-    "fusedhead": ("core", "fusedhead"),
-    "fusedhead-torch": ("plugins/torch_backend", "fusedhead_torch"),
-    "fusedhead-triton": ("plugins/triton_backend", "fusedhead_triton"),
-    "fusedhead-liger": ("plugins/liger_backend", "fusedhead_liger"),
-    "fusedhead-example-batchinvariant": ("examples/third_party_backend", "fusedhead_example_bi"),
-}
 #: import name -> the distribution that provides it
 PROVIDER = {
     "fusedhead": "fusedhead",
