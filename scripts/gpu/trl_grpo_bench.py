@@ -16,8 +16,9 @@ V = 151936, no bias, bf16) and ``[B, T, H]`` hidden states whose prompt position
 
 For each: the forward alone and forward + backward (upstream gradients on log-probs and
 entropy, as GRPO's loss and entropy metric give), median time over repeats (CUDA events),
-peak memory above the inputs, and the log-prob / entropy error on a slice of rows against float32
-logits. Writes ``OUT_DIR/trl_grpo_bench.json`` and prints a table.
+peak memory above the inputs, and the log-prob / entropy error on a slice of rows against float64
+logits (``fusedhead.reference``; a float32 reference is itself a float32 computation: on an AVX2
+CPU one run's float32 entropy was 1.8e-4 off in a row where both heads agreed to 1e-6). Writes ``OUT_DIR/trl_grpo_bench.json`` and prints a table.
 
 TRL need not be installed with its dependencies: ``pip install --no-deps trl==1.16.0`` (pure
 Python) is enough. If ``trl.trainer.utils`` cannot be imported (accelerate, datasets, ... absent),
@@ -225,19 +226,24 @@ def main(argv: list[str] | None = None) -> int:
     g_ent = torch.randn(B, T, generator=g).to(device) * 0.01
     scored = int((labels != -100).sum())
 
-    # float32 reference on a slice of scored rows (full logits of those rows only)
+    from fusedhead.reference import reference_fused_head
+
+    # float64 reference on a slice of scored rows (full logits of those rows only)
     rows = (labels != -100).nonzero()[: args.check_rows]
     with torch.no_grad():
-        h_ref = hidden.detach()[rows[:, 0], rows[:, 1]].float()
-        z = (h_ref @ lm_head.weight.float().T) / args.temperature
-        logp = torch.log_softmax(z, -1)
-        ref_lp = logp.gather(-1, labels[rows[:, 0], rows[:, 1]].unsqueeze(-1)).squeeze(-1)
-        ref_ent = -(logp.exp() * logp).sum(-1)
-        del z, logp, h_ref
+        ref_lp, ref_ent = reference_fused_head(
+            hidden.detach()[rows[:, 0], rows[:, 1]],
+            lm_head.weight,
+            labels[rows[:, 0], rows[:, 1]],
+            temperature=args.temperature,
+            compute_dtype=torch.float64,
+        )
+        assert ref_ent is not None
 
     impls = {"trl": trl_head(fn), "fusedhead": fusedhead_head(args.backend)}
     results: dict[str, Any] = {}
     grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, run in impls.items():
 
         def forward(run: Callable[..., Any] = run) -> None:
@@ -255,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             lp, ent = run(lm_head, hidden, labels, args.temperature)
             got_lp = lp[rows[:, 0], rows[:, 1]].float()
             got_ent = ent[rows[:, 0], rows[:, 1]].float()
+            outs[name] = (got_lp, got_ent)
         results[name] = {
             "forward": measure(forward, device, args.warmup, args.repeats),
             "forward_backward": measure(step, device, args.warmup, args.repeats),
@@ -271,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
+    results["fusedhead"]["output_max_abs_diff_vs_trl"] = {
+        "log_probs": float((outs["fusedhead"][0] - outs["trl"][0]).abs().max()),
+        "entropy": float((outs["fusedhead"][1] - outs["trl"][1]).abs().max()),
+    }
     results["fusedhead"]["grad_rel_diff_vs_trl"] = {
         "hidden": rel(grads["fusedhead"][0], grads["trl"][0]),
         "weight": rel(grads["fusedhead"][1], grads["trl"][1]),
@@ -288,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         "shape": {"B": B, "T": T, "H": H, "V": V, "prompt": prompt, "scored_tokens": scored},
         "dtype": str(dtype).removeprefix("torch."),
         "temperature": args.temperature,
+        "errors_against": "float64 logits of the checked rows (fusedhead.reference)",
+        "check_rows": int(rows.shape[0]),
+        "reference_max_abs": {
+            "log_probs": float(ref_lp.abs().max()),
+            "entropy": float(ref_ent.abs().max()),
+        },
         "trl_vocab_chunk": CHUNK,
         "repeats": args.repeats,
         "results": results,
