@@ -132,12 +132,15 @@ def test_bad_impl_options_are_errors() -> None:
         peers.resolve('reference:{"a": 1}')
 
 
-def test_time_cap_skips_what_remains(torch_backend: None, tmp_path: Path) -> None:
+def test_time_cap_skips_what_remains(
+    torch_backend: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "r.json"
     rc = cli.main(["bench", *TINY, "--impl", "torch", "--max-minutes", "0", "--json", str(out)])
-    assert rc == 0
     [record] = json.loads(out.read_text())
     assert record["status"] == "skipped" and "time cap" in record["reason"]
+    # nothing was measured: a run that measured nothing is not a success
+    assert rc == 1 and "nothing was measured" in capsys.readouterr().out
 
 
 def test_reference_is_skipped_where_its_logits_would_not_fit(
@@ -290,3 +293,74 @@ def test_git_commit_is_the_stamped_one_where_given(monkeypatch: pytest.MonkeyPat
     assert report.versions()["git_commit"] == "abc1234+dirty"
     monkeypatch.setenv(report.GIT_COMMIT_ENV, "")
     assert report.versions()["git_commit"] != "abc1234+dirty"
+
+
+def test_a_case_whose_inputs_cannot_be_made_is_recorded_and_the_run_goes_on(
+    torch_backend: None, tmp_path: Path
+) -> None:
+    out = tmp_path / "r.json"
+    # V = 10**15 at H = 16: inputs of 64 PB, refused by the allocator; the V = 300 case still runs
+    argv = ["bench", "--device", "cpu", "--n", "48", "--hidden", "16", "--vocab", "300"]
+    argv += [str(10**15), "--reps", "1", "--no-memory", "--impl", "torch", "--json", str(out)]
+    rc = cli.main(argv)
+    records = {r["case"]["vocab"]: r for r in json.loads(out.read_text())}
+    assert records[300]["status"] == "ok"
+    bad = records[10**15]
+    assert bad["status"] == "error" and "inputs, GEMM unit or reference failed" in bad["error"]
+    assert rc == 1
+
+
+def test_a_backend_that_does_not_run_on_the_device_gives_its_own_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the kernels need a GPU then
+    reason = peers.resolve("triton").availability(Case(48, 16, 300))
+    assert reason is not None and "TRITON_INTERPRET=1" in reason, reason
+
+
+def test_the_commit_is_fusedheads_not_the_current_directorys(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import subprocess
+
+    from fusedhead.bench import report
+
+    monkeypatch.delenv(report.GIT_COMMIT_ENV, raising=False)
+    other = tmp_path / "other-project"
+    other.mkdir()
+    git = ["git", "-c", "user.name=a", "-c", "user.email=a@b", "-C", str(other)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    theirs = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    monkeypatch.chdir(other)
+    commit = report.versions()["git_commit"]
+    assert commit is None or not commit.startswith(theirs.stdout.strip())
+    root = Path(report.__file__).resolve().parents[4]
+    if (root / ".git").exists():  # a checkout of fusedhead: its own commit
+        ours = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        assert commit is not None and commit.split("+")[0] == ours.stdout.strip()
+
+
+def test_the_table_header_names_every_tree_and_setting_it_shows() -> None:
+    from fusedhead.bench import report
+
+    def record(commit: str, env: dict[str, str], date: str) -> dict[str, object]:
+        return {
+            "case": {"n": 8, "hidden": 8, "vocab": 16, "dtype": "fp32"},
+            "impl": "torch",
+            "status": "ok",
+            "date": date,
+            "device": {"type": "cpu", "name": "X", "cores": 2},
+            "versions": {"torch": "2.13.0", "git_commit": commit},
+            "environment": env,
+        }
+
+    first = record("aaaaaaa", {}, "2026-12-02T10:00:00+00:00")
+    later = record("bbbbbbb", {"TRITON_INTERPRET": "1"}, "2026-12-02T11:00:00+00:00")
+    header = report.markdown([first, later]).splitlines()[0]
+    assert "aaaaaaa / bbbbbbb" in header and "TRITON_INTERPRET=1" in header
+    assert "2026-12-02T10:00:00+00:00 to 2026-12-02T11:00:00+00:00" in header
+    assert "no reference was computed" in report.markdown([first]).splitlines()[1]

@@ -381,7 +381,7 @@ def test_bench_plot_in_a_format_matplotlib_does_not_write_is_refused_first(capsy
 def test_bench_output_folders_that_do_not_exist_yet_are_made(capsys, tmp_path):
     md = tmp_path / "a" / "b" / "bench.md"
     rc, _out, _err = run_main(capsys, "bench", *TINY, "--markdown", str(md), "--max-minutes", "0")
-    assert rc == 0 and md.is_file()
+    assert md.is_file() and rc == 1  # written, though nothing was measured (the time cap)
 
 
 def test_bench_append_needs_json(capsys):
@@ -397,6 +397,31 @@ def test_bench_results_that_are_not_json_name_the_file_and_the_flag(capsys, tmp_
     rc, _out, err = run_main(capsys, "bench", *mode, "--json", str(bad))
     line = one_error_line(err)
     assert rc == 2 and f"--json {bad}" in line and "JSON list" in line, line
+
+
+@pytest.mark.parametrize("other", ["--markdown", "--plot"])
+def test_bench_outputs_sharing_one_path_are_refused_before_any_work(capsys, tmp_path, other):
+    same = tmp_path / "results.json"
+    rc, out, err = run_main(capsys, "bench", *TINY, "--json", str(same), other, str(same))
+    line = one_error_line(err)
+    assert rc == 2 and "--json" in line and other in line and "same file" in line, line
+    assert not same.exists() and "running" not in out
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [("[1, 2]", "item 0 is not a result"), ("[{}]", "no 'case', 'impl', 'status'")],
+)
+@pytest.mark.parametrize("mode", [["--report-only"], ["--append", *TINY]])
+def test_bench_results_whose_items_are_not_results_name_the_item(
+    capsys, tmp_path, mode, content, why
+):
+    bad = tmp_path / "list.json"
+    bad.write_text(content)
+    rc, _out, err = run_main(capsys, "bench", *mode, "--json", str(bad))
+    line = one_error_line(err)
+    assert rc == 2 and f"--json {bad}" in line and why in line, line
+    assert bad.read_text() == content  # nothing measured, nothing written
 
 
 def test_demo_unknown_model_is_one_error_line_on_stderr(capsys):

@@ -133,6 +133,15 @@ def check_outputs(args: argparse.Namespace) -> None:
 
     if args.append and not args.json:
         raise ValueError("--append adds to the results in --json PATH: give --json too")
+    given = [(f, v) for f, v in (("--json", args.json), ("--markdown", args.markdown),
+                                 ("--plot", args.plot)) if v]  # fmt: skip
+    for i, (flag, value) in enumerate(given):
+        for other, other_value in given[i + 1 :]:
+            if Path(value).resolve() == Path(other_value).resolve():
+                raise ValueError(
+                    f"{flag} {value} and {other} {other_value} are the same file: one would "
+                    "overwrite the other; give each output its own path"
+                )
     for flag, value in (
         ("--json", args.json),
         ("--markdown", args.markdown),
@@ -193,11 +202,37 @@ def read_results(path: str, flag: str) -> list[dict[str, Any]]:
             f"{flag} {path}: holds a JSON {type(records).__name__}, not the list of results "
             "that fusedhead bench --json writes"
         )
+    for i, record in enumerate(records):
+        why = _not_a_result(record)
+        if why:
+            raise ValueError(
+                f"{flag} {path}: item {i} is not a result that fusedhead bench --json writes "
+                f"({why})"
+            )
     return records
 
 
+#: What the table needs of a result: its case's fields, the implementation and the status.
+RESULT_CASE_FIELDS = ("n", "hidden", "vocab", "dtype")
+
+
+def _not_a_result(record: Any) -> str | None:
+    """Why ``record`` is not one result object, or None."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    missing = [k for k in ("case", "impl", "status") if k not in record]
+    if missing:
+        return f"no {', '.join(map(repr, missing))}"
+    case = record["case"]
+    if not isinstance(case, dict):
+        return f"'case' is a JSON {type(case).__name__}, not an object"
+    missing = [k for k in RESULT_CASE_FIELDS if k not in case]
+    return f"its case has no {', '.join(map(repr, missing))}" if missing else None
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the grid; exit 0 when every attempted measurement succeeded, 1 otherwise."""
+    """Run the grid; exit 0 when every attempted measurement succeeded and at least one ran,
+    1 otherwise."""
     check_outputs(args)
     if args.report_only:
         return _report_only(args)
@@ -276,15 +311,30 @@ def run(args: argparse.Namespace) -> int:
                     progress.line(f"{case.label()} {report.summary_line(writer.records[-1])}")
                 continue
             progress.line(f"{case.label()}: inputs, GEMM unit, reference")
-            inputs = make_inputs(case)
-            unit_ms = timing.gemm_ms(inputs.hidden, inputs.weight, reps=args.reps)
-            ref = None
-            ref_s = None
-            if not args.no_accuracy and case.head == "logprobs":  # the kit checks the others
-                t0 = time.perf_counter()
-                need_lp = any(not i.entropy and not blocked[i.name] for i in impls)
-                ref = accuracy.compute_reference(case, inputs, lp_only_grads=need_lp)
-                ref_s = time.perf_counter() - t0
+            inputs = ref = None
+            try:
+                inputs = make_inputs(case)
+                unit_ms = timing.gemm_ms(inputs.hidden, inputs.weight, reps=args.reps)
+                ref_s = None
+                if not args.no_accuracy and case.head == "logprobs":  # the kit checks the others
+                    t0 = time.perf_counter()
+                    need_lp = any(not i.entropy and not blocked[i.name] for i in impls)
+                    ref = accuracy.compute_reference(case, inputs, lp_only_grads=need_lp)
+                    ref_s = time.perf_counter() - t0
+            except Exception as exc:  # e.g. inputs that do not fit: this case only
+                why = (
+                    f"the case's inputs, GEMM unit or reference failed: {type(exc).__name__}: {exc}"
+                )
+                for impl in impls:
+                    status, reason = blocked[impl.name] or ("error", why)
+                    failures += status == "error"
+                    key = "error" if status == "error" else "reason"
+                    writer.add(_record(case, impl, common, status=status, **{key: reason}))
+                    progress.done += 1
+                    progress.line(f"{case.label()} {report.summary_line(writer.records[-1])}")
+                del inputs, ref
+                _free(device)
+                continue
             tflops = 2.0 * case.n * case.hidden * case.vocab / (unit_ms * 1e-3) / 1e12
             progress.line(f"{case.label()}: GEMM unit {unit_ms:.3f} ms ({tflops:.1f} TFLOP/s)")
             extra = {
@@ -335,6 +385,9 @@ def run(args: argparse.Namespace) -> int:
             _free(device)
     finally:
         _finish(args, writer.records, report)
+    if not any(r["status"] == "ok" for r in writer.records):
+        print("fusedhead bench: nothing was measured (the reasons are listed above)")
+        return 1
     return 1 if failures else 0
 
 

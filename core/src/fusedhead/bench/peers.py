@@ -109,6 +109,10 @@ def _backend(name: str, options: dict[str, Any], spec: str) -> Impl:
         device = torch.device(case.device)
         caps = backend.capabilities(device)
         if device.type not in caps.devices:
+            try:  # the backend's own reason and fix, where it gives one
+                backend.check(device, case.torch_dtype)
+            except BackendUnavailableError as exc:
+                return f"backend {name!r}: {exc}"
             return (
                 f"backend {name!r} does not run on {device.type} (it declares {list(caps.devices)})"
             )

@@ -72,7 +72,8 @@ def device_info(device: torch.device) -> dict[str, Any]:
 
 
 def versions() -> dict[str, str | None]:
-    """Versions of Python and the distributions that matter, and the git commit of the cwd if any."""
+    """Versions of Python and the distributions that matter, and fusedhead's git commit if run
+    from a checkout."""
     out: dict[str, str | None] = {"python": platform.python_version()}
     out.update({name: dist_version(name) for name in VERSIONED})
     out["git_commit"] = _git_commit()
@@ -86,18 +87,27 @@ GIT_COMMIT_ENV = "FUSEDHEAD_GIT_COMMIT"
 
 
 def _git_commit() -> str | None:
-    """``$FUSEDHEAD_GIT_COMMIT`` if set, else the short commit of the git checkout in the current
-    directory, ``+dirty`` with local changes."""
+    """``$FUSEDHEAD_GIT_COMMIT`` if set, else the short commit of the fusedhead checkout this
+    package runs from (``+dirty`` with local changes); None for an installed wheel. Never the
+    repository of the current directory, which may be any project's."""
     import subprocess
 
     stamped = os.environ.get(GIT_COMMIT_ENV, "").strip()
     if stamped:
         return stamped
+    package = Path(__file__).resolve().parents[1]  # .../core/src/fusedhead in a checkout
 
     def git(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10)
+        return subprocess.run(
+            ["git", "-C", str(package), *args], capture_output=True, text=True, timeout=10
+        )
 
     try:
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode != 0:
+            return None
+        if Path(top.stdout.strip()).resolve() / "core" / "src" / "fusedhead" != package:
+            return None  # installed inside some other repository (a venv in a project)
         head = git("rev-parse", "--short", "HEAD")
         if head.returncode != 0:
             return None
@@ -212,22 +222,54 @@ def _with_head(impl: str, case: dict[str, Any]) -> str:
     return impl if head == "logprobs" else f"{impl} {head}"
 
 
+def _distinct(values: Iterable[Any]) -> list[Any]:
+    """The values in first-seen order, each once (falsy ones left out)."""
+    out: list[Any] = []
+    for v in values:
+        if v and v not in out:
+            out.append(v)
+    return out
+
+
+def _provenance(records: list[dict[str, Any]]) -> str:
+    """When, on what and with which versions and settings the records were measured: every value
+    that occurs, so that appended runs of other trees or settings are not hidden behind the first."""
+    dates = sorted(str(r["date"]) for r in records if r.get("date"))
+    when = "-" if not dates else dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    devices = _distinct(
+        f"{d.get('name', '-')}" + (f" ({d.get('cores')} cores)" if d.get("type") == "cpu" else "")
+        for d in (r.get("device") or {} for r in records)
+    )
+    keys = _distinct(k for r in records for k in (r.get("versions") or {}))
+    shown = []
+    for k in keys:
+        vals = _distinct((r.get("versions") or {}).get(k) for r in records)
+        if vals:
+            shown.append(f"{k} {' / '.join(map(str, vals))}")
+    envs = _distinct(
+        ", ".join(f"{k}={v}" for k, v in sorted((r.get("environment") or {}).items()))
+        for r in records
+    )
+    text = f"Measured {when} on {' / '.join(devices) or '-'}; {', '.join(shown)}."
+    if envs:
+        text += f" Environment: {' / '.join(envs)}."
+    return text
+
+
 def markdown(records: Iterable[dict[str, Any]]) -> str:
     """A Markdown table of the measured cases, then the skipped ones with reasons."""
     records = list(records)
     if not records:
         return "(no results)\n"
-    first = records[0]
-    dev = first.get("device", {})
-    ver = first.get("versions", {})
-    shown = ", ".join(f"{k} {v}" for k, v in ver.items() if v)
-    ref_dtype = next((r.get("reference_dtype") for r in records if r.get("reference_dtype")), "-")
+    ref_dtype = next((r.get("reference_dtype") for r in records if r.get("reference_dtype")), None)
     lines = [
-        f"Measured {first.get('date', '-')} on {dev.get('name', '-')}"
-        + (f" ({dev.get('cores')} cores)" if dev.get("type") == "cpu" else "")
-        + f"; {shown}.",
-        f"Times in GEMM units (one `hidden @ weight.T` of the case's shape and dtype); errors are "
-        f"relative L2 against a {ref_dtype} reference on the same input values.",
+        _provenance(records),
+        "Times in GEMM units (one `hidden @ weight.T` of the case's shape and dtype)"
+        + (
+            f"; errors are relative L2 against a {ref_dtype} reference on the same input values."
+            if ref_dtype
+            else "; no reference was computed, so no errors are shown."
+        ),
         "",
         "| N | H | V | dtype | implementation | GEMM unit (ms) | fwd (units) | fwd+bwd (units) | fwd+bwd (ms) "
         "| peak extra (GiB) | log-prob err | entropy err | grad h err | grad W err |",
