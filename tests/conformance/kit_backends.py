@@ -1,4 +1,5 @@
-"""In-process backends for testing the conformance kit: one correct, five each wrong in one way.
+"""In-process backends for testing the conformance kit: correct ones (two declaring a
+min_temperature), and five each wrong in one way.
 
 Importable by module name (the kit's spawned vocab-parallel ranks re-register the class from
 ``module:qualname``); ``register_all()`` registers them, ``pytest -p kit_backends`` too.
@@ -234,6 +235,25 @@ class FakeBatchInvariant(_Plain):
         return lp, ent if return_entropy else None
 
 
+class MinTemperature(KitRef):
+    """Correct, and declares min_temperature=0.1 (triton's is 1e-3): the kit must test at and
+    above it, never below, where the core refuses the call."""
+
+    name: ClassVar[str] = "kit-min-temperature"
+    declared: ClassVar[dict[str, Any]] = {**KitRef.declared, "min_temperature": 0.1}
+
+
+class HighMinTemperature(KitRef):
+    """Correct, and declares a minimum above every temperature the kit picks on its own (20)."""
+
+    name: ClassVar[str] = "kit-high-min-temperature"
+    declared: ClassVar[dict[str, Any]] = {**KitRef.declared, "min_temperature": 25.0}
+
+
+#: Correct backends that declare a min_temperature, by it.
+MIN_TEMPERATURE: dict[float, type] = {0.1: MinTemperature, 25.0: HighMinTemperature}
+
+
 #: Each wrong backend and the property the kit must fail it on.
 WRONG = {
     PaddedVocab: "odd_shapes",
@@ -242,7 +262,7 @@ WRONG = {
     TemperatureMissingInBackward: "temperature",
     FakeBatchInvariant: "batch_invariance",
 }
-ALL: tuple[type, ...] = (KitRef, *WRONG)
+ALL: tuple[type, ...] = (KitRef, *MIN_TEMPERATURE.values(), *WRONG)
 
 
 def register_all() -> None:

@@ -23,6 +23,36 @@ def test_correct_backend_passes_every_property_it_declares(kit_backends):
     assert "does not declare batch_invariant" in results["batch_invariance"].message
 
 
+@pytest.mark.parametrize("floor", [0.1, 25.0])
+def test_a_backend_declaring_a_min_temperature_passes_every_property_at_and_above_it(
+    kit_backends, floor
+):
+    """A declared min_temperature is legal: the kit tests temperatures from it up (the fixed
+    0.05..20 range starts there, or is it alone above 20), never one the core refuses."""
+    name = kit_backends.MIN_TEMPERATURE[floor].name
+    results = {r.name: r for r in check(name)}
+    failed = [r.line() for r in results.values() if r.outcome is Outcome.FAIL]
+    assert not failed
+    assert results["temperature"].outcome is Outcome.PASS
+    assert results["hypothesis_cases"].outcome is Outcome.PASS
+    assert results["per_token_temperature"].outcome is Outcome.PASS
+
+
+def test_a_temperature_below_the_declared_minimum_must_be_refused_not_computed(
+    kit_backends, monkeypatch
+):
+    """The temperature property checks the promise both ways: below a declared min_temperature
+    the call is a CapabilityError naming it (here the core's refusal is switched off)."""
+    from fusedhead.api import FusedHead
+
+    assert check_property("temperature", "kit-min-temperature").outcome is Outcome.PASS
+    monkeypatch.setattr(FusedHead, "_check_min_temperature", lambda self, arg, temp, *a: temp)
+    result = check_property("temperature", "kit-min-temperature")
+    assert result.outcome is Outcome.FAIL, result.line()
+    assert "temperature 0.05 below the declared min_temperature 0.1" in result.message
+    assert "computed, expected a CapabilityError" in result.message
+
+
 @pytest.mark.parametrize(
     ("backend", "prop", "words"),
     [

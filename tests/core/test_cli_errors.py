@@ -424,6 +424,13 @@ def test_bench_results_whose_items_are_not_results_name_the_item(
     assert bad.read_text() == content  # nothing measured, nothing written
 
 
+@pytest.mark.parametrize("command", ["bench", "list", "demo"])
+def test_an_unknown_flag_points_to_the_subcommands_own_help(capsys, command):
+    rc, _out, err = run_main(capsys, command, "--frobnicate")
+    line = one_error_line(err)
+    assert rc == 2 and "--frobnicate" in line and f"(see fusedhead {command} --help)" in line, line
+
+
 def test_demo_unknown_model_is_one_error_line_on_stderr(capsys):
     pytest.importorskip("transformers")
     rc, out, err = run_main(capsys, "demo", "--model", "nope", "--quiet")

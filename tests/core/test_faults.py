@@ -8,6 +8,7 @@ that fails on import, an entry-point name that breaks the name rule, an import o
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -89,6 +90,56 @@ def test_a_missing_package_names_the_top_level_package(with_fixture_dists):
         registry.load_class("missing")
     assert info.value.missing == "fh_no_such_package_xyz"
     assert info.value.distribution == "fh-fixture-missing"
+    # An import name is no pip name (yaml is PyYAML): the fix is the distribution's reinstall.
+    assert "the module 'fh_no_such_package_xyz' is not installed" in info.value.reason
+    assert "a dependency of fh-fixture-missing" in info.value.reason
+    assert info.value.hint == "reinstall fh-fixture-missing with its dependencies"
+    assert "pip install" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "missing"),
+    [
+        ("own-module-gone", "fh_fault_gone_module_xyz"),
+        ("own-submodule-gone", "fh_fault_missing_module.gone"),
+    ],
+)
+def test_the_plugins_own_missing_module_is_a_broken_install_never_a_pip_install_of_it(
+    with_faults, name, missing
+):
+    """A stale or broken install lost the entry point's own module: pip-installing that import
+    name from an index would fetch whatever project has the name (a typosquatting risk)."""
+    with pytest.raises(BackendLoadError) as info:
+        registry.load_class(name)
+    err = info.value
+    assert not isinstance(err, MissingDependencyError)
+    assert (err.backend, err.distribution, err.version) == (
+        name,
+        "fh-fault-missing-module",
+        "1.0.0",
+    )
+    assert f"its own module {missing!r}" in err.reason
+    assert "the install of fh-fault-missing-module is broken or stale" in err.reason
+    assert (err.hint or "").startswith("reinstall fh-fault-missing-module")
+    assert "pip install" not in str(err)
+
+
+def test_a_missing_dependency_names_a_pip_package_only_from_the_distributions_requires_dist(
+    with_faults,
+):
+    with pytest.raises(MissingDependencyError) as declared:
+        registry.load_class("declared-dep-missing")
+    assert declared.value.missing == "fh_fault_declared_dep_xyz"
+    assert declared.value.hint == (
+        "pip install 'fh-fault-declared-dep-xyz>=2.0' (its Requires-Dist), or reinstall "
+        "fh-fault-missing-module with its dependencies"
+    )
+    with pytest.raises(MissingDependencyError) as undeclared:
+        registry.load_class("undeclared-dep-missing")
+    assert undeclared.value.missing == "fh_fault_undeclared_dep_xyz"
+    assert "a dependency of fh-fault-missing-module" in undeclared.value.reason
+    assert undeclared.value.hint == "reinstall fh-fault-missing-module with its dependencies"
+    assert "pip install" not in str(undeclared.value)
 
 
 def test_list_check_shows_incompatible_and_misnamed_plugins_with_their_reason(
@@ -250,6 +301,118 @@ def test_a_backend_breaking_the_output_contract_is_caught(ref_backend, inputs, m
     with pytest.raises(BackendContractError, match="broke the plugin contract") as info:
         fused_head(h, w, y, backend="ref-test")
     assert info.value.backend == "ref-test"
+
+
+# --- a plugin whose __init__ or capabilities() is broken ---------------------------------------
+
+
+def _init_raises(self: Any, options: Any) -> None:
+    raise RuntimeError("weights file missing")
+
+
+#: Each fault, the method to replace, its replacement, and what the error must say.
+PLUGIN_BUGS: dict[str, tuple[str, Any, str]] = {
+    "capabilities returns a dict": (
+        "capabilities",
+        lambda self, device: {"devices": ("cpu",)},
+        r"capabilities\(\w+\) must return fusedhead\.protocol\.Capabilities, got dict",
+    ),
+    "capabilities builds invalid Capabilities": (
+        "capabilities",
+        lambda self, device: Capabilities(dtypes=("float32",)),
+        r"capabilities\(\w+\) raised ValidationError building Capabilities: dtypes\.0: .*"
+        r"\(got 'float32'\)",
+    ),
+    "__init__ raises": (
+        "__init__",
+        _init_raises,
+        r"__init__\(options\) raised RuntimeError: weights file missing",
+    ),
+}
+
+
+@pytest.fixture
+def good_class(with_fixture_dists: Path) -> type:
+    """The installed fixture backend 'good' (fh-fixture-good 1.0.0), to break per test."""
+    cls: type = registry.load_class("good")
+    return cls
+
+
+def _assert_names_the_plugin(err: dict[str, Any], pattern: str) -> None:
+    """``err`` (an error's ``to_dict()``): a contract error naming the plugin and the breach."""
+    assert err["error"] == "BackendContractError" and err["status"] == "broken", err
+    assert (err["backend"], err["distribution"], err["version"]) == (
+        "good",
+        "fh-fixture-good",
+        "1.0.0",
+    )
+    assert re.search(pattern, err["reason"]), err["reason"]
+    assert "report this to the backend's authors" in (err["hint"] or "")
+    assert err["message"].startswith("backend 'good' (fh-fixture-good 1.0.0): ")
+
+
+@pytest.mark.parametrize("bug", list(PLUGIN_BUGS))
+@pytest.mark.parametrize("how", ["fused_head", "FusedHead", "get_fused_head"])
+def test_a_plugins_own_bug_at_selection_is_a_contract_error_naming_its_distribution(
+    good_class, inputs, monkeypatch, bug, how
+):
+    from fusedhead import FusedHead
+    from fusedhead.api import get_fused_head
+
+    method, replacement, pattern = PLUGIN_BUGS[bug]
+    monkeypatch.setattr(good_class, method, replacement)
+    select = {
+        "fused_head": lambda: fused_head(*inputs(), backend="good"),
+        "FusedHead": lambda: FusedHead(backend="good", device="cpu"),
+        "get_fused_head": lambda: get_fused_head("good"),
+    }[how]
+    with pytest.raises(BackendContractError) as info:
+        select()
+    _assert_names_the_plugin(info.value.to_dict(), pattern)
+    if bug != "capabilities returns a dict":  # a raise is chained from the plugin's exception
+        assert isinstance(info.value.__cause__, Exception)
+        assert not isinstance(info.value.__cause__, BackendContractError)
+
+
+@pytest.mark.parametrize("bug", list(PLUGIN_BUGS))
+def test_a_plugins_own_bug_makes_fusedhead_check_and_info_name_its_distribution(
+    good_class, monkeypatch, capsys, bug
+):
+    from fusedhead import cli
+
+    method, replacement, pattern = PLUGIN_BUGS[bug]
+    monkeypatch.setattr(good_class, method, replacement)
+    # exit 2: an error resolving the backend; 1 would say a property of the kit failed
+    assert cli.main(["check", "good", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fusedhead: error: backend 'good' (fh-fixture-good 1.0.0): "), err
+    assert "unexpected failure" not in err
+    assert cli.main(["info", "good", "--device", "cpu", "--json"]) == 1
+    info = json.loads(capsys.readouterr().out)
+    assert info["status"] == "broken"
+    _assert_names_the_plugin(info["error"], pattern)
+    listed = rows(probe=True, device="cpu")[("good", "fh-fixture-good")]
+    assert listed.status is Status.BROKEN
+    assert re.search(pattern, listed.reason or ""), listed.reason
+
+
+def test_fusedhead_check_wraps_a_raw_exception_from_check_as_a_call_does(
+    good_class, inputs, monkeypatch, capsys
+):
+    """The kit resolves the backend through the core's wrapper: the same BackendContractError
+    as a call, naming the distribution, and exit 2 (an error), not 1 (a property failed)."""
+    from fusedhead import cli
+
+    def no_driver(self: Any, device: torch.device, dtype: torch.dtype) -> None:
+        raise RuntimeError("CUDA driver not found")
+
+    monkeypatch.setattr(good_class, "check", no_driver)
+    with pytest.raises(BackendContractError) as called:
+        fused_head(*inputs(), backend="good")
+    assert cli.main(["check", "good", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"fusedhead: error: {called.value}"
+    assert "(fh-fixture-good 1.0.0): check() raised RuntimeError: CUDA driver not found" in err
 
 
 # --- bad inputs ----------------------------------------------------------------------------------

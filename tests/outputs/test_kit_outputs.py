@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import pytest
 
 from fusedhead.testing import Outcome, check, check_property
@@ -75,4 +77,25 @@ def test_output_properties_are_not_run_where_the_outputs_are_not_declared(output
             assert "does not declare" in result.message
     finally:
         registry.unregister_backend(Plain.name)
+        registry.refresh()
+
+
+@pytest.mark.parametrize("floor", [0.1, 2.5])
+def test_a_backend_declaring_a_min_temperature_passes_every_output_property(output_backends, floor):
+    """The output properties' temperatures (fixed ones, per-token ones, the KL's two heads') stay
+    at or above a declared min_temperature: no call the core would refuse."""
+    from fusedhead import registry
+
+    class Floored(output_backends.OutputsRef):
+        name = "outputs-floored"
+        declared: ClassVar[dict[str, Any]] = {"min_temperature": floor}
+
+    registry.register_backend(Floored.name, Floored, replace=True)
+    registry.refresh()
+    try:
+        results = check("outputs-floored", properties=list(OUTPUT_PROPERTIES))
+        failed = [r.line() for r in results if r.outcome is Outcome.FAIL]
+        assert not failed
+    finally:
+        registry.unregister_backend(Floored.name)
         registry.refresh()

@@ -163,16 +163,14 @@ class FusedHead:
         self.distribution = cand.distribution
         self.version = cand.version
         self.options = validate_options(config.backend, cls, config.options)
-        with self._identified():
-            self.backend = cls(self.options)
+        self.backend = registry.construct_backend(cls, self.options, **self._identity())
         self._caps: dict[tuple[torch.device, torch.dtype], tuple[Capabilities, frozenset[str]]] = {}
         self._graph = _Slots()  # _caps's entries for compiled graphs (see _prepare)
         self._graph_names: dict[tuple[torch.device, torch.dtype], str] = {}
         # A device this process cannot use is refused here, where it is first used (the config
         # itself only parses it: a config file travels between machines).
         device = usable_device(config.device) if config.device else registry.default_device()
-        with self._identified():
-            caps = self.backend.capabilities(device)
+        caps = self.capabilities(device)
         self._check_required(caps, device)
         plugin_manager().hook.fusedhead_backend_resolved(
             name=config.backend,
@@ -211,9 +209,11 @@ class FusedHead:
             ) from exc
 
     def capabilities(self, device: torch.device | str) -> Capabilities:
-        """The backend's capabilities on ``device``."""
-        with self._identified():
-            caps: Capabilities = self.backend.capabilities(torch.device(device))
+        """The backend's capabilities on ``device`` (a plugin that breaks the contract there, by
+        raising or by returning something else, is a ``BackendContractError`` naming it)."""
+        caps: Capabilities = registry.backend_capabilities(
+            self.backend, torch.device(device), **self._identity()
+        )
         return caps
 
     def _check_required(self, caps: Capabilities, device: torch.device) -> None:

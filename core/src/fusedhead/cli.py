@@ -284,19 +284,21 @@ def _cmd_info(args: argparse.Namespace) -> int:
         "version": cand.version,
         "entry_point": cand.value,
     }
+    fields = {"backend": cand.name, "distribution": cand.distribution, "version": cand.version}
     try:
         cls = registry.load_class(args.name)
-    except BackendError as exc:
+        device = torch.device(args.device) if args.device else registry.default_device()
+        backend = registry.construct_backend(cls, cls.Options(), **fields)
+        caps = registry.backend_capabilities(backend, device, **fields)
+    except BackendError as exc:  # a plugin that cannot load, or breaks the contract here
         out["status"] = exc.status
         out["reason"] = str(exc)
         out["error"] = exc.to_dict()
         _print_info(out, args.json)
         return 1
-    device = torch.device(args.device) if args.device else registry.default_device()
-    backend = cls(cls.Options())
     out["plugin_api_version"] = cls.plugin_api_version
     out["device"] = str(device)
-    out["capabilities"] = backend.capabilities(device).model_dump(mode="json")
+    out["capabilities"] = caps.model_dump(mode="json")
     out["options_schema"] = option_rows(cls.Options)
     status, reason = registry.probe_backend(cand, device)
     out["status"] = status.value
@@ -401,13 +403,27 @@ def _fail(message: str, fields: dict[str, Any] | None, args: argparse.Namespace 
         print(json.dumps({"error": fields or {"message": _one_line(message)}}, indent=2))
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The parser of ``command`` (``parser`` itself where there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            sub: argparse.ArgumentParser = action.choices[command]
+            return sub
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; the exit status (0 ok, 1 a failed check, 2 an error) is returned."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args: argparse.Namespace | None = None
     try:
-        args = build_parser(delegated=command in _DELEGATED).parse_args(argv)
+        parser = build_parser(delegated=command in _DELEGATED)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # told by the subcommand's parser, which names its own --help
+            _subparser(parser, getattr(args, "command", None)).error(
+                f"unrecognized arguments: {' '.join(extra)}"
+            )
         if hasattr(args, "module"):
             result: int = importlib.import_module(args.module).run(args)
         else:

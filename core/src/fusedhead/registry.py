@@ -25,6 +25,8 @@ from typing import Any
 
 from fusedhead.errors import (
     BackendConflictError,
+    BackendContractError,
+    BackendError,
     BackendLoadError,
     IncompatibleBackendError,
     MissingDependencyError,
@@ -414,24 +416,46 @@ def _load_class(cand: Candidate) -> type[Any]:
 
 
 def _import_error(cand: Candidate, exc: ImportError) -> Exception:
-    """A missing package becomes ``MissingDependencyError``; a missing name, ``BackendLoadError``."""
+    """A missing module becomes ``MissingDependencyError`` (a third-party package) or
+    ``BackendLoadError`` (the plugin's own module: its install is broken or stale); a missing
+    name, ``BackendLoadError``.
+
+    Never ``pip install <import name>``: an import name is not a pip name (``yaml`` is PyYAML,
+    ``cv2`` opencv-python) and the plugin's own package name on an index may be anyone's. A pip
+    package is named only where the distribution's own Requires-Dist names it.
+    """
+    dist = cand.distribution or "the backend's distribution"
     reinstall = (
-        f"pip install '{FIRST_PARTY_EXTRAS[cand.name]}'"
-        if cand.name in FIRST_PARTY_EXTRAS
-        else f"reinstall {cand.distribution}"
+        install_command(cand.name) if cand.name in FIRST_PARTY_EXTRAS else f"reinstall {dist}"
     )
     missing = getattr(exc, "name", None)
     top = missing.split(".")[0] if missing else None
-    if isinstance(exc, ModuleNotFoundError) and top:
+    if isinstance(exc, ModuleNotFoundError) and missing and top:
+        module = cand.entry_point.module if cand.entry_point is not None else ""
+        if top == module.split(".")[0]:  # the entry point's own module or its package
+            return BackendLoadError(
+                f"could not be imported: its own module {missing!r} (of the entry point "
+                f"{cand.value}) is not installed, so the install of {dist} is broken or stale "
+                f"({exc})",
+                hint=f"{reinstall} (uninstall it first if reinstalling does not help)",
+                **_fields(cand),
+            )
         try:
             present = importlib.util.find_spec(top) is not None
         except (ImportError, ValueError):
             present = False
         if not present:
+            required = _required_as(cand.distribution, top)
+            hint = (
+                f"pip install '{required}' (its Requires-Dist), or {reinstall} with its dependencies"
+                if required
+                else f"{reinstall} with its dependencies"
+            )
             return MissingDependencyError(
-                f"could not be imported: the package {top!r} is not installed ({exc})",
+                f"could not be imported: the module {top!r} is not installed (a dependency of "
+                f"{dist}) ({exc})",
                 missing=top,
-                hint=f"pip install {top}, or {reinstall} to get its dependencies",
+                hint=hint,
                 **_fields(cand),
             )
     return BackendLoadError(
@@ -440,6 +464,23 @@ def _import_error(cand: Candidate, exc: ImportError) -> Exception:
         f"built for; upgrade fusedhead and the backend together, or {reinstall}",
         **_fields(cand),
     )
+
+
+def _required_as(distribution: str | None, module: str) -> str | None:
+    """The requirement (name and version, no marker) in ``distribution``'s Requires-Dist whose
+    name is import name ``module`` (normalized), or None: only then is the pip name known."""
+    if distribution is None:
+        return None
+    try:
+        requires = md.distribution(distribution).requires or []
+    except (md.PackageNotFoundError, ValueError, OSError):
+        return None
+    for req in requires:
+        spec = req.split(";", 1)[0].strip()
+        name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec)
+        if name and _normalize(name.group(0)) == _normalize(module):
+            return re.sub(r"\[.*?\]", "", spec)
+    return None
 
 
 def verify_backend_class(cls: Any, **fields: Any) -> None:
@@ -529,6 +570,68 @@ def _accepts(fn: Any, n_positional: int) -> bool:
     return True
 
 
+def construct_backend(cls: type[Any], options: Any, /, **fields: Any) -> Any:
+    """``cls(options)``, as the core makes a backend: a ``BackendError`` it raises gets ``fields``
+    (who it is); any other exception is the plugin's own bug, a ``BackendContractError``."""
+    try:
+        return cls(options)
+    except BackendError as exc:
+        raise exc.attach(**fields) from None
+    except Exception as exc:
+        raise BackendContractError(
+            f"__init__(options) raised {exception_text(exc)}",
+            hint="a backend's __init__ must take its validated options without failing (what "
+            "keeps it from running here goes in check(), as fusedhead.errors."
+            "BackendUnavailableError with the reason and the fix); report this to the "
+            "backend's authors",
+            **fields,
+        ) from exc
+
+
+def backend_capabilities(instance: Any, device: Any, /, **fields: Any) -> Any:
+    """``instance.capabilities(device)`` (a backend object), checked to be a ``Capabilities``: a ``BackendError`` it
+    raises gets ``fields``; any other exception, or another return value, is a
+    ``BackendContractError`` naming the backend and what was expected."""
+    from fusedhead.protocol import Capabilities
+
+    hint = (
+        "capabilities(device) must return a fusedhead.protocol.Capabilities built from valid "
+        "values (docs/writing-a-backend.md lists its fields); report this to the backend's authors"
+    )
+    try:
+        caps = instance.capabilities(device)
+    except BackendError as exc:
+        raise exc.attach(**fields) from None
+    except Exception as exc:
+        raise BackendContractError(
+            f"capabilities({device}) raised {exception_text(exc)}", hint=hint, **fields
+        ) from exc
+    if not isinstance(caps, Capabilities):
+        got = f"{type(caps).__name__} {caps!r}"
+        raise BackendContractError(
+            f"capabilities({device}) must return fusedhead.protocol.Capabilities, got "
+            + (got if len(got) <= 120 else got[:117] + "..."),
+            hint=hint,
+            **fields,
+        )
+    return caps
+
+
+def exception_text(exc: BaseException) -> str:
+    """``Type: message`` on one line; a pydantic ``ValidationError`` as each field's error."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        errors = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ())) or "(the model)"
+            value = repr(err.get("input"))
+            value = value if len(value) <= 60 else value[:57] + "..."
+            errors.append(f"{where}: {err.get('msg')} (got {value})")
+        return f"ValidationError building {exc.title}: " + "; ".join(errors)
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
 def listing(*, probe: bool = False, device: Any = None) -> list[BackendListing]:
     """Rows for ``fusedhead list``; with ``probe`` each backend is imported and checked on ``device``.
 
@@ -566,7 +669,7 @@ def probe_backend(cand: Candidate, device: Any = None) -> tuple[Status, str | No
     A broken plugin gives ``broken`` (or its error's status) with the reason, never an exception;
     ``device=None`` is :func:`default_device`. What ``fusedhead list --check`` and ``info`` show.
     """
-    from fusedhead.errors import BackendError, BackendUnavailableError
+    from fusedhead.errors import BackendUnavailableError
 
     try:
         cls = _load_class(cand)
@@ -579,14 +682,16 @@ def probe_backend(cand: Candidate, device: Any = None) -> tuple[Status, str | No
         import torch
 
         dev = torch.device(device) if device is not None else default_device()
-        backend = cls(cls.Options())
-        caps = backend.capabilities(dev)
+        backend = construct_backend(cls, cls.Options(), **_fields(cand))
+        caps = backend_capabilities(backend, dev, **_fields(cand))
         dtype = torch.float32 if "fp32" in caps.dtypes else _dtype_of(caps.dtypes[0])
         backend.check(dev, dtype)
     except BackendUnavailableError as exc:
         return Status.UNAVAILABLE, exc.attach(**_fields(cand)).reason + (
             f" Fix: {exc.hint}" if exc.hint else ""
         )
+    except BackendContractError as exc:  # the plugin's own bug, named by the helpers above
+        return Status.BROKEN, exc.reason + (f" Fix: {exc.hint}" if exc.hint else "")
     except Exception as exc:
         return Status.BROKEN, f"probe failed: {type(exc).__name__}: {exc}"
     return Status.OK, None

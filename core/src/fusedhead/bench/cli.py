@@ -61,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[1.0],
         help="weight scale s, W ~ N(0, (s/sqrt(H))^2): 1 flat, 4 peaked (default 1)",
     )
-    g.add_argument("--seed", type=nonnegative_int, default=0, help="generator seed of the inputs (default 0)")
+    g.add_argument(
+        "--seed", type=nonnegative_int, default=0, help="generator seed of the inputs (default 0)"
+    )
     g.add_argument(
         "--case",
         nargs="+",

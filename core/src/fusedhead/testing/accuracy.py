@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from fusedhead.errors import CapabilityError
+from fusedhead.protocol import SCALAR_RANGE
 from fusedhead.testing.inputs import FLAT, PEAKED, TEMPERATURE, Case, make_case
 from fusedhead.testing.measure import LOSS, Views, check_against_reference
+from fusedhead.testing.outcome import PropertyFailure
 from fusedhead.testing.target import Target
 
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -46,14 +49,56 @@ def without_entropy(target: Target) -> None:
 
 
 def temperature(target: Target) -> None:
-    """Forward and backward match float64 for temperatures from 0.05 to 20."""
+    """Forward and backward match float64 for temperatures from 0.05 (or the declared min_temperature) to 20; one below a declared min_temperature is refused."""
     n, h, v = target.sizes.small
-    settings = [(FLAT, t) for t in (0.05, 0.3, 1.0, 3.0, 20.0)] + [(PEAKED, 0.05), (PEAKED, 20.0)]
+    low, high = target.temperature_range(0.05, 20.0)
+    flat = sorted({target.allowed_temperature(t) for t in (0.05, 0.3, 1.0, 3.0, 20.0)})
+    peaked = sorted({low, high})
+    settings = [(FLAT, t) for t in flat] + [(PEAKED, t) for t in peaked]
     for scale, temp in settings:
         case = make_case(n, h, v, scale=scale, seed=4).to(target.device, target.dtype)
         check_against_reference(
-            target, case, label=f"{case.description}, temperature {temp}", temperature=temp
+            target, case, label=f"{case.description}, temperature {temp:g}", temperature=temp
         )
+    case = make_case(n, h, v, scale=FLAT, seed=4).to(target.device, target.dtype)
+    _below_min_temperature_is_refused(target, case)
+
+
+def _below_min_temperature_is_refused(target: Target, case: Case) -> None:
+    """A declared ``min_temperature`` is a promise both ways: below it, a ``CapabilityError``
+    naming it, never a value computed anyway (a float, and a per-token tensor if declared)."""
+    floor = target.min_temperature
+    if floor <= SCALAR_RANGE[0]:  # nothing declared: the core's own range is the floor
+        return
+    below = max(floor / 2, SCALAR_RANGE[0])  # below the floor, within the core's own range
+    hidden, weight, labels = case.hidden, case.weight, case.labels
+    temps: list[float | torch.Tensor] = [below]
+    if target.caps.per_token_temperature:
+        per_token = torch.full(labels.shape, floor, device=target.device)
+        per_token[0] = below
+        temps.append(per_token)
+    for temp in temps:
+        what = (
+            f"a per-token temperature with one value {below:g}"
+            if isinstance(temp, torch.Tensor)
+            else f"temperature {below:g}"
+        )
+        where = f"{case.description}, {what} below the declared min_temperature {floor:g}"
+        try:
+            with torch.no_grad():
+                target(hidden, weight, labels, temperature=temp)
+        except CapabilityError as exc:
+            if exc.capability != "min_temperature":
+                raise PropertyFailure(
+                    f"{where}: refused for capability {exc.capability!r}, expected "
+                    f"'min_temperature': {exc}"
+                ) from exc
+            continue
+        except Exception as exc:
+            raise PropertyFailure(
+                f"{where}: expected CapabilityError, the call raised {type(exc).__name__}: {exc}"
+            ) from exc
+        raise PropertyFailure(f"{where}: computed, expected a CapabilityError refusing it")
 
 
 def odd_shapes(target: Target) -> None:

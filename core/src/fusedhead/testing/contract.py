@@ -25,13 +25,14 @@ def _exactly_zero(what: str, t: torch.Tensor | None, rows: torch.Tensor) -> None
 
 def ignore_index(target: Target) -> None:
     """Rows whose label is ignore_index give 0 log_prob, 0 entropy and exactly zero gradient."""
+    temp = target.allowed_temperature(TEMPERATURE)  # within the declared minimum
     n, h, v = target.sizes.small
     for index, fraction in ((IGNORE_INDEX, 0.3), (7, 0.3), (IGNORE_INDEX, 1.0)):
         case = make_case(n, h, v, scale=FLAT, seed=9, ignore_fraction=fraction, ignore_index=index)
         case = case.to(target.device, target.dtype)
         label = f"{case.description}, ignore_index={index}, {fraction:.0%} of rows ignored"
         try:
-            got = evaluate(target, case, target.dtype, temperature=TEMPERATURE, ignore_index=index)
+            got = evaluate(target, case, target.dtype, temperature=temp, ignore_index=index)
         except Exception as exc:
             raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
         ignored = case.labels == index
@@ -51,12 +52,13 @@ def ignore_index(target: Target) -> None:
 
 def tiny_batches(target: Target) -> None:
     """N = 0 (2-D and 3-D) gives empty fp32 outputs and zero gradients; N = 1 is right."""
+    temp = target.allowed_temperature(TEMPERATURE)  # within the declared minimum
     _, h, v = target.sizes.small
     for lead in ((0,), (2, 0)):
         case = make_case(0, h, v, lead=lead).to(target.device, target.dtype)
         label = f"N=0, hidden shape {tuple(case.hidden.shape)}"
         try:
-            got = evaluate(target, case, target.dtype, temperature=TEMPERATURE)
+            got = evaluate(target, case, target.dtype, temperature=temp)
         except Exception as exc:
             raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
         for what, out in (("log_probs", got.log_probs), ("entropy", got.entropy)):
@@ -102,12 +104,13 @@ def requires_grad(target: Target) -> None:
             return target(*args, **kw)
 
     label = f"{case.description}, under torch.no_grad()"
-    got = evaluate(no_grad_call, case, target.dtype, loss=(), temperature=TEMPERATURE)
-    want = evaluate(reference, case, torch.float64, loss=(), temperature=TEMPERATURE)
+    temp = target.allowed_temperature(TEMPERATURE)  # within the declared minimum
+    got = evaluate(no_grad_call, case, target.dtype, loss=(), temperature=temp)
+    want = evaluate(reference, case, torch.float64, loss=(), temperature=temp)
     if got.requires_grad:
         raise PropertyFailure(f"{label}: log_probs requires grad under torch.no_grad()")
 
-    tol = target.tolerances(h, v, zmax(case, temperature=TEMPERATURE))
+    tol = target.tolerances(h, v, zmax(case, temperature=temp))
     try:
         assert_close("log_probs", got.log_probs, want.log_probs, tol.log_probs)
         assert want.entropy is not None
@@ -118,6 +121,7 @@ def requires_grad(target: Target) -> None:
 
 def unchecked_labels(target: Target) -> None:
     """With check_labels=False, out-of-range labels give NaN log_prob for their rows, no crash, others right."""
+    temp = target.allowed_temperature(TEMPERATURE)  # within the declared minimum
     n, h, v = target.sizes.small
     base = make_case(n, h, v, scale=FLAT, seed=12)
     labels = base.labels.clone()
@@ -126,12 +130,10 @@ def unchecked_labels(target: Target) -> None:
     case = Case(base.hidden, base.weight, labels, base.description).to(target.device, target.dtype)
     label = f"{case.description}, labels {v}, {v + 1_000_003}, -5, 2**40 at rows 1, 3, 5, 8, check_labels=False"
     try:
-        got = evaluate(
-            target, case, target.dtype, loss=(), temperature=TEMPERATURE, check_labels=False
-        )
+        got = evaluate(target, case, target.dtype, loss=(), temperature=temp, check_labels=False)
     except Exception as exc:
         raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
-    want = evaluate(reference, case, torch.float64, loss=(), temperature=TEMPERATURE)
+    want = evaluate(reference, case, torch.float64, loss=(), temperature=temp)
     bad = torch.zeros(n, dtype=torch.bool)
     bad[bad_rows] = True
     bad = bad.to(target.device)
@@ -141,7 +143,7 @@ def unchecked_labels(target: Target) -> None:
         )
 
     good_case = Case(case.hidden[~bad], case.weight, case.labels[~bad], case.description)
-    tol = target.tolerances(h, v, zmax(good_case, temperature=TEMPERATURE))
+    tol = target.tolerances(h, v, zmax(good_case, temperature=temp))
     assert got.entropy is not None and want.entropy is not None
     try:
         assert_close(

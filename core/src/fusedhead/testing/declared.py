@@ -45,11 +45,12 @@ def _bitwise(what: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
 
 def determinism(target: Target) -> None:
     """If declared: two runs of forward and backward give bitwise equal outputs and gradients."""
+    temp = target.allowed_temperature(TEMPERATURE)  # within the declared minimum
     _declared(target, "deterministic")
     n, h, v = target.sizes.main
     for scale in (FLAT, PEAKED):
         case = make_case(n, h, v, scale=scale, seed=13).to(target.device, target.dtype)
-        runs = [evaluate(target, case, target.dtype, temperature=TEMPERATURE) for _ in range(2)]
+        runs = [evaluate(target, case, target.dtype, temperature=temp) for _ in range(2)]
         for field in ("log_probs", "entropy", "grad_hidden", "grad_weight"):
             _bitwise(
                 f"{case.description}: {field} of two identical runs",
@@ -61,8 +62,9 @@ def determinism(target: Target) -> None:
 def _forward(
     target: Target, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
 ) -> Outputs:
+    temp = target.allowed_temperature(TEMPERATURE)  # within the declared minimum
     case = Case(hidden, weight, labels, "")
-    return evaluate(target, case, target.dtype, loss=(), temperature=TEMPERATURE)
+    return evaluate(target, case, target.dtype, loss=(), temperature=temp)
 
 
 @unless_interpreter_dot_varies
@@ -107,18 +109,18 @@ def batch_invariance(target: Target) -> None:
 
 
 def per_token_temperature(target: Target) -> None:
-    """If declared: a temperature tensor (one per token, 0.05 to 20; broadcast in 3-D) matches float64."""
+    """If declared: a temperature tensor (one per token, 0.05 (or the declared min_temperature) to 20; broadcast in 3-D) matches float64."""
     _declared(target, "per_token_temperature")
     n, h, v = target.sizes.small
+    low, high = target.temperature_range(0.05, 20.0)
     g = torch.Generator().manual_seed(17)
-    temps = torch.exp(torch.empty(n).uniform_(math.log(0.05), math.log(20.0), generator=g)).to(
-        target.device
-    )
+    temps = torch.exp(torch.empty(n).uniform_(math.log(low), math.log(high), generator=g))
+    temps = target.allowed_temperature(temps).to(target.device)  # exp(log(low)) may round below
     case = make_case(n, h, v, scale=FLAT, seed=18).to(target.device, target.dtype)
     check_against_reference(
         target,
         case,
-        label=f"{case.description}, per-token temperatures in [0.05, 20]",
+        label=f"{case.description}, per-token temperatures in [{low:g}, {high:g}]",
         temperature=temps,
     )
     b = 4

@@ -92,6 +92,7 @@ def _worker(rank: int, spec: dict[str, Any]) -> None:
             timeout=datetime.timedelta(seconds=120),
         )
         target = Target.resolve(spec["backend"], spec["options"], device, spec["dtype"])
+        temp = target.allowed_temperature(TEMPERATURE)  # within the declared minimum
         stage = "run"
         n, h, v = spec["shape"]
         case = make_case(n, h, v, scale=FLAT, seed=21).to(target.device, target.dtype)
@@ -109,7 +110,7 @@ def _worker(rank: int, spec: dict[str, Any]) -> None:
                     hidden,
                     weight,
                     case.labels,
-                    temperature=TEMPERATURE,
+                    temperature=temp,
                     process_group=dist.group.WORLD,
                     reduce_hidden_grad=reduce,
                     **kw,
@@ -215,6 +216,7 @@ def vocab_parallel(target: Target) -> None:
 def _compare(
     target: Target, shape: tuple[int, int, int], shards: list[Shards], ranks: list[dict[str, Any]]
 ) -> None:
+    temp = target.allowed_temperature(TEMPERATURE)  # within the declared minimum
     n, h, v = shape
     case = make_case(n, h, v, scale=FLAT, seed=21).to(
         torch.device("cpu"), DTYPES[target.dtype_name]
@@ -224,15 +226,15 @@ def _compare(
     w64 = case.weight.double()
     # The reference applied to the logits (hidden = u = h @ W.T, weight = identity) gives dLoss/du.
     u = (h64 @ w64.T).requires_grad_(True)
-    lp, ent = reference(u, torch.eye(v, dtype=torch.float64), case.labels, temperature=TEMPERATURE)
+    lp, ent = reference(u, torch.eye(v, dtype=torch.float64), case.labels, temperature=temp)
     assert ent is not None
     torch.autograd.backward([(lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()])
     du = u.grad
     assert du is not None
     full_dh = du @ w64
     full_dw = du.T @ h64
-    terms = gradient_terms(case, temperature=TEMPERATURE, seed=21)
-    tol = target.tolerances(h, v, zmax(case, temperature=TEMPERATURE))
+    terms = gradient_terms(case, temperature=temp, seed=21)
+    tol = target.tolerances(h, v, zmax(case, temperature=temp))
     for i, shard in enumerate(shards):
         for reduce in (True, False):
             for rank in range(WORLD):

@@ -188,6 +188,17 @@ def gradient_magnitudes(
     return h_abs.grad, w_abs.grad
 
 
+def declared_temperature(
+    target: Target, temperature: float | torch.Tensor, label: str
+) -> tuple[float | torch.Tensor, str]:
+    """``temperature`` within the backend's declared ``min_temperature``, and ``label`` saying so
+    where it was raised (the kit never calls a backend below what it declares it computes)."""
+    allowed = target.allowed_temperature(temperature)
+    if allowed is not temperature and (isinstance(allowed, torch.Tensor) or allowed != temperature):
+        label += f" (temperature raised to the declared min_temperature {target.min_temperature:g})"
+    return allowed, label
+
+
 def check_against_reference(
     target: Target,
     case: Case,
@@ -206,6 +217,9 @@ def check_against_reference(
     """
     where = f"{label or case.description}"
     kwargs.setdefault("ignore_index", IGNORE_INDEX)
+    kwargs["temperature"], where = declared_temperature(
+        target, kwargs.get("temperature", 1.0), where
+    )
     try:
         got = evaluate(
             target,

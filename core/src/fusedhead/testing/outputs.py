@@ -21,6 +21,7 @@ import torch
 
 from fusedhead.testing.inputs import FLAT, IGNORE_INDEX, PEAKED, TEMPERATURE, Case, make_case
 from fusedhead.testing.interpreter import unless_interpreter_dot_varies
+from fusedhead.testing.measure import declared_temperature
 from fusedhead.testing.outcome import NotRun, PropertyFailure
 from fusedhead.testing.target import Target
 from fusedhead.testing.tolerances import Bound, Tolerances, assert_close
@@ -187,6 +188,7 @@ def check_outputs(
     float output requested); ``exact_ranking`` demands the float64 ids themselves.
     """
     dev, dt = target.device, target.dtype
+    temperature, label = declared_temperature(target, temperature, label)
     h = case.hidden.detach().to(dev, dt).requires_grad_(True)
     w = case.weight.detach().to(dev, dt).requires_grad_(True)
     y = case.labels.to(dev)
@@ -475,6 +477,7 @@ def _gather_is_label_log_prob(
 ) -> None:
     dev, dt = target.device, target.dtype
     h, w, y = case.hidden.to(dev, dt), case.weight.to(dev, dt), case.labels.to(dev)
+    temperature = target.allowed_temperature(temperature)
     temp = temperature.to(dev) if isinstance(temperature, torch.Tensor) else temperature
     ids = torch.where(y == IGNORE_INDEX, 0, y).unsqueeze(-1)
     with torch.no_grad():
@@ -568,12 +571,13 @@ def batch_invariant_extras(target: Target) -> None:
     hid, w, y = case.hidden.to(dev, dt), case.weight.to(dev, dt), case.labels.to(dev)
     ids = _gather_ids(case, 7, 46).to(dev)
     kw = _request(target, wanted, min(8, target.caps.max_top_k), ids)
+    temp = target.allowed_temperature(TEMPERATURE)
     with torch.no_grad():
-        full = target(hid, w, y, temperature=TEMPERATURE, **kw)
+        full = target(hid, w, y, temperature=temp, **kw)
         for rows in (torch.tensor([0]), torch.tensor([n - 1]), torch.arange(3, n // 2)):
             rows = rows.to(dev)
             kw_rows = {**kw, **({"gather_ids": ids[rows]} if "gather_ids" in kw else {})}
-            part = target(hid[rows], w, y[rows], temperature=TEMPERATURE, **kw_rows)
+            part = target(hid[rows], w, y[rows], temperature=temp, **kw_rows)
             for field in ("lse", "sum_p2", "argmax", "topk_ids", "topk_log_probs", "gathered"):
                 a, b = getattr(part, field), getattr(full, field)
                 if a is None or b is None:
@@ -684,6 +688,9 @@ def _check_kl(
 ) -> None:
     """One KL call against float64; ``caps``: the student's and the teacher's softcap."""
     dev, dt = target.device, target.dtype
+    t_s, with_s = declared_temperature(target, t_s, label)
+    t_t, with_t = declared_temperature(target, t_t, label)
+    label = max(with_s, with_t, key=len)  # the note once, where either was raised
     hs = case.hidden.detach().to(dev, dt).requires_grad_(True)
     ws = case.weight.detach().to(dev, dt).requires_grad_(True)
     ht = teacher.hidden.detach().to(dev, dt).requires_grad_(True)

@@ -44,7 +44,7 @@ def _labels(pattern: str, n: int, v: int, ignore_index: int, seed: int) -> torch
 
 
 def hypothesis_cases(target: Target) -> None:
-    """Random (N, H, V), input scale, temperature 0.05..20, ignore_index and label patterns match float64."""
+    """Random (N, H, V), input scale, temperature 0.05..20 (from the declared min_temperature, if higher), ignore_index and label patterns match float64."""
     try:
         from hypothesis import HealthCheck, Phase, Verbosity, given, settings
         from hypothesis import strategies as st
@@ -52,6 +52,7 @@ def hypothesis_cases(target: Target) -> None:
         raise NotRun("hypothesis is not installed: pip install 'fusedhead[testing]'") from exc
     big = target.device.type != "cpu"
     max_n, max_h, max_v = (300, 300, 3000) if big else (24, 48, 160)
+    low, high = target.temperature_range(0.05, 20.0)
 
     problems = st.fixed_dictionaries(
         {
@@ -59,8 +60,9 @@ def hypothesis_cases(target: Target) -> None:
             "h": st.integers(1, max_h),
             "v": st.integers(2, max_v),
             "scale": st.sampled_from([0.1, 1.0, 4.0, 10.0]),
-            "temperature": st.floats(math.log(0.05), math.log(20.0)).map(
-                lambda x: round(math.exp(x), 4)
+            # rounded for the message, then kept at or above the declared minimum
+            "temperature": st.floats(math.log(low), math.log(high)).map(
+                lambda x: target.allowed_temperature(round(math.exp(x), 4))
             ),
             "ignore_index": st.sampled_from([-100, -1, 0, 3]),
             "pattern": st.sampled_from(PATTERNS),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -82,21 +82,38 @@ class Target:
         head = FusedHead(
             FusedHeadConfig.from_dict({"backend": backend, "options": opts, "device": str(dev)})
         )
-        head.backend.check(dev, DTYPES[dtype])  # first: its own reason and fix reach the user
-        caps = head.capabilities(dev)
-        if dev.type not in caps.devices:
-            raise BackendUnavailableError(
-                f"backend {backend!r} does not run on {dev.type!r} (it declares devices {list(caps.devices)})"
-            )
-        if dtype not in caps.dtypes:
-            raise BackendUnavailableError(
-                f"backend {backend!r} does not take {dtype} inputs (it declares dtypes {list(caps.dtypes)})"
-            )
+        # As a call's first use of (device, dtype) does: the backend's check() first (its own
+        # reason and fix reach the user; a raw exception from it is a BackendContractError naming
+        # the distribution), then its declared devices and dtypes.
+        caps = head._ready(dev, DTYPES[dtype])
         return cls(backend, opts, dev, dtype, head, caps)
 
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.dtype_name]
+
+    @property
+    def min_temperature(self) -> float:
+        """The smallest temperature the backend declares it computes at (``Capabilities``)."""
+        return float(self.caps.min_temperature)
+
+    @overload
+    def allowed_temperature(self, temperature: float) -> float: ...
+    @overload
+    def allowed_temperature(self, temperature: torch.Tensor) -> torch.Tensor: ...
+    def allowed_temperature(self, temperature: float | torch.Tensor) -> float | torch.Tensor:
+        """``temperature`` raised to the declared ``min_temperature`` where it is below it (each
+        value of a per-token tensor): the kit tests what the backend declares it computes."""
+        floor = self.min_temperature
+        if isinstance(temperature, torch.Tensor):
+            if bool((temperature < floor).any()):
+                return temperature.clamp(min=floor)
+            return temperature
+        return max(float(temperature), floor)
+
+    def temperature_range(self, low: float, high: float) -> tuple[float, float]:
+        """``(low, high)`` within what the backend declares: both at least ``min_temperature``."""
+        return self.allowed_temperature(low), self.allowed_temperature(high)
 
     @property
     def sizes(self) -> Sizes:
