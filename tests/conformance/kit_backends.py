@@ -1,5 +1,5 @@
 """In-process backends for testing the conformance kit: correct ones (two declaring a
-min_temperature), and five each wrong in one way.
+min_temperature), and six each wrong in one way.
 
 Importable by module name (the kit's spawned vocab-parallel ranks re-register the class from
 ``module:qualname``); ``register_all()`` registers them, ``pytest -p kit_backends`` too.
@@ -235,6 +235,19 @@ class FakeBatchInvariant(_Plain):
         return lp, ent if return_entropy else None
 
 
+class WritesLabels(_Plain):
+    """Wrong: right values, then it zeroes the ignored labels in the caller's own tensor."""
+
+    name: ClassVar[str] = "wrong-writes-labels"
+
+    def single(self, hidden, weight, labels, temperature, ignore_index, return_entropy, softcap):  # type: ignore[no-untyped-def]
+        out = super().single(
+            hidden, weight, labels, temperature, ignore_index, return_entropy, softcap
+        )
+        labels.masked_fill_(labels == ignore_index, 0)
+        return out
+
+
 class MinTemperature(KitRef):
     """Correct, and declares min_temperature=0.1 (triton's is 1e-3): the kit must test at and
     above it, never below, where the core refuses the call."""
@@ -261,6 +274,7 @@ WRONG = {
     EntropyGradDropped: "backward_accuracy",
     TemperatureMissingInBackward: "temperature",
     FakeBatchInvariant: "batch_invariance",
+    WritesLabels: "inputs_unchanged",
 }
 ALL: tuple[type, ...] = (KitRef, *MIN_TEMPERATURE.values(), *WRONG)
 

@@ -61,6 +61,7 @@ def test_a_temperature_below_the_declared_minimum_must_be_refused_not_computed(
         ("wrong-entropy-grad", "backward_accuracy", ["through entropy only", "grad"]),
         ("wrong-temperature-backward", "temperature", ["temperature", "grad hidden"]),
         ("wrong-batch-invariance", "batch_invariance", ["not bitwise equal"]),
+        ("wrong-writes-labels", "inputs_unchanged", ["wrote the caller's labels", "never writes"]),
     ],
 )
 def test_each_wrong_backend_fails_on_its_property(kit_backends, backend, prop, words):

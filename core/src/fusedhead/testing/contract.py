@@ -162,9 +162,59 @@ def unchecked_labels(target: Target) -> None:
         raise PropertyFailure(f"{label}: {exc}") from None
 
 
+def inputs_unchanged(target: Target) -> None:
+    """The call reads hidden, weight, labels and a per-token temperature and never writes them, forward or backward."""
+    n, h, v = target.sizes.small
+    case = make_case(n, h, v, scale=FLAT, seed=14, ignore_fraction=0.3)
+    case = case.to(target.device, target.dtype)
+    temps: list[float | torch.Tensor] = [target.allowed_temperature(TEMPERATURE)]
+    if target.caps.per_token_temperature:
+        per_token = torch.linspace(0.5, 2.0, n, device=target.device)
+        temps.append(target.allowed_temperature(per_token))
+    for temp in temps:
+        for grad in (True, False):
+            inputs = {
+                "hidden": case.hidden.detach().clone().requires_grad_(grad),
+                "weight": case.weight.detach().clone().requires_grad_(grad),
+                "labels": case.labels.clone(),
+            }
+            if isinstance(temp, torch.Tensor):
+                inputs["temperature"] = temp.clone()
+            before = {k: t.detach().clone() for k, t in inputs.items()}
+            label = (
+                f"{case.description}, {'per-token' if isinstance(temp, torch.Tensor) else 'float'}"
+                f" temperature, {'forward and backward' if grad else 'forward under no_grad'}"
+            )
+            call_temp = inputs.get("temperature", temp)
+            try:
+                with torch.set_grad_enabled(grad):
+                    got = target(
+                        inputs["hidden"], inputs["weight"], inputs["labels"], temperature=call_temp
+                    )
+                    if grad:
+                        loss = got.log_probs.sum()
+                        if got.entropy is not None:
+                            loss = loss + got.entropy.sum()
+                        loss.backward()
+            except Exception as exc:
+                raise PropertyFailure(
+                    f"{label}: the call raised {type(exc).__name__}: {exc}"
+                ) from exc
+            for name, old in before.items():
+                new = inputs[name].detach()
+                if not torch.equal(new, old):
+                    changed = int((new != old).sum())
+                    raise PropertyFailure(
+                        f"{label}: the call wrote the caller's {name} ({changed} of "
+                        f"{old.numel()} values changed); a backend reads its inputs, never "
+                        "writes them (clone what it must change)"
+                    )
+
+
 CONTRACT = {
     "ignore_index": ignore_index,
     "tiny_batches": tiny_batches,
     "requires_grad": requires_grad,
     "unchecked_labels": unchecked_labels,
+    "inputs_unchanged": inputs_unchanged,
 }
