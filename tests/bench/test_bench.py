@@ -89,6 +89,9 @@ def test_bench_writes_one_json_object_per_measurement(torch_backend: None, tmp_p
         assert r["device"]["type"] == "cpu"
         assert r["versions"]["torch"] == torch.__version__.split("+")[0] or r["versions"]["torch"]
         assert r["case"]["dtype"] == "fp32" and r["case"]["temperature"] == 0.7
+        # how the run was asked for, defaults filled in
+        assert r["run"]["reps"] == 1 and r["run"]["n"] == [32, 64] and r["run"]["no_memory"]
+        assert r["run"]["max_minutes"] == 10.0 and r["run"]["seed"] == 0
     ok = [r for r in records if r["status"] == "ok"]
     assert {r["impl"] for r in ok} == {"torch", "reference"}
     for r in ok:

@@ -279,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
         "device": report.device_info(device),
         "versions": report.versions(),
         "environment": peers.environment_note(),
+        "run": _run_settings(args),
     }
     writer = report.JsonWriter(args.json, append=args.append)
     progress = report.Progress(len(cases) * len(impls))
@@ -391,6 +392,14 @@ def run(args: argparse.Namespace) -> int:
         print("fusedhead bench: nothing was measured (the reasons are listed above)")
         return 1
     return 1 if failures else 0
+
+
+def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """How the run was asked for (every option of the command line, defaults filled in), so a
+    record says how it was made: repetitions, time cap, memory and accuracy steps, the grid."""
+    skip = {"func", "module", "command", "version", "json", "markdown", "plot", "append"}
+    skip.add("report_only")
+    return {k: v for k, v in sorted(vars(args).items()) if k not in skip}
 
 
 def _report_only(args: argparse.Namespace) -> int:
