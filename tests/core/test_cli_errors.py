@@ -480,6 +480,18 @@ def test_the_largest_seed_runs(capsys):
     assert rc == 0 and "PASS" in out
 
 
+def test_list_check_on_a_cuda_device_this_machine_lacks_is_refused(capsys, monkeypatch):
+    """Before: 'list --check --device cuda' without CUDA probed there and listed a backend that
+    does not test for CUDA itself as ok, where 'fusedhead check' refuses the device."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc, out, err = run_main(capsys, "list", "--check", "--device", "cuda")
+    line = one_error_line(err)
+    assert rc == 2 and "--device cuda" in line and "CUDA is not available" in line
+    assert " ok" not in out
+
+
 def test_list_check_with_an_empty_device_is_one_line(capsys):
     """Before: '--device ""' counted as absent, and each backend listed as broken with
     'probe failed: RuntimeError: Device string must not be empty', exit 1."""

@@ -228,9 +228,9 @@ def _limit_note(shown: set[str]) -> str | None:
 
 def _cmd_list(args: argparse.Namespace) -> int:
     # --device matters with --check only; parsing it needs torch, which plain `list` never imports.
-    device = (
-        _device_or_error(args.device) if args.check and args.device is not None else args.device
-    )
+    # A device this process cannot use is refused, as `fusedhead check` refuses it: a probe
+    # there would report a backend that does not test for CUDA itself as ok.
+    device = runnable_device(args.device) if args.check and args.device is not None else args.device
     rows = registry.listing(probe=args.check, device=device)
     note = _limit_note({r.name for r in rows})
     if args.json:
@@ -260,13 +260,6 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print("no backends installed; the portable one: " + registry.install_command("torch"))
     bad = {registry.Status.BROKEN, registry.Status.INCOMPATIBLE, registry.Status.CONFLICT}
     return 1 if args.check and any(r.status in bad for r in rows) else 0
-
-
-def _device_or_error(text: str) -> str:
-    try:
-        return device_arg(text)
-    except argparse.ArgumentTypeError as exc:
-        raise ValueError(f"--device {exc}") from None
 
 
 # --- info -------------------------------------------------------------------------------------
