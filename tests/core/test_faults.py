@@ -323,6 +323,21 @@ PLUGIN_BUGS: dict[str, tuple[str, Any, str]] = {
         r"capabilities\(\w+\) raised ValidationError building Capabilities: dtypes\.0: .*"
         r"\(got 'float32'\)",
     ),
+    "capabilities without log_probs": (
+        "capabilities",
+        lambda self, device: Capabilities(outputs=("entropy",)),
+        r"outputs must include 'log_probs'",
+    ),
+    "capabilities with topk and no max_top_k": (
+        "capabilities",
+        lambda self, device: Capabilities(outputs=("log_probs", "topk")),
+        r"outputs include 'topk', so max_top_k must be .* got 0",
+    ),
+    "capabilities with a flag given as text": (
+        "capabilities",
+        lambda self, device: Capabilities(deterministic="yes"),
+        r"deterministic: Input should be a valid boolean \(got 'yes'\)",
+    ),
     "__init__ raises": (
         "__init__",
         _init_raises,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 if TYPE_CHECKING:
     import torch
@@ -62,11 +62,11 @@ class Capabilities(BaseModel):
     dtypes: tuple[DTypeName, ...] = ("fp32", "fp16", "bf16")
     #: Outputs the backend computes (``log_probs`` always); a call asking for another is refused.
     outputs: tuple[str, ...] = ("log_probs", "entropy")
-    vocab_parallel: bool = False
+    vocab_parallel: StrictBool = False
     #: Forward and backward give the same bits run to run.
-    deterministic: bool = False
+    deterministic: StrictBool = False
     #: A row's forward outputs do not depend on the other rows of the batch or on N.
-    batch_invariant: bool = False
+    batch_invariant: StrictBool = False
     #: Coarsest precision in which entropy is computed before being returned in fp32. A backend that
     #: computes "in the input dtype" declares the coarsest it accepts; tolerances (conformance kit)
     #: use the finer of this and the input dtype.
@@ -75,21 +75,35 @@ class Capabilities(BaseModel):
     #: ``entropy_precision`` (the finer of it and the input dtype applies).
     logits_precision: Precision = "fp32"
     #: ``temperature`` may be a tensor broadcastable to the labels' shape.
-    per_token_temperature: bool = False
+    per_token_temperature: StrictBool = False
     #: Smallest temperature (a float or any per-token value, either head of the KL) the backend
     #: computes to its declared precision; the core refuses a smaller one by name (per-token
     #: values within the call's checked read: ``check_labels``). Default: the core's own floor.
     min_temperature: float = Field(default=2.0**-126, ge=2.0**-126, le=2.0**126)
     #: ``softcap=c`` applies ``c * tanh(z / c)`` before the temperature division.
-    softcap: bool = False
+    softcap: StrictBool = False
     #: Vocabulary shards may have unequal sizes under ``process_group``.
-    uneven_shards: bool = False
+    uneven_shards: StrictBool = False
     #: Outputs the backend also computes under ``process_group`` (a subset of ``outputs``).
     vocab_parallel_outputs: tuple[str, ...] = ("log_probs", "entropy")
     #: Largest ``top_k`` the backend takes (when it declares the ``topk`` output).
     max_top_k: int = 0
     #: KL directions ``kl(KLCall)`` computes; empty: the backend has no two-head KL.
     kl_directions: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Capabilities:
+        """Declarations that contradict each other are refused when the backend builds them."""
+        if "log_probs" not in self.outputs:
+            raise ValueError(
+                f"outputs must include 'log_probs' (every call returns it), got {self.outputs}"
+            )
+        if "topk" in self.outputs and self.max_top_k < 1:
+            raise ValueError(
+                f"outputs include 'topk', so max_top_k must be the largest k taken (>= 1), "
+                f"got {self.max_top_k}"
+            )
+        return self
 
 
 #: Boolean capability names that ``require=[...]`` may ask for.
