@@ -148,3 +148,43 @@ def test_yaml_given_a_file_name_as_text_says_to_pass_a_path(tmp_path):
     with pytest.raises(TypeError) as info:
         FusedHeadConfig.from_yaml("just words")
     assert "pathlib" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["Ref-Test", " ref-test", ""])
+@pytest.mark.parametrize("how", ["fused_head", "fused_kl", "FusedHead", "get_fused_head"])
+def test_an_invalid_backend_name_names_the_argument_not_a_config_never_built(
+    ref_backend, inputs, how, name
+):
+    """Before: 'FusedHeadConfig: backend name ...' from a call that built no FusedHeadConfig."""
+    from fusedhead import FusedHead
+    from fusedhead.api import get_fused_head
+
+    h, w, y = inputs()
+    select = {
+        "fused_head": lambda: fused_head(h, w, y, backend=name),
+        "fused_kl": lambda: fused_kl(h, w, h, w, y, backend=name),
+        "FusedHead": lambda: FusedHead(backend=name),
+        "get_fused_head": lambda: get_fused_head(name),
+    }[how]
+    with pytest.raises(ValueError) as info:
+        select()
+    assert str(info.value) == (
+        f"backend name {name!r} is not valid: expected lowercase [a-z0-9_-]+"
+    )
+
+
+def test_a_bad_keyword_of_fused_head_names_the_argument(ref_backend):
+    from fusedhead import FusedHead
+
+    with pytest.raises(ValueError) as info:
+        FusedHead(backend="ref-test", temprature=0.5)
+    text = str(info.value)
+    assert text.startswith("unknown argument 'temprature' = 0.5 (float) (did you mean "), text
+    assert "FusedHeadConfig" not in text and "Arguments: backend, options, " in text
+
+
+def test_a_config_built_by_the_caller_keeps_its_own_name(ref_backend):
+    with pytest.raises(ValueError, match=r"^FusedHeadConfig: backend name 'Ref-Test' is not"):
+        FusedHeadConfig(backend="Ref-Test")
+    with pytest.raises(ValueError, match=r"^FusedHeadConfig: unknown field 'temprature'"):
+        FusedHeadConfig(backend="ref-test", temprature=0.5)

@@ -222,6 +222,64 @@ def test_info_prints_allowed_values_not_typing_reprs(capsys, shown_backend):
     }
 
 
+class ChunkOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    chunk: int = Field(description="rows per chunk")
+
+
+@pytest.fixture
+def needs_chunk_backend(ref_backend: type) -> Iterator[type]:
+    class NeedsChunk(ref_backend):  # type: ignore[misc,valid-type]
+        name: ClassVar[str] = "needs-chunk-test"
+        Options: ClassVar[type[BaseModel]] = ChunkOptions
+
+    registry.register_backend("needs-chunk-test", NeedsChunk, replace=True)
+    registry.refresh()
+    yield NeedsChunk
+    registry.unregister_backend("needs-chunk-test")
+    registry.refresh()
+
+
+def test_info_shows_an_option_without_a_default_as_required(capsys, needs_chunk_backend):
+    """Before: pydantic's dump as an 'error' (info built Options() with no value for chunk)."""
+    rc, out, _err = run_main(capsys, "info", "needs-chunk-test", "--device", "cpu")
+    assert rc == 1, out
+    assert "  chunk: int (required)  rows per chunk" in out, out
+    assert "status: invalid-options" in out and "option 'chunk' is required: expected int" in out
+    assert "'required'" not in out and "errors.pydantic.dev" not in out, out
+    rc, out, _err = run_main(capsys, "info", "needs-chunk-test", "--device", "cpu", "--json")
+    info = json.loads(out)
+    assert info["options_schema"] == [
+        {
+            "name": "chunk",
+            "type": "int",
+            "default": None,
+            "description": "rows per chunk",
+            "required": True,
+        }
+    ]
+
+
+@pytest.mark.parametrize("vocab_parallel", [False, True])
+def test_info_claims_vocab_parallel_outputs_only_for_a_vocab_parallel_backend(
+    capsys, ref_backend, vocab_parallel
+):
+    """Before: 'vocab_parallel_outputs: ('log_probs', 'entropy')' beside 'vocab_parallel: False'."""
+    ref_backend.caps = {"vocab_parallel": vocab_parallel}
+    rc, out, _err = run_main(capsys, "info", "ref-test", "--device", "cpu")
+    assert rc == 0, out
+    assert f"  vocab_parallel: {vocab_parallel}" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("  vocab_parallel_outputs: "))
+    if vocab_parallel:
+        assert line == "  vocab_parallel_outputs: ['log_probs', 'entropy']"
+    else:
+        assert line == "  vocab_parallel_outputs: none (vocab_parallel is False)"
+    rc, out, _err = run_main(capsys, "info", "ref-test", "--device", "cpu", "--json")
+    caps = json.loads(out)["capabilities"]  # --json: the declaration as the backend made it
+    assert caps["vocab_parallel"] is vocab_parallel
+    assert caps["vocab_parallel_outputs"] == ["log_probs", "entropy"]
+
+
 # --- the allowlist, --version, python -m fusedhead ---------------------------------------------
 
 

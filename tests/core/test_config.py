@@ -132,9 +132,13 @@ def test_an_accelerator_type_this_process_lacks_is_refused(ref_backend, device):
         FusedHead(backend="ref-test", device=device)
 
 
-def test_an_unknown_device_string_names_the_field(ref_backend):
+def test_an_unknown_device_string_names_the_field_or_the_argument(ref_backend):
     with pytest.raises(
-        ValueError, match=r"field 'device' = 'gpu0' \(str\): must be a torch device"
+        ValueError, match=r"^FusedHeadConfig: field 'device' = 'gpu0' \(str\): must be a torch"
+    ):
+        FusedHeadConfig(backend="ref-test", device="gpu0")
+    with pytest.raises(  # FusedHead's keyword arguments: no FusedHeadConfig the caller built
+        ValueError, match=r"^argument 'device' = 'gpu0' \(str\): must be a torch device"
     ):
         FusedHead(backend="ref-test", device="gpu0")
 

@@ -230,3 +230,29 @@ def _field(name: str) -> Any:
 )
 def test_describe_type(annotation, metadata, text):
     assert describe_type(annotation, metadata) == text
+
+
+class RequiredOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    chunk: int
+    policy: str = "required"  # a str default that happens to read "required"
+
+
+def test_an_option_without_a_default_reads_as_required_not_as_a_str_default(ref_backend):
+    """Before: 'chunk: int = 'required'', the look of a str default."""
+    assert option_signatures(RequiredOptions) == [
+        "chunk: int (required)",
+        "policy: str = 'required'",
+    ]
+
+    class NeedsChunk(ref_backend):  # type: ignore[misc,valid-type]
+        name: ClassVar[str] = "needs-chunk-test"
+        Options: ClassVar[type[BaseModel]] = RequiredOptions
+
+    with pytest.raises(OptionsError) as info:
+        validate_options("needs-chunk-test", NeedsChunk, {})
+    assert "option 'chunk' is required: expected int" in str(info.value)
+    assert "valid options of 'needs-chunk-test': chunk: int (required), policy: str = " in str(
+        info.value
+    )
+    assert info.value.valid_options == ("chunk: int (required)", "policy: str = 'required'")

@@ -28,6 +28,7 @@ from fusedhead.errors import (
     BackendUnavailableError,
     IncompatibleBackendError,
     MissingDependencyError,
+    UnknownBackendError,
 )
 from fusedhead.hooks import HookPluginWarning
 from fusedhead.protocol import Capabilities, HeadCall, HeadOutput, NoOptions
@@ -63,6 +64,22 @@ def test_a_misnamed_entry_point_is_listed_broken_without_importing_it(with_fault
     row = rows()[("Bad.Name", "fh-fault-badname")]
     assert row.status is Status.BROKEN
     assert "breaks the name rule" in (row.reason or "")
+
+
+def test_an_unknown_name_lists_selectable_names_and_a_misnamed_entry_point_apart(with_faults):
+    """Before: 'Installed: Bad.Name, good, ...' and 'Did you mean 'Bad.Name'?', a name that can
+    never be selected."""
+    with pytest.raises(UnknownBackendError) as info:
+        registry.load_class("bad-name")
+    msg = str(info.value)
+    installed = re.search(r"Installed: ([^.]*)\.", msg)
+    assert installed is not None, msg
+    assert "good" in installed.group(1).split(", ") and "Bad" not in installed.group(1), msg
+    assert "Did you mean 'Bad.Name'" not in msg, msg
+    assert (
+        "Not selectable, as their names break the rule (lowercase [a-z0-9_-]+; fusedhead list "
+        "shows them): 'Bad.Name' (fh-fault-badname)." in msg
+    ), msg
 
 
 def test_a_third_party_claiming_torch_is_refused_and_the_first_party_one_stays(with_faults):
@@ -196,33 +213,74 @@ def _variant(**attrs: Any) -> type:
     return type("Variant", (_Shape,), attrs)
 
 
-@pytest.mark.parametrize(
-    ("attrs", "error", "words"),
-    [
-        ({"forward": lambda self, hidden, weight, labels, **kw: None}, BackendLoadError, "forward"),
-        ({"check": lambda self, device: None}, BackendLoadError, "check"),
-        ({"capabilities": None}, BackendLoadError, "capabilities"),
-        ({"plugin_api_version": 1}, IncompatibleBackendError, "version 1"),
-        ({"plugin_api_version": True}, IncompatibleBackendError, "version True"),
-        ({"Options": dict}, BackendLoadError, "Options"),
-    ],
-    ids=[
-        "v1-forward",
-        "check-params",
-        "no-capabilities",
-        "v1",
-        "bool-version",
-        "options-not-model",
-    ],
-)
-def test_a_class_whose_shape_breaks_the_plugin_api_is_refused_at_load(attrs, error, words):
-    registry.register_backend("shape-test", _variant(**attrs), replace=True)
-    try:
-        with pytest.raises(error, match=words) as info:
-            registry.load_class("shape-test")
-        assert info.value.backend == "shape-test" and info.value.hint
-    finally:
-        registry.unregister_backend("shape-test")
+def _lacking(attr: str) -> type:
+    """A class shaped like ``_Shape`` but without the class attribute ``attr``."""
+    body = {k: v for k, v in vars(_Shape).items() if k not in (attr, "__dict__", "__weakref__")}
+    return type("Variant", (), body)
+
+
+class _LooseOptions(BaseModel):  # no extra="forbid": a typo in an option would pass silently
+    chunk: int = 1024
+
+
+SHAPE_FAULTS = {
+    "v1-forward": (
+        _variant(forward=lambda self, hidden, weight, labels, **kw: None),
+        BackendLoadError,
+        "forward",
+    ),
+    "check-params": (_variant(check=lambda self, device: None), BackendLoadError, "check"),
+    "no-capabilities": (_variant(capabilities=None), BackendLoadError, "capabilities"),
+    "v1": (_variant(plugin_api_version=1), IncompatibleBackendError, "version 1"),
+    "str-version": (
+        _variant(plugin_api_version="2"),
+        BackendLoadError,
+        r"Variant\.plugin_api_version must be an int, got str '2'",
+    ),
+    "float-version": (
+        _variant(plugin_api_version=2.0),
+        BackendLoadError,
+        r"plugin_api_version must be an int, got float 2\.0",
+    ),
+    "bool-version": (  # a bool is an int subclass: True is no version
+        _variant(plugin_api_version=True),
+        BackendLoadError,
+        "plugin_api_version must be an int, got bool True",
+    ),
+    "no-version": (
+        _lacking("plugin_api_version"),
+        BackendLoadError,
+        r"Variant does not define plugin_api_version \(a class attribute: the plugin API "
+        r"version it speaks, 2\)",
+    ),
+    "no-options": (_lacking("Options"), BackendLoadError, "Variant does not define Options"),
+    "options-not-model": (_variant(Options=dict), BackendLoadError, "Options"),
+    "options-not-forbidding-extra": (
+        _variant(Options=_LooseOptions),
+        BackendLoadError,
+        r"Variant\.Options must forbid extra fields",
+    ),
+}
+
+
+@pytest.mark.parametrize(("cls", "error", "pattern"), SHAPE_FAULTS.values(), ids=SHAPE_FAULTS)
+def test_a_class_whose_shape_breaks_the_plugin_api_is_refused_at_registration(cls, error, pattern):
+    """register_backend runs the loader's shape check: before, such a class registered and failed
+    only at its first call (a str version read as 'speaks plugin API version '2'; ... 2..2')."""
+    with pytest.raises(error, match=pattern) as info:
+        registry.register_backend("shape-test", cls)
+    assert info.value.backend == "shape-test" and info.value.hint
+    assert "shape-test" not in registry.candidates()  # nothing was registered
+
+
+@pytest.mark.parametrize(("cls", "error", "pattern"), SHAPE_FAULTS.values(), ids=SHAPE_FAULTS)
+def test_the_entry_point_loader_refuses_the_same_shapes_naming_the_distribution(
+    cls, error, pattern
+):
+    fields = {"backend": "shape-test", "distribution": "acme-shapes", "version": "0.1"}
+    with pytest.raises(error, match=pattern) as info:
+        registry.verify_backend_class(cls, **fields)
+    assert str(info.value).startswith("backend 'shape-test' (acme-shapes 0.1): ")
 
 
 def test_reserved_names_cannot_be_registered_in_process():
@@ -428,6 +486,25 @@ def test_fusedhead_check_wraps_a_raw_exception_from_check_as_a_call_does(
     err = capsys.readouterr().err.strip()
     assert err == f"fusedhead: error: {called.value}"
     assert "(fh-fixture-good 1.0.0): check() raised RuntimeError: CUDA driver not found" in err
+
+
+def test_fusedhead_check_on_a_dtype_the_backend_does_not_declare_names_its_distribution(
+    good_class, monkeypatch, capsys
+):
+    """The audit saw "backend 'NAME' does not take fp16 inputs" without the distribution; the kit
+    now resolves through the core's gate, whose error names it as a call's does."""
+    from fusedhead import cli
+
+    def fp32_only(self: Any, device: torch.device) -> Capabilities:
+        return Capabilities(devices=("cpu",), dtypes=("fp32",))
+
+    monkeypatch.setattr(good_class, "capabilities", fp32_only)
+    assert cli.main(["check", "good", "--device", "cpu", "--dtype", "fp16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "fusedhead: error: backend 'good' (fh-fixture-good 1.0.0): does not take torch.float16 "
+        "inputs (it declares ['fp32']). Fix: cast hidden and weight to one of ['fp32']"
+    )
 
 
 # --- bad inputs ----------------------------------------------------------------------------------

@@ -211,7 +211,8 @@ def test_in_process_registration_follows_the_same_rules(with_fixture_dists, ref_
     assert row.distribution is None and row.status is Status.INSTALLED
 
 
-def test_a_class_that_breaks_the_plugin_api_is_refused():
+def test_a_class_that_breaks_the_plugin_api_is_refused_where_it_is_registered():
+    """Before: registered, then refused only at the first call (load_class)."""
     from pydantic import BaseModel
 
     class Loose(BaseModel):
@@ -222,12 +223,11 @@ def test_a_class_that_breaks_the_plugin_api_is_refused():
         Options = Loose
         plugin_api_version = 2
 
-    registry.register_backend("bad-api", Bad)
-    try:
-        with pytest.raises(BackendLoadError, match="forbid extra"):
-            registry.load_class("bad-api")
-    finally:
-        registry.unregister_backend("bad-api")
+    with pytest.raises(BackendLoadError, match=r"Bad\.Options must forbid extra fields") as info:
+        registry.register_backend("bad-api", Bad)
+    assert info.value.hint == "set model_config = ConfigDict(extra='forbid', frozen=True)"
+    with pytest.raises(UnknownBackendError):
+        registry.load_class("bad-api")
 
 
 def run_cli(*args: str, **kw) -> subprocess.CompletedProcess[str]:
@@ -282,7 +282,7 @@ def test_cli_info_shows_capabilities_and_options(with_fixture_dists):
     assert info["status"] == "ok" and info["distribution"] == "fh-fixture-good"
     assert info["capabilities"]["deterministic"] is True
     assert info["options_schema"] == [
-        {"name": "scale_check", "type": "int", "default": 1, "description": ""}
+        {"name": "scale_check", "type": "int", "default": 1, "description": "", "required": False}
     ]
 
 

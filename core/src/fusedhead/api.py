@@ -146,8 +146,8 @@ class FusedHead:
     def __init__(
         self, config: FusedHeadConfig | Mapping[str, Any] | None = None, **overrides: Any
     ) -> None:
-        if config is None:
-            config = FusedHeadConfig(**overrides)
+        if config is None:  # keyword arguments: an error names the argument
+            config = FusedHeadConfig._from_arguments(**overrides)
         elif isinstance(config, Mapping):
             config = FusedHeadConfig.from_dict({**config, **overrides})
         elif isinstance(config, FusedHeadConfig):
@@ -807,7 +807,7 @@ def get_fused_head(backend: str, options: Mapping[str, Any] | BaseModel | None =
                 opts = (
                     options.model_dump() if isinstance(options, BaseModel) else dict(options or {})
                 )
-                head = FusedHead(FusedHeadConfig(backend=backend, options=opts))
+                head = FusedHead(FusedHeadConfig._from_arguments(backend=backend, options=opts))
                 _cache[key] = head
     return head
 

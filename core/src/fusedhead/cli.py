@@ -268,7 +268,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_info(args: argparse.Namespace) -> int:
     import torch
 
-    from fusedhead.config import option_rows
+    from fusedhead.config import option_rows, validate_options
 
     cand = registry.find(args.name)
     out: dict[str, Any] = {
@@ -278,21 +278,27 @@ def _cmd_info(args: argparse.Namespace) -> int:
         "entry_point": cand.value,
     }
     fields = {"backend": cand.name, "distribution": cand.distribution, "version": cand.version}
+    schema: list[dict[str, Any]] | None = None
     try:
         cls = registry.load_class(args.name)
+        schema = option_rows(cls.Options)
         device = torch.device(args.device) if args.device else registry.default_device()
-        backend = registry.construct_backend(cls, cls.Options(), **fields)
+        # Its defaults; a required option is an OptionsError naming it (not pydantic's dump).
+        options = validate_options(cand.name, cls, {})
+        backend = registry.construct_backend(cls, options, **fields)
         caps = registry.backend_capabilities(backend, device, **fields)
     except BackendError as exc:  # a plugin that cannot load, or breaks the contract here
         out["status"] = exc.status
         out["reason"] = str(exc)
         out["error"] = exc.to_dict()
+        if schema is not None:  # what it takes is known even where it cannot be built
+            out["options_schema"] = schema
         _print_info(out, args.json)
         return 1
     out["plugin_api_version"] = cls.plugin_api_version
     out["device"] = str(device)
     out["capabilities"] = caps.model_dump(mode="json")
-    out["options_schema"] = option_rows(cls.Options)
+    out["options_schema"] = schema
     status, reason = registry.probe_backend(cand, device)
     out["status"] = status.value
     if reason:
@@ -305,6 +311,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _print_info(info: dict[str, Any], as_json: bool) -> None:
+    from fusedhead.config import option_signature
+
     if as_json:
         print(json.dumps(info, indent=2, default=str))
         return
@@ -317,7 +325,13 @@ def _print_info(info: dict[str, Any], as_json: bool) -> None:
                 print("  (none)")
             for row in value:
                 desc = f"  {row['description']}" if row["description"] else ""
-                print(f"  {row['name']}: {row['type']} = {row['default']!r}{desc}")
+                print(f"  {option_signature(row)}{desc}")
+        elif key == "capabilities":
+            print(f"{key}:")
+            for k, v in value.items():
+                if k == "vocab_parallel_outputs" and not value.get("vocab_parallel"):
+                    v = "none (vocab_parallel is False)"  # --json keeps the declared default
+                print(f"  {k}: {v}")
         elif isinstance(value, dict):
             print(f"{key}:")
             for k, v in value.items():

@@ -8,6 +8,7 @@ rules ``fused_head`` applies to its arguments: a YAML ``temperature: yes`` is an
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 import enum
 import functools
@@ -90,21 +91,31 @@ def _field_default(field: Any) -> Any:
 
 
 def option_rows(model: type[BaseModel]) -> list[dict[str, Any]]:
-    """Each field of ``model``: name, allowed values in words, default, description."""
+    """Each field of ``model``: name, allowed values in words, default, description, and whether
+    it is required (then ``default`` is None: a required option has none)."""
     return [
         {
             "name": name,
             "type": describe_type(field.annotation, field.metadata),
-            "default": "required" if field.is_required() else _field_default(field),
+            "default": _field_default(field),
             "description": field.description or "",
+            "required": field.is_required(),
         }
         for name, field in model.model_fields.items()
     ]
 
 
+def option_signature(row: Mapping[str, Any]) -> str:
+    """``name: type = default``, or ``name: type (required)``, for a row of :func:`option_rows`."""
+    if row["required"]:
+        return f"{row['name']}: {row['type']} (required)"
+    return f"{row['name']}: {row['type']} = {row['default']!r}"
+
+
 def option_signatures(model: type[BaseModel]) -> list[str]:
-    """``name: type = default`` for every field of ``model`` (what an options error lists)."""
-    return [f"{r['name']}: {r['type']} = {r['default']!r}" for r in option_rows(model)]
+    """``name: type = default`` (``name: type (required)`` for one without a default) for every
+    field of ``model`` (what an options error lists)."""
+    return [option_signature(r) for r in option_rows(model)]
 
 
 # --- turning pydantic's errors into one line that names the field, the value and the expectation --
@@ -185,19 +196,31 @@ def _backend_error_inside(exc: ValidationError) -> BackendError | None:
     return None
 
 
-def _clean_error(exc: ValidationError) -> Exception:
-    """pydantic's error on FusedHeadConfig as one line per field (no dumps, no links)."""
+def _clean_error(exc: ValidationError, *, arguments: bool = False) -> Exception:
+    """pydantic's error on FusedHeadConfig as one line per field (no dumps, no links).
+
+    ``arguments``: the fields came as a call's keyword arguments (``fused_head(backend=...)``,
+    ``FusedHead(backend=...)``), so the message names arguments, not a FusedHeadConfig the caller
+    never built.
+    """
     inner = _backend_error_inside(exc)
     if inner is not None:  # the backend's options: already names backend and options
         return inner
-    phrases, _first, _expected, all_type = _problems(exc, FusedHeadConfig, "field")
-    message = "FusedHeadConfig: " + "; ".join(phrases)
-    if any(p.startswith("unknown field") for p in phrases):
-        message += f". Fields: {', '.join(FusedHeadConfig.model_fields)}"
+    what = "argument" if arguments else "field"
+    phrases, _first, _expected, all_type = _problems(exc, FusedHeadConfig, what)
+    message = ("" if arguments else "FusedHeadConfig: ") + "; ".join(phrases)
+    if any(p.startswith(f"unknown {what}") for p in phrases):
+        message += f". {what.capitalize()}s: {', '.join(FusedHeadConfig.model_fields)}"
     return (TypeError if all_type else ValueError)(message)
 
 
 # --- the config ---------------------------------------------------------------------------------
+
+#: True while ``FusedHeadConfig._from_arguments`` builds a config from a call's keyword arguments
+#: (pydantic runs the custom ``__init__`` on every validation, so the flag reaches it there).
+_FROM_ARGUMENTS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fusedhead_config_from_arguments", default=False
+)
 
 
 class FusedHeadConfig(BaseModel):
@@ -240,7 +263,7 @@ class FusedHeadConfig(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise _clean_error(exc) from None
+            raise _clean_error(exc, arguments=_FROM_ARGUMENTS.get()) from None
 
     @classmethod
     def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> FusedHeadConfig:
@@ -249,6 +272,16 @@ class FusedHeadConfig(BaseModel):
             return super().model_validate(obj, *args, **kwargs)
         except ValidationError as exc:
             raise _clean_error(exc) from None
+
+    @classmethod
+    def _from_arguments(cls, **arguments: Any) -> FusedHeadConfig:
+        """The config a call's keyword arguments make (``get_fused_head(backend, options)``,
+        ``FusedHead(**overrides)``): an error names the argument, not FusedHeadConfig."""
+        token = _FROM_ARGUMENTS.set(True)
+        try:
+            return cls(**arguments)
+        finally:
+            _FROM_ARGUMENTS.reset(token)
 
     @field_validator("options", mode="before")
     @classmethod

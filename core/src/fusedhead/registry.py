@@ -196,7 +196,9 @@ def register_backend(name: str, cls: type, *, replace: bool = False) -> None:
     """Register a backend class in this process under ``name`` (tests, notebooks, wrappers).
 
     The name rules are those of entry points. A name already installed or registered is refused
-    unless ``replace=True`` (which replaces an earlier in-process registration only).
+    unless ``replace=True`` (which replaces an earlier in-process registration only). The class's
+    shape is checked as the entry-point loader checks it (:func:`verify_backend_class`): a class
+    that breaks the plugin API raises ``BackendLoadError``/``IncompatibleBackendError`` here.
     """
     _check_name(name)
     if not isinstance(cls, type):
@@ -230,6 +232,9 @@ def register_backend(name: str, cls: type, *, replace: bool = False) -> None:
             claimants=(_registered[name].origin,),
             hint="pass replace=True to replace it",
         )
+    # The shape the entry-point loader checks, here: a bad class fails where it is registered,
+    # not at its first call.
+    verify_backend_class(cls, backend=name, distribution=None, version=None)
     value = f"{cls.__module__}:{cls.__qualname__}"
     _registered[name] = Candidate(name, value, cls=cls)
 
@@ -299,14 +304,31 @@ def install_command(name: str) -> str:
 
 
 def unknown_name_message(name: str, available: Iterable[str]) -> str:
-    names = sorted(available)
+    """Why ``name`` selects nothing: the selectable names of ``available`` (with a "Did you mean"
+    among them), entry-point names that break the name rule apart, and how to install."""
+    everything = sorted(set(available))
+    names = [n for n in everything if NAME_PATTERN.match(n)]
+    unselectable = [n for n in everything if not NAME_PATTERN.match(n)]
     limit = _limit()
     msg = f"unknown fusedhead backend {name!r}. "
     if limit is not None:  # what is listed is what the variable lets through, not all installed
         shown = ", ".join(names) if names else "none"
         msg += f"Available under {LIMIT_ENV}={os.environ[LIMIT_ENV]!r}: {shown}."
     else:
-        msg += f"Installed: {', '.join(names)}." if names else "No backends are installed."
+        none = "No selectable backends are installed." if unselectable else None
+        msg += f"Installed: {', '.join(names)}." if names else none or "No backends are installed."
+    if unselectable:
+        claims = candidates()
+        shown = ", ".join(
+            f"{n!r} ({', '.join(c.distribution or 'in-process' for c in claims.get(n, ()))})"
+            if claims.get(n)
+            else repr(n)
+            for n in unselectable
+        )
+        msg += (
+            f" Not selectable, as their names break the rule (lowercase [a-z0-9_-]+; "
+            f"fusedhead list shows them): {shown}."
+        )
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     if close:
         msg += f" Did you mean {close[0]!r}?"
@@ -510,16 +532,34 @@ def verify_backend_class(cls: Any, **fields: Any) -> None:
             f"{name!r} (the entry-point name is the backend name)",
             "make the two names equal",
         )
-    version = getattr(cls, "plugin_api_version", None)
     lo, hi = SUPPORTED_PLUGIN_API
-    if isinstance(version, bool) or not isinstance(version, int) or not lo <= version <= hi:
+    if not hasattr(cls, "plugin_api_version"):
+        raise broken(
+            f"{cls.__qualname__} does not define plugin_api_version (a class attribute: the "
+            f"plugin API version it speaks, {hi})",
+            f"add plugin_api_version = {hi} to the class (docs/writing-a-backend.md)",
+        )
+    version = cls.plugin_api_version
+    if isinstance(version, bool) or not isinstance(version, int):  # True is an int subclass
+        raise broken(
+            f"{cls.__qualname__}.plugin_api_version must be an int, got "
+            f"{type(version).__name__} {version!r}",
+            f"set plugin_api_version = {hi} (an int, not a str or a float)",
+        )
+    if not lo <= version <= hi:
         raise IncompatibleBackendError(
             f"speaks plugin API version {version!r}; this fusedhead supports {lo}..{hi}",
             hint="upgrade fusedhead or the backend so that their versions match "
             "(docs/writing-a-backend.md describes version 2)",
             **fields,
         )
-    options = getattr(cls, "Options", None)
+    if not hasattr(cls, "Options"):
+        raise broken(
+            f"{cls.__qualname__} does not define Options (a class attribute: the pydantic "
+            "BaseModel subclass of its options)",
+            "declare Options = fusedhead.protocol.NoOptions for a backend without options",
+        )
+    options = cls.Options
     if not (isinstance(options, type) and issubclass(options, BaseModel)):
         raise broken(
             f"{cls.__qualname__}.Options must be a pydantic BaseModel subclass, got {options!r}",
