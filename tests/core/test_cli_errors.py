@@ -489,6 +489,14 @@ def test_an_unknown_flag_points_to_the_subcommands_own_help(capsys, command):
     assert rc == 2 and "--frobnicate" in line and f"(see fusedhead {command} --help)" in line, line
 
 
+def test_bench_a_top_k_larger_than_the_vocabulary_is_refused_before_any_work(capsys, tmp_path):
+    out = tmp_path / "r.json"
+    rc, _out, err = run_main(capsys, "bench", *TINY, "--case", "topk100", "--json", str(out))
+    line = one_error_line(err)
+    assert rc == 2 and "--case topk100" in line and "--vocab 16" in line, line
+    assert not out.exists()
+
+
 def test_demo_unknown_model_is_one_error_line_on_stderr(capsys):
     pytest.importorskip("transformers")
     rc, out, err = run_main(capsys, "demo", "--model", "nope", "--quiet")

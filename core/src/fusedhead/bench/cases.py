@@ -90,7 +90,12 @@ def grid(
     from fusedhead.bench import heads as head_cases
 
     for name in heads or ():
-        head_cases.parse(name)  # a bad name is a ValueError naming --case
+        kind, size = head_cases.parse(name)  # a bad name is a ValueError naming --case
+        if kind == "topk" and size > min(vocabs):  # refused now, not as each case's error
+            raise ValueError(
+                f"--case {name}: k = {size} is larger than --vocab {min(vocabs)}; "
+                f"use k <= {min(vocabs)}, or a larger vocabulary"
+            )
     cases = [
         Case(n, h, v, d, temperature, s, seed, device, head)
         for head, d, h, v, s, n in itertools.product(
