@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -60,6 +60,29 @@ def ref_backend() -> Iterator[type[RefBackend]]:
     registry.refresh()
     yield RefBackend
     registry.unregister_backend("ref-test")
+    registry.refresh()
+
+
+#: ``variant(name, **attributes)``: see the ``variant`` fixture.
+Variant = Callable[..., type]
+
+
+@pytest.fixture
+def variant(ref_backend: type[RefBackend]) -> Iterator[Variant]:
+    """A factory: the reference backend under another name with other class attributes
+    (``Options=...``, ``capabilities=...``), registered in-process, unregistered after the test."""
+    made: list[str] = []
+
+    def make(name: str, **attributes: Any) -> type:
+        cls = type(name.title().replace("-", ""), (ref_backend,), {"name": name, **attributes})
+        registry.register_backend(name, cls, replace=True)
+        registry.refresh()
+        made.append(name)
+        return cls
+
+    yield make
+    for name in made:
+        registry.unregister_backend(name)
     registry.refresh()
 
 

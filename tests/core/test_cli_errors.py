@@ -12,8 +12,7 @@ import importlib.metadata as md
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
@@ -192,16 +191,8 @@ class ShownOptions(BaseModel):
 
 
 @pytest.fixture
-def shown_backend(ref_backend: type) -> Iterator[type]:
-    class ShownBackend(ref_backend):  # type: ignore[misc,valid-type]
-        name: ClassVar[str] = "shown-test"
-        Options: ClassVar[type[BaseModel]] = ShownOptions
-
-    registry.register_backend("shown-test", ShownBackend, replace=True)
-    registry.refresh()
-    yield ShownBackend
-    registry.unregister_backend("shown-test")
-    registry.refresh()
+def shown_backend(variant: Any) -> type:
+    return variant("shown-test", Options=ShownOptions)  # type: ignore[no-any-return]
 
 
 def test_info_prints_allowed_values_not_typing_reprs(capsys, shown_backend):
@@ -228,16 +219,8 @@ class ChunkOptions(BaseModel):
 
 
 @pytest.fixture
-def needs_chunk_backend(ref_backend: type) -> Iterator[type]:
-    class NeedsChunk(ref_backend):  # type: ignore[misc,valid-type]
-        name: ClassVar[str] = "needs-chunk-test"
-        Options: ClassVar[type[BaseModel]] = ChunkOptions
-
-    registry.register_backend("needs-chunk-test", NeedsChunk, replace=True)
-    registry.refresh()
-    yield NeedsChunk
-    registry.unregister_backend("needs-chunk-test")
-    registry.refresh()
+def needs_chunk_backend(variant: Any) -> type:
+    return variant("needs-chunk-test", Options=ChunkOptions)  # type: ignore[no-any-return]
 
 
 def test_info_shows_an_option_without_a_default_as_required(capsys, needs_chunk_backend):
@@ -350,20 +333,13 @@ def test_demo_prints_progress_to_stderr_and_the_report_to_stdout(capsys):
 
 
 @pytest.fixture
-def cuda_only_backend(ref_backend: type) -> Iterator[type]:
+def cuda_only_backend(variant: Any) -> type:
     from fusedhead.protocol import Capabilities
 
-    class CudaOnly(ref_backend):  # type: ignore[misc,valid-type]
-        name: ClassVar[str] = "cuda-only-test"
+    def capabilities(self: Any, device: Any) -> Capabilities:
+        return Capabilities(devices=("cuda",))
 
-        def capabilities(self, device: Any) -> Capabilities:
-            return Capabilities(devices=("cuda",))
-
-    registry.register_backend("cuda-only-test", CudaOnly, replace=True)
-    registry.refresh()
-    yield CudaOnly
-    registry.unregister_backend("cuda-only-test")
-    registry.refresh()
+    return variant("cuda-only-test", capabilities=capabilities)  # type: ignore[no-any-return]
 
 
 def test_demo_on_a_backend_that_cannot_run_here_is_one_error_line(capsys, cuda_only_backend):

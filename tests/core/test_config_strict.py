@@ -8,14 +8,13 @@ the value, what it takes and every valid option of the backend (no pydantic dump
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from fusedhead import FusedHeadConfig, registry
+from fusedhead import FusedHeadConfig
 from fusedhead.config import OptionsError, describe_type, option_signatures, validate_options
 from fusedhead.errors import BackendError
 
@@ -32,18 +31,9 @@ class StrictOptions(BaseModel):
 
 
 @pytest.fixture
-def strict_backend(ref_backend: type) -> Iterator[type]:
+def strict_backend(variant: Any) -> type:
     """The core's reference test backend under another name, with options of every kind."""
-
-    class StrictBackend(ref_backend):  # type: ignore[misc,valid-type]
-        name: ClassVar[str] = "strict-test"
-        Options: ClassVar[type[BaseModel]] = StrictOptions
-
-    registry.register_backend("strict-test", StrictBackend, replace=True)
-    registry.refresh()
-    yield StrictBackend
-    registry.unregister_backend("strict-test")
-    registry.refresh()
+    return variant("strict-test", Options=StrictOptions)  # type: ignore[no-any-return]
 
 
 def _no_pydantic_dump(message: str) -> None:

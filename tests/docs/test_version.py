@@ -19,18 +19,11 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from dist_layout import DISTS
+from dist_layout import REPO as ROOT
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[2]
-#: distribution -> (project folder, package folder under src/)
-DISTS = {
-    "fusedhead": ("core", "fusedhead"),
-    "fusedhead-torch": ("plugins/torch_backend", "fusedhead_torch"),
-    "fusedhead-triton": ("plugins/triton_backend", "fusedhead_triton"),
-    "fusedhead-liger": ("plugins/liger_backend", "fusedhead_liger"),
-    "fusedhead-example-batchinvariant": ("examples/third_party_backend", "fusedhead_example_bi"),
-}
 FIRST_PARTY = ["fusedhead", "fusedhead-torch", "fusedhead-triton", "fusedhead-liger"]
 VERSION_LINE = re.compile(r'^__version__ = "([^"]+)"', re.M)
 

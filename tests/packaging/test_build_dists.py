@@ -17,7 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
-from packaging_layout import DISTS, REPO, SCRIPT
+from dist_layout import DISTS, REPO, SCRIPT
 
 BACKENDS = {
     "torch": "fusedhead-torch",

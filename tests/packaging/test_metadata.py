@@ -17,10 +17,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from dist_layout import DISTS, REPO, SCRIPT
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
-from packaging_layout import DISTS, REPO, SCRIPT
 
 #: import name -> the distribution that provides it
 PROVIDER = {

@@ -1,10 +1,10 @@
-"""Where the distributions live in this checkout, for the packaging tests."""
+"""Where the distributions live in this checkout: the packaging tests and the version checks."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "build-dists"
 #: distribution -> (project folder, package folder under src/)
 DISTS = {
