@@ -13,6 +13,10 @@ __version__ = "1.0.0"
 _LAZY = {
     "fused_head": "fusedhead.api",
     "fused_kl": "fusedhead.api",
+    "fused_policy_loss": "fusedhead.api",
+    "PolicyLossOutput": "fusedhead.policy",
+    "PolicyLossCall": "fusedhead.protocol",
+    "PolicyLossResult": "fusedhead.protocol",
     "FusedHead": "fusedhead.api",
     "FusedHeadOutput": "fusedhead.api",
     "FusedHeadConfig": "fusedhead.config",
@@ -38,9 +42,13 @@ __all__ = [
     "FusedLMHead",
     "HeadCall",
     "HeadOutput",
+    "PolicyLossCall",
+    "PolicyLossOutput",
+    "PolicyLossResult",
     "__version__",
     "fused_head",
     "fused_kl",
+    "fused_policy_loss",
     "reference_fused_head",
     "refresh",
     "register_backend",
@@ -48,15 +56,18 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from fusedhead.api import FusedHead, FusedHeadOutput, fused_head, fused_kl
+    from fusedhead.api import FusedHead, FusedHeadOutput, fused_head, fused_kl, fused_policy_loss
     from fusedhead.config import FusedHeadConfig
     from fusedhead.module import FusedLMHead
+    from fusedhead.policy import PolicyLossOutput
     from fusedhead.protocol import (
         PLUGIN_API_VERSION,
         Capabilities,
         FusedHeadBackend,
         HeadCall,
         HeadOutput,
+        PolicyLossCall,
+        PolicyLossResult,
     )
     from fusedhead.reference import reference_fused_head
     from fusedhead.registry import refresh, register_backend, unregister_backend

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 from pydantic import BaseModel
 
-from fusedhead import extras, registry
+from fusedhead import extras, policy, registry
 from fusedhead.config import FusedHeadConfig, validate_options
 from fusedhead.errors import (
     BackendContractError,
@@ -571,6 +571,59 @@ class FusedHead:
         extras.check_kl(out, call.valid.shape[0], call.hidden.device, needs_grad, self._broke)
         return _shaped(out.kl, shape)
 
+    def policy_loss(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        temperature: float | torch.Tensor | None = None,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        dual_clip: float | None = None,
+        entropy_coef: float = 0.0,
+        ref_log_probs: torch.Tensor | None = None,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        rollout_log_probs: torch.Tensor | None = None,
+        tis_cap: float | None = None,
+        aggregation: str = "token-mean",
+        loss_normalizer: float | torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        ignore_index: int | None = None,
+        softcap: float | None = None,
+    ) -> policy.PolicyLossOutput:
+        """The policy loss with its gradients computed in the forward (see ``fused_policy_loss``);
+        the config's ``temperature``, ``ignore_index``, ``softcap`` and ``check_labels`` apply
+        where the call passes none."""
+        cfg = self.config
+        return policy.run(
+            self,
+            hidden,
+            weight,
+            labels,
+            temperature=cfg.temperature if temperature is None else temperature,
+            ignore_index=cfg.ignore_index if ignore_index is None else ignore_index,
+            softcap=cfg.softcap if softcap is None else softcap,
+            check_labels=cfg.check_labels,
+            old_log_probs=old_log_probs,
+            advantages=advantages,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            dual_clip=dual_clip,
+            entropy_coef=entropy_coef,
+            ref_log_probs=ref_log_probs,
+            kl_coef=kl_coef,
+            kl_estimator=kl_estimator,
+            rollout_log_probs=rollout_log_probs,
+            tis_cap=tis_cap,
+            aggregation=aggregation,
+            loss_normalizer=loss_normalizer,
+            cu_seqlens=cu_seqlens,
+        )
+
     def _check_call_capabilities(
         self,
         call: HeadCall,
@@ -1016,4 +1069,69 @@ def fused_kl(
         softcap=softcap,
         teacher_softcap=teacher_softcap,
         check_labels=check_labels,
+    )
+
+
+def fused_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    backend: str = "torch",
+    temperature: float | torch.Tensor = 1.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    entropy_coef: float = 0.0,
+    ref_log_probs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    rollout_log_probs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    aggregation: str = "token-mean",
+    loss_normalizer: float | torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    options: Mapping[str, Any] | BaseModel | None = None,
+) -> policy.PolicyLossOutput:
+    """The PPO/GRPO policy loss of ``hidden @ weight.T / temperature``, its gradients computed in
+    the forward: three GEMMs per token chunk, no ``[N, V]`` tensor (docs/policy-loss.md).
+
+    verl's semantics: ratio ``exp(lp - old_log_probs)``, clipped surrogate (``clip_low``,
+    ``clip_high``, ``dual_clip`` for negative advantages), truncated importance sampling
+    (``rollout_log_probs``, ``tis_cap``), ``- entropy_coef`` times the entropy, ``+ kl_coef`` times
+    the ``kl_estimator`` KL to ``ref_log_probs``, each aggregated by ``aggregation`` (verl's
+    ``loss_agg_mode``; ``cu_seqlens`` for a packed batch, ``loss_normalizer`` for the global count).
+    Rows whose label is ``ignore_index`` add nothing. The backend must declare ``policy_loss``.
+    """
+    if not isinstance(backend, str):
+        raise TypeError(
+            f"backend must be a str naming a backend, got {type(backend).__name__} {backend!r}"
+        )
+    if temperature is None:
+        raise TypeError("temperature must be a float or a tensor, got None")
+    return get_fused_head(backend, options).policy_loss(
+        hidden,
+        weight,
+        labels,
+        old_log_probs=old_log_probs,
+        advantages=advantages,
+        temperature=temperature,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        entropy_coef=entropy_coef,
+        ref_log_probs=ref_log_probs,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        rollout_log_probs=rollout_log_probs,
+        tis_cap=tis_cap,
+        aggregation=aggregation,
+        loss_normalizer=loss_normalizer,
+        cu_seqlens=cu_seqlens,
+        ignore_index=ignore_index,
+        softcap=softcap,
     )

@@ -46,6 +46,15 @@ OUTPUT_FIELDS: dict[str, tuple[str, ...]] = {
 #: Directions of the per-token KL between two heads: forward ``KL(p_teacher || p_student)``,
 #: reverse ``KL(p_student || p_teacher)``.
 KL_DIRECTIONS: tuple[str, ...] = ("forward", "reverse")
+#: ``aggregation`` of the policy loss: verl's ``loss_agg_mode`` values.
+AGGREGATIONS: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+#: ``kl_estimator`` of the policy loss's KL penalty against a reference policy.
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 #: The range of a call's float scalars (``temperature``, ``softcap`` and the KL's teacher ones,
 #: per-token temperatures included), checked by the core: 2**-126 to 2**126, where the value and
 #: its reciprocal are both normal fp32 numbers, so a backend may take ``1 / temperature`` or
@@ -90,6 +99,9 @@ class Capabilities(BaseModel):
     max_top_k: int = 0
     #: KL directions ``kl(KLCall)`` computes; empty: the backend has no two-head KL.
     kl_directions: tuple[str, ...] = ()
+    #: ``policy_loss(PolicyLossCall)``: the RL policy loss's gradients computed in the forward
+    #: (three GEMMs per token chunk; docs/policy-loss.md). A backend without it is refused by name.
+    policy_loss: StrictBool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> Capabilities:
@@ -233,6 +245,51 @@ class KLOutput:
     kl: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PolicyLossCall:
+    """One validated policy-loss call (docs/policy-loss.md): a head call and per-token terms.
+
+    The loss is ``sum_i token_weight[i] * l_i`` with ``l_i`` the clipped surrogate (times the TIS
+    weight), minus ``entropy_coef`` times the entropy, plus ``kl_coef`` times the KL estimate. Its
+    derivative in each row's log-prob and entropy comes from
+    :func:`fusedhead.policy_terms.token_grads` once the row's statistics are known, so a backend
+    computes ``dz``, ``dX = dz W`` and ``dW = dz^T X`` in its forward. Per-token tensors are fp32
+    ``[N]`` on the head's device; an ignored row (label ``ignore_index``) has weight 0 and any
+    values in its other terms (NaN included).
+    """
+
+    head: HeadCall  #: hidden [N, H], weight [V, H], labels [N]; outputs log_probs and entropy
+    old_log_probs: torch.Tensor  #: fp32 [N]
+    advantages: torch.Tensor  #: fp32 [N]
+    token_weight: torch.Tensor  #: fp32 [N], the aggregation's weight; exactly 0 on ignored rows
+    ref_log_probs: torch.Tensor | None  #: fp32 [N] when given (always when ``kl_coef`` is not 0)
+    tis_weight: torch.Tensor | None  #: fp32 [N] ``min(exp(old - rollout), tis_cap)``, no gradient
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None  #: the dual-clip bound ``c > 1`` for negative advantages, or None
+    entropy_coef: float
+    kl_coef: float
+    kl_estimator: str  #: one of :data:`KL_ESTIMATORS`
+    need_hidden_grad: bool  #: compute ``grad_hidden`` (hidden requires grad, grad enabled)
+    need_weight_grad: bool  #: compute ``grad_weight``
+
+
+@dataclass(frozen=True)
+class PolicyLossResult:
+    """What ``policy_loss`` returns: detached fp32 ``[N]`` statistics and the loss's gradients.
+
+    ``log_probs`` and ``entropy`` are exactly 0 on ignored rows; ``grad_hidden`` (hidden's shape
+    ``[N, H]`` and dtype) and ``grad_weight`` (weight's) are set exactly when the call needs them,
+    with exactly zero rows of ``grad_hidden`` at ignored rows and nothing of those rows in
+    ``grad_weight``. The core forms the loss from the statistics and attaches the gradients.
+    """
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    grad_hidden: torch.Tensor | None = None
+    grad_weight: torch.Tensor | None = None
+
+
 @runtime_checkable
 class FusedHeadBackend(Protocol):
     """A named implementation of the fused LM-head computation (plugin API version 2)."""
@@ -255,7 +312,9 @@ class FusedHeadBackend(Protocol):
         """The requested outputs of ``call``, fp32 ``[N]``, differentiable."""
         ...
 
-    # Optional: ``kl(self, call: KLCall) -> KLOutput`` when ``capabilities().kl_directions`` is set.
+    # Optional: ``kl(self, call: KLCall) -> KLOutput`` when ``capabilities().kl_directions`` is set,
+    # and ``policy_loss(self, call: PolicyLossCall) -> PolicyLossResult`` when it declares
+    # ``policy_loss``.
 
 
 def call_backend(

@@ -6,6 +6,8 @@ obviously right and obviously memory-hungry. Compute in float64 to measure other
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -77,3 +79,111 @@ def _check(
         _positive_float("temperature", temperature)
     if softcap is not None:
         _positive_float("softcap", softcap)
+
+
+def reference_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    entropy_coef: float = 0.0,
+    ref_log_probs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    rollout_log_probs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    aggregation: str = "token-mean",
+    loss_normalizer: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """verl's policy loss (``compute_policy_loss_vanilla``, ``kl_penalty``, ``agg_loss``) written
+    out plainly over full logits, differentiable through autograd: the yardstick of
+    ``fused_policy_loss``. Sequences are the rows of ``labels [..., S]``, or ``cu_seqlens``'s."""
+    logp, ent = reference_fused_head(
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        softcap=softcap,
+        compute_dtype=compute_dtype,
+    )
+    assert ent is not None
+    dtype = logp.dtype
+    mask = labels != ignore_index
+    old = old_log_probs.to(dtype).expand(labels.shape)
+    adv = torch.where(mask, advantages.to(dtype).expand(labels.shape), 0)
+    log_ratio = torch.clamp(torch.where(mask, logp - old, 0), min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    pg = torch.maximum(pg1, pg2)
+    if dual_clip is not None:
+        pg = torch.where(adv < 0, torch.min(-adv * dual_clip, pg), pg)
+    if rollout_log_probs is not None:
+        assert tis_cap is not None
+        tis = torch.exp(old - rollout_log_probs.to(dtype).expand(labels.shape)).clamp(max=tis_cap)
+        pg = pg * torch.where(mask, tis, 0).detach()
+    terms = [pg]
+    coefs = [1.0]
+    if entropy_coef:
+        terms.append(ent)
+        coefs.append(-entropy_coef)
+    if kl_coef:
+        assert ref_log_probs is not None
+        ref = torch.where(mask, ref_log_probs.to(dtype).expand(labels.shape), 0)
+        lp = torch.where(mask, logp, 0)
+        if kl_estimator in ("k1", "kl"):
+            kl = lp - ref
+        elif kl_estimator in ("k2", "mse"):
+            kl = 0.5 * (lp - ref).square()
+        else:
+            d = torch.clamp(ref - lp, min=-20, max=20)
+            kl = torch.clamp(torch.exp(d) - d - 1, min=-10, max=10)
+        terms.append(kl)
+        coefs.append(kl_coef)
+    parts = [
+        coef * _aggregate(mat, mask, aggregation, loss_normalizer, cu_seqlens)
+        for coef, mat in zip(coefs, terms, strict=True)
+    ]
+    return torch.stack(parts).sum()
+
+
+def _aggregate(
+    mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    normalizer: float | None,
+    cu_seqlens: torch.Tensor | None,
+) -> torch.Tensor:
+    """verl's ``agg_loss`` over the sequences (rows, or ``cu_seqlens``'s spans)."""
+    flat, fmask = mat.reshape(-1), mask.reshape(-1)
+    masked = torch.where(fmask, flat, 0)
+    if mode == "token-mean":
+        return masked.sum() / (fmask.sum() if normalizer is None else normalizer)
+    if cu_seqlens is None:
+        width = mat.shape[-1] if mat.dim() else 1
+        bounds = list(range(0, flat.numel() + 1, width))
+    else:
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+    horizon = max(b - a for a, b in itertools.pairwise(bounds))
+    seq_losses, active = [], 0
+    for a, b in itertools.pairwise(bounds):
+        count = int(fmask[a:b].sum())
+        if count == 0:
+            continue
+        active += 1
+        part = masked[a:b].sum()
+        seq_losses.append(part / count if mode == "seq-mean-token-mean" else part)
+    seqs = active if normalizer is None else normalizer
+    out = torch.stack(seq_losses).sum() / seqs if seq_losses else masked.sum() * 0
+    return out / horizon if mode == "seq-mean-token-sum-norm" else out

@@ -8,7 +8,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from fusedhead.errors import BackendUnavailableError
-from fusedhead.protocol import Capabilities, HeadCall, HeadOutput, KLCall, KLOutput
+from fusedhead.protocol import (
+    Capabilities,
+    HeadCall,
+    HeadOutput,
+    KLCall,
+    KLOutput,
+    PolicyLossCall,
+    PolicyLossResult,
+)
 from fusedhead_torch.chunked import ChunkedFusedHead, HeadSpec
 from fusedhead_torch.kl import KL_DIRECTIONS, forward_kl
 from fusedhead_torch.outputs import (
@@ -17,6 +25,7 @@ from fusedhead_torch.outputs import (
     VOCAB_PARALLEL_OUTPUTS,
     forward_outputs,
 )
+from fusedhead_torch.policy import chunk_rows, policy_loss
 from fusedhead_torch.tile_math import _mm_out_dtype_works
 from fusedhead_torch.tiling import Tiles, plan_tiles, skips_rows
 
@@ -99,6 +108,7 @@ class TorchBackend:
             max_top_k=MAX_TOP_K,
             vocab_parallel_outputs=VOCAB_PARALLEL_OUTPUTS,
             kl_directions=KL_DIRECTIONS,
+            policy_loss=True,
         )
 
     def fp32_logits(self, device: torch.device) -> bool:
@@ -195,3 +205,15 @@ class TorchBackend:
     def kl(self, call: KLCall) -> KLOutput:
         """Per-token KL between the student and the teacher head (fusedhead_torch.kl)."""
         return forward_kl(self, call)
+
+    def policy_loss(self, call: PolicyLossCall) -> PolicyLossResult:
+        """The policy loss's statistics and gradients in three matmuls per row chunk."""
+        head = call.head
+        device = head.hidden.device
+        mib = self.options.workspace_mib or DEFAULT_WORKSPACE_MIB.get(
+            device.type, DEFAULT_WORKSPACE_MIB["cpu"]
+        )
+        rows = chunk_rows(
+            head.weight.shape[0], mib << 20, head.softcap is not None, self.options.chunk_rows
+        )
+        return policy_loss(call, rows, self.fp32_logits(device))

@@ -1,0 +1,474 @@
+"""The RL policy loss inside the head: ``FusedHead.policy_loss`` and ``fused_policy_loss``'s body.
+
+The call is checked here once (the head's own checks, then the loss's arguments), the
+aggregation becomes one weight per token, the backend computes each row's statistics and the
+loss's gradients in its forward (three GEMMs per token chunk), and the loss is formed here from
+the statistics it returns, with the gradients attached for ``loss.backward()``.
+docs/policy-loss.md states the semantics (verl's ``core_algos``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol
+
+import torch
+
+from fusedhead.errors import BackendError, CapabilityError
+from fusedhead.policy_terms import LOG_RATIO_BOUND, kl_penalty, token_grads
+from fusedhead.protocol import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    Capabilities,
+    HeadCall,
+    PolicyLossCall,
+    PolicyLossResult,
+)
+from fusedhead.validation import _tensor, validate
+
+#: verl's names of the KL estimators, taken as the canonical ones.
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+#: Names that ask for sequence-level importance ratios (GSPO), refused by name.
+SEQUENCE_LEVEL = ("gspo", "sequence", "seq-ratio", "sequence-level", "geo-mean")
+_PER_TOKEN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+class _Head(Protocol):
+    """What the policy loss needs of a ``FusedHead`` (typed here, so this module imports no api)."""
+
+    backend: Any
+
+    def _ready(self, device: torch.device, dtype: torch.dtype) -> Capabilities: ...
+    def _identity(self) -> dict[str, str | None]: ...
+    def _check_call_capabilities(self, call: HeadCall, caps: Capabilities) -> HeadCall: ...
+    def _broke(self, reason: str) -> NoReturn: ...
+
+
+@dataclass(frozen=True)
+class PolicyLossOutput:
+    """The policy loss of a batch, its per-token statistics and the metrics trainers log.
+
+    ``loss``: fp32 scalar, differentiable in hidden and weight only (its gradients were computed
+    in the forward; one ``backward`` per loss). ``log_probs`` and ``entropy``: detached fp32 in the
+    labels' shape, 0 at ignored rows. The metrics are detached fp32 scalars on the device (no host
+    sync): ``pg_loss`` (the aggregated surrogate), ``entropy_loss`` (the aggregated entropy, as verl
+    names it), ``kl`` (the aggregated KL estimate; None without ``ref_log_probs``), and as masked
+    token means ``clip_fraction`` (verl's ``pg_clipfrac``), ``clip_fraction_lower`` (the dual clip's;
+    None without it), ``approx_kl`` (verl's ``ppo_kl``, against the old policy) and the ratio's mean,
+    min and max.
+    """
+
+    loss: torch.Tensor
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    pg_loss: torch.Tensor
+    entropy_loss: torch.Tensor
+    kl: torch.Tensor | None
+    clip_fraction: torch.Tensor
+    clip_fraction_lower: torch.Tensor | None
+    approx_kl: torch.Tensor
+    ratio_mean: torch.Tensor
+    ratio_min: torch.Tensor
+    ratio_max: torch.Tensor
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """The metrics by name (those that are set), for a trainer's logger."""
+        names = (
+            "pg_loss",
+            "entropy_loss",
+            "kl",
+            "clip_fraction",
+            "clip_fraction_lower",
+            "approx_kl",
+            "ratio_mean",
+            "ratio_min",
+            "ratio_max",
+        )
+        return {k: v for k in names if (v := getattr(self, k)) is not None}
+
+
+class _AttachedGradients(torch.autograd.Function):
+    """The loss as a node whose backward hands out the gradients the forward computed."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        loss: torch.Tensor,
+        grad_hidden: torch.Tensor | None,
+        grad_weight: torch.Tensor | None,
+    ) -> torch.Tensor:
+        ctx.grads = (grad_hidden, grad_weight)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fused_policy_loss: the loss's gradients are computed in the forward and are not "
+                "differentiable again (create_graph=True, e.g. a gradient penalty through the loss); "
+                "use fused_head's log-probs and write the loss in torch for higher-order gradients"
+            )
+        if ctx.grads is None:
+            raise RuntimeError(
+                "fused_policy_loss: a second backward through one loss (retain_graph=True or a "
+                "loss reused across steps); its gradients were handed out by the first backward: "
+                "compute the loss again for another backward"
+            )
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None  # handed out once; the stored gradients are scaled in place
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(grad)
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _choice(arg: str, value: object, choices: tuple[str, ...], aliases: dict[str, str]) -> str:
+    """``value`` as one of ``choices`` (or an alias of one), with a did-you-mean otherwise."""
+    if not isinstance(value, str):
+        raise TypeError(f"{arg} must be a str, one of {list(choices)}, got {value!r}")
+    if value in choices:
+        return value
+    if value in aliases:
+        return aliases[value]
+    if value.lower() in SEQUENCE_LEVEL:
+        raise ValueError(
+            f"{arg}={value!r} asks for sequence-level importance ratios (GSPO), which "
+            "fused_policy_loss does not compute: its ratios are per token (verl's vanilla PPO); "
+            f"{arg} must be one of {list(choices)}"
+        )
+    close = difflib.get_close_matches(value, [*choices, *aliases], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"{arg} must be one of {list(choices)}, got {value!r}{hint}")
+
+
+def _real(arg: str, value: object, *, low: float, high: float = math.inf, what: str) -> float:
+    """``value`` as a finite float in ``[low, high)`` (bool refused), named in the error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{arg} must be a float ({what}), got {type(value).__name__} {value!r}")
+    out = float(value)
+    if not (low <= out < high) or not math.isfinite(out):
+        raise ValueError(f"{arg} must be {what}, got {value!r}")
+    return out
+
+
+def _per_token(
+    arg: str, value: object, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """A per-token tensor broadcastable to the labels' shape, as a detached fp32 ``[N]`` copy."""
+    t = _tensor(arg, value)
+    if t.dtype not in _PER_TOKEN_DTYPES:
+        raise TypeError(f"{arg} must be a floating tensor (fp32, fp64, fp16, bf16), got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{arg} must be on hidden's device {device}, got {t.device}")
+    try:
+        full = t.detach().expand(shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{arg} must have the labels' shape {shape} (or broadcast to it), got {tuple(t.shape)}"
+        ) from None
+    return full.reshape(-1).to(torch.float32).contiguous()
+
+
+def _normalizer(value: object, device: torch.device) -> torch.Tensor | None:
+    """``loss_normalizer`` as an fp32 0-d tensor on the device (a tensor is not read: no sync)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not (value.is_floating_point() or not value.is_complex()):
+            raise ValueError(
+                f"loss_normalizer must be a number or a one-element tensor, got a tensor of "
+                f"shape {tuple(value.shape)}"
+            )
+        return value.detach().reshape(()).to(device=device, dtype=torch.float32)
+    return torch.tensor(
+        _real("loss_normalizer", value, low=1e-30, what="a count > 0 (tokens or sequences)"),
+        dtype=torch.float32,
+        device=device,
+    )
+
+
+def _sequences(
+    shape: tuple[int, ...], cu_seqlens: object, n: int, device: torch.device
+) -> tuple[torch.Tensor, int, torch.Tensor | int]:
+    """Each token's sequence index, the number of sequences and the horizon (longest length)."""
+    if cu_seqlens is None:
+        width = shape[-1] if shape else 1
+        count = n // width if width else 0
+        seq = torch.arange(n, device=device) // max(width, 1)
+        return seq, count, width
+    cu = _tensor("cu_seqlens", cu_seqlens)
+    if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D int32/int64 tensor of sequence starts [0, ..., T] "
+            f"(at least 2 entries), got {cu.dtype} of shape {tuple(cu.shape)}"
+        )
+    if len(shape) > 2 or (len(shape) == 2 and shape[0] != 1):
+        raise ValueError(
+            f"cu_seqlens describes a packed batch: labels must be [T] or [1, T], got {shape}"
+        )
+    bounds = cu.tolist()  # a few ints: the check reads them once
+    if bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in itertools.pairwise(bounds)):
+        raise ValueError(
+            f"cu_seqlens must start at 0, never decrease and end at the {n} tokens, got "
+            f"{bounds if len(bounds) <= 12 else [*bounds[:6], '...', *bounds[-3:]]}"
+        )
+    ends = cu.to(device=device, dtype=torch.int64)[1:]
+    seq = torch.bucketize(torch.arange(n, device=device), ends, right=True)
+    longest = max(b - a for a, b in itertools.pairwise(bounds))
+    return seq, len(bounds) - 1, longest
+
+
+def token_weights(
+    valid: torch.Tensor,
+    shape: tuple[int, ...],
+    aggregation: str,
+    normalizer: torch.Tensor | None,
+    cu_seqlens: object,
+) -> torch.Tensor:
+    """The aggregation (verl's ``loss_agg_mode``) as one fp32 weight per token, 0 where ignored.
+
+    ``normalizer`` replaces the count the mean divides by: valid tokens for ``token-mean``,
+    sequences with a valid token for the ``seq-mean-*`` modes.
+    """
+    n = valid.shape[0]
+    device = valid.device
+    ones = valid.to(torch.float32)
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    if aggregation == "token-mean":
+        denom = ones.sum() if normalizer is None else normalizer
+        return torch.where(valid, 1.0 / denom, zero)
+    seq, count, horizon = _sequences(shape, cu_seqlens, n, device)
+    per_seq = torch.zeros(count, dtype=torch.float32, device=device).index_add_(0, seq, ones)
+    seqs = (per_seq > 0).sum().to(torch.float32) if normalizer is None else normalizer
+    if aggregation == "seq-mean-token-sum":
+        scale = 1.0 / seqs
+        return torch.where(valid, scale, zero)
+    if aggregation == "seq-mean-token-mean":
+        return torch.where(valid, 1.0 / (per_seq[seq] * seqs), zero)
+    return torch.where(valid, 1.0 / (seqs * float(horizon)), zero)  # seq-mean-token-sum-norm
+
+
+def run(head: _Head, hidden: Any, weight: Any, labels: Any, **kw: Any) -> PolicyLossOutput:
+    """One policy-loss call on ``head`` (arguments as ``fused_policy_loss`` names them, resolved)."""
+    call, shape, n, device, dtype, cast = validate(
+        hidden,
+        weight,
+        labels,
+        kw["temperature"],
+        kw["ignore_index"],
+        True,
+        None,
+        None,
+        None,
+        True,
+        kw["check_labels"],
+        kw["softcap"],
+    )
+    shape = tuple(shape)
+    caps = head._ready(device, dtype)
+    if not caps.policy_loss:
+        raise CapabilityError(
+            "does not compute the policy loss in its forward (it does not declare policy_loss); "
+            "fusedhead never runs it another way for you",
+            capability="policy_loss",
+            hint="name a backend that declares it, e.g. 'torch' or 'triton', or compute the loss "
+            "from fused_head's log-probs",
+            **head._identity(),
+        )
+    call = head._check_call_capabilities(call, caps)
+    pcall = _policy_call(call, shape, n, device, kw)
+    if n == 0:
+        lp = torch.zeros(0, dtype=torch.float32, device=device)
+        result = PolicyLossResult(lp, lp.clone())
+        if pcall.need_hidden_grad:
+            result = PolicyLossResult(lp, lp, grad_hidden=torch.zeros_like(call.hidden))
+        if pcall.need_weight_grad:
+            result = PolicyLossResult(
+                lp, lp, result.grad_hidden, grad_weight=torch.zeros_like(call.weight)
+            )
+    else:
+        method = getattr(head.backend, "policy_loss", None)
+        if not callable(method):
+            head._broke("declares policy_loss but has no policy_loss(call) method")
+        try:
+            with torch.no_grad(), torch.autocast(cast or "cpu", enabled=False):
+                result = method(pcall)
+        except BackendError as exc:
+            raise exc.attach(**head._identity()) from None
+    _check_result(head, pcall, result, n, device)
+    return _output(pcall, result, shape)
+
+
+def _policy_call(
+    call: HeadCall, shape: tuple[int, ...], n: int, device: torch.device, kw: dict[str, Any]
+) -> PolicyLossCall:
+    """The loss's own arguments checked and flattened beside the head call."""
+    aggregation = _choice("aggregation", kw["aggregation"], AGGREGATIONS, {})
+    estimator = _choice("kl_estimator", kw["kl_estimator"], KL_ESTIMATORS, KL_ALIASES)
+    clip_low = _real("clip_low", kw["clip_low"], low=0.0, high=1.0, what="in [0, 1)")
+    clip_high = _real("clip_high", kw["clip_high"], low=0.0, what="a finite float >= 0")
+    dual = kw["dual_clip"]
+    if dual is not None:
+        dual = _real("dual_clip", dual, low=1.0, what="a finite float > 1 (verl's clip_ratio_c)")
+        if dual == 1.0:
+            raise ValueError(
+                f"dual_clip must be > 1 (verl's clip_ratio_c), got {kw['dual_clip']!r}"
+            )
+    entropy_coef = _real("entropy_coef", kw["entropy_coef"], low=-math.inf, what="a finite float")
+    kl_coef = _real("kl_coef", kw["kl_coef"], low=0.0, what="a finite float >= 0")
+    old = _per_token("old_log_probs", kw["old_log_probs"], shape, device)
+    adv = _per_token("advantages", kw["advantages"], shape, device)
+    ref = kw["ref_log_probs"]
+    ref = None if ref is None else _per_token("ref_log_probs", ref, shape, device)
+    if kl_coef and ref is None:
+        raise ValueError(
+            f"kl_coef={kw['kl_coef']!r} needs ref_log_probs (the reference policy's log-probs of "
+            "the labels); pass them, or kl_coef=0.0"
+        )
+    rollout, cap = kw["rollout_log_probs"], kw["tis_cap"]
+    if (rollout is None) != (cap is None):
+        given, missing = (
+            ("rollout_log_probs", "tis_cap") if cap is None else ("tis_cap", "rollout_log_probs")
+        )
+        raise ValueError(
+            f"truncated importance sampling needs both rollout_log_probs and tis_cap: {given} was "
+            f"given without {missing}"
+        )
+    tis = None
+    if rollout is not None:
+        cap = _real("tis_cap", cap, low=1e-30, what="a finite float > 0")
+        roll = _per_token("rollout_log_probs", rollout, shape, device)
+        tis = torch.exp(old - roll).clamp_(max=cap)
+    valid = call.labels != call.ignore_index
+    weights = token_weights(
+        valid, shape, aggregation, _normalizer(kw["loss_normalizer"], device), kw["cu_seqlens"]
+    )
+    if kw["cu_seqlens"] is not None and aggregation == "token-mean":
+        _sequences(shape, kw["cu_seqlens"], n, device)  # checked even where it changes nothing
+    grad = torch.is_grad_enabled()
+    return PolicyLossCall(
+        head=call,
+        old_log_probs=old,
+        advantages=adv,
+        token_weight=weights,
+        ref_log_probs=ref,
+        tis_weight=tis,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual,
+        entropy_coef=entropy_coef,
+        kl_coef=kl_coef,
+        kl_estimator=estimator,
+        need_hidden_grad=grad and call.hidden.requires_grad,
+        need_weight_grad=grad and call.weight.requires_grad,
+    )
+
+
+def _check_result(
+    head: _Head, call: PolicyLossCall, result: object, n: int, device: torch.device
+) -> None:
+    """The backend's result against the contract; a breach is a ``BackendContractError``."""
+    if not isinstance(result, PolicyLossResult):
+        head._broke(
+            f"policy_loss() must return a fusedhead.protocol.PolicyLossResult, got "
+            f"{type(result).__name__}"
+        )
+    for what, stat in (("log_probs", result.log_probs), ("entropy", result.entropy)):
+        t: Any = stat
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (n,):
+            head._broke(f"policy_loss's {what} must be float32 [{n}], got {_describe(t)}")
+        if t.device != device:
+            head._broke(f"policy_loss's {what} must be on {device}, got {t.device}")
+    h, w = call.head.hidden, call.head.weight
+    for what, need, t, like in (
+        ("grad_hidden", call.need_hidden_grad, result.grad_hidden, h),
+        ("grad_weight", call.need_weight_grad, result.grad_weight, w),
+    ):
+        if not need:
+            if t is not None:
+                head._broke(f"policy_loss's {what} was not asked for and must be None")
+            continue
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.shape != like.shape
+            or t.dtype != like.dtype
+            or t.device != like.device
+        ):
+            head._broke(
+                f"policy_loss's {what} must be {like.dtype} {tuple(like.shape)} on "
+                f"{like.device}, got {_describe(t)}"
+            )
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+    return f"{type(t).__name__}"
+
+
+def _output(
+    call: PolicyLossCall, result: PolicyLossResult, shape: tuple[int, ...]
+) -> PolicyLossOutput:
+    """The loss formed from the backend's statistics, its gradients attached, and the metrics."""
+    lp, ent = result.log_probs.detach(), result.entropy.detach()
+    n = lp.shape[0]
+    terms = token_grads(call, 0, n, lp, ent)
+    loss = terms.loss.sum()
+    h, w = call.head.hidden, call.head.weight
+    if call.need_hidden_grad or call.need_weight_grad:
+        loss = _AttachedGradients.apply(  # type: ignore[no-untyped-call]
+            h, w, loss, result.grad_hidden, result.grad_weight
+        )
+    weight = call.token_weight
+    valid = weight != 0
+    zero = torch.zeros((), dtype=torch.float32, device=lp.device)
+    count = valid.sum().to(torch.float32)
+    denom = count.clamp(min=1.0)
+    log_ratio = torch.where(
+        valid, (lp - call.old_log_probs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), zero
+    )
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(valid, call.advantages, zero)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - call.clip_low, 1.0 + call.clip_high)
+    surrogate = torch.maximum(unclipped, clipped)
+    lower = None
+    if call.dual_clip is not None:
+        floor = -adv * call.dual_clip
+        lower = ((surrogate > floor) & (adv < 0) & valid).sum() / denom
+        surrogate = torch.where(adv < 0, torch.minimum(floor, surrogate), surrogate)
+    if call.tis_weight is not None:
+        surrogate = surrogate * torch.where(valid, call.tis_weight, zero)
+    kl = None
+    ref = call.ref_log_probs
+    if ref is not None:
+        lp_valid = torch.where(valid, lp, zero)
+        kl_tok, _ = kl_penalty(call.kl_estimator, lp_valid, torch.where(valid, ref, zero))
+        kl = (kl_tok * weight).sum()
+    any_valid = count > 0
+    big = torch.full((), math.inf, device=lp.device)
+    return PolicyLossOutput(
+        loss=loss,
+        log_probs=_shaped(lp, shape),
+        entropy=_shaped(ent, shape),
+        pg_loss=(surrogate * weight).sum(),
+        entropy_loss=(torch.where(valid, ent, zero) * weight).sum(),
+        kl=kl,
+        clip_fraction=((clipped > unclipped) & valid).sum() / denom,
+        clip_fraction_lower=lower,
+        approx_kl=(-log_ratio).sum() / denom,
+        ratio_mean=torch.where(valid, ratio, zero).sum() / denom,
+        ratio_min=torch.where(any_valid, torch.where(valid, ratio, big).amin(), zero),
+        ratio_max=torch.where(any_valid, torch.where(valid, ratio, -big).amax(), zero),
+    )
+
+
+def _shaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return t if tuple(t.shape) == shape else t.reshape(shape).clone()

@@ -1,0 +1,337 @@
+"""fused_policy_loss: verl's policy loss with its gradients computed in the forward.
+
+Every backend that declares ``policy_loss`` is held to the float64 full-logits reference
+(``fusedhead.reference.reference_policy_loss``, verl's formulas through autograd): the loss within
+1e-5 and the gradients within 1e-4 relative, in fp32, across every aggregation crossed with dual
+clip and TIS on and off, and with the entropy bonus and each KL estimator.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from policy_backends import POLICY_BACKENDS
+
+import fusedhead
+from fusedhead.errors import CapabilityError
+from fusedhead.reference import reference_policy_loss
+
+AGGREGATIONS = [
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+]
+PENALTIES: list[dict[str, Any]] = [
+    {"entropy_coef": 0.01},
+    {"kl_coef": 0.1, "kl_estimator": "k1"},
+    {"kl_coef": 0.1, "kl_estimator": "k2"},
+    {"kl_coef": 0.1, "kl_estimator": "k3", "entropy_coef": -0.02},
+]
+
+
+def batch(
+    b: int = 3, s: int = 7, h: int = 16, v: int = 50, seed: int = 0, ignore_row: bool = True
+) -> dict[str, torch.Tensor]:
+    """A small RL batch whose ratios straddle both clip bounds (old log-probs near the new)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, s, h, generator=g)
+    weight = torch.randn(v, h, generator=g) / 3
+    labels = torch.randint(0, v, (b, s), generator=g)
+    labels[0, 4:] = -100  # a ragged sequence
+    if ignore_row:
+        labels[2, :] = -100  # a fully ignored sequence
+    with torch.no_grad():
+        lp, _ = fusedhead.reference_fused_head(hidden, weight, labels, temperature=0.7)
+    old = lp + 0.3 * torch.randn(b, s, generator=g)
+    return {
+        "hidden": hidden,
+        "weight": weight,
+        "labels": labels,
+        "old_log_probs": old,
+        "advantages": torch.randn(b, 1, generator=g),
+        "ref_log_probs": lp + 0.2 * torch.randn(b, s, generator=g),
+        "rollout_log_probs": old + 0.2 * torch.randn(b, s, generator=g),
+    }
+
+
+def run_both(
+    backend: str, data: dict[str, torch.Tensor], **kw: Any
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(what, fused, reference) for the loss and both gradients."""
+    h = data["hidden"].clone().requires_grad_()
+    w = data["weight"].clone().requires_grad_()
+    args = {k: data[k] for k in ("labels", "old_log_probs", "advantages")}
+    use = kw.pop("use", ())
+    extra = {k: data[k] for k in ("ref_log_probs", "rollout_log_probs") if k in use}
+    out = fusedhead.fused_policy_loss(h, w, **args, **extra, **kw, backend=backend)
+    out.loss.backward()
+    h64 = data["hidden"].double().requires_grad_()
+    w64 = data["weight"].double().requires_grad_()
+    ref = reference_policy_loss(h64, w64, **args, **extra, **kw)
+    ref.backward()
+    yield "loss", out.loss.detach(), ref.detach()
+    assert h.grad is not None and w.grad is not None and h64.grad is not None
+    yield "grad hidden", h.grad, h64.grad
+    yield "grad weight", w.grad, w64.grad
+
+
+def assert_matches(results: Iterator[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    for what, got, want in results:
+        err = (got.double() - want).abs().max().item()
+        if what == "loss":
+            assert err <= 1e-5 * max(1.0, want.abs().item()), f"{what}: {got} vs {want}"
+        else:
+            rel = err / max(want.abs().max().item(), 1e-30)
+            assert rel <= 1e-4, f"{what}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize(
+    ("aggregation", "dual", "tis"),
+    list(itertools.product(AGGREGATIONS, [None, 3.0], [False, True])),
+)
+@pytest.mark.parametrize("penalty", range(len(PENALTIES)))
+def test_matches_verl_reference(
+    backend: str, aggregation: str, dual: float | None, tis: bool, penalty: int
+) -> None:
+    kw: dict[str, Any] = dict(PENALTIES[penalty])
+    use = ["ref_log_probs"] if "kl_coef" in kw else []
+    if tis:
+        use.append("rollout_log_probs")
+        kw["tis_cap"] = 1.5
+    data = batch(seed=penalty)
+    assert_matches(
+        run_both(
+            backend,
+            data,
+            temperature=0.7,
+            clip_low=0.2,
+            clip_high=0.28,
+            dual_clip=dual,
+            aggregation=aggregation,
+            use=use,
+            **kw,
+        )
+    )
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_packed_batch_by_cu_seqlens(backend: str, aggregation: str) -> None:
+    data = batch(b=1, s=19, seed=5, ignore_row=False)
+    data["labels"][0, 3:5] = -100
+    cu = torch.tensor([0, 5, 11, 11, 19], dtype=torch.int32)  # an empty sequence too
+    assert_matches(
+        run_both(backend, data, aggregation=aggregation, cu_seqlens=cu, entropy_coef=0.01)
+    )
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum"])
+def test_loss_normalizer_replaces_the_count(backend: str, aggregation: str) -> None:
+    data = batch(seed=3)
+    assert_matches(run_both(backend, data, aggregation=aggregation, loss_normalizer=40.0))
+    as_tensor = torch.tensor(40.0)
+    a = fusedhead.fused_policy_loss(
+        **_args(data), aggregation=aggregation, loss_normalizer=as_tensor, backend=backend
+    )
+    b = fusedhead.fused_policy_loss(
+        **_args(data), aggregation=aggregation, loss_normalizer=40, backend=backend
+    )
+    assert torch.equal(a.loss, b.loss)
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_per_token_temperature_and_softcap(backend: str) -> None:
+    data = batch(seed=7)
+    temp = 0.5 + torch.rand(3, 7, generator=torch.Generator().manual_seed(1))
+    assert_matches(run_both(backend, data, temperature=temp, softcap=3.0, entropy_coef=0.01))
+
+
+def _args(data: dict[str, torch.Tensor], **grad: bool) -> dict[str, Any]:
+    return {
+        "hidden": data["hidden"].clone().requires_grad_(grad.get("h", False)),
+        "weight": data["weight"].clone().requires_grad_(grad.get("w", False)),
+        "labels": data["labels"],
+        "old_log_probs": data["old_log_probs"],
+        "advantages": data["advantages"],
+    }
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_ignored_rows_add_nothing_whatever_their_values(backend: str, poison: float) -> None:
+    data = batch(seed=2)
+    clean = _args(data, h=True, w=True)
+    out_clean = fusedhead.fused_policy_loss(**clean, entropy_coef=0.01, backend=backend)
+    out_clean.loss.backward()
+    dirty = _args(data, h=False, w=True)
+    ignored = data["labels"] == -100
+    h = dirty["hidden"].detach().clone()
+    h[ignored] = poison
+    h.requires_grad_()
+    dirty["hidden"] = h
+    old = data["old_log_probs"].clone()
+    old[ignored] = poison
+    dirty["old_log_probs"] = old
+    out = fusedhead.fused_policy_loss(**dirty, entropy_coef=0.01, backend=backend)
+    out.loss.backward()
+    assert torch.equal(out.loss, out_clean.loss)
+    assert h.grad is not None and dirty["weight"].grad is not None
+    assert torch.isfinite(dirty["weight"].grad).all()
+    assert torch.equal(h.grad[ignored], torch.zeros_like(h.grad[ignored]))
+    assert torch.equal(dirty["weight"].grad, clean["weight"].grad)
+    assert torch.equal(out.log_probs[ignored], torch.zeros_like(out.log_probs[ignored]))
+    assert torch.equal(out.entropy[ignored], torch.zeros_like(out.entropy[ignored]))
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_upstream_scale_and_accumulation(backend: str) -> None:
+    data = batch(seed=4)
+    once = _args(data, h=True, w=True)
+    fusedhead.fused_policy_loss(**once, backend=backend).loss.backward()
+    scaled = _args(data, h=True, w=True)
+    (fusedhead.fused_policy_loss(**scaled, backend=backend).loss * 0.25).backward()
+    for a, b in ((once["hidden"], scaled["hidden"]), (once["weight"], scaled["weight"])):
+        torch.testing.assert_close(b.grad, a.grad * 0.25, rtol=1e-6, atol=1e-9)
+    # Two micro-batches into one .grad: the sum of each's gradient.
+    for _ in range(2):
+        fusedhead.fused_policy_loss(**{**once}, backend=backend).loss.backward()
+    torch.testing.assert_close(
+        once["weight"].grad, scaled["weight"].grad * 12, rtol=1e-5, atol=1e-8
+    )
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_deterministic(backend: str) -> None:
+    data = batch(seed=6)
+    runs = []
+    for _ in range(2):
+        args = _args(data, h=True, w=True)
+        out = fusedhead.fused_policy_loss(**args, entropy_coef=0.01, backend=backend)
+        out.loss.backward()
+        runs.append((out.loss, args["hidden"].grad, args["weight"].grad, out.metrics()))
+    (l1, h1, w1, m1), (l2, h2, w2, m2) = runs
+    assert torch.equal(l1, l2) and torch.equal(h1, h2) and torch.equal(w1, w2)
+    assert all(torch.equal(m1[k], m2[k]) for k in m1)
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_second_backward_and_create_graph_are_refused(backend: str) -> None:
+    data = batch(seed=8)
+    args = _args(data, h=True, w=True)
+    out = fusedhead.fused_policy_loss(**args, backend=backend)
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.loss.backward()
+    out = fusedhead.fused_policy_loss(**args, backend=backend)
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(out.loss, [args["hidden"]], create_graph=True)
+
+
+def test_metrics_are_verl_s() -> None:
+    """clip fraction, approx KL and the ratio's range as verl computes them (masked means)."""
+    data = batch(seed=9)
+    out = fusedhead.fused_policy_loss(**_args(data), temperature=0.7, clip_high=0.28, dual_clip=3.0)
+    mask = data["labels"] != -100
+    lp, _ = fusedhead.reference_fused_head(
+        data["hidden"].double(), data["weight"].double(), data["labels"], temperature=0.7
+    )
+    log_ratio = (lp - data["old_log_probs"].double()).clamp(-20, 20)[mask]
+    ratio = log_ratio.exp()
+    adv = data["advantages"].double().expand(3, 7)[mask]
+    pg1, pg2 = -adv * ratio, -adv * ratio.clamp(0.8, 1.28)
+    clip1 = torch.maximum(pg1, pg2)
+    expect = {
+        "clip_fraction": (pg2 > pg1).double().mean(),
+        "clip_fraction_lower": ((clip1 > -adv * 3.0) & (adv < 0)).double().mean(),
+        "approx_kl": (-log_ratio).mean(),
+        "ratio_mean": ratio.mean(),
+        "ratio_min": ratio.min(),
+        "ratio_max": ratio.max(),
+    }
+    got = out.metrics()
+    for k, v in expect.items():
+        assert abs(got[k].item() - v.item()) <= 1e-5, k
+        assert got[k].dtype == torch.float32 and got[k].dim() == 0
+    assert "kl" not in got  # no reference policy given
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"aggregation": "token_mean"}, ValueError, "did you mean 'token-mean'"),
+        ({"aggregation": "gspo"}, ValueError, "GSPO"),
+        ({"aggregation": 3}, TypeError, "aggregation must be a str"),
+        ({"kl_estimator": "k4"}, ValueError, "kl_estimator must be one of"),
+        ({"kl_coef": 0.1}, ValueError, "kl_coef=0.1 needs ref_log_probs"),
+        ({"tis_cap": 2.0}, ValueError, "tis_cap was given without rollout_log_probs"),
+        ({"clip_low": 1.5}, ValueError, "clip_low must be in"),
+        ({"clip_high": float("nan")}, ValueError, "clip_high must be"),
+        ({"dual_clip": 1.0}, ValueError, "dual_clip must be > 1"),
+        ({"entropy_coef": True}, TypeError, "entropy_coef must be a float"),
+        (
+            {"old_log_probs": torch.zeros(3, 6)},
+            ValueError,
+            r"old_log_probs must have the labels' shape",
+        ),
+        (
+            {"advantages": torch.zeros(3, 7, dtype=torch.int64)},
+            TypeError,
+            "advantages must be a floating",
+        ),
+        ({"loss_normalizer": -1.0}, ValueError, "loss_normalizer must be"),
+        ({"cu_seqlens": torch.tensor([0, 21])}, ValueError, "packed batch"),
+    ],
+)
+def test_bad_arguments_are_named(kw: dict[str, Any], error: type, match: str) -> None:
+    args = _args(batch(seed=1))
+    args.update(kw)
+    with pytest.raises(error, match=match):
+        fusedhead.fused_policy_loss(**args)
+
+
+def test_bad_cu_seqlens_values() -> None:
+    data = batch(b=1, s=10, seed=1, ignore_row=False)
+    for bad in ([0, 4, 3, 10], [1, 10], [0, 4, 9]):
+        with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+            fusedhead.fused_policy_loss(**_args(data), cu_seqlens=torch.tensor(bad))
+
+
+def test_a_backend_without_the_capability_is_refused() -> None:
+    from fusedhead.protocol import Capabilities
+    from fusedhead_torch.backend import TorchBackend
+
+    class NoPolicy(TorchBackend):
+        name = "no-policy-test"
+
+        def capabilities(self, device: torch.device) -> Capabilities:
+            return super().capabilities(device).model_copy(update={"policy_loss": False})
+
+    fusedhead.register_backend("no-policy-test", NoPolicy)
+    try:
+        with pytest.raises(CapabilityError, match="policy_loss") as info:
+            fusedhead.fused_policy_loss(**_args(batch()), backend="no-policy-test")
+        assert info.value.capability == "policy_loss"
+    finally:
+        fusedhead.unregister_backend("no-policy-test")
+        fusedhead.refresh()
+
+
+def test_no_grad_returns_the_loss_without_gradients() -> None:
+    data = batch(seed=10)
+    with torch.no_grad():
+        out = fusedhead.fused_policy_loss(**_args(data, h=True, w=True), entropy_coef=0.01)
+    assert not out.loss.requires_grad
+    ref = reference_policy_loss(
+        data["hidden"].double(),
+        data["weight"].double(),
+        **{k: data[k] for k in ("labels", "old_log_probs", "advantages")},
+        entropy_coef=0.01,
+    )
+    assert abs(out.loss.item() - ref.item()) <= 1e-5
