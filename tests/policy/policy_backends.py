@@ -3,4 +3,4 @@
 from __future__ import annotations
 
 #: On the CPU the triton backend runs under TRITON_INTERPRET=1 (tests/conftest.py sets it).
-POLICY_BACKENDS = ["torch"]
+POLICY_BACKENDS = ["torch", "triton"]

@@ -68,7 +68,8 @@ def run_both(
     args = {k: data[k] for k in ("labels", "old_log_probs", "advantages")}
     use = kw.pop("use", ())
     extra = {k: data[k] for k in ("ref_log_probs", "rollout_log_probs") if k in use}
-    out = fusedhead.fused_policy_loss(h, w, **args, **extra, **kw, backend=backend)
+    options = kw.pop("options", None)
+    out = fusedhead.fused_policy_loss(h, w, **args, **extra, **kw, backend=backend, options=options)
     out.loss.backward()
     h64 = data["hidden"].double().requires_grad_()
     w64 = data["weight"].double().requires_grad_()
@@ -335,3 +336,24 @@ def test_no_grad_returns_the_loss_without_gradients() -> None:
         entropy_coef=0.01,
     )
     assert abs(out.loss.item() - ref.item()) <= 1e-5
+
+
+#: Each backend's option for a small row chunk: the gradients summed over several chunks.
+SMALL_CHUNKS = {"torch": {"chunk_rows": 8}, "triton": {"policy_chunk_rows": 8}}
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_several_row_chunks(backend: str, aggregation: str) -> None:
+    data = batch(seed=11)
+    assert_matches(
+        run_both(
+            backend,
+            data,
+            aggregation=aggregation,
+            entropy_coef=0.01,
+            temperature=0.9,
+            options=SMALL_CHUNKS[backend],
+            dual_clip=2.0,
+        )
+    )

@@ -9,7 +9,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fusedhead.errors import BackendUnavailableError, OptionsError
-from fusedhead.protocol import KL_DIRECTIONS, Capabilities, HeadCall, HeadOutput, KLCall, KLOutput
+from fusedhead.protocol import (
+    KL_DIRECTIONS,
+    Capabilities,
+    HeadCall,
+    HeadOutput,
+    KLCall,
+    KLOutput,
+    PolicyLossCall,
+    PolicyLossResult,
+)
 
 from .configs import (
     Settings,
@@ -36,6 +45,8 @@ _BASIC = frozenset({"log_probs", "entropy"})
 EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "gather")
 #: Largest tile size the options take (block_m, block_n, block_k).
 MAX_TILE = 1024
+#: The policy loss's kept ``[rows, V]`` buffer per ``memory`` choice, in bytes (docs/policy-loss.md).
+POLICY_BUFFER_BYTES = {"low": 512 << 20, "fast": 2048 << 20}
 
 
 class TritonOptions(BaseModel):
@@ -71,6 +82,12 @@ class TritonOptions(BaseModel):
     block_k: int | None = Field(
         None,
         description="Tuning: hidden (reduction) step per tile iteration (power of two, 16 to 1024).",
+    )
+    policy_chunk_rows: int | None = Field(
+        None,
+        ge=1,
+        description="Tuning: rows per chunk of the policy loss (None: from memory, a kept buffer "
+        "of 512 MiB for 'low' and 2 GiB for 'fast').",
     )
     tma: bool | None = Field(
         None,
@@ -122,6 +139,7 @@ class TritonBackend:
             outputs=("log_probs", "entropy", *EXTRA_OUTPUTS, "topk"),
             max_top_k=MAX_TOP_K,
             vocab_parallel_outputs=("log_probs", "entropy", *EXTRA_OUTPUTS),
+            policy_loss=True,
         )
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -261,6 +279,17 @@ class TritonBackend:
         from .kl import kl
 
         return kl(call, self._settings(call.hidden.dtype)[1])
+
+    def policy_loss(self, call: PolicyLossCall) -> PolicyLossResult:
+        """The policy loss's statistics and gradients: three GEMMs per row chunk."""
+        from .policy import chunk_rows, policy_loss
+
+        h, w = call.head.hidden, call.head.weight
+        rows = chunk_rows(
+            h.shape[0], w.shape[0], h.dtype, POLICY_BUFFER_BYTES[self.options.memory],
+            self.options.policy_chunk_rows,
+        )  # fmt: skip
+        return policy_loss(call, self._settings(h.dtype)[0], rows)
 
     def _settings(self, dtype: torch.dtype) -> tuple[Settings, str]:
         """The call's kernel settings for ``dtype`` and their key, made once per dtype."""

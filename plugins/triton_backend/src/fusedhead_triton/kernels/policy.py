@@ -1,0 +1,115 @@
+"""Policy-loss kernels: the logits tile with its statistics *and* kept, then ``dz`` from it.
+
+``policy_logits_kernel`` is the forward's persistent logits GEMM (same tiles, same epilogue
+statistics ``ws[3, T, N]`` and label logit ``zy[N]``, so the fixed-order combine gives the very
+log-probs and entropies of the plain head) whose epilogue also stores each tile's offsets
+``d = z - m_tile`` into ``keep[N, V]``. ``policy_dz_kernel`` turns them into the logits' gradient
+``dz = dL/dx`` in place (``keep`` and ``dz`` share a buffer of one element size), for the two
+gradient GEMMs. ``d <= 0`` and ``p = exp(d + m_tile - lse) <= exp(d)``, so storing ``d`` in fp16
+costs at most ``p |d| 2^-11 <= 2^-11 / e`` of a probability.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import LOG2E, grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature
+from .forward import _label_column, scaled_tile
+
+
+@triton.jit(do_not_specialize=["N", "V"])
+def policy_logits_kernel(
+    h, w, labels_ptr, temp_ptr, ws_ptr, zy_ptr, keep_ptr, N, V, H, stride_hn, stride_hk,
+    stride_wv, stride_wk, stride_keep, label_offset, inv_temp, softcap, inv_softcap,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    PER_TOKEN_T: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """Persistent over the (row tile, vocab tile) grid: the fp32 logits tile, its (m, s, w),
+    the label logit, and ``d = z - m`` stored in ``keep``'s dtype."""
+    num_pid_m = tl.cdiv(N, BLOCK_M)
+    num_pid_n = tl.cdiv(V, BLOCK_N)
+    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS):
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        if TMA:
+            acc = logits_tile_tma(
+                h, w, pid_m * BLOCK_M, pid_n * BLOCK_N, H, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION
+            )
+        else:
+            b_rows = tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), N - 1)
+            cols = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), V - 1)
+            acc = logits_tile(
+                h, w, b_rows, cols, H, stride_hn, stride_hk, stride_wv, stride_wk, BLOCK_M,
+                BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
+            )  # fmt: skip
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs_m < N
+        col_ok = offs_n < V
+        rows = tl.minimum(offs_m, N - 1)
+        z = scaled_tile(
+            acc, rows, offs_n, V, temp_ptr, inv_temp, softcap, inv_softcap, PER_TOKEN_T,
+            HAS_SOFTCAP,
+        )  # fmt: skip
+        m = tl.max(z, axis=1)
+        d = z - m[:, None]
+        e = tl.exp2(d * LOG2E)
+        s = tl.sum(e, axis=1)
+        wsum = tl.sum(e * tl.where(col_ok[None, :], d, 0.0), axis=1)
+        stride_t = tl.cdiv(V, BLOCK_N).to(tl.int64) * N
+        base = ws_ptr + pid_n.to(tl.int64) * N + offs_m
+        tl.store(base, m, mask=row_ok)
+        tl.store(base + stride_t, s, mask=row_ok)
+        tl.store(base + 2 * stride_t, wsum, mask=row_ok)
+        hit, col = _label_column(
+            labels_ptr, rows, row_ok, label_offset, pid_n * BLOCK_N, V, BLOCK_N
+        )
+        zy = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == col[:, None], z, 0.0), axis=1)
+        tl.store(zy_ptr + rows, zy, mask=hit)
+        keep = keep_ptr + offs_m.to(tl.int64)[:, None] * stride_keep + offs_n[None, :]
+        tl.store(keep, d.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["N", "V"])
+def policy_dz_kernel(
+    keep_ptr, dz_ptr, ws_ptr, labels_ptr, temp_ptr, lse_ptr, a_ptr, b_ptr, g_ptr, N, V,
+    stride_keep, stride_dz, label_offset, ignore_index, inv_temp, inv_softcap,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN_T: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """``dz = (p (a + b log p) + onehot g) / T [* sech^2]`` per tile, ``log p = d + m - lse``;
+    exactly 0 on ignored rows (selected, so nothing of theirs reaches the GEMMs)."""
+    pid_r = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_m < N
+    col_ok = offs_n < V
+    rows = tl.minimum(offs_m, N - 1)
+    mask = row_ok[:, None] & col_ok[None, :]
+    d = tl.load(
+        keep_ptr + rows.to(tl.int64)[:, None] * stride_keep + offs_n[None, :], mask=mask, other=0.0
+    ).to(tl.float32)
+    m = tl.load(ws_ptr + pid_n.to(tl.int64) * N + rows)
+    lse = tl.load(lse_ptr + rows)
+    a = tl.load(a_ptr + rows)
+    b = tl.load(b_ptr + rows)
+    g = tl.load(g_ptr + rows)
+    lab = tl.load(labels_ptr + rows)
+    valid = row_ok & (lab != ignore_index)
+    log_p = d + (m - lse)[:, None]
+    p = tl.exp2(log_p * LOG2E)
+    dz = p * (a[:, None] + b[:, None] * log_p)
+    dz += tl.where(offs_n[None, :] == (lab - label_offset)[:, None], g[:, None], 0.0)
+    inv_t = row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T)
+    dz = dz * inv_t[:, None]
+    if HAS_SOFTCAP:  # z = c tanh(x / c) / T: tanh = z T / c, and dz/dx carries sech^2
+        th = (d + m[:, None]) / inv_t[:, None] * inv_softcap
+        dz = dz * (1.0 - th * th)
+    dz = tl.where(valid[:, None] & col_ok[None, :], dz, 0.0)
+    tl.store(
+        dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dz + offs_n[None, :],
+        dz.to(dz_ptr.dtype.element_ty),
+        mask=mask,
+    )

@@ -1,0 +1,121 @@
+"""The policy loss in three GEMMs per row chunk (the ``policy_loss`` capability).
+
+Per chunk: the logits GEMM with the forward's statistics in its epilogue, each tile's offsets
+``d = z - m_tile`` kept (``kernels.policy``); the fixed-order combine of the plain head (so the
+log-probs and entropies are the plain head's bits); the loss's derivative per row
+(``fusedhead.policy_terms.token_grads``); ``dz`` in place of the kept offsets; then cuBLAS for
+``dX = dz W`` and ``dW += dz^T h``. The kept offsets and ``dz`` share one ``[rows, V]`` buffer of
+two bytes per value for 16-bit inputs (fp16 offsets: within ``2^-11 / e`` of a probability).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fusedhead.policy_terms import token_grads
+from fusedhead.protocol import PolicyLossCall, PolicyLossResult
+
+from .configs import Settings
+from .kernels.policy import policy_dz_kernel, policy_logits_kernel
+from .launch import (
+    HeadScalars,
+    Partials,
+    _tiles,
+    combine,
+    descriptor,
+    num_programs,
+    tma_usable,
+)
+
+#: Rows per program of the dz kernel (its columns are the logits GEMM's tile width).
+DZ_BLOCK_R = 32
+FP32 = torch.float32
+
+
+def keep_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the offsets are kept in: fp16 beside 16-bit inputs (their dz has the same size, and
+    is written in place), fp32 beside fp32 inputs."""
+    return FP32 if dtype == FP32 else torch.float16
+
+
+def chunk_rows(n: int, v: int, dtype: torch.dtype, budget_bytes: int, explicit: int | None) -> int:
+    """Rows per chunk: the kept ``[rows, V]`` buffer within ``budget_bytes`` (at least 128 rows)."""
+    if explicit is not None:
+        return explicit
+    per_row = v * torch.empty((), dtype=keep_dtype(dtype)).element_size()
+    rows = max(128, budget_bytes // per_row // 128 * 128)
+    return min(rows, max(n, 1))
+
+
+def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> PolicyLossResult:
+    """Each row's fp32 log-prob and entropy, and the loss's gradients in hidden and weight."""
+    head = call.head
+    hidden, weight, labels = head.hidden, head.weight, head.labels.contiguous()
+    (n, h), v = hidden.shape, weight.shape[0]
+    dev = hidden.device
+    cfg = st.forward
+    temp = None
+    inv_temp = 1.0
+    if isinstance(head.temperature, torch.Tensor):
+        temp = head.temperature.detach().to(device=dev, dtype=FP32).expand(n).contiguous()
+    else:
+        inv_temp = 1.0 / float(head.temperature)
+    softcap = None if head.softcap is None else float(head.softcap)
+    sc = HeadScalars(0, head.ignore_index, inv_temp, softcap)
+    valid = labels != head.ignore_index
+    log_probs = torch.empty(n, dtype=FP32, device=dev)
+    entropy = torch.empty(n, dtype=FP32, device=dev)
+    grad_h = torch.empty_like(hidden) if call.need_hidden_grad else None
+    grad_w = torch.empty_like(weight) if call.need_weight_grad else None
+    rows = min(rows_per_chunk, n)
+    buf = torch.empty(rows * v, dtype=keep_dtype(hidden.dtype), device=dev)
+    tiles = math.ceil(v / cfg.block_n)
+    tma = tma_usable(cfg, hidden.dtype, h, dev)
+    w_arg = descriptor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
+    progs = num_programs(dev)
+    flags = _tiles(cfg, hidden.dtype, PER_TOKEN_T=temp is not None, HAS_SOFTCAP=softcap is not None)
+    cap_args = sc.softcap_args
+    zero = torch.zeros((), dtype=hidden.dtype, device=dev)
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        m = stop - start
+        ok = valid[start:stop]
+        # Ignored rows' hidden states are selected out: a NaN or Inf there reaches nothing.
+        h_rows = torch.where(ok.unsqueeze(1), hidden[start:stop], zero)
+        y = labels[start:stop]
+        t_rows = temp[start:stop] if temp is not None else log_probs  # a dummy unless per-token
+        keep = buf[: m * v].view(m, v)
+        ws = torch.empty((3, tiles, m), dtype=FP32, device=dev)
+        zy = torch.full((m,), float("nan"), dtype=FP32, device=dev)
+        h_arg = descriptor(h_rows, [cfg.block_m, cfg.block_k]) if tma else h_rows
+        grid = (min(progs, math.ceil(m / cfg.block_m) * tiles),)
+        policy_logits_kernel[grid](
+            h_arg, w_arg, y, t_rows, ws, zy, keep, m, v, h, *h_rows.stride(), *weight.stride(),
+            keep.stride(0), 0, inv_temp, *cap_args, NUM_PROGS=progs, TMA=tma,
+            EVEN_K=h % cfg.block_k == 0, **flags,
+        )  # fmt: skip
+        out = combine(Partials(ws, zy), y, head.ignore_index, entropy=True)
+        log_probs[start:stop] = out.log_probs
+        entropy[start:stop] = out.entropy
+        if grad_h is None and grad_w is None:
+            continue
+        terms = token_grads(call, start, stop, out.log_probs, out.entropy)
+        g_lp, g_ent = terms.grad_log_probs, terms.grad_entropy
+        a = torch.addcmul(g_lp, g_ent, out.entropy).neg_()
+        b = g_ent.neg()
+        dz = keep if keep.dtype == hidden.dtype else keep.view(hidden.dtype)
+        policy_dz_kernel[(math.ceil(m / DZ_BLOCK_R), tiles)](
+            keep, dz, ws, y, t_rows, out.lse, a, b, g_lp, m, v, keep.stride(0), dz.stride(0), 0,
+            head.ignore_index, inv_temp, cap_args[1], BLOCK_R=DZ_BLOCK_R, BLOCK_N=cfg.block_n,
+            PER_TOKEN_T=temp is not None, HAS_SOFTCAP=softcap is not None, num_warps=4,
+        )  # fmt: skip
+        if grad_h is not None:
+            torch.mm(dz, weight, out=grad_h[start:stop])
+        if grad_w is not None:
+            if start == 0:
+                torch.mm(dz.t(), h_rows, out=grad_w)
+            else:
+                grad_w.addmm_(dz.t(), h_rows)
+    return PolicyLossResult(log_probs, entropy, grad_hidden=grad_h, grad_weight=grad_w)
