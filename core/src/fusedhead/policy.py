@@ -122,10 +122,9 @@ class _AttachedGradients(torch.autograd.Function):
             )
         grad_hidden, grad_weight = ctx.grads
         ctx.grads = None  # handed out once; the stored gradients are scaled in place
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.mul_(grad)
-        if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad)
+        # One multi-tensor pass with the scale read on the device (no host sync; a plain mul_
+        # of a bf16 tensor by an fp32 0-d tensor takes a slow mixed-dtype kernel).
+        torch._foreach_mul_([g for g in (grad_hidden, grad_weight) if g is not None], grad)
         return grad_hidden, grad_weight, None, None, None
 
 

@@ -214,6 +214,10 @@ class TorchBackend:
             device.type, DEFAULT_WORKSPACE_MIB["cpu"]
         )
         rows = chunk_rows(
-            head.weight.shape[0], mib << 20, head.softcap is not None, self.options.chunk_rows
+            head.weight.shape[0],
+            head.hidden.dtype,
+            mib << 20,
+            head.softcap is not None,
+            self.options.chunk_rows,
         )
         return policy_loss(call, rows, self.fp32_logits(device))

@@ -20,79 +20,93 @@ from fusedhead_torch.tile_math import MAX_SCALE, gemm_operand, logits_mm
 FP32 = torch.float32
 
 
-def chunk_rows(v: int, budget_bytes: int, softcap: bool, explicit: int | None) -> int:
-    """Rows per chunk: two fp32 ``[rows, V]`` tiles (three with a softcap) within the budget."""
+def chunk_rows(
+    v: int, dtype: torch.dtype, budget_bytes: int, softcap: bool, explicit: int | None
+) -> int:
+    """Rows per chunk: the chunk's tiles within the budget (two fp32 ``[rows, V]`` tiles, a
+    16-bit one for a 16-bit ``dz``, a third fp32 one with a softcap)."""
     if explicit is not None:
         return explicit
-    per_row = v * 4 * (3 if softcap else 2)
-    return max(1, budget_bytes // per_row)
+    per_value = 8 + (2 if dtype != FP32 else 0) + (4 if softcap else 0)
+    return max(1, budget_bytes // (v * per_value))
 
 
 def policy_loss(call: PolicyLossCall, rows_per_chunk: int, fp32_logits: bool) -> PolicyLossResult:
-    """Each row's fp32 log-prob and entropy, and the loss's gradients in hidden and weight."""
+    """Each row's fp32 log-prob and entropy, and the loss's gradients in hidden and weight.
+
+    Passes over a chunk's ``[rows, V]`` values: the GEMM's write, the max, ``d = k x - k max``
+    (one fused multiply-add), ``e = exp(d)``, its sum, ``sum e d`` (a batched dot), and for the
+    gradient ``a + b d`` and its product with ``e`` written in the GEMMs' dtype; the label column
+    is patched from ``[rows]`` values (one rounding).
+    """
     head = call.head
     hidden, weight, labels = head.hidden, head.weight, head.labels
     n = hidden.shape[0]
     device = hidden.device
     temp = head.temperature
-    inv_t: float | torch.Tensor = (
+    inv_t = (
         (1.0 / temp.to(FP32)).clamp_(max=MAX_SCALE)
         if isinstance(temp, torch.Tensor)
-        else min(1.0 / float(temp), MAX_SCALE)
+        else torch.full((1,), min(1.0 / float(temp), MAX_SCALE), dtype=FP32, device=device)
     )
     cap = head.softcap
     valid = labels != head.ignore_index
     zero = torch.zeros((), dtype=FP32, device=device)
-    w_op = gemm_operand(weight, fp32_logits)
-    w_t = w_op.t()
+    w_t = gemm_operand(weight, fp32_logits).t()
     log_probs = torch.empty(n, dtype=FP32, device=device)
     entropy = torch.empty(n, dtype=FP32, device=device)
     grad_h = torch.empty_like(hidden) if call.need_hidden_grad else None
-    grad_w = torch.zeros_like(weight) if call.need_weight_grad else None
+    grad_w = torch.empty_like(weight) if call.need_weight_grad else None
     need_grads = grad_h is not None or grad_w is not None
+    low = hidden.dtype != FP32
     for start in range(0, n, rows_per_chunk):
         stop = min(start + rows_per_chunk, n)
-        rows_valid = valid[start:stop]
-        keep = rows_valid.unsqueeze(1)
-        h_rows = torch.where(keep, hidden[start:stop], torch.zeros((), dtype=hidden.dtype))
+        ok = valid[start:stop]
+        # Ignored rows' hidden states are selected out: a NaN or Inf there reaches nothing.
+        h_rows = torch.where(
+            ok.unsqueeze(1), hidden[start:stop], torch.zeros((), dtype=hidden.dtype)
+        )
         x = logits_mm(gemm_operand(h_rows, fp32_logits), w_t, fp32_logits).to(FP32)
-        k = inv_t[start:stop].unsqueeze(1) if isinstance(inv_t, torch.Tensor) else inv_t
+        k = inv_t[start:stop] if inv_t.numel() > 1 else inv_t.expand(stop - start)
         sech2 = None
         if cap is not None:
             sech2 = torch.div(x, cap).cosh_().square_().reciprocal_() if need_grads else None
             x.div_(cap).tanh_().mul_(cap)
-        d = x.mul_(k)  # z = k * src; then d = z - max, in place
-        d.sub_(d.amax(dim=1, keepdim=True))
+        label = torch.where(ok, labels[start:stop], 0).unsqueeze(1)
+        d = torch.addcmul((-x.amax(dim=1) * k).unsqueeze(1), x, k.unsqueeze(1), out=x)
         e = torch.exp(d)
         s = e.sum(dim=1)
         log_s = torch.log(s)
-        label = torch.where(rows_valid, labels[start:stop], 0).unsqueeze(1)
-        ent = log_s - (e * d).sum(dim=1) / s
-        lp = d.gather(1, label).squeeze(1) - log_s
-        lp = torch.where(rows_valid, lp, zero)
-        ent = torch.where(rows_valid, ent, zero)
+        ent = log_s - torch.bmm(e.unsqueeze(1), d.unsqueeze(2)).view(-1) / s
+        d_y = d.gather(1, label).squeeze(1)
+        lp = torch.where(ok, d_y - log_s, zero)
+        ent = torch.where(ok, ent, zero)
         log_probs[start:stop] = lp
         entropy[start:stop] = ent
         if not need_grads:
             continue
         terms = token_grads(call, start, stop, lp, ent)
         g_lp, g_ent = terms.grad_log_probs, terms.grad_entropy
-        # dL/dz_j = g_lp (onehot - p_j) - g_ent p_j (log p_j + H), with p = e / s and
-        # log p = d - log s: e * (a + b d) + onehot * g_lp.
-        inv_s = 1.0 / s
+        # dL/dx_j = k (g_lp (onehot - p_j) - g_ent p_j (log p_j + H)) [* sech^2], with p = e / s
+        # and log p = d - log s: e (a + b d) + onehot k g_lp, k folded into a and b.
+        inv_s = k / s
         a = (-g_lp - g_ent * (ent - log_s)) * inv_s
         b = -g_ent * inv_s
-        dz = d.mul_(b.unsqueeze(1)).add_(a.unsqueeze(1)).mul_(e)
-        del e
-        dz.scatter_add_(1, label, torch.where(rows_valid, g_lp, zero).unsqueeze(1))
-        dz.mul_(k)  # dz/dx = k (times the softcap's sech^2)
+        e_y = e.gather(1, label).squeeze(1)
+        dz_label = e_y * (a + b * d_y) + g_lp * k
+        g = torch.addcmul(a.unsqueeze(1), d, b.unsqueeze(1), out=d)
         if sech2 is not None:
-            dz.mul_(sech2)
+            dz_label = dz_label * sech2.gather(1, label).squeeze(1)
+            g.mul_(sech2)
             del sech2
-        dz.masked_fill_(~keep, 0.0)  # selected, not multiplied: NaN rows give exact zeros
-        dz_op = dz.to(hidden.dtype) if hidden.dtype != FP32 else dz
+        dz = torch.mul(g, e, out=torch.empty_like(g, dtype=hidden.dtype) if low else g)
+        del e
+        dz.scatter_(1, label, dz_label.to(dz.dtype).unsqueeze(1))
         if grad_h is not None:
-            grad_h[start:stop] = torch.mm(dz_op, weight)
+            torch.mm(dz, weight, out=grad_h[start:stop])
         if grad_w is not None:
-            grad_w.addmm_(dz_op.t(), h_rows)
+            if start == 0:
+                torch.mm(dz.t(), h_rows, out=grad_w)
+            else:
+                grad_w.addmm_(dz.t(), h_rows)
     return PolicyLossResult(log_probs, entropy, grad_hidden=grad_h, grad_weight=grad_w)

@@ -30,7 +30,7 @@ from .launch import (
 )
 
 #: Rows per program of the dz kernel (its columns are the logits GEMM's tile width).
-DZ_BLOCK_R = 32
+DZ_BLOCK_R = 8
 FP32 = torch.float32
 
 
@@ -87,14 +87,16 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
         y = labels[start:stop]
         t_rows = temp[start:stop] if temp is not None else log_probs  # a dummy unless per-token
         keep = buf[: m * v].view(m, v)
+        keep_tma = tma and (v * keep.element_size()) % 16 == 0 and keep.data_ptr() % 16 == 0
+        keep_arg = descriptor(keep, [cfg.block_m, cfg.block_n]) if keep_tma else keep
         ws = torch.empty((3, tiles, m), dtype=FP32, device=dev)
         zy = torch.full((m,), float("nan"), dtype=FP32, device=dev)
         h_arg = descriptor(h_rows, [cfg.block_m, cfg.block_k]) if tma else h_rows
         grid = (min(progs, math.ceil(m / cfg.block_m) * tiles),)
         policy_logits_kernel[grid](
-            h_arg, w_arg, y, t_rows, ws, zy, keep, m, v, h, *h_rows.stride(), *weight.stride(),
-            keep.stride(0), 0, inv_temp, *cap_args, NUM_PROGS=progs, TMA=tma,
-            EVEN_K=h % cfg.block_k == 0, **flags,
+            h_arg, w_arg, y, t_rows, ws, zy, keep_arg, m, v, h, *h_rows.stride(),
+            *weight.stride(), keep.stride(0), 0, inv_temp, *cap_args, NUM_PROGS=progs, TMA=tma,
+            EVEN_K=h % cfg.block_k == 0, KEEP_TMA=keep_tma, **flags,
         )  # fmt: skip
         out = combine(Partials(ws, zy), y, head.ignore_index, entropy=True)
         log_probs[start:stop] = out.log_probs
@@ -106,7 +108,7 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
         a = torch.addcmul(g_lp, g_ent, out.entropy).neg_()
         b = g_ent.neg()
         dz = keep if keep.dtype == hidden.dtype else keep.view(hidden.dtype)
-        policy_dz_kernel[(math.ceil(m / DZ_BLOCK_R), tiles)](
+        policy_dz_kernel[(math.ceil(m / DZ_BLOCK_R),)](
             keep, dz, ws, y, t_rows, out.lse, a, b, g_lp, m, v, keep.stride(0), dz.stride(0), 0,
             head.ignore_index, inv_temp, cap_args[1], BLOCK_R=DZ_BLOCK_R, BLOCK_N=cfg.block_n,
             PER_TOKEN_T=temp is not None, HAS_SOFTCAP=softcap is not None, num_warps=4,

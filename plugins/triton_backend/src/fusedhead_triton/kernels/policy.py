@@ -14,7 +14,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E, grouped_tile, logits_tile, logits_tile_tma, row_inv_temperature
+from .common import (
+    LOG2E,
+    grouped_tile,
+    logits_tile,
+    logits_tile_tma,
+    row_inv_temperature,
+    store_tile,
+)
 from .forward import _label_column, scaled_tile
 
 
@@ -24,10 +31,11 @@ def policy_logits_kernel(
     stride_wv, stride_wk, stride_keep, label_offset, inv_temp, softcap, inv_softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGS: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    PER_TOKEN_T: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    PER_TOKEN_T: tl.constexpr, HAS_SOFTCAP: tl.constexpr, KEEP_TMA: tl.constexpr,
 ):  # fmt: skip
     """Persistent over the (row tile, vocab tile) grid: the fp32 logits tile, its (m, s, w),
-    the label logit, and ``d = z - m`` stored in ``keep``'s dtype."""
+    the label logit, and ``d = z - m`` stored in ``keep``'s dtype (through its TMA descriptor
+    when ``KEEP_TMA``: an asynchronous store the next tile's loads overlap)."""
     num_pid_m = tl.cdiv(N, BLOCK_M)
     num_pid_n = tl.cdiv(V, BLOCK_N)
     for tile in range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS):
@@ -67,8 +75,10 @@ def policy_logits_kernel(
         )
         zy = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == col[:, None], z, 0.0), axis=1)
         tl.store(zy_ptr + rows, zy, mask=hit)
-        keep = keep_ptr + offs_m.to(tl.int64)[:, None] * stride_keep + offs_n[None, :]
-        tl.store(keep, d.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        store_tile(
+            keep_ptr, d, pid_m * BLOCK_M, pid_n * BLOCK_N, N, V, stride_keep, BLOCK_M, BLOCK_N,
+            KEEP_TMA,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["N", "V"])
@@ -78,38 +88,35 @@ def policy_dz_kernel(
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN_T: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """``dz = (p (a + b log p) + onehot g) / T [* sech^2]`` per tile, ``log p = d + m - lse``;
-    exactly 0 on ignored rows (selected, so nothing of theirs reaches the GEMMs)."""
-    pid_r = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    """``dz = (p (a + b log p) + onehot g) / T [* sech^2]``, ``log p = d + m_tile - lse``, for
+    ``BLOCK_R`` rows streamed along the vocabulary one GEMM tile width at a time (in place: each
+    value is read, then written, by this program); exactly 0 on ignored rows (selected)."""
+    offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = offs_m < N
-    col_ok = offs_n < V
     rows = tl.minimum(offs_m, N - 1)
-    mask = row_ok[:, None] & col_ok[None, :]
-    d = tl.load(
-        keep_ptr + rows.to(tl.int64)[:, None] * stride_keep + offs_n[None, :], mask=mask, other=0.0
-    ).to(tl.float32)
-    m = tl.load(ws_ptr + pid_n.to(tl.int64) * N + rows)
     lse = tl.load(lse_ptr + rows)
-    a = tl.load(a_ptr + rows)
-    b = tl.load(b_ptr + rows)
-    g = tl.load(g_ptr + rows)
+    a = tl.load(a_ptr + rows)[:, None]
+    b = tl.load(b_ptr + rows)[:, None]
+    g = tl.load(g_ptr + rows)[:, None]
     lab = tl.load(labels_ptr + rows)
-    valid = row_ok & (lab != ignore_index)
-    log_p = d + (m - lse)[:, None]
-    p = tl.exp2(log_p * LOG2E)
-    dz = p * (a[:, None] + b[:, None] * log_p)
-    dz += tl.where(offs_n[None, :] == (lab - label_offset)[:, None], g[:, None], 0.0)
-    inv_t = row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T)
-    dz = dz * inv_t[:, None]
-    if HAS_SOFTCAP:  # z = c tanh(x / c) / T: tanh = z T / c, and dz/dx carries sech^2
-        th = (d + m[:, None]) / inv_t[:, None] * inv_softcap
-        dz = dz * (1.0 - th * th)
-    dz = tl.where(valid[:, None] & col_ok[None, :], dz, 0.0)
-    tl.store(
-        dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dz + offs_n[None, :],
-        dz.to(dz_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    live = (row_ok & (lab != ignore_index))[:, None]
+    col_lab = (lab - label_offset)[:, None]
+    inv_t = row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T)[:, None]
+    keep_rows = keep_ptr + rows.to(tl.int64)[:, None] * stride_keep
+    dz_rows = dz_ptr + rows.to(tl.int64)[:, None] * stride_dz
+    for t in range(0, tl.cdiv(V, BLOCK_N)):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = (offs_n < V)[None, :]
+        d = tl.load(keep_rows + offs_n[None, :], mask=col_ok, other=0.0).to(tl.float32)
+        m = tl.load(ws_ptr + t * N + rows)[:, None]
+        log_p = d + (m - lse[:, None])
+        p = tl.exp2(log_p * LOG2E)
+        dz = p * (a + b * log_p) + tl.where(offs_n[None, :] == col_lab, g, 0.0)
+        dz = dz * inv_t
+        if HAS_SOFTCAP:  # z = c tanh(x / c) / T: tanh = z T / c, and dz/dx carries sech^2
+            th = (d + m) / inv_t * inv_softcap
+            dz = dz * (1.0 - th * th)
+        dz = tl.where(live & col_ok, dz, 0.0)
+        tl.store(
+            dz_rows + offs_n[None, :], dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok
+        )

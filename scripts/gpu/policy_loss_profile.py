@@ -1,0 +1,42 @@
+"""Per-kernel CUDA time of one policy-loss step (torch.profiler), to see where the time goes.
+
+python scripts/gpu/policy_loss_profile.py OUT_DIR [IMPL ...]   # IMPL as policy_loss_bench.py names them
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from policy_loss_bench import build, make_inputs
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    impls = sys.argv[2:] or ["fused:triton:policy_chunk_rows=8192", "unfused:triton"]
+    n = 8192
+    x = make_inputs(n, 4096, 151936, torch.device("cuda"), torch.bfloat16)
+    for spec in impls:
+        fn = build(spec, x)
+        h = x["hidden"].detach().clone().requires_grad_()
+        w = x["weight"].detach().clone().requires_grad_()
+        h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)
+        for _ in range(2):
+            fn(h, w).backward()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            fn(h, w).backward()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        print(f"=== {spec}\n{table}", flush=True)
+        (out / f"profile-{spec.replace(':', '_').replace('=', '-')}.txt").write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
