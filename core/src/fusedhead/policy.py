@@ -122,10 +122,26 @@ class _AttachedGradients(torch.autograd.Function):
             )
         grad_hidden, grad_weight = ctx.grads
         ctx.grads = None  # handed out once; the stored gradients are scaled in place
-        # One multi-tensor pass with the scale read on the device (no host sync; a plain mul_
-        # of a bf16 tensor by an fp32 0-d tensor takes a slow mixed-dtype kernel).
-        torch._foreach_mul_([g for g in (grad_hidden, grad_weight) if g is not None], grad)
+        _scale_([g for g in (grad_hidden, grad_weight) if g is not None], grad)
         return grad_hidden, grad_weight, None, None, None
+
+
+def _scale_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """``grads *= scale`` in place, the fp32 scale read on the device (no host sync).
+
+    AMP's multi-tensor unscale multiplies in fp32 and writes each gradient's dtype in one
+    vectorised pass (a bf16 ``mul_`` by an fp32 0-d tensor takes a slow mixed-dtype kernel:
+    2.4 ms against about 0.6 for a 1.2 GiB weight gradient on an H200). Its inf check is unused.
+    """
+    if not grads:
+        return
+    unscale = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+    if unscale is not None and scale.device.type == "cuda":
+        found = torch.zeros(1, dtype=torch.float32, device=scale.device)
+        unscale(grads, found, scale.detach().reshape(1).to(torch.float32))
+        return
+    for g in grads:
+        g.mul_(scale.to(g.dtype) if g.dtype == torch.float32 else scale)
 
 
 def _choice(arg: str, value: object, choices: tuple[str, ...], aliases: dict[str, str]) -> str:

@@ -29,8 +29,8 @@ from .launch import (
     tma_usable,
 )
 
-#: Rows per program of the dz kernel (its columns are the logits GEMM's tile width).
-DZ_BLOCK_R = 8
+#: The dz kernel's rows per program, warps and load stages (its columns: the GEMM's tile width).
+DZ_CONFIG = (8, 4, 1)
 FP32 = torch.float32
 
 
@@ -108,10 +108,12 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
         a = torch.addcmul(g_lp, g_ent, out.entropy).neg_()
         b = g_ent.neg()
         dz = keep if keep.dtype == hidden.dtype else keep.view(hidden.dtype)
-        policy_dz_kernel[(math.ceil(m / DZ_BLOCK_R),)](
+        block_r, warps, stages = DZ_CONFIG
+        policy_dz_kernel[(math.ceil(m / block_r),)](
             keep, dz, ws, y, t_rows, out.lse, a, b, g_lp, m, v, keep.stride(0), dz.stride(0), 0,
-            head.ignore_index, inv_temp, cap_args[1], BLOCK_R=DZ_BLOCK_R, BLOCK_N=cfg.block_n,
-            PER_TOKEN_T=temp is not None, HAS_SOFTCAP=softcap is not None, num_warps=4,
+            head.ignore_index, inv_temp, cap_args[1], BLOCK_R=block_r, BLOCK_N=cfg.block_n,
+            PER_TOKEN_T=temp is not None, HAS_SOFTCAP=softcap is not None, STAGES=stages,
+            num_warps=warps,
         )  # fmt: skip
         if grad_h is not None:
             torch.mm(dz, weight, out=grad_h[start:stop])

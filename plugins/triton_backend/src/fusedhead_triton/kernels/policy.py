@@ -86,7 +86,7 @@ def policy_dz_kernel(
     keep_ptr, dz_ptr, ws_ptr, labels_ptr, temp_ptr, lse_ptr, a_ptr, b_ptr, g_ptr, N, V,
     stride_keep, stride_dz, label_offset, ignore_index, inv_temp, inv_softcap,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN_T: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """``dz = (p (a + b log p) + onehot g) / T [* sech^2]``, ``log p = d + m_tile - lse``, for
     ``BLOCK_R`` rows streamed along the vocabulary one GEMM tile width at a time (in place: each
@@ -104,7 +104,7 @@ def policy_dz_kernel(
     inv_t = row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T)[:, None]
     keep_rows = keep_ptr + rows.to(tl.int64)[:, None] * stride_keep
     dz_rows = dz_ptr + rows.to(tl.int64)[:, None] * stride_dz
-    for t in range(0, tl.cdiv(V, BLOCK_N)):
+    for t in tl.range(0, tl.cdiv(V, BLOCK_N), num_stages=STAGES):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = (offs_n < V)[None, :]
         d = tl.load(keep_rows + offs_n[None, :], mask=col_ok, other=0.0).to(tl.float32)
