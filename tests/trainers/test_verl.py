@@ -308,3 +308,56 @@ def test_uninstall_gives_verl_its_function_back_and_install_is_idempotent() -> N
         fh_verl.install()
         fh_verl.install()
     assert monkey_patch.patch_forward_with_backends is fh_verl.patch_forward_with_backends
+
+
+def _trl_without_value_head() -> None:
+    """Skip unless TRL is installed without the value-head class verl 0.9.1 probes for."""
+    pytest.importorskip("trl", reason="TRL is not installed (bash scripts/trainers/trl.sh)")
+    if fh_verl.trl_has_value_head():
+        pytest.skip("this TRL still has AutoModelForCausalLMWithValueHead: verl's probe works")
+
+
+def test_apply_monkey_patch_beside_trl_116_works_with_the_opt_in_fix() -> None:
+    """verl's real probe, TRL installed: ImportError without the fix, fusedhead's forward with it."""
+    _trl_without_value_head()
+    from transformers.integrations import flash_attention
+    from verl.models.transformers import monkey_patch
+    from verl.utils.import_utils import is_trl_available
+
+    model = tiny_qwen2(0)
+    forward, fa = type(model).__dict__["forward"], flash_attention._flash_attention_forward
+    try:
+        fh_verl.fix_trl_value_head_probe(False)
+        assert monkey_patch.is_trl_available is is_trl_available  # verl's own probe
+        with pytest.raises(ImportError, match="AutoModelForCausalLMWithValueHead"):
+            apply_verl_monkey_patch(model, "fusedhead:torch")
+        fh_verl.fix_trl_value_head_probe()
+        assert is_trl_available()  # verl still sees TRL; only the class probe is narrowed
+        assert monkey_patch.is_trl_available is fh_verl.trl_has_value_head
+        apply_verl_monkey_patch(model, "fusedhead:torch")
+        assert type(model).forward is fh_verl.forward_with_fusedhead_backend
+        with pytest.raises(TypeError, match="enable must be a bool"):
+            fh_verl.fix_trl_value_head_probe("yes")  # type: ignore[arg-type]
+    finally:
+        fh_verl.fix_trl_value_head_probe(False)
+        type(model).forward = forward
+        flash_attention._flash_attention_forward = fa
+    assert monkey_patch.is_trl_available is is_trl_available
+
+
+def test_the_trl_probe_fix_from_the_environment_in_a_fresh_process() -> None:
+    """FUSEDHEAD_VERL_FIX_TRL_PROBE=1 (verl's Ray workers) applies the fix on ``import verl``."""
+    _trl_without_value_head()
+    code = (
+        f"import sys; sys.path.insert(0, {str(HERE)!r})\n"
+        "import verl\n"
+        "from verl_helpers import apply_verl_monkey_patch, tiny_qwen2\n"
+        "model = tiny_qwen2(0)\n"
+        "apply_verl_monkey_patch(model, 'fusedhead:torch')\n"
+        "print('forward', type(model).forward.__name__)\n"
+    )
+    done = _python(code, FUSEDHEAD_VERL_FIX_TRL_PROBE="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "forward forward_with_fusedhead_backend" in done.stdout
+    failed = _python(code, FUSEDHEAD_VERL_FIX_TRL_PROBE="0")
+    assert failed.returncode != 0 and "AutoModelForCausalLMWithValueHead" in failed.stderr

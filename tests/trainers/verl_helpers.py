@@ -101,23 +101,23 @@ def apply_verl_monkey_patch(model: nn.Module, backend: str) -> None:
 def restored_verl_patches(model_cls: type) -> Iterator[None]:
     """Undo what verl's ``apply_monkey_patch`` changes process-wide, after the block.
 
-    It swaps the model class's ``forward`` and transformers' flash-attention function, and
-    with TRL installed it imports TRL's value-head model, which TRL 1.16 no longer has (a
-    verl/TRL incompatibility unrelated to the head), so that probe is turned off meanwhile.
+    It swaps the model class's ``forward`` and transformers' flash-attention function. With TRL
+    1.16 installed its probe for TRL's value-head model fails, so the block runs with fusedhead's
+    opt-in fix on (``fix_trl_value_head_probe``, what a verl user beside TRL turns on).
     """
     from transformers.integrations import flash_attention
-    from verl.models.transformers import monkey_patch
+
+    from fusedhead.integrations import verl as fh_verl
 
     forward = model_cls.__dict__["forward"]
     fa = flash_attention._flash_attention_forward
-    trl_probe = monkey_patch.is_trl_available
-    monkey_patch.is_trl_available = lambda: False
+    fh_verl.fix_trl_value_head_probe()
     try:
         yield
     finally:
         model_cls.forward = forward
         flash_attention._flash_attention_forward = fa
-        monkey_patch.is_trl_available = trl_probe
+        fh_verl.fix_trl_value_head_probe(False)
 
 
 def scored(

@@ -42,10 +42,12 @@ from typing import Any, cast
 __all__ = [
     "MONKEY_PATCH_MODULE",
     "VERL_BACKENDS",
+    "fix_trl_value_head_probe",
     "forward_with_fusedhead_backend",
     "install",
     "is_installed",
     "patch_forward_with_backends",
+    "trl_has_value_head",
     "uninstall",
 ]
 
@@ -70,6 +72,10 @@ _lock = threading.RLock()
 _original: dict[str, Callable[..., Any]] = {}
 _finder: _PatchOnImport | None = None
 _armed_veomni = False
+#: Whether :func:`fix_trl_value_head_probe` is on (applied to verl's module when it is imported).
+_trl_probe_fixed = False
+#: Where TRL keeps (kept) the value-head model verl 0.9.1's ``apply_monkey_patch`` patches.
+TRL_VALUE_HEAD_MODULES = ("trl.experimental.ppo", "trl")
 
 
 def install() -> None:
@@ -98,8 +104,9 @@ def uninstall() -> None:
 
     Model classes already patched keep their forward (verl patches classes the same way).
     """
-    global _finder, _armed_veomni
+    global _finder, _armed_veomni, _trl_probe_fixed
     with _lock:
+        _trl_probe_fixed = False
         if _finder is not None and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
         _finder = None
@@ -107,6 +114,7 @@ def uninstall() -> None:
         original = _original.pop("patch_forward_with_backends", None)
         if module is not None and original is not None:
             module.patch_forward_with_backends = original  # type: ignore[attr-defined]
+        _restore_trl_probe(module)
         if _armed_veomni:
             from fusedhead.integrations import veomni
 
@@ -129,10 +137,84 @@ def _patch_module(module: types.ModuleType) -> None:
             f"{MONKEY_PATCH_MODULE} has no patch_forward_with_backends: this verl is not one "
             "fusedhead's integration supports (tested with verl 0.9.1)"
         )
+    if _trl_probe_fixed:
+        _apply_trl_probe(module)
     if current is patch_forward_with_backends:
         return
     _original["patch_forward_with_backends"] = current
     module.patch_forward_with_backends = patch_forward_with_backends  # type: ignore[attr-defined]
+
+
+def trl_has_value_head() -> bool:
+    """verl's ``is_trl_available`` narrowed to what verl then imports: TRL's value-head model.
+
+    True when TRL is installed and still has ``AutoModelForCausalLMWithValueHead`` (in
+    ``trl.experimental.ppo`` or ``trl``); TRL 1.16 has neither, so there is nothing to patch.
+    """
+    import importlib
+    import importlib.util
+    import warnings
+
+    if importlib.util.find_spec("trl") is None:
+        return False
+    for name in TRL_VALUE_HEAD_MODULES:
+        try:
+            with warnings.catch_warnings():  # TRL warns on any import from trl.experimental
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "AutoModelForCausalLMWithValueHead"):
+            return True
+    return False
+
+
+def _apply_trl_probe(module: types.ModuleType) -> None:
+    current = getattr(module, "is_trl_available", None)
+    if current is None:
+        raise RuntimeError(
+            f"{MONKEY_PATCH_MODULE} has no is_trl_available: fix_trl_value_head_probe is for "
+            "verl 0.9.1, whose apply_monkey_patch probes TRL through it"
+        )
+    if current is not trl_has_value_head:
+        _original["is_trl_available"] = current
+        module.is_trl_available = trl_has_value_head  # type: ignore[attr-defined]
+
+
+def _restore_trl_probe(module: types.ModuleType | None) -> None:
+    original = _original.pop("is_trl_available", None)
+    if module is not None and original is not None:
+        module.is_trl_available = original  # type: ignore[attr-defined]
+
+
+def fix_trl_value_head_probe(enable: bool = True) -> None:
+    """Opt-in: let verl 0.9.1's ``apply_monkey_patch`` run beside TRL >= 1.16 (``False`` undoes it).
+
+    With TRL installed, verl's ``apply_monkey_patch`` imports TRL's
+    ``AutoModelForCausalLMWithValueHead`` to patch its ``state_dict``; TRL 1.16 dropped that class,
+    so the import raises ``ImportError`` and no model can be built. This replaces the one name
+    verl's ``monkey_patch`` module probes with, ``is_trl_available``, by
+    :func:`trl_has_value_head`: verl still patches the class wherever TRL has it, and skips the
+    patch where there is no class to patch. verl's other modules are untouched (its value-head
+    critic still needs a TRL that has the class). Applied now if verl's module is imported, else
+    when verl imports it. Upstream fix that removes this: verl probing for the class itself
+    (``try: from trl... import AutoModelForCausalLMWithValueHead except ImportError: skip``,
+    docs/integrations/verl.md). In verl's Ray workers, set ``FUSEDHEAD_VERL_FIX_TRL_PROBE=1``:
+    the ``verl.plugins`` entry point then calls this on ``import verl``.
+    """
+    global _trl_probe_fixed
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be a bool, got {type(enable).__name__} {enable!r}")
+    with _lock:
+        _trl_probe_fixed = enable
+        module = sys.modules.get(MONKEY_PATCH_MODULE)
+        if not enable:
+            _restore_trl_probe(module)
+            return
+        if module is not None:
+            _apply_trl_probe(module)
+        else:
+            install()
 
 
 def _arm_veomni(module: types.ModuleType) -> None:
