@@ -15,6 +15,31 @@ sys.path.insert(0, str(Path(__file__).parent))
 from policy_loss_bench import build, make_inputs
 
 
+def dz_sweep(configs: list[tuple[int, int, int]]) -> None:
+    """The dz kernel's CUDA time per (rows per program, warps, stages), N = 8192, one chunk."""
+    import fusedhead_triton.policy as tp
+
+    x = make_inputs(8192, 4096, 151936, torch.device("cuda"), torch.bfloat16)
+    fn = build("fused:triton:policy_chunk_rows=8192", x)
+    h = x["hidden"].detach().clone().requires_grad_()
+    w = x["weight"].detach().clone().requires_grad_()
+    for cfg in configs:
+        tp.DZ_CONFIG = cfg
+        for _ in range(2):
+            fn(h, w).backward()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn(h, w).backward()
+            torch.cuda.synchronize()
+        times = {e.key: e.device_time_total / e.count / 1e3 for e in prof.key_averages()}
+        print(
+            f"dz config {cfg}: dz {times.get('policy_dz_kernel', float('nan')):.2f} ms, "
+            f"logits {times.get('policy_logits_kernel', float('nan')):.2f} ms",
+            flush=True,
+        )
+
+
 def main() -> int:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -43,28 +68,3 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def dz_sweep(configs: list[tuple[int, int, int]]) -> None:
-    """The dz kernel's CUDA time per (rows per program, warps, stages), N = 8192, one chunk."""
-    import fusedhead_triton.policy as tp
-
-    x = make_inputs(8192, 4096, 151936, torch.device("cuda"), torch.bfloat16)
-    fn = build("fused:triton:policy_chunk_rows=8192", x)
-    h = x["hidden"].detach().clone().requires_grad_()
-    w = x["weight"].detach().clone().requires_grad_()
-    for cfg in configs:
-        tp.DZ_CONFIG = cfg
-        for _ in range(2):
-            fn(h, w).backward()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                fn(h, w).backward()
-            torch.cuda.synchronize()
-        times = {e.key: e.device_time_total / e.count / 1e3 for e in prof.key_averages()}
-        print(
-            f"dz config {cfg}: dz {times.get('policy_dz_kernel', float('nan')):.2f} ms, "
-            f"logits {times.get('policy_logits_kernel', float('nan')):.2f} ms",
-            flush=True,
-        )
