@@ -357,3 +357,19 @@ def test_several_row_chunks(backend: str, aggregation: str) -> None:
             dual_clip=2.0,
         )
     )
+
+
+def test_torch_compiled_chunks_match_the_reference() -> None:
+    """The torch backend's CUDA default (its elementwise work through torch.compile), on the CPU."""
+    data = batch(seed=12)
+    assert_matches(
+        run_both(
+            "torch",
+            data,
+            temperature=0.8,
+            entropy_coef=0.01,
+            options={"compile_policy": True, "chunk_rows": 8},
+            use=["ref_log_probs"],
+            kl_coef=0.05,
+        )
+    )

@@ -27,7 +27,7 @@ from fusedhead_torch.outputs import (
 )
 from fusedhead_torch.policy import chunk_rows, policy_loss
 from fusedhead_torch.tile_math import _mm_out_dtype_works
-from fusedhead_torch.tiling import Tiles, plan_tiles, skips_rows
+from fusedhead_torch.tiling import GRID_COLS, Tiles, plan_forward_tiles, plan_tiles, skips_rows
 
 #: Default workspace for the logit tiles, per device type, in MiB. CUDA: 12 vocabulary blocks at
 #: N=8192, V=151936 in bf16 (wider blocks gain little, see tools/gpu_tune.py). CPU: small enough
@@ -71,6 +71,12 @@ class TorchOptions(BaseModel):
         "with out_dtype=float32 on CUDA, upcast operands elsewhere) instead of rounding the "
         "logits to the input dtype. Default: on (see the plugin README for time and memory).",
     )
+    compile_policy: bool | None = Field(
+        default=None,
+        description="The policy loss's per-chunk elementwise work through torch.compile (two "
+        "fused passes instead of about ten; no softcap). Default: on for CUDA, off elsewhere "
+        "(the first call compiles, some seconds).",
+    )
 
 
 def _bytes_per_element(dtype: torch.dtype, softcap: float | None) -> int:
@@ -104,6 +110,8 @@ class TorchBackend:
             per_token_temperature=True,
             softcap=True,
             uneven_shards=True,
+            degree_invariant=True,
+            vocab_grid=GRID_COLS,
             outputs=("log_probs", "entropy", *EXTRA_OUTPUTS),
             max_top_k=MAX_TOP_K,
             vocab_parallel_outputs=VOCAB_PARALLEL_OUTPUTS,
@@ -154,6 +162,21 @@ class TorchBackend:
             block_vocab=opts.block_vocab,
         )
 
+    def forward_tiles(
+        self, n: int, v: int, dtype: torch.dtype, device: torch.device, softcap: float | None = None
+    ) -> Tiles:
+        """The forward's tiles: ``GRID_COLS`` columns each (the vocabulary grid), rows as budgeted."""
+        mib = self.options.workspace_mib or DEFAULT_WORKSPACE_MIB.get(
+            device.type, DEFAULT_WORKSPACE_MIB["cpu"]
+        )
+        return plan_forward_tiles(
+            n,
+            v,
+            bytes_per_element=_bytes_per_element(dtype, softcap),
+            budget_bytes=mib << 20,
+            chunk_rows=self.options.chunk_rows,
+        )
+
     def forward(self, call: HeadCall) -> HeadOutput:
         """fp32 ``log_probs [N]`` and ``entropy [N]`` (or None), differentiable in hidden/weight."""
         if not call.outputs <= _BASIC_OUTPUTS:  # top-k, gather, lse, sum_p2, argmax: outputs.py
@@ -193,6 +216,9 @@ class TorchBackend:
             process_group=call.process_group,
             reduce_hidden_grad=call.reduce_hidden_grad,
             fp32_logits=self.fp32_logits(hidden.device),
+            forward_tiles=self.forward_tiles(
+                hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device, softcap
+            ),
         )
         out = ChunkedFusedHead.apply(hidden, weight, labels, inv_t, spec)  # type: ignore[no-untyped-call]
         log_probs, entropy = out if return_entropy else (out, None)
@@ -220,4 +246,7 @@ class TorchBackend:
             head.softcap is not None,
             self.options.chunk_rows,
         )
-        return policy_loss(call, rows, self.fp32_logits(device))
+        use_compile = self.options.compile_policy
+        if use_compile is None:
+            use_compile = device.type == "cuda"
+        return policy_loss(call, rows, self.fp32_logits(device), use_compile)

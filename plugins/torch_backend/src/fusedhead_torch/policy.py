@@ -20,6 +20,41 @@ from fusedhead_torch.tile_math import MAX_SCALE, gemm_operand, logits_mm
 FP32 = torch.float32
 
 
+def row_stats(
+    x: torch.Tensor, k: torch.Tensor, label: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's ``max z``, ``s = sum e``, ``t = sum e d`` and ``d`` at the label, with
+    ``z = k x``, ``d = z - max z``, ``e = exp(d)`` (``k``: ``[rows, 1]``); one function, so that
+    ``torch.compile`` fuses its passes over the fp32 logits into two reductions."""
+    z = x * k
+    m = z.amax(dim=1, keepdim=True)
+    d = z - m
+    e = torch.exp(d)
+    return m.squeeze(1), e.sum(dim=1), (e * d).sum(dim=1), d.gather(1, label).squeeze(1)
+
+
+def logits_grad(
+    x: torch.Tensor, k: torch.Tensor, m: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """``e (a + b d)`` in ``dtype`` (the label column excepted); compiled: one pass."""
+    d = x * k - m.unsqueeze(1)
+    return (torch.exp(d) * (a.unsqueeze(1) + b.unsqueeze(1) * d)).to(dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def compiled(name: str) -> object:
+    """``row_stats`` or ``logits_grad`` through ``torch.compile`` (dynamic rows), made once."""
+    fn = _COMPILED.get(name)
+    if fn is None:
+        fn = _COMPILED[name] = torch.compile(
+            row_stats if name == "row_stats" else logits_grad, dynamic=True, fullgraph=True
+        )
+    return fn
+
+
 def chunk_rows(
     v: int, dtype: torch.dtype, budget_bytes: int, softcap: bool, explicit: int | None
 ) -> int:
@@ -31,7 +66,9 @@ def chunk_rows(
     return max(1, budget_bytes // (v * per_value))
 
 
-def policy_loss(call: PolicyLossCall, rows_per_chunk: int, fp32_logits: bool) -> PolicyLossResult:
+def policy_loss(
+    call: PolicyLossCall, rows_per_chunk: int, fp32_logits: bool, use_compile: bool = False
+) -> PolicyLossResult:
     """Each row's fp32 log-prob and entropy, and the loss's gradients in hidden and weight.
 
     Passes over a chunk's ``[rows, V]`` values: the GEMM's write, the max, ``d = k x - k max``
@@ -59,6 +96,8 @@ def policy_loss(call: PolicyLossCall, rows_per_chunk: int, fp32_logits: bool) ->
     grad_w = torch.empty_like(weight) if call.need_weight_grad else None
     need_grads = grad_h is not None or grad_w is not None
     low = hidden.dtype != FP32
+    if use_compile and cap is None:
+        return _compiled_chunks(call, rows_per_chunk, fp32_logits, inv_t)
     for start in range(0, n, rows_per_chunk):
         stop = min(start + rows_per_chunk, n)
         ok = valid[start:stop]
@@ -101,6 +140,58 @@ def policy_loss(call: PolicyLossCall, rows_per_chunk: int, fp32_logits: bool) ->
             del sech2
         dz = torch.mul(g, e, out=torch.empty_like(g, dtype=hidden.dtype) if low else g)
         del e
+        dz.scatter_(1, label, dz_label.to(dz.dtype).unsqueeze(1))
+        if grad_h is not None:
+            torch.mm(dz, weight, out=grad_h[start:stop])
+        if grad_w is not None:
+            if start == 0:
+                torch.mm(dz.t(), h_rows, out=grad_w)
+            else:
+                grad_w.addmm_(dz.t(), h_rows)
+    return PolicyLossResult(log_probs, entropy, grad_hidden=grad_h, grad_weight=grad_w)
+
+
+def _compiled_chunks(
+    call: PolicyLossCall, rows_per_chunk: int, fp32_logits: bool, inv_t: torch.Tensor
+) -> PolicyLossResult:
+    """``policy_loss`` with each chunk's elementwise work in two compiled functions (no softcap):
+    the fp32 logits are read three times and ``dz`` written once, in the GEMMs' dtype."""
+    head = call.head
+    hidden, weight, labels = head.hidden, head.weight, head.labels
+    n = hidden.shape[0]
+    device = hidden.device
+    valid = labels != head.ignore_index
+    zero = torch.zeros((), dtype=FP32, device=device)
+    w_t = gemm_operand(weight, fp32_logits).t()
+    log_probs = torch.empty(n, dtype=FP32, device=device)
+    entropy = torch.empty(n, dtype=FP32, device=device)
+    grad_h = torch.empty_like(hidden) if call.need_hidden_grad else None
+    grad_w = torch.empty_like(weight) if call.need_weight_grad else None
+    stats_fn, grad_fn = compiled("row_stats"), compiled("logits_grad")
+    for start in range(0, n, rows_per_chunk):
+        stop = min(start + rows_per_chunk, n)
+        ok = valid[start:stop]
+        h_rows = torch.where(ok.unsqueeze(1), hidden[start:stop], torch.zeros((), dtype=hidden.dtype))
+        x = logits_mm(gemm_operand(h_rows, fp32_logits), w_t, fp32_logits).to(FP32)
+        k = (inv_t[start:stop] if inv_t.numel() > 1 else inv_t.expand(stop - start)).unsqueeze(1)
+        label = torch.where(ok, labels[start:stop], 0).unsqueeze(1)
+        m, s, t, d_y = stats_fn(x, k, label)  # type: ignore[operator]
+        log_s = torch.log(s)
+        lp = torch.where(ok, d_y - log_s, zero)
+        ent = torch.where(ok, log_s - t / s, zero)
+        log_probs[start:stop] = lp
+        entropy[start:stop] = ent
+        if grad_h is None and grad_w is None:
+            continue
+        terms = token_grads(call, start, stop, lp, ent)
+        g_lp, g_ent = terms.grad_log_probs, terms.grad_entropy
+        kr = k.squeeze(1)
+        inv_s = kr / s
+        a = (-g_lp - g_ent * (ent - log_s)) * inv_s
+        b = -g_ent * inv_s
+        dz = grad_fn(x, k, m, a, b, hidden.dtype)  # type: ignore[operator]
+        del x
+        dz_label = torch.exp(d_y) * (a + b * d_y) + g_lp * kr
         dz.scatter_(1, label, dz_label.to(dz.dtype).unsqueeze(1))
         if grad_h is not None:
             torch.mm(dz, weight, out=grad_h[start:stop])

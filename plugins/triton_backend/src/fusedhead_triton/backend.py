@@ -46,7 +46,7 @@ EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "gather")
 #: Largest tile size the options take (block_m, block_n, block_k).
 MAX_TILE = 1024
 #: The policy loss's kept ``[rows, V]`` buffer per ``memory`` choice, in bytes (docs/policy-loss.md).
-POLICY_BUFFER_BYTES = {"low": 512 << 20, "fast": 2048 << 20}
+POLICY_BUFFER_BYTES = {"low": 1024 << 20, "fast": 2048 << 20}
 
 
 class TritonOptions(BaseModel):
@@ -87,7 +87,7 @@ class TritonOptions(BaseModel):
         None,
         ge=1,
         description="Tuning: rows per chunk of the policy loss (None: from memory, a kept buffer "
-        "of 512 MiB for 'low' and 2 GiB for 'fast').",
+        "of 1 GiB for 'low' and 2 GiB for 'fast').",
     )
     tma: bool | None = Field(
         None,
