@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from fusedhead import registry
+from fusedhead.testing.policy import POLICY_PROPERTIES
 
 
 def fusedhead_check(
@@ -49,6 +50,8 @@ def test_fusedhead_check_torch_passes_on_cpu():
     proc = fusedhead_check("torch")
     assert_passes(proc)
     assert "PASS vocab_parallel" in proc.stdout and "PASS determinism" in proc.stdout
+    for prop in POLICY_PROPERTIES:  # torch declares policy_loss
+        assert f"PASS {prop}" in proc.stdout, proc.stdout
 
 
 @needs("torch")

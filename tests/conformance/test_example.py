@@ -10,6 +10,7 @@ import pytest
 from fusedhead import registry
 from fusedhead.testing import Outcome, check
 from fusedhead.testing.outputs import OUTPUT_PROPERTIES
+from fusedhead.testing.policy import POLICY_PROPERTIES
 
 
 def test_example_is_discovered_through_its_entry_point(with_example):
@@ -24,7 +25,13 @@ def test_example_passes_the_kit_including_batch_invariance(with_example):
     assert results["batch_invariance"].outcome is Outcome.PASS
     assert results["determinism"].outcome is Outcome.PASS
     not_run = {name for name, r in results.items() if r.outcome is Outcome.NOT_RUN}
-    assert not_run == {"per_token_temperature", "softcap", "vocab_parallel", *OUTPUT_PROPERTIES}
+    assert not_run == {
+        "per_token_temperature",
+        "softcap",
+        "vocab_parallel",
+        *OUTPUT_PROPERTIES,
+        *POLICY_PROPERTIES,
+    }
 
 
 @pytest.mark.slow

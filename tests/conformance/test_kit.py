@@ -9,6 +9,7 @@ import pytest
 from fusedhead.errors import BackendUnavailableError, OptionsError
 from fusedhead.testing import PROPERTIES, Outcome, check, check_property
 from fusedhead.testing.outputs import OUTPUT_PROPERTIES
+from fusedhead.testing.policy import POLICY_PROPERTIES
 from fusedhead.testing.target import Target
 
 
@@ -19,7 +20,7 @@ def test_correct_backend_passes_every_property_it_declares(kit_backends):
     assert not failed
     not_run = {name for name, r in results.items() if r.outcome is Outcome.NOT_RUN}
     # kit-ref declares everything but batch invariance, and none of the outputs past entropy
-    assert not_run == {"batch_invariance", *OUTPUT_PROPERTIES}
+    assert not_run == {"batch_invariance", *OUTPUT_PROPERTIES, *POLICY_PROPERTIES}
     assert "does not declare batch_invariant" in results["batch_invariance"].message
 
 
@@ -124,7 +125,10 @@ def test_runner_prints_one_line_per_property_and_exits_1_on_a_failure(kit_backen
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("FAIL ignore_index: ")
     assert lines[2] == "NOT RUN determinism: the backend does not declare deterministic on cpu"
-    assert lines[3].endswith("0 pass, 1 fail, 1 not run")
+    assert lines[3] == (  # -k matches substrings: policy_loss_determinism too
+        "NOT RUN policy_loss_determinism: the backend does not declare policy_loss on cpu"
+    )
+    assert lines[4].endswith("0 pass, 1 fail, 2 not run")
 
 
 def test_runner_exits_0_when_nothing_failed(kit_backends, capsys):

@@ -118,6 +118,52 @@ def reference_policy_loss(
         compute_dtype=compute_dtype,
     )
     assert ent is not None
+    return policy_loss_from_log_probs(
+        logp,
+        ent,
+        labels,
+        old_log_probs=old_log_probs,
+        advantages=advantages,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        entropy_coef=entropy_coef,
+        ref_log_probs=ref_log_probs,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        rollout_log_probs=rollout_log_probs,
+        tis_cap=tis_cap,
+        aggregation=aggregation,
+        loss_normalizer=loss_normalizer,
+        cu_seqlens=cu_seqlens,
+        ignore_index=ignore_index,
+    )
+
+
+def policy_loss_from_log_probs(
+    logp: torch.Tensor,
+    ent: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    entropy_coef: float = 0.0,
+    ref_log_probs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    rollout_log_probs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    aggregation: str = "token-mean",
+    loss_normalizer: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """verl's policy loss from per-token log-probs ``logp`` and entropies ``ent`` (labels' shape),
+    differentiable in both: ``reference_policy_loss`` after its head, and the loss the four-GEMM
+    paths (a head's log-probs, then the loss in torch) compute. Computes in ``logp``'s dtype."""
     dtype = logp.dtype
     mask = labels != ignore_index
     old = old_log_probs.to(dtype).expand(labels.shape)

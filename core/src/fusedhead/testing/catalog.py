@@ -12,6 +12,7 @@ from fusedhead.testing.declared import DECLARED
 from fusedhead.testing.distributed import DISTRIBUTED
 from fusedhead.testing.outcome import NotRun, Outcome, PropertyFailure, Result
 from fusedhead.testing.outputs import OUTPUT_PROPERTIES
+from fusedhead.testing.policy import POLICY_PROPERTIES
 from fusedhead.testing.randomized import RANDOMIZED
 from fusedhead.testing.target import Target
 
@@ -25,6 +26,7 @@ PROPERTIES: dict[str, Property] = {
     **DISTRIBUTED,
     **RANDOMIZED,
     **OUTPUT_PROPERTIES,
+    **POLICY_PROPERTIES,
 }
 
 

@@ -1,0 +1,600 @@
+"""Properties of the ``policy_loss`` capability (``fused_policy_loss``), run where it is declared.
+
+The yardstick is verl's loss over float64 full logits
+(``fusedhead.reference.policy_loss_from_log_probs`` on ``reference_outputs``): its value, and the
+gradients of hidden and weight through autograd. The bounds are the head's (``tolerances.py``),
+carried through the loss: the loss is ``sum_i w_i l_i(lp_i, H_i)``, so its error is at most
+``sum_i |dL/dlp_i| e_lp + |dL/dH_i| e_H`` (``e`` the max abs bound of each statistic) plus the fp32
+rounding of the terms, and its gradients are the head's backward with upstream ``dL/dlp`` and
+``dL/dH``, held to the head's gradient bound with that upstream.
+
+The loss has kinks (the clip bounds, the dual clip): a log-prob a rounding error off moves a
+token across one and its gradient jumps. The kit's log-ratios are drawn at least a margin (twice
+the log-prob bound) away from every kink, so a right backend never straddles one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from fusedhead.reference import policy_loss_from_log_probs
+from fusedhead.testing.inputs import FLAT, IGNORE_INDEX, PEAKED, TEMPERATURE, Case, make_case
+from fusedhead.testing.outcome import NotRun, PropertyFailure
+from fusedhead.testing.outputs import _logits, _magnitude_terms, _magnitudes, reference_outputs
+from fusedhead.testing.target import Target
+from fusedhead.testing.tolerances import UNIT_ROUNDOFF, Bound, assert_close
+
+Property = Callable[[Target], None]
+AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+#: The penalty terms the accuracy sweep crosses with the aggregations (verl's estimator names).
+PENALTIES: tuple[dict[str, Any], ...] = (
+    {"entropy_coef": 0.01},
+    {"kl_coef": 0.1, "kl_estimator": "k1"},
+    {"kl_coef": 0.1, "kl_estimator": "k2", "entropy_coef": 0.02},
+    {"kl_coef": 0.1, "kl_estimator": "k3", "entropy_coef": -0.02},
+)
+#: (dual clip, truncated importance sampling) settings, cycled against the penalties so that each
+#: aggregation meets each setting and each penalty (a Latin square, 16 calls, not 64).
+CLIPS: tuple[tuple[float | None, bool], ...] = (
+    (None, False),
+    (1.8, False),
+    (None, True),
+    (1.8, True),
+)
+CLIP_LOW, CLIP_HIGH, TIS_CAP = 0.2, 0.28, 1.5
+#: Log-ratios ``lp - old`` are drawn in this range, then moved off the kinks.
+LOG_RATIO_RANGE = (-0.8, 0.9)
+#: The margin never exceeds this (coarse logits): kinks are about 0.34 apart at least.
+MAX_MARGIN = 0.12
+
+
+def _declared(target: Target) -> None:
+    if not target.caps.policy_loss:
+        raise NotRun(f"the backend does not declare policy_loss on {target.device.type}")
+
+
+def _float(t: torch.Tensor | float) -> torch.Tensor | float:
+    return t.double() if isinstance(t, torch.Tensor) else t
+
+
+class _Batch:
+    """One case's per-token RL terms (fp32 on the CPU, labels' shape), made for a target."""
+
+    def __init__(
+        self,
+        target: Target,
+        case: Case,
+        *,
+        seed: int,
+        temperature: float | torch.Tensor = TEMPERATURE,
+        softcap: float | None = None,
+        dual_clip: float | None = None,
+    ) -> None:
+        self.case = case
+        self.temperature = target.allowed_temperature(temperature)
+        self.softcap = softcap
+        dt = target.dtype
+        h = case.hidden.reshape(-1, case.hidden.shape[-1]).to(dt).double()
+        w = case.weight.to(dt).double()
+        y = case.labels.reshape(-1)
+        with torch.no_grad():
+            ref = reference_outputs(h, w, y, temperature=_float(self.temperature), softcap=softcap)
+            z, _ = _logits(h, w, _float(self.temperature), softcap)
+        valid = y != IGNORE_INDEX
+        zmax = float(z[valid].abs().max()) if bool(valid.any()) else 0.0
+        self.tol = target.tolerances(h.shape[1], w.shape[0], zmax)
+        margin = min(2 * 4 * self.tol.log_probs.scale, MAX_MARGIN)
+        kinks = [math.log(1 - CLIP_LOW), math.log(1 + CLIP_HIGH)]
+        if dual_clip is not None:
+            kinks.append(math.log(dual_clip))
+        g = torch.Generator().manual_seed(30_000 + seed)
+        n = y.shape[0]
+        log_ratio = torch.empty(n, dtype=torch.float64).uniform_(*LOG_RATIO_RANGE, generator=g)
+        for kink in kinks:
+            near = (log_ratio - kink).abs() < margin
+            away = torch.where(log_ratio >= kink, 1.0, -1.0)
+            log_ratio = torch.where(near, kink + away * margin, log_ratio)
+        lp = ref["log_probs"]
+        shape = tuple(case.labels.shape)
+        self.old = (lp - log_ratio).float().reshape(shape)
+        self.advantages = torch.randn(n, generator=g).reshape(shape)
+        self.ref_log_probs = (lp + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)).float()
+        self.ref_log_probs = self.ref_log_probs.reshape(shape)
+        self.rollout = (self.old.reshape(-1) + 0.3 * torch.randn(n, generator=g)).reshape(shape)
+
+    def kwargs(self, *, dual_clip: float | None, tis: bool, **extra: Any) -> dict[str, Any]:
+        """The loss's keyword arguments on the CPU (per-token tensors fp32)."""
+        kw: dict[str, Any] = {
+            "old_log_probs": self.old,
+            "advantages": self.advantages,
+            "clip_low": CLIP_LOW,
+            "clip_high": CLIP_HIGH,
+            "dual_clip": dual_clip,
+            **extra,
+        }
+        if kw.get("kl_coef"):
+            kw["ref_log_probs"] = self.ref_log_probs
+        if tis:
+            kw["rollout_log_probs"] = self.rollout
+            kw["tis_cap"] = TIS_CAP
+        return kw
+
+
+def _on(device: torch.device, kw: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+class _Expected:
+    """The float64 loss, its gradients and their bounds for one call's arguments."""
+
+    def __init__(self, batch: _Batch, target: Target, kw: dict[str, Any], upstream: float = 1.0):
+        case, dt = batch.case, target.dtype
+        hh = case.hidden.reshape(-1, case.hidden.shape[-1]).to(dt).double().requires_grad_(True)
+        ww = case.weight.to(dt).double().requires_grad_(True)
+        yy = case.labels.reshape(-1)
+        temp = _float(batch.temperature)
+        if isinstance(temp, torch.Tensor):
+            temp = temp.expand(case.labels.shape).reshape(-1)
+        ref = reference_outputs(hh, ww, yy, temperature=temp, softcap=batch.softcap)
+        shape = tuple(case.labels.shape)
+        lp = ref["log_probs"].detach().reshape(shape).requires_grad_(True)
+        ent = ref["entropy"].detach().reshape(shape).requires_grad_(True)
+        kw64: dict[str, Any] = {
+            k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in kw.items()
+        }
+        loss = policy_loss_from_log_probs(lp, ent, case.labels, **kw64)
+        g_lp, g_ent = (
+            torch.zeros_like(t) if g is None else g
+            for g, t in zip(torch.autograd.grad([loss], [lp, ent], allow_unused=True), (lp, ent))
+        )
+        g_lp, g_ent = g_lp.reshape(-1) * upstream, g_ent.reshape(-1) * upstream
+        torch.autograd.backward([ref["log_probs"], ref["entropy"]], [g_lp, g_ent])
+        self.loss = float(loss.detach())
+        assert hh.grad is not None and ww.grad is not None
+        self.grad_hidden = hh.grad.reshape(case.hidden.shape)
+        self.grad_weight = ww.grad
+        self.log_probs = ref["log_probs"].detach().reshape(shape)
+        self.entropy = ref["entropy"].detach().reshape(shape)
+        tol = batch.tol
+        # The loss: each statistic's max abs bound through |dL/d.|, plus the fp32 terms' rounding.
+        terms = (loss.detach().abs() + (g_lp.abs() + g_ent.abs()).sum()) / abs(upstream)
+        self.loss_bound = float(
+            4 * tol.log_probs.scale * (g_lp.abs().sum() / abs(upstream))
+            + 4 * tol.entropy.scale * (g_ent.abs().sum() / abs(upstream))
+            + 16 * (yy.numel() + 8) * UNIT_ROUNDOFF["fp32"] * terms
+        )
+        upstreams = {"log_probs": g_lp.detach(), "entropy": g_ent.detach()}
+        detached = {k: v.detach() for k, v in ref.items()}
+        d = _magnitude_terms(detached, upstreams, yy, {}, IGNORE_INDEX)
+        slope: torch.Tensor | float = 1.0
+        if batch.softcap is not None:
+            th = torch.tanh(hh.detach() @ ww.detach().T / batch.softcap)
+            slope = 1 - th * th
+        m_h, m_w = _magnitudes(d, hh.detach(), ww.detach(), slope, temp)
+        self.m_hidden = m_h.reshape(case.hidden.shape)
+        self.m_weight = m_w
+        self.grad_bound = tol.grad
+
+
+def _call(
+    target: Target,
+    batch: _Batch,
+    kw: dict[str, Any],
+    *,
+    hidden: torch.Tensor | None = None,
+    requires: tuple[bool, bool] = (True, True),
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The backend's loss on ``batch`` (its leaves on the target), and the leaves."""
+    dev, dt = target.device, target.dtype
+    source = batch.case.hidden if hidden is None else hidden
+    h = source.detach().to(dev, dt).requires_grad_(requires[0])
+    w = batch.case.weight.detach().to(dev, dt).requires_grad_(requires[1])
+    temp = batch.temperature
+    if isinstance(temp, torch.Tensor):
+        temp = temp.to(dev)
+    out = target.head.policy_loss(
+        h,
+        w,
+        batch.case.labels.to(dev),
+        temperature=temp,
+        softcap=batch.softcap,
+        **_on(dev, kw),
+    )
+    return out, h, w
+
+
+def _compare(
+    label: str,
+    out: Any,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    want: _Expected,
+) -> None:
+    """The loss and both gradients (``want`` made with the upstream backward saw)."""
+    try:
+        got = float(out.loss.detach())
+        if not math.isfinite(got) or abs(got - want.loss) > want.loss_bound:
+            raise PropertyFailure(
+                f"loss {got!r}, float64 {want.loss!r}: abs err {abs(got - want.loss):.3g} > "
+                f"bound {want.loss_bound:.3g}"
+            )
+        for leaf, t, ref, m in (
+            ("hidden", h, want.grad_hidden, want.m_hidden),
+            ("weight", w, want.grad_weight, want.m_weight),
+        ):
+            if t.grad is None:
+                raise PropertyFailure(f"grad of {leaf} is None although {leaf} requires grad")
+            assert_close(f"grad {leaf}", t.grad.detach().cpu(), ref, want.grad_bound, m)
+    except PropertyFailure as exc:
+        raise PropertyFailure(f"{label}: {exc}") from None
+
+
+def _statistics(label: str, out: Any, want: _Expected, batch: _Batch) -> None:
+    """log_probs and entropy of the output: float64's within the head's bounds, 0 where ignored."""
+    try:
+        ignored = batch.case.labels == IGNORE_INDEX
+        for field, bound in (("log_probs", batch.tol.log_probs), ("entropy", batch.tol.entropy)):
+            t = getattr(out, field).detach().cpu()
+            if bool((t[ignored] != 0).any()):
+                raise PropertyFailure(f"{field} of ignored rows must be exactly 0")
+            assert_close(field, t, getattr(want, field), Bound(bound.scale))
+    except PropertyFailure as exc:
+        raise PropertyFailure(f"{label}: {exc}") from None
+
+
+def _describe(kw: dict[str, Any]) -> str:
+    parts = [f"aggregation {kw.get('aggregation', 'token-mean')}"]
+    if kw.get("dual_clip") is not None:
+        parts.append(f"dual_clip {kw['dual_clip']}")
+    if "tis_cap" in kw:
+        parts.append(f"TIS cap {kw['tis_cap']}")
+    if kw.get("entropy_coef"):
+        parts.append(f"entropy_coef {kw['entropy_coef']}")
+    if kw.get("kl_coef"):
+        parts.append(f"kl_coef {kw['kl_coef']} {kw.get('kl_estimator', 'k3')}")
+    if kw.get("cu_seqlens") is not None:
+        parts.append(f"cu_seqlens {kw['cu_seqlens'].tolist()}")
+    if kw.get("loss_normalizer") is not None:
+        parts.append(f"loss_normalizer {kw['loss_normalizer']}")
+    return ", ".join(parts)
+
+
+def _check(target: Target, batch: _Batch, kw: dict[str, Any], label: str) -> None:
+    """One call against float64: the loss, both gradients, the statistics."""
+    label = f"{label}, {_describe(kw)}"
+    try:
+        out, h, w = _call(target, batch, kw)
+        out.loss.backward()
+    except Exception as exc:
+        raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+    want = _Expected(batch, target, kw)
+    _compare(label, out, h, w, want)
+    _statistics(label, out, want, batch)
+
+
+def policy_loss_accuracy(target: Target) -> None:
+    """If declared: the policy loss and both gradients match float64 (every aggregation, dual clip, TIS, entropy, k1/k2/k3 KL, packed, normalizer)."""
+    _declared(target)
+    n, h, v = target.sizes.small
+    b = 4
+    case = make_case(n, h, v, scale=FLAT, seed=60, lead=(b, n // b))
+    case.labels[0, n // b // 2 :] = IGNORE_INDEX  # a ragged sequence
+    batches = {dual: _Batch(target, case, seed=61, dual_clip=dual) for dual in (None, 1.8)}
+    for i, aggregation in enumerate(AGGREGATIONS):
+        for j, penalty in enumerate(PENALTIES):
+            dual, tis = CLIPS[(i + j) % len(CLIPS)]
+            kw = batches[dual].kwargs(dual_clip=dual, tis=tis, aggregation=aggregation, **penalty)
+            _check(target, batches[dual], kw, case.description)
+    # A packed batch [1, T] with cu_seqlens, peaked logits; a global normalizer.
+    packed = make_case(n, h, v, scale=PEAKED, seed=62, lead=(1, n))
+    batch = _Batch(target, packed, seed=63, dual_clip=1.8)
+    cu = torch.tensor([0, 5, 5 + n // 3, n - 4, n])
+    for aggregation in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        kw = batch.kwargs(dual_clip=1.8, tis=True, aggregation=aggregation, **PENALTIES[3])
+        _check(target, batch, {**kw, "cu_seqlens": cu}, packed.description)
+    kw = batch.kwargs(dual_clip=None, tis=False, **PENALTIES[0])
+    _check(target, batch, {**kw, "loss_normalizer": 3.0 * n}, packed.description)
+    if target.caps.softcap:
+        batch = _Batch(target, case, seed=64, softcap=5.0, temperature=1.3)
+        kw = batch.kwargs(
+            dual_clip=None, tis=False, aggregation="seq-mean-token-mean", **PENALTIES[1]
+        )
+        _check(target, batch, kw, f"{case.description}, softcap 5.0, temperature 1.3")
+    if target.caps.per_token_temperature:
+        temps = torch.linspace(0.4, 2.0, n).reshape(b, n // b)
+        batch = _Batch(target, case, seed=65, temperature=temps)
+        kw = batch.kwargs(dual_clip=None, tis=True, **PENALTIES[3])
+        _check(target, batch, kw, f"{case.description}, per-token temperatures 0.4 to 2")
+
+
+def policy_loss_ignored_rows(target: Target) -> None:
+    """If declared: ignored rows (NaN/Inf hidden, NaN old log-probs) add nothing, get exactly zero gradient; all rows ignored give loss 0."""
+    _declared(target)
+    n, h, v = target.sizes.small
+    case = make_case(n, h, v, scale=FLAT, seed=66, ignore_fraction=0.3, lead=(4, n // 4))
+    ignored = case.labels == IGNORE_INDEX
+    dirty = case.hidden.clone()
+    rows = ignored.nonzero()
+    for i, (r, c) in enumerate(rows.tolist()):
+        dirty[r, c, i % h] = (math.nan, math.inf, -math.inf)[i % 3]
+    batch = _Batch(target, case, seed=67)
+    for aggregation in ("token-mean", "seq-mean-token-mean"):
+        kw = batch.kwargs(dual_clip=None, tis=False, aggregation=aggregation, **PENALTIES[3])
+        nan_terms = {
+            k: torch.where(ignored, math.nan, v) if k in ("old_log_probs", "ref_log_probs") else v
+            for k, v in kw.items()
+        }
+        label = (
+            f"{case.description}, {int(ignored.sum())} ignored rows with NaN/Inf in their hidden "
+            f"state and NaN old/ref log-probs, aggregation {aggregation}"
+        )
+        try:
+            out, hh, ww = _call(target, batch, nan_terms, hidden=dirty)
+            out.loss.backward()
+        except Exception as exc:
+            raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+        try:
+            assert hh.grad is not None and ww.grad is not None
+            gh = hh.grad.detach().cpu()
+            if bool((gh[ignored] != 0).any()) or not bool(torch.isfinite(gh[ignored]).all()):
+                raise PropertyFailure("grad hidden of ignored rows must be exactly 0")
+            if not bool(torch.isfinite(ww.grad).all()):
+                raise PropertyFailure("grad weight is not finite")
+        except PropertyFailure as exc:
+            raise PropertyFailure(f"{label}: {exc}") from None
+        # The same loss and gradients as float64 on the clean values (ignored rows count for nothing).
+        _compare(label, out, hh, ww, _Expected(batch, target, kw))
+        _statistics(label, out, _Expected(batch, target, kw), batch)
+    every = make_case(8, h, v, scale=FLAT, seed=68, ignore_fraction=1.0)
+    batch = _Batch(target, every, seed=69)
+    kw = batch.kwargs(dual_clip=None, tis=False, **PENALTIES[3])
+    label = f"{every.description}, every row ignored"
+    try:
+        out, hh, ww = _call(target, batch, kw)
+        out.loss.backward()
+    except Exception as exc:
+        raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+    for what, t in (("loss", out.loss), ("grad hidden", hh.grad), ("grad weight", ww.grad)):
+        if t is None or bool((t.detach() != 0).any()):
+            raise PropertyFailure(f"{label}: {what} must be exactly 0, got {t}")
+
+
+def policy_loss_upstream_scale(target: Target) -> None:
+    """If declared: backward of c * loss scales both gradients by c; micro-batches accumulate into .grad."""
+    _declared(target)
+    n, h, v = target.sizes.small
+    case = make_case(n, h, v, scale=FLAT, seed=70, lead=(4, n // 4))
+    batch = _Batch(target, case, seed=71, dual_clip=1.8)
+    kw = batch.kwargs(dual_clip=1.8, tis=True, **PENALTIES[3])
+    for c in (0.25, -3.0):
+        label = f"{case.description}, ({c}) * loss backward"
+        try:
+            out, hh, ww = _call(target, batch, kw)
+            (out.loss * c).backward()
+        except Exception as exc:
+            raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+        _compare(label, out, hh, ww, _Expected(batch, target, kw, upstream=c))
+    # Gradient accumulation: two micro-batches, each normalised by the global token count.
+    second = replace(make_case(n, h, v, seed=72, lead=(4, n // 4)), weight=case.weight)
+    other = _Batch(target, second, seed=73)
+    total = float((case.labels != IGNORE_INDEX).sum() + (second.labels != IGNORE_INDEX).sum())
+    kw1 = batch.kwargs(dual_clip=None, tis=False, loss_normalizer=total, **PENALTIES[0])
+    kw2 = other.kwargs(dual_clip=None, tis=False, loss_normalizer=total, **PENALTIES[0])
+    label = f"{case.description}: two micro-batches into one .grad, loss_normalizer {total:g}"
+    dev, dt = target.device, target.dtype
+    w = case.weight.detach().to(dev, dt).requires_grad_(True)
+    try:
+        grads_h = []
+        for part, kw_part in ((batch, kw1), (other, kw2)):
+            hp = part.case.hidden.detach().to(dev, dt).requires_grad_(True)
+            out = target.head.policy_loss(
+                hp, w, part.case.labels.to(dev), temperature=part.temperature, **_on(dev, kw_part)
+            )
+            torch.autograd.backward([out.loss * 0.5])
+            grads_h.append(hp.grad)
+    except Exception as exc:
+        raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+    want1 = _Expected(batch, target, kw1, upstream=0.5)
+    want2 = _Expected(other, target, kw2, upstream=0.5)
+    try:
+        for i, (g, want) in enumerate(zip(grads_h, (want1, want2), strict=True)):
+            if g is None:
+                raise PropertyFailure(f"grad hidden of micro-batch {i + 1} is None")
+            assert_close(
+                f"grad hidden of micro-batch {i + 1}",
+                g.detach().cpu(),
+                want.grad_hidden,
+                want.grad_bound,
+                want.m_hidden,
+            )
+        if w.grad is None:
+            raise PropertyFailure("grad weight is None")
+        assert_close(
+            "grad weight accumulated over both micro-batches",
+            w.grad.detach().cpu(),
+            want1.grad_weight + want2.grad_weight,
+            want1.grad_bound,
+            want1.m_weight + want2.m_weight,
+        )
+    except PropertyFailure as exc:
+        raise PropertyFailure(f"{label}: {exc}") from None
+
+
+def _bitwise(what: str, a: Any, b: Any) -> None:
+    if a is None or b is None:
+        if (a is None) != (b is None):
+            raise PropertyFailure(f"{what}: one run returned None, the other a tensor")
+        return
+    if a.shape != b.shape or not torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)):
+        diff = (a != b).reshape(-1).nonzero()
+        where = f", first at flat index {int(diff[0, 0])}" if diff.numel() else ""
+        raise PropertyFailure(
+            f"{what} of two identical runs not bitwise equal ({diff.shape[0]} differ{where})"
+        )
+
+
+def policy_loss_determinism(target: Target) -> None:
+    """If policy_loss and deterministic are declared: two runs give bitwise equal loss, statistics, metrics and gradients."""
+    _declared(target)
+    if not target.caps.deterministic:
+        raise NotRun(f"the backend does not declare deterministic on {target.device.type}")
+    n, h, v = target.sizes.main
+    case = make_case(n, h, v, scale=PEAKED, seed=74, lead=(8, n // 8))
+    batch = _Batch(target, case, seed=75, dual_clip=1.8)
+    kw = batch.kwargs(dual_clip=1.8, tis=True, aggregation="seq-mean-token-mean", **PENALTIES[3])
+    runs = []
+    for _ in range(2):
+        try:
+            out, hh, ww = _call(target, batch, kw)
+            out.loss.backward()
+        except Exception as exc:
+            raise PropertyFailure(
+                f"{case.description}: the call raised {type(exc).__name__}: {exc}"
+            ) from exc
+        runs.append((out, hh.grad, ww.grad))
+    (a, gh_a, gw_a), (b, gh_b, gw_b) = runs
+    label = f"{case.description}, {_describe(kw)}"
+    try:
+        _bitwise("loss", a.loss.detach(), b.loss.detach())
+        for name, t in a.metrics().items():
+            _bitwise(name, t, b.metrics().get(name))
+        _bitwise("log_probs", a.log_probs, b.log_probs)
+        _bitwise("entropy", a.entropy, b.entropy)
+        _bitwise("grad hidden", gh_a, gh_b)
+        _bitwise("grad weight", gw_a, gw_b)
+    except PropertyFailure as exc:
+        raise PropertyFailure(f"{label}: {exc}") from None
+
+
+def policy_loss_contract(target: Target) -> None:
+    """If declared: the output's types and shapes, gradients only where asked, none under no_grad, a second backward and create_graph refused."""
+    from fusedhead.policy import PolicyLossOutput
+
+    _declared(target)
+    n, h, v = target.sizes.small
+    b = 4
+    case = make_case(n, h, v, scale=FLAT, seed=76, lead=(b, n // b))
+    batch = _Batch(target, case, seed=77, dual_clip=1.8)
+    shape = tuple(case.labels.shape)
+    dev = target.device
+    settings: list[tuple[str, dict[str, Any]]] = [
+        ("no reference, no dual clip", batch.kwargs(dual_clip=None, tis=False, **PENALTIES[0])),
+        ("k3 KL and dual clip", batch.kwargs(dual_clip=1.8, tis=True, **PENALTIES[3])),
+    ]
+    for what, kw in settings:
+        label = f"{case.description}, {what}"
+        try:
+            out, hh, ww = _call(target, batch, kw)
+        except Exception as exc:
+            raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+        try:
+            if not isinstance(out, PolicyLossOutput):
+                raise PropertyFailure(f"returned {type(out).__name__}, not a PolicyLossOutput")
+            loss = out.loss
+            if loss.shape != () or loss.dtype != torch.float32 or loss.device != hh.device:
+                raise PropertyFailure(
+                    f"loss must be a float32 scalar on {hh.device}, got {loss.dtype} "
+                    f"{tuple(loss.shape)} on {loss.device}"
+                )
+            if not loss.requires_grad:
+                raise PropertyFailure("loss does not require grad although hidden and weight do")
+            for field in ("log_probs", "entropy"):
+                t = getattr(out, field)
+                if t.shape != shape or t.dtype != torch.float32 or t.requires_grad:
+                    raise PropertyFailure(
+                        f"{field} must be detached float32 of the labels' shape {shape}, got "
+                        f"{t.dtype} {tuple(t.shape)}, requires_grad={t.requires_grad}"
+                    )
+            for name, t in out.metrics().items():
+                if t.shape != () or t.dtype != torch.float32 or t.device.type != dev.type:
+                    raise PropertyFailure(
+                        f"metric {name} must be a float32 scalar on {dev}, got {t.dtype} "
+                        f"{tuple(t.shape)} on {t.device}"
+                    )
+                if t.requires_grad:
+                    raise PropertyFailure(f"metric {name} must be detached")
+            has_ref = "ref_log_probs" in kw
+            if (out.kl is None) == has_ref:
+                raise PropertyFailure(
+                    f"kl must be set exactly when ref_log_probs is given ({has_ref})"
+                )
+            if (out.clip_fraction_lower is None) == (kw["dual_clip"] is not None):
+                raise PropertyFailure("clip_fraction_lower must be set exactly with dual_clip")
+            torch.autograd.backward([loss], retain_graph=True)
+            try:
+                torch.autograd.backward([loss])
+            except RuntimeError as exc:
+                if "second backward" not in str(exc):
+                    raise PropertyFailure(
+                        f"a second backward raised RuntimeError without saying why: {exc}"
+                    ) from exc
+            else:
+                raise PropertyFailure("a second backward through one loss was not refused")
+        except PropertyFailure as exc:
+            raise PropertyFailure(f"{label}: {exc}") from None
+    label = f"{case.description}, create_graph=True"
+    try:
+        out, hh, ww = _call(target, batch, settings[0][1])
+    except Exception as exc:
+        raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+    try:
+        torch.autograd.grad([out.loss], [hh], create_graph=True)
+    except RuntimeError as exc:
+        if "create_graph" not in str(exc):
+            raise PropertyFailure(f"{label}: refused without naming create_graph: {exc}") from exc
+    else:
+        raise PropertyFailure(f"{label}: a differentiable gradient was not refused")
+    for what, requires in (("only hidden", (True, False)), ("only weight", (False, True))):
+        label = f"{case.description}, {what} requires grad"
+        kw = settings[1][1]
+        try:
+            out, hh, ww = _call(target, batch, kw, requires=requires)
+            out.loss.backward()
+        except Exception as exc:
+            raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+        leaves = (("hidden", hh), ("weight", ww))
+        for (leaf, t), asked in zip(leaves, requires, strict=True):
+            if asked and t.grad is None:
+                raise PropertyFailure(f"{label}: grad of {leaf} is None")
+            if not asked and t.grad is not None:
+                raise PropertyFailure(f"{label}: {leaf} got a gradient nobody asked for")
+        want = _Expected(batch, target, kw)
+        pairs = ((hh, want.grad_hidden, want.m_hidden), (ww, want.grad_weight, want.m_weight))
+        for (leaf, t), (_, ref, m), asked in zip(leaves, pairs, requires, strict=True):
+            if asked:
+                assert t.grad is not None
+                try:
+                    assert_close(f"grad {leaf}", t.grad.detach().cpu(), ref, want.grad_bound, m)
+                except PropertyFailure as exc:
+                    raise PropertyFailure(f"{label}: {exc}") from None
+    label = f"{case.description}, under torch.no_grad()"
+    try:
+        with torch.no_grad():
+            out, hh, ww = _call(target, batch, settings[1][1])
+    except Exception as exc:
+        raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+    if out.loss.requires_grad:
+        raise PropertyFailure(f"{label}: the loss requires grad")
+    want = _Expected(batch, target, settings[1][1])
+    if abs(float(out.loss) - want.loss) > want.loss_bound:
+        raise PropertyFailure(f"{label}: loss {float(out.loss)!r}, float64 {want.loss!r}")
+
+
+POLICY_PROPERTIES: dict[str, Property] = {
+    "policy_loss_accuracy": policy_loss_accuracy,
+    "policy_loss_ignored_rows": policy_loss_ignored_rows,
+    "policy_loss_upstream_scale": policy_loss_upstream_scale,
+    "policy_loss_determinism": policy_loss_determinism,
+    "policy_loss_contract": policy_loss_contract,
+}

@@ -1,0 +1,199 @@
+"""In-process backends for the kit's policy-loss properties: one correct, the others each wrong in one way.
+
+The correct one computes each row's log-prob and entropy from full fp32 logits with autograd and
+the loss's gradients as that head's backward with upstream ``policy_terms.token_grads``; each
+wrong one changes one thing, and ``WRONG`` names the property that must catch it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from fusedhead.policy_terms import TokenTerms, token_grads
+from fusedhead.protocol import (
+    Capabilities,
+    HeadCall,
+    HeadOutput,
+    PolicyLossCall,
+    PolicyLossResult,
+)
+
+
+class NoOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PolicyRef:
+    """Correct: full fp32 logits, ignored rows selected out, gradients by autograd."""
+
+    name: ClassVar[str] = "policy-ref"
+    Options: ClassVar[type[BaseModel]] = NoOptions
+    plugin_api_version: ClassVar[int] = 2
+    declared: ClassVar[dict[str, Any]] = {"policy_loss": True, "deterministic": True}
+
+    def __init__(self, options: NoOptions) -> None:
+        self.options = options
+
+    def capabilities(self, device: torch.device) -> Capabilities:
+        return Capabilities(devices=("cpu",), **self.declared)
+
+    def check(self, device: torch.device, dtype: torch.dtype) -> None:
+        return None
+
+    def rows(self, call: HeadCall, h: torch.Tensor) -> torch.Tensor:
+        """The hidden rows the GEMM sees: ignored ones replaced by zeros."""
+        valid = (call.labels != call.ignore_index).unsqueeze(1)
+        return torch.where(valid, h, torch.zeros((), dtype=h.dtype))
+
+    def stats(
+        self, call: HeadCall, h: torch.Tensor, w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.rows(call, h).float() @ w.float().T / call.temperature
+        logp = torch.log_softmax(z, dim=-1)
+        valid = call.labels != call.ignore_index
+        zero = torch.zeros((), dtype=torch.float32)
+        lp = logp.gather(1, call.labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+        ent = -(logp.exp() * logp).sum(-1)
+        return torch.where(valid, lp, zero), torch.where(valid, ent, zero)
+
+    def forward(self, call: HeadCall) -> HeadOutput:
+        lp, ent = self.stats(call, call.hidden, call.weight)
+        return HeadOutput(log_probs=lp, entropy=ent if "entropy" in call.outputs else None)
+
+    def terms(self, call: PolicyLossCall, lp: torch.Tensor, ent: torch.Tensor) -> TokenTerms:
+        return token_grads(call, 0, lp.shape[0], lp, ent)
+
+    def grads(
+        self, call: PolicyLossCall, gh: torch.Tensor, gw: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (
+            gh if call.need_hidden_grad else None,
+            gw if call.need_weight_grad else None,
+        )
+
+    def policy_loss(self, call: PolicyLossCall) -> PolicyLossResult:
+        head = call.head
+        with torch.enable_grad():
+            h = head.hidden.detach().requires_grad_(True)
+            w = head.weight.detach().requires_grad_(True)
+            lp, ent = self.stats(head, h, w)
+            t = self.terms(call, lp.detach(), ent.detach())
+            gh, gw = torch.autograd.grad(
+                [lp, ent], [h, w], [t.grad_log_probs, t.grad_entropy], allow_unused=True
+            )
+        gh = torch.zeros_like(h) if gh is None else gh
+        gw = torch.zeros_like(w) if gw is None else gw
+        grad_h, grad_w = self.grads(call, gh, gw)
+        return PolicyLossResult(lp.detach(), ent.detach(), grad_hidden=grad_h, grad_weight=grad_w)
+
+
+class Undeclared(PolicyRef):
+    """Right, but declares no policy_loss: every policy property is not run."""
+
+    name: ClassVar[str] = "policy-undeclared"
+    declared: ClassVar[dict[str, Any]] = {"deterministic": True}
+
+
+class IgnoresDualClip(PolicyRef):
+    """Wrong: its gradients leave out the dual clip (the core's loss value still has it)."""
+
+    name: ClassVar[str] = "wrong-policy-dual-clip"
+
+    def terms(self, call: PolicyLossCall, lp: torch.Tensor, ent: torch.Tensor) -> TokenTerms:
+        return super().terms(dataclasses.replace(call, dual_clip=None), lp, ent)
+
+
+class NoEntropyGradient(PolicyRef):
+    """Wrong: the entropy bonus's gradient is dropped."""
+
+    name: ClassVar[str] = "wrong-policy-entropy-grad"
+
+    def terms(self, call: PolicyLossCall, lp: torch.Tensor, ent: torch.Tensor) -> TokenTerms:
+        t = super().terms(call, lp, ent)
+        return t._replace(grad_entropy=torch.zeros_like(t.grad_entropy))
+
+
+class MasksByMultiplying(PolicyRef):
+    """Wrong: ignored rows multiplied by 0 instead of selected out (0 * NaN is NaN)."""
+
+    name: ClassVar[str] = "wrong-policy-mask"
+
+    def rows(self, call: HeadCall, h: torch.Tensor) -> torch.Tensor:
+        return h * (call.labels != call.ignore_index).unsqueeze(1).to(h.dtype)
+
+
+class ReusedBuffers(PolicyRef):
+    """Wrong: hands out the same gradient buffers on every call (a persistent workspace), so
+    autograd's ``.grad`` of one micro-batch is overwritten by the next call."""
+
+    name: ClassVar[str] = "wrong-policy-buffers"
+
+    def __init__(self, options: NoOptions) -> None:
+        super().__init__(options)
+        self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def grads(
+        self, call: PolicyLossCall, gh: torch.Tensor, gw: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        out = []
+        for which, g in (("h", gh), ("w", gw)):
+            key = (which, tuple(g.shape), g.dtype)
+            buf = self.buffers.setdefault(key, torch.empty_like(g))
+            out.append(buf.copy_(g))
+        return super().grads(call, out[0], out[1])
+
+
+class NotDeterministic(PolicyRef):
+    """Wrong: declares deterministic, but its weight gradient varies in the last bits run to run
+    (as an unordered atomic reduction would), well within the accuracy bounds."""
+
+    name: ClassVar[str] = "wrong-policy-determinism"
+
+    def grads(
+        self, call: PolicyLossCall, gh: torch.Tensor, gw: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        noise = torch.randn(gw.shape) * 1e-7 * gw.abs()  # the global generator: not seeded
+        return super().grads(call, gh, gw + noise.to(gw.dtype))
+
+
+class GradientsNobodyAskedFor(PolicyRef):
+    """Wrong: returns both gradients whatever the call needs."""
+
+    name: ClassVar[str] = "wrong-policy-grads"
+
+    def grads(
+        self, call: PolicyLossCall, gh: torch.Tensor, gw: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return gh, gw
+
+
+#: Each wrong backend and the property that must fail it.
+WRONG: dict[type, str] = {
+    IgnoresDualClip: "policy_loss_accuracy",
+    NoEntropyGradient: "policy_loss_accuracy",
+    MasksByMultiplying: "policy_loss_ignored_rows",
+    ReusedBuffers: "policy_loss_upstream_scale",
+    NotDeterministic: "policy_loss_determinism",
+    GradientsNobodyAskedFor: "policy_loss_contract",
+}
+ALL: tuple[type, ...] = (PolicyRef, Undeclared, *WRONG)
+
+
+def register_all() -> None:
+    from fusedhead import registry
+
+    for cls in ALL:
+        registry.register_backend(cls.name, cls, replace=True)
+    registry.refresh()
+
+
+def unregister_all() -> None:
+    from fusedhead import registry
+
+    for cls in ALL:
+        registry.unregister_backend(cls.name)
+    registry.refresh()

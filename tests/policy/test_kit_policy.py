@@ -1,0 +1,91 @@
+"""The kit's policy-loss properties pass a correct backend and fail each wrong one on the property it breaks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any, ClassVar
+
+import pytest
+
+from fusedhead.testing import Outcome, check, check_property
+from fusedhead.testing.policy import POLICY_PROPERTIES
+
+
+@pytest.fixture
+def policy_backends() -> Iterator[ModuleType]:
+    """The correct and wrong policy backends of ``policy_kit_backends.py``, registered in-process."""
+    import policy_kit_backends
+
+    policy_kit_backends.register_all()
+    yield policy_kit_backends
+    policy_kit_backends.unregister_all()
+
+
+def test_the_correct_backend_passes_every_policy_property(policy_backends: ModuleType) -> None:
+    results = check("policy-ref", properties=list(POLICY_PROPERTIES))
+    assert [r.outcome for r in results] == [Outcome.PASS] * len(POLICY_PROPERTIES), [
+        r.line() for r in results
+    ]
+
+
+@pytest.mark.parametrize(
+    ("backend", "prop", "words"),
+    [
+        ("wrong-policy-dual-clip", "policy_loss_accuracy", ["dual_clip 1.8", "grad"]),
+        ("wrong-policy-entropy-grad", "policy_loss_accuracy", ["entropy_coef", "grad"]),
+        ("wrong-policy-mask", "policy_loss_ignored_rows", ["NaN/Inf", "grad hidden"]),
+        ("wrong-policy-buffers", "policy_loss_upstream_scale", ["micro-batch 1"]),
+        ("wrong-policy-determinism", "policy_loss_determinism", ["grad weight", "bitwise"]),
+        ("wrong-policy-grads", "policy_loss_contract", ["requires grad", "not asked for"]),
+    ],
+)
+def test_each_wrong_backend_fails_its_property(
+    policy_backends: ModuleType, backend: str, prop: str, words: list[str]
+) -> None:
+    result = check_property(prop, backend)
+    assert result.outcome is Outcome.FAIL, result.line()
+    for word in words:
+        assert word in result.line()
+
+
+def test_the_wrong_backends_pass_the_properties_they_do_not_break(
+    policy_backends: ModuleType,
+) -> None:
+    """Each breach is caught by its own property, not only as a wrong value somewhere else (the
+    backends with wrong gradients are left out: every property that checks values sees them)."""
+    for cls, prop in policy_backends.WRONG.items():
+        if prop == "policy_loss_accuracy":
+            continue
+        for other in POLICY_PROPERTIES:
+            if other == prop:
+                continue
+            result = check_property(other, cls.name)
+            assert result.outcome is Outcome.PASS, f"{cls.name}: {result.line()}"
+
+
+def test_a_backend_without_the_capability_is_not_run_with_the_reason(
+    policy_backends: ModuleType,
+) -> None:
+    for prop in POLICY_PROPERTIES:
+        result = check_property(prop, "policy-undeclared")
+        assert result.outcome is Outcome.NOT_RUN, result.line()
+        assert "does not declare policy_loss" in result.message
+
+
+def test_determinism_is_not_run_where_it_is_not_declared(policy_backends: ModuleType) -> None:
+    from fusedhead import registry
+
+    class Undetermined(policy_backends.PolicyRef):
+        name = "policy-undetermined"
+        declared: ClassVar[dict[str, Any]] = {"policy_loss": True}
+
+    registry.register_backend(Undetermined.name, Undetermined, replace=True)
+    registry.refresh()
+    try:
+        result = check_property("policy_loss_determinism", Undetermined.name)
+        assert result.outcome is Outcome.NOT_RUN, result.line()
+        assert "does not declare deterministic" in result.message
+    finally:
+        registry.unregister_backend(Undetermined.name)
+        registry.refresh()
