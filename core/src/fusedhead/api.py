@@ -167,6 +167,10 @@ class FusedHead:
         self._caps: dict[tuple[torch.device, torch.dtype], tuple[Capabilities, frozenset[str]]] = {}
         self._graph = _Slots()  # _caps's entries for compiled graphs (see _prepare)
         self._graph_names: dict[tuple[torch.device, torch.dtype], str] = {}
+        # (device, dtype, outputs) whose outputs' autograd graphs were seen to reach hidden and
+        # weight (extras.graph_breach, on the first eager call with gradients; later calls check
+        # that each output has a grad_fn).
+        self._attached: set[tuple[torch.device, torch.dtype, frozenset[str]]] = set()
         # A device this process cannot use is refused here, where it is first used (the config
         # itself only parses it: a config file travels between machines).
         device = usable_device(config.device) if config.device else registry.default_device()
@@ -422,6 +426,9 @@ class FusedHead:
         # doubt goes to _check_output, which names the breach (and is the authority).
         h, w = call.hidden, call.weight
         needs_grad = (h.requires_grad or w.requires_grad) and _grad_enabled()
+        # Eager: an output must have a graph (grad_fn; requires_grad alone can be a detached
+        # leaf), and the first call per (device, dtype, outputs) walks it (_check_output).
+        graph = needs_grad and not tracing
         ok = False
         if out.__class__ is HeadOutput:
             lp, ent = out.log_probs, out.entropy
@@ -431,6 +438,7 @@ class FusedHead:
                 and lp.shape == (n,)
                 and lp.device == device
                 and (not needs_grad or lp.requires_grad)
+                and (not graph or lp.grad_fn is not None)
             )
             if not ok:
                 pass
@@ -441,6 +449,7 @@ class FusedHead:
                     and ent.shape == (n,)
                     and ent.device == device
                     and (not needs_grad or ent.requires_grad)
+                    and (not graph or ent.grad_fn is not None)
                 )
             else:
                 ok = ent is None
@@ -455,8 +464,8 @@ class FusedHead:
                 )
             elif ok:
                 extras.check_extras(call, out, needs_grad, self._broke)
-        if not ok:
-            self._check_output(call, out)
+        if not ok or (graph and (device, h.dtype, call.outputs) not in self._attached):
+            self._check_output(call, out, graph)
             lp, ent = out.log_probs, out.entropy
         if len(shape) != 1:  # [N] outputs in the labels' shape (an [N] output is that already)
             lp = _shaped(lp, shape)
@@ -568,7 +577,10 @@ class FusedHead:
         needs_grad = torch.is_grad_enabled() and (
             call.hidden.requires_grad or call.weight.requires_grad
         )
-        extras.check_kl(out, call.valid.shape[0], call.hidden.device, needs_grad, self._broke)
+        inputs = None if traced else {"hidden": call.hidden, "weight": call.weight}
+        extras.check_kl(
+            out, call.valid.shape[0], call.hidden.device, needs_grad, self._broke, inputs
+        )
         return _shaped(out.kl, shape)
 
     def policy_loss(
@@ -687,8 +699,12 @@ class FusedHead:
                     )
         return call
 
-    def _check_output(self, call: HeadCall, out: object) -> None:
-        """The backend's output against the contract; any breach is a ``BackendContractError``."""
+    def _check_output(self, call: HeadCall, out: object, graph: bool = False) -> None:
+        """The backend's output against the contract; any breach is a ``BackendContractError``.
+
+        ``graph`` (an eager call recording gradients): each differentiable output's autograd
+        graph must reach hidden and weight (``extras.graph_breach``); once it has, later calls
+        on the same (device, dtype, outputs) only check that each has a ``grad_fn``."""
         if out.__class__ is not HeadOutput and not isinstance(out, HeadOutput):
             self._broke(
                 f"forward() must return a fusedhead.protocol.HeadOutput, got {_describe(out)}"
@@ -697,9 +713,11 @@ class FusedHead:
         n = call.labels.shape[0]
         device = h.device
         needs_grad = (h.requires_grad or w.requires_grad) and torch.is_grad_enabled()
-        self._check_tensor("log_probs", out.log_probs, n, device, needs_grad)
+        graph = graph and needs_grad
+        inputs = {"hidden": h, "weight": w} if graph else None
+        self._check_tensor("log_probs", out.log_probs, n, device, needs_grad, inputs)
         if "entropy" in call.outputs:
-            self._check_tensor("entropy", out.entropy, n, device, needs_grad)
+            self._check_tensor("entropy", out.entropy, n, device, needs_grad, inputs)
         elif out.entropy is not None:
             self._broke("entropy was not requested and must be None")
         if not call.outputs <= extras.BASIC_OUTPUTS or not (
@@ -710,10 +728,18 @@ class FusedHead:
             and out.topk_log_probs is None
             and out.gathered is None
         ):
-            extras.check_extras(call, out, needs_grad, self._broke)
+            extras.check_extras(call, out, needs_grad, self._broke, graph)
+        if graph:
+            self._attached.add((device, h.dtype, call.outputs))
 
     def _check_tensor(
-        self, what: str, t: object, n: int, device: torch.device, needs_grad: bool
+        self,
+        what: str,
+        t: object,
+        n: int,
+        device: torch.device,
+        needs_grad: bool,
+        inputs: dict[str, torch.Tensor] | None = None,
     ) -> None:
         if t.__class__ is not torch.Tensor and not isinstance(t, torch.Tensor):
             self._broke(f"{what} must be a float32 [{n}] tensor, got {_describe(t)}")
@@ -726,6 +752,10 @@ class FusedHead:
                 f"{what} does not require grad although hidden or weight does: the backend "
                 "detached it, so no gradient would reach the model"
             )
+        if inputs is not None:
+            breach = extras.graph_breach(what, t, inputs)
+            if breach is not None:
+                self._broke(breach)
 
     def _check_min_temperature(
         self,

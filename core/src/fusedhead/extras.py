@@ -8,7 +8,7 @@ for them through :class:`~fusedhead.protocol.HeadCall` and reshapes them to the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import torch
@@ -63,10 +63,66 @@ def capability_refusal(call: HeadCall, caps: Capabilities) -> tuple[str, str, st
     return None
 
 
+#: Autograd nodes ``graph_breach`` visits at most before it gives up looking (and passes).
+_MAX_NODES = 100_000
+
+
+def _unreached(node: Any, inputs: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of ``inputs`` (each requiring grad) that the graph from ``node`` never reaches: a
+    non-leaf input by its ``grad_fn``, a leaf by the ``AccumulateGrad`` node holding it."""
+    targets = {name: t.grad_fn for name, t in inputs.items() if t.requires_grad}
+    missing = set(targets)
+    seen: set[int] = set()
+    stack = [node]
+    while stack and missing and len(seen) < _MAX_NODES:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)
+        for name in list(missing):
+            target = targets[name]
+            if (fn is target) if target is not None else (var is inputs[name]):
+                missing.discard(name)
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    if len(seen) >= _MAX_NODES:
+        return []  # too large a graph to tell: no verdict
+    return sorted(missing)
+
+
+def graph_breach(what: str, t: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> str | None:
+    """Why the differentiable output ``t`` cannot carry a gradient back to ``inputs`` (those
+    requiring grad), or None: no graph at all (``grad_fn`` None, whatever ``requires_grad``
+    says: ``torch.zeros(n, requires_grad=True)``, ``.detach().requires_grad_()``), or a graph
+    that never reaches one of them. Not under Dynamo's tracing, which cannot read ``grad_fn``."""
+    fn = t.grad_fn
+    if fn is None:
+        flag = "requires_grad is True but " if t.requires_grad else ""
+        return (
+            f"{what} is not attached to hidden or weight ({flag}grad_fn is None: a tensor the "
+            "backend made or detached, not one computed from them), so no gradient would reach "
+            "the model"
+        )
+    missing = _unreached(fn, inputs)
+    if missing:
+        return (
+            f"{what}'s autograd graph does not reach {' or '.join(missing)}, which "
+            f"{'requires' if len(missing) == 1 else 'require'} grad: the backend detached it "
+            "from them, so no gradient would reach the model"
+        )
+    return None
+
+
 def check_extras(
-    call: HeadCall, out: HeadOutput, needs_grad: bool, broke: Callable[[str], NoReturn]
+    call: HeadCall,
+    out: HeadOutput,
+    needs_grad: bool,
+    broke: Callable[[str], NoReturn],
+    graph: bool = False,
 ) -> None:
-    """Each extra field is set exactly when requested, with its dtype, shape, device and grad."""
+    """Each extra field is set exactly when requested, with its dtype, shape, device and grad;
+    ``graph`` (eager, gradients recorded): each differentiable one also reaches hidden and weight
+    (``graph_breach``)."""
     n = call.labels.shape[0]
     device = call.hidden.device
     wanted = {f for o in call.outputs for f in OUTPUT_FIELDS.get(o, ())}
@@ -89,6 +145,10 @@ def check_extras(
                 f"{field} does not require grad although hidden or weight does: the backend "
                 "detached it, so no gradient would reach the model"
             )
+        if field not in _ID_FIELDS and graph and needs_grad:
+            breach = graph_breach(field, t, {"hidden": call.hidden, "weight": call.weight})
+            if breach is not None:
+                broke(breach)
 
 
 def _shaped(
@@ -131,9 +191,15 @@ def empty_extras(call: HeadCall, shape: tuple[int, ...], zero: torch.Tensor) -> 
 
 
 def check_kl(
-    out: object, n: int, device: torch.device, needs_grad: bool, broke: Callable[[str], NoReturn]
+    out: object,
+    n: int,
+    device: torch.device,
+    needs_grad: bool,
+    broke: Callable[[str], NoReturn],
+    inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
-    """A backend's ``kl()`` result: a ``KLOutput`` holding a float32 ``[N]`` tensor on the device."""
+    """A backend's ``kl()`` result: a ``KLOutput`` holding a float32 ``[N]`` tensor on the device;
+    with ``inputs`` (eager, gradients recorded) one whose graph reaches each of them."""
     if not isinstance(out, KLOutput):
         broke(f"kl() must return a fusedhead.protocol.KLOutput, got {type(out).__name__}")
     t = out.kl
@@ -146,3 +212,7 @@ def check_kl(
             "kl does not require grad although hidden or weight does: the backend detached it, "
             "so no gradient would reach the student"
         )
+    if needs_grad and inputs is not None:
+        breach = graph_breach("kl", t, inputs)
+        if breach is not None:
+            broke(breach)

@@ -248,17 +248,42 @@ def head_forward(
     labels: torch.Tensor,
     **kwargs: Any,
 ) -> FusedHeadOutput:
-    """``head`` on ``hidden @ weight.T + bias``; a bias is folded in as one more column."""
+    """``head`` on ``hidden @ weight.T + bias``; a bias is folded in as one more column.
+
+    Everything the fold reads is checked first, against what the caller passed: an error after
+    the fold would name the folded shapes (``H + 1``), which the caller never built."""
     if bias is not None:
         # The fold reads hidden before the head validates it: its own errors name it first.
         hidden = _tensor("hidden", hidden)
         if hidden.dim() == 0:
             raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
+        _check_bias(bias, weight)
+        if weight.dim() == 2 and hidden.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"hidden's last dimension must equal weight's H={weight.shape[1]}, got hidden "
+                f"shape {tuple(hidden.shape)}"
+            )
         # [h, 1] @ [W, b].T == h @ W.T + b
         ones = hidden.new_ones((*hidden.shape[:-1], 1))
         hidden = torch.cat([hidden, ones], dim=-1)
         weight = torch.cat([weight, bias.to(weight.dtype).unsqueeze(-1)], dim=-1)
     return head(hidden, weight, labels, **kwargs)
+
+
+def _check_bias(bias: object, weight: torch.Tensor) -> None:
+    """``bias`` as the fold needs it, named as the caller set it: a floating-point ``[V]`` tensor
+    on the weight's device (it may have been replaced since the module was built)."""
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if weight.dim() == 2 and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"bias must have shape [V]=({weight.shape[0]},) to match weight "
+            f"{tuple(weight.shape)}, got {tuple(bias.shape)}"
+        )
+    if not bias.is_floating_point():
+        raise TypeError(f"bias must be a floating-point tensor, got dtype {bias.dtype}")
+    if bias.device != weight.device:
+        raise ValueError(f"bias must be on the weight's device {weight.device}, got {bias.device}")
 
 
 def _param(t: object) -> nn.Parameter:

@@ -45,16 +45,24 @@ class DemoUnavailable(RuntimeError):
     """The demo cannot run here (transformers missing, unknown model name)."""
 
 
+def _check_name(name: object) -> None:
+    """``name`` one of ``MODELS``, else ``DemoUnavailable`` naming the valid ones."""
+    if not isinstance(name, str) or name not in MODELS:
+        raise DemoUnavailable(f"unknown demo model {name!r}; choose one of {sorted(MODELS)}")
+
+
 def build_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
-    """A small random causal LM (hidden 256, 2 layers, vocab 32000) built from a config."""
+    """A small random causal LM (hidden 256, 2 layers, vocab 32000) built from a config.
+
+    The name is checked first: an unknown one is named with the valid ones whether or not
+    transformers is installed (installing it would not make the name valid)."""
+    _check_name(name)
     try:
         import transformers
     except ImportError as exc:
         raise DemoUnavailable(
             "fusedhead demo --model needs transformers: pip install 'fusedhead[transformers]'"
         ) from exc
-    if name not in MODELS:
-        raise DemoUnavailable(f"unknown demo model {name!r}; choose one of {sorted(MODELS)}")
     config_cls, model_cls, extra = MODELS[name]
     config = getattr(transformers, config_cls)(
         vocab_size=32000,
@@ -124,6 +132,10 @@ def run(args: Any) -> int:
     from fusedhead.integrations.transformers import causal_lm_logprobs, shifted_labels
     from fusedhead.registry import default_device
 
+    try:  # before the backend is resolved: a wrong name is the first thing to say
+        _check_name(args.model)
+    except DemoUnavailable as exc:
+        raise ValueError(f"demo --model {args.model}: {exc}") from None
     dtype = _DTYPES.get(str(getattr(args, "dtype", None) or "fp32"))
     if dtype is None:
         print(

@@ -4,6 +4,11 @@ Liger returns per-token NLL (fp32) and, when asked, entropy in the input dtype (
 native kernel); ignored rows are 0 in both. Out-of-range labels are turned into ``ignore_index``
 before Liger sees them (Liger's kernels would silently find no target logit, or stop with a
 host-side check) and their rows are set to NaN afterwards, as the contract asks.
+
+Liger computes the gradients in its forward and scales them in its backward, so a gradient of that
+gradient would silently lack the second-order term: ``liger_inputs`` refuses it by name. Rows that
+Liger ignores read as zeros (selected, not multiplied), so a NaN or inf hidden row whose label is
+ignored cannot reach the weight gradient through ``0 * NaN`` in Liger's GEMMs.
 """
 
 from __future__ import annotations
@@ -14,9 +19,16 @@ from typing import Any
 
 import torch
 
+from fusedhead.second_order import first_order
 from fusedhead_liger import _liger
 
 _NAN = float("nan")
+DOUBLE_BACKWARD = (
+    "the liger backend's backward is not differentiable: Liger computes the gradients in its "
+    "forward, so a double backward (create_graph=True, then a gradient of that gradient, e.g. a "
+    "gradient penalty through the log-probs) would miss the second-order term; form such a term "
+    "from full logits (hidden @ weight.T) with plain PyTorch ops"
+)
 #: Liger keeps this argument of the SM90 function for API compatibility; every value runs the
 #: same kernel. 1 is the value Liger's own dispatcher passes by default.
 M_TILES_PER_CLUSTER = 1
@@ -28,6 +40,33 @@ def guard_labels(
     """Labels safe for Liger (out-of-range ones become ignore_index) and the mask of those rows."""
     bad = labels.ne(ignore_index) & ((labels < 0) | (labels >= vocab_size))
     return labels.masked_fill(bad, ignore_index), bad
+
+
+class _FirstOrder(torch.autograd.Function):
+    """Identity on (hidden, weight) whose backward refuses to be differentiated (``first_order``)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[Any, Any]:
+        ctx.save_for_backward(hidden, weight)
+        return hidden.view_as(hidden), weight.view_as(weight)
+
+    @staticmethod
+    @first_order(DOUBLE_BACKWARD)
+    def backward(ctx: Any, g_hidden: Any, g_weight: Any) -> tuple[Any, Any]:
+        return g_hidden, g_weight
+
+
+def liger_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, safe_labels: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, weight) as Liger gets them: behind the double-backward refusal where gradients
+    are recorded, and ``hidden`` with the rows Liger ignores (``safe_labels == ignore_index``)
+    selected to zeros, whose gradient is then exactly zero (one ``[N, H]`` copy)."""
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        hidden, weight = _FirstOrder.apply(hidden, weight)  # type: ignore[no-untyped-call]
+    keep = safe_labels.ne(ignore_index).unsqueeze(1)
+    hidden = torch.where(keep, hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+    return hidden, weight
 
 
 def to_contract(

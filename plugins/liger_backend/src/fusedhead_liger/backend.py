@@ -158,6 +158,7 @@ class LigerBackend:
             self._checked.add((hidden.device, hidden.dtype))
         temperature = float(temperature)
         safe, bad = _run.guard_labels(labels, ignore_index, vocab_size)
+        hidden, weight = _run.liger_inputs(hidden, weight, safe, ignore_index)
         if process_group is None:
             run = _run.run_native if self.implementation == "native" else _run.run_fallback
             nll, entropy = run(hidden, weight, safe, temperature, ignore_index, return_entropy)

@@ -18,15 +18,13 @@ never a silently first-order (or detached) one.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._C import _functions
 
+from fusedhead.second_order import first_order as _first_order
 from fusedhead_torch.grads import TileGrads
 from fusedhead_torch.parallel import all_reduce_row_stats
 from fusedhead_torch.rowstats import RowStats
@@ -203,34 +201,11 @@ DOUBLE_BACKWARD = (
     "with plain PyTorch ops"
 )
 
-_Backward = Callable[..., tuple[Any, ...]]
-
-
-def first_order(backward: _Backward) -> _Backward:
-    """A Function's ``backward``, run without grad; under ``create_graph=True`` its gradients
-    are handed back through a node that raises ``DOUBLE_BACKWARD`` if it is differentiated (as
-    ``torch.autograd.function.once_differentiable``, with this message, and attached whatever
-    the incoming gradients are: a penalty through them must fail, not vanish)."""
-
-    @functools.wraps(backward)
-    def wrapper(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return backward(ctx, *grads)
-        with torch.no_grad():
-            out = backward(ctx, *grads)
-        tensors = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor)]
-        if not tensors:
-            return out
-        refuse = _functions.DelayedError(DOUBLE_BACKWARD.encode(), len(tensors))
-        attached = refuse(*(out[i].detach().requires_grad_() for i in tensors))
-        if isinstance(attached, torch.Tensor):
-            attached = (attached,)
-        result = list(out)
-        for i, t in zip(tensors, attached, strict=True):
-            result[i] = t
-        return tuple(result)
-
-    return wrapper
+#: Every backward of the backend (the head, the outputs past it, the KL): run without grad; under
+#: ``create_graph=True`` its gradients come back tied to the Function's saved inputs through a node
+#: that raises ``DOUBLE_BACKWARD`` when they are differentiated, however that is asked for
+#: (``backward()``, or ``torch.autograd.grad`` of chosen inputs): never a silently first-order one.
+first_order = _first_order(DOUBLE_BACKWARD)
 
 
 def _no_autocast(device: torch.device) -> torch.autocast:

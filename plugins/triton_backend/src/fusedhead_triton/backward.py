@@ -48,7 +48,7 @@ def wave_columns(n: int, d: Dense, esize: int, block_bytes: int) -> tuple[int, i
 
 def _dense_backward(
     hidden: torch.Tensor, weight: torch.Tensor, fill_dz: FillDz, st: Settings, d: Dense,
-    *, need_dw: bool, dh_fp32: bool,
+    *, need_dw: bool, dh_fp32: bool, valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``backward_from`` with the sum in fp32 (``dense``): no low part, so nothing is stashed or
     recomputed, and each block's ``dz @ W[block]`` is one cuBLAS GEMM with an fp32 output."""
@@ -63,19 +63,26 @@ def _dense_backward(
     align, widest = cols if cols is not None else (d.block_n, MAX_COLS)
     geom = schedule.geometry(n, h, v, hidden.element_size(), align, block_bytes, widest)
     steps = schedule.plan(geom, need_dw=need_dw, need_dh=True, stash=None)
-    for i, step, dz in _blocks(hidden, fill_dz, steps, geom, dw):
+    for i, step, dz in _blocks(hidden, fill_dz, steps, geom, dw, valid):
         _add_product(acc, dz, weight[step.v0 : step.v0 + step.cols], first=i == 0)
     return (acc if dh_fp32 else acc.to(dtype)), dw
 
 
 def _blocks(
     hidden: torch.Tensor, fill_dz: FillDz, steps: list[schedule.Step], geom: schedule.Geometry,
-    dw: torch.Tensor | None,
+    dw: torch.Tensor | None, valid: torch.Tensor | None = None,
 ) -> Iterator[tuple[int, schedule.Step, torch.Tensor]]:  # fmt: skip
     """Each step's ``dz`` (in dW's unwritten rows or the block buffer), filled and its dW rows
-    written, as ``(index, step, dz)``: what is left to the caller is the hidden-gradient sum."""
+    written, as ``(index, step, dz)``: what is left to the caller is the hidden-gradient sum.
+
+    ``valid`` (rows that may carry gradient): the weight GEMMs read the other rows of ``hidden``
+    as zeros, selected, not multiplied, so a NaN or inf in an ignored row (dz 0 there) cannot
+    reach dW through ``0 * NaN``; one masked ``[N, H]`` copy for the backward."""
     (n, h), dtype, dev = hidden.shape, hidden.dtype, hidden.device
     buffer: torch.Tensor | None = None
+    h_dw = hidden
+    if dw is not None and valid is not None:
+        h_dw = torch.where(valid.unsqueeze(1), hidden, torch.zeros((), dtype=dtype, device=dev))
     for i, step in enumerate(steps):
         v0, cols = step.v0, step.cols
         if step.dz_row is not None and dw is not None:  # in dW's unwritten rows
@@ -87,7 +94,7 @@ def _blocks(
             dz = buffer[:, :cols]
         fill_dz(v0, dz)
         if dw is not None and step.write_dw:
-            torch.mm(dz.t(), hidden, out=dw[v0 : v0 + cols])
+            torch.mm(dz.t(), h_dw, out=dw[v0 : v0 + cols])
         yield i, step, dz
 
 
@@ -108,28 +115,34 @@ def backward(
     *, need_dh: bool, need_dw: bool, dh_fp32: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """(dh, dW) of the log-prob/entropy head; ``dh_fp32`` returns dh in fp32 (for a cross-rank
-    sum before rounding)."""
+    sum before rounding). Ignored rows give exactly zero in both, whatever their hidden holds."""
 
     def fill_dz(v0: int, dz: torch.Tensor) -> None:
         dz_block(hidden, weight, rows, sc, st.dz, v0, dz)
 
     return backward_from(
-        hidden, weight, fill_dz, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=dh_fp32
-    )
+        hidden, weight, fill_dz, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=dh_fp32,
+        valid=rows.labels != sc.ignore_index,
+    )  # fmt: skip
 
 
 def backward_from(
     hidden: torch.Tensor, weight: torch.Tensor, fill_dz: FillDz, st: Settings,
     *, need_dh: bool, need_dw: bool, dh_fp32: bool, dense: Dense | None = None,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """(dh, dW) of any head whose logit gradient ``fill_dz`` writes block by block (the
     log-prob head, a KL): the schedule, the dz buffers and the hidden-gradient sum live here.
 
     ``dense`` (the KL's): the sum in an fp32 ``[N, H]`` buffer that cuBLAS adds each block to,
-    and block widths of whole waves of dz tiles where they fit (``Dense``)."""
+    and block widths of whole waves of dz tiles where they fit (``Dense``). ``valid``: the rows
+    that carry gradient; ``fill_dz`` must write exact zeros in the others (a select, so a NaN or
+    inf hidden row stays out), and the weight GEMMs read those rows of ``hidden`` as zeros."""
     (n, h), v, dtype, dev = hidden.shape, weight.shape[0], hidden.dtype, hidden.device
     if dense is not None and need_dh:
-        return _dense_backward(hidden, weight, fill_dz, st, dense, need_dw=need_dw, dh_fp32=dh_fp32)
+        return _dense_backward(
+            hidden, weight, fill_dz, st, dense, need_dw=need_dw, dh_fp32=dh_fp32, valid=valid
+        )
     dw = torch.empty((v, h), dtype=dtype, device=dev) if need_dw else None
     if v == 0 or not (need_dh or need_dw):
         dh0 = torch.zeros((n, h), dtype=torch.float32 if dh_fp32 else dtype, device=dev)
@@ -153,7 +166,7 @@ def backward_from(
                     steps = schedule.plan(geom, need_dw=need_dw, need_dh=need_dh, stash=stash)
         acc = sum_format.allocate(n, h, dtype, dev, dh_fp32, fmt, stash, dw)
     dh_steps = [i for i, s in enumerate(steps) if s.add_dh]
-    for i, step, dz in _blocks(hidden, fill_dz, steps, geom, dw):
+    for i, step, dz in _blocks(hidden, fill_dz, steps, geom, dw, valid):
         if acc is not None and step.add_dh:
             first, last = i == dh_steps[0], i == dh_steps[-1]
             dh_block(dz, weight, step.v0, acc, st.dh, first=first, last=last)

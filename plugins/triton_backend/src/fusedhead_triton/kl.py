@@ -161,8 +161,9 @@ def kl_grads(
         )  # fmt: skip
 
     dense = Dense(cfg.block_m, cfg.block_n, flags["NUM_PROGS"])
+    # rows whose coef is 0 (ignored ones) get dz 0 and are read as zero rows by the dW GEMMs
     return backward_from(hs, ws, fill_dz, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=False,
-                         dense=dense)  # fmt: skip
+                         dense=dense, valid=coef != 0)  # fmt: skip
 
 
 @torch.library.custom_op("fusedhead_triton::kl_forward", mutates_args=())

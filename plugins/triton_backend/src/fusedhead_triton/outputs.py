@@ -225,8 +225,9 @@ def backward_values(
         dz_block(hidden, weight, rows, sc, st.dz, v0, dz, extra)
 
     return backward_from(
-        hidden, weight, fill_dz, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=dh_fp32
-    )
+        hidden, weight, fill_dz, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=dh_fp32,
+        valid=valid,
+    )  # fmt: skip
 
 
 # --- one shard: custom ops ------------------------------------------------------------------

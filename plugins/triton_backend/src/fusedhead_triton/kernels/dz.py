@@ -60,7 +60,8 @@ def _grad_tile(
     HAS_C: tl.constexpr,
     HAS_SPARSE: tl.constexpr,
 ):
-    """dz = [g_lp (onehot - p) - g_H p (log p + H)] / T * (1 - tanh^2 if softcap), ignored rows 0.
+    """dz = [g_lp (onehot - p) - g_H p (log p + H)] / T * (1 - tanh^2 if softcap), ignored rows
+    exactly 0 (whatever their hidden row holds).
 
     Per-row factors are folded first so that each element costs a few FMAs and one exp2.
     """
@@ -103,7 +104,8 @@ def _grad_tile(
         g = add_sparse(g, offs_n, rows, row_ok, sp_lo, sp_hi, col0, sids_ptr, gs_ptr, K_sp, inv_t)
     if HAS_SOFTCAP:
         g = g * dcap
-    return g
+    # Selected, not multiplied: an ignored row's logits (and lse) may be NaN or inf, 0 * NaN is NaN.
+    return tl.where(valid[:, None], g, 0.0)
 
 
 @triton.jit(do_not_specialize=["N", "Vb", "K_sp", "col0"])

@@ -92,8 +92,8 @@ def _stats_epilogue(
     tl.store(base + 2 * stat_stride, w, mask=row_ok)
     if HAS_Q:
         tl.store(q_ptr + pid_n.to(tl.int64) * N + offs_m, tl.sum(e * e, axis=1), mask=row_ok)
-    if HAS_ARG:  # lowest column among the maxima
-        a = tl.argmax(z, axis=1, tie_break_left=True).to(tl.int32)
+    if HAS_ARG:  # lowest column among the maxima; a NaN logit (a NaN hidden row) ranks lowest
+        a = tl.argmax(tl.where(z == z, z, float("-inf")), axis=1, tie_break_left=True).to(tl.int32)
         tl.store(arg_ptr + pid_n.to(tl.int64) * N + offs_m, a, mask=row_ok)
     if not HAS_GATHER:  # every tile, at the end: cheaper than skipping the tiles without one
         hit, col = _label_column(labels_ptr, rows, row_ok, label_offset, tile_start, V, BLOCK_N)
@@ -192,7 +192,8 @@ def combine_kernel(
         m = tl.load(ws_ptr + off, mask=mask, other=float("-inf"))
         chunk_m = tl.max(m, axis=0)
         if HAS_ARG:  # earlier tiles hold lower ids: keep the first tile reaching the max
-            chunk_t = tl.argmax(m, axis=0, tie_break_left=True).to(tl.int32) + t0
+            m_arg = tl.where(m == m, m, float("-inf"))  # NaN statistics (a NaN row) rank lowest
+            chunk_t = tl.argmax(m_arg, axis=0, tie_break_left=True).to(tl.int32) + t0
             best_t = tl.where(chunk_m > big_m, chunk_t, best_t)
         big_m = tl.maximum(big_m, chunk_m)
     safe_m = tl.where(big_m > float("-inf"), big_m, 0.0)  # no live tile: keep the math finite
