@@ -89,3 +89,13 @@ def test_determinism_is_not_run_where_it_is_not_declared(policy_backends: Module
     finally:
         registry.unregister_backend(Undetermined.name)
         registry.refresh()
+
+
+def test_fusedhead_info_shows_the_capability(
+    policy_backends: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fusedhead import cli
+
+    for name, shown in (("policy-ref", "True"), ("policy-undeclared", "False")):
+        assert cli.main(["info", name, "--device", "cpu"]) == 0
+        assert f"  policy_loss: {shown}\n" in capsys.readouterr().out

@@ -70,14 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="CASE",
         help="what each call computes: logprobs (default), topk<k>, gather<K>, lse, sum_p2, "
-        "argmax, kl, kl-reverse (fusedhead backends only; see fusedhead.bench.heads)",
+        "argmax, kl, kl-reverse (fusedhead backends only), policy (the RL policy loss's forward + "
+        "backward; with unfused:NAME and the peers; see fusedhead.bench.heads)",
     )
     parser.add_argument(
         "--impl",
         nargs="+",
         default=None,
         metavar="NAME",
-        help="implementations: installed backend names (NAME or 'NAME:{json options}') and peers "
+        help="implementations: installed backend names (NAME or 'NAME:{json options}'), "
+        "unfused:NAME (--case policy: the backend's log-probs, then the loss in torch) and peers "
         "reference, verl-chunked, liger-direct, cce (default: every installed backend and peer)",
     )
     parser.add_argument(
@@ -247,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _terminated)
 
-    from fusedhead.bench import accuracy, peers, report, timing
+    from fusedhead.bench import accuracy, peers, policy, report, timing
     from fusedhead.bench.cases import grid, make_inputs
     from fusedhead.bench.measure import measure
     from fusedhead.cli import runnable_device
@@ -314,7 +316,8 @@ def run(args: argparse.Namespace) -> int:
                     progress.line(f"{case.label()} {report.summary_line(writer.records[-1])}")
                 continue
             progress.line(f"{case.label()}: inputs, GEMM unit, reference")
-            inputs = ref = None
+            inputs = None
+            ref: accuracy.Reference | policy.Reference | None = None
             try:
                 inputs = make_inputs(case)
                 unit_ms = timing.gemm_ms(inputs.hidden, inputs.weight, reps=args.reps)
@@ -323,6 +326,10 @@ def run(args: argparse.Namespace) -> int:
                     t0 = time.perf_counter()
                     need_lp = any(not i.entropy and not blocked[i.name] for i in impls)
                     ref = accuracy.compute_reference(case, inputs, lp_only_grads=need_lp)
+                    ref_s = time.perf_counter() - t0
+                elif not args.no_accuracy and case.head == policy.NAME:
+                    t0 = time.perf_counter()
+                    ref = policy.compute_reference(case, inputs)
                     ref_s = time.perf_counter() - t0
             except Exception as exc:  # e.g. inputs that do not fit: this case only
                 why = (

@@ -8,11 +8,13 @@ training step a distillation loss runs:
 - ``gather<K>`` (e.g. ``gather32``): log-probs at K random ids per row (a teacher's top-k);
 - ``lse``, ``sum_p2``, ``argmax``: log-probs with that per-token extra;
 - ``kl`` / ``kl-reverse``: the per-token KL between the student head and a teacher head of the
-  same shape (forward ``KL(p_t || p_s)`` / reverse), gradients to the student only.
+  same shape (forward ``KL(p_t || p_s)`` / reverse), gradients to the student only;
+- ``policy``: the RL policy loss's forward + backward (``fusedhead.bench.policy``): the backend's
+  ``policy_loss``, ``unfused:NAME`` and the peers with entropy each through the same loss.
 
 Each builder returns ``fn(h, w, y) -> (primary [N], secondary [N] | None)`` for the measurement
 loop: wide outputs enter as their row mean, so one ``[N]`` upstream gradient reaches all of them.
-Peers compute only ``logprobs``.
+Peers compute only ``logprobs`` and ``policy``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 DEFAULT = "logprobs"
-_PATTERN = re.compile(r"^(logprobs|lse|sum_p2|argmax|kl|kl-reverse|topk(\d+)|gather(\d+))$")
+_PATTERN = re.compile(r"^(logprobs|lse|sum_p2|argmax|kl|kl-reverse|policy|topk(\d+)|gather(\d+))$")
 #: The output each case asks of a backend (for the capability check before measuring).
 _OUTPUT = {"topk": "topk", "gather": "gather", "lse": "lse", "sum_p2": "sum_p2", "argmax": "argmax"}
 
@@ -37,7 +39,7 @@ def parse(name: str) -> tuple[str, int]:
     if m is None:
         raise ValueError(
             f"--case {name!r} is not a head case; expected logprobs, topk<k>, gather<K>, lse, "
-            "sum_p2, argmax, kl or kl-reverse (e.g. --case logprobs topk32 gather32 kl)"
+            "sum_p2, argmax, kl, kl-reverse or policy (e.g. --case logprobs topk32 gather32 kl)"
         )
     size = int(m.group(2) or m.group(3) or 0)
     kind = "topk" if m.group(2) else "gather" if m.group(3) else name
@@ -50,6 +52,13 @@ def refusal(name: str, caps: Any) -> str | None:
     """Why a backend with capabilities ``caps`` cannot run the case, or None."""
     kind, _ = parse(name)
     if kind == DEFAULT:
+        return None
+    if kind == "policy":
+        if not caps.policy_loss:
+            return (
+                "does not declare policy_loss (the loss's gradients computed in its forward); "
+                "--impl unfused:NAME runs its log-probs and entropy, then the loss in torch"
+            )
         return None
     if kind.startswith("kl"):
         direction = "reverse" if kind == "kl-reverse" else "forward"
@@ -69,6 +78,10 @@ def _generator(case: Any) -> torch.Generator:
 def build(name: str, case: Any, head: Any, temperature: float, ignore_index: int) -> Fn:
     """The timed call of case ``name`` through the resolved ``FusedHead``."""
     kind, size = parse(name)
+    if kind == "policy":
+        from fusedhead.bench import policy
+
+        return policy.fused(case, head)
     device = torch.device(case.device)
     # Per-row inputs for the rows a call gets (the memory child warms up on a few rows first).
     made: dict[int, torch.Tensor] = {}

@@ -14,21 +14,29 @@ from typing import Any
 
 import torch
 
-from fusedhead.bench import accuracy, memory, timing
+from fusedhead.bench import accuracy, memory, policy, timing
 from fusedhead.bench.cases import Case, Inputs
 from fusedhead.bench.peers import Fn, Impl
 
 
+def backward(lp: torch.Tensor, ent: torch.Tensor | None, inputs: Inputs) -> None:
+    """Backward of one call's outputs: a loss (0-d, the ``policy`` case) as it is, per-token
+    outputs with the case's upstream gradients."""
+    if lp.dim() == 0:
+        torch.autograd.backward([lp])
+    elif ent is None:
+        torch.autograd.backward([lp], [inputs.grad_log_probs])
+    else:
+        torch.autograd.backward([lp, ent], [inputs.grad_log_probs, inputs.grad_entropy])
+
+
 def make_step(fn: Fn, h: torch.Tensor, w: torch.Tensor, inputs: Inputs) -> Callable[[], None]:
     """Forward + backward of ``fn`` with the case's upstream gradients, accumulating into ``.grad``."""
-    labels, g_lp, g_ent = inputs.labels, inputs.grad_log_probs, inputs.grad_entropy
+    labels = inputs.labels
 
     def step() -> None:
         lp, ent = fn(h, w, labels)
-        if ent is None:
-            torch.autograd.backward([lp], [g_lp])
-        else:
-            torch.autograd.backward([lp, ent], [g_lp, g_ent])
+        backward(lp, ent, inputs)
 
     return step
 
@@ -42,7 +50,7 @@ def measure(
     case: Case,
     impl: Impl,
     inputs: Inputs,
-    ref: accuracy.Reference | None,
+    ref: accuracy.Reference | policy.Reference | None,
     *,
     unit_ms: float,
     reps: int,
@@ -65,19 +73,16 @@ def measure(
     # 1. First forward + backward: compile/warm up, and the outputs the errors are measured on.
     t0 = time.perf_counter()
     lp, ent = fn(h, w, inputs.labels)
-    outs, grads = (
-        ([lp], [inputs.grad_log_probs])
-        if ent is None
-        else ([lp, ent], [inputs.grad_log_probs, inputs.grad_entropy])
-    )
-    torch.autograd.backward(outs, grads)
+    backward(lp, ent, inputs)
     _sync(device)
     out["first_call_s"] = time.perf_counter() - t0
-    if ref is not None:
+    if isinstance(ref, policy.Reference):
+        out["errors"] = policy.compare(ref, lp, h.grad, w.grad)
+    elif ref is not None:
         out["errors"] = accuracy.compare(
             ref, lp.detach(), None if ent is None else ent.detach(), h.grad, w.grad
         )
-    del lp, ent, outs
+    del lp, ent
     gc.collect()
 
     # 2. Peak extra memory of one step, with .grad already allocated (from step 1).

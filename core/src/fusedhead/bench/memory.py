@@ -86,7 +86,7 @@ def measure_in_subprocess(case: dict[str, Any], spec: str, *, timeout: float | N
 
 def _child(payload: str) -> int:
     """Subprocess body: inputs with allocated ``.grad``, then one measured forward + backward."""
-    from fusedhead.bench import peers
+    from fusedhead.bench import peers, policy
     from fusedhead.bench.cases import Case, make_inputs
     from fusedhead.bench.measure import make_step
 
@@ -102,6 +102,8 @@ def _child(payload: str) -> int:
     h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)  # "already-allocated gradients"
     fn = impl.build(case)
     _warm_up(fn, inputs)
+    if case.head == policy.NAME:  # the batch's RL terms are inputs, made before the step
+        policy.terms(case, inputs.hidden, inputs.weight, inputs.labels)
     step = make_step(fn, h, w, inputs)
     extra = cpu_peak_extra_bytes(step)
     print(json.dumps({"peak_extra_bytes": extra}))

@@ -10,6 +10,7 @@ cannot run there (None when it can), so the bench records a skip with the reason
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata as md
 import importlib.util
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from fusedhead import registry
-from fusedhead.bench import heads
+from fusedhead.bench import heads, policy
 from fusedhead.bench.cases import ELEMENT_BYTES, IGNORE_INDEX, Case
 from fusedhead.errors import BackendConflictError, BackendLoadError, BackendUnavailableError
 
@@ -388,11 +389,13 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 def resolve(spec: str) -> Impl:
     """The implementation named by ``spec``; an unknown name is a ValueError listing what exists."""
+    if spec.startswith(UNFUSED):
+        return _unfused(spec)
     name, options = parse_spec(spec)
     if name in _PEER_FACTORIES:
         if options:
             raise ValueError(f"--impl {spec!r}: peer {name!r} takes no options")
-        return _logprobs_only(_PEER_FACTORIES[name]())
+        return _peer_cases(_PEER_FACTORIES[name]())
     installed = list(registry.candidates())
     if name not in installed:
         from fusedhead.registry import unknown_name_message
@@ -404,17 +407,64 @@ def resolve(spec: str) -> Impl:
     return _backend(name, options, spec)
 
 
-def _logprobs_only(impl: Impl) -> Impl:
-    """A peer measured on the ``logprobs`` case only (the issue-18 cases are fusedhead calls)."""
-    available = impl.availability
+def _peer_cases(impl: Impl) -> Impl:
+    """A peer measured on the ``logprobs`` case (the issue-18 cases are fusedhead calls) and, where
+    it computes entropy, on the ``policy`` case: its log-probs and entropy, then the loss in torch."""
+    available, build = impl.availability, impl.build
 
     def availability(case: Case) -> str | None:
-        if case.head != heads.DEFAULT:
-            return f"peer {impl.name!r} computes the logprobs case only, not {case.head!r}"
+        if case.head == policy.NAME and not impl.entropy:
+            return f"peer {impl.name!r} computes no entropy, which the policy loss's bonus needs"
+        if case.head not in (heads.DEFAULT, policy.NAME):
+            return (
+                f"peer {impl.name!r} computes the logprobs and policy cases only, not {case.head!r}"
+            )
         return available(case)
 
-    impl.availability = availability
+    def build_case(case: Case) -> Fn:
+        if case.head == policy.NAME:
+            return policy.unfused(case, build(case))
+        return build(case)
+
+    impl.availability, impl.build = availability, build_case
     return impl
+
+
+#: ``unfused:NAME`` (or ``unfused:NAME:{json options}``): a backend's log-probs and entropy, then
+#: the policy loss in torch (the four-GEMM path the ``policy`` case compares the fused loss with).
+UNFUSED = "unfused:"
+
+
+def _unfused(spec: str) -> Impl:
+    """``unfused:NAME``: the backend's ``logprobs`` head, then ``policy.loss_from_stats``."""
+    name, options = parse_spec(spec[len(UNFUSED) :])
+    if not name or name in _PEER_FACTORIES:
+        raise ValueError(
+            f"--impl {spec!r}: unfused: takes an installed fusedhead backend's name "
+            f"(e.g. unfused:triton), got {name!r}"
+        )
+    inner = resolve(spec[len(UNFUSED) :])
+
+    def availability(case: Case) -> str | None:
+        if case.head != policy.NAME:
+            return f"{spec!r} runs the policy case only (a head's log-probs, then the loss), not {case.head!r}"
+        return inner.availability(dataclasses.replace(case, head=heads.DEFAULT))
+
+    def build(case: Case) -> Fn:
+        stats = inner.build(dataclasses.replace(case, head=heads.DEFAULT))
+        return policy.unfused(case, stats)
+
+    return Impl(
+        f"{UNFUSED}{inner.name}",
+        spec,
+        "backend",
+        True,
+        availability,
+        build,
+        inner.distributions,
+        note="the backend's log-probs and entropy, then the policy loss in torch (four GEMMs)",
+        options=options,
+    )
 
 
 def default_specs() -> list[str]:

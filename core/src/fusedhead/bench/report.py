@@ -197,11 +197,22 @@ def summary_line(record: dict[str, Any]) -> str:
         return f"{name}: {record['status']}: {record.get('reason') or record.get('error')}"
     mem = record.get("peak_extra_bytes")
     mem_s = "-" if mem is None else f"{mem / GiB:.2f} GiB"
+    stats = (
+        f"loss {_err(record, 'loss')}"
+        if _has_loss(record)
+        else f"lp {_err(record, 'log_probs')} ent {_err(record, 'entropy')}"
+    )
     return (
         f"{name}: fwd {_f(record.get('fwd_units'))} u, fwd+bwd {_f(record.get('fwd_bwd_units'))} u "
         f"({_f(record.get('fwd_bwd_ms'), '.1f')} ms), peak extra {mem_s}, "
-        f"err lp {_err(record, 'log_probs')} ent {_err(record, 'entropy')} "
-        f"dh {_err(record, 'grad_hidden')} dW {_err(record, 'grad_weight')}"
+        f"err {stats} dh {_err(record, 'grad_hidden')} dW {_err(record, 'grad_weight')}"
+    )
+
+
+def _has_loss(record: dict[str, Any]) -> bool:
+    """Whether the record measured a loss (the ``policy`` case), not per-token outputs."""
+    return (record.get("case") or {}).get("head") == "policy" or bool(
+        (record.get("errors") or {}).get("loss")
     )
 
 
@@ -262,6 +273,7 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
     if not records:
         return "(no results)\n"
     ref_dtype = next((r.get("reference_dtype") for r in records if r.get("reference_dtype")), None)
+    losses = any(_has_loss(r) for r in records)
     lines = [
         _provenance(records),
         "Times in GEMM units (one `hidden @ weight.T` of the case's shape and dtype)"
@@ -272,8 +284,10 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
         ),
         "",
         "| N | H | V | dtype | implementation | GEMM unit (ms) | fwd (units) | fwd+bwd (units) | fwd+bwd (ms) "
-        "| peak extra (GiB) | log-prob err | entropy err | grad h err | grad W err |",
-        "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| peak extra (GiB) | log-prob err | entropy err | grad h err | grad W err |"
+        + (" loss err |" if losses else ""),
+        "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + (" ---: |" if losses else ""),
     ]
     skipped = []
     for r in sorted(records, key=_case_key):
@@ -288,6 +302,7 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
             f"| {_f(r.get('fwd_units'))} | {_f(r.get('fwd_bwd_units'))} | {_f(r.get('fwd_bwd_ms'), '.1f')} "
             f"| {'-' if mem is None else format(mem / GiB, '.3g')} | {_err(r, 'log_probs')} "
             f"| {_err(r, 'entropy')} | {_err(r, 'grad_hidden')} | {_err(r, 'grad_weight')} |"
+            + (f" {_err(r, 'loss')} |" if losses else "")
         )
     if skipped:
         lines += ["", "Not measured:", ""]
