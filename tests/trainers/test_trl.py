@@ -390,11 +390,14 @@ def test_backend_names_from_the_config_are_strict(model_dir: Path) -> None:
     head = fh_trl.fused_head_from_args(cfg)
     assert head == {"backend": "torch", "options": {"chunk_rows": 16}}
     assert lm_head_mod.resolve_lm_head(head).options.model_dump()["chunk_rows"] == 16
-    bad = fh_trl.FusedHeadGRPOConfig(
-        output_dir="unused", fused_head_options="{oops", report_to="none", use_cpu=True
-    )
     with pytest.raises(ValueError, match="fused_head_options is not valid JSON"):
-        fh_trl.fused_head_from_args(bad)
+        fh_trl.FusedHeadGRPOConfig(  # refused when the config is built
+            output_dir="unused", fused_head_options="{oops", report_to="none", use_cpu=True
+        )
+    with pytest.raises(UnknownBackendError, match="'tritonn'"):
+        fh_trl.FusedHeadGRPOConfig(
+            output_dir="unused", fused_head_backend="tritonn", report_to="none", use_cpu=True
+        )
 
 
 def test_trainer_without_the_field_fails_before_building(model_dir: Path) -> None:
@@ -530,3 +533,46 @@ def test_offline_trainers_two_steps_match_trls_own_kernel(
         for key, value in a.items():  # fp32: 1e-6, relative above magnitude 1 (grad_norm ~30)
             if isinstance(value, float):
                 assert abs(value - b[key]) <= 1e-6 * max(1.0, abs(value)), (key, value, b[key])
+
+
+_NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+
+@_NO_CUDA
+def test_a_backend_that_cannot_run_here_fails_when_the_config_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fusedhead.errors import BackendUnavailableError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    common = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(BackendUnavailableError) as err:
+        fh_trl.FusedHeadGRPOConfig(fused_head_backend="fusedhead:triton", **common)
+    text = str(err.value)
+    assert "fused_head_backend='triton'" in text and "(cpu with torch.bfloat16)" in text
+    assert "Fix:" in text and "'fusedhead:torch'" in text and "TRITON_INTERPRET=1" in text
+    # where the backend can run, the same config builds: the interpreter, in fp32
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    args = fh_trl.FusedHeadGRPOConfig(fused_head_backend="fusedhead:triton", bf16=False, **common)
+    assert args.fused_head_backend == "fusedhead:triton"
+    assert fh_trl.trainer_device(args) == (torch.device("cpu"), None)
+
+
+@_NO_CUDA
+def test_a_backend_that_cannot_run_here_fails_before_the_trainer_loads_a_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer refuses ``fused_head=`` before TRL's init: the model path is never read."""
+    import trl
+
+    from fusedhead.errors import BackendUnavailableError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
+    with pytest.raises(BackendUnavailableError, match=r"fused_head_backend='triton'.*\(cpu\)"):
+        fh_trl.FusedHeadGRPOTrainer(
+            model=str(tmp_path / "no-such-model"),
+            args=args,
+            reward_funcs=lambda completions, **_: [0.0] * len(completions),
+            fused_head="triton",
+        )

@@ -361,3 +361,20 @@ def test_the_trl_probe_fix_from_the_environment_in_a_fresh_process() -> None:
     assert "forward forward_with_fusedhead_backend" in done.stdout
     failed = _python(code, FUSEDHEAD_VERL_FIX_TRL_PROBE="0")
     assert failed.returncode != 0 and "AutoModelForCausalLMWithValueHead" in failed.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_backend_that_cannot_run_on_verls_device_fails_at_model_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fusedhead.errors import BackendUnavailableError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = tiny_qwen2(0)
+    forward = type(model).__dict__["forward"]
+    with pytest.raises(BackendUnavailableError) as err:
+        fh_verl.patch_forward_with_backends(model, True, "fusedhead:triton")
+    text = str(err.value)
+    assert "fused_kernel_options.impl_backend='triton'" in text and "device (cpu)" in text
+    assert "Fix:" in text and "'fusedhead:torch'" in text
+    assert type(model).__dict__["forward"] is forward  # nothing patched

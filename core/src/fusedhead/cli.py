@@ -306,8 +306,42 @@ def _cmd_info(args: argparse.Namespace) -> int:
     describe = getattr(backend, "describe", None)
     if callable(describe):
         out["implementation"] = describe(device)
+    out["per_device"] = _per_device(cand, backend, caps, device, fields)
     _print_info(out, args.json)
     return 0
+
+
+def _per_device(
+    cand: Any, backend: Any, caps: Any, shown: Any, fields: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """What the backend declares on each device type (the CPU, CUDA and any it names), and its
+    status there: capabilities differ by device (triton's bf16 is CUDA-only), so one device's
+    list must not read as the backend's. Fields equal to the shown device's are left out."""
+    import torch
+
+    declared = caps.model_dump(mode="json")
+    rows: dict[str, dict[str, Any]] = {}
+    for kind in dict.fromkeys(["cpu", "cuda", *declared.get("devices", [])]):
+        device = torch.device(kind)
+        row: dict[str, Any] = {}
+        try:
+            here = registry.backend_capabilities(backend, device, **fields).model_dump(mode="json")
+        except BackendError as exc:
+            rows[kind] = {"status": exc.status, "reason": str(exc)}
+            continue
+        row["runs_on_it"] = kind in here.get("devices", [])
+        row["dtypes"] = here.get("dtypes", [])
+        differs = {
+            k: v for k, v in here.items() if k not in ("dtypes", "devices") and declared.get(k) != v
+        }
+        if differs:
+            row["differs"] = differs
+        status, reason = registry.probe_backend(cand, device)
+        row["status"] = status.value
+        if reason:
+            row["reason"] = reason
+        rows[kind] = row
+    return rows
 
 
 def _print_info(info: dict[str, Any], as_json: bool) -> None:
@@ -331,7 +365,26 @@ def _print_info(info: dict[str, Any], as_json: bool) -> None:
             for k, v in value.items():
                 if k == "vocab_parallel_outputs" and not value.get("vocab_parallel"):
                     v = "none (vocab_parallel is False)"  # --json keeps the declared default
+                if k == "vocab_grid":
+                    v = (
+                        f"{v} columns (shards starting on a multiple of it give the "
+                        "one-process bits at any degree)"
+                        if value.get("degree_invariant")
+                        else "none (degree_invariant is False)"
+                    )
                 print(f"  {k}: {v}")
+        elif key == "per_device":
+            print("per device (declared there; status on this machine):")
+            for kind, row in value.items():
+                if "dtypes" not in row:
+                    print(f"  {kind}: {row['status']}: {row['reason']}")
+                    continue
+                runs = "" if row["runs_on_it"] else " (not a declared device)"
+                line = f"  {kind}{runs}: dtypes {', '.join(row['dtypes']) or 'none'}"
+                if row.get("differs"):
+                    line += "; " + ", ".join(f"{k}={v}" for k, v in row["differs"].items())
+                line += f"; status {row['status']}"
+                print(line + (f" ({row['reason']})" if row.get("reason") else ""))
         elif isinstance(value, dict):
             print(f"{key}:")
             for k, v in value.items():

@@ -28,11 +28,12 @@ from torch import nn
 from fusedhead.api import FusedHead, FusedHeadOutput, cached_head
 from fusedhead.config import FusedHeadConfig
 from fusedhead.module import FusedLMHead, call_in_forward, head_forward, owned, run_as_forward
-from fusedhead.validation import is_dtensor
+from fusedhead.validation import dtype_name, is_dtensor
 
 __all__ = [
     "SPEC_PREFIX",
     "HeadLike",
+    "check_head_runs_on",
     "is_fusedhead_spec",
     "lm_head_logprobs",
     "model_logit_transform",
@@ -107,6 +108,52 @@ def resolve_lm_head(head: HeadLike, lm_head: nn.Module | None = None) -> FusedHe
         "head must be a FusedHead, a FusedHeadConfig, a mapping, a backend name (str) or None, "
         f"got {type(head).__name__} {head!r}"
     )
+
+
+def check_head_runs_on(
+    head: FusedHead,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    *,
+    setting: str,
+) -> None:
+    """Fail fast where a trainer is configured: ``head`` must run on ``device`` (and ``dtype``).
+
+    Called when a trainer's config or model is built, so that a backend which cannot run there
+    (``triton`` on a machine without CUDA) is refused before a model is loaded or a batch is
+    generated. ``setting`` is the config entry that named it (shown with the fix). With
+    ``dtype=None`` the device alone is checked, with a dtype the backend takes there. Raises
+    ``BackendUnavailableError`` naming the backend, the device (and dtype) and the fix.
+    """
+    from fusedhead.errors import BackendUnavailableError
+
+    dev = torch.device(device)
+    identity = {"backend": head.name, "distribution": head.distribution, "version": head.version}
+    where = dev.type if dtype is None else f"{dev.type} with {dtype}"
+    try:
+        caps = head.capabilities(dev)
+        probe = dtype
+        if probe is None:
+            names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+            probe = torch.float32 if "fp32" in caps.dtypes else names[caps.dtypes[0]]
+        head.backend.check(dev, probe)  # first: its message carries the reason and the fix
+        if dev.type not in caps.devices:
+            raise BackendUnavailableError(
+                f"it declares devices {list(caps.devices)}, not {dev.type!r}", **identity
+            )
+        if dtype_name(probe) not in caps.dtypes:
+            raise BackendUnavailableError(
+                f"it declares dtypes {list(caps.dtypes)} on {dev.type}, not {probe}", **identity
+            )
+    except BackendUnavailableError as exc:
+        fix = f"name a backend that runs on {dev.type} in {setting} (e.g. 'fusedhead:torch')"
+        if exc.hint:
+            fix = f"{exc.hint}; or {fix}"
+        raise BackendUnavailableError(
+            f"{setting}={head.name!r} cannot run on this trainer's device ({where}): {exc.reason}",
+            hint=fix,
+            **identity,
+        ) from None
 
 
 def lm_head_logprobs(

@@ -34,6 +34,7 @@ from torch import nn
 from fusedhead.api import FusedHead
 from fusedhead.integrations.lm_head import (
     HeadLike,
+    check_head_runs_on,
     is_fusedhead_spec,
     lm_head_logprobs,
     model_logit_transform,
@@ -46,9 +47,11 @@ __all__ = [
     "TESTED_TRL",
     "FusedHeadTrainerMixin",
     "add_fused_lm_head",
+    "check_args_device",
     "fused_head_from_args",
     "fused_head_of",
     "replace_trl_fused_heads",
+    "trainer_device",
 ]
 
 #: TRL versions this module was tested against.
@@ -376,6 +379,36 @@ def fused_head_from_args(args: Any) -> HeadLike:
     return {"backend": backend, "options": dict(options)}
 
 
+def trainer_device(args: Any) -> tuple[torch.device, torch.dtype | None]:
+    """Where a TRL config's heads will run: (device, dtype), read without building the trainer.
+
+    The CPU under ``use_cpu`` or without CUDA, else CUDA; bf16 / fp16 under ``bf16`` / ``fp16``
+    unless ``cast_lm_head_to_fp32``, else None (the model's own dtype: the device alone is checked).
+    """
+    device = torch.device(
+        "cpu" if getattr(args, "use_cpu", False) or not torch.cuda.is_available() else "cuda"
+    )
+    dtype: torch.dtype | None = None
+    if not getattr(args, "cast_lm_head_to_fp32", False):
+        if getattr(args, "bf16", False):
+            dtype = torch.bfloat16
+        elif getattr(args, "fp16", False):
+            dtype = torch.float16
+    return device, dtype
+
+
+def check_args_device(args: Any, head: HeadLike = None) -> FusedHead:
+    """Resolve the head ``args`` (or ``head``) names and check it runs where ``args`` trains.
+
+    Raised when a FusedHead*Config or trainer is built, before any model is loaded:
+    ``BackendUnavailableError`` naming the backend, the device and the fix.
+    """
+    fused = resolve_lm_head(fused_head_from_args(args) if head is None else head)
+    device, dtype = trainer_device(args)
+    check_head_runs_on(fused, device, dtype, setting="fused_head_backend")
+    return fused
+
+
 class FusedHeadTrainerMixin:
     """Put before a TRL trainer class: its fused LM heads run on the fusedhead backend named
     by ``fused_head=`` or by ``args.fused_head_backend``; ``self.fused_head`` is the head."""
@@ -383,10 +416,15 @@ class FusedHeadTrainerMixin:
     fused_head: FusedHead
 
     def __init__(self, *args: Any, fused_head: HeadLike = None, **kwargs: Any) -> None:
-        if fused_head is None:  # read (and check) the config before the trainer's costly init
-            bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
-            fused_head = fused_head_from_args(bound.arguments.get("args"))
+        # read (and check) the config before the trainer's costly init: the backend must run on
+        # the device the trainer will use
+        bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
+        config = bound.arguments.get("args")
+        if fused_head is None:
+            fused_head = fused_head_from_args(config)
         head = resolve_lm_head(fused_head)
+        if config is not None:
+            check_args_device(config, head)
         super().__init__(*args, **kwargs)
         self.fused_head = head
         replace_trl_fused_heads(self, head)
@@ -427,7 +465,18 @@ def _build(name: str) -> Any:
     base = getattr(trl, f"{kind}{what}")
     cls: Any
     if what == "Config":
-        cls = dataclass(type(name, (base, _FusedHeadFields), {"__module__": __name__}))
+
+        def __post_init__(self: Any) -> None:
+            base.__post_init__(self)
+            check_args_device(self)  # fail when the config is built, not at the first step
+
+        cls = dataclass(
+            type(
+                name,
+                (base, _FusedHeadFields),
+                {"__module__": __name__, "__post_init__": __post_init__},
+            )
+        )
     else:
         cls = type(name, (FusedHeadTrainerMixin, base), {"__module__": __name__})
     cls.__doc__ = (

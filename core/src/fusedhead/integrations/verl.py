@@ -351,11 +351,25 @@ def patch_forward_with_backends(
     )
 
 
+def _verl_device() -> str:
+    """The device type verl's workers compute on: ``verl.utils.device.get_device_name``, except
+    that verl 0.9.1 names ``cuda`` also where CUDA is absent (its default), which is the CPU."""
+    import torch
+    from verl.utils.device import get_device_name
+
+    name = str(get_device_name())
+    return "cpu" if name == "cuda" and not torch.cuda.is_available() else name
+
+
 def _patch_model(model: Any, spec: str) -> None:
     """Resolve the backend ``spec`` names and give ``model``'s class fusedhead's forward."""
     from torch import nn
 
-    from fusedhead.integrations.lm_head import parse_backend_spec, resolve_lm_head
+    from fusedhead.integrations.lm_head import (
+        check_head_runs_on,
+        parse_backend_spec,
+        resolve_lm_head,
+    )
 
     name = parse_backend_spec(spec)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -374,6 +388,8 @@ def _patch_model(model: Any, spec: str) -> None:
             f"model={type(decoder).__name__})"
         )
     head = resolve_lm_head(name)  # unknown names raise here, listing what is installed
+    # fail at model build, not at the first batch: the backend must run on verl's device
+    check_head_runs_on(head, _verl_device(), setting="fused_kernel_options.impl_backend")
     model._verl_fused_kernels_backend = spec
     model._fusedhead_head = head
     type(model).forward = forward_with_fusedhead_backend
