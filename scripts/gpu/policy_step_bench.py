@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trl_grpo_bench import load_trl_kernel, measure, trl_head  # noqa: E402
+from trl_grpo_bench import load_trl_kernel, measure, trl_head
 
 CLIP, BETA, TEMPERATURE = 0.2, 0.04, 0.7
 
@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         timing = measure(lambda p=path: step(p), device, warmup=2, repeats=a.repeats)
         timing.pop("ms_all")
         record["paths"][path] = {**timing, "loss": float(got[0]), "vs_fusedhead": errors}
-        print(f"{path:<10} {timing['ms_median']:9.2f} ms  peak {timing['peak_extra_gib']} GiB  {errors}")
+        print(
+            f"{path:<10} {timing['ms_median']:9.2f} ms  peak {timing['peak_extra_gib']} GiB  {errors}"
+        )
     (a.out / "policy_step_bench.json").write_text(json.dumps(record, indent=2))
     return 0
 
