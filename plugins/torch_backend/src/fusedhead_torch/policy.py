@@ -171,7 +171,9 @@ def _compiled_chunks(
     for start in range(0, n, rows_per_chunk):
         stop = min(start + rows_per_chunk, n)
         ok = valid[start:stop]
-        h_rows = torch.where(ok.unsqueeze(1), hidden[start:stop], torch.zeros((), dtype=hidden.dtype))
+        h_rows = torch.where(
+            ok.unsqueeze(1), hidden[start:stop], torch.zeros((), dtype=hidden.dtype)
+        )
         x = logits_mm(gemm_operand(h_rows, fp32_logits), w_t, fp32_logits).to(FP32)
         k = (inv_t[start:stop] if inv_t.numel() > 1 else inv_t.expand(stop - start)).unsqueeze(1)
         label = torch.where(ok, labels[start:stop], 0).unsqueeze(1)
