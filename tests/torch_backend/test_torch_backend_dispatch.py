@@ -20,6 +20,7 @@ from torch_backend_helpers import (
 import fusedhead_torch.tile_math as tile_math
 from fusedhead.protocol import call_backend
 from fusedhead_torch import TorchBackend, TorchOptions
+from fusedhead_torch.tiling import GRID_COLS
 
 DEVICES = [
     "cpu",
@@ -104,7 +105,7 @@ def test_an_aten_mm_override_steers_forward_and_backward(
     loss.backward()
     backward_calls = len(mm_override.calls) - forward_calls
     mm_override.remove()
-    assert forward_calls == 9  # one logits GEMM per tile
+    assert forward_calls == 3  # one logits GEMM per grid tile: 3 row chunks x 1 (50 < GRID_COLS)
     assert backward_calls == 27  # recompute, dh and dW per tile
     got = Result(lp.detach().cpu(), ent.detach().cpu(), h.grad.cpu(), w.grad.cpu())
     assert_close(got, want, "fp32", "under the override")
@@ -133,7 +134,7 @@ def test_an_aten_mm_override_steers_the_fp32_logits_path(
     got = run_backend(case, dtype=dtype, device=device, options=options)
     calls = len(mm_override.calls)
     mm_override.remove()
-    assert calls == 9 + 27  # forward: one logits GEMM per tile; backward: recompute, dh, dW
+    assert calls == 3 + 27  # forward: one logits GEMM per grid tile; backward: 3 per tile
     got = Result(got.log_probs.cpu(), got.entropy.cpu(), got.d_hidden.cpu(), got.d_weight.cpu())
     assert rel_err(got.log_probs, want.log_probs) <= 1e-5  # fp32 logits: fp32 bounds
     assert rel_err(got.entropy, want.entropy) <= 1e-5
@@ -187,7 +188,8 @@ def test_backward_computes_only_the_gradients_asked_for(
         reduce_hidden_grad=True,
     )
     (lp.sum() + ent.sum()).backward()
-    assert len(mm_override.calls) == 4 + 4 * per_tile
+    # forward: 2 row chunks x 1 grid tile (30 < GRID_COLS); backward: per_tile per 2 x 2 tile
+    assert len(mm_override.calls) == 2 + 4 * per_tile
     assert (h.grad is not None) == grad_hidden and (w.grad is not None) == grad_weight
 
 
@@ -220,11 +222,12 @@ class _LargestTensor(TorchDispatchMode):
 
 
 def test_no_tensor_of_tokens_by_vocabulary_is_ever_made() -> None:
-    n, h, v = 64, 8, 512
+    n, h, v = 64, 8, 4 * GRID_COLS
     case = make_case(n, h, v)
     with _LargestTensor() as seen:
         run_backend(case, options=TorchOptions(block_vocab=64))
-    assert seen.largest <= max(n * 64, v * h)  # one tile, or the weight gradient
+    # one forward (grid) tile, or the weight gradient
+    assert seen.largest <= max(n * GRID_COLS, v * h)
     assert seen.largest < n * v
 
 
@@ -272,7 +275,8 @@ def test_the_out_dtype_route_of_fp32_logits(monkeypatch: pytest.MonkeyPatch) -> 
         got = run_backend(case, dtype=torch.bfloat16, options=options)
     finally:
         lib._destroy()
-    assert calls == [(torch.bfloat16, torch.float32)] * (9 + 9)  # forward, backward recompute
+    # forward: 3 row chunks x 1 grid tile; backward recompute: 3 x 3 tiles
+    assert calls == [(torch.bfloat16, torch.float32)] * (3 + 9)
     want = run_reference(case, dtype=torch.bfloat16)
     assert rel_err(got.log_probs, want.log_probs) <= 1e-5
     assert rel_err(got.entropy, want.entropy) <= 1e-5

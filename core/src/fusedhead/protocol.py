@@ -102,6 +102,11 @@ class Capabilities(BaseModel):
     #: ``policy_loss(PolicyLossCall)``: the RL policy loss's gradients computed in the forward
     #: (three GEMMs per token chunk; docs/policy-loss.md). A backend without it is refused by name.
     policy_loss: StrictBool = False
+    #: Vocab-parallel results are the one-process bits at any tensor-parallel degree where every
+    #: shard starts on a multiple of ``vocab_grid`` (docs/vocab-parallel.md).
+    degree_invariant: StrictBool = False
+    #: The vocabulary grid of ``degree_invariant``, in columns (0: none declared).
+    vocab_grid: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> Capabilities:
@@ -109,6 +114,11 @@ class Capabilities(BaseModel):
         if "log_probs" not in self.outputs:
             raise ValueError(
                 f"outputs must include 'log_probs' (every call returns it), got {self.outputs}"
+            )
+        if self.degree_invariant and (not self.vocab_parallel or self.vocab_grid < 1):
+            raise ValueError(
+                "degree_invariant needs vocab_parallel and the grid it holds on (vocab_grid >= "
+                f"1), got vocab_parallel={self.vocab_parallel}, vocab_grid={self.vocab_grid}"
             )
         if "topk" in self.outputs and self.max_top_k < 1:
             raise ValueError(

@@ -953,3 +953,30 @@ def shard_slots_tensor(
         t[rank] = torch.tensor(shard_slots(start, width, size), dtype=torch.float32)
         t = _SHARD_TENSORS[key] = t.to(device)
     return t
+
+
+def grid_shards(vocab_size: int, world: int, grid: int) -> list[tuple[int, int]]:
+    """``(vocab_start, rows)`` of each of ``world`` ranks: whole tiles of ``grid`` columns, as
+    even as they go (the first ranks one tile more), the last shard ending at ``vocab_size``.
+
+    Every shard starts on a multiple of ``grid``: a backend declaring ``degree_invariant`` with
+    that ``vocab_grid`` gives the one-process bits on this layout (docs/vocab-parallel.md). Equal
+    shards are this layout exactly when ``vocab_size / world`` is a multiple of ``grid``. Ranks
+    past the last tile get empty shards.
+    """
+    for name, value, least in (
+        ("vocab_size", vocab_size, 0),
+        ("world", world, 1),
+        ("grid", grid, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    tiles = -(-vocab_size // grid)
+    base, extra = divmod(tiles, world)
+    out: list[tuple[int, int]] = []
+    start = 0
+    for rank in range(world):
+        stop = min(vocab_size, start + (base + (rank < extra)) * grid)
+        out.append((start, stop - start))
+        start = stop
+    return out

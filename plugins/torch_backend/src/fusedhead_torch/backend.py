@@ -26,6 +26,7 @@ from fusedhead_torch.outputs import (
     forward_outputs,
 )
 from fusedhead_torch.policy import chunk_rows, policy_loss
+from fusedhead_torch.rowstats import MAX_GRID_VOCAB
 from fusedhead_torch.tile_math import _mm_out_dtype_works
 from fusedhead_torch.tiling import GRID_COLS, Tiles, plan_forward_tiles, plan_tiles, skips_rows
 
@@ -179,6 +180,11 @@ class TorchBackend:
 
     def forward(self, call: HeadCall) -> HeadOutput:
         """fp32 ``log_probs [N]`` and ``entropy [N]`` (or None), differentiable in hidden/weight."""
+        if call.vocab_size >= MAX_GRID_VOCAB:
+            raise ValueError(
+                f"vocab_size: the torch backend's exact (fixed-point) combine of the vocabulary "
+                f"tiles takes vocabularies below {MAX_GRID_VOCAB} columns, got {call.vocab_size}"
+            )
         if not call.outputs <= _BASIC_OUTPUTS:  # top-k, gather, lse, sum_p2, argmax: outputs.py
             return forward_outputs(self, call)
         hidden, weight, labels = call.hidden, call.weight, call.labels

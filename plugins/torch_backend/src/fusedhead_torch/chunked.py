@@ -26,8 +26,8 @@ import torch
 
 from fusedhead.second_order import first_order as _first_order
 from fusedhead_torch.grads import TileGrads
-from fusedhead_torch.parallel import all_reduce_row_stats
-from fusedhead_torch.rowstats import RowStats
+from fusedhead_torch.parallel import all_reduce_tile_stats
+from fusedhead_torch.rowstats import TileStats, combine_tiles
 from fusedhead_torch.tile_math import (
     FP32,
     Scaling,
@@ -55,6 +55,13 @@ class HeadSpec:
     reduce_hidden_grad: bool = True
     #: Logits GEMMs accumulate and write fp32 (bf16/fp16 inputs); gradient GEMMs stay as they are.
     fp32_logits: bool = False
+    #: The forward's tiles (``tiling.GRID_COLS`` columns: the vocabulary grid); None: ``tiles``.
+    forward_tiles: Tiles | None = None
+
+    @property
+    def grid_tiles(self) -> Tiles:
+        """The tiles the forward walks (its statistics are those of the grid's tiles)."""
+        return self.tiles if self.forward_tiles is None else self.forward_tiles
 
 
 @dataclass(frozen=True)
@@ -66,14 +73,18 @@ class LabelPlace:
     col: torch.Tensor
 
     @classmethod
-    def locate(cls, labels: torch.Tensor, v_local: int, spec: HeadSpec) -> LabelPlace:
-        """Place labels (global ids) in the blocks of ``spec.tiles`` over this shard."""
+    def locate(
+        cls, labels: torch.Tensor, v_local: int, spec: HeadSpec, tiles: Tiles | None = None
+    ) -> LabelPlace:
+        """Place labels (global ids) in the blocks of ``tiles`` (default ``spec.tiles``) over
+        this shard."""
+        cols = (spec.tiles if tiles is None else tiles).cols
         valid = labels != spec.ignore_index
         local = labels - spec.vocab_start
         owned = valid & (local >= 0) & (local < v_local)
         safe = torch.where(owned, local, torch.zeros_like(local))
-        block = torch.where(owned, safe // spec.tiles.cols, torch.full_like(local, -1))
-        return cls(valid, block, safe % spec.tiles.cols)
+        block = torch.where(owned, safe // cols, torch.full_like(local, -1))
+        return cls(valid, block, safe % cols)
 
     def tile(self, b: int, start: int, stop: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For rows ``[start, stop)`` of block ``b``: in-block mask and a clamped column."""
@@ -86,26 +97,26 @@ def _forward_stats(
     place: LabelPlace,
     scaling: Scaling,
     spec: HeadSpec,
-) -> tuple[RowStats, torch.Tensor]:
-    """Statistics of every row over this shard, and the label logit (0 where not owned)."""
+) -> tuple[TileStats, torch.Tensor]:
+    """Statistics of every row in each grid tile of this shard (``[T, N]``), and the label logit
+    (0 where not owned); ``place`` is located in ``spec.grid_tiles``."""
     n, v = h.shape[0], weight.shape[0]
-    tiles = spec.tiles
+    tiles = spec.grid_tiles
     ws = Workspace(tiles.rows * tiles.cols, h.device)
-    m, s, t = (torch.empty(n, dtype=FP32, device=h.device) for _ in range(3))
+    blocks = list(tiles.col_ranges(v)) if v else []
+    m, s, t = (torch.empty(len(blocks), n, dtype=FP32, device=h.device) for _ in range(3))
     z_label = torch.zeros(n, dtype=FP32, device=h.device)
     for r0, r1 in tiles.row_ranges(n):
         h_rows = gemm_operand(h[r0:r1], spec.fp32_logits)
         k = scaling.rows(r0, r1)
-        run = RowStats.empty(r1 - r0, h.device)
-        for b, (v0, v1) in enumerate(tiles.col_ranges(v)):
+        for b, (v0, v1) in enumerate(blocks):
             x = logits_mm(h_rows, weight[v0:v1].T, spec.fp32_logits)
             in_block, col = place.tile(b, r0, r1, v1 - v0)
             stats, z_y = forward_tile(x, col, k, scaling, ws, spec.return_entropy)
             del x
-            run = stats if b == 0 else run.merged(stats)
+            m[b, r0:r1], s[b, r0:r1], t[b, r0:r1] = stats.m, stats.s, stats.t
             z_label[r0:r1] = torch.where(in_block, z_y, z_label[r0:r1])
-        m[r0:r1], s[r0:r1], t[r0:r1] = run.m, run.s, run.t
-    return RowStats(m, s, t), z_label
+    return TileStats(m, s, t), z_label
 
 
 def _coefficients(
@@ -229,12 +240,16 @@ class ChunkedFusedHead(torch.autograd.Function):
         h = hidden.contiguous()
         inv_t = clamp_scale(inv_t)  # T below 1 / MAX_SCALE acts as 1 / MAX_SCALE
         scaling = Scaling(inv_t, spec.softcap)
-        place = LabelPlace.locate(labels, weight.shape[0], spec)
+        place = LabelPlace.locate(labels, weight.shape[0], spec, spec.grid_tiles)
         with _no_autocast(h.device):
-            stats, z_label = _forward_stats(h, weight, place, scaling, spec)
+            tile_stats, z_label = _forward_stats(h, weight, place, scaling, spec)
         if spec.process_group is not None and h.shape[0] > 0:  # every rank has the same rows
             shard = (spec.vocab_start, weight.shape[0], spec.vocab_size)
-            stats, z_label = all_reduce_row_stats(stats, z_label, spec.process_group, shard)
+            stats, z_label, _ = all_reduce_tile_stats(
+                tile_stats, z_label, spec.process_group, shard
+            )
+        else:
+            stats = combine_tiles(tile_stats)[0]
         zero = torch.zeros((), dtype=FP32, device=h.device)
         # (z_y - m) - log s, not z_y - lse: lse = m + log s would round away a small log s.
         log_probs = torch.where(place.valid, (z_label - stats.m).sub_(torch.log(stats.s)), zero)

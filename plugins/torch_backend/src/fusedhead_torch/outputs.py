@@ -8,10 +8,13 @@ plain call; the extras are read off each logit tile before ``forward_tile`` reus
   is bitwise ``log_probs``;
 - top-k / argmax: a per-block ``torch.topk`` on the raw logits (softcap and temperature keep the
   order), ties resolved to the lower id, merged into a running ``[N, k]`` candidate list;
-- sum of squared p: ``q = sum exp(2 (z - m))`` per tile, merged like ``s``; ``sum_p2 = q / s^2``.
+- sum of squared p: ``q = sum exp(2 (z - m))`` per tile, summed like ``s``; ``sum_p2 = q / s^2``.
 
-Under a process group every rank walks its own shard; the row statistics, ``q`` and the gathered
-logits are combined like the log-probs', and the top-k / argmax candidates of all ranks are
+The forward walks the vocabulary grid (``tiling.GRID_COLS`` columns per tile); the tiles'
+statistics and ``q`` are added as fixed-point integers (``rowstats.combine_tiles``). Under a
+process group every rank walks its own shard and the same sums are all-reduced
+(``parallel.all_reduce_tile_stats``: the one-process bits where the shards lie on the grid); the
+gathered logits are summed (one owner each), and the top-k / argmax candidates of all ranks are
 all-gathered and merged (``merge_ranks``: by raw logit, equal ones by the lower global id).
 
 Backward recomputes each tile once and forms, in fp32, ``dz = e (A + B d + C e)`` plus the sparse
@@ -31,8 +34,8 @@ import torch
 from fusedhead.protocol import HeadCall, HeadOutput
 from fusedhead_torch.chunked import HeadSpec, LabelPlace, first_order
 from fusedhead_torch.grads import TileGrads
-from fusedhead_torch.parallel import all_gather_rows, all_reduce_row_stats, all_reduce_sum_
-from fusedhead_torch.rowstats import RowStats
+from fusedhead_torch.parallel import all_gather_rows, all_reduce_sum_, all_reduce_tile_stats
+from fusedhead_torch.rowstats import RowStats, TileStats, combine_tiles
 from fusedhead_torch.tile_math import (
     FP32,
     Scaling,
@@ -151,9 +154,8 @@ def _shifted(
 class _Walk:
     """What the forward walk gathers, for all rows."""
 
-    stats: RowStats
+    stats: TileStats  #: [T, N] per grid tile (``q`` where sum_p2 is asked)
     z_label: torch.Tensor
-    q: torch.Tensor | None  #: sum exp(2 (z - m))
     z_gather: (
         torch.Tensor | None
     )  #: [N, K] scaled logits at the gather ids (0 where no block has them)
@@ -171,15 +173,16 @@ def _forward_walk(
 ) -> _Walk:
     n, v = h.shape[0], weight.shape[0]
     hs = spec.head
-    tiles = hs.tiles
+    tiles = hs.grid_tiles
     dev = h.device
     ws = Workspace(tiles.rows * tiles.cols, dev)
     # Own buffers: src of a softcapped tile (gather), and d of the sum_p2 pass.
     extra = spec.sum_p2 or (spec.gather and hs.softcap is not None)
     mine = Workspace(tiles.rows * tiles.cols, dev) if extra else None
-    m, s, t = (torch.empty(n, dtype=FP32, device=dev) for _ in range(3))
+    blocks = list(tiles.col_ranges(v)) if v else []
+    m, s, t = (torch.empty(len(blocks), n, dtype=FP32, device=dev) for _ in range(3))
     z_label = torch.zeros(n, dtype=FP32, device=dev)
-    q = torch.zeros(n, dtype=FP32, device=dev) if spec.sum_p2 else None  # 0: an empty shard
+    q = torch.empty(len(blocks), n, dtype=FP32, device=dev) if spec.sum_p2 else None
     z_gather = None
     if gather_ids is not None:
         z_gather = torch.zeros(gather_ids.shape, dtype=FP32, device=dev)
@@ -191,10 +194,8 @@ def _forward_walk(
     for r0, r1 in tiles.row_ranges(n):
         h_rows = h[r0:r1]
         k = scaling.rows(r0, r1)
-        run = RowStats.empty(r1 - r0, dev)
-        q_run = q_max = None
         best: tuple[torch.Tensor, torch.Tensor] | None = None
-        for b, (v0, v1) in enumerate(tiles.col_ranges(v)):
+        for b, (v0, v1) in enumerate(blocks):
             x = logits_mm(h_rows, weight[v0:v1].T, hs.fp32_logits)
             cols = v1 - v0
             rows = r1 - r0
@@ -212,31 +213,20 @@ def _forward_walk(
                 vals, ids = block_topk(x, kk)
                 ids = ids + (v0 + hs.vocab_start)
                 best = (vals, ids) if best is None else merge_topk(best, (vals, ids), kk)
-            q_tile = m_tile = None
-            if spec.sum_p2 and mine is not None:
+            if q is not None and mine is not None:
+                # relative to the tile max exactly as forward_tile forms it (same ops: same bits)
                 base = x if src is None else src
                 m_tile = (base.amax(dim=1, keepdim=True).float() * k_col).squeeze(1)
                 d = _shifted(base, k_col, m_tile, out=mine.get(1, rows, cols))
-                q_tile = d.exp_().square_().sum(dim=1)
+                q[b, r0:r1] = d.exp_().square_().sum(dim=1)
             in_block, col = place.tile(b, r0, r1, cols)
             stats, z_y = forward_tile(x, col, k, scaling, ws, hs.return_entropy)
             del x
-            if q_tile is not None and m_tile is not None:
-                if q_run is None or q_max is None:
-                    q_run, q_max = q_tile, m_tile
-                else:  # q keeps its own running max, rebased onto the final one below
-                    m_new = torch.maximum(q_max, m_tile)
-                    q_run = q_run * torch.exp(2 * (q_max - m_new))
-                    q_run += q_tile * torch.exp(2 * (m_tile - m_new))
-                    q_max = m_new
-            run = stats if b == 0 else run.merged(stats)
+            m[b, r0:r1], s[b, r0:r1], t[b, r0:r1] = stats.m, stats.s, stats.t
             z_label[r0:r1] = torch.where(in_block, z_y, z_label[r0:r1])
-        m[r0:r1], s[r0:r1], t[r0:r1] = run.m, run.s, run.t
-        if q is not None and q_run is not None and q_max is not None:
-            q[r0:r1] = q_run * torch.exp(2 * (q_max - run.m))
         if best is not None and cand_vals is not None and cand_ids is not None:
             cand_vals[r0:r1], cand_ids[r0:r1] = best
-    return _Walk(RowStats(m, s, t), z_label, q, z_gather, cand_vals, cand_ids)
+    return _Walk(TileStats(m, s, t, q), z_label, z_gather, cand_vals, cand_ids)
 
 
 def merge_ranks(
@@ -260,22 +250,17 @@ def merge_ranks(
     return ranked_vals[:, :k].contiguous(), ranked_ids[:, :k].contiguous()
 
 
-def _combine(walk: _Walk, spec: OutputSpec, v_local: int) -> tuple[RowStats, _Walk]:
-    """Full-vocabulary statistics from every rank's shard: the same combine as the plain call.
-
-    The row max is MAX-reduced and ``s``, ``t`` rebased and summed (``all_reduce_row_stats``);
-    ``q = sum exp(2 (z - m))`` is rebased by ``exp(2 (m_rank - m))`` and summed; each gathered id
-    is owned by one rank (0 elsewhere), so the gathered logits are summed too; top-k and argmax
-    candidates (raw logits, global ids) are merged across ranks (``merge_ranks``).
-    """
+def _combine(
+    walk: _Walk, spec: OutputSpec, v_local: int
+) -> tuple[RowStats, torch.Tensor, torch.Tensor | None, _Walk]:
+    """Full-vocabulary statistics, label logit and ``q`` from every rank's grid tiles: the same
+    fixed-point sums as the plain call (``all_reduce_tile_stats``), so on-grid shards give its
+    bits; each gathered id is owned by one rank (0 elsewhere), so the gathered logits are summed
+    exactly; top-k and argmax candidates (raw logits, global ids) are merged across ranks
+    (``merge_ranks``)."""
     group = spec.head.process_group
-    local_m = walk.stats.m
     shard = (spec.head.vocab_start, v_local, spec.head.vocab_size)
-    stats, z_label = all_reduce_row_stats(walk.stats, walk.z_label, group, shard)
-    q = walk.q
-    if q is not None:
-        q = q * torch.exp(2 * (local_m - stats.m))
-        all_reduce_sum_(q, group)
+    stats, z_label, q = all_reduce_tile_stats(walk.stats, walk.z_label, group, shard)
     z_gather = walk.z_gather
     if z_gather is not None:
         z_gather = z_gather.clone()
@@ -285,7 +270,7 @@ def _combine(walk: _Walk, spec: OutputSpec, v_local: int) -> tuple[RowStats, _Wa
         cand_vals, cand_ids = merge_ranks(
             cand_vals, cand_ids, spec.candidates, spec.head.vocab_size, group
         )
-    return stats, _Walk(stats, z_label, q, z_gather, cand_vals, cand_ids)
+    return stats, z_label, q, _Walk(walk.stats, z_label, z_gather, cand_vals, cand_ids)
 
 
 def _sparse_add_(
@@ -461,24 +446,25 @@ class ChunkedHeadOutputs(torch.autograd.Function):
         n, dev = h.shape[0], h.device
         inv_t = clamp_scale(inv_t)  # as ChunkedFusedHead does: the same z, the same bits
         scaling = Scaling(inv_t, hs.softcap)
-        place = LabelPlace.locate(labels, weight.shape[0], hs)
+        place = LabelPlace.locate(labels, weight.shape[0], hs, hs.grid_tiles)
         with torch.autocast(device_type=dev.type, enabled=False):
             walk = _forward_walk(h, weight, place, gather_ids, scaling, spec)
-        stats = walk.stats
         if hs.process_group is not None and n > 0:
-            stats, walk = _combine(walk, spec, weight.shape[0])
+            stats, z_label, q, walk = _combine(walk, spec, weight.shape[0])
+        else:
+            (stats, q), z_label = combine_tiles(walk.stats), walk.z_label
         valid = place.valid
         zero = torch.zeros((), dtype=FP32, device=dev)
         nan = torch.full((), math.nan, dtype=FP32, device=dev)
         log_s = torch.log(stats.s)
-        log_probs = torch.where(valid, (walk.z_label - stats.m).sub_(log_s), zero)
+        log_probs = torch.where(valid, (z_label - stats.m).sub_(log_s), zero)
         out_of_range = valid & ((labels < 0) | (labels >= hs.vocab_size))
         log_probs = torch.where(out_of_range, nan, log_probs)
         entropy = torch.where(valid, stats.entropy(), zero) if hs.return_entropy else None
         lse = torch.where(valid, stats.log_sum_exp(), zero) if spec.lse else _unasked(dev)
         sum_p2 = _unasked(dev)
-        if walk.q is not None:
-            sum_p2 = torch.where(valid, walk.q / (stats.s * stats.s), zero)
+        if q is not None:
+            sum_p2 = torch.where(valid, q / (stats.s * stats.s), zero)
         gathered = _unasked(dev)
         if walk.z_gather is not None and gather_ids is not None:
             g = (walk.z_gather - stats.m.unsqueeze(1)).sub_(log_s.unsqueeze(1))
@@ -611,6 +597,9 @@ def forward_outputs(backend: TorchBackend, call: HeadCall) -> HeadOutput:
         fp32_logits=backend.fp32_logits(hidden.device),
         process_group=call.process_group,
         reduce_hidden_grad=call.reduce_hidden_grad,
+        forward_tiles=backend.forward_tiles(
+            hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device, call.softcap
+        ),
     )
     spec = OutputSpec(
         head=head,

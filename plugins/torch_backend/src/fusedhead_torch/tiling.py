@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+#: The forward's vocabulary grid: its logits GEMMs are blocks of exactly this many columns from
+#: each shard's start, whose statistics ``rowstats.combine_tiles`` adds exactly. A shard starting
+#: on a multiple of it gives the one-process bits (docs/vocab-parallel.md).
+GRID_COLS = 1024
 #: Auto-planned vocabulary blocks are at least this wide (when V allows); rows shrink instead.
 MIN_AUTO_COLS = 1024
 #: Auto-planned blocks are rounded to a multiple of this many columns, for GEMM-friendly shapes.
@@ -82,6 +86,18 @@ def plan_tiles(
         return Tiles(n, _balanced(v, cols))
     cols = min(v, MIN_AUTO_COLS)
     return Tiles(min(n, max(1, elements // cols)), cols)
+
+
+def plan_forward_tiles(
+    n: int, v: int, *, bytes_per_element: int, budget_bytes: int, chunk_rows: int | None = None
+) -> Tiles:
+    """The forward's tiles: ``GRID_COLS`` columns (fewer when ``v`` is smaller), rows from
+    ``chunk_rows`` or the budget, never from ``v``, so every rank cuts its rows alike."""
+    cols = min(max(v, 1), GRID_COLS)
+    if chunk_rows is not None:
+        return Tiles(min(max(n, 1), chunk_rows), cols)
+    elements = max(1, budget_bytes // bytes_per_element)
+    return Tiles(min(max(n, 1), max(1, elements // GRID_COLS)), cols)
 
 
 def skips_rows(option: bool | None, hidden: torch.Tensor) -> bool:

@@ -29,6 +29,10 @@ from .configs import (
 )
 from .topk import MAX_TOP_K  # the running top-k set lives in registers; one shard only
 
+#: The vocabulary grid of ``degree_invariant`` (``launch.GRID_COLS``, kept here so that the
+#: capabilities do not import the kernels' module).
+GRID_COLS = 1024
+
 #: Smallest temperature computed to the declared precision. The backward forms each logit's
 #: ``z / T - lse`` in one fused multiply-add against the rounded ``lse``, so its error is about
 #: half an fp32 ulp of ``lse``: by the arithmetic about 1e-3 of a probability at ``|z| / T`` ~ 3e4
@@ -135,6 +139,8 @@ class TritonBackend:
             min_temperature=MIN_TEMPERATURE,
             softcap=True,
             uneven_shards=True,
+            degree_invariant=True,
+            vocab_grid=GRID_COLS,
             kl_directions=KL_DIRECTIONS,
             outputs=("log_probs", "entropy", *EXTRA_OUTPUTS, "topk"),
             max_top_k=MAX_TOP_K,
@@ -246,8 +252,14 @@ class TritonBackend:
     def forward(self, call: HeadCall) -> HeadOutput:
         """fp32 log_probs [N] and entropy [N] (or None), and the requested extras,
         differentiable in hidden and weight."""
-        from .launch import HeadScalars
+        from .launch import MAX_GRID_VOCAB, HeadScalars
         from .ops import head
+
+        if call.vocab_size >= MAX_GRID_VOCAB:
+            raise ValueError(
+                f"vocab_size: the triton backend's exact (fixed-point) combine of the vocabulary "
+                f"tiles takes vocabularies below {MAX_GRID_VOCAB} columns, got {call.vocab_size}"
+            )
 
         hidden, temperature = call.hidden, call.temperature
         temp: torch.Tensor | None = None

@@ -21,6 +21,14 @@ from .sum_format import DhSum
 #: Rows per program and tiles per step of the row-combine kernel (fixed: batch invariance).
 COMBINE_BLOCK_R = 64
 COMBINE_BLOCK_T = 64
+#: Fraction bits of the combine's fixed-point sums (``kernels.forward.combine_kernel``): each
+#: tile's rebased term is at most its column count, so a row's int64 sums stay below ``2**63``
+#: while the vocabulary is below ``MAX_GRID_VOCAB`` columns.
+FIXED_BITS = 40
+MAX_GRID_VOCAB = 2 ** (63 - FIXED_BITS)
+#: The vocabulary grid on which vocab-parallel results are the one-process bits: every forward
+#: tile width (``block_n``, a power of two up to 1024) divides it.
+GRID_COLS = 1024
 
 
 def kernel(name: str) -> ModuleType:
@@ -250,47 +258,69 @@ def forward_partials(
     return Partials(ws, zy, q, arg, zg)
 
 
-def _combine(
-    p: Partials, labels: torch.Tensor, ignore_index: int, final: bool, entropy: bool,
-    label_offset: int = 0, arg_width: int = 0,
-) -> list[torch.Tensor]:  # fmt: skip
-    """Reduce ``ws[3, T, N]`` (and ``q``, ``arg`` where set) over T in a fixed order (batch
-    invariant, deterministic); ``arg``'s ids are ``t * arg_width + column + label_offset``."""
+def tile_sums(
+    p: Partials, row_max: torch.Tensor | None = None, label_offset: int = 0, arg_width: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(M, sums, arg)`` of ``combine_kernel``: the row max (``row_max`` where given, e.g. the
+    max over every rank's shard), the fixed-point sums ``int64 [4, N]`` of the tiles relative to
+    it, and where ``p.arg`` is set the argmax id over these tiles (``t * arg_width + column +
+    label_offset``; -1 without tiles)."""
     _, t, n = p.ws.shape
     dev = p.ws.device
-    outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3)]
-    outs.append(torch.empty(n, dtype=torch.float32, device=dev) if p.q is not None else outs[0])
-    outs.append(torch.empty(n, dtype=torch.int64, device=dev) if p.arg is not None else outs[0])
-    q = p.q if p.q is not None else p.zy
-    arg = p.arg if p.arg is not None else p.zy
-    kernel("forward").combine_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
-        p.ws, p.zy, labels, q, arg, *outs, n, t, ignore_index, label_offset, arg_width,
-        BLOCK_R=COMBINE_BLOCK_R, BLOCK_T=COMBINE_BLOCK_T, FINAL=final, HAS_ENT=entropy,
-        HAS_Q=p.q is not None, HAS_ARG=p.arg is not None, num_warps=4,
-    )  # fmt: skip
-    return outs
+    m = torch.empty(n, dtype=torch.float32, device=dev)
+    sums = torch.empty((4, n), dtype=torch.int64, device=dev)
+    arg = torch.empty(n, dtype=torch.int64, device=dev) if p.arg is not None else None
+    if n:
+        kernel("forward").combine_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
+            p.ws, p.zy if p.q is None else p.q, p.zy if p.arg is None else p.arg,
+            m if row_max is None else row_max, m, sums, sums if arg is None else arg, n, t,
+            label_offset, arg_width, float(2**FIXED_BITS), BLOCK_R=COMBINE_BLOCK_R,
+            BLOCK_T=COMBINE_BLOCK_T, HAS_GM=row_max is not None, HAS_Q=p.q is not None,
+            HAS_ARG=arg is not None, num_warps=4,
+        )  # fmt: skip
+    return m, sums, arg
+
+
+def finish_rows(
+    m: torch.Tensor, sums: torch.Tensor, zy: torch.Tensor, labels: torch.Tensor,
+    ignore_index: int, *, entropy: bool, sum_p2: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(log_prob, lse, entropy-or-dummy, sum_p2-or-dummy) from ``tile_sums``' row max and sums
+    (or their sum over ranks): ``finish_kernel``, the one path to the outputs."""
+    n = m.shape[0]
+    outs = [torch.empty(n, dtype=torch.float32, device=m.device) for _ in range(2)]
+    ent = torch.empty(n, dtype=torch.float32, device=m.device) if entropy else outs[0]
+    p2 = torch.empty(n, dtype=torch.float32, device=m.device) if sum_p2 else outs[0]
+    if n:
+        kernel("forward").finish_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
+            m, sums, zy, labels, outs[0], outs[1], ent, p2, n, ignore_index,
+            float(2.0**-FIXED_BITS), BLOCK_R=COMBINE_BLOCK_R, HAS_ENT=entropy, HAS_Q=sum_p2,
+            num_warps=4,
+        )  # fmt: skip
+    return outs[0], outs[1], ent, p2
 
 
 def combine(p: Partials, labels: torch.Tensor, ignore_index: int, *, entropy: bool) -> RowOutputs:
-    """The rows' outputs from the tile statistics (or from every rank's, gathered)."""
-    return RowOutputs(*_combine(p, labels, ignore_index, True, entropy)[:3])
+    """The rows' outputs from one shard's tile statistics (its whole vocabulary)."""
+    m, sums, _ = tile_sums(p)
+    return RowOutputs(
+        *finish_rows(m, sums, p.zy, labels, ignore_index, entropy=entropy, sum_p2=False)[:3]
+    )
 
 
 def combine_extras(
     p: Partials, labels: torch.Tensor, ignore_index: int, *, entropy: bool, label_offset: int = 0,
     arg_width: int = 0,
 ) -> ExtraRowOutputs:  # fmt: skip
-    """``combine`` with the sum of squared p (from ``p.q``) and the argmax (from ``p.arg``)."""
-    outs = _combine(p, labels, ignore_index, True, entropy, label_offset, arg_width)
-    return ExtraRowOutputs(*outs)
-
-
-def shard_stats(
-    p: Partials, labels: torch.Tensor, ignore_index: int, label_offset: int, arg_width: int
-) -> list[torch.Tensor]:
-    """The rows' statistics over this shard, for the cross-rank combine: max logit ``m``,
-    ``s`` = sum exp(z - m), ``w`` = sum exp(z - m) (z - m), q-or-dummy, argmax-id-or-dummy."""
-    return _combine(p, labels, ignore_index, False, False, label_offset, arg_width)
+    """``combine`` with the sum of squared p (from ``p.q``) and the argmax (from ``p.arg``; -1
+    on ignored rows)."""
+    m, sums, arg = tile_sums(p, None, label_offset, arg_width)
+    lp, lse, ent, p2 = finish_rows(
+        m, sums, p.zy, labels, ignore_index, entropy=entropy, sum_p2=p.q is not None
+    )
+    if arg is not None:
+        arg = torch.where(labels != ignore_index, arg, -1)
+    return ExtraRowOutputs(lp, lse, ent, p2, lp if arg is None else arg)
 
 
 def dz_block(

@@ -16,9 +16,10 @@ The backward is the log-prob backward (``backward_from``) with further per-row t
 sparse terms of the gathered ids in the dz kernel, in fp32 before dz is rounded. One shard runs
 as ``torch.library`` custom ops (``torch.compile`` fullgraph); every vocab-parallel call, the plain
 (log_probs, entropy) one included, as one autograd Function, ``ShardedOutputs``, whose collectives
-run between the launches (the ranks' row statistics all-gathered and combined in rank order, each
-gathered id owned by one rank, the argmax the lowest id among the ranks' maxima; the hidden
-gradient summed in fp32 where asked).
+run between the launches (the row max MAX-reduced, the ranks' fixed-point tile sums SUM-reduced as
+integers and finished as one process finishes its own, so shards on the tile grid give the
+one-process bits; each gathered id owned by one rank, the argmax the lowest id among the ranks'
+maxima; the hidden gradient summed in fp32 where asked).
 """
 
 # No ``from __future__ import annotations``: torch.library reads the annotations as types.
@@ -42,9 +43,10 @@ from .launch import (
     SortedIds,
     combine_extras,
     dz_block,
+    finish_rows,
     forward_partials,
-    shard_stats,
     sort_ids,
+    tile_sums,
 )
 from .ops import DOUBLE_BACKWARD, refuse_double_backward
 from .topk import finish, topk_partials
@@ -90,7 +92,7 @@ def forward_values(
     gather_ids: torch.Tensor | None, sc: HeadScalars, cfg: TileConfig, *, entropy: bool,
     sum_p2: bool, argmax: bool, top_k: int = 0, group: Any = None, vocab_size: int = 0,
 ) -> Values:  # fmt: skip
-    """Every asked output over the whole (possibly sharded) vocabulary, in fixed-order sums
+    """Every asked output over the whole (possibly sharded) vocabulary, in exact tile sums
     (``vocab_size``: under ``group``, the one the shards must cover)."""
     ig, lo, v_local = sc.ignore_index, sc.label_offset, weight.shape[0]
     ids = None if gather_ids is None else sort_ids(gather_ids, labels, lo, v_local, ig)
@@ -132,47 +134,51 @@ def _sharded_combine(
     sc: HeadScalars, v_local: int, cfg: TileConfig, entropy: bool, sum_p2: bool, argmax: bool,
     group: Any, vocab_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """The full vocabulary's outputs from every rank's shard: the ranks' (m, s, w, q) gathered
-    and combined in rank order like tiles (an all-gather, not an all-reduce: the same bits on
-    every rank and run); a label logit or gathered logit from its one owner (NaN where no rank
-    owns it); the argmax the lowest id among the ranks holding the row max. Each rank's shard
-    bounds ride in the same all-gather (``SHARD_FLOATS`` more columns), and each rank checks the
-    shards' union against ``vocab_size`` (``fusedhead.validation.check_shards``)."""
+    """The full vocabulary's outputs from every rank's tiles, the one-process bits where the
+    shards start on the tile grid: the row max MAX-reduced, each rank's fixed-point tile sums
+    relative to it (``launch.tile_sums``) SUM-reduced as int64 (exact in any order) and finished
+    by the one-process kernel (``launch.finish_rows``). The label logit's bits and its owner count
+    ride in the same all-reduce (NaN where no rank owns the label), as does each rank's shard
+    (``SHARD_FLOATS`` slots), which every rank checks against ``vocab_size``
+    (``fusedhead.validation.check_shards``). A gathered logit comes from its one owner; the
+    argmax is the lowest id among the ranks holding the row max (a MIN all-reduce)."""
     ig, lo = sc.ignore_index, sc.label_offset
-    m, s, w, q, arg = shard_stats(p, labels, ig, lo, cfg.block_n)
+    n = labels.shape[0]
+    if p.ws.shape[1]:
+        local_m = p.ws[0].amax(dim=0)
+    else:  # an empty shard
+        local_m = torch.full((n,), float("-inf"), dtype=torch.float32, device=labels.device)
+    m = local_m.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    _, sums, arg = tile_sums(p, m, lo, cfg.block_n)
     owned = (labels >= lo) & (labels < lo + v_local)
-    rows = [m, s, w, torch.where(owned, p.zy, 0.0), owned.to(torch.float32)]
-    local = torch.stack([*rows, q] if sum_p2 else rows)
-    k, n = local.shape
+    bits = torch.where(owned, p.zy, 0.0).view(torch.int32).to(torch.int64)
     shard = (lo, v_local, vocab_size)
-    local = torch.cat([local, shard_slots_tensor(*shard, local.device).expand(k, -1)], dim=1)
-    world = dist.get_world_size(group)
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local, group=group)
-    carried = torch.stack(parts, dim=1)  # [5 or 6, R, N + SHARD_FLOATS]
-    if not torch.compiler.is_compiling() and shards_need_check(group, *shard, local.device):
-        check_shards(carried[0, :, n:], dist.get_rank(group), group, *shard)
-    every = carried[..., :n]  # [5 or 6, R, N]
-    label_logit = torch.where(every[4].sum(0) == 1, every[3].sum(0), float("nan"))
-    stats = Partials(every[:3].contiguous(), label_logit, every[5].contiguous() if sum_p2 else None)
-    out = combine_extras(stats, labels, ig, entropy=entropy)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    slots = shard_slots_tensor(*shard, m.device, world, rank).reshape(-1).to(torch.int64)
+    packed = torch.cat([sums.reshape(-1), bits, owned.to(torch.int64), slots])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    if not torch.compiler.is_compiling() and shards_need_check(group, *shard, m.device):
+        check_shards(packed[6 * n :], rank, group, *shard)
+    label_logit = torch.where(
+        packed[5 * n : 6 * n] == 1, packed[4 * n : 5 * n].to(torch.int32).view(torch.float32),
+        float("nan"),
+    )  # fmt: skip
+    lp, lse, ent, p2 = finish_rows(
+        m, packed[: 4 * n].view(4, n), label_logit, labels, ig, entropy=entropy, sum_p2=sum_p2
+    )
     arg_out = None
-    if argmax:
-        ids = [torch.empty_like(arg) for _ in range(world)]
-        dist.all_gather(ids, arg.contiguous(), group=group)
-        rank_ids = torch.stack(ids)  # [R, N]
-        rank_m = every[0]
-        best = rank_m.max(0).values
+    if argmax and arg is not None:
         none = torch.iinfo(torch.int64).max
-        pick = torch.where(rank_m == best, rank_ids, none).min(0).values
-        pick = torch.where(pick == none, -1, pick)
-        arg_out = torch.where(labels != ig, pick, -1)
+        pick = torch.where((local_m == m) & (arg >= 0), arg, none)
+        dist.all_reduce(pick, op=dist.ReduceOp.MIN, group=group)
+        arg_out = torch.where((pick == none) | (labels == ig), -1, pick)
     if zg is not None and gather_ids is not None:
         mine = (gather_ids >= lo) & (gather_ids < lo + v_local)
         both = torch.stack([torch.where(mine, zg, 0.0), mine.to(torch.float32)])
         dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)  # one owner: exact
         zg = torch.where(both[1] == 1, both[0], float("nan"))
-    return out.log_probs, out.lse, out.entropy, out.sum_p2, arg_out, zg
+    return lp, lse, ent, p2, arg_out, zg
 
 
 class Grads(NamedTuple):

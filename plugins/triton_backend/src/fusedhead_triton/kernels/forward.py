@@ -1,9 +1,14 @@
-"""Forward kernels: per-tile softmax statistics of ``h @ W.T``, then a fixed-order row combine.
+"""Forward kernels: per-tile softmax statistics of ``h @ W.T``, then an exact row combine.
 
 Workspace layout ``ws[3, T, N]`` (fp32): for vocabulary tile ``t`` and row ``n``, ``m`` (tile max
 of z), ``s`` (sum of exp(z - m)) and ``w`` (sum of exp(z - m) * (z - m)). Keeping ``w`` relative
 to the tile max avoids the cancellation of ``lse - sum(p * z)`` when logits are large. The label
 logit is written to ``zy[N]`` by the one tile that holds it (no race, no atomics).
+
+The combine (``combine_kernel``) adds the tiles' statistics as fixed-point integers relative to
+the row max, so a row's sums depend on the tile grid only, never on the order or grouping of the
+tiles: a vocab-parallel rank's sums, added over ranks, are the one-process sums (``finish_kernel``
+turns either into the outputs).
 
 Asked-for extras, each behind a constexpr flag (no cost when off): ``q[T, N]`` = sum exp(2 (z - m))
 (sum of squared p), ``arg[T, N]`` the tile's lowest column among its maxima (argmax), and the
@@ -152,54 +157,60 @@ def fwd_stats_kernel(
 @triton.jit(do_not_specialize=["N", "T"])
 def combine_kernel(
     ws_ptr,
-    zy_ptr,
-    labels_ptr,
     q_ptr,
     arg_ptr,
-    out0_ptr,
-    out1_ptr,
-    out2_ptr,
-    out3_ptr,
-    out4_ptr,
+    gm_ptr,
+    m_out_ptr,
+    sums_ptr,
+    arg_out_ptr,
     N,
     T,
-    ignore_index,
     label_offset,
     arg_width,
+    two_f,
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    FINAL: tl.constexpr,
-    HAS_ENT: tl.constexpr,
+    HAS_GM: tl.constexpr,
     HAS_Q: tl.constexpr,
     HAS_ARG: tl.constexpr,
 ):
-    """Combine the T partial stats of each row in a fixed order (max pass, then a sum pass).
-
-    FINAL: write log_prob, lse and entropy (ignored rows give 0), and where asked the sum of
-    squared p (``q`` rebased like ``s``, over ``s^2``) and the argmax id (the first tile holding
-    the row max, its lowest column; -1 on ignored rows). Otherwise write the row's combined
-    (m, s, w) and q and argmax id: the partial a vocab-parallel rank contributes.
+    """Each row's T tile statistics as exact fixed-point sums: the row max ``M`` (over the tiles,
+    or ``gm`` when ``HAS_GM``: every rank's), then per tile ``s``, ``w`` (and ``q``) rebased onto
+    it, each scaled by ``two_f`` (``2**FIXED_BITS``), truncated to int64 and added as integers.
+    Integer sums are exact, so they do not depend on the order or grouping of the tiles (nor on
+    which ranks hold them). Writes ``M``, ``sums[4, N]`` (s, w, q, and a count of terms that were
+    NaN or inf) and, where asked, the argmax id over these tiles (the first tile holding their
+    max, its lowest column; -1 without tiles).
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N
     stat_stride = T.to(tl.int64) * N
     big_m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    nan_m = tl.zeros((BLOCK_R,), tl.int64)
     best_t = tl.zeros((BLOCK_R,), tl.int32)
     for t0 in range(0, T, BLOCK_T):
         tt = t0 + tl.arange(0, BLOCK_T)
         mask = (tt < T)[:, None] & row_ok[None, :]
         off = tt.to(tl.int64)[:, None] * N + rows[None, :]
         m = tl.load(ws_ptr + off, mask=mask, other=float("-inf"))
+        nan_m += tl.sum((m != m).to(tl.int64), axis=0)
         chunk_m = tl.max(m, axis=0)
         if HAS_ARG:  # earlier tiles hold lower ids: keep the first tile reaching the max
-            m_arg = tl.where(m == m, m, float("-inf"))  # NaN statistics (a NaN row) rank lowest
-            chunk_t = tl.argmax(m_arg, axis=0, tie_break_left=True).to(tl.int32) + t0
+            chunk_t = tl.argmax(m, axis=0, tie_break_left=True).to(tl.int32) + t0
             best_t = tl.where(chunk_m > big_m, chunk_t, best_t)
         big_m = tl.maximum(big_m, chunk_m)
+    if HAS_ARG:
+        has = row_ok & (big_m > float("-inf"))
+        col = tl.load(arg_ptr + best_t.to(tl.int64) * N + rows, mask=has, other=0)
+        arg = best_t.to(tl.int64) * arg_width + col + label_offset
+        tl.store(arg_out_ptr + rows, tl.where(has, arg, -1), mask=row_ok)
+    if HAS_GM:
+        big_m = tl.load(gm_ptr + rows, mask=row_ok, other=float("-inf"))
     safe_m = tl.where(big_m > float("-inf"), big_m, 0.0)  # no live tile: keep the math finite
-    big_s = tl.zeros((BLOCK_R,), tl.float32)
-    big_w = tl.zeros((BLOCK_R,), tl.float32)
-    big_q = tl.zeros((BLOCK_R,), tl.float32)
+    big_s = tl.zeros((BLOCK_R,), tl.int64)
+    big_w = tl.zeros((BLOCK_R,), tl.int64)
+    big_q = tl.zeros((BLOCK_R,), tl.int64)
+    bad = nan_m
     for t0 in range(0, T, BLOCK_T):
         tt = t0 + tl.arange(0, BLOCK_T)
         mask = (tt < T)[:, None] & row_ok[None, :]
@@ -210,36 +221,65 @@ def combine_kernel(
         live = m > float("-inf")
         dm = tl.where(live, m - safe_m[None, :], 0.0)
         scale = tl.where(live, tl.exp2(dm * LOG2E), 0.0)
-        big_s += tl.sum(s * scale, axis=0)
-        big_w += tl.sum((w + dm * s) * scale, axis=0)
+        on = scale > 0.0  # a tile far below the max adds 0 (never -inf * 0)
+        t_s = tl.where(on, s * scale, 0.0) * two_f
+        t_w = tl.where(on, (w + dm * s) * scale, 0.0) * two_f
+        ok_s = tl.abs(t_s) < float("inf")
+        ok_w = tl.abs(t_w) < float("inf")
+        bad += tl.sum((~ok_s).to(tl.int64) + (~ok_w).to(tl.int64), axis=0)
+        big_s += tl.sum(tl.where(ok_s, t_s, 0.0).to(tl.int64), axis=0)
+        big_w += tl.sum(tl.where(ok_w, t_w, 0.0).to(tl.int64), axis=0)
         if HAS_Q:
             q = tl.load(q_ptr + off, mask=mask, other=0.0)
-            big_q += tl.sum(q * (scale * scale), axis=0)
-    if HAS_ARG:
-        has = row_ok & (big_m > float("-inf"))
-        col = tl.load(arg_ptr + best_t.to(tl.int64) * N + rows, mask=has, other=0)
-        arg = best_t.to(tl.int64) * arg_width + col + label_offset
-        arg = tl.where(has, arg, -1)
-    if FINAL:
-        big_s = tl.where(row_ok, big_s, 1.0)  # rows past N: keep the math finite
-        log_s = tl.log(big_s)
-        lse = big_m + log_s
-        zy = tl.load(zy_ptr + rows, mask=row_ok, other=0.0)
-        lab = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)
-        valid = lab != ignore_index
-        tl.store(out0_ptr + rows, tl.where(valid, zy - lse, 0.0), mask=row_ok)
-        tl.store(out1_ptr + rows, lse, mask=row_ok)
-        if HAS_ENT:
-            tl.store(out2_ptr + rows, tl.where(valid, log_s - big_w / big_s, 0.0), mask=row_ok)
-        if HAS_Q:
-            tl.store(out3_ptr + rows, tl.where(valid, big_q / (big_s * big_s), 0.0), mask=row_ok)
-        if HAS_ARG:
-            tl.store(out4_ptr + rows, tl.where(valid, arg, -1), mask=row_ok)
-    else:
-        tl.store(out0_ptr + rows, big_m, mask=row_ok)
-        tl.store(out1_ptr + rows, big_s, mask=row_ok)
-        tl.store(out2_ptr + rows, big_w, mask=row_ok)
-        if HAS_Q:
-            tl.store(out3_ptr + rows, big_q, mask=row_ok)
-        if HAS_ARG:
-            tl.store(out4_ptr + rows, arg, mask=row_ok)
+            t_q = tl.where(on, q * (scale * scale), 0.0) * two_f
+            ok_q = tl.abs(t_q) < float("inf")
+            bad += tl.sum((~ok_q).to(tl.int64), axis=0)
+            big_q += tl.sum(tl.where(ok_q, t_q, 0.0).to(tl.int64), axis=0)
+    tl.store(m_out_ptr + rows, big_m, mask=row_ok)
+    tl.store(sums_ptr + rows, big_s, mask=row_ok)
+    tl.store(sums_ptr + N + rows, big_w, mask=row_ok)
+    tl.store(sums_ptr + 2 * N + rows, big_q, mask=row_ok)
+    tl.store(sums_ptr + 3 * N + rows, bad, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["N"])
+def finish_kernel(
+    m_ptr,
+    sums_ptr,
+    zy_ptr,
+    labels_ptr,
+    lp_ptr,
+    lse_ptr,
+    ent_ptr,
+    p2_ptr,
+    N,
+    ignore_index,
+    inv_two_f,
+    BLOCK_R: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    HAS_Q: tl.constexpr,
+):
+    """A row's outputs from its row max and fixed-point sums (``combine_kernel``'s, or their sum
+    over ranks): log_prob, lse and, where asked, entropy and the sum of squared p (ignored rows
+    give 0 but in lse, which the backward reads; NaN where a summed term was not finite). One
+    kernel for the one-process and the vocab-parallel call: the same bits from the same sums."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+    big_m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
+    bad = tl.load(sums_ptr + 3 * N + rows, mask=row_ok, other=0) > 0
+    big_s = tl.load(sums_ptr + rows, mask=row_ok, other=0).to(tl.float32) * inv_two_f
+    big_s = tl.where(row_ok, big_s, 1.0)  # rows past N: keep the math finite
+    big_s = tl.where(bad, float("nan"), big_s)
+    log_s = tl.log(big_s)
+    lse = big_m + log_s
+    zy = tl.load(zy_ptr + rows, mask=row_ok, other=0.0)
+    lab = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)
+    valid = lab != ignore_index
+    tl.store(lp_ptr + rows, tl.where(valid, zy - lse, 0.0), mask=row_ok)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    if HAS_ENT:
+        big_w = tl.load(sums_ptr + N + rows, mask=row_ok, other=0).to(tl.float32) * inv_two_f
+        tl.store(ent_ptr + rows, tl.where(valid, log_s - big_w / big_s, 0.0), mask=row_ok)
+    if HAS_Q:
+        big_q = tl.load(sums_ptr + 2 * N + rows, mask=row_ok, other=0).to(tl.float32) * inv_two_f
+        tl.store(p2_ptr + rows, tl.where(valid, big_q / (big_s * big_s), 0.0), mask=row_ok)
