@@ -28,6 +28,7 @@ from torch import nn
 from fusedhead.api import FusedHead, FusedHeadOutput, cached_head
 from fusedhead.config import FusedHeadConfig
 from fusedhead.module import FusedLMHead, call_in_forward, head_forward, owned, run_as_forward
+from fusedhead.policy import PolicyLossOutput
 from fusedhead.validation import dtype_name, is_dtensor
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "check_head_runs_on",
     "is_fusedhead_spec",
     "lm_head_logprobs",
+    "lm_head_policy_loss",
     "model_logit_transform",
     "parse_backend_spec",
     "resolve_lm_head",
@@ -283,6 +285,58 @@ def lm_head_logprobs(
         gathered=place(out.gathered, 0.0),
     )
     return result if select_rows else owned(result)  # index_put's outputs are fresh tensors
+
+
+def lm_head_policy_loss(
+    lm_head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    head: HeadLike = None,
+    temperature: float | torch.Tensor = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    compute_dtype: torch.dtype | None = None,
+    in_call: bool = True,
+    **loss: Any,
+) -> PolicyLossOutput:
+    """``FusedHead.policy_loss`` of already-shifted ``labels`` from a trainer's LM-head module.
+
+    The fused PPO/GRPO loss (docs/policy-loss.md) where a trainer holds the hidden states and the
+    LM-head module: the weight is read inside the module's own call (FSDP2 / ZeRO-3 gather it
+    there), ``logit_scale`` and ``compute_dtype`` apply as in :func:`lm_head_logprobs`, and
+    ``loss`` holds ``policy_loss``'s keywords (``old_log_probs``, ``advantages``, ``clip_low``,
+    ...). A head with a bias is refused: the fused loss takes none.
+    """
+    weight_of = _check_lm_head(lm_head)
+    _check_inputs(hidden, labels, loss.get("ignore_index", -100), True, True, in_call)
+    scale = _logit_scale(logit_scale)
+    if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
+        raise TypeError(
+            f"compute_dtype must be a torch.dtype or None, got {type(compute_dtype).__name__} "
+            f"{compute_dtype!r}"
+        )
+    fused = resolve_lm_head(head, lm_head)
+    temp = _temperature(temperature, labels, hidden.device)
+
+    def body() -> PolicyLossOutput:
+        weight, bias = weight_of()
+        if bias is not None:
+            raise ValueError(
+                f"lm_head ({type(lm_head).__name__}) has a bias; the fused policy loss takes "
+                "none: score with lm_head_logprobs and write the loss in torch"
+            )
+        h = hidden
+        if compute_dtype is not None:
+            weight, h = weight.to(compute_dtype), h.to(compute_dtype)
+        if scale != 1.0:  # s * (h @ W.T) == (s * h) @ W.T
+            h = h * scale
+        if compute_dtype is None:
+            return fused.policy_loss(h, weight, labels, temperature=temp, softcap=softcap, **loss)
+        with torch.autocast(h.device.type, enabled=False):
+            return fused.policy_loss(h, weight, labels, temperature=temp, softcap=softcap, **loss)
+
+    return in_module_call(lm_head, body) if in_call else body()
 
 
 def model_logit_transform(config: Any) -> tuple[float, float | None]:

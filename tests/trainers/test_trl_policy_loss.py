@@ -1,0 +1,165 @@
+"""TRL: ``FusedHeadGRPOConfig(fused_policy_loss=True)`` computes GRPO's loss with fusedhead's
+fused policy loss; every metric TRL logs must equal TRL's own loss path (its kernel, its
+``_compute_loss``) over two offline CPU steps, and configs whose loss does not map are refused
+by name when built."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import fusedhead
+
+pytest.importorskip("trl", reason="TRL is not installed (bash scripts/trainers/trl.sh)")
+
+from trl_helpers import build_trainer, make_model_dir
+
+from fusedhead.api import get_fused_head
+from fusedhead.errors import CapabilityError
+from fusedhead.integrations import trl as fh_trl
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    fusedhead.refresh()
+    yield
+    fusedhead.refresh()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("trl-policy-model"))
+
+
+#: Two iterations per generation (TRL computes the old log-probs, so ratios move off 1), a
+#: small clip range and a large step (tokens are clipped at step 2), KL to the reference on.
+_MOVING = dict(
+    num_iterations=2, epsilon=0.02, learning_rate=0.02, beta=0.1, use_bias_correction_kl=False
+)
+CASES = {
+    "grpo": dict(loss_type="grpo"),
+    "bnpo+entropy": dict(loss_type="bnpo", entropy_coef=0.05),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "dapo+delta": dict(loss_type="dapo", epsilon_high=0.05, delta=1.5),
+}
+
+
+def _logs(trainer: Any) -> list[dict[str, float]]:
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_steps_log_what_trls_own_loss_logs(
+    case: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = {**_MOVING, **CASES[case]}
+    theirs = _logs(build_trainer(model_dir, tmp_path / "trl", backend=None, **settings))
+    fused_calls: list[Any] = []
+    real = fh_trl.lm_head_policy_loss
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        fused_calls.append(out)
+        return out
+
+    monkeypatch.setattr(fh_trl, "lm_head_policy_loss", spy)
+    trainer = build_trainer(
+        model_dir, tmp_path / "fused", backend="torch", fused_policy_loss=True, **settings
+    )
+    ours = _logs(trainer)
+    assert len(fused_calls) == 2, "one fused loss a step"
+    assert len(theirs) == len(ours) == 2
+    for step, (a, b) in enumerate(zip(theirs, ours, strict=True), 1):
+        assert set(a) == set(b), (step, set(a) ^ set(b))
+        for key in sorted(a):
+            if key in ("step_time", "train_runtime") or not isinstance(a[key], float):
+                continue
+            if key == "grad_norm":  # a norm of ~17 in fp32: its ulp is 2e-6, compared relatively
+                assert abs(a[key] - b[key]) <= 1e-6 * abs(a[key]), (step, key, a[key], b[key])
+            else:
+                assert abs(a[key] - b[key]) <= 1e-6, (step, key, a[key], b[key])
+    last = ours[-1]
+    assert last["kl"] > 1e-4, "step 2 must see a policy that moved from the reference"
+    assert last["clip_ratio/region_mean"] > 0, "step 2 must clip some tokens"
+    assert abs(last["loss"]) > 1e-4
+
+
+def _config(model_dir: Path, tmp_path: Path, **overrides: Any) -> Any:
+    base: dict[str, Any] = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        fused_policy_loss=True,
+        use_bias_correction_kl=False,
+    )
+    base.update(overrides)
+    return fh_trl.FusedHeadGRPOConfig(**base)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (dict(loss_type="cispo"), "loss_type='cispo'"),
+        (dict(loss_type="sapo"), "loss_type='sapo'"),
+        (dict(importance_sampling_level="sequence"), "importance_sampling_level='sequence'"),
+        (dict(delta=1.1, epsilon_high=0.28), "delta=1.1"),
+        (dict(beta=0.1, use_bias_correction_kl=True), "use_bias_correction_kl=True"),
+        (dict(top_entropy_quantile=0.2), "top_entropy_quantile=0.2"),
+        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold=0.5"),
+        (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True"),
+        (dict(loss_type="grpo", entropy_coef=0.01), "entropy_coef=0.01"),
+    ],
+)
+def test_configs_that_do_not_map_are_refused_when_built(
+    model_dir: Path, tmp_path: Path, overrides: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")) as info:
+        _config(model_dir, tmp_path, **overrides)
+    assert "fused_policy_loss=False" in str(info.value)
+    # the same settings without the fused loss are TRL's to run
+    _config(model_dir, tmp_path, **{**overrides, "fused_policy_loss": False})
+
+
+def test_vllm_importance_sampling_maps_only_per_token_truncation() -> None:
+    from types import SimpleNamespace
+
+    from trl import GRPOConfig
+
+    args = SimpleNamespace(
+        **{f.name: f.default for f in GRPOConfig.__dataclass_fields__.values() if f.init},
+    )
+    args.__dict__.update(
+        fused_policy_loss=True, use_vllm=True, vllm_importance_sampling_correction=True
+    )
+    args.__dict__.update(use_bias_correction_kl=False, use_cpu=True, fused_head_backend="torch")
+    args.__dict__.update(vllm_importance_sampling_mode="token_truncate")
+    fh_trl.check_policy_loss_args(args)  # with TRL's clip_max 3.0 and no clip_min
+    for name, value in (
+        ("vllm_importance_sampling_mode", "sequence_truncate"),
+        ("vllm_importance_sampling_mode", "token_mask"),
+        ("vllm_importance_sampling_clip_min", 0.5),
+        ("vllm_importance_sampling_clip_max", None),
+    ):
+        bad = SimpleNamespace(**{**vars(args), name: value})
+        with pytest.raises(ValueError, match=f"{name}={value!r}"):
+            fh_trl.check_policy_loss_args(bad)
+
+
+def test_a_backend_without_the_policy_loss_is_refused(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    head = get_fused_head("torch")
+    caps = head.capabilities("cpu")
+    monkeypatch.setattr(
+        type(head),
+        "capabilities",
+        lambda self, device: caps.model_copy(update={"policy_loss": False}),
+    )
+    with pytest.raises(CapabilityError, match="fused_policy_loss=True needs a backend"):
+        _config(model_dir, tmp_path)
