@@ -44,9 +44,11 @@ __all__ = [
     "VERL_BACKENDS",
     "fix_trl_value_head_probe",
     "forward_with_fusedhead_backend",
+    "fused_ppo_loss",
     "install",
     "is_installed",
     "patch_forward_with_backends",
+    "policy_loss_kwargs",
     "trl_has_value_head",
     "uninstall",
 ]
@@ -485,3 +487,161 @@ def forward_with_fusedhead_backend(
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
+
+
+#: verl's ``kl_loss_type`` names fusedhead computes, as fusedhead's estimator.
+VERL_KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+#: verl's ``loss_agg_mode`` values, as fusedhead's aggregation (token-sum: a token mean whose
+#: normaliser is 1 / dp_size; seq-mean-token-sum-norm: a sequence sum over sequences x horizon).
+VERL_AGG_MODES = {
+    "token-mean": "token-mean",
+    "token-sum": "token-mean",
+    "seq-mean-token-sum": "seq-mean-token-sum",
+    "seq-mean-token-sum-norm": "seq-mean-token-sum",
+    "seq-mean-token-mean": "seq-mean-token-mean",
+}
+
+
+def _cfg(config: Any, name: str, default: Any = None) -> Any:
+    getter = getattr(config, "get", None)
+    if callable(getter):  # a DictConfig or a dict
+        return getter(name, default)
+    return getattr(config, name, default)
+
+
+def policy_loss_kwargs(
+    actor_config: Any,
+    *,
+    horizon: int | None = None,
+    dp_size: int = 1,
+    batch_num_tokens: Any = None,
+    global_batch_size: Any = None,
+) -> dict[str, Any]:
+    """``fused_policy_loss``'s keywords from verl's actor config (``actor_rollout_ref.actor``).
+
+    Maps ``loss_agg_mode``, ``clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high``,
+    ``clip_ratio_c`` (verl's dual clip, always on), ``entropy_coeff``, ``use_kl_loss`` /
+    ``kl_loss_coef`` / ``kl_loss_type``, and verl's global batch info (``dp_size``,
+    ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) into the loss normaliser,
+    as verl's ``agg_loss`` divides. ``horizon``: the padded response length verl's
+    ``seq-mean-token-sum-norm`` divides by when ``loss_scale_factor`` is unset. What fusedhead
+    does not compute (``policy_loss.loss_mode`` other than ``vanilla``, ``kl_loss_type`` ``abs``
+    or a straight-through ``+``) is a ``ValueError`` naming the setting.
+    """
+    policy = _cfg(actor_config, "policy_loss", None)
+    mode = _cfg(policy, "loss_mode", "vanilla") if policy is not None else "vanilla"
+    if mode != "vanilla":
+        what = "sequence-level ratios (GSPO)" if mode == "gspo" else "another loss"
+        raise ValueError(
+            f"policy_loss.loss_mode={mode!r} is {what}; fusedhead's fused policy loss is verl's "
+            "'vanilla' (compute_policy_loss_vanilla): use it, or verl's own loss with "
+            "impl_backend fusedhead:<name> for the log-probs"
+        )
+    agg = _cfg(actor_config, "loss_agg_mode", "token-mean")
+    if agg not in VERL_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={agg!r} is not one of verl's {list(VERL_AGG_MODES)}")
+    clip = _cfg(actor_config, "clip_ratio", 0.2)
+    low = _cfg(actor_config, "clip_ratio_low", None)
+    high = _cfg(actor_config, "clip_ratio_high", None)
+    kwargs: dict[str, Any] = dict(
+        clip_low=clip if low is None else low,
+        clip_high=clip if high is None else high,
+        dual_clip=_cfg(actor_config, "clip_ratio_c", 3.0),
+        entropy_coef=_cfg(actor_config, "entropy_coeff", 0.0),
+        aggregation=VERL_AGG_MODES[agg],
+    )
+    if _cfg(actor_config, "use_kl_loss", False):
+        kl_type = _cfg(actor_config, "kl_loss_type", "low_var_kl")
+        if kl_type not in VERL_KL_TYPES:
+            raise ValueError(
+                f"kl_loss_type={kl_type!r} is not computed by fusedhead's fused loss; use one of "
+                f"{sorted(VERL_KL_TYPES)} (the '+' straight-through variants and 'abs' are not)"
+            )
+        kwargs.update(
+            kl_coef=_cfg(actor_config, "kl_loss_coef", 0.001), kl_estimator=VERL_KL_TYPES[kl_type]
+        )
+    scale = _cfg(actor_config, "loss_scale_factor", None)
+    normalizer: Any = None
+    if agg == "token-mean":
+        if batch_num_tokens is None and dp_size > 1:
+            raise ValueError(
+                "batch_num_tokens (verl's global token count) is needed when dp_size > 1"
+            )
+        normalizer = None if batch_num_tokens is None else batch_num_tokens / dp_size
+    elif agg == "token-sum":
+        normalizer = 1.0 / dp_size
+    else:
+        if global_batch_size is None and dp_size > 1:
+            raise ValueError("global_batch_size is needed when dp_size > 1")
+        normalizer = None if global_batch_size is None else global_batch_size / dp_size
+        if agg == "seq-mean-token-sum-norm":
+            factor = scale if scale is not None else horizon
+            if factor is None:
+                raise ValueError(
+                    "loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor in the config "
+                    "or horizon (the padded response length verl divides by)"
+                )
+            normalizer = factor if normalizer is None else normalizer * factor
+            if global_batch_size is None:
+                raise ValueError(
+                    "loss_agg_mode='seq-mean-token-sum-norm' needs global_batch_size (the "
+                    "sequences verl's agg_loss counts) with the horizon"
+                )
+    kwargs["loss_normalizer"] = normalizer
+    return kwargs
+
+
+def fused_ppo_loss(
+    actor_config: Any,
+    lm_head: Any,
+    hidden: Any,
+    labels: Any,
+    *,
+    old_log_probs: Any,
+    advantages: Any,
+    ref_log_prob: Any = None,
+    cu_seqlens: Any = None,
+    head: Any = None,
+    temperature: Any = 1.0,
+    **batch_info: Any,
+) -> tuple[Any, dict[str, Any]]:
+    """verl's ``ppo_loss`` (vanilla policy loss, entropy bonus, KL loss) fused into the head.
+
+    ``hidden [1, T, H]`` packed (``cu_seqlens``) or ``[B, T, H]``, ``labels`` verl's rolled ids
+    with -100 outside the response mask, per-token tensors in the labels' shape. Returns
+    ``(loss, metrics)`` with verl's metric names (``actor/pg_loss``, ``actor/pg_clipfrac``,
+    ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``, ``actor/entropy_loss``, ``kl_loss``,
+    ``kl_coef``), values as detached tensors (no host sync). ``batch_info``: see
+    :func:`policy_loss_kwargs`.
+    """
+    from fusedhead.integrations.lm_head import lm_head_policy_loss
+
+    kwargs = policy_loss_kwargs(actor_config, **batch_info)
+    if "kl_coef" in kwargs:
+        if ref_log_prob is None:
+            raise ValueError(
+                "use_kl_loss=True needs ref_log_prob (the reference policy's log-probs)"
+            )
+        kwargs["ref_log_probs"] = ref_log_prob
+    out = lm_head_policy_loss(
+        lm_head,
+        hidden,
+        labels,
+        head=head,
+        temperature=temperature,
+        old_log_probs=old_log_probs,
+        advantages=advantages,
+        cu_seqlens=cu_seqlens,
+        **kwargs,
+    )
+    metrics: dict[str, Any] = {
+        "actor/pg_loss": out.pg_loss,
+        "actor/pg_clipfrac": out.clip_fraction,
+        "actor/ppo_kl": out.approx_kl,
+        "actor/pg_clipfrac_lower": out.clip_fraction_lower,
+        "actor/entropy_loss": out.entropy_loss,
+    }
+    if out.kl is not None:
+        metrics["kl_loss"] = out.kl
+        metrics["kl_coef"] = kwargs["kl_coef"]
+    return out.loss, metrics

@@ -1,0 +1,232 @@
+"""verl: the actor's loss from its config through ``fused_ppo_loss``, against verl's own
+``compute_policy_loss_vanilla`` + ``agg_loss`` (+ ``kl_penalty``) path as its ``ppo_loss`` runs
+it, on a packed batch (``cu_seqlens``), every logged metric and the loss equal to 6 decimals over
+two SGD steps, for each ``loss_agg_mode``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("verl", reason="verl is not installed (bash scripts/trainers/verl.sh)")
+
+from omegaconf import OmegaConf
+from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+
+from fusedhead.integrations import verl as fh_verl
+
+V, H, T = 50, 16, 0.8
+#: three packed sequences: (prompt, response) lengths
+SEQS = [(3, 5), (2, 7), (4, 3)]
+
+
+def _batch(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    total = sum(p + r for p, r in SEQS)
+    ids = torch.randint(0, V, (1, total), generator=g)
+    rolled = torch.roll(ids, -1, dims=-1)
+    labels = torch.full_like(rolled, -100)
+    spans, start = [], 0
+    for p, r in SEQS:
+        # positions p-1 .. p+r-2 predict the response tokens
+        labels[0, start + p - 1 : start + p + r - 1] = rolled[0, start + p - 1 : start + p + r - 1]
+        spans.append((start + p - 1, r))
+        start += p + r
+    cu = torch.tensor([0, *torch.tensor([p + r for p, r in SEQS]).cumsum(0).tolist()])
+    adv = torch.zeros(1, total)
+    for (s, r), a in zip(spans, torch.randn(len(SEQS), generator=g), strict=True):
+        adv[0, s : s + r] = a
+    return {"ids": ids, "labels": labels, "cu": cu, "spans": spans, "adv": adv, "g": g}
+
+
+def _tol(value: float) -> float:
+    """6 decimals; above 1 (sequence sums of entropies reach 17), 6 digits: fp32's ulp there."""
+    return 1e-6 * max(1.0, abs(value))
+
+
+def _padded(x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Packed ``[1, T]`` response values as verl's padded ``[B, R]`` (0 beyond each response)."""
+    out = x.new_zeros(len(spans), max(r for _, r in spans))
+    for i, (s, r) in enumerate(spans):
+        out[i, :r] = x[0, s : s + r]
+    return out
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, H)
+        self.body = nn.Linear(H, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.normal_(0, 0.5)
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.body(self.emb(ids)))
+
+
+def _verl_loss(
+    config: Any, model: Tiny, b: dict[str, Any], old: torch.Tensor, ref: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl 0.9.1's ``ppo_loss`` on full logits: vanilla policy loss, entropy, KL loss."""
+    logits = model.lm_head(model.hidden(b["ids"])) / T
+    logp = torch.log_softmax(logits.float(), -1)
+    lp = logp.gather(-1, b["labels"].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    spans = b["spans"]
+    mask = _padded(torch.ones_like(lp), spans).bool()
+    info = dict(
+        dp_size=1,
+        batch_num_tokens=None,
+        global_batch_size=len(SEQS),
+        loss_scale_factor=config.loss_scale_factor,
+    )
+    config.global_batch_info = info
+    log_prob, entropy = _padded(lp, spans), _padded(ent, spans)
+    pg, metrics = get_policy_loss_fn("vanilla")(
+        old_log_prob=_padded(old, spans),
+        log_prob=log_prob,
+        advantages=_padded(b["adv"], spans),
+        response_mask=mask,
+        loss_agg_mode=config.loss_agg_mode,
+        config=config,
+        rollout_is_weights=None,
+    )
+    metrics = dict(metrics)
+    metrics["actor/pg_loss"] = float(pg)
+    entropy_loss = agg_loss(
+        loss_mat=entropy, loss_mask=mask, loss_agg_mode=config.loss_agg_mode, **info
+    )
+    loss = pg - config.entropy_coeff * entropy_loss
+    metrics["actor/entropy_loss"] = float(entropy_loss)
+    kld = kl_penalty(
+        logprob=log_prob,
+        ref_logprob=_padded(ref, spans),
+        kl_penalty=config.kl_loss_type,
+    )
+    kl = agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=config.loss_agg_mode, **info)
+    metrics["kl_loss"] = float(kl)
+    metrics["kl_coef"] = config.kl_loss_coef
+    return loss + kl * config.kl_loss_coef, metrics
+
+
+def _config(mode: str) -> Any:
+    return OmegaConf.create(
+        dict(
+            loss_agg_mode=mode,
+            clip_ratio=0.2,
+            clip_ratio_low=0.1,
+            clip_ratio_high=0.15,
+            clip_ratio_c=1.5,
+            entropy_coeff=0.01,
+            use_kl_loss=True,
+            kl_loss_coef=0.05,
+            kl_loss_type="low_var_kl",
+            loss_scale_factor=None,
+            policy_loss=dict(loss_mode="vanilla"),
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+    ],
+)
+def test_fused_ppo_loss_matches_verls_loss_over_two_steps(mode: str) -> None:
+    config = _config(mode)
+    theirs, ours = Tiny(), Tiny()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (theirs, ours)]
+    clipped = 0.0
+    for step in range(2):
+        b = _batch(step)
+        with torch.no_grad():  # the rollout's and the reference's log-probs: near the current ones
+            logp = torch.log_softmax(theirs.lm_head(theirs.hidden(b["ids"])) / T, -1)
+            lp = logp.gather(-1, b["labels"].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            old = lp + 0.3 * torch.randn(lp.shape, generator=b["g"])
+            ref = lp + 0.3 * torch.randn(lp.shape, generator=b["g"])
+        loss_v, metrics_v = _verl_loss(config, theirs, b, old, ref)
+        horizon = max(r for _, r in SEQS)
+        loss_f, metrics_f = fh_verl.fused_ppo_loss(
+            config,
+            ours.lm_head,
+            ours.hidden(b["ids"]),
+            b["labels"],
+            old_log_probs=old,
+            advantages=b["adv"],
+            ref_log_prob=ref,
+            cu_seqlens=b["cu"],
+            head="torch",
+            temperature=T,
+            horizon=horizon,
+            global_batch_size=len(SEQS),
+        )
+        assert set(metrics_v) == set(metrics_f)
+        for key, value in metrics_v.items():
+            assert abs(float(metrics_f[key]) - value) <= _tol(value), (
+                step,
+                key,
+                float(metrics_f[key]),
+                value,
+            )
+        assert abs(float(loss_f) - float(loss_v)) <= _tol(float(loss_v)), (
+            step,
+            float(loss_f),
+            float(loss_v),
+        )
+        clipped += metrics_v["actor/pg_clipfrac"] + metrics_v["actor/pg_clipfrac_lower"]
+        for opt, loss in zip(opts, (loss_v, loss_f), strict=True):
+            opt.zero_grad()
+            loss.backward()
+        for (name, a), b_ in zip(theirs.named_parameters(), ours.parameters(), strict=True):
+            assert b_.grad is not None and a.grad is not None
+            err = float((a.grad - b_.grad).abs().max())
+            assert err <= 1e-5 * max(1.0, float(a.grad.abs().max())), (step, name, err)
+        for opt in opts:
+            opt.step()
+    assert clipped > 0, "the case must clip some tokens"
+
+
+@pytest.mark.parametrize(
+    ("updates", "named"),
+    [
+        (dict(policy_loss=dict(loss_mode="gspo")), "loss_mode='gspo'"),
+        (dict(policy_loss=dict(loss_mode="clip_cov")), "loss_mode='clip_cov'"),
+        (dict(kl_loss_type="k3+"), "kl_loss_type='k3\\+'"),
+        (dict(kl_loss_type="abs"), "kl_loss_type='abs'"),
+        (dict(loss_agg_mode="seq-mean"), "loss_agg_mode='seq-mean'"),
+    ],
+)
+def test_configs_that_do_not_map_are_refused_by_name(updates: dict[str, Any], named: str) -> None:
+    config = OmegaConf.merge(_config("token-mean"), OmegaConf.create(updates))
+    with pytest.raises(ValueError, match=named):
+        fh_verl.policy_loss_kwargs(config)
+
+
+def test_config_mapping() -> None:
+    config = _config("token-sum")
+    kw = fh_verl.policy_loss_kwargs(config, dp_size=4)
+    assert kw == dict(
+        clip_low=0.1,
+        clip_high=0.15,
+        dual_clip=1.5,
+        entropy_coef=0.01,
+        aggregation="token-mean",
+        kl_coef=0.05,
+        kl_estimator="k3",
+        loss_normalizer=0.25,
+    )
+    config.loss_agg_mode = "token-mean"
+    assert (
+        fh_verl.policy_loss_kwargs(config, dp_size=2, batch_num_tokens=100)["loss_normalizer"] == 50
+    )
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        fh_verl.policy_loss_kwargs(config, dp_size=2)
