@@ -30,8 +30,13 @@ def reward_len(completions: list[str], **_: Any) -> list[float]:
     return [float(len(c.split()) % 5) for c in completions]
 
 
-def run(model_dir: Path, out: Path, backend: str | None) -> list[dict[str, float]]:
-    """Two GRPO steps; ``backend=None`` is TRL's own kernel. The logged lines."""
+def run(
+    model_dir: Path, out: Path, backend: str | None, fused_loss: bool = False
+) -> list[dict[str, float]]:
+    """Two GRPO steps; ``backend=None`` is TRL's own kernel (and loss). The logged lines.
+
+    ``fused_loss``: both runs keep the KL unweighted (``use_bias_correction_kl=False``) and
+    fusedhead's computes the loss with ``fused_policy_loss`` (``fused_policy_loss=True``)."""
     import trl
     from datasets import Dataset
 
@@ -54,11 +59,15 @@ def run(model_dir: Path, out: Path, backend: str | None) -> list[dict[str, float
         bf16=False,
         disable_tqdm=True,
     )
+    if fused_loss:
+        common["use_bias_correction_kl"] = False
     if backend is None:
         args: Any = trl.GRPOConfig(**common)
         trainer_cls: Any = trl.GRPOTrainer
     else:
         # the backend by name, in TRL's config: this line is all a TRL user adds
+        if fused_loss:  # the loss too, from TRL's config
+            common["fused_policy_loss"] = True
         args = fh_trl.FusedHeadGRPOConfig(fused_head_backend=backend, **common)
         trainer_cls = fh_trl.FusedHeadGRPOTrainer
     prompts = [" ".join(WORDS[i : i + 3]) for i in range(0, 24, 3)]
@@ -78,12 +87,18 @@ def run(model_dir: Path, out: Path, backend: str | None) -> list[dict[str, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="fusedhead:torch", help="fused_head_backend value")
-    backend = parser.parse_args().backend
+    parser.add_argument(
+        "--fused-policy-loss",
+        action="store_true",
+        help="fusedhead's run computes GRPO's loss with fused_policy_loss (fused_policy_loss=True)",
+    )
+    opts = parser.parse_args()
+    backend = opts.backend
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model_dir = save_tiny_llama(root, make_tokenizer())
-        theirs = run(model_dir, root / "trl", None)
-        ours = run(model_dir, root / "fusedhead", backend)
+        theirs = run(model_dir, root / "trl", None, opts.fused_policy_loss)
+        ours = run(model_dir, root / "fusedhead", backend, opts.fused_policy_loss)
     print(f"\n{'step':>4}  {'metric':<24} {'TRL kernel':>14} {backend:>18} {'|diff|':>9}")
     worst = 0.0
     for step, (a, b) in enumerate(zip(theirs, ours, strict=True), 1):
