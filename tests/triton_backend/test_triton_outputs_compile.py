@@ -79,17 +79,23 @@ def _variants() -> dict[str, dict[str, Any]]:
         compiled = off._compile(dz.dz_kernel, dict(dz_sig), consts, dcfg, 90)
         out[name] = off.resources(compiled).__dict__
     comb_sig = {
-        "ws_ptr": "*fp32", "zy_ptr": "*fp32", "labels_ptr": "*i64", "q_ptr": "*fp32",
-        "arg_ptr": "*i32", "out0_ptr": "*fp32", "out1_ptr": "*fp32", "out2_ptr": "*fp32",
-        "out3_ptr": "*fp32", "out4_ptr": "*i64", "N": "i32", "T": "i32", "ignore_index": "i32",
-        "label_offset": "i32", "arg_width": "i32",
+        "ws_ptr": "*fp32", "q_ptr": "*fp32", "arg_ptr": "*i32", "gm_ptr": "*fp32",
+        "m_out_ptr": "*fp32", "sums_ptr": "*i64", "arg_out_ptr": "*i64", "N": "i32", "T": "i32",
+        "label_offset": "i32", "arg_width": "i32", "two_f": "fp32",
     }  # fmt: skip
     small = off.TileConfig(64, 64, 64, num_warps=4, num_stages=1)
-    for final in (True, False):
-        consts = {"BLOCK_R": 64, "BLOCK_T": 64, "FINAL": final, "HAS_ENT": True, "HAS_Q": True,
-                  "HAS_ARG": True}  # fmt: skip
+    for gm in (False, True):  # one process; a rank of a vocab-parallel call (every rank's max)
+        consts = {"BLOCK_R": 64, "BLOCK_T": 64, "HAS_GM": gm, "HAS_Q": True, "HAS_ARG": True}
         compiled = off._compile(forward.combine_kernel, dict(comb_sig), consts, small, 90)
-        out[f"combine_{'final' if final else 'shard'}"] = off.resources(compiled).__dict__
+        out[f"combine_{'shard' if gm else 'one'}"] = off.resources(compiled).__dict__
+    fin_sig = {
+        "m_ptr": "*fp32", "sums_ptr": "*i64", "zy_ptr": "*fp32", "labels_ptr": "*i64",
+        "lp_ptr": "*fp32", "lse_ptr": "*fp32", "ent_ptr": "*fp32", "p2_ptr": "*fp32", "N": "i32",
+        "ignore_index": "i32", "inv_two_f": "fp32",
+    }  # fmt: skip
+    consts = {"BLOCK_R": 64, "HAS_ENT": True, "HAS_Q": True}
+    compiled = off._compile(forward.finish_kernel, fin_sig, consts, small, 90)
+    out["finish"] = off.resources(compiled).__dict__
     starts_sig = {"sids_ptr": "*i32", "out_ptr": "*i32", "N": "i32", "K": "i32", "T1": "i32",
                   "origin": "i32", "width": "i32"}  # fmt: skip
     consts = {"BLOCK_R": 64, "BLOCK_T": 16, "STEPS": 9}
@@ -111,7 +117,7 @@ def test_the_outputs_kernels_compile_for_sm90_without_spills() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 11
+    assert len(rows) == 12
     for name, r in rows.items():
         assert r["shared_bytes"] <= 228 * 1024, f"{name}: {r}"
     # The timed cases spill no more than the plain forward (which holds a 128 x 256 fp32 tile at

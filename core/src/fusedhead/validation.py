@@ -962,7 +962,7 @@ def grid_shards(vocab_size: int, world: int, grid: int) -> list[tuple[int, int]]
     Every shard starts on a multiple of ``grid``: a backend declaring ``degree_invariant`` with
     that ``vocab_grid`` gives the one-process bits on this layout (docs/vocab-parallel.md). Equal
     shards are this layout exactly when ``vocab_size / world`` is a multiple of ``grid``. Ranks
-    past the last tile get empty shards.
+    past the last tile get empty shards (which ``fused_head`` refuses: use fewer ranks than tiles).
     """
     for name, value, least in (
         ("vocab_size", vocab_size, 0),

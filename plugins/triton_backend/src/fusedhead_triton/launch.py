@@ -288,12 +288,13 @@ def finish_rows(
     """(log_prob, lse, entropy-or-dummy, sum_p2-or-dummy) from ``tile_sums``' row max and sums
     (or their sum over ranks): ``finish_kernel``, the one path to the outputs."""
     n = m.shape[0]
-    outs = [torch.empty(n, dtype=torch.float32, device=m.device) for _ in range(2)]
-    ent = torch.empty(n, dtype=torch.float32, device=m.device) if entropy else outs[0]
-    p2 = torch.empty(n, dtype=torch.float32, device=m.device) if sum_p2 else outs[0]
+    # Three separate [N] outputs (a custom op's returns may not alias); sum_p2's only if asked.
+    outs = [torch.empty(n, dtype=torch.float32, device=m.device) for _ in range(3)]
+    ent = outs[2]
+    p2 = torch.empty(n if sum_p2 else 0, dtype=torch.float32, device=m.device)
     if n:
         kernel("forward").finish_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
-            m, sums, zy, labels, outs[0], outs[1], ent, p2, n, ignore_index,
+            m, sums, zy, labels, outs[0], outs[1], ent, p2 if sum_p2 else ent, n, ignore_index,
             float(2.0**-FIXED_BITS), BLOCK_R=COMBINE_BLOCK_R, HAS_ENT=entropy, HAS_Q=sum_p2,
             num_warps=4,
         )  # fmt: skip
