@@ -11,7 +11,8 @@ tiles) and compare every output with the one-process bits, plus degree 8 on equa
 columns, off the grid: the documented fallback, whose difference is recorded). The parent then
 times, with CUDA events, the combine (``launch.tile_sums`` + ``launch.finish_rows`` over the
 forward's 594 tiles; per rank at degree 8: 19 tiles) against the one-process forward + backward
-and one GEMM unit. Writes ``OUT/degree_invariance.json`` and prints a summary; exit 1 when a
+and one GEMM unit, and the torch backend's forward + backward in GEMM units (its forward now
+walks 1024-column GEMMs). Writes ``OUT/degree_invariance.json`` and prints a summary; exit 1 when a
 check fails. About two minutes on an H200.
 
 ``DI_REHEARSE=1`` runs the same plumbing on the CPU (fp32, a small shape, the Triton interpreter).
@@ -195,6 +196,20 @@ def costs(x: dict[str, torch.Tensor]) -> dict[str, Any]:
     res["fwd_bwd_ms"] = _ms(fwd_bwd, REPS)
     h, wt = x["hidden"], x["weight"].T
     res["gemm_unit_ms"] = _ms(lambda: h @ wt, REPS)
+
+    def torch_fwd_bwd() -> None:  # the torch backend's forward now walks 1024-column GEMMs
+        from fusedhead import fused_head
+
+        hh = x["hidden"].clone().requires_grad_()
+        ww = x["weight"].clone().requires_grad_()
+        out = fused_head(hh, ww, x["labels"], backend="torch", temperature=x["temps"])
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+
+    try:
+        torch_fwd_bwd()
+        res["torch_fwd_bwd_gemm_units"] = _ms(torch_fwd_bwd, REPS) / res["gemm_unit_ms"]
+    except Exception as e:
+        res["torch_error"] = f"{type(e).__name__}: {e}"
     res["combine_fraction_of_fwd_bwd"] = res["one_process_combine_ms"] / res["fwd_bwd_ms"]
     res["fwd_bwd_gemm_units"] = res["fwd_bwd_ms"] / res["gemm_unit_ms"]
     # What one rank's collectives carry per call (bytes, forward): the MAX all-reduce of the row

@@ -54,7 +54,9 @@ class TorchOptions(BaseModel):
         "(default: 1024 on CUDA, 32 on the CPU).",
     )
     block_vocab: PositiveInt | None = Field(
-        default=None, description="Vocabulary columns per block (default: from the workspace)."
+        default=None,
+        description="Vocabulary columns per block of the backward (default: from the workspace); "
+        "the forward walks the fixed 1024-column grid (docs/vocab-parallel.md).",
     )
     chunk_rows: PositiveInt | None = Field(
         default=None,
