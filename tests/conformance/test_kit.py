@@ -44,10 +44,10 @@ def test_a_temperature_below_the_declared_minimum_must_be_refused_not_computed(
 ):
     """The temperature property checks the promise both ways: below a declared min_temperature
     the call is a CapabilityError naming it (here the core's refusal is switched off)."""
-    from fusedhead.api import FusedHead
+    from fusedhead import contract
 
     assert check_property("temperature", "kit-min-temperature").outcome is Outcome.PASS
-    monkeypatch.setattr(FusedHead, "_check_min_temperature", lambda self, arg, temp, *a: temp)
+    monkeypatch.setattr(contract, "_gate_temperature", lambda arg, temp, *a: temp)
     result = check_property("temperature", "kit-min-temperature")
     assert result.outcome is Outcome.FAIL, result.line()
     assert "temperature 0.05 below the declared min_temperature 0.1" in result.message

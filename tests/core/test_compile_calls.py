@@ -23,6 +23,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import fusedhead
 from fusedhead import FusedHead, api, fused_head, fused_kl, registry
+from fusedhead import head as head_module
 from fusedhead.api import cached_head, get_fused_head
 from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
 from fusedhead.reference import reference_fused_head
@@ -365,6 +366,6 @@ def test_graph_constants_carry_dynamos_own_mark() -> None:
     torch.compiler.assume_constant_result(probe)  # type: ignore[no-untyped-call]
     marks = {k for k, v in vars(probe).items() if v is True}
     assert marks, "assume_constant_result no longer marks the function with an attribute"
-    for fn in (api._key_in_trace, api._config_key_in_trace, api._prime_device):
+    for fn in (api._key_in_trace, api._config_key_in_trace, head_module._prime_device):
         assert all(getattr(fn, m, False) is True for m in marks), fn.__name__
     assert all(getattr(FusedHead._prepare, m, False) is True for m in marks)

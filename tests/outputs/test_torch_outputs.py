@@ -509,19 +509,23 @@ def test_a_backend_without_the_outputs_is_refused_by_name(output_backends):
 
 
 def test_vocab_parallel_and_top_k_limits_are_capabilities():
-    from fusedhead.extras import capability_refusal
+    from fusedhead.contract import gate_head
+    from fusedhead.errors import CapabilityError
     from fusedhead.protocol import Capabilities, HeadCall
 
     caps = Capabilities(
         outputs=("log_probs", "entropy", "topk", "lse"), max_top_k=8, vocab_parallel=True
     )
     h, w, y = torch.randn(3, 4), torch.randn(20, 4), torch.zeros(3, dtype=torch.long)
-    assert capability_refusal(HeadCall.make(h, w, y, top_k=8), caps) is None
-    reason, capability, _ = capability_refusal(HeadCall.make(h, w, y, top_k=9), caps)
-    assert capability == "max_top_k" and "top_k=9" in reason
+    call = HeadCall.make(h, w, y, top_k=8)
+    assert gate_head(call, caps, {}) is call
+    with pytest.raises(CapabilityError, match=r"top_k=9") as info:
+        gate_head(HeadCall.make(h, w, y, top_k=9), caps, {})
+    assert info.value.capability == "max_top_k"
     group_call = HeadCall.make(h, w, y, top_k=4, extras=frozenset({"lse"}), process_group=object())
-    reason, capability, _ = capability_refusal(group_call, caps)
-    assert capability == "vocab_parallel_outputs" and "['lse', 'topk']" in reason
+    with pytest.raises(CapabilityError, match=r"\['lse', 'topk'\]") as info:
+        gate_head(group_call, caps, {})
+    assert info.value.capability == "vocab_parallel_outputs"
 
 
 def test_no_logits_of_size_n_by_v_are_held():

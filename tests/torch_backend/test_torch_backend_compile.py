@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 import fusedhead_torch.outputs as outputs_mod
 from fusedhead import FusedHead, FusedHeadConfig, fused_head, fused_kl
-from fusedhead.extras import EXTRA_FIELDS
+from fusedhead.contract import EXTRA_FIELDS
 
 N, H, V, HT = 40, 24, 384, 16
 IGNORE = -100

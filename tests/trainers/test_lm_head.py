@@ -26,6 +26,7 @@ from fusedhead import FusedHead, FusedHeadConfig, FusedLMHead
 from fusedhead.errors import UnknownBackendError
 from fusedhead.hooks import hookimpl, register_hooks, unregister_hooks
 from fusedhead.integrations import is_fusedhead_spec, lm_head_logprobs, parse_backend_spec
+from fusedhead.request import HeadRequest
 
 IGNORE = -100
 H, V = 24, 97
@@ -130,11 +131,9 @@ class _Spy(FusedHead):
 
     seen: list[tuple[tuple[int, ...], torch.Tensor]]
 
-    def __call__(  # type: ignore[override]
-        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kw: Any
-    ) -> Any:
-        self.seen.append((tuple(hidden.shape), labels.clone()))
-        return super().__call__(hidden, weight, labels, **kw)
+    def run(self, req: HeadRequest) -> Any:
+        self.seen.append((tuple(req.hidden.shape), req.labels.clone()))
+        return super().run(req)
 
 
 def test_only_scored_rows_reach_the_backend() -> None:

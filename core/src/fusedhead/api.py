@@ -1,832 +1,46 @@
-"""The contract: ``fused_head(...)`` and the ``FusedHead`` object that resolves its backend once."""
+"""The public calls: ``fused_head``, ``fused_kl``, ``fused_policy_loss``, and the process-wide
+cache of resolved heads (``get_fused_head``, ``cached_head``) they and the integrations share.
+
+Each call builds its request (``fusedhead.request``) once and hands it to the cached
+``FusedHead`` (``fusedhead.head``), which checks, gates, runs and checks the backend's answer.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import json
 import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from typing import Any, NamedTuple, NoReturn
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from pydantic import BaseModel
 
-from fusedhead import extras, policy, registry
-from fusedhead.config import FusedHeadConfig, validate_options
-from fusedhead.errors import (
-    BackendContractError,
-    BackendError,
-    BackendUnavailableError,
-    CapabilityError,
-)
-from fusedhead.hooks import plugin_manager
-from fusedhead.protocol import SCALAR_RANGE, Capabilities, HeadCall, HeadOutput
-from fusedhead.validation import (
-    _DEVICES,
-    Pending,
-    _device_entry,
-    dtype_name,
-    usable_device,
-    validate,
-    validate_kl,
-    with_outputs,
-)
+from fusedhead import registry
+from fusedhead.config import FusedHeadConfig
+from fusedhead.contract import FusedHeadOutput
+from fusedhead.graph import Slots, as_graph_constant, slot_numbers
+from fusedhead.graph import tracing as _tracing
+from fusedhead.head import FusedHead
+from fusedhead.policy import PolicyLossOutput
+from fusedhead.request import HeadRequest, KLRequest, PolicyRequest
+
+__all__ = [
+    "FusedHead",
+    "FusedHeadOutput",
+    "cached_head",
+    "fused_head",
+    "fused_kl",
+    "fused_policy_loss",
+    "get_fused_head",
+]
 
 
-def _raise_below_min_temperature(
-    arg: str, temp: float | torch.Tensor, floor: float, identity: Mapping[str, Any]
-) -> NoReturn:
-    """The backend's ``min_temperature`` refusal, naming ``arg`` and the (smallest) value."""
-    if isinstance(temp, torch.Tensor):
-        low = temp < floor
-        idx = int(low.nonzero()[0, 0])
-        got = (
-            f"a per-token {arg} of {float(temp[idx]):g} (as fp32) at flat position {idx} "
-            f"({int(low.sum())} value(s) below it)"
+def _backend_name(backend: object) -> str:
+    if not isinstance(backend, str):
+        raise TypeError(
+            f"backend must be a str naming a backend, got {type(backend).__name__} {backend!r}"
         )
-    else:
-        got = f"{arg}={temp!r}"
-    raise CapabilityError(
-        f"computes at temperatures >= {floor:g} (it declares min_temperature={floor:g}), got {got}",
-        capability="min_temperature",
-        hint="raise the temperature, or name a backend with a smaller min_temperature, e.g. 'torch'",
-        **identity,
-    )
-
-
-@torch.library.custom_op("fusedhead::check_min_temperature", mutates_args=())
-def _min_temperature_checked(
-    t: torch.Tensor, floor: float, arg: str, backend: str, distribution: str, version: str
-) -> torch.Tensor:
-    """The ``min_temperature`` check of a per-token tensor in a compiled graph (as the
-    validation's value checks: the eager check as an opaque op); a copy of ``t``."""
-    if bool((t < floor).any()):
-        who = {"backend": backend, "distribution": distribution, "version": version}
-        _raise_below_min_temperature(arg, t, floor, {k: v or None for k, v in who.items()})
-    return t.clone()
-
-
-@_min_temperature_checked.register_fake
-def _(t: torch.Tensor, *_: object) -> torch.Tensor:
-    return torch.empty_like(t)
-
-
-def _as_graph_constant(fn: Any) -> Any:
-    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does, without importing Dynamo
-    (1.2 s) with this module: Dynamo then runs it while tracing and keeps its result as a
-    constant of the graph, which is how a head is resolved inside a compiled function."""
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-class _Slots:
-    """What a compiled graph reads of a cache, one attribute per entry. Dynamo reads an
-    attribute as it is at that moment, but a dict it has read once in a trace stays, for the
-    rest of that trace, as it was then: entries made later in the trace would not be seen."""
-
-
-_slot_numbers = itertools.count()  # slot names are never reused: a stale graph never matches
-
-
-@_as_graph_constant
-def _prime_device(device: torch.device) -> None:
-    """Under ``torch.compile``, before ``validate`` reads its table of devices: the entry made
-    eagerly (a table the trace found without it would be guarded so, and the next call retrace)."""
-    if device not in _DEVICES:
-        _device_entry(device)
-
-
-class _LogProbsEntropy(NamedTuple):
-    log_probs: torch.Tensor
-    entropy: torch.Tensor | None
-
-
-class FusedHeadOutput(_LogProbsEntropy):
-    """Per-token fp32 log-probabilities of the labels and entropies (None when not asked for).
-
-    Unpacks as ``(log_probs, entropy)``; the further outputs (``top_k=``, ``gather_ids=``,
-    ``return_lse=``, ``return_sum_p2=``, ``return_argmax=``) are attributes, None unless asked for:
-    ``lse``, ``sum_p2``, ``argmax`` (labels' shape), ``topk_ids``, ``topk_log_probs`` (``[..., k]``)
-    and ``gathered`` (``[..., K]``). See docs/distillation.md.
-    """
-
-    # Class-level None: an output built without extras (the common case) sets no attribute.
-    lse: torch.Tensor | None = None
-    sum_p2: torch.Tensor | None = None
-    argmax: torch.Tensor | None = None
-    topk_ids: torch.Tensor | None = None
-    topk_log_probs: torch.Tensor | None = None
-    gathered: torch.Tensor | None = None
-
-    def __new__(
-        cls,
-        log_probs: torch.Tensor,
-        entropy: torch.Tensor | None,
-        *,
-        lse: torch.Tensor | None = None,
-        sum_p2: torch.Tensor | None = None,
-        argmax: torch.Tensor | None = None,
-        topk_ids: torch.Tensor | None = None,
-        topk_log_probs: torch.Tensor | None = None,
-        gathered: torch.Tensor | None = None,
-    ) -> FusedHeadOutput:
-        self = super().__new__(cls, log_probs, entropy)
-        if lse is not None or sum_p2 is not None or argmax is not None:
-            self.lse, self.sum_p2, self.argmax = lse, sum_p2, argmax
-        if topk_ids is not None or topk_log_probs is not None or gathered is not None:
-            self.topk_ids, self.topk_log_probs, self.gathered = topk_ids, topk_log_probs, gathered
-        return self
-
-
-class FusedHead:
-    """A backend resolved once from a ``FusedHeadConfig``, then called per step."""
-
-    def __init__(
-        self, config: FusedHeadConfig | Mapping[str, Any] | None = None, **overrides: Any
-    ) -> None:
-        if config is None:  # keyword arguments: an error names the argument
-            config = FusedHeadConfig._from_arguments(**overrides)
-        elif isinstance(config, Mapping):
-            config = FusedHeadConfig.from_dict({**config, **overrides})
-        elif isinstance(config, FusedHeadConfig):
-            if overrides:
-                config = FusedHeadConfig.from_dict({**config.to_dict(), **overrides})
-        else:
-            raise TypeError(
-                f"config must be a FusedHeadConfig or a mapping, got {type(config).__name__}"
-            )
-        self.config = config
-        cand = registry.find(config.backend)
-        cls = registry.load_class(config.backend)
-        self.distribution = cand.distribution
-        self.version = cand.version
-        self.options = validate_options(config.backend, cls, config.options)
-        self.backend = registry.construct_backend(cls, self.options, **self._identity())
-        self._caps: dict[tuple[torch.device, torch.dtype], tuple[Capabilities, frozenset[str]]] = {}
-        self._graph = _Slots()  # _caps's entries for compiled graphs (see _prepare)
-        self._graph_names: dict[tuple[torch.device, torch.dtype], str] = {}
-        # (device, dtype, outputs) whose outputs' autograd graphs were seen to reach hidden and
-        # weight (extras.graph_breach, on the first eager call with gradients; later calls check
-        # that each output has a grad_fn).
-        self._attached: set[tuple[torch.device, torch.dtype, frozenset[str]]] = set()
-        # A device this process cannot use is refused here, where it is first used (the config
-        # itself only parses it: a config file travels between machines).
-        device = usable_device(config.device) if config.device else registry.default_device()
-        caps = self.capabilities(device)
-        self._check_required(caps, device)
-        plugin_manager().hook.fusedhead_backend_resolved(
-            name=config.backend,
-            distribution=cand.distribution,
-            version=cand.version,
-            options=self.options.model_dump(mode="json"),
-            capabilities=caps.model_dump(mode="json"),
-        )
-
-    @property
-    def name(self) -> str:
-        return self.config.backend
-
-    def __repr__(self) -> str:
-        return f"FusedHead(backend={self.name!r}, distribution={self.distribution!r}, version={self.version!r})"
-
-    def _identity(self) -> dict[str, str | None]:
-        return {"backend": self.name, "distribution": self.distribution, "version": self.version}
-
-    @contextmanager
-    def _identified(self, what: str | None = None) -> Iterator[None]:
-        """Errors from the backend carry its identity; with ``what``, other exceptions become
-        ``BackendContractError`` (a backend method that must only raise ``BackendError``)."""
-        try:
-            yield
-        except BackendError as exc:
-            raise exc.attach(**self._identity()) from None
-        except Exception as exc:
-            if what is None:
-                raise
-            raise BackendContractError(
-                f"{what} raised {type(exc).__name__}: {exc}",
-                hint="a backend's check() must raise fusedhead.errors.BackendUnavailableError with "
-                "the reason and the fix; report this to the backend's authors",
-                **self._identity(),
-            ) from exc
-
-    def capabilities(self, device: torch.device | str) -> Capabilities:
-        """The backend's capabilities on ``device`` (a plugin that breaks the contract there, by
-        raising or by returning something else, is a ``BackendContractError`` naming it)."""
-        caps: Capabilities = registry.backend_capabilities(
-            self.backend, torch.device(device), **self._identity()
-        )
-        return caps
-
-    def _check_required(self, caps: Capabilities, device: torch.device) -> None:
-        missing = [c for c in self.config.require if not getattr(caps, c, False)]
-        if missing:
-            raise CapabilityError(
-                f"does not declare the required capabilities {missing} on {device}",
-                capability=missing[0],
-                hint="fusedhead never picks another backend for you: choose one that declares "
-                "them, or drop the requirement",
-                **self._identity(),
-            )
-
-    def _ready(self, device: torch.device, dtype: torch.dtype) -> Capabilities:
-        """Capabilities on (device, dtype), after the backend's own check; cached per pair."""
-        return (self._caps.get((device, dtype)) or self._ready_entry(device, dtype))[0]
-
-    def _ready_entry(
-        self, device: torch.device, dtype: torch.dtype
-    ) -> tuple[Capabilities, frozenset[str]]:
-        """The first call on (device, dtype): the backend's check, then its capabilities there
-        (and their outputs as a set), cached for every later call on the pair."""
-        key = (device, dtype)
-        entry = self._caps.get(key)
-        if entry is None:
-            with self._identified("check()"):
-                self.backend.check(
-                    device, dtype
-                )  # first: its message carries the reason and the fix
-            caps = self.capabilities(device)
-            if device.type not in caps.devices:
-                raise BackendUnavailableError(
-                    f"does not run on device type {device.type!r} (it declares {list(caps.devices)})",
-                    hint=f"move hidden and weight to one of {list(caps.devices)}, or name a backend "
-                    f"that runs on {device.type!r}",
-                    **self._identity(),
-                )
-            if dtype_name(dtype) not in caps.dtypes:
-                raise BackendUnavailableError(
-                    f"does not take {dtype} inputs (it declares {list(caps.dtypes)})",
-                    hint=f"cast hidden and weight to one of {list(caps.dtypes)}",
-                    **self._identity(),
-                )
-            self._check_required(caps, device)
-            entry = self._caps[key] = (caps, frozenset(caps.outputs))
-        return entry
-
-    @_as_graph_constant
-    def _prepare(self, device: torch.device, dtype: torch.dtype) -> str:
-        """Under ``torch.compile``: Dynamo runs this eagerly (the backend's check and capabilities
-        do not trace) and keeps the name of the attribute of ``_graph`` that holds the entry."""
-        key = (device, dtype)
-        name = self._graph_names.get(key)
-        if name is None:
-            entry = self._caps.get(key) or self._ready_entry(device, dtype)
-            name = self._graph_names[key] = f"ready{next(_slot_numbers)}"
-            setattr(self._graph, name, entry)
-        return name
-
-    def __call__(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        temperature: float | torch.Tensor | None = None,
-        ignore_index: int | None = None,
-        return_entropy: bool | None = None,
-        process_group: Any = None,
-        vocab_start: int | None = None,
-        vocab_size: int | None = None,
-        reduce_hidden_grad: bool = True,
-        check_labels: bool | None = None,
-        softcap: float | None = None,
-        top_k: int | None = None,
-        gather_ids: torch.Tensor | None = None,
-        return_lse: bool = False,
-        return_sum_p2: bool = False,
-        return_argmax: bool = False,
-    ) -> FusedHeadOutput:
-        cfg = self.config
-        return self._call(
-            hidden,
-            weight,
-            labels,
-            cfg.temperature if temperature is None else temperature,
-            cfg.ignore_index if ignore_index is None else ignore_index,
-            cfg.return_entropy if return_entropy is None else return_entropy,
-            process_group,
-            vocab_start,
-            vocab_size,
-            reduce_hidden_grad,
-            cfg.check_labels if check_labels is None else check_labels,
-            cfg.softcap if softcap is None else softcap,
-            top_k,
-            gather_ids,
-            return_lse,
-            return_sum_p2,
-            return_argmax,
-            _tracing(),
-        )
-
-    def _call(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        temperature: float | torch.Tensor,
-        ignore_index: int,
-        return_entropy: bool,
-        process_group: Any,
-        vocab_start: int | None,
-        vocab_size: int | None,
-        reduce_hidden_grad: bool,
-        check_labels: bool,
-        softcap: float | None,
-        top_k: int | None,
-        gather_ids: torch.Tensor | None,
-        return_lse: bool,
-        return_sum_p2: bool,
-        return_argmax: bool,
-        tracing: bool,
-        /,
-    ) -> FusedHeadOutput:
-        """One call, arguments resolved and positional: the per-step path, kept to few tensor reads.
-
-        ``tracing``: Dynamo traces the call (the caller asked ``_tracing()``, once per call)."""
-        if tracing and isinstance(hidden, _Tensor):
-            _prime_device(hidden.device)
-        # The value checks' one host read (eager checked calls; on CUDA after forward has queued
-        # the head's kernels, elsewhere before it): a traced call checks through the graph's
-        # ops, an unchecked one (check_labels=False) reads nothing, a temperature tensor included.
-        pending = Pending() if check_labels is True and not tracing else None
-        call, shape, n, device, dtype, cast = validate(
-            hidden,
-            weight,
-            labels,
-            temperature,
-            ignore_index,
-            return_entropy,
-            process_group,
-            vocab_start,
-            vocab_size,
-            reduce_hidden_grad,
-            check_labels,
-            softcap,
-            pending,
-        )
-        basic = (
-            top_k is None
-            and gather_ids is None
-            and return_lse is False
-            and return_sum_p2 is False
-            and return_argmax is False
-        )
-        if not basic:
-            shape = tuple(shape)  # a torch.Size from validate: messages show it as a tuple
-            call = with_outputs(
-                call,
-                shape,
-                top_k=top_k,
-                gather_ids=gather_ids,
-                return_lse=return_lse,
-                return_sum_p2=return_sum_p2,
-                return_argmax=return_argmax,
-                check_labels=check_labels,
-                pending=pending,
-            )
-            basic = call.outputs <= extras.BASIC_OUTPUTS
-        if tracing:  # the first call on the pair resolves while Dynamo traces, not in the graph
-            ready = getattr(self._graph, self._prepare(device, dtype))
-        else:
-            ready = self._caps.get((device, dtype)) or self._ready_entry(device, dtype)
-        if not (
-            basic
-            and call.temperature.__class__ is float
-            and call.temperature >= ready[0].min_temperature  # type: ignore[operator]
-            and call.softcap is None
-            and process_group is None
-            and call.outputs <= ready[1]
-        ):  # anything beyond a plain call: the full check (a plain one passes it by construction)
-            call = self._check_call_capabilities(
-                call, ready[0], pending, tracing and check_labels is True
-            )
-        if not n:
-            return _empty(call, shape)
-        if pending is not None:
-            pending.send()
-        try:
-            if cast is None:
-                out = self.backend.forward(call)
-            else:
-                with torch.autocast(cast, enabled=False):
-                    out = self.backend.forward(call)
-        except BackendError as exc:
-            if pending is not None:
-                pending.settle()  # a failed check is the cause to name, not what it broke
-            raise exc.attach(**self._identity()) from None
-        except Exception:
-            if pending is not None:
-                pending.settle()
-            raise
-        if pending is not None:
-            pending.settle()
-        # The output contract, as one expression over each tensor's properties read once; any
-        # doubt goes to _check_output, which names the breach (and is the authority).
-        h, w = call.hidden, call.weight
-        needs_grad = (h.requires_grad or w.requires_grad) and _grad_enabled()
-        # Eager: an output must have a graph (grad_fn; requires_grad alone can be a detached
-        # leaf), and the first call per (device, dtype, outputs) walks it (_check_output).
-        graph = needs_grad and not tracing
-        ok = False
-        if out.__class__ is HeadOutput:
-            lp, ent = out.log_probs, out.entropy
-            ok = (
-                lp.__class__ is _Tensor
-                and lp.dtype is _F32
-                and lp.shape == (n,)
-                and lp.device == device
-                and (not needs_grad or lp.requires_grad)
-                and (not graph or lp.grad_fn is not None)
-            )
-            if not ok:
-                pass
-            elif "entropy" in call.outputs:
-                ok = (
-                    ent.__class__ is _Tensor
-                    and ent.dtype is _F32
-                    and ent.shape == (n,)
-                    and ent.device == device
-                    and (not needs_grad or ent.requires_grad)
-                    and (not graph or ent.grad_fn is not None)
-                )
-            else:
-                ok = ent is None
-            if ok and basic:
-                ok = (
-                    out.lse is None
-                    and out.sum_p2 is None
-                    and out.argmax is None
-                    and out.topk_ids is None
-                    and out.topk_log_probs is None
-                    and out.gathered is None
-                )
-            elif ok:
-                extras.check_extras(call, out, needs_grad, self._broke)
-        if not ok or (graph and (device, h.dtype, call.outputs) not in self._attached):
-            self._check_output(call, out, graph)
-            lp, ent = out.log_probs, out.entropy
-        if len(shape) != 1:  # [N] outputs in the labels' shape (an [N] output is that already)
-            lp = _shaped(lp, shape)
-            ent = None if ent is None else _shaped(ent, shape)
-        if basic:
-            return tuple.__new__(FusedHeadOutput, (lp, ent))  # type: ignore[no-any-return]
-        return FusedHeadOutput(lp, ent, **extras.shaped_extras(call, out, shape))
-
-    def kl(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        teacher_hidden: torch.Tensor,
-        teacher_weight: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        *,
-        direction: str = "forward",
-        temperature: float | torch.Tensor | None = None,
-        teacher_temperature: float | torch.Tensor = 1.0,
-        ignore_index: int | None = None,
-        softcap: float | None = None,
-        teacher_softcap: float | None = None,
-        check_labels: bool | None = None,
-    ) -> torch.Tensor:
-        """Per-token fp32 KL between the student and the teacher head (see ``fused_kl``).
-
-        The config describes the student's head: its ``temperature``, ``softcap``,
-        ``ignore_index`` and ``check_labels`` apply where the call passes none, as in a head
-        call; the teacher's temperature is 1.0 and its softcap none unless passed.
-        ``check_labels`` also decides whether per-token temperatures' values are read and
-        checked, as in a head call."""
-        cfg = self.config
-        check = cfg.check_labels if check_labels is None else check_labels
-        call, shape = validate_kl(
-            hidden,
-            weight,
-            teacher_hidden,
-            teacher_weight,
-            labels,
-            temperature=cfg.temperature if temperature is None else temperature,
-            teacher_temperature=teacher_temperature,
-            ignore_index=cfg.ignore_index if ignore_index is None else ignore_index,
-            direction=direction,
-            softcap=cfg.softcap if softcap is None else softcap,
-            teacher_softcap=teacher_softcap,
-            check=check,
-        )
-        traced = _tracing()
-        floor_read = Pending() if check is True and not traced else None
-        if traced:
-            caps = getattr(self._graph, self._prepare(call.hidden.device, call.hidden.dtype))[0]
-        else:
-            caps = self._ready(call.hidden.device, call.hidden.dtype)
-        if call.direction not in caps.kl_directions:
-            raise CapabilityError(
-                f"does not compute the {call.direction} KL of two heads (it declares "
-                f"kl_directions={list(caps.kl_directions)})",
-                capability="kl_directions",
-                hint="name a backend that declares it, e.g. 'torch'",
-                **self._identity(),
-            )
-        for arg, temp in (
-            ("temperature", call.temperature),
-            ("teacher_temperature", call.teacher_temperature),
-        ):
-            if temp.__class__ is not float and not caps.per_token_temperature:
-                raise CapabilityError(
-                    f"does not support a per-token {arg} tensor",
-                    capability="per_token_temperature",
-                    hint="pass a float, or name a backend that declares per_token_temperature",
-                    **self._identity(),
-                )
-            # per-token values: one more read where the call reads its checks (traced: a graph op)
-            checked = self._check_min_temperature(
-                arg, temp, caps, floor_read, traced and check is True
-            )
-            if checked is not temp:
-                call = (
-                    dataclasses.replace(call, temperature=checked)
-                    if arg == "temperature"
-                    else dataclasses.replace(call, teacher_temperature=checked)
-                )
-        if floor_read is not None:
-            floor_read.send()
-            floor_read.settle()
-        for arg, cap in (("softcap", call.softcap), ("teacher_softcap", call.teacher_softcap)):
-            if cap is not None and not caps.softcap:
-                raise CapabilityError(
-                    f"does not support {arg} in the KL of two heads",
-                    capability="softcap",
-                    hint=f"drop {arg}, or name a backend that declares softcap, e.g. 'torch'",
-                    **self._identity(),
-                )
-        if call.valid.numel() == 0:
-            zero = call.hidden.sum(-1).float() * 0 + call.weight.sum().float() * 0
-            return _shaped(zero, shape)
-        method = getattr(self.backend, "kl", None)
-        if not callable(method):
-            self._broke("declares kl_directions but has no kl(call) method")
-        dev = call.hidden.device.type
-        try:
-            if dev in _AUTOCAST_DEVICES and torch.is_autocast_enabled(dev):
-                with torch.autocast(dev, enabled=False):
-                    out = method(call)
-            else:
-                out = method(call)
-        except BackendError as exc:
-            raise exc.attach(**self._identity()) from None
-        needs_grad = torch.is_grad_enabled() and (
-            call.hidden.requires_grad or call.weight.requires_grad
-        )
-        inputs = None if traced else {"hidden": call.hidden, "weight": call.weight}
-        extras.check_kl(
-            out, call.valid.shape[0], call.hidden.device, needs_grad, self._broke, inputs
-        )
-        return _shaped(out.kl, shape)
-
-    def policy_loss(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        old_log_probs: torch.Tensor,
-        advantages: torch.Tensor,
-        temperature: float | torch.Tensor | None = None,
-        clip_low: float = 0.2,
-        clip_high: float = 0.2,
-        dual_clip: float | None = None,
-        entropy_coef: float = 0.0,
-        ref_log_probs: torch.Tensor | None = None,
-        kl_coef: float = 0.0,
-        kl_estimator: str = "k3",
-        rollout_log_probs: torch.Tensor | None = None,
-        tis_cap: float | None = None,
-        aggregation: str = "token-mean",
-        loss_normalizer: float | torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        ignore_index: int | None = None,
-        softcap: float | None = None,
-    ) -> policy.PolicyLossOutput:
-        """The policy loss with its gradients computed in the forward (see ``fused_policy_loss``);
-        the config's ``temperature``, ``ignore_index``, ``softcap`` and ``check_labels`` apply
-        where the call passes none."""
-        cfg = self.config
-        return policy.run(
-            self,
-            hidden,
-            weight,
-            labels,
-            temperature=cfg.temperature if temperature is None else temperature,
-            ignore_index=cfg.ignore_index if ignore_index is None else ignore_index,
-            softcap=cfg.softcap if softcap is None else softcap,
-            check_labels=cfg.check_labels,
-            old_log_probs=old_log_probs,
-            advantages=advantages,
-            clip_low=clip_low,
-            clip_high=clip_high,
-            dual_clip=dual_clip,
-            entropy_coef=entropy_coef,
-            ref_log_probs=ref_log_probs,
-            kl_coef=kl_coef,
-            kl_estimator=kl_estimator,
-            rollout_log_probs=rollout_log_probs,
-            tis_cap=tis_cap,
-            aggregation=aggregation,
-            loss_normalizer=loss_normalizer,
-            cu_seqlens=cu_seqlens,
-        )
-
-    def _check_call_capabilities(
-        self,
-        call: HeadCall,
-        caps: Capabilities,
-        pending: Pending | None = None,
-        traced: bool = False,
-    ) -> HeadCall:
-        """Refuse what ``caps`` does not declare, by name; the call to go on with (traced, its
-        per-token temperature passes through the graph's ``min_temperature`` check)."""
-        if call.temperature.__class__ is not float and not caps.per_token_temperature:
-            raise CapabilityError(
-                "does not support a per-token temperature tensor",
-                capability="per_token_temperature",
-                hint="pass a float, or name a backend that declares per_token_temperature, e.g. 'torch'",
-                **self._identity(),
-            )
-        temp = self._check_min_temperature("temperature", call.temperature, caps, pending, traced)
-        if temp is not call.temperature:
-            call = call._replace(temperature=temp)
-        if call.softcap is not None and not caps.softcap:
-            raise CapabilityError(
-                "does not support softcap",
-                capability="softcap",
-                hint="name a backend that declares softcap, e.g. 'torch'",
-                **self._identity(),
-            )
-        missing = call.outputs.difference(caps.outputs)
-        if missing:
-            raise CapabilityError(
-                f"does not compute the requested outputs {sorted(missing)} (it declares "
-                f"{list(caps.outputs)})",
-                capability=sorted(missing)[0],
-                hint="drop them from the call, or name a backend that declares them",
-                **self._identity(),
-            )
-        refusal = extras.capability_refusal(call, caps)
-        if refusal is not None:
-            reason, capability, hint = refusal
-            raise CapabilityError(reason, capability=capability, hint=hint, **self._identity())
-        group = call.process_group
-        if group is not None:
-            if not caps.vocab_parallel:
-                raise CapabilityError(
-                    "does not support process_group",
-                    capability="vocab_parallel",
-                    hint="name a backend that declares vocab_parallel, e.g. 'torch' or 'triton'",
-                    **self._identity(),
-                )
-            if not caps.uneven_shards:
-                import torch.distributed as dist
-
-                v = call.weight.shape[0]
-                rank, world = dist.get_rank(group), dist.get_world_size(group)
-                if (call.vocab_start, call.vocab_size) != (rank * v, world * v):
-                    raise CapabilityError(
-                        f"needs equal contiguous vocabulary shards; got vocab_start={call.vocab_start}, "
-                        f"vocab_size={call.vocab_size} for {v} local rows on rank {rank} of {world}",
-                        capability="uneven_shards",
-                        hint="shard the vocabulary evenly, or name a backend that declares uneven_shards",
-                        **self._identity(),
-                    )
-        return call
-
-    def _check_output(self, call: HeadCall, out: object, graph: bool = False) -> None:
-        """The backend's output against the contract; any breach is a ``BackendContractError``.
-
-        ``graph`` (an eager call recording gradients): each differentiable output's autograd
-        graph must reach hidden and weight (``extras.graph_breach``); once it has, later calls
-        on the same (device, dtype, outputs) only check that each has a ``grad_fn``."""
-        if out.__class__ is not HeadOutput and not isinstance(out, HeadOutput):
-            self._broke(
-                f"forward() must return a fusedhead.protocol.HeadOutput, got {_describe(out)}"
-            )
-        h, w = call.hidden, call.weight
-        n = call.labels.shape[0]
-        device = h.device
-        needs_grad = (h.requires_grad or w.requires_grad) and torch.is_grad_enabled()
-        graph = graph and needs_grad
-        inputs = {"hidden": h, "weight": w} if graph else None
-        self._check_tensor("log_probs", out.log_probs, n, device, needs_grad, inputs)
-        if "entropy" in call.outputs:
-            self._check_tensor("entropy", out.entropy, n, device, needs_grad, inputs)
-        elif out.entropy is not None:
-            self._broke("entropy was not requested and must be None")
-        if not call.outputs <= extras.BASIC_OUTPUTS or not (
-            out.lse is None
-            and out.sum_p2 is None
-            and out.argmax is None
-            and out.topk_ids is None
-            and out.topk_log_probs is None
-            and out.gathered is None
-        ):
-            extras.check_extras(call, out, needs_grad, self._broke, graph)
-        if graph:
-            self._attached.add((device, h.dtype, call.outputs))
-
-    def _check_tensor(
-        self,
-        what: str,
-        t: object,
-        n: int,
-        device: torch.device,
-        needs_grad: bool,
-        inputs: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        if t.__class__ is not torch.Tensor and not isinstance(t, torch.Tensor):
-            self._broke(f"{what} must be a float32 [{n}] tensor, got {_describe(t)}")
-        if t.dtype is not torch.float32 or t.dim() != 1 or t.shape[0] != n or t.device != device:
-            self._broke(
-                f"{what} must be float32 [{n}] on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
-            )
-        if needs_grad and not t.requires_grad:
-            self._broke(
-                f"{what} does not require grad although hidden or weight does: the backend "
-                "detached it, so no gradient would reach the model"
-            )
-        if inputs is not None:
-            breach = extras.graph_breach(what, t, inputs)
-            if breach is not None:
-                self._broke(breach)
-
-    def _check_min_temperature(
-        self,
-        arg: str,
-        temp: float | torch.Tensor,
-        caps: Capabilities,
-        pending: Pending | None,
-        traced: bool = False,
-    ) -> float | torch.Tensor:
-        """``temp`` at least the backend's ``min_temperature``: a float now; a per-token tensor in
-        ``pending``'s one read, or (``traced``: a checked call Dynamo traces) as an op of the graph,
-        whose checked copy is returned; no read otherwise (``check_labels=False``)."""
-        floor = caps.min_temperature
-        if floor <= SCALAR_RANGE[0]:
-            return temp  # the core's own range, already checked
-        if isinstance(temp, torch.Tensor):
-            if pending is not None:
-                pending.add((temp < floor).any(), self._below_min_temperature, arg, temp, floor)
-            elif traced:
-                checked: torch.Tensor = _min_temperature_checked(
-                    temp, floor, arg, self.name or "", self.distribution or "", self.version or ""
-                )
-                return checked
-        elif temp < floor:
-            self._below_min_temperature(arg, temp, floor)
-        return temp
-
-    def _below_min_temperature(
-        self, arg: str, temp: float | torch.Tensor, floor: float
-    ) -> NoReturn:
-        _raise_below_min_temperature(arg, temp, floor, self._identity())
-
-    def _broke(self, reason: str) -> NoReturn:
-        raise BackendContractError(
-            f"broke the plugin contract: {reason}",
-            hint="report this to the backend's authors; `fusedhead check NAME` runs the conformance kit",
-            **self._identity(),
-        )
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
-    if isinstance(value, tuple):
-        return f"a {len(value)}-tuple"
-    return f"{type(value).__name__} {value!r}"[:120]
-
-
-# Module constants for the per-call path (a global read, not a global and an attribute).
-_Tensor = torch.Tensor
-_F32 = torch.float32
-_grad_enabled = torch.is_grad_enabled
-
-#: Device types with an autocast mode (``torch.is_autocast_enabled`` raises for others, e.g. meta).
-_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "xla", "mtia", "ipu"})
-
-
-def _shaped(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``out`` in the labels' shape, never as a view (FSDP2 and in-place ops mishandle view outputs)."""
-    if tuple(out.shape) == shape:
-        return out
-    return out.reshape(shape).clone()
-
-
-def _empty(call: HeadCall, shape: tuple[int, ...]) -> FusedHeadOutput:
-    """N = 0: empty fp32 outputs that still belong to the autograd graph (zero gradients)."""
-    zero = call.hidden.sum(-1).float() * 0 + call.weight.sum().float() * 0
-    out = _shaped(zero, shape)
-    return FusedHeadOutput(
-        out, out.clone() if call.return_entropy else None, **extras.empty_extras(call, shape, out)
-    )
+    return backend
 
 
 #: Resolved heads by (backend, options key), and by ("mapping" | "config", text, None) for
@@ -837,11 +51,6 @@ _lock = threading.RLock()  # cached_head resolves a mapping through the config p
 #: Option values a key holds as themselves (class included: 1, 1.0 and True are three keys, as
 #: their JSON texts are); anything else (nested lists and mappings, ...) goes through JSON.
 _FLAT = (str, int, float, bool, type(None))
-
-#: True while Dynamo traces (it folds the call), a plain ``return False`` eagerly: the one test
-#: the eager hot path pays for the compiled one (30 ns, against 70 for ``is_compiling``, which
-#: stands in on a torch without it).
-_tracing = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 
 def _flat_key(options: Mapping[str, Any]) -> tuple[tuple[str, str, Any], ...] | None:
@@ -895,8 +104,8 @@ def get_fused_head(backend: str, options: Mapping[str, Any] | BaseModel | None =
     return head
 
 
-#: The cache's heads as compiled graphs read them (``_Slots``), and their names by key.
-_graph = _Slots()
+#: The cache's heads as compiled graphs read them (``graph.Slots``), and their names by key.
+_graph = Slots()
 _graph_names: dict[tuple[Any, ...], str] = {}
 
 
@@ -919,12 +128,12 @@ def _slot(key: tuple[Any, ...], head: FusedHead) -> str:
     """The name of ``head``'s slot in ``_graph`` (made on the first call for ``key``)."""
     name = _graph_names.get(key)
     if name is None:
-        name = _graph_names[key] = f"head{next(_slot_numbers)}"
+        name = _graph_names[key] = f"head{next(slot_numbers)}"
         setattr(_graph, name, head)
     return name
 
 
-@_as_graph_constant
+@as_graph_constant
 def _key_in_trace(backend: str, options: Any, flat: tuple[tuple[str, str, Any], ...] | None) -> str:
     """Run by Dynamo while it traces, never traced (the graph guards on its arguments' values):
     the head for (backend, options), resolved into the cache, and the name of its slot;
@@ -973,7 +182,7 @@ def _config_key(config: object) -> tuple[str, str, None]:
     return ("config", json.dumps(config.to_dict(), sort_keys=True, default=repr), None)
 
 
-@_as_graph_constant
+@as_graph_constant
 def _config_key_in_trace(config: Any) -> str:
     """``cached_head``'s part that Dynamo runs while it traces (see ``_key_in_trace``)."""
     head = cached_head(config)
@@ -1020,36 +229,34 @@ def fused_head(
     the log-sum-exp, the sum of squared probabilities, the argmax (docs/distillation.md).
     The backend is the one named, always; docs/design.md states the full contract.
     """
-    if not isinstance(backend, str):
-        raise TypeError(
-            f"backend must be a str naming a backend, got {type(backend).__name__} {backend!r}"
-        )
+    if backend.__class__ is not str:
+        _backend_name(backend)
     if temperature is None:
         raise TypeError("temperature must be a float or a tensor, got None")
-    tracing = _tracing()
     # Without options the key is known: the cache's own entry, without building it anew.
-    head = None if tracing or options is not None else _cache.get((backend, ()))
+    head = None if options is not None or _tracing() else _cache.get((backend, ()))
     if head is None:
-        head = _traced_head(backend, options) if tracing else get_fused_head(backend, options)
-    return head._call(
-        hidden,
-        weight,
-        labels,
-        temperature,
-        ignore_index,
-        return_entropy,
-        process_group,
-        vocab_start,
-        vocab_size,
-        reduce_hidden_grad,
-        check_labels,
-        softcap,
-        top_k,
-        gather_ids,
-        return_lse,
-        return_sum_p2,
-        return_argmax,
-        tracing,
+        head = get_fused_head(backend, options)
+    return head.run(
+        HeadRequest(
+            hidden,
+            weight,
+            labels,
+            temperature=temperature,
+            ignore_index=ignore_index,
+            return_entropy=return_entropy,
+            process_group=process_group,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            reduce_hidden_grad=reduce_hidden_grad,
+            check_labels=check_labels,
+            softcap=softcap,
+            top_k=top_k,
+            gather_ids=gather_ids,
+            return_lse=return_lse,
+            return_sum_p2=return_sum_p2,
+            return_argmax=return_argmax,
+        )
     )
 
 
@@ -1086,19 +293,21 @@ def fused_kl(
         )
     if temperature is None:  # FusedHead.kl reads None as its config's: here it is a mistake
         raise TypeError("temperature must be a float or a tensor, got None")
-    return get_fused_head(backend, options).kl(
-        hidden,
-        weight,
-        teacher_hidden,
-        teacher_weight,
-        labels,
-        direction=direction,
-        temperature=temperature,
-        teacher_temperature=teacher_temperature,
-        ignore_index=ignore_index,
-        softcap=softcap,
-        teacher_softcap=teacher_softcap,
-        check_labels=check_labels,
+    return get_fused_head(_backend_name(backend), options).run_kl(
+        KLRequest(
+            hidden,
+            weight,
+            teacher_hidden,
+            teacher_weight,
+            labels,
+            direction=direction,
+            temperature=temperature,
+            teacher_temperature=teacher_temperature,
+            ignore_index=ignore_index,
+            softcap=softcap,
+            teacher_softcap=teacher_softcap,
+            check_labels=check_labels,
+        )
     )
 
 
@@ -1126,7 +335,7 @@ def fused_policy_loss(
     ignore_index: int = -100,
     softcap: float | None = None,
     options: Mapping[str, Any] | BaseModel | None = None,
-) -> policy.PolicyLossOutput:
+) -> PolicyLossOutput:
     """The PPO/GRPO policy loss of ``hidden @ weight.T / temperature``, its gradients computed in
     the forward: three GEMMs per token chunk, no ``[N, V]`` tensor (docs/policy-loss.md).
 
@@ -1137,31 +346,29 @@ def fused_policy_loss(
     ``loss_agg_mode``; ``cu_seqlens`` for a packed batch, ``loss_normalizer`` for the global count).
     Rows whose label is ``ignore_index`` add nothing. The backend must declare ``policy_loss``.
     """
-    if not isinstance(backend, str):
-        raise TypeError(
-            f"backend must be a str naming a backend, got {type(backend).__name__} {backend!r}"
-        )
     if temperature is None:
         raise TypeError("temperature must be a float or a tensor, got None")
-    return get_fused_head(backend, options).policy_loss(
-        hidden,
-        weight,
-        labels,
-        old_log_probs=old_log_probs,
-        advantages=advantages,
-        temperature=temperature,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        entropy_coef=entropy_coef,
-        ref_log_probs=ref_log_probs,
-        kl_coef=kl_coef,
-        kl_estimator=kl_estimator,
-        rollout_log_probs=rollout_log_probs,
-        tis_cap=tis_cap,
-        aggregation=aggregation,
-        loss_normalizer=loss_normalizer,
-        cu_seqlens=cu_seqlens,
-        ignore_index=ignore_index,
-        softcap=softcap,
+    return get_fused_head(_backend_name(backend), options).run_policy_loss(
+        PolicyRequest(
+            hidden,
+            weight,
+            labels,
+            old_log_probs=old_log_probs,
+            advantages=advantages,
+            temperature=temperature,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            dual_clip=dual_clip,
+            entropy_coef=entropy_coef,
+            ref_log_probs=ref_log_probs,
+            kl_coef=kl_coef,
+            kl_estimator=kl_estimator,
+            rollout_log_probs=rollout_log_probs,
+            tis_cap=tis_cap,
+            aggregation=aggregation,
+            loss_normalizer=loss_normalizer,
+            cu_seqlens=cu_seqlens,
+            ignore_index=ignore_index,
+            softcap=softcap,
+        )
     )

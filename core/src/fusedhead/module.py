@@ -20,6 +20,7 @@ from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput
 from fusedhead.config import FusedHeadConfig
+from fusedhead.request import HeadRequest
 from fusedhead.validation import _tensor, is_dtensor
 
 ConfigLike = FusedHeadConfig | Mapping[str, Any] | FusedHead | None
@@ -163,29 +164,26 @@ class FusedLMHead(nn.Module):
             )
         if labels is None:
             return nn.functional.linear(_linear_input(hidden, weight), weight, bias)
-        return owned(
-            head_forward(
-                self.head,
-                hidden,
-                weight,
-                bias,
-                labels,
-                temperature=temperature,
-                ignore_index=ignore_index,
-                return_entropy=return_entropy,
-                softcap=softcap,
-                check_labels=check_labels,
-                process_group=process_group,
-                vocab_start=vocab_start,
-                vocab_size=vocab_size,
-                reduce_hidden_grad=reduce_hidden_grad,
-                top_k=top_k,
-                gather_ids=gather_ids,
-                return_lse=return_lse,
-                return_sum_p2=return_sum_p2,
-                return_argmax=return_argmax,
-            )
+        request = self.head.request(
+            hidden,
+            weight,
+            labels,
+            temperature=temperature,
+            ignore_index=ignore_index,
+            return_entropy=return_entropy,
+            softcap=softcap,
+            check_labels=check_labels,
+            process_group=process_group,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            reduce_hidden_grad=reduce_hidden_grad,
+            top_k=top_k,
+            gather_ids=gather_ids,
+            return_lse=return_lse,
+            return_sum_p2=return_sum_p2,
+            return_argmax=return_argmax,
         )
+        return owned(head_forward(self.head, request, bias))
 
 
 def _linear_input(hidden: object, weight: torch.Tensor) -> torch.Tensor:
@@ -241,20 +239,17 @@ _EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "topk_ids", "topk_log_probs", "gath
 
 
 def head_forward(
-    head: FusedHead,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    **kwargs: Any,
+    head: FusedHead, request: HeadRequest, bias: torch.Tensor | None = None
 ) -> FusedHeadOutput:
-    """``head`` on ``hidden @ weight.T + bias``; a bias is folded in as one more column.
+    """``head`` on ``request`` with ``hidden @ weight.T + bias``; a bias is folded in as one
+    more column of hidden and weight.
 
     Everything the fold reads is checked first, against what the caller passed: an error after
     the fold would name the folded shapes (``H + 1``), which the caller never built."""
     if bias is not None:
+        weight = request.weight
         # The fold reads hidden before the head validates it: its own errors name it first.
-        hidden = _tensor("hidden", hidden)
+        hidden = _tensor("hidden", request.hidden)
         if hidden.dim() == 0:
             raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
         _check_bias(bias, weight)
@@ -265,9 +260,11 @@ def head_forward(
             )
         # [h, 1] @ [W, b].T == h @ W.T + b
         ones = hidden.new_ones((*hidden.shape[:-1], 1))
-        hidden = torch.cat([hidden, ones], dim=-1)
-        weight = torch.cat([weight, bias.to(weight.dtype).unsqueeze(-1)], dim=-1)
-    return head(hidden, weight, labels, **kwargs)
+        request = request._replace(
+            hidden=torch.cat([hidden, ones], dim=-1),
+            weight=torch.cat([weight, bias.to(weight.dtype).unsqueeze(-1)], dim=-1),
+        )
+    return head.run(request)
 
 
 def _check_bias(bias: object, weight: torch.Tensor) -> None:

@@ -18,7 +18,8 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 
-from fusedhead.errors import BackendError, CapabilityError
+from fusedhead.contract import gate_head, gate_policy_loss
+from fusedhead.errors import BackendError
 from fusedhead.policy_terms import LOG_RATIO_BOUND, kl_penalty, token_grads
 from fusedhead.protocol import (
     AGGREGATIONS,
@@ -28,6 +29,7 @@ from fusedhead.protocol import (
     PolicyLossCall,
     PolicyLossResult,
 )
+from fusedhead.request import PolicyRequest
 from fusedhead.validation import _tensor, validate
 
 #: verl's names of the KL estimators, taken as the canonical ones.
@@ -44,7 +46,6 @@ class _Head(Protocol):
 
     def _ready(self, device: torch.device, dtype: torch.dtype) -> Capabilities: ...
     def _identity(self) -> dict[str, str | None]: ...
-    def _check_call_capabilities(self, call: HeadCall, caps: Capabilities) -> HeadCall: ...
     def _broke(self, reason: str) -> NoReturn: ...
 
 
@@ -265,35 +266,28 @@ def token_weights(
     return torch.where(valid, 1.0 / (seqs * float(horizon)), zero)  # seq-mean-token-sum-norm
 
 
-def run(head: _Head, hidden: Any, weight: Any, labels: Any, **kw: Any) -> PolicyLossOutput:
-    """One policy-loss call on ``head`` (arguments as ``fused_policy_loss`` names them, resolved)."""
+def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
+    """One policy-loss call on ``head``: the head's checks, the gate, the loss's own arguments,
+    the backend's forward, its result checked, the loss formed."""
     call, shape, n, device, dtype, cast = validate(
-        hidden,
-        weight,
-        labels,
-        kw["temperature"],
-        kw["ignore_index"],
+        req.hidden,
+        req.weight,
+        req.labels,
+        req.temperature,
+        req.ignore_index,
         True,
         None,
         None,
         None,
         True,
-        kw["check_labels"],
-        kw["softcap"],
+        req.check_labels,
+        req.softcap,
     )
     shape = tuple(shape)
     caps = head._ready(device, dtype)
-    if not caps.policy_loss:
-        raise CapabilityError(
-            "does not compute the policy loss in its forward (it does not declare policy_loss); "
-            "fusedhead never runs it another way for you",
-            capability="policy_loss",
-            hint="name a backend that declares it, e.g. 'torch' or 'triton', or compute the loss "
-            "from fused_head's log-probs",
-            **head._identity(),
-        )
-    call = head._check_call_capabilities(call, caps)
-    pcall = _policy_call(call, shape, n, device, kw)
+    gate_policy_loss(caps, head._identity())
+    call = gate_head(call, caps, head._identity())
+    pcall = _policy_call(call, shape, n, device, req)
     if n == 0:
         lp = torch.zeros(0, dtype=torch.float32, device=device)
         result = PolicyLossResult(lp, lp.clone())
@@ -317,32 +311,30 @@ def run(head: _Head, hidden: Any, weight: Any, labels: Any, **kw: Any) -> Policy
 
 
 def _policy_call(
-    call: HeadCall, shape: tuple[int, ...], n: int, device: torch.device, kw: dict[str, Any]
+    call: HeadCall, shape: tuple[int, ...], n: int, device: torch.device, req: PolicyRequest
 ) -> PolicyLossCall:
     """The loss's own arguments checked and flattened beside the head call."""
-    aggregation = _choice("aggregation", kw["aggregation"], AGGREGATIONS, {})
-    estimator = _choice("kl_estimator", kw["kl_estimator"], KL_ESTIMATORS, KL_ALIASES)
-    clip_low = _real("clip_low", kw["clip_low"], low=0.0, high=1.0, what="in [0, 1)")
-    clip_high = _real("clip_high", kw["clip_high"], low=0.0, what="a finite float >= 0")
-    dual = kw["dual_clip"]
+    aggregation = _choice("aggregation", req.aggregation, AGGREGATIONS, {})
+    estimator = _choice("kl_estimator", req.kl_estimator, KL_ESTIMATORS, KL_ALIASES)
+    clip_low = _real("clip_low", req.clip_low, low=0.0, high=1.0, what="in [0, 1)")
+    clip_high = _real("clip_high", req.clip_high, low=0.0, what="a finite float >= 0")
+    dual = req.dual_clip
     if dual is not None:
         dual = _real("dual_clip", dual, low=1.0, what="a finite float > 1 (verl's clip_ratio_c)")
         if dual == 1.0:
-            raise ValueError(
-                f"dual_clip must be > 1 (verl's clip_ratio_c), got {kw['dual_clip']!r}"
-            )
-    entropy_coef = _real("entropy_coef", kw["entropy_coef"], low=-math.inf, what="a finite float")
-    kl_coef = _real("kl_coef", kw["kl_coef"], low=0.0, what="a finite float >= 0")
-    old = _per_token("old_log_probs", kw["old_log_probs"], shape, device)
-    adv = _per_token("advantages", kw["advantages"], shape, device)
-    ref = kw["ref_log_probs"]
+            raise ValueError(f"dual_clip must be > 1 (verl's clip_ratio_c), got {req.dual_clip!r}")
+    entropy_coef = _real("entropy_coef", req.entropy_coef, low=-math.inf, what="a finite float")
+    kl_coef = _real("kl_coef", req.kl_coef, low=0.0, what="a finite float >= 0")
+    old = _per_token("old_log_probs", req.old_log_probs, shape, device)
+    adv = _per_token("advantages", req.advantages, shape, device)
+    ref = req.ref_log_probs
     ref = None if ref is None else _per_token("ref_log_probs", ref, shape, device)
     if kl_coef and ref is None:
         raise ValueError(
-            f"kl_coef={kw['kl_coef']!r} needs ref_log_probs (the reference policy's log-probs of "
+            f"kl_coef={req.kl_coef!r} needs ref_log_probs (the reference policy's log-probs of "
             "the labels); pass them, or kl_coef=0.0"
         )
-    rollout, cap = kw["rollout_log_probs"], kw["tis_cap"]
+    rollout, cap = req.rollout_log_probs, req.tis_cap
     if (rollout is None) != (cap is None):
         given, missing = (
             ("rollout_log_probs", "tis_cap") if cap is None else ("tis_cap", "rollout_log_probs")
@@ -358,10 +350,10 @@ def _policy_call(
         tis = torch.exp(old - roll).clamp_(max=cap)
     valid = call.labels != call.ignore_index
     weights = token_weights(
-        valid, shape, aggregation, _normalizer(kw["loss_normalizer"], device), kw["cu_seqlens"]
+        valid, shape, aggregation, _normalizer(req.loss_normalizer, device), req.cu_seqlens
     )
-    if kw["cu_seqlens"] is not None and aggregation == "token-mean":
-        _sequences(shape, kw["cu_seqlens"], n, device)  # checked even where it changes nothing
+    if req.cu_seqlens is not None and aggregation == "token-mean":
+        _sequences(shape, req.cu_seqlens, n, device)  # checked even where it changes nothing
     grad = torch.is_grad_enabled()
     return PolicyLossCall(
         head=call,

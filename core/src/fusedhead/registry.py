@@ -21,8 +21,9 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
+from fusedhead import options as _options
 from fusedhead.errors import (
     BackendConflictError,
     BackendContractError,
@@ -32,6 +33,7 @@ from fusedhead.errors import (
     MissingDependencyError,
     UnknownBackendError,
 )
+from fusedhead.options import validate_options
 
 ENTRY_POINT_GROUP = "fusedhead.backends"
 NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
@@ -411,6 +413,37 @@ def find(name: str) -> Candidate:
 def load_class(name: str) -> type[Any]:
     """Import and check the backend class selected by exactly ``name``."""
     return _load_class(find(name))
+
+
+class Resolved(NamedTuple):
+    """A backend name resolved: its registry entry, its checked class, its validated options."""
+
+    entry: Candidate
+    cls: type[Any]
+    options: Any  #: an instance of ``cls.Options``
+
+
+def resolve(name: str, options: Any = None, earlier: Resolved | None = None) -> Resolved:
+    """``name`` resolved once into (entry, class, options): the one candidate for exactly that
+    name, its class imported and checked, ``options`` validated strictly against its ``Options``.
+    ``earlier`` (a config's own resolution) is returned as it is while ``name`` still selects
+    the same entry (no registration, refresh or ``FUSEDHEAD_BACKENDS`` change since)."""
+    entry = find(name)
+    if earlier is not None and earlier.entry is entry:
+        return earlier
+    cls = _load_class(entry)
+    return Resolved(entry, cls, validate_options(name, cls, options))
+
+
+def _identity_of(name: str) -> tuple[str | None, str | None]:
+    """(distribution, version) of the one claim on ``name``, for an options error; else Nones."""
+    claims = candidates().get(name) or []
+    if len(claims) != 1:
+        return None, None
+    return claims[0].distribution, claims[0].version
+
+
+_options.identity_of = _identity_of
 
 
 def _fields(cand: Candidate) -> dict[str, Any]:

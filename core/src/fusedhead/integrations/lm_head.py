@@ -250,10 +250,11 @@ def lm_head_logprobs(
             if scale != 1.0:  # s * (h @ W.T + b) == (s * h) @ W.T + s * b
                 h_ = h_ * scale
                 bias = None if bias is None else bias * scale
+            request = fused.request(h_, weight, y, temperature=t, **call)
             if compute_dtype is None:
-                return head_forward(fused, h_, weight, bias, y, temperature=t, **call)
+                return head_forward(fused, request, bias)
             with torch.autocast(h_.device.type, enabled=False):
-                return head_forward(fused, h_, weight, bias, y, temperature=t, **call)
+                return head_forward(fused, request, bias)
 
         return in_module_call(lm_head, body) if in_call else body()
 

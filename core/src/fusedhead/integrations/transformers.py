@@ -132,7 +132,9 @@ def _score(
         return call_in_forward(
             lm_head,
             lambda: head_forward(
-                head, h, lm_head.weight, getattr(lm_head, "bias", None), y, temperature=t, **kwargs
+                head,
+                head.request(h, lm_head.weight, y, temperature=t, **kwargs),
+                getattr(lm_head, "bias", None),
             ),
         )
 

@@ -1,0 +1,523 @@
+"""``FusedHead``: a backend resolved once from a ``FusedHeadConfig``, then called per step.
+
+A call arrives as a request (``fusedhead.request``), is checked into the backend's call
+(``validation``), passes the capability gate and, after the backend ran, the output contract
+(both in ``fusedhead.contract``), and leaves in the labels' shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+import torch
+
+from fusedhead import contract, policy, registry
+from fusedhead.config import FusedHeadConfig
+from fusedhead.contract import FusedHeadOutput
+from fusedhead.errors import (
+    BackendContractError,
+    BackendError,
+    BackendUnavailableError,
+    CapabilityError,
+)
+from fusedhead.graph import Slots, as_graph_constant, slot_numbers, tracing
+from fusedhead.hooks import plugin_manager
+from fusedhead.protocol import Capabilities, HeadOutput
+from fusedhead.request import CONFIGURED, HeadRequest, KLRequest, PolicyRequest
+from fusedhead.validation import (
+    _DEVICES,
+    Pending,
+    _device_entry,
+    dtype_name,
+    usable_device,
+    validate,
+    validate_kl,
+    with_outputs,
+)
+
+# Module constants for the per-call path (a global read, not a global and an attribute).
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
+_HeadOutput = HeadOutput
+_BASIC = contract.BASIC_OUTPUTS
+
+#: Device types with an autocast mode (``torch.is_autocast_enabled`` raises for others, e.g. meta).
+_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "xla", "mtia", "ipu"})
+
+
+@as_graph_constant
+def _prime_device(device: torch.device) -> None:
+    """Under ``torch.compile``, before ``validate`` reads its table of devices: the entry made
+    eagerly (a table the trace found without it would be guarded so, and the next call retrace)."""
+    if device not in _DEVICES:
+        _device_entry(device)
+
+
+class FusedHead:
+    """A backend resolved once from a ``FusedHeadConfig``, then called per step."""
+
+    def __init__(
+        self, config: FusedHeadConfig | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> None:
+        if config is None:  # keyword arguments: an error names the argument
+            config = FusedHeadConfig._from_arguments(**overrides)
+        elif isinstance(config, Mapping):
+            config = FusedHeadConfig.from_dict({**config, **overrides})
+        elif isinstance(config, FusedHeadConfig):
+            if overrides:
+                config = FusedHeadConfig.from_dict({**config.to_dict(), **overrides})
+        else:
+            raise TypeError(
+                f"config must be a FusedHeadConfig or a mapping, got {type(config).__name__}"
+            )
+        self.config = config
+        resolved = registry.resolve(config.backend, config.options, config._resolved)
+        self.distribution = resolved.entry.distribution
+        self.version = resolved.entry.version
+        self.options = resolved.options
+        self.backend = registry.construct_backend(resolved.cls, self.options, **self._identity())
+        self._caps: dict[tuple[torch.device, torch.dtype], tuple[Capabilities, frozenset[str]]] = {}
+        self._graph = Slots()  # _caps's entries for compiled graphs (see _prepare)
+        self._graph_names: dict[tuple[torch.device, torch.dtype], str] = {}
+        # (device, dtype, outputs) whose outputs' autograd graphs were seen to reach hidden and
+        # weight (contract.check_output, on the first eager call with gradients; later calls
+        # check that each output has a grad_fn).
+        self._attached: set[tuple[torch.device, torch.dtype, frozenset[str]]] = set()
+        # A device this process cannot use is refused here, where it is first used (the config
+        # itself only parses it: a config file travels between machines).
+        device = usable_device(config.device) if config.device else registry.default_device()
+        caps = self.capabilities(device)
+        self._check_required(caps, device)
+        plugin_manager().hook.fusedhead_backend_resolved(
+            name=config.backend,
+            distribution=self.distribution,
+            version=self.version,
+            options=self.options.model_dump(mode="json"),
+            capabilities=caps.model_dump(mode="json"),
+        )
+
+    @property
+    def name(self) -> str:
+        return self.config.backend
+
+    def __repr__(self) -> str:
+        return f"FusedHead(backend={self.name!r}, distribution={self.distribution!r}, version={self.version!r})"
+
+    def _identity(self) -> dict[str, str | None]:
+        return {"backend": self.name, "distribution": self.distribution, "version": self.version}
+
+    @contextmanager
+    def _identified(self, what: str | None = None) -> Iterator[None]:
+        """Errors from the backend carry its identity; with ``what``, other exceptions become
+        ``BackendContractError`` (a backend method that must only raise ``BackendError``)."""
+        try:
+            yield
+        except BackendError as exc:
+            raise exc.attach(**self._identity()) from None
+        except Exception as exc:
+            if what is None:
+                raise
+            raise BackendContractError(
+                f"{what} raised {type(exc).__name__}: {exc}",
+                hint="a backend's check() must raise fusedhead.errors.BackendUnavailableError with "
+                "the reason and the fix; report this to the backend's authors",
+                **self._identity(),
+            ) from exc
+
+    def _broke(self, reason: str) -> NoReturn:
+        contract.broke(reason, self._identity())
+
+    def capabilities(self, device: torch.device | str) -> Capabilities:
+        """The backend's capabilities on ``device`` (a plugin that breaks the contract there, by
+        raising or by returning something else, is a ``BackendContractError`` naming it)."""
+        caps: Capabilities = registry.backend_capabilities(
+            self.backend, torch.device(device), **self._identity()
+        )
+        return caps
+
+    def _check_required(self, caps: Capabilities, device: torch.device) -> None:
+        missing = [c for c in self.config.require if not getattr(caps, c, False)]
+        if missing:
+            raise CapabilityError(
+                f"does not declare the required capabilities {missing} on {device}",
+                capability=missing[0],
+                hint="fusedhead never picks another backend for you: choose one that declares "
+                "them, or drop the requirement",
+                **self._identity(),
+            )
+
+    def _ready(self, device: torch.device, dtype: torch.dtype) -> Capabilities:
+        """Capabilities on (device, dtype), after the backend's own check; cached per pair."""
+        return (self._caps.get((device, dtype)) or self._ready_entry(device, dtype))[0]
+
+    def _ready_entry(
+        self, device: torch.device, dtype: torch.dtype
+    ) -> tuple[Capabilities, frozenset[str]]:
+        """The first call on (device, dtype): the backend's check, then its capabilities there
+        (and their outputs as a set), cached for every later call on the pair."""
+        key = (device, dtype)
+        entry = self._caps.get(key)
+        if entry is None:
+            with self._identified("check()"):
+                # first: its message carries the reason and the fix
+                self.backend.check(device, dtype)
+            caps = self.capabilities(device)
+            if device.type not in caps.devices:
+                raise BackendUnavailableError(
+                    f"does not run on device type {device.type!r} (it declares {list(caps.devices)})",
+                    hint=f"move hidden and weight to one of {list(caps.devices)}, or name a backend "
+                    f"that runs on {device.type!r}",
+                    **self._identity(),
+                )
+            if dtype_name(dtype) not in caps.dtypes:
+                raise BackendUnavailableError(
+                    f"does not take {dtype} inputs (it declares {list(caps.dtypes)})",
+                    hint=f"cast hidden and weight to one of {list(caps.dtypes)}",
+                    **self._identity(),
+                )
+            self._check_required(caps, device)
+            entry = self._caps[key] = (caps, frozenset(caps.outputs))
+        return entry
+
+    @as_graph_constant
+    def _prepare(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Under ``torch.compile``: Dynamo runs this eagerly (the backend's check and capabilities
+        do not trace) and keeps the name of the attribute of ``_graph`` that holds the entry."""
+        key = (device, dtype)
+        name = self._graph_names.get(key)
+        if name is None:
+            entry = self._caps.get(key) or self._ready_entry(device, dtype)
+            name = self._graph_names[key] = f"ready{next(slot_numbers)}"
+            setattr(self._graph, name, entry)
+        return name
+
+    def _entry(
+        self, device: torch.device, dtype: torch.dtype, traced: bool
+    ) -> tuple[Capabilities, frozenset[str]]:
+        """``_ready_entry`` as a call reads it: from the graph's slot when Dynamo traces."""
+        if traced:  # the first call on the pair resolves while Dynamo traces, not in the graph
+            return getattr(self._graph, self._prepare(device, dtype))  # type: ignore[no-any-return]
+        return self._caps.get((device, dtype)) or self._ready_entry(device, dtype)
+
+    def request(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **options: Any
+    ) -> HeadRequest:
+        """A head call's request, options named as ``__call__`` names them; a configured one
+        (temperature, ignore_index, return_entropy, check_labels, softcap) left None takes the
+        config's value."""
+        cfg = self.config
+        for name in CONFIGURED:
+            if options.get(name) is None:
+                options[name] = getattr(cfg, name)
+        return HeadRequest(hidden, weight, labels, **options)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        temperature: float | torch.Tensor | None = None,
+        ignore_index: int | None = None,
+        return_entropy: bool | None = None,
+        process_group: Any = None,
+        vocab_start: int | None = None,
+        vocab_size: int | None = None,
+        reduce_hidden_grad: bool = True,
+        check_labels: bool | None = None,
+        softcap: float | None = None,
+        top_k: int | None = None,
+        gather_ids: torch.Tensor | None = None,
+        return_lse: bool = False,
+        return_sum_p2: bool = False,
+        return_argmax: bool = False,
+    ) -> FusedHeadOutput:
+        """Log-probs and entropy of ``labels`` (as ``fused_head``), None arguments taking the config's."""
+        cfg = self.config
+        return self.run(
+            HeadRequest(
+                hidden,
+                weight,
+                labels,
+                temperature=cfg.temperature if temperature is None else temperature,
+                ignore_index=cfg.ignore_index if ignore_index is None else ignore_index,
+                return_entropy=cfg.return_entropy if return_entropy is None else return_entropy,
+                process_group=process_group,
+                vocab_start=vocab_start,
+                vocab_size=vocab_size,
+                reduce_hidden_grad=reduce_hidden_grad,
+                check_labels=cfg.check_labels if check_labels is None else check_labels,
+                softcap=cfg.softcap if softcap is None else softcap,
+                top_k=top_k,
+                gather_ids=gather_ids,
+                return_lse=return_lse,
+                return_sum_p2=return_sum_p2,
+                return_argmax=return_argmax,
+            )
+        )
+
+    def run(self, req: HeadRequest) -> FusedHeadOutput:
+        """One head call: the request checked into the backend's call, gated, run, its output
+        checked and shaped. The per-step path, kept to few tensor reads."""
+        # The request's fields, read once (one unpacking: the per-step path's cheapest read).
+        (
+            hidden,
+            weight,
+            labels,
+            temperature,
+            ignore_index,
+            return_entropy,
+            process_group,
+            vocab_start,
+            vocab_size,
+            reduce_hidden_grad,
+            check,
+            softcap,
+            top_k,
+            gather_ids,
+            lse,
+            sum_p2,
+            argmax,
+        ) = req
+        traced = tracing()
+        if traced and isinstance(hidden, _Tensor):
+            _prime_device(hidden.device)
+        # The value checks' one host read (eager checked calls; on CUDA after forward has queued
+        # the head's kernels, elsewhere before it): a traced call checks through the graph's
+        # ops, an unchecked one (check_labels=False) reads nothing, a temperature tensor included.
+        pending = Pending() if check is True and not traced else None
+        call, shape, n, device, dtype, cast = validate(
+            hidden,
+            weight,
+            labels,
+            temperature,
+            ignore_index,
+            return_entropy,
+            process_group,
+            vocab_start,
+            vocab_size,
+            reduce_hidden_grad,
+            check,
+            softcap,
+            pending,
+        )
+        basic = (
+            top_k is None
+            and gather_ids is None
+            and lse is False
+            and sum_p2 is False
+            and argmax is False
+        )
+        if not basic:
+            shape = tuple(shape)  # a torch.Size from validate: messages show it as a tuple
+            call = with_outputs(
+                call,
+                shape,
+                top_k=top_k,
+                gather_ids=gather_ids,
+                return_lse=lse,
+                return_sum_p2=sum_p2,
+                return_argmax=argmax,
+                check_labels=check,
+                pending=pending,
+            )
+            basic = call.outputs <= _BASIC
+        caps, outputs = (
+            self._entry(device, dtype, True)
+            if traced
+            else self._caps.get((device, dtype)) or self._ready_entry(device, dtype)
+        )
+        if not (
+            basic
+            and call.temperature.__class__ is float
+            and call.temperature >= caps.min_temperature  # type: ignore[operator]
+            and call.softcap is None
+            and call.process_group is None
+            and call.outputs <= outputs
+        ):  # anything beyond a plain call: the full gate (a plain one passes it by construction)
+            call = contract.gate_head(
+                call, caps, self._identity(), pending, traced and check is True
+            )
+        if not n:
+            return contract.empty_output(call, shape)
+        if pending is not None:
+            pending.send()
+        try:
+            if cast is None:
+                out = self.backend.forward(call)
+            else:
+                with torch.autocast(cast, enabled=False):
+                    out = self.backend.forward(call)
+        except BackendError as exc:
+            if pending is not None:
+                pending.settle()  # a failed check is the cause to name, not what it broke
+            raise exc.attach(**self._identity()) from None
+        except Exception:
+            if pending is not None:
+                pending.settle()
+            raise
+        if pending is not None:
+            pending.settle()
+        h = call.hidden
+        needs_grad = (h.requires_grad or call.weight.requires_grad) and _grad_enabled()
+        # Eager: an output must have a graph (grad_fn; requires_grad alone can be a detached
+        # leaf), and the first call per (device, dtype, outputs) walks it (check_output).
+        graph = needs_grad and not traced
+        walk = graph and (device, h.dtype, call.outputs) not in self._attached
+        if (
+            walk or not contract.output_ok(call, out, n, device, needs_grad, graph, basic)
+        ) and contract.check_output(call, out, graph, self._identity(), walk):
+            self._attached.add((device, h.dtype, call.outputs))
+        if not basic:
+            return contract.shaped_output(call, out, tuple(shape))
+        lp, ent = out.log_probs, out.entropy
+        if len(shape) != 1:  # [N] outputs in the labels' shape (an [N] output is that already)
+            lp = contract.shaped(lp, shape)
+            ent = None if ent is None else contract.shaped(ent, shape)
+        return tuple.__new__(FusedHeadOutput, (lp, ent))  # type: ignore[no-any-return]
+
+    def kl(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        teacher_hidden: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        direction: str = "forward",
+        temperature: float | torch.Tensor | None = None,
+        teacher_temperature: float | torch.Tensor = 1.0,
+        ignore_index: int | None = None,
+        softcap: float | None = None,
+        teacher_softcap: float | None = None,
+        check_labels: bool | None = None,
+    ) -> torch.Tensor:
+        """Per-token fp32 KL between the student and the teacher head (see ``fused_kl``).
+
+        The config describes the student's head: its ``temperature``, ``softcap``,
+        ``ignore_index`` and ``check_labels`` apply where the call passes none, as in a head
+        call; the teacher's temperature is 1.0 and its softcap none unless passed.
+        ``check_labels`` also decides whether per-token temperatures' values are read and
+        checked, as in a head call."""
+        cfg = self.config
+        return self.run_kl(
+            KLRequest(
+                hidden,
+                weight,
+                teacher_hidden,
+                teacher_weight,
+                labels,
+                direction=direction,
+                temperature=cfg.temperature if temperature is None else temperature,
+                teacher_temperature=teacher_temperature,
+                ignore_index=cfg.ignore_index if ignore_index is None else ignore_index,
+                softcap=cfg.softcap if softcap is None else softcap,
+                teacher_softcap=teacher_softcap,
+                check_labels=cfg.check_labels if check_labels is None else check_labels,
+            )
+        )
+
+    def run_kl(self, req: KLRequest) -> torch.Tensor:
+        """One KL call: checked, gated as a head call is, run, its output checked and shaped."""
+        call, shape = validate_kl(
+            req.hidden,
+            req.weight,
+            req.teacher_hidden,
+            req.teacher_weight,
+            req.labels,
+            temperature=req.temperature,
+            teacher_temperature=req.teacher_temperature,
+            ignore_index=req.ignore_index,
+            direction=req.direction,
+            softcap=req.softcap,
+            teacher_softcap=req.teacher_softcap,
+            check=req.check_labels,
+        )
+        traced = tracing()
+        check = req.check_labels is True
+        floor_read = Pending() if check and not traced else None
+        caps = self._entry(call.hidden.device, call.hidden.dtype, traced)[0]
+        call = contract.gate_kl(call, caps, self._identity(), floor_read, traced and check)
+        if floor_read is not None:
+            floor_read.send()
+            floor_read.settle()
+        if call.valid.numel() == 0:
+            zero = call.hidden.sum(-1).float() * 0 + call.weight.sum().float() * 0
+            return contract.shaped(zero, shape)
+        method = getattr(self.backend, "kl", None)
+        if not callable(method):
+            self._broke("declares kl_directions but has no kl(call) method")
+        dev = call.hidden.device.type
+        try:
+            if dev in _AUTOCAST_DEVICES and torch.is_autocast_enabled(dev):
+                with torch.autocast(dev, enabled=False):
+                    out = method(call)
+            else:
+                out = method(call)
+        except BackendError as exc:
+            raise exc.attach(**self._identity()) from None
+        needs_grad = torch.is_grad_enabled() and (
+            call.hidden.requires_grad or call.weight.requires_grad
+        )
+        contract.check_kl(out, call, needs_grad, not traced, self._identity())
+        return contract.shaped(out.kl, shape)
+
+    def policy_loss(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        temperature: float | torch.Tensor | None = None,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        dual_clip: float | None = None,
+        entropy_coef: float = 0.0,
+        ref_log_probs: torch.Tensor | None = None,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        rollout_log_probs: torch.Tensor | None = None,
+        tis_cap: float | None = None,
+        aggregation: str = "token-mean",
+        loss_normalizer: float | torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        ignore_index: int | None = None,
+        softcap: float | None = None,
+    ) -> policy.PolicyLossOutput:
+        """The policy loss with its gradients computed in the forward (see ``fused_policy_loss``);
+        the config's ``temperature``, ``ignore_index``, ``softcap`` and ``check_labels`` apply
+        where the call passes none."""
+        cfg = self.config
+        return self.run_policy_loss(
+            PolicyRequest(
+                hidden,
+                weight,
+                labels,
+                old_log_probs=old_log_probs,
+                advantages=advantages,
+                temperature=cfg.temperature if temperature is None else temperature,
+                clip_low=clip_low,
+                clip_high=clip_high,
+                dual_clip=dual_clip,
+                entropy_coef=entropy_coef,
+                ref_log_probs=ref_log_probs,
+                kl_coef=kl_coef,
+                kl_estimator=kl_estimator,
+                rollout_log_probs=rollout_log_probs,
+                tis_cap=tis_cap,
+                aggregation=aggregation,
+                loss_normalizer=loss_normalizer,
+                cu_seqlens=cu_seqlens,
+                ignore_index=cfg.ignore_index if ignore_index is None else ignore_index,
+                softcap=cfg.softcap if softcap is None else softcap,
+                check_labels=cfg.check_labels,
+            )
+        )
+
+    def run_policy_loss(self, req: PolicyRequest) -> policy.PolicyLossOutput:
+        """One policy-loss call (``policy.run``: checked, gated, run, the loss formed)."""
+        return policy.run(self, req)

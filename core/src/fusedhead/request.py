@@ -1,0 +1,85 @@
+"""One call as the caller asked it: the request object every public entry point builds once.
+
+``fused_head``, ``FusedHead.__call__``, ``FusedLMHead.forward`` and ``lm_head_logprobs`` build a
+``HeadRequest``; ``fused_kl`` and ``FusedHead.kl`` a ``KLRequest``; ``fused_policy_loss`` and
+``FusedHead.policy_loss`` a ``PolicyRequest``. A request holds the arguments as given, with the
+head's configured defaults already resolved (``FusedHead.request`` does that); the head checks it
+and makes the backend's call (``HeadCall``, ``KLCall``, ``PolicyLossCall``) from it once. Each is
+an immutable NamedTuple: cheap to build on every step, and Dynamo traces it as plain values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+
+class HeadRequest(NamedTuple):
+    """A head call: log-probs of ``labels`` and entropy of ``hidden @ weight.T / temperature``,
+    plus the further outputs asked for (docs/design.md states each argument's contract)."""
+
+    hidden: Any
+    weight: Any
+    labels: Any
+    temperature: float | torch.Tensor = 1.0
+    ignore_index: int = -100
+    return_entropy: bool = True
+    process_group: Any = None
+    vocab_start: int | None = None
+    vocab_size: int | None = None
+    reduce_hidden_grad: bool = True
+    check_labels: bool = True
+    softcap: float | None = None
+    top_k: int | None = None
+    gather_ids: torch.Tensor | None = None
+    return_lse: bool = False
+    return_sum_p2: bool = False
+    return_argmax: bool = False
+
+
+#: The fields of a ``HeadRequest`` that a head's configuration defaults (None: take the config's).
+CONFIGURED = ("temperature", "ignore_index", "return_entropy", "check_labels", "softcap")
+
+
+class KLRequest(NamedTuple):
+    """A two-head KL call (``fused_kl``): the student (``hidden``, ``weight``) and the teacher."""
+
+    hidden: Any
+    weight: Any
+    teacher_hidden: Any
+    teacher_weight: Any
+    labels: Any = None
+    direction: str = "forward"
+    temperature: float | torch.Tensor = 1.0
+    teacher_temperature: float | torch.Tensor = 1.0
+    ignore_index: int = -100
+    softcap: float | None = None
+    teacher_softcap: float | None = None
+    check_labels: bool = True
+
+
+class PolicyRequest(NamedTuple):
+    """A policy-loss call (``fused_policy_loss``): the head's arguments and the loss's."""
+
+    hidden: Any
+    weight: Any
+    labels: Any
+    old_log_probs: Any
+    advantages: Any
+    temperature: float | torch.Tensor = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    entropy_coef: float = 0.0
+    ref_log_probs: torch.Tensor | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    rollout_log_probs: torch.Tensor | None = None
+    tis_cap: float | None = None
+    aggregation: str = "token-mean"
+    loss_normalizer: float | torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    ignore_index: int = -100
+    softcap: float | None = None
+    check_labels: bool = True
