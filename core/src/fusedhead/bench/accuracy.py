@@ -8,13 +8,13 @@ and max abs ``max |a - b|``, which catches a single bad row that the norm hides.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fusedhead.bench.cases import IGNORE_INDEX, Case, Inputs
+from fusedhead.bench.metrics import error, reference_dtype
 from fusedhead.reference import reference_fused_head
 
 OUTPUTS = ("log_probs", "entropy", "grad_hidden", "grad_weight")
@@ -39,11 +39,6 @@ class Reference:
         if self.grad_hidden_lp is None or self.grad_weight_lp is None:
             raise ValueError("reference computed without the log-prob-only gradients")
         return self.grad_hidden_lp, self.grad_weight_lp
-
-
-def reference_dtype(device: torch.device) -> torch.dtype:
-    """float64 on the CPU; fp32 on a GPU (float64 GEMMs of the GPU shapes would dominate the run)."""
-    return torch.float64 if device.type == "cpu" else torch.float32
 
 
 def _block_rows(vocab: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -97,19 +92,6 @@ def compute_reference(
             dw += gw
         del lp, ent, h
     return Reference(dtype, lp_out, ent_out, dh, dw, dh_lp, dw_lp)
-
-
-def error(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
-    """Relative L2 and max abs error of ``a`` against ``b`` (NaN anywhere gives NaN)."""
-    a = a.detach().to(b.dtype)
-    diff = (a - b).to(torch.float64)
-    denom = float(torch.linalg.vector_norm(b.to(torch.float64)))
-    num = float(torch.linalg.vector_norm(diff))
-    rel = num / denom if denom > 0 else (0.0 if num == 0 else math.inf)
-    max_abs = float(diff.abs().max()) if diff.numel() else 0.0
-    if bool(torch.isnan(a).any()):
-        rel = max_abs = math.nan
-    return {"rel": rel, "max_abs": max_abs}
 
 
 def compare(

@@ -8,6 +8,8 @@ gradient); forward + backward as training, with gradients accumulated into alloc
 from __future__ import annotations
 
 import gc
+import json
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -114,3 +116,49 @@ def measure(
     del h, w, step
     gc.collect()
     return out
+
+
+def _child(payload: str) -> int:
+    """Subprocess body: inputs with allocated ``.grad``, then one measured forward + backward."""
+    from fusedhead.bench import peers
+    from fusedhead.bench.cases import Case, make_inputs
+
+    data = json.loads(payload)
+    case = Case.from_dict(data["case"])
+    impl = peers.resolve(data["impl"])
+    reason = impl.availability(case)
+    if reason:
+        raise SystemExit(f"{impl.name} cannot run on {case.label()}: {reason}")
+    inputs = make_inputs(case)
+    h = inputs.hidden.detach().requires_grad_(True)
+    w = inputs.weight.detach().requires_grad_(True)
+    h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)  # "already-allocated gradients"
+    fn = impl.build(case)
+    _warm_up(fn, inputs)
+    if case.head == policy.NAME:  # the batch's RL terms are inputs, made before the step
+        policy.terms(case, inputs.hidden, inputs.weight, inputs.labels)
+    step = make_step(fn, h, w, inputs)
+    extra = memory.cpu_peak_extra_bytes(step)
+    print(json.dumps({"peak_extra_bytes": extra}))
+    return 0
+
+
+def _warm_up(fn: Callable[..., Any], inputs: Any) -> None:
+    """One step on a few rows (separate leaves): thread pools and lazy state, not the case's size."""
+    k = min(64, inputs.hidden.shape[0])
+    small = Inputs(
+        inputs.hidden[:k].clone(),
+        inputs.weight,
+        inputs.labels[:k].clone(),
+        inputs.grad_log_probs[:k].clone(),
+        inputs.grad_entropy[:k].clone(),
+    )
+    h = small.hidden.detach().requires_grad_(True)
+    w = inputs.weight.detach().requires_grad_(True)
+    make_step(fn, h, w, small)()
+    del h, w, small
+    gc.collect()
+
+
+if __name__ == "__main__":
+    raise SystemExit(_child(sys.argv[1]))

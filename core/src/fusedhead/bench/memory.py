@@ -68,7 +68,7 @@ def measure_in_subprocess(case: dict[str, Any], spec: str, *, timeout: float | N
     env = {**os.environ, **MALLOC_ENV}
     payload = json.dumps({"case": case, "impl": spec})
     proc = subprocess.run(
-        [sys.executable, "-m", "fusedhead.bench.memory", payload],
+        [sys.executable, "-m", "fusedhead.bench.measure", payload],
         capture_output=True,
         text=True,
         env=env,
@@ -82,53 +82,3 @@ def measure_in_subprocess(case: dict[str, Any], spec: str, *, timeout: float | N
         )
     last = proc.stdout.strip().splitlines()[-1]
     return int(json.loads(last)["peak_extra_bytes"])
-
-
-def _child(payload: str) -> int:
-    """Subprocess body: inputs with allocated ``.grad``, then one measured forward + backward."""
-    from fusedhead.bench import peers, policy
-    from fusedhead.bench.cases import Case, make_inputs
-    from fusedhead.bench.measure import make_step
-
-    data = json.loads(payload)
-    case = Case.from_dict(data["case"])
-    impl = peers.resolve(data["impl"])
-    reason = impl.availability(case)
-    if reason:
-        raise SystemExit(f"{impl.name} cannot run on {case.label()}: {reason}")
-    inputs = make_inputs(case)
-    h = inputs.hidden.detach().requires_grad_(True)
-    w = inputs.weight.detach().requires_grad_(True)
-    h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)  # "already-allocated gradients"
-    fn = impl.build(case)
-    _warm_up(fn, inputs)
-    if case.head == policy.NAME:  # the batch's RL terms are inputs, made before the step
-        policy.terms(case, inputs.hidden, inputs.weight, inputs.labels)
-    step = make_step(fn, h, w, inputs)
-    extra = cpu_peak_extra_bytes(step)
-    print(json.dumps({"peak_extra_bytes": extra}))
-    return 0
-
-
-def _warm_up(fn: Callable[..., Any], inputs: Any) -> None:
-    """One step on a few rows (separate leaves): thread pools and lazy state, not the case's size."""
-    from fusedhead.bench.cases import Inputs
-    from fusedhead.bench.measure import make_step
-
-    k = min(64, inputs.hidden.shape[0])
-    small = Inputs(
-        inputs.hidden[:k].clone(),
-        inputs.weight,
-        inputs.labels[:k].clone(),
-        inputs.grad_log_probs[:k].clone(),
-        inputs.grad_entropy[:k].clone(),
-    )
-    h = small.hidden.detach().requires_grad_(True)
-    w = inputs.weight.detach().requires_grad_(True)
-    make_step(fn, h, w, small)()
-    del h, w, small
-    gc.collect()
-
-
-if __name__ == "__main__":
-    raise SystemExit(_child(sys.argv[1]))

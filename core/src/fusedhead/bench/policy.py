@@ -153,7 +153,7 @@ class Reference:
 
 def compute_reference(case: Any, inputs: Any, dtype: torch.dtype | None = None) -> Reference:
     """``reference_policy_loss`` over row blocks (token-mean over the whole batch's count)."""
-    from fusedhead.bench.accuracy import reference_dtype
+    from fusedhead.bench.metrics import reference_dtype
 
     device = inputs.hidden.device
     dtype = dtype or reference_dtype(device)
@@ -196,7 +196,7 @@ def compare(
     grad_weight: torch.Tensor | None,
 ) -> dict[str, Any]:
     """Errors of the loss (abs and relative) and of both gradients (relative L2, max abs)."""
-    from fusedhead.bench.accuracy import error
+    from fusedhead.bench.metrics import error
 
     got, want = float(loss.detach()), float(ref.loss)
     diff = abs(got - want)
