@@ -73,7 +73,7 @@ def test_options_a_kernel_cannot_take_are_refused_by_name(
 def test_one_memory_choice_and_tile_overrides() -> None:
     """Every option is the memory-or-speed choice or a tuning override."""
     assert set(TritonOptions.model_fields) == {
-        "memory", "backward_block_mib", "block_m", "block_n", "block_k", "tma",
+        "memory", "backward_block_mib", "block_m", "block_n", "block_k", "tma", "policy_chunk_rows",
     }  # fmt: skip
 
 
