@@ -294,9 +294,15 @@ class TritonBackend:
 
     def policy_loss(self, call: PolicyLossCall) -> PolicyLossResult:
         """The policy loss's statistics and gradients: three GEMMs per row chunk."""
+        from .launch import MAX_GRID_VOCAB
         from .policy import chunk_rows, policy_loss
 
         h, w = call.head.hidden, call.head.weight
+        if w.shape[0] >= MAX_GRID_VOCAB:  # the statistics go through the head's exact combine
+            raise ValueError(
+                f"weight: the triton backend's exact (fixed-point) combine of the vocabulary "
+                f"tiles takes vocabularies below {MAX_GRID_VOCAB} rows, got {w.shape[0]}"
+            )
         rows = chunk_rows(
             h.shape[0], w.shape[0], h.dtype, POLICY_BUFFER_BYTES[self.options.memory],
             self.options.policy_chunk_rows,
