@@ -43,6 +43,7 @@ CORE_UNDECLARED = {
     "torch": "installed first, the build the user wants (README: torch first)",
     "triton": "fusedhead bench's CUDA timer; comes with a CUDA torch or fusedhead[triton]",
     "packaging": "the TRL integration only; transformers requires it",
+    "accelerate": "the TRL integration's fused loss only (TRL's own gather); TRL requires it",
     "omegaconf": "FusedHeadConfig.from_omegaconf takes the user's own OmegaConf object",
     "verl": "an integration of the trainer the user runs",
     "veomni": "an integration of the trainer the user runs",
