@@ -20,7 +20,8 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from fusedhead import fused_head, registry
+from fusedhead import diagnostics, fused_head, registry
+from fusedhead.diagnostics import Status
 from fusedhead.errors import (
     BackendConflictError,
     BackendContractError,
@@ -32,7 +33,6 @@ from fusedhead.errors import (
 )
 from fusedhead.hooks import HookPluginWarning
 from fusedhead.protocol import Capabilities, HeadCall, HeadOutput, NoOptions
-from fusedhead.registry import Status
 
 
 @pytest.fixture
@@ -42,8 +42,8 @@ def with_faults(fault_site: Path, site_on_path: Callable[[Path], Path]) -> Itera
         yield site_on_path(fault_site)
 
 
-def rows(**kw: Any) -> dict[tuple[str, str | None], registry.BackendListing]:
-    return {(r.name, r.distribution): r for r in registry.listing(**kw)}
+def rows(**kw: Any) -> dict[tuple[str, str | None], diagnostics.BackendListing]:
+    return {(r.name, r.distribution): r for r in diagnostics.listing(**kw)}
 
 
 # --- plugin faults -----------------------------------------------------------------------------

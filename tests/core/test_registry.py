@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fusedhead import registry
+from fusedhead import diagnostics, install_hints, registry
+from fusedhead.diagnostics import Status
 from fusedhead.errors import (
     BackendConflictError,
     BackendLoadError,
@@ -18,13 +19,12 @@ from fusedhead.errors import (
     MissingDependencyError,
     UnknownBackendError,
 )
-from fusedhead.registry import Status
 
 FIXTURES = {"good", "broken", "missing", "incompatible", "dup"}
 
 
 def rows_by_name(**kw):
-    return {r.name: r for r in registry.listing(**kw) if r.name in FIXTURES}
+    return {r.name: r for r in diagnostics.listing(**kw) if r.name in FIXTURES}
 
 
 def test_listing_reads_metadata_and_imports_nothing(with_fixture_dists):
@@ -39,7 +39,7 @@ def test_listing_reads_metadata_and_imports_nothing(with_fixture_dists):
 
 
 def test_two_distributions_claiming_a_name_are_both_listed_as_conflict(with_fixture_dists):
-    dups = [r for r in registry.listing() if r.name == "dup"]
+    dups = [r for r in diagnostics.listing() if r.name == "dup"]
     assert {r.distribution for r in dups} == {"fh-fixture-dup-a", "fh-fixture-dup-b"}
     assert all(r.status is Status.CONFLICT for r in dups)
 
@@ -106,7 +106,7 @@ def test_unknown_first_party_name_says_how_to_install_it(with_fixture_dists, mon
     _not_installed(monkeypatch, "liger")
     with pytest.raises(UnknownBackendError) as info:
         registry.load_class("liger")
-    assert registry.install_command("liger") in str(info.value)
+    assert install_hints.install_command("liger") in str(info.value)
     assert "fusedhead-liger" in str(info.value)
     assert "FUSEDHEAD_BACKENDS" in str(info.value)
 
@@ -131,12 +131,12 @@ def test_uninstalled_first_party_backend_gets_a_pip_command_that_works_before_py
     The advice is a folder of this clone holding the distribution, or --find-links with the
     wheels; an install from this clone (the dev venv: editable) names this clone's folder.
     """
-    assert registry.ON_PYPI is False
+    assert install_hints.ON_PYPI is False
     monkeypatch.setenv("FUSEDHEAD_BACKENDS", "good")
     _not_installed(monkeypatch, name)
     dist = registry.RESERVED_NAMES[name]
     for root in (str(REPO), None):  # installed from this clone; from wheels (no clone known)
-        monkeypatch.setattr(registry, "_source_checkout", lambda root=root: root)
+        monkeypatch.setattr(install_hints, "source_checkout", lambda root=root: root)
         with pytest.raises(UnknownBackendError) as info:
             registry.load_class(name)
         msg = str(info.value)
@@ -153,22 +153,22 @@ def test_uninstalled_first_party_backend_gets_a_pip_command_that_works_before_py
                 assert folder.is_absolute() and str(folder).startswith(str(REPO)), msg
         with pytest.raises(UnknownBackendError) as close:
             registry.load_class(name[:-1] + "x")  # a near miss: "Did you mean ..."
-        assert registry.install_command(name) in str(close.value)
+        assert install_hints.install_command(name) in str(close.value)
 
 
 def test_once_on_pypi_the_advice_is_the_extra(monkeypatch):
-    monkeypatch.setattr(registry, "ON_PYPI", True)
-    assert registry.install_command("triton") == "pip install 'fusedhead[triton]'"
+    monkeypatch.setattr(install_hints, "ON_PYPI", True)
+    assert install_hints.install_command("triton") == "pip install 'fusedhead[triton]'"
 
 
 def test_source_checkout_is_the_clone_of_an_install_from_source():
     # The dev venv installs ./core editable (scripts/setup.sh): direct_url.json names this clone.
-    assert registry._source_checkout() == str(REPO)
+    assert install_hints.source_checkout() == str(REPO)
 
 
 def test_environment_limits_discovery(with_fixture_dists, monkeypatch):
     monkeypatch.setenv("FUSEDHEAD_BACKENDS", "good,broken")
-    assert {r.name for r in registry.listing()} == {"good", "broken"}
+    assert {r.name for r in diagnostics.listing()} == {"good", "broken"}
     with pytest.raises(UnknownBackendError):
         registry.load_class("incompatible")
 
@@ -179,7 +179,7 @@ def test_same_distribution_twice_on_path_is_no_conflict(
     install_fixture_dist(tmp_path, "good")
     monkeypatch.syspath_prepend(str(tmp_path))
     registry.refresh()
-    goods = [r for r in registry.listing() if r.name == "good"]
+    goods = [r for r in diagnostics.listing() if r.name == "good"]
     assert len(goods) == 1 and goods[0].status is Status.INSTALLED
     assert registry.load_class("good").name == "good"
 
@@ -207,7 +207,7 @@ def test_in_process_registration_follows_the_same_rules(with_fixture_dists, ref_
     with pytest.raises(ValueError, match="class attribute"):
         registry.register_backend("other", ref_backend)
     assert registry.load_class("ref-test") is ref_backend
-    row = next(r for r in registry.listing() if r.name == "ref-test")
+    row = next(r for r in diagnostics.listing() if r.name == "ref-test")
     assert row.distribution is None and row.status is Status.INSTALLED
 
 
@@ -317,14 +317,16 @@ def test_installed_entry_points_ignore_the_allowlist_and_in_process_names(
 
 def test_probe_backend_gives_the_status_and_reason_without_raising(with_fixture_dists):
     cands = {c.name: c for c in registry.installed_entry_points()}
-    assert registry.probe_backend(cands["good"], "cpu") == (Status.OK, None)
-    status, reason = registry.probe_backend(cands["broken"])
+    assert diagnostics.probe_backend(cands["good"], "cpu") == (Status.OK, None)
+    status, reason = diagnostics.probe_backend(cands["broken"])
     assert status is Status.BROKEN and "fails on import on purpose" in (reason or "")
-    assert registry.probe_backend(cands["incompatible"], "cpu")[0] is Status.INCOMPATIBLE
-    assert registry.probe_backend(cands["missing"], "cpu")[0] is Status.BROKEN
+    assert diagnostics.probe_backend(cands["incompatible"], "cpu")[0] is Status.INCOMPATIBLE
+    assert diagnostics.probe_backend(cands["missing"], "cpu")[0] is Status.BROKEN
     rows = rows_by_name(probe=True, device="cpu")
     for name in ("good", "broken", "incompatible", "missing"):
-        assert (rows[name].status, rows[name].reason) == registry.probe_backend(cands[name], "cpu")
+        assert (rows[name].status, rows[name].reason) == diagnostics.probe_backend(
+            cands[name], "cpu"
+        )
 
 
 def test_an_installed_backend_hidden_by_the_limit_is_named_as_hidden_not_missing(
@@ -343,7 +345,7 @@ def test_an_installed_backend_hidden_by_the_limit_is_named_as_hidden_not_missing
 def test_an_unknown_name_lists_the_first_party_backends_as_they_install_before_pypi(
     with_fixture_dists,
 ):
-    assert registry.ON_PYPI is False
+    assert install_hints.ON_PYPI is False
     with pytest.raises(UnknownBackendError) as info:
         registry.load_class("my-backend")
     msg = str(info.value)

@@ -96,15 +96,15 @@ def test_doc_block_runs(path: Path, code: str, mark: str, tmp_path: Path) -> Non
 
 def test_install_advice_matches_whether_fusedhead_is_on_pypi() -> None:
     """The errors advise `pip install 'fusedhead[NAME]'` only once the README says it is on PyPI."""
-    from fusedhead import registry
+    from fusedhead import install_hints
 
     not_yet = "There is no release on PyPI yet" in (ROOT / "README.md").read_text()
-    assert registry.ON_PYPI is not not_yet, (
-        "README.md and registry.ON_PYPI disagree on whether fusedhead is on PyPI "
+    assert install_hints.ON_PYPI is not not_yet, (
+        "README.md and install_hints.ON_PYPI disagree on whether fusedhead is on PyPI "
         "(docs/releasing.md, step 6, changes both)"
     )
-    advice = registry.install_command("triton")
-    assert (advice == "pip install 'fusedhead[triton]'") is registry.ON_PYPI, advice
+    advice = install_hints.install_command("triton")
+    assert (advice == "pip install 'fusedhead[triton]'") is install_hints.ON_PYPI, advice
 
 
 #: The four published distributions' projects; each one's README is its page on PyPI.

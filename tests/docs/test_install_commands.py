@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fusedhead import registry
+from fusedhead import install_hints
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The pages a user reads; docs/releasing.md describes the release itself and is left out.
@@ -68,7 +68,7 @@ def test_the_checker_catches_a_bare_backend_install() -> None:
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_page_advises_a_backend_extra_that_pypi_lacks(page: Path) -> None:
-    if registry.ON_PYPI:
+    if install_hints.ON_PYPI:
         pytest.skip("fusedhead is on PyPI: the extras install from there")
     bare = bare_backend_installs(page.read_text())
     assert not bare, (

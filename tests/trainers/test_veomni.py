@@ -54,9 +54,9 @@ def _compare(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> 
 def test_install_registers_a_kernel_per_installed_backend() -> None:
     from veomni.ops.kernel_registry import KERNEL_REGISTRY
 
-    from fusedhead import registry
+    from fusedhead import diagnostics
 
-    names = {row.name for row in registry.listing()}
+    names = {row.name for row in diagnostics.listing()}
     for variant in ("causal", "seq_cls"):
         available = set(KERNEL_REGISTRY.list_available("cross_entropy_loss", variant))
         assert {f"fusedhead:{n}" for n in names} <= available, variant

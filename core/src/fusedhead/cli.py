@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from fusedhead import registry
+from fusedhead import diagnostics, install_hints, registry
 from fusedhead.errors import BackendError
 
 #: Sub-commands implemented elsewhere: module with ``add_arguments(parser)`` and ``run(args) -> int``.
@@ -185,7 +185,7 @@ def version_text() -> str:
         lines.append(f"{dist} {version} (backend {', '.join(names)})")
     if not dists:
         lines.append(
-            f"(no backend distributions installed; the portable one: {registry.install_command('torch')})"
+            f"(no backend distributions installed; the portable one: {install_hints.install_command('torch')})"
         )
     lines.append(f"python {sys.version.split()[0]}")
     return "\n".join(lines)
@@ -231,7 +231,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     # A device this process cannot use is refused, as `fusedhead check` refuses it: a probe
     # there would report a backend that does not test for CUDA itself as ok.
     device = runnable_device(args.device) if args.check and args.device is not None else args.device
-    rows = registry.listing(probe=args.check, device=device)
+    rows = diagnostics.listing(probe=args.check, device=device)
     note = _limit_note({r.name for r in rows})
     if args.json:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
@@ -257,8 +257,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
         if note:
             print(f"({note})" if len(table) > 1 else f"no backends shown: {note}")
         elif len(table) == 1:
-            print("no backends installed; the portable one: " + registry.install_command("torch"))
-    bad = {registry.Status.BROKEN, registry.Status.INCOMPATIBLE, registry.Status.CONFLICT}
+            print(
+                "no backends installed; the portable one: " + install_hints.install_command("torch")
+            )
+    bad = {diagnostics.Status.BROKEN, diagnostics.Status.INCOMPATIBLE, diagnostics.Status.CONFLICT}
     return 1 if args.check and any(r.status in bad for r in rows) else 0
 
 
@@ -299,7 +301,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     out["device"] = str(device)
     out["capabilities"] = caps.model_dump(mode="json")
     out["options_schema"] = schema
-    status, reason = registry.probe_backend(cand, device)
+    status, reason = diagnostics.probe_backend(cand, device)
     out["status"] = status.value
     if reason:
         out["reason"] = reason
@@ -336,7 +338,7 @@ def _per_device(
         }
         if differs:
             row["differs"] = differs
-        status, reason = registry.probe_backend(cand, device)
+        status, reason = diagnostics.probe_backend(cand, device)
         row["status"] = status.value
         if reason:
             row["reason"] = reason

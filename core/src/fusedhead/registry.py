@@ -13,16 +13,13 @@ import importlib
 import importlib.metadata as md
 import importlib.util
 import inspect
-import json
 import os
 import re
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, NamedTuple
 
+from fusedhead import install_hints
 from fusedhead import options as _options
 from fusedhead.errors import (
     BackendConflictError,
@@ -39,39 +36,12 @@ ENTRY_POINT_GROUP = "fusedhead.backends"
 NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
 #: Environment variable limiting discovery to a comma-separated list of names.
 LIMIT_ENV = "FUSEDHEAD_BACKENDS"
-#: First-party backends and the extra that installs each.
-FIRST_PARTY_EXTRAS = {
-    "torch": "fusedhead[torch]",
-    "triton": "fusedhead[triton]",
-    "liger": "fusedhead[liger]",
-}
-#: Where each first-party backend's project lives in a clone of the repository.
-FIRST_PARTY_SOURCES = {
-    "torch": "plugins/torch_backend",
-    "triton": "plugins/triton_backend",
-    "liger": "plugins/liger_backend",
-}
-#: Whether the first-party distributions are published on PyPI. Until they are, a bare
-#: ``pip install 'fusedhead[triton]'`` finds no fusedhead-triton, so :func:`install_command`
-#: names what works from a clone instead; docs/releasing.md (step 6) sets it after the first upload.
-ON_PYPI = False
 #: Reserved names: each may only come from the project's own distribution (normalized name).
 RESERVED_NAMES = {
     "torch": "fusedhead-torch",
     "triton": "fusedhead-triton",
     "liger": "fusedhead-liger",
 }
-
-
-class Status(str, Enum):
-    """Where a backend stands; only ``ok`` and ``installed`` can be selected."""
-
-    INSTALLED = "installed"  # found in metadata, not imported
-    OK = "ok"  # imported and probed: runs here
-    UNAVAILABLE = "unavailable"  # imports, but cannot run on this device/dtype
-    BROKEN = "broken"  # import failed
-    CONFLICT = "conflict"  # two distributions claim the name
-    INCOMPATIBLE = "incompatible"  # plugin API version outside the supported window
 
 
 @dataclass(frozen=True)
@@ -90,30 +60,6 @@ class Candidate:
         if self.distribution is None:
             return f"registered in-process ({self.value})"
         return f"{self.distribution} {self.version} ({self.value})"
-
-
-@dataclass(frozen=True)
-class BackendListing:
-    """A row of ``fusedhead list``."""
-
-    name: str
-    distribution: str | None
-    version: str | None
-    value: str
-    status: Status
-    reason: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "entry_point": self.value,
-            "status": self.status.value,
-        }
-        if self.reason is not None:
-            out["reason"] = self.reason
-        return out
 
 
 _registered: dict[str, Candidate] = {}
@@ -165,7 +111,7 @@ def refresh() -> None:
     directory listings.
     """
     _discover_entry_points.cache_clear()
-    _load_class.cache_clear()
+    load_candidate.cache_clear()
     importlib.invalidate_caches()
     for callback in _refresh_callbacks:
         callback()
@@ -254,7 +200,7 @@ def unregister_backend(name: str) -> None:
             hint="installed entry points are removed by uninstalling their distribution",
         )
     del _registered[name]
-    _load_class.cache_clear()
+    load_candidate.cache_clear()
     for callback in _refresh_callbacks:  # heads resolved to the removed class go too
         callback()
 
@@ -266,43 +212,6 @@ def _check_name(name: object) -> None:
         )
     if not NAME_PATTERN.match(name):
         raise ValueError(f"backend name {name!r} is not valid: expected lowercase [a-z0-9_-]+")
-
-
-def _source_checkout() -> str | None:
-    """The clone the core was installed from (``pip install [-e] ./core``), if it is still there.
-
-    Read from the core's PEP 610 ``direct_url.json``; None for an install from wheels or an index.
-    """
-    try:
-        text = md.distribution("fusedhead").read_text("direct_url.json")
-        url = json.loads(text or "{}").get("url", "")
-    except (md.PackageNotFoundError, ValueError, AttributeError, OSError):
-        return None
-    if not isinstance(url, str) or not url.startswith("file:"):
-        return None
-    core = urllib.request.url2pathname(urllib.parse.urlparse(url).path).rstrip("/")
-    root = os.path.dirname(core)
-    return root if os.path.isfile(os.path.join(root, "core", "pyproject.toml")) else None
-
-
-def install_command(name: str) -> str:
-    """The pip command that installs first-party backend ``name``, true for how it is published.
-
-    ``pip install 'fusedhead[NAME]'`` once the distributions are on PyPI; until then the backend's
-    folder in the clone the core came from, or a clone and the wheels ``scripts/build-dists`` makes.
-    """
-    extra = FIRST_PARTY_EXTRAS[name]
-    if ON_PYPI:
-        return f"pip install '{extra}'"
-    source = FIRST_PARTY_SOURCES[name]
-    root = _source_checkout()
-    if root is not None and os.path.isfile(os.path.join(root, source, "pyproject.toml")):
-        return f"pip install '{os.path.join(root, source)}' (fusedhead is not on PyPI yet)"
-    return (
-        f"from a clone of the fusedhead repository (it is not on PyPI yet), pip install ./{source}, "
-        f"or pip install --find-links dist '{extra}' with the wheels that scripts/build-dists "
-        "built in dist/"
-    )
 
 
 def unknown_name_message(name: str, available: Iterable[str]) -> str:
@@ -335,20 +244,22 @@ def unknown_name_message(name: str, available: Iterable[str]) -> str:
     if close:
         msg += f" Did you mean {close[0]!r}?"
     else:
-        close = difflib.get_close_matches(name, list(FIRST_PARTY_EXTRAS), n=1, cutoff=0.6)
+        close = difflib.get_close_matches(
+            name, list(install_hints.FIRST_PARTY_EXTRAS), n=1, cutoff=0.6
+        )
         if close and close[0] != name:
-            msg += f" Did you mean {close[0]!r} (not installed: {install_command(close[0])})?"
+            msg += f" Did you mean {close[0]!r} (not installed: {install_hints.install_command(close[0])})?"
     hidden = limit is not None and any(c.name == name for c in installed_entry_points())
     if hidden:
         msg += f" Backend {name!r} is installed, but {LIMIT_ENV} hides it: add {name!r} there or unset it."
         return msg
-    if name in FIRST_PARTY_EXTRAS:
-        msg += f" Backend {name!r} is provided by {RESERVED_NAMES[name]}: {install_command(name)}."
-    elif ON_PYPI:
-        extras = ", ".join(f"{n} ({e})" for n, e in FIRST_PARTY_EXTRAS.items())
+    if name in install_hints.FIRST_PARTY_EXTRAS:
+        msg += f" Backend {name!r} is provided by {RESERVED_NAMES[name]}: {install_hints.install_command(name)}."
+    elif install_hints.ON_PYPI:
+        extras = ", ".join(f"{n} ({e})" for n, e in install_hints.FIRST_PARTY_EXTRAS.items())
         msg += f" First-party backends: {extras}; third-party ones register the entry-point group {ENTRY_POINT_GROUP!r}."
     else:
-        sources = ", ".join(f"{n} (./{s})" for n, s in FIRST_PARTY_SOURCES.items())
+        sources = ", ".join(f"{n} (./{s})" for n, s in install_hints.FIRST_PARTY_SOURCES.items())
         msg += (
             f" First-party backends, installed from a clone until fusedhead is on PyPI: {sources}; "
             f"third-party ones register the entry-point group {ENTRY_POINT_GROUP!r}."
@@ -356,7 +267,7 @@ def unknown_name_message(name: str, available: Iterable[str]) -> str:
     return msg
 
 
-def _reserved_violation(cand: Candidate) -> str | None:
+def reserved_violation(cand: Candidate) -> str | None:
     """Why ``cand`` may not claim its name (a reserved name from another distribution), or None."""
     owner = RESERVED_NAMES.get(cand.name)
     if owner is None or _normalize(cand.distribution or "") == owner:
@@ -367,7 +278,8 @@ def _reserved_violation(cand: Candidate) -> str | None:
     )
 
 
-def _name_violation(cand: Candidate) -> str | None:
+def name_violation(cand: Candidate) -> str | None:
+    """Why ``cand``'s entry-point name cannot be selected (it breaks the name rule), or None."""
     if NAME_PATTERN.match(cand.name):
         return None
     return (
@@ -376,9 +288,9 @@ def _name_violation(cand: Candidate) -> str | None:
     )
 
 
-def _claims(name: str, claims: list[Candidate]) -> list[Candidate]:
+def claims_allowed(name: str, claims: list[Candidate]) -> list[Candidate]:
     """The claims that may hold ``name``: a reserved name's owner wins over third parties."""
-    return [c for c in claims if _reserved_violation(c) is None]
+    return [c for c in claims if reserved_violation(c) is None]
 
 
 def find(name: str) -> Candidate:
@@ -388,16 +300,16 @@ def find(name: str) -> Candidate:
     claims = table.get(name)
     if not claims:
         raise UnknownBackendError(unknown_name_message(name, table), backend=name)
-    allowed = _claims(name, claims)
+    allowed = claims_allowed(name, claims)
     if not allowed:
         bad = claims[0]
         raise BackendConflictError(
-            _reserved_violation(bad) or "reserved",
+            reserved_violation(bad) or "reserved",
             backend=name,
             distribution=bad.distribution,
             version=bad.version,
             claimants=tuple(c.origin for c in claims),
-            hint=f"install the first-party backend ({install_command(name)}) "
+            hint=f"install the first-party backend ({install_hints.install_command(name)}) "
             f"and uninstall {bad.distribution}",
         )
     if len(allowed) > 1:
@@ -412,7 +324,7 @@ def find(name: str) -> Candidate:
 
 def load_class(name: str) -> type[Any]:
     """Import and check the backend class selected by exactly ``name``."""
-    return _load_class(find(name))
+    return load_candidate(find(name))
 
 
 class Resolved(NamedTuple):
@@ -431,7 +343,7 @@ def resolve(name: str, options: Any = None, earlier: Resolved | None = None) -> 
     entry = find(name)
     if earlier is not None and earlier.entry is entry:
         return earlier
-    cls = _load_class(entry)
+    cls = load_candidate(entry)
     return Resolved(entry, cls, validate_options(name, cls, options))
 
 
@@ -446,12 +358,14 @@ def _identity_of(name: str) -> tuple[str | None, str | None]:
 _options.identity_of = _identity_of
 
 
-def _fields(cand: Candidate) -> dict[str, Any]:
+def error_fields(cand: Candidate) -> dict[str, Any]:
+    """The identity an error about ``cand`` carries (backend, distribution, version)."""
     return {"backend": cand.name, "distribution": cand.distribution, "version": cand.version}
 
 
 @functools.cache
-def _load_class(cand: Candidate) -> type[Any]:
+def load_candidate(cand: Candidate) -> type[Any]:
+    """``cand``'s class, imported and verified once per process (an import failure triaged)."""
     if cand.cls is not None:
         cls = cand.cls
     else:
@@ -464,9 +378,9 @@ def _load_class(cand: Candidate) -> type[Any]:
             raise BackendLoadError(
                 f"entry point {cand.value} failed to import: {type(exc).__name__}: {exc}",
                 hint="report this to the backend's authors",
-                **_fields(cand),
+                **error_fields(cand),
             ) from exc
-    verify_backend_class(cls, **_fields(cand))
+    verify_backend_class(cls, **error_fields(cand))
     return cls
 
 
@@ -481,7 +395,9 @@ def _import_error(cand: Candidate, exc: ImportError) -> Exception:
     """
     dist = cand.distribution or "the backend's distribution"
     reinstall = (
-        install_command(cand.name) if cand.name in FIRST_PARTY_EXTRAS else f"reinstall {dist}"
+        install_hints.install_command(cand.name)
+        if cand.name in install_hints.FIRST_PARTY_EXTRAS
+        else f"reinstall {dist}"
     )
     missing = getattr(exc, "name", None)
     top = missing.split(".")[0] if missing else None
@@ -493,7 +409,7 @@ def _import_error(cand: Candidate, exc: ImportError) -> Exception:
                 f"{cand.value}) is not installed, so the install of {dist} is broken or stale "
                 f"({exc})",
                 hint=f"{reinstall} (uninstall it first if reinstalling does not help)",
-                **_fields(cand),
+                **error_fields(cand),
             )
         try:
             present = importlib.util.find_spec(top) is not None
@@ -511,13 +427,13 @@ def _import_error(cand: Candidate, exc: ImportError) -> Exception:
                 f"{dist}) ({exc})",
                 missing=top,
                 hint=hint,
-                **_fields(cand),
+                **error_fields(cand),
             )
     return BackendLoadError(
         f"could not be imported: {type(exc).__name__}: {exc}",
         hint=f"the installed packages do not match what {cand.distribution or 'the backend'} was "
         f"built for; upgrade fusedhead and the backend together, or {reinstall}",
-        **_fields(cand),
+        **error_fields(cand),
     )
 
 
@@ -703,80 +619,6 @@ def exception_text(exc: BaseException) -> str:
             errors.append(f"{where}: {err.get('msg')} (got {value})")
         return f"ValidationError building {exc.title}: " + "; ".join(errors)
     return " ".join(f"{type(exc).__name__}: {exc}".split())
-
-
-def listing(*, probe: bool = False, device: Any = None) -> list[BackendListing]:
-    """Rows for ``fusedhead list``; with ``probe`` each backend is imported and checked on ``device``.
-
-    Name-rule and reserved-name violations are shown from metadata alone; the plugin API version
-    and the class's shape need the import (``probe``).
-    """
-    rows: list[BackendListing] = []
-    for name, claims in candidates().items():
-        allowed = _claims(name, claims)
-        for c in claims:
-            why = _name_violation(c) or _reserved_violation(c)
-            if why is not None:
-                status = Status.BROKEN if _name_violation(c) else Status.CONFLICT
-                rows.append(BackendListing(name, c.distribution, c.version, c.value, status, why))
-        if len(allowed) > 1:
-            why = "claimed by " + "; ".join(c.origin for c in allowed)
-            for c in allowed:
-                rows.append(
-                    BackendListing(name, c.distribution, c.version, c.value, Status.CONFLICT, why)
-                )
-            continue
-        if not allowed or _name_violation(allowed[0]):
-            continue
-        first = allowed[0]
-        status, reason = (Status.INSTALLED, None) if not probe else probe_backend(first, device)
-        rows.append(
-            BackendListing(name, first.distribution, first.version, first.value, status, reason)
-        )
-    return rows
-
-
-def probe_backend(cand: Candidate, device: Any = None) -> tuple[Status, str | None]:
-    """Import ``cand``'s class and run its ``check()`` on ``device``: its status and the reason.
-
-    A broken plugin gives ``broken`` (or its error's status) with the reason, never an exception;
-    ``device=None`` is :func:`default_device`. What ``fusedhead list --check`` and ``info`` show.
-    """
-    from fusedhead.errors import BackendUnavailableError
-
-    try:
-        cls = _load_class(cand)
-    except BackendError as exc:
-        status = Status(exc.status) if exc.status in _STATUSES else Status.BROKEN
-        return status, exc.reason + (f" Fix: {exc.hint}" if exc.hint else "")
-    except Exception as exc:  # a broken plugin never breaks the listing
-        return Status.BROKEN, str(exc)
-    try:
-        import torch
-
-        dev = torch.device(device) if device is not None else default_device()
-        backend = construct_backend(cls, cls.Options(), **_fields(cand))
-        caps = backend_capabilities(backend, dev, **_fields(cand))
-        dtype = torch.float32 if "fp32" in caps.dtypes else _dtype_of(caps.dtypes[0])
-        backend.check(dev, dtype)
-    except BackendUnavailableError as exc:
-        return Status.UNAVAILABLE, exc.attach(**_fields(cand)).reason + (
-            f" Fix: {exc.hint}" if exc.hint else ""
-        )
-    except BackendContractError as exc:  # the plugin's own bug, named by the helpers above
-        return Status.BROKEN, exc.reason + (f" Fix: {exc.hint}" if exc.hint else "")
-    except Exception as exc:
-        return Status.BROKEN, f"probe failed: {type(exc).__name__}: {exc}"
-    return Status.OK, None
-
-
-_STATUSES = {s.value for s in Status}
-
-
-def _dtype_of(name: str) -> Any:
-    import torch
-
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
 
 
 def default_device() -> Any:

@@ -43,9 +43,9 @@ _original: dict[str, Callable[..., Any]] = {}
 
 
 def _installed_names() -> list[str]:
-    from fusedhead import registry
+    from fusedhead import diagnostics
 
-    return sorted({row.name for row in registry.listing()})
+    return sorted({row.name for row in diagnostics.listing()})
 
 
 def _resolve(spec: str) -> Any:

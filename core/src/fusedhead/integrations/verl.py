@@ -288,9 +288,9 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 def _installed_names() -> list[str]:
-    from fusedhead import registry
+    from fusedhead import diagnostics
 
-    return sorted({row.name for row in registry.listing()})
+    return sorted({row.name for row in diagnostics.listing()})
 
 
 def _accepted_names() -> str:
