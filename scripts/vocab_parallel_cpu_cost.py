@@ -76,7 +76,7 @@ def measure(shape: tuple[int, int, int], shard: tuple[int, int] | None, group: A
 
 
 def worker(rank: int, world: int, port: int, shape: tuple[int, int, int], folder: str) -> None:
-    from fusedhead.validation import grid_shards
+    from fusedhead.shards import grid_shards
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(

@@ -6,7 +6,7 @@ N=8192, H=4096, V=151936, bf16, per-token temperature around 0.7. The parent run
 one-process call (log-probs, entropy, lse, sum of squared p, gathered log-probs at 4 ids per
 row, argmax; then a backward) and saves its outputs; eight ranks spawned on the same GPU (gloo
 carries the collectives: NCCL takes one rank per GPU) run the public API at degree 2, 4 and 8
-(subgroups of the eight) on the grid's shards (``fusedhead.validation.grid_shards``, 1024-column
+(subgroups of the eight) on the grid's shards (``fusedhead.shards.grid_shards``, 1024-column
 tiles) and compare every output with the one-process bits, plus degree 8 on equal shards (18992
 columns, off the grid: the documented fallback, whose difference is recorded). The parent then
 times, with CUDA events, the combine (``launch.tile_sums`` + ``launch.finish_rows`` over the
@@ -87,7 +87,7 @@ def worker(rank: int, port: int, folder: str) -> None:
     """One of eight ranks: degree 2, 4, 8 on the grid and 8 off it, compared with the parent's."""
     import torch.distributed as dist
 
-    from fusedhead.validation import grid_shards
+    from fusedhead.shards import grid_shards
 
     if not REHEARSE:
         torch.cuda.set_device(0)

@@ -149,7 +149,7 @@ def test_cpu_meta_and_the_default_still_resolve(ref_backend, device):
 
 
 def test_usable_device_names_its_argument():
-    from fusedhead.validation import usable_device
+    from fusedhead.checks import usable_device
 
     assert usable_device("cpu").type == "cpu"
     with pytest.raises(ValueError, match=r"--device='bogus' is not a torch device string"):

@@ -19,6 +19,7 @@ import torch
 from fusedhead import FusedHead, fused_head, registry
 from fusedhead.errors import BackendContractError, BackendUnavailableError, CapabilityError
 from fusedhead.protocol import HeadCall, HeadOutput
+from fusedhead.request import HeadRequest
 from fusedhead.validation import _HEAD_CALL_FIELDS, validate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -183,8 +184,7 @@ def test_validate_builds_the_call_the_fields_name(inputs, case):
         kw["softcap"] = 30
     elif case == "int temperature":
         kw["temperature"] = 2
-    args = (kw[k] for k in _call())
-    call, shape, n, device, dtype, cast = validate(h, w, y, *args)
+    call, shape, n, device, dtype, cast = validate(HeadRequest(h, w, y, **kw))
     want = HeadCall(
         hidden=h.reshape(-1, 8),
         weight=w,

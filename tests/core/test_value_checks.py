@@ -98,16 +98,18 @@ def _bad_temperature(device: str, n: int = 40) -> torch.Tensor:
 @pytest.fixture
 def temperature_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names the temperature value check was asked for (eager and in-graph alike)."""
-    from fusedhead import validation
+    from fusedhead import validation, value_checks
 
     seen: list[str] = []
-    real = validation._check_temperature_values
+    real = value_checks.check_temperature_values
 
     def spy(t: torch.Tensor, arg: str, pending: Any = None) -> None:
         seen.append(arg)
         real(t, arg, pending)
 
-    monkeypatch.setattr(validation, "_check_temperature_values", spy)
+    # validation's eager call and the in-graph op's kernel (value_checks') each name it.
+    monkeypatch.setattr(validation, "check_temperature_values", spy)
+    monkeypatch.setattr(value_checks, "check_temperature_values", spy)
     return seen
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from fusedhead.validation import grid_shards
+from fusedhead.shards import grid_shards
 
 N, H, V, K = 16, 32, 4000, 3
 IGNORE = -100

@@ -61,7 +61,7 @@ def test_transformers_helper_under_fsdp2(tmp_path: Path) -> None:
 def test_a_dtensor_weight_outside_fsdp_forward_is_refused_with_the_fix() -> None:
     """Calling forward directly on a sharded head (bypassing FSDP's hooks) gives a clear error."""
     from fusedhead import FusedLMHead
-    from fusedhead.validation import is_dtensor
+    from fusedhead.checks import is_dtensor
 
     class FakeDTensor(torch.nn.Parameter):
         pass

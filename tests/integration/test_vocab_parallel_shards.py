@@ -16,7 +16,7 @@ import shard_check_worker as sw
 import torch
 import torch.multiprocessing as mp
 
-from fusedhead.validation import _shard_ints, shard_slots
+from fusedhead.shards import _shard_ints, shard_slots
 
 pytestmark = pytest.mark.multiprocess
 

@@ -88,7 +88,8 @@ def _call(
             **kw,
         )
     from fusedhead.protocol import HeadCall
-    from fusedhead_torch.backend import TorchBackend, TorchOptions
+    from fusedhead_torch.backend import TorchBackend
+    from fusedhead_torch.options import TorchOptions
 
     call = HeadCall.make(
         h,

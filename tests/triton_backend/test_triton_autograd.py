@@ -21,8 +21,8 @@ from triton_backend_helpers import (
 )
 
 from fusedhead.protocol import call_backend
-from fusedhead_triton import TritonBackend, TritonOptions, launch
-from fusedhead_triton.ops import DOUBLE_BACKWARD
+from fusedhead_triton import TritonBackend, TritonOptions
+from fusedhead_triton.custom_ops import DOUBLE_BACKWARD
 
 MANY_BLOCKS: dict[str, Any] = {**SMALL_TILES, "backward_block_mib": 1e-4}
 
@@ -128,7 +128,9 @@ _common: Any = None
 def _tanh(x: torch.Tensor) -> torch.Tensor:
     """``kernels.common.tanh_f32`` of fp32 ``x``, under this test's interpreter."""
     global _common
-    _common = launch.kernel("common")
+    from fusedhead_triton.kernels import common
+
+    _common = common
 
     @triton.jit
     def kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):

@@ -27,7 +27,7 @@ from triton_backend_helpers import (
     sum_slack,
 )
 
-from fusedhead_triton import launch, schedule, sum_format
+from fusedhead_triton import schedule, sum_format
 from fusedhead_triton.configs import BLOCK_BYTES, MAX_COLS
 
 #: Vb = one 64-column tile: 6 vocabulary blocks at V = 333, so the sum spans several blocks.
@@ -239,7 +239,9 @@ def _roundtrip(x: torch.Tensor, sum_lo: int) -> tuple[torch.Tensor, torch.Tensor
     memory as the dh kernels store them (the kernel is made here, under the interpreter the
     test runs in)."""
     global _fmt
-    _fmt = launch.kernel("sum_format")
+    from fusedhead_triton.kernels import sum_format as kernel_sum_format
+
+    _fmt = kernel_sum_format
 
     @triton.jit
     def kernel(x_ptr, hi_ptr, lo_ptr, y_ptr, n, SUM_LO: tl.constexpr, BLOCK: tl.constexpr):

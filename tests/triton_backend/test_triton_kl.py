@@ -15,9 +15,10 @@ from fusedhead import fused_kl
 from fusedhead.protocol import KLCall
 from fusedhead.testing import Outcome, check_property
 from fusedhead_triton import TritonBackend, TritonOptions
-from fusedhead_triton.kl import CHUNK, KLScalars, kl_tile
+from fusedhead_triton.configs import kl_tile
+from fusedhead_triton.custom_ops import DOUBLE_BACKWARD
+from fusedhead_triton.kl import CHUNK, KLScalars
 from fusedhead_triton.launch import tma_usable
-from fusedhead_triton.ops import DOUBLE_BACKWARD
 
 DTYPES = [torch.float32, torch.float16]
 DIRECTIONS = ["forward", "reverse"]

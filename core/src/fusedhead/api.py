@@ -22,7 +22,7 @@ from fusedhead.graph import Slots, as_graph_constant, slot_numbers
 from fusedhead.graph import tracing as _tracing
 from fusedhead.head import FusedHead
 from fusedhead.policy import PolicyLossOutput
-from fusedhead.request import HeadRequest, KLRequest, PolicyRequest
+from fusedhead.request import KLRequest, PolicyRequest, head_request
 
 __all__ = [
     "FusedHead",
@@ -229,6 +229,7 @@ def fused_head(
     the log-sum-exp, the sum of squared probabilities, the argmax (docs/distillation.md).
     The backend is the one named, always; docs/design.md states the full contract.
     """
+    req = head_request(locals())  # first: locals() is the arguments, nothing else yet
     if backend.__class__ is not str:
         _backend_name(backend)
     if temperature is None:
@@ -237,27 +238,7 @@ def fused_head(
     head = None if options is not None or _tracing() else _cache.get((backend, ()))
     if head is None:
         head = get_fused_head(backend, options)
-    return head.run(
-        HeadRequest(
-            hidden,
-            weight,
-            labels,
-            temperature=temperature,
-            ignore_index=ignore_index,
-            return_entropy=return_entropy,
-            process_group=process_group,
-            vocab_start=vocab_start,
-            vocab_size=vocab_size,
-            reduce_hidden_grad=reduce_hidden_grad,
-            check_labels=check_labels,
-            softcap=softcap,
-            top_k=top_k,
-            gather_ids=gather_ids,
-            return_lse=return_lse,
-            return_sum_p2=return_sum_p2,
-            return_argmax=return_argmax,
-        )
-    )
+    return head.run(req)
 
 
 def fused_kl(

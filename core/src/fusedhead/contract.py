@@ -27,7 +27,7 @@ from fusedhead.protocol import (
     KLCall,
     KLOutput,
 )
-from fusedhead.validation import Pending
+from fusedhead.value_checks import Pending
 
 #: A backend's identity as errors carry it: ``backend``, ``distribution``, ``version``.
 Identity = Mapping[str, Any]
@@ -63,8 +63,8 @@ class _LogProbsEntropy(NamedTuple):
 class FusedHeadOutput(_LogProbsEntropy):
     """Per-token fp32 log-probabilities of the labels and entropies (None when not asked for).
 
-    Unpacks as ``(log_probs, entropy)``; the further outputs (``top_k=``, ``gather_ids=``,
-    ``return_lse=``, ``return_sum_p2=``, ``return_argmax=``) are attributes, None unless asked for:
+    Unpacks as ``(log_probs, entropy)``; the further outputs (``top_k=``, ``gather_ids=`` and the
+    ``return_*`` flags but ``return_entropy``) are attributes, None unless asked for:
     ``lse``, ``sum_p2``, ``argmax`` (labels' shape), ``topk_ids``, ``topk_log_probs`` (``[..., k]``)
     and ``gathered`` (``[..., K]``). See docs/distillation.md.
     """

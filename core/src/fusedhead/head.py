@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 import torch
 
 from fusedhead import contract, policy, registry
+from fusedhead.checks import DEVICES, device_entry, dtype_name, usable_device
 from fusedhead.config import FusedHeadConfig
 from fusedhead.contract import FusedHeadOutput
 from fusedhead.errors import (
@@ -25,17 +26,9 @@ from fusedhead.errors import (
 from fusedhead.graph import Slots, as_graph_constant, slot_numbers, tracing
 from fusedhead.hooks import plugin_manager
 from fusedhead.protocol import Capabilities, HeadOutput
-from fusedhead.request import CONFIGURED, HeadRequest, KLRequest, PolicyRequest
-from fusedhead.validation import (
-    _DEVICES,
-    Pending,
-    _device_entry,
-    dtype_name,
-    usable_device,
-    validate,
-    validate_kl,
-    with_outputs,
-)
+from fusedhead.request import CONFIGURED, HeadRequest, KLRequest, PolicyRequest, head_request
+from fusedhead.validation import validate, validate_kl
+from fusedhead.value_checks import Pending
 
 # Module constants for the per-call path (a global read, not a global and an attribute).
 _Tensor = torch.Tensor
@@ -51,8 +44,8 @@ _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "xla", "mtia"
 def _prime_device(device: torch.device) -> None:
     """Under ``torch.compile``, before ``validate`` reads its table of devices: the entry made
     eagerly (a table the trace found without it would be guarded so, and the next call retrace)."""
-    if device not in _DEVICES:
-        _device_entry(device)
+    if device not in DEVICES:
+        device_entry(device)
 
 
 class FusedHead:
@@ -235,52 +228,13 @@ class FusedHead:
         return_argmax: bool = False,
     ) -> FusedHeadOutput:
         """Log-probs and entropy of ``labels`` (as ``fused_head``), None arguments taking the config's."""
-        cfg = self.config
-        return self.run(
-            HeadRequest(
-                hidden,
-                weight,
-                labels,
-                temperature=cfg.temperature if temperature is None else temperature,
-                ignore_index=cfg.ignore_index if ignore_index is None else ignore_index,
-                return_entropy=cfg.return_entropy if return_entropy is None else return_entropy,
-                process_group=process_group,
-                vocab_start=vocab_start,
-                vocab_size=vocab_size,
-                reduce_hidden_grad=reduce_hidden_grad,
-                check_labels=cfg.check_labels if check_labels is None else check_labels,
-                softcap=cfg.softcap if softcap is None else softcap,
-                top_k=top_k,
-                gather_ids=gather_ids,
-                return_lse=return_lse,
-                return_sum_p2=return_sum_p2,
-                return_argmax=return_argmax,
-            )
-        )
+        return self.run(head_request(locals(), self.config))
 
     def run(self, req: HeadRequest) -> FusedHeadOutput:
         """One head call: the request checked into the backend's call, gated, run, its output
         checked and shaped. The per-step path, kept to few tensor reads."""
-        # The request's fields, read once (one unpacking: the per-step path's cheapest read).
-        (
-            hidden,
-            weight,
-            labels,
-            temperature,
-            ignore_index,
-            return_entropy,
-            process_group,
-            vocab_start,
-            vocab_size,
-            reduce_hidden_grad,
-            check,
-            softcap,
-            top_k,
-            gather_ids,
-            lse,
-            sum_p2,
-            argmax,
-        ) = req
+        hidden = req.hidden
+        check = req.check_labels
         traced = tracing()
         if traced and isinstance(hidden, _Tensor):
             _prime_device(hidden.device)
@@ -288,42 +242,8 @@ class FusedHead:
         # the head's kernels, elsewhere before it): a traced call checks through the graph's
         # ops, an unchecked one (check_labels=False) reads nothing, a temperature tensor included.
         pending = Pending() if check is True and not traced else None
-        call, shape, n, device, dtype, cast = validate(
-            hidden,
-            weight,
-            labels,
-            temperature,
-            ignore_index,
-            return_entropy,
-            process_group,
-            vocab_start,
-            vocab_size,
-            reduce_hidden_grad,
-            check,
-            softcap,
-            pending,
-        )
-        basic = (
-            top_k is None
-            and gather_ids is None
-            and lse is False
-            and sum_p2 is False
-            and argmax is False
-        )
-        if not basic:
-            shape = tuple(shape)  # a torch.Size from validate: messages show it as a tuple
-            call = with_outputs(
-                call,
-                shape,
-                top_k=top_k,
-                gather_ids=gather_ids,
-                return_lse=lse,
-                return_sum_p2=sum_p2,
-                return_argmax=argmax,
-                check_labels=check,
-                pending=pending,
-            )
-            basic = call.outputs <= _BASIC
+        call, shape, n, device, dtype, cast = validate(req, pending)
+        basic = call.outputs <= _BASIC
         caps, outputs = (
             self._entry(device, dtype, True)
             if traced

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput
+from fusedhead.checks import is_dtensor, tensor_arg
 from fusedhead.config import FusedHeadConfig
-from fusedhead.request import HeadRequest
-from fusedhead.validation import _tensor, is_dtensor
+from fusedhead.request import HeadRequest, head_request
 
 ConfigLike = FusedHeadConfig | Mapping[str, Any] | FusedHead | None
 T = TypeVar("T")
@@ -164,25 +164,7 @@ class FusedLMHead(nn.Module):
             )
         if labels is None:
             return nn.functional.linear(_linear_input(hidden, weight), weight, bias)
-        request = self.head.request(
-            hidden,
-            weight,
-            labels,
-            temperature=temperature,
-            ignore_index=ignore_index,
-            return_entropy=return_entropy,
-            softcap=softcap,
-            check_labels=check_labels,
-            process_group=process_group,
-            vocab_start=vocab_start,
-            vocab_size=vocab_size,
-            reduce_hidden_grad=reduce_hidden_grad,
-            top_k=top_k,
-            gather_ids=gather_ids,
-            return_lse=return_lse,
-            return_sum_p2=return_sum_p2,
-            return_argmax=return_argmax,
-        )
+        request = head_request(locals(), self.head.config)
         return owned(head_forward(self.head, request, bias))
 
 
@@ -192,7 +174,7 @@ def _linear_input(hidden: object, weight: torch.Tensor) -> torch.Tensor:
     multiplied'); under autocast the dtypes may differ, and a sparse hidden is taken, as by
     ``nn.Linear``."""
     if not isinstance(hidden, torch.Tensor) or hidden.is_nested:
-        _tensor("hidden", hidden)  # the call's TypeError
+        tensor_arg("hidden", hidden)  # the call's TypeError
     h: torch.Tensor = hidden  # type: ignore[assignment]
     if h.dim() == 0 or h.shape[-1] != weight.shape[1]:
         raise ValueError(
@@ -249,7 +231,7 @@ def head_forward(
     if bias is not None:
         weight = request.weight
         # The fold reads hidden before the head validates it: its own errors name it first.
-        hidden = _tensor("hidden", request.hidden)
+        hidden = tensor_arg("hidden", request.hidden)
         if hidden.dim() == 0:
             raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
         _check_bias(bias, weight)

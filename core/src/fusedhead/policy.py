@@ -18,6 +18,7 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 
+from fusedhead.checks import tensor_arg
 from fusedhead.contract import gate_head, gate_policy_loss
 from fusedhead.errors import BackendError
 from fusedhead.policy_terms import LOG_RATIO_BOUND, kl_penalty, token_grads
@@ -29,8 +30,8 @@ from fusedhead.protocol import (
     PolicyLossCall,
     PolicyLossResult,
 )
-from fusedhead.request import PolicyRequest
-from fusedhead.validation import _tensor, validate
+from fusedhead.request import HeadRequest, PolicyRequest
+from fusedhead.validation import validate
 
 #: verl's names of the KL estimators, taken as the canonical ones.
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
@@ -173,7 +174,7 @@ def _per_token(
     arg: str, value: object, shape: tuple[int, ...], device: torch.device
 ) -> torch.Tensor:
     """A per-token tensor broadcastable to the labels' shape, as a detached fp32 ``[N]`` copy."""
-    t = _tensor(arg, value)
+    t = tensor_arg(arg, value)
     if t.dtype not in _PER_TOKEN_DTYPES:
         raise TypeError(f"{arg} must be a floating tensor (fp32, fp64, fp16, bf16), got {t.dtype}")
     if t.device != device:
@@ -214,7 +215,7 @@ def _sequences(
         count = n // width if width else 0
         seq = torch.arange(n, device=device) // max(width, 1)
         return seq, count, width
-    cu = _tensor("cu_seqlens", cu_seqlens)
+    cu = tensor_arg("cu_seqlens", cu_seqlens)
     if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(
             f"cu_seqlens must be a 1-D int32/int64 tensor of sequence starts [0, ..., T] "
@@ -269,20 +270,16 @@ def token_weights(
 def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
     """One policy-loss call on ``head``: the head's checks, the gate, the loss's own arguments,
     the backend's forward, its result checked, the loss formed."""
-    call, shape, n, device, dtype, cast = validate(
+    head_req = HeadRequest(
         req.hidden,
         req.weight,
         req.labels,
-        req.temperature,
-        req.ignore_index,
-        True,
-        None,
-        None,
-        None,
-        True,
-        req.check_labels,
-        req.softcap,
+        temperature=req.temperature,
+        ignore_index=req.ignore_index,
+        check_labels=req.check_labels,
+        softcap=req.softcap,
     )
+    call, shape, n, device, dtype, cast = validate(head_req)
     shape = tuple(shape)
     caps = head._ready(device, dtype)
     gate_policy_loss(caps, head._identity())

@@ -60,9 +60,13 @@ def _check(
     hidden: object, weight: object, labels: object, temperature: object, softcap: object
 ) -> None:
     """The arguments' shapes and scalars, named (any float dtype is taken: this is the yardstick)."""
-    from fusedhead.validation import _positive_float, _tensor
+    from fusedhead.checks import positive_float, tensor_arg
 
-    h, w, y = _tensor("hidden", hidden), _tensor("weight", weight), _tensor("labels", labels)
+    h, w, y = (
+        tensor_arg("hidden", hidden),
+        tensor_arg("weight", weight),
+        tensor_arg("labels", labels),
+    )
     if w.dim() != 2:
         raise ValueError(f"weight must have shape [V, H], got shape {tuple(w.shape)}")
     if h.dim() == 0 or h.shape[-1] != w.shape[1]:
@@ -76,9 +80,9 @@ def _check(
     if y.dtype == torch.bool or y.is_floating_point() or y.is_complex():
         raise TypeError(f"labels must be an integer tensor, got dtype {y.dtype}")
     if not isinstance(temperature, torch.Tensor):
-        _positive_float("temperature", temperature)
+        positive_float("temperature", temperature)
     if softcap is not None:
-        _positive_float("softcap", softcap)
+        positive_float("softcap", softcap)
 
 
 def reference_policy_loss(

@@ -10,6 +10,7 @@ an immutable NamedTuple: cheap to build on every step, and Dynamo traces it as p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -40,6 +41,21 @@ class HeadRequest(NamedTuple):
 
 #: The fields of a ``HeadRequest`` that a head's configuration defaults (None: take the config's).
 CONFIGURED = ("temperature", "ignore_index", "return_entropy", "check_labels", "softcap")
+_HEAD_FIELDS = HeadRequest._fields
+_CONFIGURED_AT = tuple((_HEAD_FIELDS.index(name), name) for name in CONFIGURED)
+_make_head = HeadRequest._make
+
+
+def head_request(scope: Mapping[str, Any], config: Any = None) -> HeadRequest:
+    """The ``HeadRequest`` of a public entry point from its ``locals()``: each field read by its
+    own name, so an entry point spells its options only in its signature. With ``config``, a
+    configured field left None takes the config's value (``FusedHead`` and ``FusedLMHead``)."""
+    values = [scope[name] for name in _HEAD_FIELDS]
+    if config is not None:
+        for i, name in _CONFIGURED_AT:
+            if values[i] is None:
+                values[i] = getattr(config, name)
+    return _make_head(values)
 
 
 class KLRequest(NamedTuple):

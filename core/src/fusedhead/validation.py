@@ -1,5 +1,9 @@
 """Validation of a call before any backend sees it: one place, the same for every backend.
 
+``validate`` (head calls), ``with_outputs`` (the further outputs) and ``validate_kl`` build the
+backend's call from the arguments; the checkers they share are in ``fusedhead.checks``, the
+checks of tensor values in ``fusedhead.value_checks``.
+
 Every refusal is a ``ValueError``/``TypeError`` that names the argument, what it got and what
 was expected.
 """
@@ -8,142 +12,56 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
-from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
-from fusedhead.protocol import KL_DIRECTIONS, SCALAR_RANGE, HeadCall, KLCall
+from fusedhead.checks import (
+    DEVICES,
+    FLOAT_DTYPES,
+    INT64_MAX,
+    INT64_MIN,
+    INT_DTYPES,
+    PLAIN,
+    SCALAR_HI,
+    SCALAR_LO,
+    STRIDED,
+    device_entry,
+    flag_arg,
+    integer,
+    no_inference_tensor,
+    not_a_flag,
+    not_int64_exact,
+    positive_float,
+    tensor_arg,
+)
+from fusedhead.protocol import KL_DIRECTIONS, HeadCall, KLCall
+from fusedhead.request import HeadRequest
 
-_FLOAT_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# The shard toolkit moved to fusedhead.shards; these names stay importable from here for one
+# release (backends written against 0.x import them from fusedhead.validation).
+from fusedhead.shards import (  # noqa: F401
+    SHARD_FLOATS,
+    check_shards,
+    gathered_shards,
+    grid_shards,
+    shard_slots,
+    shard_slots_tensor,
+    shards_need_check,
+)
+from fusedhead.value_checks import (
+    Pending,
+    check_gather_range,
+    check_label_range,
+    check_temperature_values,
+    gather_ids_checked,
+    temperature_checked,
+)
+
 # Module constants for the per-call path (a global read, not a global and an attribute).
 _I64 = torch.int64
-#: Every float scalar of a call lies in [_LO, _HI] (protocol.SCALAR_RANGE).
-_LO, _HI = SCALAR_RANGE
-#: What a scalar out of that range is told, after "must be a finite float > 0".
-_RANGE_TEXT = (
-    "in [2**-126, 2**126] (about 1.2e-38 to 8.5e37: it and its reciprocal normal fp32 numbers)"
-)
 _autocast_enabled = torch.is_autocast_enabled
 _grad_enabled = torch.is_grad_enabled
-_INT_DTYPES = frozenset(
-    {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32}
-)
-
-
-def _not_int64_exact(arg: str, dtype: torch.dtype) -> NoReturn:
-    """An id tensor of a dtype without an exact int64 form (compared with ``ignore_index`` and
-    the vocabulary in int64): floats, bool, complex, and uint64 (past 2**63 it wraps negative,
-    e.g. onto -100)."""
-    raise TypeError(
-        f"{arg} must be an integer tensor that converts to int64 exactly (int8 to int64, uint8 to "
-        f"uint32), got dtype {dtype}"
-    )
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``fp32``/``fp16``/``bf16`` for a supported dtype."""
-    return _FLOAT_DTYPES[dtype]
-
-
-def is_dtensor(t: object) -> bool:
-    """A DTensor (or subclass), known by name: no import of torch.distributed. The MRO is sliced
-    because torch.compile iterates a tuple it made, not a type's own ``__mro__``."""
-    return any(c.__name__ == "DTensor" for c in type(t).__mro__[:])
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_STRIDED = torch.strided
-
-
-def _not_dense(arg: str, t: torch.Tensor) -> NoReturn:
-    """A sparse, nested or other non-strided tensor, named (the backends index strided memory)."""
-    what = "a nested tensor" if t.is_nested else f"layout {t.layout}"
-    fix = f"; pass {arg}.to_dense()" if t.layout is not _STRIDED and not t.is_nested else ""
-    raise TypeError(f"{arg} must be a dense (torch.strided) tensor, got {what}{fix}")
-
-
-def _tensor(arg: str, value: object) -> torch.Tensor:
-    if value.__class__ in _PLAIN:  # the common case, without walking the MRO
-        t: torch.Tensor = value  # type: ignore[assignment]
-        if t.layout is not _STRIDED or t.is_nested:
-            _not_dense(arg, t)
-        return t
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{arg} must be a torch.Tensor, got {type(value).__name__}")
-    if value.layout is not _STRIDED or value.is_nested:
-        _not_dense(arg, value)
-    if is_dtensor(value):
-        local = (
-            f"{arg}.to_local() (rows are scored independently, so a shard of them is fine)"
-            if "hidden" in arg
-            else f"not {arg}.to_local(), which is only this rank's shard of the vocabulary rows"
-        )
-        raise TypeError(
-            f"{arg} is a DTensor; fusedhead takes plain local tensors. Under FSDP2 call it inside "
-            "the LM-head module's forward, where the weight is gathered (fusedhead.FusedLMHead and "
-            f"fusedhead.integrations.lm_head.lm_head_logprobs do this for you); pass {local}"
-        )
-    return value
-
-
-def _positive_float(arg: str, value: object) -> float:
-    """``value`` as a float in ``SCALAR_RANGE``: any real number but a bool (Python's, or a
-    NumPy scalar such as a config's ``np.float32``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{arg} must be a float, got {type(value).__name__} {value!r}")
-    try:
-        out = float(value)
-    except OverflowError:  # an int beyond the float range
-        out = math.inf
-    if not _LO <= out <= _HI:  # NaN fails both comparisons
-        shown = (
-            value
-            if not isinstance(value, int) or abs(value) < 10**20
-            else f"an int of {len(str(abs(value)))} digits"
-        )
-        raise ValueError(f"{arg} must be a finite float > 0 {_RANGE_TEXT}, got {shown}")
-    return out
-
-
-def _integer(arg: str, value: object, expected: str) -> int:
-    """``value`` as an int: any integer but a bool (Python's, or a NumPy integer such as a
-    config's ``np.int64``, as ``operator.index`` takes it)."""
-    if value.__class__ is int:
-        return value  # type: ignore[return-value]
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{arg} must be {expected}, got {type(value).__name__} {value!r}")
-    return int(value)
-
-
-def _no_inference_tensor(*named: tuple[str, torch.Tensor]) -> None:
-    """Refuse an inference tensor where a gradient is due: autograd cannot save it for backward
-    (torch's own RuntimeError, raised deep inside a backend, names no argument)."""
-    if torch.compiler.is_compiling():  # Dynamo cannot trace is_inference() (a graph break)
-        return
-    for arg, t in named:
-        if t.is_inference():
-            raise ValueError(
-                f"{arg} is an inference tensor (made under torch.inference_mode()), which autograd "
-                "cannot save for the gradient this call owes (hidden or weight "
-                f"requires grad); make it under torch.no_grad() instead, pass {arg}.clone(), or "
-                "call under torch.no_grad() where no gradient is wanted"
-            )
-
-
-def _flag(arg: str, value: object) -> bool:
-    if value is True or value is False:
-        return value
-    if not isinstance(value, bool):
-        raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _not_a_flag(arg: str, value: object) -> NoReturn:
-    raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
-
 
 #: HeadCall's fields as ``validate`` builds them, positionally: a change to the protocol must be
 #: made here too (checked on import, so it cannot build a misordered call).
@@ -169,107 +87,60 @@ if HeadCall._fields != _HEAD_CALL_FIELDS:  # pragma: no cover - a protocol edit 
     )
 _new_tuple = tuple.__new__
 
-#: Per device: its type and whether ``torch.is_autocast_enabled`` knows that type (not meta).
-#: ``device.type`` builds a new str on every read (slow, per call); devices are few.
-_DEVICES: dict[torch.device, tuple[str, bool]] = {}
-
-
-def _device_entry(dev: torch.device) -> tuple[str, bool]:
-    """The first call on ``dev``: its type, and whether autocast has a state for it."""
-    dev_type = dev.type
-    try:
-        torch.is_autocast_enabled(dev_type)
-        known = True
-    except RuntimeError:  # a device type autocast does not know (meta): no autocast there
-        known = False
-    entry = _DEVICES[dev] = (dev_type, known)
-    return entry
-
-
-#: Device types every process can use: tensors there need no accelerator.
-_ALWAYS_USABLE = frozenset({"cpu", "meta"})
-
-
-def usable_device(value: str, arg: str = "device") -> torch.device:
-    """``value`` as a ``torch.device`` this process can use, else a ``ValueError`` naming ``arg``.
-
-    ``cpu`` and ``meta`` always; ``cuda`` / ``cuda:K`` where torch sees CUDA and K is below
-    ``torch.cuda.device_count()``; another accelerator type (``xpu``, ``mps``, ...) where its
-    torch module says it is available, likewise by index. Run once, where a head is resolved.
-    """
-    expected = "expected 'cpu', 'meta' or an accelerator device this process sees"
-    try:
-        dev = torch.device(value)
-    except (RuntimeError, ValueError, TypeError):
-        raise ValueError(
-            f"{arg}={value!r} is not a torch device string; {expected}, such as 'cuda' or 'cuda:1'"
-        ) from None
-    kind = dev.type
-    if kind in _ALWAYS_USABLE:
-        return dev
-    module = getattr(torch, kind, None)
-    is_available = getattr(module, "is_available", None)
-    if not callable(is_available) or not is_available():
-        why = (
-            f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)"
-            if kind == "cuda"
-            else f"torch {torch.__version__} has no usable {kind!r} device here"
-        )
-        raise ValueError(f"{arg}={value!r} cannot be used in this process: {why}; {expected}")
-    count = getattr(module, "device_count", None)
-    if dev.index is not None and callable(count) and dev.index >= count():
-        n = count()
-        raise ValueError(
-            f"{arg}={value!r} cannot be used in this process: torch.{kind}.device_count() is {n} "
-            f"(indices 0..{n - 1}); {expected}"
-        )
-    return dev
-
 
 def validate(
-    hidden: object,
-    weight: object,
-    labels: object,
-    temperature: object,
-    ignore_index: object,
-    return_entropy: object,
-    process_group: Any,
-    vocab_start: object,
-    vocab_size: object,
-    reduce_hidden_grad: object,
-    check_labels: object,
-    softcap: object,
-    pending: Pending | None = None,
+    req: HeadRequest, pending: Pending | None = None
 ) -> tuple[HeadCall, tuple[int, ...], int, torch.device, torch.dtype, str | None]:
-    """Check a call against the contract, reading each tensor property once (it runs every step).
+    """Check a head request against the contract, reading each tensor property once (it runs
+    every step), the further outputs asked for included (``with_outputs``).
 
-    Returns the backend's 2-D call, the labels' shape (a torch.Size), N, the device and dtype the
-    backend runs on, and the device type whose autocast is on (None: off), so the caller reads
-    none of them again. The value checks (label range, per-token temperatures) go to ``pending``
-    when given, else are read at once.
+    Returns the backend's 2-D call, the labels' shape (a torch.Size for a plain call, a tuple
+    with further outputs), N, the device and dtype the backend runs on, and the device type whose
+    autocast is on (None: off), so the caller reads none of them again. The value checks (label
+    range, ids, per-token temperatures) go to ``pending`` when given, else are read at once.
     """
-    h = hidden if hidden.__class__ in _PLAIN else _tensor("hidden", hidden)
-    w = weight if weight.__class__ in _PLAIN else _tensor("weight", weight)
-    y = labels if labels.__class__ in _PLAIN else _tensor("labels", labels)
-    if h.layout is not _STRIDED or w.layout is not _STRIDED or y.layout is not _STRIDED:
+    # The request's fields, read once (one unpacking: the per-step path's cheapest read).
+    (
+        hidden,
+        weight,
+        labels,
+        temperature,
+        ignore_index,
+        return_entropy,
+        process_group,
+        vocab_start,
+        vocab_size,
+        reduce_hidden_grad,
+        check_labels,
+        softcap,
+        top_k,
+        gather_ids,
+        lse,
+        p2,
+        amax,
+    ) = req
+    h = hidden if hidden.__class__ in PLAIN else tensor_arg("hidden", hidden)
+    w = weight if weight.__class__ in PLAIN else tensor_arg("weight", weight)
+    y = labels if labels.__class__ in PLAIN else tensor_arg("labels", labels)
+    if h.layout is not STRIDED or w.layout is not STRIDED or y.layout is not STRIDED:
         for arg, t in (("hidden", h), ("weight", w), ("labels", y)):
-            _tensor(arg, t)
+            tensor_arg(arg, t)
     if h.is_nested or w.is_nested or y.is_nested:  # a nested tensor has no sizes to read
         for arg, t in (("hidden", h), ("weight", w), ("labels", y)):
-            _tensor(arg, t)
+            tensor_arg(arg, t)
     if return_entropy is True:
         outputs = _WITH_ENTROPY
     elif return_entropy is False:
         outputs = _LOG_PROBS_ONLY
     else:
-        _not_a_flag("return_entropy", return_entropy)
+        not_a_flag("return_entropy", return_entropy)
     if reduce_hidden_grad is not True and reduce_hidden_grad is not False:
-        _not_a_flag("reduce_hidden_grad", reduce_hidden_grad)
+        not_a_flag("reduce_hidden_grad", reduce_hidden_grad)
     if check_labels is not True and check_labels is not False:
-        _not_a_flag("check_labels", check_labels)
+        not_a_flag("check_labels", check_labels)
     if ignore_index.__class__ is not int:
-        ignore_index = _integer("ignore_index", ignore_index, "an int")
-    if not _INT64_MIN <= ignore_index <= _INT64_MAX:
+        ignore_index = integer("ignore_index", ignore_index, "an int")
+    if not INT64_MIN <= ignore_index <= INT64_MAX:
         raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
 
     hs, ws, ys = h.shape, w.shape, y.shape
@@ -298,12 +169,12 @@ def validate(
             )
         n = math.prod(ys)
     ydt = y.dtype
-    if ydt is not _I64 and ydt not in _INT_DTYPES:
-        _not_int64_exact("labels", ydt)
+    if ydt is not _I64 and ydt not in INT_DTYPES:
+        not_int64_exact("labels", ydt)
     hdt, wdt = h.dtype, w.dtype
-    if hdt not in _FLOAT_DTYPES:
+    if hdt not in FLOAT_DTYPES:
         raise TypeError(f"hidden must be float32, float16 or bfloat16, got dtype {hdt}")
-    if wdt is not hdt and wdt not in _FLOAT_DTYPES:
+    if wdt is not hdt and wdt not in FLOAT_DTYPES:
         raise TypeError(f"weight must be float32, float16 or bfloat16, got dtype {wdt}")
     dev = h.device
     wdev = w.device
@@ -314,7 +185,7 @@ def validate(
     ydev = y.device
     if ydev != dev:
         raise ValueError(f"labels must be on hidden's device {dev}, got {ydev}")
-    dev_type, known = _DEVICES.get(dev) or _device_entry(dev)
+    dev_type, known = DEVICES.get(dev) or device_entry(dev)
     cast = dev_type if known and _autocast_enabled(dev_type) else None
     if cast is not None:  # compute in the autocast dtype, like the matmul this replaces
         hdt = torch.get_autocast_dtype(cast)
@@ -325,7 +196,7 @@ def validate(
             f"weight {wdt}; cast one of them or call inside torch.autocast"
         )
     if (h.requires_grad or w.requires_grad) and _grad_enabled():  # what the backend will save
-        _no_inference_tensor(("hidden", h), ("weight", w))
+        no_inference_tensor(("hidden", h), ("weight", w))
 
     if process_group is None:
         if vocab_start is not None or vocab_size is not None:
@@ -334,11 +205,11 @@ def validate(
     else:
         start, size = _shard(process_group, V, vocab_start, vocab_size)
 
-    if temperature.__class__ is float and _LO <= temperature <= _HI:  # type: ignore[operator]
+    if temperature.__class__ is float and SCALAR_LO <= temperature <= SCALAR_HI:  # type: ignore[operator]
         temp: float | torch.Tensor = temperature  # type: ignore[assignment]
     else:
         temp = _temperature(temperature, y, dev, pending=pending, check=check_labels)
-    cap = None if softcap is None else _positive_float("softcap", softcap)
+    cap = None if softcap is None else positive_float("softcap", softcap)
 
     flat = y if nd == 2 else y.reshape(-1)
     if ydt is not _I64:
@@ -346,7 +217,7 @@ def validate(
     if not flat.is_contiguous():
         flat = flat.contiguous()
     if check_labels and n and dev_type != "meta":
-        flat = _check_label_range(flat, ignore_index, size, pending)
+        flat = check_label_range(flat, ignore_index, size, pending)
     # The tuple of the fields in _HEAD_CALL_FIELDS' order, without HeadCall's Python __new__.
     call: HeadCall = _new_tuple(
         HeadCall,
@@ -366,7 +237,10 @@ def validate(
             None,
         ),
     )
-    return call, ys, n, dev, hdt, cast
+    if top_k is None and gather_ids is None and lse is False and p2 is False and amax is False:
+        return call, ys, n, dev, hdt, cast
+    shape = tuple(ys)  # messages show it as a tuple
+    return with_outputs(call, shape, req, pending), shape, n, dev, hdt, cast
 
 
 _WITH_ENTROPY = frozenset({"log_probs", "entropy"})
@@ -409,11 +283,11 @@ def _temperature(
     ``pending``'s, or under ``torch.compile`` an op of the graph). ``check=False`` is the opt-out
     CUDA graphs need; the values then reach the backend unchecked (a bad one gives its row wrong values).
     """
-    if value.__class__ is float and _LO <= value <= _HI:  # type: ignore[operator]
+    if value.__class__ is float and SCALAR_LO <= value <= SCALAR_HI:  # type: ignore[operator]
         return value  # type: ignore[return-value]
     if not isinstance(value, torch.Tensor):
-        return _positive_float(arg, value)
-    t = _tensor(arg, value)
+        return positive_float(arg, value)
+    t = tensor_arg(arg, value)
     if not t.is_floating_point():
         raise TypeError(f"{arg} tensor must be floating point, got dtype {t.dtype}")
     if t.device != device:
@@ -432,37 +306,18 @@ def _temperature(
     t = t.detach().reshape(-1).to(torch.float32).contiguous()
     if check and t.numel() and t.device.type != "meta":
         if torch.compiler.is_compiling():
-            checked: torch.Tensor = _temperature_checked(t, arg)  # the check below, in the graph
+            checked: torch.Tensor = temperature_checked(t, arg)  # the check below, in the graph
             return checked
-        _check_temperature_values(t, arg, pending)
+        check_temperature_values(t, arg, pending)
     return t
-
-
-def _check_temperature_values(t: torch.Tensor, arg: str, pending: Pending | None = None) -> None:
-    """Every per-token temperature in ``SCALAR_RANGE`` (so finite and > 0; one device-to-host
-    read, or ``pending``'s)."""
-    bad = ~((t >= _LO) & (t <= _HI)).all()  # NaN fails both comparisons
-    if pending is not None:
-        pending.add(bad, _raise_bad_temperature, arg, t)
-    elif bool(bad):
-        _raise_bad_temperature(arg, t)
-
-
-def _raise_bad_temperature(arg: str, t: torch.Tensor) -> NoReturn:
-    bad = ~((t >= _LO) & (t <= _HI))
-    idx = int(bad.nonzero()[0, 0])
-    raise ValueError(
-        f"{arg} tensor must hold finite values > 0 {_RANGE_TEXT}, got {float(t[idx])} (as fp32) "
-        f"at flat position {idx} ({int(bad.sum())} value(s) out of range)"
-    )
 
 
 def _vocab_ints(vocab_start: object, vocab_size: object) -> tuple[int | None, int | None]:
     """``vocab_start`` and ``vocab_size``: each an int (not a bool; a NumPy integer as its int)
     or None."""
     return (
-        None if vocab_start is None else _integer("vocab_start", vocab_start, "an int or None"),
-        None if vocab_size is None else _integer("vocab_size", vocab_size, "an int or None"),
+        None if vocab_start is None else integer("vocab_start", vocab_start, "an int or None"),
+        None if vocab_size is None else integer("vocab_size", vocab_size, "an int or None"),
     )
 
 
@@ -496,7 +351,7 @@ def _shard(group: Any, v_local: int, vocab_start: object, vocab_size: object) ->
     start = rank * v_local if vocab_start is None else vocab_start
     size = world * v_local if vocab_size is None else vocab_size
     assert isinstance(start, int) and isinstance(size, int)
-    if size > _INT64_MAX:
+    if size > INT64_MAX:
         raise ValueError(f"vocab_size must fit in int64 (global ids are int64), got {size}")
     if start < 0 or start + v_local > size:
         raise ValueError(
@@ -505,42 +360,10 @@ def _shard(group: Any, v_local: int, vocab_start: object, vocab_size: object) ->
     return start, size
 
 
-def _check_label_range(
-    labels: torch.Tensor, ignore_index: int, vocab_size: int, pending: Pending | None = None
-) -> torch.Tensor:
-    """One device-to-host read (or ``pending``'s); the first offending position is named. Returns
-    ``labels`` (under torch.compile, the checked copy from the graph's op: see ``_labels_checked``)."""
-    if torch.compiler.is_compiling():
-        checked: torch.Tensor = _labels_checked(labels, ignore_index, vocab_size)
-        return checked
-    bad = _bad_labels(labels, ignore_index, vocab_size)
-    if pending is not None:
-        pending.add(bad.any(), _raise_bad_labels, labels, bad, ignore_index, vocab_size)
-    elif bool(bad.any()):
-        _raise_bad_labels(labels, bad, ignore_index, vocab_size)
-    return labels
-
-
-def _bad_labels(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> torch.Tensor:
-    return (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
-
-
-def _raise_bad_labels(
-    labels: torch.Tensor, bad: torch.Tensor, ignore_index: int, vocab_size: int
-) -> NoReturn:
-    idx = int(bad.nonzero()[0, 0])
-    count = int(bad.sum())
-    raise ValueError(
-        f"labels must be in [0, {vocab_size}) or ignore_index={ignore_index}, got {int(labels[idx])} "
-        f"at flat position {idx} ({count} label(s) out of range); pass check_labels=False to skip "
-        "this check (such rows then give NaN)"
-    )
-
-
 def _top_k(value: object, vocab_size: int) -> int:
     if value is None:
         return 0
-    value = _integer("top_k", value, "an int or None")
+    value = integer("top_k", value, "an int or None")
     if not 1 <= value <= vocab_size:
         raise ValueError(f"top_k must be in [1, vocab_size={vocab_size}] or None, got {value}")
     return value
@@ -556,9 +379,9 @@ def _gather_ids(
     """``gather_ids [..., K]`` as a contiguous int64 ``[N, K]``; ids in range where they count."""
     if value is None:
         return None
-    ids = _tensor("gather_ids", value)
-    if ids.dtype not in _INT_DTYPES:
-        _not_int64_exact("gather_ids", ids.dtype)
+    ids = tensor_arg("gather_ids", value)
+    if ids.dtype not in INT_DTYPES:
+        not_int64_exact("gather_ids", ids.dtype)
     if ids.dim() != len(shape) + 1 or tuple(ids.shape[:-1]) != shape or ids.shape[-1] < 1:
         raise ValueError(
             f"gather_ids must have the labels' shape {shape} plus a last dimension K >= 1, got "
@@ -571,169 +394,33 @@ def _gather_ids(
     flat = ids.reshape(-1, ids.shape[-1]).to(torch.int64).contiguous()
     if do_check and flat.numel() and flat.device.type != "meta":
         if torch.compiler.is_compiling():  # the check below, as an op of the graph
-            checked: torch.Tensor = _gather_ids_checked(
+            checked: torch.Tensor = gather_ids_checked(
                 flat, call.labels, call.ignore_index, call.vocab_size
             )
             return checked
-        _check_gather_range(flat, call.labels, call.ignore_index, call.vocab_size, pending)
+        check_gather_range(flat, call.labels, call.ignore_index, call.vocab_size, pending)
     return flat
 
 
-def _check_gather_range(
-    flat: torch.Tensor,
-    labels: torch.Tensor,
-    ignore_index: int,
-    vocab_size: int,
-    pending: Pending | None = None,
-) -> None:
-    """The ids that count (scored rows, not ignore_index) in range: one device-to-host read, or
-    ``pending``'s."""
-    counted = (labels != ignore_index).unsqueeze(1) & (flat != ignore_index)
-    bad = counted & ((flat < 0) | (flat >= vocab_size))
-    if pending is not None:
-        pending.add(bad.any(), _raise_bad_ids, flat, bad, ignore_index, vocab_size)
-    elif bool(bad.any()):
-        _raise_bad_ids(flat, bad, ignore_index, vocab_size)
-
-
-def _raise_bad_ids(
-    flat: torch.Tensor, bad: torch.Tensor, ignore_index: int, vocab_size: int
-) -> NoReturn:
-    row, col = (int(i) for i in bad.nonzero()[0])
-    raise ValueError(
-        f"gather_ids must be in [0, {vocab_size}) or ignore_index={ignore_index} "
-        f"on scored rows, got {int(flat[row, col])} at flat row {row}, position {col} "
-        f"({int(bad.sum())} id(s) out of range); pass check_labels=False to skip this "
-        "check (such ids then give NaN)"
-    )
-
-
-class Pending:
-    """A call's value checks (label and id ranges, per-token temperatures), read by the host in
-    one go.
-
-    Each check adds its flag, computed where the tensors are. On CUDA, ``send`` (just before the
-    backend's ``forward``) copies the flags to pinned host memory behind an event, and ``settle``
-    (after ``forward`` has queued the head's kernels) waits for that event only, then raises the
-    first failed check's error, so the GPU never idles while the host waits for a check. That is
-    safe because a backend must be memory-safe on out-of-range values anyway (``check_labels=False``
-    gives NaN rows). Elsewhere ``send`` reads the flags at once, before the backend sees the call.
-    """
-
-    __slots__ = ("_checks", "_event", "_host")
-
-    def __init__(self) -> None:
-        self._checks: list[tuple[torch.Tensor, Callable[..., NoReturn], tuple[Any, ...]]] = []
-        self._host: torch.Tensor | None = None
-        self._event: Any = None
-
-    def add(self, bad: torch.Tensor, raiser: Callable[..., NoReturn], *args: Any) -> None:
-        """A 0-d bool ``bad``; ``raiser(*args)`` raises the check's error when it is set."""
-        self._checks.append((bad, raiser, args))
-
-    def send(self) -> None:
-        """Start the flags' one read (CUDA: queued behind an event), or raise now (elsewhere)."""
-        checks = self._checks
-        if not checks:
-            return
-        flags = checks[0][0] if len(checks) == 1 else torch.stack([c[0] for c in checks])
-        if flags.device.type != "cuda":
-            self._host = flags
-            self.settle()
-            return
-        if torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                "check_labels=True checks the label range (and any gather_ids and per-token "
-                "temperature tensor) by a device-to-host read, which CUDA-graph capture forbids; "
-                "inside a captured region pass check_labels=False (it skips all three value checks)"
-            )
-        self._host = flags.to("cpu", non_blocking=True)
-        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._event.record(torch.cuda.current_stream(flags.device))
-
-    def settle(self) -> None:
-        """Wait for the flags (not for the head's kernels) and raise the first failed check's error."""
-        host = self._host
-        if host is None:
-            return
-        self._host = None
-        if self._event is not None:
-            self._event.synchronize()
-        failed = host.tolist()
-        for bad, (_, raiser, args) in zip(
-            failed if isinstance(failed, list) else [failed], self._checks, strict=True
-        ):
-            if bad:
-                raiser(*args)
-
-
-# While torch.compile traces, a check cannot read a tensor's values: that is a data-dependent
-# branch, which breaks the graph. Each check above is then one opaque custom op whose kernel is
-# the eager check, so a compiled step raises the very same ValueError (and pays the same host
-# sync). The op hands its input back as a copy that the call goes on with: an op whose output
-# nothing reads would be dropped from the graph as dead code. (``torch._assert_async`` is no
-# substitute: inductor's CPU kernels throw its error inside OpenMP regions, which aborts.)
-
-
-@torch.library.custom_op("fusedhead::check_labels", mutates_args=())
-def _labels_checked(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> torch.Tensor:
-    """``_check_label_range`` in a compiled graph; a copy of ``labels``."""
-    _check_label_range(labels, ignore_index, vocab_size)
-    return labels.clone()
-
-
-@torch.library.custom_op("fusedhead::check_temperature", mutates_args=())
-def _temperature_checked(t: torch.Tensor, arg: str) -> torch.Tensor:
-    """``_check_temperature_values`` in a compiled graph; a copy of ``t``."""
-    _check_temperature_values(t, arg)
-    return t.clone()
-
-
-@torch.library.custom_op("fusedhead::check_gather_ids", mutates_args=())
-def _gather_ids_checked(
-    flat: torch.Tensor, labels: torch.Tensor, ignore_index: int, vocab_size: int
-) -> torch.Tensor:
-    """``_check_gather_range`` in a compiled graph; a copy of ``flat``."""
-    _check_gather_range(flat, labels, ignore_index, vocab_size)
-    return flat.clone()
-
-
-@_labels_checked.register_fake
-@_temperature_checked.register_fake
-@_gather_ids_checked.register_fake
-def _checked_copy(t: torch.Tensor, *_: object) -> torch.Tensor:
-    """What the three ops give while tracing: a tensor like their first input."""
-    return torch.empty_like(t)
+#: Each flag of a ``HeadRequest`` that asks for an output, and the output's name in ``HeadCall``.
+FLAG_OUTPUTS = (("return_lse", "lse"), ("return_sum_p2", "sum_p2"), ("return_argmax", "argmax"))
 
 
 def with_outputs(
-    call: HeadCall,
-    shape: tuple[int, ...],
-    *,
-    top_k: object = None,
-    gather_ids: object = None,
-    return_lse: object = False,
-    return_sum_p2: object = False,
-    return_argmax: object = False,
-    check_labels: object = True,
-    pending: Pending | None = None,
+    call: HeadCall, shape: tuple[int, ...], req: HeadRequest, pending: Pending | None = None
 ) -> HeadCall:
-    """``call`` with the further outputs asked for (top-k, gather, lse, sum_p2, argmax) validated;
-    the ids' range check goes to ``pending`` when given (``validate``'s)."""
+    """``call`` with the further outputs ``req`` asks for (top-k, gather, lse, sum_p2, argmax)
+    validated; the ids' range check goes to ``pending`` when given (``validate``'s)."""
 
     outputs = set(call.outputs)
-    for arg, flag, name in (
-        ("return_lse", return_lse, "lse"),
-        ("return_sum_p2", return_sum_p2, "sum_p2"),
-        ("return_argmax", return_argmax, "argmax"),
-    ):
-        if _flag(arg, flag):
+    for arg, name in FLAG_OUTPUTS:
+        if flag_arg(arg, getattr(req, arg)):
             outputs.add(name)
-    k = _top_k(top_k, call.vocab_size)
+    k = _top_k(req.top_k, call.vocab_size)
     if k:
         outputs.add("topk")
-    do_check = _flag("check_labels", check_labels)
-    ids = _gather_ids(gather_ids, shape, call, do_check, pending)
+    do_check = flag_arg("check_labels", req.check_labels)
+    ids = _gather_ids(req.gather_ids, shape, call, do_check, pending)
     if ids is not None:
         outputs.add("gather")
     if outputs == call.outputs:
@@ -762,19 +449,19 @@ def validate_kl(
     """Check a two-head KL call: the backend's 2-D call and the rows' shape (``check``: read
     and check per-token temperatures' values, as ``_temperature`` does)."""
 
-    h = _tensor("hidden", hidden)
-    w = _tensor("weight", weight)
-    th = _tensor("teacher_hidden", teacher_hidden)
-    tw = _tensor("teacher_weight", teacher_weight)
-    check = _flag("check_labels", check)  # a truthy str or 0 must not pick a check silently
+    h = tensor_arg("hidden", hidden)
+    w = tensor_arg("weight", weight)
+    th = tensor_arg("teacher_hidden", teacher_hidden)
+    tw = tensor_arg("teacher_weight", teacher_weight)
+    check = flag_arg("check_labels", check)  # a truthy str or 0 must not pick a check silently
     if not isinstance(direction, str) or direction not in KL_DIRECTIONS:
         raise ValueError(
             f"direction must be one of {list(KL_DIRECTIONS)} (forward: KL(p_teacher || p_student), "
             f"reverse: KL(p_student || p_teacher)), got {direction!r}"
         )
     if ignore_index.__class__ is not int:
-        ignore_index = _integer("ignore_index", ignore_index, "an int")
-    if not _INT64_MIN <= ignore_index <= _INT64_MAX:
+        ignore_index = integer("ignore_index", ignore_index, "an int")
+    if not INT64_MIN <= ignore_index <= INT64_MAX:
         raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
     for arg, t in (("hidden", h), ("teacher_hidden", th)):
         if t.dim() < 1:
@@ -803,14 +490,14 @@ def validate_kl(
             f"teacher_hidden must have hidden's leading shape {shape}, got {tuple(th.shape[:-1])}"
         )
     for arg, t in (("hidden", h), ("weight", w), ("teacher_hidden", th), ("teacher_weight", tw)):
-        if t.dtype not in _FLOAT_DTYPES:
+        if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{arg} must be float32, float16 or bfloat16, got dtype {t.dtype}")
         if t.device != h.device:
             raise ValueError(f"{arg} must be on hidden's device {h.device}, got {t.device}")
     h, w = _apply_autocast(h, w, h.device.type)
     th, tw = _apply_autocast(th, tw, th.device.type, ("teacher_hidden", "teacher_weight"))
     if (h.requires_grad or w.requires_grad) and torch.is_grad_enabled():  # what is saved
-        _no_inference_tensor(
+        no_inference_tensor(
             ("hidden", h), ("weight", w), ("teacher_hidden", th), ("teacher_weight", tw)
         )
     if th.dtype != h.dtype:
@@ -822,13 +509,13 @@ def validate_kl(
         rows = torch.zeros(shape, dtype=torch.int64, device=h.device)
         valid = torch.ones(math.prod(shape), dtype=torch.bool, device=h.device)
     else:
-        rows = _tensor("labels", labels)
+        rows = tensor_arg("labels", labels)
         if tuple(rows.shape) != shape:
             raise ValueError(
                 f"labels must have hidden's leading shape {shape}, got {tuple(rows.shape)}"
             )
-        if rows.dtype not in _INT_DTYPES:
-            _not_int64_exact("labels", rows.dtype)
+        if rows.dtype not in INT_DTYPES:
+            not_int64_exact("labels", rows.dtype)
         if rows.device != h.device:
             raise ValueError(f"labels must be on hidden's device {h.device}, got {rows.device}")
         flat = rows.reshape(-1)
@@ -846,137 +533,9 @@ def validate_kl(
             teacher_temperature, rows, h.device, "teacher_temperature", check=check
         ),
         direction=direction,
-        softcap=None if softcap is None else _positive_float("softcap", softcap),
+        softcap=None if softcap is None else positive_float("softcap", softcap),
         teacher_softcap=(
-            None if teacher_softcap is None else _positive_float("teacher_softcap", teacher_softcap)
+            None if teacher_softcap is None else positive_float("teacher_softcap", teacher_softcap)
         ),
     )
     return call, shape
-
-
-# --- vocab-parallel: the shards' union against vocab_size, carried in a backend's collective -----
-
-#: Each shard bound (vocab_start, width, vocab_size: int64) travels as ``_SHARD_CHUNKS`` chunks of
-#: ``_SHARD_BITS`` bits, each exact in fp32 and summed only with zeros, so the bits come back whole.
-_SHARD_BITS = 21
-_SHARD_CHUNKS = 3
-#: Floats a rank's shard takes in a collective (see ``shard_slots``).
-SHARD_FLOATS = 3 * _SHARD_CHUNKS
-#: Shard layouts verified on CUDA, by (group id, vocab_start, width, vocab_size) (see
-#: ``check_shards``).
-_VERIFIED_SHARDS: set[tuple[int, int, int, int]] = set()
-
-
-def shard_slots(start: int, width: int, size: int) -> list[float]:
-    """This rank's shard ``[start, start + width)`` of ``size`` as ``SHARD_FLOATS`` floats, for a
-    backend to carry in a collective it makes anyway (gathered, or summed in a one-hot slot)."""
-    mask = (1 << _SHARD_BITS) - 1
-    return [
-        float((value >> (_SHARD_BITS * i)) & mask)
-        for value in (start, width, size)
-        for i in range(_SHARD_CHUNKS)
-    ]
-
-
-def _shard_ints(row: list[float]) -> tuple[int, int, int]:
-    out = []
-    for j in range(3):
-        chunks = row[j * _SHARD_CHUNKS : (j + 1) * _SHARD_CHUNKS]
-        out.append(sum(int(c) << (_SHARD_BITS * i) for i, c in enumerate(chunks)))
-    return out[0], out[1], out[2]
-
-
-def gathered_shards(layout: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Each rank's ``(vocab_start, width, vocab_size)`` from a gathered ``layout`` (one host read)."""
-    return [_shard_ints(r) for r in layout.reshape(-1, SHARD_FLOATS).tolist()]
-
-
-def shards_need_check(group: Any, start: int, width: int, size: int, device: torch.device) -> bool:
-    """Whether ``check_shards`` should read this call's gathered layout: always on the CPU (the
-    values are in host memory already); on CUDA, where reading them waits for the collective, the
-    first time this rank sees (group, vocab_start, width, vocab_size)."""
-    return device.type != "cuda" or (id(group), start, width, size) not in _VERIFIED_SHARDS
-
-
-def check_shards(
-    layout: torch.Tensor, rank: int, group: Any, start: int, width: int, size: int
-) -> None:
-    """Every rank's shard (``layout [world, SHARD_FLOATS]``, each row ``shard_slots``' of that
-    rank) against ``vocab_size``: all ranks give one vocab_size, and their shards, none
-    overlapping another, cover ``[0, vocab_size)``. Each rank reads the same layout, so on a bad
-    one every rank raises the same ``ValueError`` (naming its own shard too)."""
-    shards = gathered_shards(layout)  # the one host read
-    shown = ", ".join(f"rank {r}: [{a}, {a + w}) of {s}" for r, (a, w, s) in enumerate(shards))
-    mine = f"this rank ({rank}) passed vocab_start={start}, {width} local rows, vocab_size={size}"
-    sizes = {s for _, _, s in shards}
-    if len(sizes) != 1:
-        raise ValueError(
-            f"vocab_size must be the same on every rank of process_group, got {sorted(sizes)} "
-            f"({shown}); {mine}"
-        )
-    covered = 0
-    gaps: list[str] = []
-    for a, w, _ in sorted((a, w, s) for a, w, s in shards if w):
-        if a < covered:
-            raise ValueError(
-                f"the vocabulary shards of process_group overlap at id {a} ({shown}): each id "
-                f"must lie in exactly one rank's shard; {mine}"
-            )
-        if a > covered:
-            gaps.append(f"[{covered}, {a})")
-        covered = a + w
-    if covered < size:
-        gaps.append(f"[{covered}, {size})")
-    if gaps:
-        raise ValueError(
-            f"vocab_size={size} is larger than the union of the shards of process_group, which "
-            f"leaves the ids {', '.join(gaps)} in no shard ({shown}): pass the vocab_size the "
-            f"shards cover, or shards that cover vocab_size; {mine}"
-        )
-    if layout.device.type == "cuda":
-        _VERIFIED_SHARDS.add((id(group), start, width, size))
-
-
-_SHARD_TENSORS: dict[tuple[Any, ...], torch.Tensor] = {}
-
-
-def shard_slots_tensor(
-    start: int, width: int, size: int, device: torch.device, world: int = 1, rank: int = 0
-) -> torch.Tensor:
-    """fp32 ``[world, SHARD_FLOATS]``: zeros but for row ``rank``, this rank's ``shard_slots``
-    (``world=1``: the row alone, to gather). Made once per shard and device, never written to
-    (a backend copies it into the buffer of its collective)."""
-    key = (start, width, size, device, world, rank)
-    t = _SHARD_TENSORS.get(key)
-    if t is None:
-        t = torch.zeros((world, SHARD_FLOATS), dtype=torch.float32)
-        t[rank] = torch.tensor(shard_slots(start, width, size), dtype=torch.float32)
-        t = _SHARD_TENSORS[key] = t.to(device)
-    return t
-
-
-def grid_shards(vocab_size: int, world: int, grid: int) -> list[tuple[int, int]]:
-    """``(vocab_start, rows)`` of each of ``world`` ranks: whole tiles of ``grid`` columns, as
-    even as they go (the first ranks one tile more), the last shard ending at ``vocab_size``.
-
-    Every shard starts on a multiple of ``grid``: a backend declaring ``degree_invariant`` with
-    that ``vocab_grid`` gives the one-process bits on this layout (docs/vocab-parallel.md). Equal
-    shards are this layout exactly when ``vocab_size / world`` is a multiple of ``grid``. Ranks
-    past the last tile get empty shards (which ``fused_head`` refuses: use fewer ranks than tiles).
-    """
-    for name, value, least in (
-        ("vocab_size", vocab_size, 0),
-        ("world", world, 1),
-        ("grid", grid, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-    tiles = -(-vocab_size // grid)
-    base, extra = divmod(tiles, world)
-    out: list[tuple[int, int]] = []
-    start = 0
-    for rank in range(world):
-        stop = min(vocab_size, start + (base + (rank < extra)) * grid)
-        out.append((start, stop - start))
-        start = stop
-    return out

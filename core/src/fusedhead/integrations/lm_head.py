@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput, cached_head
+from fusedhead.checks import dtype_name, is_dtensor
 from fusedhead.config import FusedHeadConfig
 from fusedhead.module import FusedLMHead, call_in_forward, head_forward, owned, run_as_forward
 from fusedhead.policy import PolicyLossOutput
-from fusedhead.validation import dtype_name, is_dtensor
 
 __all__ = [
     "SPEC_PREFIX",
@@ -202,9 +202,10 @@ def lm_head_logprobs(
     weight_of = _check_lm_head(lm_head)
     _check_inputs(hidden, labels, ignore_index, return_entropy, select_rows, in_call)
     _check_gather_ids(gather_ids, labels)
-    for arg, value in (("return_sum_p2", return_sum_p2), ("return_argmax", return_argmax)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
+    # The output flags asked for, as given (validate names a non-bool). Not read from locals():
+    # Dynamo refuses locals() where a closure's cells are not yet set.
+    asked = (("return_sum_p2", return_sum_p2), ("return_argmax", return_argmax))
+    flags = {arg: value for arg, value in asked if value is not False}
     scale = _logit_scale(logit_scale)
     if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
         raise TypeError(
@@ -225,11 +226,8 @@ def lm_head_logprobs(
         "ignore_index": ignore_index,
         "return_entropy": return_entropy,
         "softcap": softcap,
+        **flags,
     }
-    if return_sum_p2:
-        kwargs["return_sum_p2"] = True
-    if return_argmax:
-        kwargs["return_argmax"] = True
 
     flat_gather = None if gather_ids is None else gather_ids.reshape(flat_labels.shape[0], -1)
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fusedhead.errors import BackendUnavailableError
 from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
-from fusedhead.validation import (
+from fusedhead.shards import (
     check_shards,
     gathered_shards,
     shard_slots_tensor,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from fusedhead_torch.backend import TorchBackend, TorchOptions
+from fusedhead_torch.backend import TorchBackend
+from fusedhead_torch.options import TorchOptions
 
 __all__ = ["TorchBackend", "TorchOptions"]
 __version__ = "1.0.0"

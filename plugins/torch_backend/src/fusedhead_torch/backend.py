@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel
 
 from fusedhead.errors import BackendUnavailableError
 from fusedhead.protocol import (
@@ -19,6 +19,13 @@ from fusedhead.protocol import (
 )
 from fusedhead_torch.chunked import ChunkedFusedHead, HeadSpec
 from fusedhead_torch.kl import KL_DIRECTIONS, forward_kl
+from fusedhead_torch.options import (
+    TorchOptions,
+    backward_tiles,
+    forward_tiles,
+    fp32_logits,
+    workspace_bytes,
+)
 from fusedhead_torch.outputs import (
     EXTRA_OUTPUTS,
     MAX_TOP_K,
@@ -28,65 +35,11 @@ from fusedhead_torch.outputs import (
 from fusedhead_torch.policy import chunk_rows, policy_loss
 from fusedhead_torch.rowstats import MAX_GRID_VOCAB
 from fusedhead_torch.tile_math import _mm_out_dtype_works
-from fusedhead_torch.tiling import GRID_COLS, Tiles, plan_forward_tiles, plan_tiles, skips_rows
+from fusedhead_torch.tiling import GRID_COLS, Tiles, skips_rows
 
-#: Default workspace for the logit tiles, per device type, in MiB. CUDA: 12 vocabulary blocks at
-#: N=8192, V=151936 in bf16 (wider blocks gain little, see tools/gpu_tune.py). CPU: small enough
-#: that each GEMM output stays under glibc's 32 MiB mmap ceiling, whose freed heap the process
-#: otherwise keeps resident (peak extra ~170 MiB at N=2048, V=32000, H=1024 fp32: 14% of full
-#: logits); larger budgets were at most ~10% faster there.
-DEFAULT_WORKSPACE_MIB = {"cuda": 1024, "cpu": 32}
-#: bf16/fp16 logits GEMMs write fp32 unless ``fp32_logits=False`` (measured: plugin README).
-DEFAULT_FP32_LOGITS = True
 SUPPORTED_DEVICES = ("cpu", "cuda")
 SUPPORTED_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _BASIC_OUTPUTS = frozenset({"log_probs", "entropy"})
-
-
-class TorchOptions(BaseModel):
-    """Tiling of the ``[N, V]`` logits. Explicit sizes win; the workspace budget fills in the rest."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    workspace_mib: PositiveInt | None = Field(
-        default=None,
-        description="Bound on the fp32/input-dtype buffers of one logit tile, in MiB "
-        "(default: 1024 on CUDA, 32 on the CPU).",
-    )
-    block_vocab: PositiveInt | None = Field(
-        default=None,
-        description="Vocabulary columns per block of the backward (default: from the workspace); "
-        "the forward walks the fixed 1024-column grid (docs/vocab-parallel.md).",
-    )
-    chunk_rows: PositiveInt | None = Field(
-        default=None,
-        description="Rows per chunk (default: all rows, unless a block would get too narrow).",
-    )
-    skip_ignored_rows: bool | None = Field(
-        default=None,
-        description="Leave rows whose label is ignore_index out of every GEMM (they give 0 "
-        "anyway). Finding them costs a device-to-host sync, so the default is on for the CPU "
-        "and off for CUDA (CUDA graphs); under torch.compile they are always masked instead.",
-    )
-    fp32_logits: bool | None = Field(
-        default=None,
-        description="bf16/fp16 inputs: the logits GEMMs accumulate and write fp32 (torch.mm "
-        "with out_dtype=float32 on CUDA, upcast operands elsewhere) instead of rounding the "
-        "logits to the input dtype. Default: on (see the plugin README for time and memory).",
-    )
-    compile_policy: bool | None = Field(
-        default=None,
-        description="The policy loss's per-chunk elementwise work through torch.compile (two "
-        "fused passes instead of about ten; no softcap). Default: on for CUDA, off elsewhere "
-        "(the first call compiles, some seconds).",
-    )
-
-
-def _bytes_per_element(dtype: torch.dtype, softcap: float | None) -> int:
-    """Workspace bytes per tile element: the GEMM output plus the fp32 buffers of the worse pass."""
-    fp32 = dtype == torch.float32
-    base = 8 if fp32 else 2 + 8  # fp32 tiles are worked in place; others add two fp32 buffers
-    return base + (8 if softcap is not None else 0)  # a softcap's tanh and its derivative
 
 
 class TorchBackend:
@@ -124,8 +77,7 @@ class TorchBackend:
 
     def fp32_logits(self, device: torch.device) -> bool:
         """Whether bf16/fp16 logits are accumulated and written in fp32 on ``device``."""
-        opt = self.options.fp32_logits
-        return DEFAULT_FP32_LOGITS if opt is None else opt
+        return fp32_logits(self.options, device)
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         """Raise ``BackendUnavailableError`` if ``device``/``dtype`` cannot run here."""
@@ -152,33 +104,13 @@ class TorchBackend:
         self, n: int, v: int, dtype: torch.dtype, device: torch.device, softcap: float | None = None
     ) -> Tiles:
         """The tiles a call with ``n`` rows and ``v`` local vocabulary columns walks."""
-        opts = self.options
-        mib = opts.workspace_mib or DEFAULT_WORKSPACE_MIB.get(
-            device.type, DEFAULT_WORKSPACE_MIB["cpu"]
-        )
-        return plan_tiles(
-            n,
-            v,
-            bytes_per_element=_bytes_per_element(dtype, softcap),
-            budget_bytes=mib << 20,
-            chunk_rows=opts.chunk_rows,
-            block_vocab=opts.block_vocab,
-        )
+        return backward_tiles(self.options, n, v, dtype, device, softcap)
 
     def forward_tiles(
         self, n: int, v: int, dtype: torch.dtype, device: torch.device, softcap: float | None = None
     ) -> Tiles:
         """The forward's tiles: ``GRID_COLS`` columns each (the vocabulary grid), rows as budgeted."""
-        mib = self.options.workspace_mib or DEFAULT_WORKSPACE_MIB.get(
-            device.type, DEFAULT_WORKSPACE_MIB["cpu"]
-        )
-        return plan_forward_tiles(
-            n,
-            v,
-            bytes_per_element=_bytes_per_element(dtype, softcap),
-            budget_bytes=mib << 20,
-            chunk_rows=self.options.chunk_rows,
-        )
+        return forward_tiles(self.options, n, v, dtype, device, softcap)
 
     def forward(self, call: HeadCall) -> HeadOutput:
         """fp32 ``log_probs [N]`` and ``entropy [N]`` (or None), differentiable in hidden/weight."""
@@ -188,7 +120,7 @@ class TorchBackend:
                 f"tiles takes vocabularies below {MAX_GRID_VOCAB} columns, got {call.vocab_size}"
             )
         if not call.outputs <= _BASIC_OUTPUTS:  # top-k, gather, lse, sum_p2, argmax: outputs.py
-            return forward_outputs(self, call)
+            return forward_outputs(self.options, call)
         hidden, weight, labels = call.hidden, call.weight, call.labels
         temperature, ignore_index, softcap = call.temperature, call.ignore_index, call.softcap
         return_entropy = call.return_entropy
@@ -238,19 +170,16 @@ class TorchBackend:
 
     def kl(self, call: KLCall) -> KLOutput:
         """Per-token KL between the student and the teacher head (fusedhead_torch.kl)."""
-        return forward_kl(self, call)
+        return forward_kl(self.options, call)
 
     def policy_loss(self, call: PolicyLossCall) -> PolicyLossResult:
         """The policy loss's statistics and gradients in three matmuls per row chunk."""
         head = call.head
         device = head.hidden.device
-        mib = self.options.workspace_mib or DEFAULT_WORKSPACE_MIB.get(
-            device.type, DEFAULT_WORKSPACE_MIB["cpu"]
-        )
         rows = chunk_rows(
             head.weight.shape[0],
             head.hidden.dtype,
-            mib << 20,
+            workspace_bytes(self.options, device),
             head.softcap is not None,
             self.options.chunk_rows,
         )

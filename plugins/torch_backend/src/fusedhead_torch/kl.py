@@ -26,6 +26,7 @@ import torch
 from fusedhead.protocol import KLCall, KLOutput
 from fusedhead_torch.chunked import first_order
 from fusedhead_torch.grads import TileGrads
+from fusedhead_torch.options import fp32_logits, workspace_bytes
 from fusedhead_torch.tile_math import (
     FP32,
     Scaling,
@@ -37,7 +38,7 @@ from fusedhead_torch.tile_math import (
 from fusedhead_torch.tiling import Tiles, plan_tiles, skips_rows
 
 if TYPE_CHECKING:
-    from fusedhead_torch.backend import TorchBackend
+    from fusedhead_torch.options import TorchOptions
 
 KL_DIRECTIONS = ("forward", "reverse")
 #: Workspace bytes per tile element: two GEMM outputs (input dtype) and four fp32 buffers (the
@@ -272,7 +273,7 @@ def _inverse(
     return clamp_scale(1.0 / float(temperature))
 
 
-def forward_kl(backend: TorchBackend, call: KLCall) -> KLOutput:
+def forward_kl(options: TorchOptions, call: KLCall) -> KLOutput:
     """The per-token KL of ``call`` on the torch backend (ignored rows left out on the CPU)."""
     hs, ws_, ht, wt, valid = (
         call.hidden,
@@ -284,27 +285,25 @@ def forward_kl(backend: TorchBackend, call: KLCall) -> KLOutput:
     n = hs.shape[0]
     inv_s = _inverse(call.temperature, n, hs.device)
     inv_t = _inverse(call.teacher_temperature, n, hs.device)
-    keep = valid.nonzero().squeeze(1) if skips_rows(backend.options.skip_ignored_rows, hs) else None
+    keep = valid.nonzero().squeeze(1) if skips_rows(options.skip_ignored_rows, hs) else None
     if keep is not None and keep.numel() < n:
         hs, ht, valid = hs.index_select(0, keep), ht.index_select(0, keep), valid[keep]
         inv_s = inv_s.index_select(0, keep) if isinstance(inv_s, torch.Tensor) else inv_s
         inv_t = inv_t.index_select(0, keep) if isinstance(inv_t, torch.Tensor) else inv_t
     else:
         keep = None
-    opts = backend.options
-    mib = opts.workspace_mib or (1024 if hs.device.type == "cuda" else 32)
     tiles = plan_tiles(
         hs.shape[0],
         ws_.shape[0],
         bytes_per_element=_BYTES_PER_ELEMENT,
-        budget_bytes=mib << 20,
-        chunk_rows=opts.chunk_rows,
-        block_vocab=opts.block_vocab,
+        budget_bytes=workspace_bytes(options, hs.device),
+        chunk_rows=options.chunk_rows,
+        block_vocab=options.block_vocab,
     )
     spec = KLSpec(
         call.direction,
         tiles,
-        backend.fp32_logits(hs.device),
+        fp32_logits(options, hs.device),
         softcap=None if call.softcap is None else float(call.softcap),
         teacher_softcap=None if call.teacher_softcap is None else float(call.teacher_softcap),
     )

@@ -34,6 +34,7 @@ import torch
 from fusedhead.protocol import HeadCall, HeadOutput
 from fusedhead_torch.chunked import HeadSpec, LabelPlace, first_order
 from fusedhead_torch.grads import TileGrads
+from fusedhead_torch.options import backward_tiles, forward_tiles, fp32_logits
 from fusedhead_torch.parallel import all_gather_rows, all_reduce_sum_, all_reduce_tile_stats
 from fusedhead_torch.rowstats import RowStats, TileStats, combine_tiles
 from fusedhead_torch.tile_math import (
@@ -47,7 +48,7 @@ from fusedhead_torch.tile_math import (
 from fusedhead_torch.tiling import skips_rows
 
 if TYPE_CHECKING:
-    from fusedhead_torch.backend import TorchBackend
+    from fusedhead_torch.options import TorchOptions
 
 #: Outputs this module adds to the torch backend.
 EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "topk", "gather")
@@ -554,7 +555,7 @@ def _scatter_rows(t: torch.Tensor, keep: torch.Tensor | None, n: int, fill: int)
     return out.index_copy(0, keep, t)
 
 
-def forward_outputs(backend: TorchBackend, call: HeadCall) -> HeadOutput:
+def forward_outputs(options: TorchOptions, call: HeadCall) -> HeadOutput:
     """Every requested output of ``call`` on the torch backend, in one pass over the tiles."""
     if call.process_group is not None and not call.outputs <= frozenset(VOCAB_PARALLEL_OUTPUTS):
         raise ValueError(  # the core refuses these first (vocab_parallel_outputs)
@@ -572,7 +573,7 @@ def forward_outputs(backend: TorchBackend, call: HeadCall) -> HeadOutput:
         inv_t = 1.0 / float(call.temperature)
     keep = (
         (labels != call.ignore_index).nonzero().squeeze(1)
-        if skips_rows(backend.options.skip_ignored_rows, hidden)
+        if skips_rows(options.skip_ignored_rows, hidden)
         else None
     )
     if keep is not None and keep.numel() < n:
@@ -589,16 +590,16 @@ def forward_outputs(backend: TorchBackend, call: HeadCall) -> HeadOutput:
         ignore_index=int(call.ignore_index),
         return_entropy="entropy" in outputs,
         softcap=None if call.softcap is None else float(call.softcap),
-        tiles=backend.tiles(
-            hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device, call.softcap
+        tiles=backward_tiles(
+            options, hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device, call.softcap
         ),
         vocab_start=call.vocab_start,
         vocab_size=call.vocab_size,
-        fp32_logits=backend.fp32_logits(hidden.device),
+        fp32_logits=fp32_logits(options, hidden.device),
         process_group=call.process_group,
         reduce_hidden_grad=call.reduce_hidden_grad,
-        forward_tiles=backend.forward_tiles(
-            hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device, call.softcap
+        forward_tiles=forward_tiles(
+            options, hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device, call.softcap
         ),
     )
     spec = OutputSpec(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fusedhead.validation import check_shards, shard_slots_tensor, shards_need_check
+from fusedhead.shards import check_shards, shard_slots_tensor, shards_need_check
 from fusedhead_torch.rowstats import FP32, RowStats, TileStats, from_fixed
 
 
@@ -28,7 +28,7 @@ def all_reduce_row_stats(
     ``label_logit`` is the label's scaled logit on the rank that owns the label and 0 elsewhere.
     ``shard``: this rank's (vocab_start, local rows, vocab_size). Every rank's rides in the SUM
     all-reduce (``SHARD_FLOATS`` floats in its own slot), so each rank checks the shards' union
-    against vocab_size with no further collective (``fusedhead.validation.check_shards``).
+    against vocab_size with no further collective (``fusedhead.shards.check_shards``).
     """
     m = stats.m.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -53,7 +53,7 @@ def all_reduce_tile_stats(
     Two collectives: a MAX all-reduce of the row max (fp32 ``[N]``), then one int64 SUM
     all-reduce of the fixed-point sums (``[3 or 4, N]``), the label logit's bits (exactly one
     rank owns it, the others add 0) and each rank's shard in its own slot (``SHARD_FLOATS`` per
-    rank), which every rank checks against vocab_size (``fusedhead.validation.check_shards``).
+    rank), which every rank checks against vocab_size (``fusedhead.shards.check_shards``).
     Integer sums are exact, so the order the ranks are added in changes nothing.
     """
     m = stats.row_max().clone()

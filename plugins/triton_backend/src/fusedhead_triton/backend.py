@@ -21,17 +21,14 @@ from fusedhead.protocol import (
 )
 
 from .configs import (
+    GRID_COLS,
+    MAX_TOP_K,
     Settings,
     fitting_tile,
     interpret_enabled,
     settings_for,
     shared_memory_excess,
 )
-from .topk import MAX_TOP_K  # the running top-k set lives in registers; one shard only
-
-#: The vocabulary grid of ``degree_invariant`` (``launch.GRID_COLS``, kept here so that the
-#: capabilities do not import the kernels' module).
-GRID_COLS = 1024
 
 #: Smallest temperature computed to the declared precision. The backward forms each logit's
 #: ``z / T - lse`` in one fused multiply-add against the rounded ``lse``, so its error is about

@@ -72,6 +72,32 @@ class Settings:
         return Settings(forward, dz, dh, raw["memory"], raw["block_bytes"])
 
 
+#: Largest ``top_k`` (the selection's running set lives in registers: ``SELECT_ROWS x KP``;
+#: one shard only). Here so that the capabilities do not import the kernels.
+MAX_TOP_K = 64
+#: The vocabulary grid on which vocab-parallel results are the one-process bits: every forward
+#: tile width (``block_n``, a power of two up to 1024) divides it.
+GRID_COLS = 1024
+#: Widest KL tile: both heads' fp32 accumulators are live at once (two 128 x 128 tiles over 8 warps
+#: take 128 registers a thread; two 128 x 256 ones would not fit).
+KL_MAX_BLOCK_N = 128
+#: Pipeline stages of the 16-bit TMA tile (128 x 128 x 64: 32 KiB a stage and head). On an H200
+#: (``tools/kl_sweep.py``, bf16, N = 8192, H = 4096, V = 151936) 4 stages against the log-prob
+#: kernels' 3 take the forward from 2.66 to 2.25 GEMM units and the backward from 4.86 to 4.55.
+KL_TMA_STAGES = 4
+#: Row tiles a group of the 16-bit TMA tile's programs shares a vocabulary chunk over (the
+#: log-prob kernels: 16). On an H200 an A/B of the two trees (``scripts/gpu/ab.sh``, two rounds)
+#: read ``fused_kl`` 0.5 % faster forward and 0.6 % faster forward + backward (docs/benchmarks.md).
+KL_TMA_GROUP_M = 8
+
+
+def kl_tile(cfg: TileConfig) -> TileConfig:
+    """A KL kernel's tile: the log-prob kernel's ``cfg``, at most ``KL_MAX_BLOCK_N`` wide, with
+    ``KL_TMA_STAGES`` stages and ``KL_TMA_GROUP_M`` row tiles a group on the (16-bit) TMA tile."""
+    tile = replace(cfg, block_n=min(cfg.block_n, KL_MAX_BLOCK_N))
+    return replace(tile, num_stages=KL_TMA_STAGES, group_m=KL_TMA_GROUP_M) if tile.tma else tile
+
+
 def interpret_enabled() -> bool:
     """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
@@ -143,7 +169,7 @@ def shared_memory_estimates(st: Settings, element_size: int, *, tma: bool) -> li
 
     Every logits GEMM pipelines its two operand tiles (``_staged``): the forward (``hidden``,
     ``weight``), dz (the same, then its output tile through a TMA store), dh (``dz`` and
-    ``weight``, not transposed); the two-head KL kernels (``kl.kl_tile``: at most 128 columns,
+    ``weight``, not transposed); the two-head KL kernels (``kl_tile``: at most 128 columns,
     4 stages on the 16-bit TMA tile) run one K loop per head, so one head's operands are staged
     at a time, and kl_dz stores like dz. The top-k recompute stages at most the forward's tile.
     On an H200 (triton 3.6) each of 75 kernels compiled in 20 configurations (the shipped ones, TMA
@@ -151,8 +177,6 @@ def shared_memory_estimates(st: Settings, element_size: int, *, tma: bool) -> li
     TMA is assumed wherever the tile asks and the device has it (rows of a hidden size that are
     not 16-byte aligned take the pointer path, without those extra tiles): an upper bound there.
     """
-    from .kl import kl_tile  # the KL's own tile rule, from the one place it is made
-
     kl_forward, kl_dz = kl_tile(st.forward), kl_tile(st.dz)
     es = element_size
     return [

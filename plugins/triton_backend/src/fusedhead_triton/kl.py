@@ -12,7 +12,7 @@ Memory: the chunks' statistics ``[5, C, N]`` (``C`` = V / (BLOCK_N * CHUNK)) in 
 # No ``from __future__ import annotations``: torch.library reads the annotations as types.
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,32 +20,21 @@ import torch
 from fusedhead.protocol import KLCall, KLOutput
 
 from .backward import Dense, backward_from
-from .configs import Settings, TileConfig
+from .configs import Settings, TileConfig, kl_tile
+from .custom_ops import grads_or_empty, register_pair, rows_fake
+from .kernels.kl import kl_combine_kernel, kl_dz_kernel, kl_stats_kernel
 from .launch import (
     COMBINE_BLOCK_R,
     COMBINE_BLOCK_T,
     descriptor,
-    kernel,
     num_programs,
     precision,
     tma_usable,
 )
-from .ops import backward_fake, grads_or_empty, refuse_double_backward
 
 #: Vocabulary tiles a forward program folds into one set of statistics (fixed: batch invariance);
 #: the workspace is 5 x N x V / (BLOCK_N x CHUNK) fp32 values.
 CHUNK = 4
-#: Widest KL tile: both heads' fp32 accumulators are live at once (two 128 x 128 tiles over 8 warps
-#: take 128 registers a thread; two 128 x 256 ones would not fit).
-KL_MAX_BLOCK_N = 128
-#: Pipeline stages of the 16-bit TMA tile (128 x 128 x 64: 32 KiB a stage and head). On an H200
-#: (``tools/kl_sweep.py``, bf16, N = 8192, H = 4096, V = 151936) 4 stages against the log-prob
-#: kernels' 3 take the forward from 2.66 to 2.25 GEMM units and the backward from 4.86 to 4.55.
-KL_TMA_STAGES = 4
-#: Row tiles a group of the 16-bit TMA tile's programs shares a vocabulary chunk over (the
-#: log-prob kernels: 16). On an H200 an A/B of the two trees (``scripts/gpu/ab.sh``, two rounds)
-#: read ``fused_kl`` 0.5 % faster forward and 0.6 % faster forward + backward (docs/benchmarks.md).
-KL_TMA_GROUP_M = 8
 
 
 @dataclass(frozen=True)
@@ -65,13 +54,6 @@ class KLScalars:
         for c in (self.softcap, self.teacher_softcap):
             caps += (c, 1.0 / c) if c is not None else (0.0, 0.0)
         return (self.inv_temp, self.teacher_inv_temp, *caps)
-
-
-def kl_tile(cfg: TileConfig) -> TileConfig:
-    """A KL kernel's tile: the log-prob kernel's ``cfg``, at most ``KL_MAX_BLOCK_N`` wide, with
-    ``KL_TMA_STAGES`` stages and ``KL_TMA_GROUP_M`` row tiles a group on the (16-bit) TMA tile."""
-    tile = replace(cfg, block_n=min(cfg.block_n, KL_MAX_BLOCK_N))
-    return replace(tile, num_stages=KL_TMA_STAGES, group_m=KL_TMA_GROUP_M) if tile.tma else tile
 
 
 def _flags(cfg: TileConfig, hs: torch.Tensor, ht: torch.Tensor, temps: tuple[Any, Any],
@@ -114,7 +96,6 @@ def kl_values(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(kl, lse_s, lse_t), fp32 [N] each: one pass over the vocabulary, then the combine
     (``chunk``: a tuning knob for tools/kl_sweep.py, never dependent on N)."""
-    k = kernel("kl")
     n, v, dev = hs.shape[0], ws.shape[0], hs.device
     chunks = math.ceil(math.ceil(v / cfg.block_n) / chunk)
     outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3)]
@@ -124,12 +105,12 @@ def kl_values(
     tma, flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc)
     items = math.ceil(n / cfg.block_m) * chunks
     dummy = outs[0]  # a temperature pointer never read without its PER_TOKEN flag
-    k.kl_stats_kernel[(min(flags["NUM_PROGS"], items),)](
+    kl_stats_kernel[(min(flags["NUM_PROGS"], items),)](
         *_operands(tma, cfg, (hs, ws), (ht, wt)),
         dummy if temp_s is None else temp_s, dummy if temp_t is None else temp_t, part, n, v,
         hs.shape[1], ht.shape[1], *_strides(hs, ws, ht, wt), *sc.args(), CHUNK=chunk, **flags,
     )  # fmt: skip
-    k.kl_combine_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
+    kl_combine_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
         part, valid.view(torch.uint8), *outs, n, chunks, BLOCK_R=COMBINE_BLOCK_R,
         BLOCK_T=COMBINE_BLOCK_T, REVERSE=sc.reverse, num_warps=4,
     )  # fmt: skip
@@ -143,7 +124,6 @@ def kl_grads(
     cfg: TileConfig, *, need_dh: bool, need_dw: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """The student's (dh, dW) for the upstream gradient ``coef`` (0 on ignored rows)."""
-    k = kernel("kl")
     tma, flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc)
     n = hs.shape[0]
     row_args = (temp_s if temp_s is not None else coef, temp_t if temp_t is not None else coef,
@@ -155,7 +135,7 @@ def kl_grads(
         ops = _operands(tma, cfg, (hs, wsb), (ht, wtb))
         out = descriptor(dz, [cfg.block_m, cfg.block_n]) if tma else dz
         tiles = math.ceil(n / cfg.block_m) * math.ceil(cols / cfg.block_n)
-        k.kl_dz_kernel[(min(flags["NUM_PROGS"], tiles),)](
+        kl_dz_kernel[(min(flags["NUM_PROGS"], tiles),)](
             *ops[:2], *ops[2:], out, *row_args, n, cols, hs.shape[1], ht.shape[1],
             *_strides(hs, wsb, ht, wtb), dz.stride(0), *sc.args(), **flags,
         )  # fmt: skip
@@ -180,11 +160,6 @@ def kl_forward(
                      sc, cfg)  # fmt: skip
 
 
-@kl_forward.register_fake
-def _kl_forward_fake(hidden: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
-    return tuple(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
-
-
 @torch.library.custom_op("fusedhead_triton::kl_backward", mutates_args=())
 def kl_backward(
     hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
@@ -201,9 +176,6 @@ def kl_backward(
         coef, sc, st, kl_tile(st.dz), need_dh=need_dh, need_dw=need_dw,
     )  # fmt: skip
     return grads_or_empty(hidden, weight, dh, dw)
-
-
-kl_backward.register_fake(backward_fake)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
@@ -227,11 +199,8 @@ def _backward(ctx: Any, g_kl: Any, g_lse: Any, g_teacher_lse: Any) -> tuple[Any,
     return (dh if need_dh else None, dw if need_dw else None, *none)
 
 
-torch.library.register_autograd("fusedhead_triton::kl_forward", _backward, setup_context=_setup)
-torch.library.register_autograd(
-    "fusedhead_triton::kl_backward",
-    refuse_double_backward,
-    setup_context=lambda ctx, inputs, output: None,
+register_pair(
+    kl_forward, kl_backward, forward_fake=rows_fake(3), setup_context=_setup, gradient=_backward
 )
 
 

@@ -1,21 +1,24 @@
 """One launcher per kernel: allocate outputs, pick the fixed config, launch.
 
-The kernel modules are imported on the first launch (importing ``fusedhead_triton`` stays cheap).
+Each kernel is imported by name from ``kernels/`` here, so this module imports triton: the
+backend imports it on its first call (importing ``fusedhead_triton`` stays cheap).
 ``TRITON_INTERPRET`` must be set before that: ``@triton.jit`` decides between the compiler and
 the CPU interpreter when the decorator runs.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
 
 from .configs import TileConfig, interpret_enabled
+from .kernels.dh import dh_kernel, dh_tma_kernel
+from .kernels.dz import dz_kernel
+from .kernels.forward import combine_kernel, finish_kernel, fwd_stats_kernel
+from .kernels.sparse import tile_starts_kernel
 from .sum_format import DhSum
 
 #: Rows per program and tiles per step of the row-combine kernel (fixed: batch invariance).
@@ -26,14 +29,6 @@ COMBINE_BLOCK_T = 64
 #: while the vocabulary is below ``MAX_GRID_VOCAB`` columns.
 FIXED_BITS = 40
 MAX_GRID_VOCAB = 2 ** (63 - FIXED_BITS)
-#: The vocabulary grid on which vocab-parallel results are the one-process bits: every forward
-#: tile width (``block_n``, a power of two up to 1024) divides it.
-GRID_COLS = 1024
-
-
-def kernel(name: str) -> ModuleType:
-    """The kernel module ``kernels.<name>``."""
-    return importlib.import_module(f"{__package__}.kernels.{name}")
 
 
 @dataclass(frozen=True)
@@ -149,7 +144,7 @@ def tile_starts(ids: SortedIds, tiles: int, width: int, origin: int = 0) -> torc
     br, bt = _STARTS_BLOCK
     grid = (math.ceil(n / br), math.ceil((tiles + 1) / bt))
     if n:
-        kernel("sparse").tile_starts_kernel[grid](
+        tile_starts_kernel[grid](
             ids.sids, out, n, k, tiles + 1, origin, width, BLOCK_R=br, BLOCK_T=bt, STEPS=k.bit_length(),
             num_warps=4,
         )  # fmt: skip
@@ -220,7 +215,6 @@ def forward_partials(
     sc: HeadScalars, cfg: TileConfig, extras: PartialExtras | None = None,
 ) -> Partials:  # fmt: skip
     """The forward's tile statistics: one logits tile at a time, never the logits."""
-    fwd = kernel("forward")
     (n, h), v = hidden.shape, weight.shape[0]
     dev = hidden.device
     t = math.ceil(v / cfg.block_n)
@@ -250,7 +244,7 @@ def forward_partials(
         descriptor(weight, [cfg.block_n, cfg.block_k]),
     )  # fmt: skip
     progs = num_programs(dev)
-    fwd.fwd_stats_kernel[(min(progs, tiles),)](
+    fwd_stats_kernel[(min(progs, tiles),)](
         *hw, labels, temp_arg, ws, zy, *extra_args, n, v, h, k_g, *hidden.stride(),
         *weight.stride(), *scalars, NUM_PROGS=progs, TMA=tma, EVEN_K=h % cfg.block_k == 0,
         **flags,
@@ -271,7 +265,7 @@ def tile_sums(
     sums = torch.empty((4, n), dtype=torch.int64, device=dev)
     arg = torch.empty(n, dtype=torch.int64, device=dev) if p.arg is not None else None
     if n:
-        kernel("forward").combine_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
+        combine_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
             p.ws, p.zy if p.q is None else p.q, p.zy if p.arg is None else p.arg,
             m if row_max is None else row_max, m, sums, sums if arg is None else arg, n, t,
             label_offset, arg_width, float(2**FIXED_BITS), BLOCK_R=COMBINE_BLOCK_R,
@@ -293,7 +287,7 @@ def finish_rows(
     ent = outs[2]
     p2 = torch.empty(n if sum_p2 else 0, dtype=torch.float32, device=m.device)
     if n:
-        kernel("forward").finish_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
+        finish_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
             m, sums, zy, labels, outs[0], outs[1], ent, p2 if sum_p2 else ent, n, ignore_index,
             float(2.0**-FIXED_BITS), BLOCK_R=COMBINE_BLOCK_R, HAS_ENT=entropy, HAS_Q=sum_p2,
             num_warps=4,
@@ -329,7 +323,6 @@ def dz_block(
     v0: int, dz: torch.Tensor, extra: DzExtras | None = None,
 ) -> None:  # fmt: skip
     """Write ``dz[N, cols]`` of vocabulary rows [v0, v0 + cols) from their recomputed logits."""
-    dzk = kernel("dz")
     (n, h), cols = hidden.shape, dz.shape[1]
     wb = weight[v0 : v0 + cols]
     ex = extra if extra is not None else DzExtras()
@@ -361,7 +354,7 @@ def dz_block(
         descriptor(dz, [cfg.block_m, cfg.block_n]),
     )  # fmt: skip
     progs = num_programs(hidden.device)
-    dzk.dz_kernel[(min(progs, tiles),)](
+    dz_kernel[(min(progs, tiles),)](
         *ops, *rows.args(), *extra_args, n, cols, h, *hidden.stride(), *wb.stride(),
         dz.stride(0), *scalars, *sp_scalars, NUM_PROGS=progs, TMA=tma,
         EVEN_K=h % cfg.block_k == 0, **flags,
@@ -374,7 +367,6 @@ def dh_block(
 ) -> None:  # fmt: skip
     """Add ``dz @ W[v0 : v0 + cols]`` to the running sum (``first``: start it; ``last``: write
     the result to ``acc.out``)."""
-    dhk = kernel("dh")
     (n, cols), h = dz.shape, weight.shape[1]
     wb = weight[v0 : v0 + cols]
     flags = _tiles(cfg, dz.dtype, FIRST=first, LAST=last, SUM_LO=acc.sum_lo)
@@ -383,11 +375,11 @@ def dh_block(
         zd = descriptor(dz, [cfg.block_m, cfg.block_k])
         wd = descriptor(wb, [cfg.block_k, cfg.block_n])
         progs = num_programs(dz.device)
-        dhk.dh_tma_kernel[(min(progs, tiles),)](
+        dh_tma_kernel[(min(progs, tiles),)](
             zd, wd, acc.hi, acc.lo, acc.out, n, h, cols, NUM_PROGS=progs, **flags
         )
     else:
-        dhk.dh_kernel[(tiles,)](
+        dh_kernel[(tiles,)](
             dz, wb, acc.hi, acc.lo, acc.out, n, h, cols, dz.stride(0), *wb.stride(),
             EVEN_K=cols % cfg.block_k == 0, EVEN_N=h % cfg.block_n == 0, **flags,
         )  # fmt: skip

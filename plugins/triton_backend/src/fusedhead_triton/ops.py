@@ -1,6 +1,6 @@
-"""The one-shard autograd boundary: ``torch.library`` custom ops (so ``torch.compile`` with
-``fullgraph=True`` and CUDA-graph capture see two opaque ops with fake-tensor shapes). A
-vocab-parallel call, the plain outputs included, is ``outputs.ShardedOutputs``.
+"""The one-shard autograd boundary of log-probs and entropy: a ``torch.library`` custom-op pair
+(``custom_ops.register_pair``). A vocab-parallel call, the plain outputs included, is
+``outputs.ShardedOutputs``.
 
 No backward is differentiable: a double backward raises, never returning a silently first-order
 gradient (these ops: when the second-order gradient is asked for; vocab-parallel: at
@@ -15,14 +15,8 @@ import torch
 
 from .backward import backward
 from .configs import Settings, TileConfig
+from .custom_ops import grads_or_empty, register_pair, rows_fake
 from .launch import HeadScalars, RowGrads, RowOutputs, combine, forward_partials
-
-DOUBLE_BACKWARD = (
-    "the triton backend's backward is not differentiable: a double backward "
-    "(create_graph=True, e.g. a gradient penalty through the log-probs) is not supported, nor "
-    "on the torch backend; form such a term from full logits (hidden @ weight.T) with plain "
-    "PyTorch ops"
-)
 
 
 def forward_values(
@@ -50,11 +44,6 @@ def head_forward(
     return tuple(forward_values(hidden, weight, labels, temp, sc, cfg, entropy))  # type: ignore[return-value]
 
 
-@head_forward.register_fake
-def _head_forward_fake(hidden: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
-    return tuple(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
-
-
 @torch.library.custom_op("fusedhead_triton::head_backward", mutates_args=())
 def head_backward(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
@@ -68,28 +57,6 @@ def head_backward(
     st = Settings.from_key(settings)
     dh, dw = backward(hidden, weight, rows, sc, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=False)
     return grads_or_empty(hidden, weight, dh, dw)
-
-
-def grads_or_empty(
-    hidden: torch.Tensor, weight: torch.Tensor, dh: torch.Tensor | None, dw: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A backward op's (dh, dW): an empty tensor for a gradient not asked (ops return tensors)."""
-    return (
-        hidden.new_empty(0) if dh is None else dh,
-        weight.new_empty(0) if dw is None else dw,
-    )
-
-
-@head_backward.register_fake
-def backward_fake(
-    hidden: torch.Tensor, weight: torch.Tensor, *args: Any
-) -> tuple[torch.Tensor, ...]:
-    """Fake (dh, dW) of any backward op taking ``(hidden, weight, ..., need_dh, need_dw)``."""
-    need_dh, need_dw = args[-2], args[-1]
-    return (
-        torch.empty_like(hidden) if need_dh else hidden.new_empty(0),
-        torch.empty_like(weight) if need_dw else weight.new_empty(0),
-    )
 
 
 def _forward_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
@@ -113,18 +80,12 @@ def _forward_backward(ctx: Any, g_lp: Any, g_lse: Any, g_ent: Any) -> tuple[Any,
     return (dh if need_dh else None, dw if need_dw else None, *none)
 
 
-def refuse_double_backward(ctx: Any, *grads: Any) -> Any:
-    """The registered backward of every backward op: it raises (see the module docstring)."""
-    raise RuntimeError(DOUBLE_BACKWARD)
-
-
-torch.library.register_autograd(
-    "fusedhead_triton::head_forward", _forward_backward, setup_context=_forward_setup
-)
-torch.library.register_autograd(
-    "fusedhead_triton::head_backward",
-    refuse_double_backward,
-    setup_context=lambda ctx, inputs, output: None,
+register_pair(
+    head_forward,
+    head_backward,
+    forward_fake=rows_fake(3),
+    setup_context=_forward_setup,
+    gradient=_forward_backward,
 )
 
 

@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 
 from fusedhead.protocol import HeadCall, HeadOutput
-from fusedhead.validation import check_shards, shard_slots_tensor, shards_need_check
+from fusedhead.shards import check_shards, shard_slots_tensor, shards_need_check
 
 from .backward import backward_from
 from .configs import Settings, TileConfig
+from .custom_ops import DOUBLE_BACKWARD, grads_or_empty, register_pair
 from .launch import (
     DzExtras,
     HeadScalars,
@@ -48,7 +49,6 @@ from .launch import (
     sort_ids,
     tile_sums,
 )
-from .ops import DOUBLE_BACKWARD, refuse_double_backward
 from .topk import finish, topk_partials
 
 
@@ -140,7 +140,7 @@ def _sharded_combine(
     by the one-process kernel (``launch.finish_rows``). The label logit's bits and its owner count
     ride in the same all-reduce (NaN where no rank owns the label), as does each rank's shard
     (``SHARD_FLOATS`` slots), which every rank checks against ``vocab_size``
-    (``fusedhead.validation.check_shards``). A gathered logit comes from its one owner; the
+    (``fusedhead.shards.check_shards``). A gathered logit comes from its one owner; the
     argmax is the lowest id among the ranks holding the row max (a MIN all-reduce)."""
     ig, lo = sc.ignore_index, sc.label_offset
     n = labels.shape[0]
@@ -261,7 +261,6 @@ def head_outputs(
     return tuple(v)  # type: ignore[return-value]
 
 
-@head_outputs.register_fake
 def _head_outputs_fake(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: Any, gather_ids: Any,
     *args: Any,
@@ -296,21 +295,7 @@ def head_outputs_backward(
         hidden, weight, labels, temp, sparse_ids, lse, ent, sum_p2, grads, sc, vocab_size,
         Settings.from_key(settings), need_dh=need_dh, need_dw=need_dw, dh_fp32=False,
     )  # fmt: skip
-    return (
-        hidden.new_empty(0) if dh is None else dh,
-        weight.new_empty(0) if dw is None else dw,
-    )
-
-
-@head_outputs_backward.register_fake
-def _head_outputs_backward_fake(
-    hidden: torch.Tensor, weight: torch.Tensor, *args: Any
-) -> tuple[torch.Tensor, ...]:
-    need_dh, need_dw = args[-2], args[-1]
-    return (
-        torch.empty_like(hidden) if need_dh else hidden.new_empty(0),
-        torch.empty_like(weight) if need_dw else weight.new_empty(0),
-    )
+    return grads_or_empty(hidden, weight, dh, dw)
 
 
 def sparse_grads(
@@ -357,11 +342,12 @@ def _backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
     return (dh if need_dh else None, dw if need_dw else None, *none)
 
 
-torch.library.register_autograd("fusedhead_triton::head_outputs", _backward, setup_context=_setup)
-torch.library.register_autograd(
-    "fusedhead_triton::head_outputs_backward",
-    refuse_double_backward,
-    setup_context=lambda ctx, inputs, output: None,
+register_pair(
+    head_outputs,
+    head_outputs_backward,
+    forward_fake=_head_outputs_fake,
+    setup_context=_setup,
+    gradient=_backward,
 )
 
 

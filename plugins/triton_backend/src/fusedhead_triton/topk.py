@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from .configs import TileConfig
+from .configs import MAX_TOP_K, TileConfig
+from .kernels.topk import select_kernel, tiles_at_kernel
 from .launch import (
     HeadScalars,
     PartialExtras,
@@ -31,12 +32,9 @@ from .launch import (
     _tiles,
     descriptor,
     forward_partials,
-    kernel,
     tma_usable,
 )
 
-#: Largest ``top_k`` (the selection's running set lives in registers: ``SELECT_ROWS x KP``).
-MAX_TOP_K = 64
 #: Rows per program of the recompute, at most: 128 rows' gathered row pointers spill registers
 #: on sm90 (1.9 KB of stack, tools/topk_offline.py); 64 do not (and waste fewer rows per tile).
 #: A row's logits do not depend on the rows beside it: the forward's bits either way.
@@ -116,7 +114,7 @@ def recompute(
     del flags["GROUP_M"]
     use_tma = tma_usable(cfg, hidden.dtype, h, hidden.device)  # the weight as the forward loads it
     w_src = descriptor(weight, [bn, cfg.block_k]) if use_tma else weight
-    kernel("topk").tiles_at_kernel[(g,)](
+    tiles_at_kernel[(g,)](
         hidden, w_src, cand if temp is None else temp, prog, starts, pairs, cand, n, v, h, kt, g,
         *hidden.stride(), *weight.stride(), sc.inv_temp, *sc.softcap_args,
         EVEN_K=h % cfg.block_k == 0, USE_TMA=use_tma, **flags,
@@ -131,7 +129,7 @@ def _best_keys(cand: torch.Tensor, floor: torch.Tensor, k: int) -> torch.Tensor:
     kp = max(2, 1 << (k - 1).bit_length())  # keys kept per row: a power of two
     keys = torch.empty((n, kp), dtype=torch.int64, device=cand.device)
     if n:
-        kernel("topk").select_kernel[(math.ceil(n / SELECT_ROWS),)](
+        select_kernel[(math.ceil(n / SELECT_ROWS),)](
             cand, floor, keys, n, s, BLOCK_R=SELECT_ROWS, BLOCK_N=w, KP=kp, num_warps=4
         )
     return keys

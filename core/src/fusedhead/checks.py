@@ -1,0 +1,201 @@
+"""Argument checks shared by every call kind (head, KL, policy loss) and the modules around them.
+
+Each names the argument, what it got and what was expected (``TypeError``/``ValueError``). They
+read metadata only (types, dtypes, shapes, devices), never a tensor's values: those checks are
+deferred (``fusedhead.value_checks``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NoReturn
+
+import torch
+
+from fusedhead.protocol import SCALAR_RANGE
+
+FLOAT_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: Every float scalar of a call lies in [SCALAR_LO, SCALAR_HI] (protocol.SCALAR_RANGE).
+SCALAR_LO, SCALAR_HI = SCALAR_RANGE
+#: What a scalar out of that range is told, after "must be a finite float > 0".
+RANGE_TEXT = (
+    "in [2**-126, 2**126] (about 1.2e-38 to 8.5e37: it and its reciprocal normal fp32 numbers)"
+)
+INT_DTYPES = frozenset(
+    {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32}
+)
+
+
+def not_int64_exact(arg: str, dtype: torch.dtype) -> NoReturn:
+    """An id tensor of a dtype without an exact int64 form (compared with ``ignore_index`` and
+    the vocabulary in int64): floats, bool, complex, and uint64 (past 2**63 it wraps negative,
+    e.g. onto -100)."""
+    raise TypeError(
+        f"{arg} must be an integer tensor that converts to int64 exactly (int8 to int64, uint8 to "
+        f"uint32), got dtype {dtype}"
+    )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``fp32``/``fp16``/``bf16`` for a supported dtype."""
+    return FLOAT_DTYPES[dtype]
+
+
+def is_dtensor(t: object) -> bool:
+    """A DTensor (or subclass), known by name: no import of torch.distributed. The MRO is sliced
+    because torch.compile iterates a tuple it made, not a type's own ``__mro__``."""
+    return any(c.__name__ == "DTensor" for c in type(t).__mro__[:])
+
+
+PLAIN = (torch.Tensor, torch.nn.Parameter)
+STRIDED = torch.strided
+
+
+def not_dense(arg: str, t: torch.Tensor) -> NoReturn:
+    """A sparse, nested or other non-strided tensor, named (the backends index strided memory)."""
+    what = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+    fix = f"; pass {arg}.to_dense()" if t.layout is not STRIDED and not t.is_nested else ""
+    raise TypeError(f"{arg} must be a dense (torch.strided) tensor, got {what}{fix}")
+
+
+def tensor_arg(arg: str, value: object) -> torch.Tensor:
+    """``value`` as a plain, dense tensor, else a ``TypeError`` naming ``arg`` (a DTensor is told
+    how to call under FSDP2)."""
+    if value.__class__ in PLAIN:  # the common case, without walking the MRO
+        t: torch.Tensor = value  # type: ignore[assignment]
+        if t.layout is not STRIDED or t.is_nested:
+            not_dense(arg, t)
+        return t
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout is not STRIDED or value.is_nested:
+        not_dense(arg, value)
+    if is_dtensor(value):
+        local = (
+            f"{arg}.to_local() (rows are scored independently, so a shard of them is fine)"
+            if "hidden" in arg
+            else f"not {arg}.to_local(), which is only this rank's shard of the vocabulary rows"
+        )
+        raise TypeError(
+            f"{arg} is a DTensor; fusedhead takes plain local tensors. Under FSDP2 call it inside "
+            "the LM-head module's forward, where the weight is gathered (fusedhead.FusedLMHead and "
+            f"fusedhead.integrations.lm_head.lm_head_logprobs do this for you); pass {local}"
+        )
+    return value
+
+
+def positive_float(arg: str, value: object) -> float:
+    """``value`` as a float in ``SCALAR_RANGE``: any real number but a bool (Python's, or a
+    NumPy scalar such as a config's ``np.float32``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{arg} must be a float, got {type(value).__name__} {value!r}")
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond the float range
+        out = math.inf
+    if not SCALAR_LO <= out <= SCALAR_HI:  # NaN fails both comparisons
+        shown = (
+            value
+            if not isinstance(value, int) or abs(value) < 10**20
+            else f"an int of {len(str(abs(value)))} digits"
+        )
+        raise ValueError(f"{arg} must be a finite float > 0 {RANGE_TEXT}, got {shown}")
+    return out
+
+
+def integer(arg: str, value: object, expected: str) -> int:
+    """``value`` as an int: any integer but a bool (Python's, or a NumPy integer such as a
+    config's ``np.int64``, as ``operator.index`` takes it)."""
+    if value.__class__ is int:
+        return value  # type: ignore[return-value]
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{arg} must be {expected}, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def no_inference_tensor(*named: tuple[str, torch.Tensor]) -> None:
+    """Refuse an inference tensor where a gradient is due: autograd cannot save it for backward
+    (torch's own RuntimeError, raised deep inside a backend, names no argument)."""
+    if torch.compiler.is_compiling():  # Dynamo cannot trace is_inference() (a graph break)
+        return
+    for arg, t in named:
+        if t.is_inference():
+            raise ValueError(
+                f"{arg} is an inference tensor (made under torch.inference_mode()), which autograd "
+                "cannot save for the gradient this call owes (hidden or weight "
+                f"requires grad); make it under torch.no_grad() instead, pass {arg}.clone(), or "
+                "call under torch.no_grad() where no gradient is wanted"
+            )
+
+
+def flag_arg(arg: str, value: object) -> bool:
+    """``value`` if it is a bool (a truthy str or 0 must not pick a behaviour silently)."""
+    if value is True or value is False:
+        return value
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def not_a_flag(arg: str, value: object) -> NoReturn:
+    """The ``TypeError`` of a flag that is not a bool."""
+    raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
+
+
+#: Per device: its type and whether ``torch.is_autocast_enabled`` knows that type (not meta).
+#: ``device.type`` builds a new str on every read (slow, per call); devices are few.
+DEVICES: dict[torch.device, tuple[str, bool]] = {}
+
+
+def device_entry(dev: torch.device) -> tuple[str, bool]:
+    """The first call on ``dev``: its type, and whether autocast has a state for it."""
+    dev_type = dev.type
+    try:
+        torch.is_autocast_enabled(dev_type)
+        known = True
+    except RuntimeError:  # a device type autocast does not know (meta): no autocast there
+        known = False
+    entry = DEVICES[dev] = (dev_type, known)
+    return entry
+
+
+#: Device types every process can use: tensors there need no accelerator.
+_ALWAYS_USABLE = frozenset({"cpu", "meta"})
+
+
+def usable_device(value: str, arg: str = "device") -> torch.device:
+    """``value`` as a ``torch.device`` this process can use, else a ``ValueError`` naming ``arg``.
+
+    ``cpu`` and ``meta`` always; ``cuda`` / ``cuda:K`` where torch sees CUDA and K is below
+    ``torch.cuda.device_count()``; another accelerator type (``xpu``, ``mps``, ...) where its
+    torch module says it is available, likewise by index. Run once, where a head is resolved.
+    """
+    expected = "expected 'cpu', 'meta' or an accelerator device this process sees"
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(
+            f"{arg}={value!r} is not a torch device string; {expected}, such as 'cuda' or 'cuda:1'"
+        ) from None
+    kind = dev.type
+    if kind in _ALWAYS_USABLE:
+        return dev
+    module = getattr(torch, kind, None)
+    is_available = getattr(module, "is_available", None)
+    if not callable(is_available) or not is_available():
+        why = (
+            f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)"
+            if kind == "cuda"
+            else f"torch {torch.__version__} has no usable {kind!r} device here"
+        )
+        raise ValueError(f"{arg}={value!r} cannot be used in this process: {why}; {expected}")
+    count = getattr(module, "device_count", None)
+    if dev.index is not None and callable(count) and dev.index >= count():
+        n = count()
+        raise ValueError(
+            f"{arg}={value!r} cannot be used in this process: torch.{kind}.device_count() is {n} "
+            f"(indices 0..{n - 1}); {expected}"
+        )
+    return dev

@@ -1,0 +1,193 @@
+"""Deferred value checks: label and id ranges and per-token temperatures, read by the host once.
+
+``Pending`` collects a call's checks and reads their flags in one device-to-host copy that overlaps
+the backend's kernels; under ``torch.compile`` each check is a custom op whose kernel is the eager
+check, so a compiled step raises the same error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+from fusedhead.checks import RANGE_TEXT, SCALAR_HI, SCALAR_LO
+
+
+def check_temperature_values(t: torch.Tensor, arg: str, pending: Pending | None = None) -> None:
+    """Every per-token temperature in ``SCALAR_RANGE`` (so finite and > 0; one device-to-host
+    read, or ``pending``'s)."""
+    bad = ~((t >= SCALAR_LO) & (t <= SCALAR_HI)).all()  # NaN fails both comparisons
+    if pending is not None:
+        pending.add(bad, _raise_bad_temperature, arg, t)
+    elif bool(bad):
+        _raise_bad_temperature(arg, t)
+
+
+def _raise_bad_temperature(arg: str, t: torch.Tensor) -> NoReturn:
+    bad = ~((t >= SCALAR_LO) & (t <= SCALAR_HI))
+    idx = int(bad.nonzero()[0, 0])
+    raise ValueError(
+        f"{arg} tensor must hold finite values > 0 {RANGE_TEXT}, got {float(t[idx])} (as fp32) "
+        f"at flat position {idx} ({int(bad.sum())} value(s) out of range)"
+    )
+
+
+def check_label_range(
+    labels: torch.Tensor, ignore_index: int, vocab_size: int, pending: Pending | None = None
+) -> torch.Tensor:
+    """One device-to-host read (or ``pending``'s); the first offending position is named. Returns
+    ``labels`` (under torch.compile, the checked copy from the graph's op: see ``labels_checked``)."""
+    if torch.compiler.is_compiling():
+        checked: torch.Tensor = labels_checked(labels, ignore_index, vocab_size)
+        return checked
+    bad = _bad_labels(labels, ignore_index, vocab_size)
+    if pending is not None:
+        pending.add(bad.any(), _raise_bad_labels, labels, bad, ignore_index, vocab_size)
+    elif bool(bad.any()):
+        _raise_bad_labels(labels, bad, ignore_index, vocab_size)
+    return labels
+
+
+def _bad_labels(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> torch.Tensor:
+    return (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+
+
+def _raise_bad_labels(
+    labels: torch.Tensor, bad: torch.Tensor, ignore_index: int, vocab_size: int
+) -> NoReturn:
+    idx = int(bad.nonzero()[0, 0])
+    count = int(bad.sum())
+    raise ValueError(
+        f"labels must be in [0, {vocab_size}) or ignore_index={ignore_index}, got {int(labels[idx])} "
+        f"at flat position {idx} ({count} label(s) out of range); pass check_labels=False to skip "
+        "this check (such rows then give NaN)"
+    )
+
+
+def check_gather_range(
+    flat: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    vocab_size: int,
+    pending: Pending | None = None,
+) -> None:
+    """The ids that count (scored rows, not ignore_index) in range: one device-to-host read, or
+    ``pending``'s."""
+    counted = (labels != ignore_index).unsqueeze(1) & (flat != ignore_index)
+    bad = counted & ((flat < 0) | (flat >= vocab_size))
+    if pending is not None:
+        pending.add(bad.any(), _raise_bad_ids, flat, bad, ignore_index, vocab_size)
+    elif bool(bad.any()):
+        _raise_bad_ids(flat, bad, ignore_index, vocab_size)
+
+
+def _raise_bad_ids(
+    flat: torch.Tensor, bad: torch.Tensor, ignore_index: int, vocab_size: int
+) -> NoReturn:
+    row, col = (int(i) for i in bad.nonzero()[0])
+    raise ValueError(
+        f"gather_ids must be in [0, {vocab_size}) or ignore_index={ignore_index} "
+        f"on scored rows, got {int(flat[row, col])} at flat row {row}, position {col} "
+        f"({int(bad.sum())} id(s) out of range); pass check_labels=False to skip this "
+        "check (such ids then give NaN)"
+    )
+
+
+class Pending:
+    """A call's value checks (label and id ranges, per-token temperatures), read by the host in
+    one go.
+
+    Each check adds its flag, computed where the tensors are. On CUDA, ``send`` (just before the
+    backend's ``forward``) copies the flags to pinned host memory behind an event, and ``settle``
+    (after ``forward`` has queued the head's kernels) waits for that event only, then raises the
+    first failed check's error, so the GPU never idles while the host waits for a check. That is
+    safe because a backend must be memory-safe on out-of-range values anyway (``check_labels=False``
+    gives NaN rows). Elsewhere ``send`` reads the flags at once, before the backend sees the call.
+    """
+
+    __slots__ = ("_checks", "_event", "_host")
+
+    def __init__(self) -> None:
+        self._checks: list[tuple[torch.Tensor, Callable[..., NoReturn], tuple[Any, ...]]] = []
+        self._host: torch.Tensor | None = None
+        self._event: Any = None
+
+    def add(self, bad: torch.Tensor, raiser: Callable[..., NoReturn], *args: Any) -> None:
+        """A 0-d bool ``bad``; ``raiser(*args)`` raises the check's error when it is set."""
+        self._checks.append((bad, raiser, args))
+
+    def send(self) -> None:
+        """Start the flags' one read (CUDA: queued behind an event), or raise now (elsewhere)."""
+        checks = self._checks
+        if not checks:
+            return
+        flags = checks[0][0] if len(checks) == 1 else torch.stack([c[0] for c in checks])
+        if flags.device.type != "cuda":
+            self._host = flags
+            self.settle()
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "check_labels=True checks the label range (and any gather_ids and per-token "
+                "temperature tensor) by a device-to-host read, which CUDA-graph capture forbids; "
+                "inside a captured region pass check_labels=False (it skips all three value checks)"
+            )
+        self._host = flags.to("cpu", non_blocking=True)
+        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._event.record(torch.cuda.current_stream(flags.device))
+
+    def settle(self) -> None:
+        """Wait for the flags (not for the head's kernels) and raise the first failed check's error."""
+        host = self._host
+        if host is None:
+            return
+        self._host = None
+        if self._event is not None:
+            self._event.synchronize()
+        failed = host.tolist()
+        for bad, (_, raiser, args) in zip(
+            failed if isinstance(failed, list) else [failed], self._checks, strict=True
+        ):
+            if bad:
+                raiser(*args)
+
+
+# While torch.compile traces, a check cannot read a tensor's values: that is a data-dependent
+# branch, which breaks the graph. Each check above is then one opaque custom op whose kernel is
+# the eager check, so a compiled step raises the very same ValueError (and pays the same host
+# sync). The op hands its input back as a copy that the call goes on with: an op whose output
+# nothing reads would be dropped from the graph as dead code. (``torch._assert_async`` is no
+# substitute: inductor's CPU kernels throw its error inside OpenMP regions, which aborts.)
+
+
+@torch.library.custom_op("fusedhead::check_labels", mutates_args=())
+def labels_checked(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> torch.Tensor:
+    """``check_label_range`` in a compiled graph; a copy of ``labels``."""
+    check_label_range(labels, ignore_index, vocab_size)
+    return labels.clone()
+
+
+@torch.library.custom_op("fusedhead::check_temperature", mutates_args=())
+def temperature_checked(t: torch.Tensor, arg: str) -> torch.Tensor:
+    """``check_temperature_values`` in a compiled graph; a copy of ``t``."""
+    check_temperature_values(t, arg)
+    return t.clone()
+
+
+@torch.library.custom_op("fusedhead::check_gather_ids", mutates_args=())
+def gather_ids_checked(
+    flat: torch.Tensor, labels: torch.Tensor, ignore_index: int, vocab_size: int
+) -> torch.Tensor:
+    """``check_gather_range`` in a compiled graph; a copy of ``flat``."""
+    check_gather_range(flat, labels, ignore_index, vocab_size)
+    return flat.clone()
+
+
+@labels_checked.register_fake
+@temperature_checked.register_fake
+@gather_ids_checked.register_fake
+def _checked_copy(t: torch.Tensor, *_: object) -> torch.Tensor:
+    """What the three ops give while tracing: a tensor like their first input."""
+    return torch.empty_like(t)
