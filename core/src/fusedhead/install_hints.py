@@ -1,4 +1,6 @@
-"""How to install a first-party backend, true for how fusedhead is published.
+"""What to install: the command for a first-party backend, true for how fusedhead is published,
+and the triage of a backend's failed import (its own install broken, or which dependency is
+missing).
 
 A leaf module: the registry's errors and ``fusedhead list`` name these commands.
 """
@@ -6,10 +8,15 @@ A leaf module: the registry's errors and ``fusedhead list`` name these commands.
 from __future__ import annotations
 
 import importlib.metadata as md
+import importlib.util
 import json
 import os
+import re
 import urllib.parse
 import urllib.request
+from typing import Any
+
+from fusedhead.errors import BackendLoadError, MissingDependencyError
 
 #: First-party backends and the extra that installs each.
 FIRST_PARTY_EXTRAS = {
@@ -64,3 +71,77 @@ def install_command(name: str) -> str:
         f"or pip install --find-links dist '{extra}' with the wheels that scripts/build-dists "
         "built in dist/"
     )
+
+
+def normalize(dist_name: str) -> str:
+    """A distribution name normalized (PEP 503), for comparing names."""
+    return re.sub(r"[-_.]+", "-", dist_name).lower()
+
+
+def import_error(cand: Any, exc: ImportError, fields: dict[str, Any]) -> Exception:
+    """A missing module becomes ``MissingDependencyError`` (a third-party package) or
+    ``BackendLoadError`` (the plugin's own module: its install is broken or stale); a missing
+    name, ``BackendLoadError``.
+
+    Never ``pip install <import name>``: an import name is not a pip name (``yaml`` is PyYAML,
+    ``cv2`` opencv-python) and the plugin's own package name on an index may be anyone's. A pip
+    package is named only where the distribution's own Requires-Dist names it. ``cand``: the
+    registry's ``Candidate``; ``fields``: the identity its errors carry.
+    """
+    dist = cand.distribution or "the backend's distribution"
+    reinstall = (
+        install_command(cand.name) if cand.name in FIRST_PARTY_EXTRAS else f"reinstall {dist}"
+    )
+    missing = getattr(exc, "name", None)
+    top = missing.split(".")[0] if missing else None
+    if isinstance(exc, ModuleNotFoundError) and missing and top:
+        module = cand.entry_point.module if cand.entry_point is not None else ""
+        if top == module.split(".")[0]:  # the entry point's own module or its package
+            return BackendLoadError(
+                f"could not be imported: its own module {missing!r} (of the entry point "
+                f"{cand.value}) is not installed, so the install of {dist} is broken or stale "
+                f"({exc})",
+                hint=f"{reinstall} (uninstall it first if reinstalling does not help)",
+                **fields,
+            )
+        try:
+            present = importlib.util.find_spec(top) is not None
+        except (ImportError, ValueError):
+            present = False
+        if not present:
+            required = _required_as(cand.distribution, top)
+            hint = (
+                f"pip install '{required}' (its Requires-Dist), or {reinstall} with its dependencies"
+                if required
+                else f"{reinstall} with its dependencies"
+            )
+            return MissingDependencyError(
+                f"could not be imported: the module {top!r} is not installed (a dependency of "
+                f"{dist}) ({exc})",
+                missing=top,
+                hint=hint,
+                **fields,
+            )
+    return BackendLoadError(
+        f"could not be imported: {type(exc).__name__}: {exc}",
+        hint=f"the installed packages do not match what {cand.distribution or 'the backend'} was "
+        f"built for; upgrade fusedhead and the backend together, or {reinstall}",
+        **fields,
+    )
+
+
+def _required_as(distribution: str | None, module: str) -> str | None:
+    """The requirement (name and version, no marker) in ``distribution``'s Requires-Dist whose
+    name is import name ``module`` (normalized), or None: only then is the pip name known."""
+    if distribution is None:
+        return None
+    try:
+        requires = md.distribution(distribution).requires or []
+    except (md.PackageNotFoundError, ValueError, OSError):
+        return None
+    for req in requires:
+        spec = req.split(";", 1)[0].strip()
+        name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec)
+        if name and normalize(name.group(0)) == normalize(module):
+            return re.sub(r"\[.*?\]", "", spec)
+    return None

@@ -27,7 +27,6 @@ from fusedhead.errors import (
     BackendError,
     BackendLoadError,
     IncompatibleBackendError,
-    MissingDependencyError,
     UnknownBackendError,
 )
 from fusedhead.options import validate_options
@@ -65,10 +64,6 @@ class Candidate:
 _registered: dict[str, Candidate] = {}
 
 
-def _normalize(dist_name: str) -> str:
-    return re.sub(r"[-_.]+", "-", dist_name).lower()
-
-
 def _limit() -> set[str] | None:
     raw = os.environ.get(LIMIT_ENV)
     if raw is None or not raw.strip():
@@ -87,12 +82,14 @@ def _discover_entry_points() -> tuple[Candidate, ...]:
             continue
         dist_name = dist.metadata["Name"] or "unknown"
         for ep in eps:
-            key = (_normalize(dist_name), ep.name)
+            key = (install_hints.normalize(dist_name), ep.name)
             if key in seen:  # the same distribution seen twice on sys.path
                 continue
             seen.add(key)
             found.append(Candidate(ep.name, ep.value, dist_name, dist.version, entry_point=ep))
-    return tuple(sorted(found, key=lambda c: (c.name, _normalize(c.distribution or ""))))
+    return tuple(
+        sorted(found, key=lambda c: (c.name, install_hints.normalize(c.distribution or "")))
+    )
 
 
 _refresh_callbacks: list[Callable[[], None]] = []
@@ -270,7 +267,7 @@ def unknown_name_message(name: str, available: Iterable[str]) -> str:
 def reserved_violation(cand: Candidate) -> str | None:
     """Why ``cand`` may not claim its name (a reserved name from another distribution), or None."""
     owner = RESERVED_NAMES.get(cand.name)
-    if owner is None or _normalize(cand.distribution or "") == owner:
+    if owner is None or install_hints.normalize(cand.distribution or "") == owner:
         return None
     return (
         f"the name {cand.name!r} is reserved for the first-party distribution {owner}, "
@@ -373,7 +370,7 @@ def load_candidate(cand: Candidate) -> type[Any]:
         try:
             cls = cand.entry_point.load()
         except ImportError as exc:
-            raise _import_error(cand, exc) from exc
+            raise install_hints.import_error(cand, exc, error_fields(cand)) from exc
         except Exception as exc:
             raise BackendLoadError(
                 f"entry point {cand.value} failed to import: {type(exc).__name__}: {exc}",
@@ -382,76 +379,6 @@ def load_candidate(cand: Candidate) -> type[Any]:
             ) from exc
     verify_backend_class(cls, **error_fields(cand))
     return cls
-
-
-def _import_error(cand: Candidate, exc: ImportError) -> Exception:
-    """A missing module becomes ``MissingDependencyError`` (a third-party package) or
-    ``BackendLoadError`` (the plugin's own module: its install is broken or stale); a missing
-    name, ``BackendLoadError``.
-
-    Never ``pip install <import name>``: an import name is not a pip name (``yaml`` is PyYAML,
-    ``cv2`` opencv-python) and the plugin's own package name on an index may be anyone's. A pip
-    package is named only where the distribution's own Requires-Dist names it.
-    """
-    dist = cand.distribution or "the backend's distribution"
-    reinstall = (
-        install_hints.install_command(cand.name)
-        if cand.name in install_hints.FIRST_PARTY_EXTRAS
-        else f"reinstall {dist}"
-    )
-    missing = getattr(exc, "name", None)
-    top = missing.split(".")[0] if missing else None
-    if isinstance(exc, ModuleNotFoundError) and missing and top:
-        module = cand.entry_point.module if cand.entry_point is not None else ""
-        if top == module.split(".")[0]:  # the entry point's own module or its package
-            return BackendLoadError(
-                f"could not be imported: its own module {missing!r} (of the entry point "
-                f"{cand.value}) is not installed, so the install of {dist} is broken or stale "
-                f"({exc})",
-                hint=f"{reinstall} (uninstall it first if reinstalling does not help)",
-                **error_fields(cand),
-            )
-        try:
-            present = importlib.util.find_spec(top) is not None
-        except (ImportError, ValueError):
-            present = False
-        if not present:
-            required = _required_as(cand.distribution, top)
-            hint = (
-                f"pip install '{required}' (its Requires-Dist), or {reinstall} with its dependencies"
-                if required
-                else f"{reinstall} with its dependencies"
-            )
-            return MissingDependencyError(
-                f"could not be imported: the module {top!r} is not installed (a dependency of "
-                f"{dist}) ({exc})",
-                missing=top,
-                hint=hint,
-                **error_fields(cand),
-            )
-    return BackendLoadError(
-        f"could not be imported: {type(exc).__name__}: {exc}",
-        hint=f"the installed packages do not match what {cand.distribution or 'the backend'} was "
-        f"built for; upgrade fusedhead and the backend together, or {reinstall}",
-        **error_fields(cand),
-    )
-
-
-def _required_as(distribution: str | None, module: str) -> str | None:
-    """The requirement (name and version, no marker) in ``distribution``'s Requires-Dist whose
-    name is import name ``module`` (normalized), or None: only then is the pip name known."""
-    if distribution is None:
-        return None
-    try:
-        requires = md.distribution(distribution).requires or []
-    except (md.PackageNotFoundError, ValueError, OSError):
-        return None
-    for req in requires:
-        spec = req.split(";", 1)[0].strip()
-        name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec)
-        if name and _normalize(name.group(0)) == _normalize(module):
-            return re.sub(r"\[.*?\]", "", spec)
-    return None
 
 
 def verify_backend_class(cls: Any, **fields: Any) -> None:
