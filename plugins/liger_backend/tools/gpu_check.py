@@ -172,8 +172,15 @@ def adapter_step(
 def direct_step(
     fn: Callable[..., Any], x: dict[str, torch.Tensor], h: torch.Tensor, w: torch.Tensor, t: float
 ) -> tuple[torch.Tensor, ...]:
-    """Forward + backward through Liger direct with the same upstream grads: (-nll, entropy fp32, dh, dW)."""
-    nll, ent = direct_call(fn, h, w, x["labels"], t)
+    """Forward + backward through Liger direct with the same upstream grads: (-nll, entropy fp32, dh, dW).
+
+    Liger gets the hidden states the adapter hands it: the ignored rows selected to zeros
+    (``fusedhead_liger._run.liger_inputs``), so that a row's values may depend on the others' as
+    Liger's chunks compute them (a CI run saw the entropy differ by 3.5e-5 with the raw rows).
+    """
+    keep = (x["labels"] != IGNORE_INDEX).unsqueeze(1)
+    h_in = torch.where(keep, h, torch.zeros((), dtype=h.dtype, device=h.device))
+    nll, ent = direct_call(fn, h_in, w, x["labels"], t)
     dh, dw = torch.autograd.grad((nll, ent), (h, w), (x["g_lp"].neg(), x["g_ent"].to(ent.dtype)))
     return nll.detach().neg(), ent.detach().float(), dh, dw
 
