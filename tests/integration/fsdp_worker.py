@@ -200,3 +200,8 @@ def worker(rank: int, world: int, init_method: str, scenarios: list[str], log_di
     finally:
         dist.destroy_process_group()
         log.write("process group destroyed\n")
+    # Every scenario passed. Leave without the interpreter's teardown: on CI a rank once aborted
+    # (SIGABRT, no Python frame) in a native destructor after the group was destroyed, failing a
+    # run whose checks had all passed. A failure above still raises through torch's spawn wrapper.
+    log.close()
+    os._exit(0)
