@@ -288,6 +288,12 @@ def test_metrics_are_verl_s() -> None:
         ),
         ({"loss_normalizer": -1.0}, ValueError, "loss_normalizer must be"),
         ({"cu_seqlens": torch.tensor([0, 21])}, ValueError, "packed batch"),
+        (
+            {"old_log_probs": None, "rollout_log_probs": torch.zeros(3, 7), "tis_cap": 2.0},
+            ValueError,
+            "rollout_log_probs was given with old_log_probs=None",
+        ),
+        ({"old_log_probs": [0.0] * 21}, TypeError, "old_log_probs must be a"),
     ],
 )
 def test_bad_arguments_are_named(kw: dict[str, Any], error: type, match: str) -> None:
@@ -373,3 +379,29 @@ def test_torch_compiled_chunks_match_the_reference() -> None:
             kl_coef=0.05,
         )
     )
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum-norm"])
+def test_old_log_probs_none_is_on_policy(backend: str, aggregation: str) -> None:
+    """``old_log_probs=None``: the old policy is the current one (TRL's and verl's
+    ``lp - lp.detach()``): the reference with the same meaning, and the fused loss given its own
+    log-probs as the old ones; the ratio is 1, nothing is clipped, the approximate KL is 0."""
+    data = batch(seed=13)
+    data["old_log_probs"] = None  # type: ignore[assignment]
+    kw: dict[str, Any] = dict(temperature=0.8, aggregation=aggregation, entropy_coef=0.01)
+    assert_matches(
+        run_both(backend, data, use=["ref_log_probs"], kl_coef=0.05, dual_clip=3.0, **kw)
+    )
+    a, b = _args(data, h=True, w=True), _args(data, h=True, w=True)
+    none = fusedhead.fused_policy_loss(**a, backend=backend, **kw)
+    b["old_log_probs"] = none.log_probs  # detached: the current policy's, as given
+    given = fusedhead.fused_policy_loss(**b, backend=backend, **kw)
+    none.loss.backward()
+    given.loss.backward()
+    assert torch.equal(none.loss, given.loss)
+    assert torch.equal(a["hidden"].grad, b["hidden"].grad)
+    assert torch.equal(a["weight"].grad, b["weight"].grad)
+    m = none.metrics()
+    assert m["ratio_min"].item() == m["ratio_max"].item() == 1.0
+    assert m["clip_fraction"].item() == 0.0 and m["approx_kl"].item() == 0.0

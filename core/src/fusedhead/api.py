@@ -297,7 +297,7 @@ def fused_policy_loss(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
-    old_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor | None,
     advantages: torch.Tensor,
     backend: str = "torch",
     temperature: float | torch.Tensor = 1.0,
@@ -320,11 +320,13 @@ def fused_policy_loss(
     """The PPO/GRPO policy loss of ``hidden @ weight.T / temperature``, its gradients computed in
     the forward: three GEMMs per token chunk, no ``[N, V]`` tensor (docs/policy-loss.md).
 
-    verl's semantics: ratio ``exp(lp - old_log_probs)``, clipped surrogate (``clip_low``,
-    ``clip_high``, ``dual_clip`` for negative advantages), truncated importance sampling
-    (``rollout_log_probs``, ``tis_cap``), ``- entropy_coef`` times the entropy, ``+ kl_coef`` times
-    the ``kl_estimator`` KL to ``ref_log_probs``, each aggregated by ``aggregation`` (verl's
-    ``loss_agg_mode``; ``cu_seqlens`` for a packed batch, ``loss_normalizer`` for the global count).
+    verl's semantics: ratio ``exp(lp - old_log_probs)`` (``None``: on-policy, the ratio 1 with
+    slope 1 that ``lp - lp.detach()`` gives, no GEMM for old log-probs), clipped surrogate
+    (``clip_low``, ``clip_high``, ``dual_clip`` for negative advantages), truncated importance
+    sampling (``rollout_log_probs``, ``tis_cap``), ``- entropy_coef`` times the entropy,
+    ``+ kl_coef`` times the ``kl_estimator`` KL to ``ref_log_probs``, each aggregated by
+    ``aggregation`` (verl's ``loss_agg_mode``; ``cu_seqlens`` for a packed batch,
+    ``loss_normalizer`` for the global count).
     Rows whose label is ``ignore_index`` add nothing. The backend must declare ``policy_loss``.
     """
     if temperature is None:

@@ -390,7 +390,7 @@ class FusedHead:
         weight: torch.Tensor,
         labels: torch.Tensor,
         *,
-        old_log_probs: torch.Tensor,
+        old_log_probs: torch.Tensor | None,
         advantages: torch.Tensor,
         temperature: float | torch.Tensor | None = None,
         clip_low: float = 0.2,

@@ -322,7 +322,8 @@ def _policy_call(
             raise ValueError(f"dual_clip must be > 1 (verl's clip_ratio_c), got {req.dual_clip!r}")
     entropy_coef = _real("entropy_coef", req.entropy_coef, low=-math.inf, what="a finite float")
     kl_coef = _real("kl_coef", req.kl_coef, low=0.0, what="a finite float >= 0")
-    old = _per_token("old_log_probs", req.old_log_probs, shape, device)
+    old = req.old_log_probs
+    old = None if old is None else _per_token("old_log_probs", old, shape, device)
     adv = _per_token("advantages", req.advantages, shape, device)
     ref = req.ref_log_probs
     ref = None if ref is None else _per_token("ref_log_probs", ref, shape, device)
@@ -344,6 +345,12 @@ def _policy_call(
     if rollout is not None:
         cap = _real("tis_cap", cap, low=1e-30, what="a finite float > 0")
         roll = _per_token("rollout_log_probs", rollout, shape, device)
+        if old is None:
+            raise ValueError(
+                "truncated importance sampling weighs each token by exp(old_log_probs - "
+                "rollout_log_probs): rollout_log_probs was given with old_log_probs=None; pass "
+                "the old policy's log-probs"
+            )
         tis = torch.exp(old - roll).clamp_(max=cap)
     valid = call.labels != call.ignore_index
     weights = token_weights(
@@ -430,9 +437,8 @@ def _output(
     zero = torch.zeros((), dtype=torch.float32, device=lp.device)
     count = valid.sum().to(torch.float32)
     denom = count.clamp(min=1.0)
-    log_ratio = torch.where(
-        valid, (lp - call.old_log_probs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), zero
-    )
+    old = lp if call.old_log_probs is None else call.old_log_probs  # None: on-policy, ratio 1
+    log_ratio = torch.where(valid, (lp - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), zero)
     ratio = torch.exp(log_ratio)
     adv = torch.where(valid, call.advantages, zero)
     unclipped = -adv * ratio

@@ -49,7 +49,10 @@ def surrogate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The clipped (dual-clipped, TIS-weighted) surrogate of each token and its derivative."""
     adv = call.advantages[rows]
-    log_ratio, live = _clamped(log_probs - call.old_log_probs[rows], LOG_RATIO_BOUND)
+    if call.old_log_probs is None:  # on-policy: exp(lp - lp.detach()), exactly 1 with slope 1
+        log_ratio, live = torch.zeros_like(log_probs), torch.ones_like(log_probs, dtype=torch.bool)
+    else:
+        log_ratio, live = _clamped(log_probs - call.old_log_probs[rows], LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
     d_ratio = torch.where(live, ratio, torch.zeros_like(ratio))
     lo, hi = 1.0 - call.clip_low, 1.0 + call.clip_high

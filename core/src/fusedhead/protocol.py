@@ -269,7 +269,9 @@ class PolicyLossCall:
     """
 
     head: HeadCall  #: hidden [N, H], weight [V, H], labels [N]; outputs log_probs and entropy
-    old_log_probs: torch.Tensor  #: fp32 [N]
+    #: fp32 [N]; None: on-policy, the old policy is the current one (ratio exactly 1, as
+    #: ``exp(lp - lp.detach())``): :func:`fusedhead.policy_terms.token_grads` handles it
+    old_log_probs: torch.Tensor | None
     advantages: torch.Tensor  #: fp32 [N]
     token_weight: torch.Tensor  #: fp32 [N], the aggregation's weight; exactly 0 on ignored rows
     ref_log_probs: torch.Tensor | None  #: fp32 [N] when given (always when ``kl_coef`` is not 0)

@@ -90,7 +90,7 @@ def reference_policy_loss(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
-    old_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor | None,
     advantages: torch.Tensor,
     temperature: float | torch.Tensor = 1.0,
     clip_low: float = 0.2,
@@ -149,7 +149,7 @@ def policy_loss_from_log_probs(
     ent: torch.Tensor,
     labels: torch.Tensor,
     *,
-    old_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor | None,
     advantages: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
@@ -170,7 +170,8 @@ def policy_loss_from_log_probs(
     paths (a head's log-probs, then the loss in torch) compute. Computes in ``logp``'s dtype."""
     dtype = logp.dtype
     mask = labels != ignore_index
-    old = old_log_probs.to(dtype).expand(labels.shape)
+    # None: on-policy, the old policy is the current one (TRL's and verl's lp.detach())
+    old = logp.detach() if old_log_probs is None else old_log_probs.to(dtype).expand(labels.shape)
     adv = torch.where(mask, advantages.to(dtype).expand(labels.shape), 0)
     log_ratio = torch.clamp(torch.where(mask, logp - old, 0), min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)

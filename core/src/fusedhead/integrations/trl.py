@@ -512,12 +512,8 @@ def _policy_loss_forward(
         logit_scale=logit_scale,
         compute_dtype=compute_dtype,
     )
-    if spec["old_log_probs"] is None:
-        # TRL's ratio is exp(lp - lp.detach()) here (old log-probs not computed): the current
-        # log-probs, one forward-only GEMM on the same hidden states
-        with torch.no_grad():
-            old = lm_head_logprobs(lm_head, h.detach(), y, return_entropy=False, **common)
-        spec["old_log_probs"] = old.log_probs
+    # old_log_probs None (TRL did not compute them): TRL's ratio exp(lp - lp.detach()), which the
+    # fused loss takes as on-policy, with no GEMM for them
     out = lm_head_policy_loss(lm_head, h, y, **common, **spec)
     pending.result = out
 
