@@ -11,6 +11,8 @@ workspace budget) besides the two gradients. Ignored rows are selected out (neve
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fusedhead.policy_terms import token_grads
@@ -66,15 +68,75 @@ def chunk_rows(
     return max(1, budget_bytes // (v * per_value))
 
 
+#: ``dz`` of a chunk from its per-row coefficients ``(a, b, onehot)``: ``e (a + b d)`` [* sech^2]
+#: in the GEMMs' dtype, its label column not yet patched, and the label column's value
+#: ``(e_y (a + b d_y) + onehot)`` [* sech^2] in fp32.
+ChunkGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: What a chunk's elementwise work gives: each row's ``d`` at the label, ``s``, ``log s``, the
+#: entropy, and the chunk's ``ChunkGrad``.
+ChunkStats = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ChunkGrad]
+
+
+def _eager_chunk(
+    x: torch.Tensor, k: torch.Tensor, label: torch.Tensor, cap: float | None, need_grads: bool,
+    dtype: torch.dtype,
+) -> ChunkStats:  # fmt: skip
+    """Eager passes over the chunk, worked in place of ``x`` (a softcap's chain factor kept)."""
+    sech2 = None
+    if cap is not None:
+        sech2 = torch.div(x, cap).cosh_().square_().reciprocal_() if need_grads else None
+        x.div_(cap).tanh_().mul_(cap)
+    d = torch.addcmul((-x.amax(dim=1) * k).unsqueeze(1), x, k.unsqueeze(1), out=x)
+    e = torch.exp(d)
+    s = e.sum(dim=1)
+    log_s = torch.log(s)
+    ent = log_s - torch.bmm(e.unsqueeze(1), d.unsqueeze(2)).view(-1) / s
+    d_y = d.gather(1, label).squeeze(1)
+
+    def grad(
+        a: torch.Tensor, b: torch.Tensor, onehot: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        e_y = e.gather(1, label).squeeze(1)
+        dz_label = e_y * (a + b * d_y) + onehot
+        g = torch.addcmul(a.unsqueeze(1), d, b.unsqueeze(1), out=d)
+        if sech2 is not None:
+            dz_label = dz_label * sech2.gather(1, label).squeeze(1)
+            g.mul_(sech2)
+        low = dtype != FP32
+        return torch.mul(g, e, out=torch.empty_like(g, dtype=dtype) if low else g), dz_label
+
+    return d_y, s, log_s, ent, grad
+
+
+def _compiled_chunk(
+    x: torch.Tensor, k: torch.Tensor, label: torch.Tensor, cap: float | None, need_grads: bool,
+    dtype: torch.dtype,
+) -> ChunkStats:  # fmt: skip
+    """The same through ``row_stats`` and ``logits_grad`` compiled (no softcap): the fp32 logits
+    are read three times and ``dz`` written once, in the GEMMs' dtype."""
+    kc = k.unsqueeze(1)
+    m, s, t, d_y = compiled("row_stats")(x, kc, label)  # type: ignore[operator]
+    log_s = torch.log(s)
+
+    def grad(
+        a: torch.Tensor, b: torch.Tensor, onehot: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        dz = compiled("logits_grad")(x, kc, m, a, b, dtype)  # type: ignore[operator]
+        return dz, torch.exp(d_y) * (a + b * d_y) + onehot
+
+    return d_y, s, log_s, log_s - t / s, grad
+
+
 def policy_loss(
     call: PolicyLossCall, rows_per_chunk: int, fp32_logits: bool, use_compile: bool = False
 ) -> PolicyLossResult:
     """Each row's fp32 log-prob and entropy, and the loss's gradients in hidden and weight.
 
-    Passes over a chunk's ``[rows, V]`` values: the GEMM's write, the max, ``d = k x - k max``
-    (one fused multiply-add), ``e = exp(d)``, its sum, ``sum e d`` (a batched dot), and for the
-    gradient ``a + b d`` and its product with ``e`` written in the GEMMs' dtype; the label column
-    is patched from ``[rows]`` values (one rounding).
+    Passes over a chunk's ``[rows, V]`` values (eager): the GEMM's write, the max,
+    ``d = k x - k max`` (one fused multiply-add), ``e = exp(d)``, its sum, ``sum e d`` (a batched
+    dot), and for the gradient ``a + b d`` and its product with ``e`` written in the GEMMs' dtype;
+    the label column is patched from ``[rows]`` values (one rounding). ``use_compile`` (no
+    softcap) fuses them through ``torch.compile``.
     """
     head = call.head
     hidden, weight, labels = head.hidden, head.weight, head.labels
@@ -86,7 +148,7 @@ def policy_loss(
         if isinstance(temp, torch.Tensor)
         else torch.full((1,), min(1.0 / float(temp), MAX_SCALE), dtype=FP32, device=device)
     )
-    cap = head.softcap
+    chunk = _compiled_chunk if use_compile and head.softcap is None else _eager_chunk
     valid = labels != head.ignore_index
     zero = torch.zeros((), dtype=FP32, device=device)
     w_t = gemm_operand(weight, fp32_logits).t()
@@ -95,9 +157,6 @@ def policy_loss(
     grad_h = torch.empty_like(hidden) if call.need_hidden_grad else None
     grad_w = torch.empty_like(weight) if call.need_weight_grad else None
     need_grads = grad_h is not None or grad_w is not None
-    low = hidden.dtype != FP32
-    if use_compile and cap is None:
-        return _compiled_chunks(call, rows_per_chunk, fp32_logits, inv_t)
     for start in range(0, n, rows_per_chunk):
         stop = min(start + rows_per_chunk, n)
         ok = valid[start:stop]
@@ -107,22 +166,14 @@ def policy_loss(
         )
         x = logits_mm(gemm_operand(h_rows, fp32_logits), w_t, fp32_logits).to(FP32)
         k = inv_t[start:stop] if inv_t.numel() > 1 else inv_t.expand(stop - start)
-        sech2 = None
-        if cap is not None:
-            sech2 = torch.div(x, cap).cosh_().square_().reciprocal_() if need_grads else None
-            x.div_(cap).tanh_().mul_(cap)
         label = torch.where(ok, labels[start:stop], 0).unsqueeze(1)
-        d = torch.addcmul((-x.amax(dim=1) * k).unsqueeze(1), x, k.unsqueeze(1), out=x)
-        e = torch.exp(d)
-        s = e.sum(dim=1)
-        log_s = torch.log(s)
-        ent = log_s - torch.bmm(e.unsqueeze(1), d.unsqueeze(2)).view(-1) / s
-        d_y = d.gather(1, label).squeeze(1)
+        d_y, s, log_s, ent, grad = chunk(x, k, label, head.softcap, need_grads, hidden.dtype)
         lp = torch.where(ok, d_y - log_s, zero)
         ent = torch.where(ok, ent, zero)
         log_probs[start:stop] = lp
         entropy[start:stop] = ent
         if not need_grads:
+            del grad, x  # the chunk's tiles, before the next chunk's logits
             continue
         terms = token_grads(call, start, stop, lp, ent)
         g_lp, g_ent = terms.grad_log_probs, terms.grad_entropy
@@ -131,69 +182,8 @@ def policy_loss(
         inv_s = k / s
         a = (-g_lp - g_ent * (ent - log_s)) * inv_s
         b = -g_ent * inv_s
-        e_y = e.gather(1, label).squeeze(1)
-        dz_label = e_y * (a + b * d_y) + g_lp * k
-        g = torch.addcmul(a.unsqueeze(1), d, b.unsqueeze(1), out=d)
-        if sech2 is not None:
-            dz_label = dz_label * sech2.gather(1, label).squeeze(1)
-            g.mul_(sech2)
-            del sech2
-        dz = torch.mul(g, e, out=torch.empty_like(g, dtype=hidden.dtype) if low else g)
-        del e
-        dz.scatter_(1, label, dz_label.to(dz.dtype).unsqueeze(1))
-        if grad_h is not None:
-            torch.mm(dz, weight, out=grad_h[start:stop])
-        if grad_w is not None:
-            if start == 0:
-                torch.mm(dz.t(), h_rows, out=grad_w)
-            else:
-                grad_w.addmm_(dz.t(), h_rows)
-    return PolicyLossResult(log_probs, entropy, grad_hidden=grad_h, grad_weight=grad_w)
-
-
-def _compiled_chunks(
-    call: PolicyLossCall, rows_per_chunk: int, fp32_logits: bool, inv_t: torch.Tensor
-) -> PolicyLossResult:
-    """``policy_loss`` with each chunk's elementwise work in two compiled functions (no softcap):
-    the fp32 logits are read three times and ``dz`` written once, in the GEMMs' dtype."""
-    head = call.head
-    hidden, weight, labels = head.hidden, head.weight, head.labels
-    n = hidden.shape[0]
-    device = hidden.device
-    valid = labels != head.ignore_index
-    zero = torch.zeros((), dtype=FP32, device=device)
-    w_t = gemm_operand(weight, fp32_logits).t()
-    log_probs = torch.empty(n, dtype=FP32, device=device)
-    entropy = torch.empty(n, dtype=FP32, device=device)
-    grad_h = torch.empty_like(hidden) if call.need_hidden_grad else None
-    grad_w = torch.empty_like(weight) if call.need_weight_grad else None
-    stats_fn, grad_fn = compiled("row_stats"), compiled("logits_grad")
-    for start in range(0, n, rows_per_chunk):
-        stop = min(start + rows_per_chunk, n)
-        ok = valid[start:stop]
-        h_rows = torch.where(
-            ok.unsqueeze(1), hidden[start:stop], torch.zeros((), dtype=hidden.dtype)
-        )
-        x = logits_mm(gemm_operand(h_rows, fp32_logits), w_t, fp32_logits).to(FP32)
-        k = (inv_t[start:stop] if inv_t.numel() > 1 else inv_t.expand(stop - start)).unsqueeze(1)
-        label = torch.where(ok, labels[start:stop], 0).unsqueeze(1)
-        m, s, t, d_y = stats_fn(x, k, label)  # type: ignore[operator]
-        log_s = torch.log(s)
-        lp = torch.where(ok, d_y - log_s, zero)
-        ent = torch.where(ok, log_s - t / s, zero)
-        log_probs[start:stop] = lp
-        entropy[start:stop] = ent
-        if grad_h is None and grad_w is None:
-            continue
-        terms = token_grads(call, start, stop, lp, ent)
-        g_lp, g_ent = terms.grad_log_probs, terms.grad_entropy
-        kr = k.squeeze(1)
-        inv_s = kr / s
-        a = (-g_lp - g_ent * (ent - log_s)) * inv_s
-        b = -g_ent * inv_s
-        dz = grad_fn(x, k, m, a, b, hidden.dtype)  # type: ignore[operator]
-        del x
-        dz_label = torch.exp(d_y) * (a + b * d_y) + g_lp * kr
+        dz, dz_label = grad(a, b, g_lp * k)
+        del grad, x  # the chunk's fp32 tiles but dz, before the gradient GEMMs
         dz.scatter_(1, label, dz_label.to(dz.dtype).unsqueeze(1))
         if grad_h is not None:
             torch.mm(dz, weight, out=grad_h[start:stop])
