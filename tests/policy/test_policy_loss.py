@@ -293,7 +293,12 @@ def test_metrics_are_verl_s() -> None:
             ValueError,
             "rollout_log_probs was given with old_log_probs=None",
         ),
-        ({"old_log_probs": [0.0] * 21}, TypeError, "old_log_probs must be a"),
+        ({"old_log_probs": [0.0] * 21}, TypeError, r"old_log_probs must be a torch.Tensor or None"),
+        (
+            {"ref_log_probs": 0.5, "kl_coef": 0.1},
+            TypeError,
+            r"ref_log_probs must be a torch.Tensor or None \(no KL term\), got float",
+        ),
     ],
 )
 def test_bad_arguments_are_named(kw: dict[str, Any], error: type, match: str) -> None:

@@ -171,9 +171,14 @@ def _real(arg: str, value: object, *, low: float, high: float = math.inf, what: 
 
 
 def _per_token(
-    arg: str, value: object, shape: tuple[int, ...], device: torch.device
+    arg: str, value: object, shape: tuple[int, ...], device: torch.device, none: str = ""
 ) -> torch.Tensor:
-    """A per-token tensor broadcastable to the labels' shape, as a detached fp32 ``[N]`` copy."""
+    """A per-token tensor broadcastable to the labels' shape, as a detached fp32 ``[N]`` copy;
+    ``none`` says what None means where the argument may be None."""
+    if none and not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{arg} must be a torch.Tensor or None ({none}), got {type(value).__name__}"
+        )
     t = tensor_arg(arg, value)
     if t.dtype not in _PER_TOKEN_DTYPES:
         raise TypeError(f"{arg} must be a floating tensor (fp32, fp64, fp16, bf16), got {t.dtype}")
@@ -323,10 +328,10 @@ def _policy_call(
     entropy_coef = _real("entropy_coef", req.entropy_coef, low=-math.inf, what="a finite float")
     kl_coef = _real("kl_coef", req.kl_coef, low=0.0, what="a finite float >= 0")
     old = req.old_log_probs
-    old = None if old is None else _per_token("old_log_probs", old, shape, device)
+    old = None if old is None else _per_token("old_log_probs", old, shape, device, "on-policy")
     adv = _per_token("advantages", req.advantages, shape, device)
     ref = req.ref_log_probs
-    ref = None if ref is None else _per_token("ref_log_probs", ref, shape, device)
+    ref = None if ref is None else _per_token("ref_log_probs", ref, shape, device, "no KL term")
     if kl_coef and ref is None:
         raise ValueError(
             f"kl_coef={req.kl_coef!r} needs ref_log_probs (the reference policy's log-probs of "
@@ -344,7 +349,7 @@ def _policy_call(
     tis = None
     if rollout is not None:
         cap = _real("tis_cap", cap, low=1e-30, what="a finite float > 0")
-        roll = _per_token("rollout_log_probs", rollout, shape, device)
+        roll = _per_token("rollout_log_probs", rollout, shape, device, "no TIS")
         if old is None:
             raise ValueError(
                 "truncated importance sampling weighs each token by exp(old_log_probs - "
