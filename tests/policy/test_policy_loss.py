@@ -293,6 +293,11 @@ def test_metrics_are_verl_s() -> None:
             ValueError,
             "rollout_log_probs was given with old_log_probs=None",
         ),
+        (
+            {"advantages": torch.zeros(7)},
+            ValueError,
+            r"advantages must have the labels' shape \(3, 7\) or broadcast to it with as many",
+        ),
         ({"old_log_probs": [0.0] * 21}, TypeError, r"old_log_probs must be a torch.Tensor or None"),
         (
             {"ref_log_probs": 0.5, "kl_coef": 0.1},
