@@ -143,3 +143,18 @@ def test_numpy_scalars_are_floats_and_numpy_bools_are_not(ref_backend, inputs):
             head(h, w, y, temperature=bad)
     with pytest.raises(ValueError, match=r"got 0\.0"):
         head(h, w, y, temperature=np.float32(0.0))
+
+
+@pytest.mark.parametrize("shape", [(4,), (1, 4, 1)])
+def test_a_temperature_tensor_with_other_dimensions_than_the_labels_is_refused(ref_backend, shape):
+    """``[B]`` beside ``[B, S]`` labels would broadcast along S (one value per position, not per
+    sequence) and was taken silently when B == S: refused, naming ``[B, 1]``."""
+    ref_backend.caps = {"per_token_temperature": True}
+    h, w = torch.randn(4, 4, 8), torch.randn(10, 8)
+    y = torch.randint(0, 10, (4, 4))
+    with pytest.raises(ValueError, match=r"labels' number of dimensions .*\[B, 1\]"):
+        head(h, w, y, temperature=torch.full(shape, 0.7))
+    assert not ref_backend.calls
+    head(h, w, y, temperature=torch.full((4, 1), 0.7))  # one per sequence
+    head(h, w, y, temperature=torch.full((1,), 0.7))  # one element
+    assert len(ref_backend.calls) == 2

@@ -184,7 +184,7 @@ def _per_token(
         raise TypeError(f"{arg} must be a floating tensor (fp32, fp64, fp16, bf16), got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{arg} must be on hidden's device {device}, got {t.device}")
-    if t.dim() not in (0, len(shape)):  # [B] beside [B, S] labels would broadcast along S
+    if t.dim() != len(shape) and t.numel() != 1:  # [B] beside [B, S] would broadcast along S
         raise ValueError(
             f"{arg} must have the labels' shape {shape} or broadcast to it with as many "
             f"dimensions (e.g. [B, 1]: one value per sequence), got {tuple(t.shape)}"

@@ -297,6 +297,11 @@ def _temperature(
             f"{arg} tensor requires grad, but fusedhead does not differentiate with respect to a "
             f"temperature (no gradient would reach it); pass {arg}.detach()"
         )
+    if t.dim() != labels.dim() and t.numel() != 1:  # [B] beside [B, S] would broadcast along S
+        raise ValueError(
+            f"{arg} tensor of shape {tuple(t.shape)} must have the labels' number of dimensions "
+            f"(labels {tuple(labels.shape)}; [B, 1] for one value per sequence) or one element"
+        )
     try:
         t = torch.broadcast_to(t, labels.shape)
     except RuntimeError:
