@@ -22,6 +22,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "trainers"
 CASES = {
     "trl_grpo.py": ("trl", ("loss", "kl", "entropy")),
     "verl_fused_kernels.py": ("verl", ("log_probs", "entropy", "gradients")),
+    "verl_fused_policy_loss.py": ("verl", ("actor/pg_loss", "actor/pg_clipfrac", "kl_loss")),
     "veomni_cross_entropy.py": ("veomni", ("loss", "log_probs", "entropy", "gradients")),
     "openrlhf_actor.py": ("openrlhf", ("log_probs", "entropy", "gradients")),
 }

@@ -76,6 +76,8 @@ _finder: _PatchOnImport | None = None
 _armed_veomni = False
 #: Whether :func:`fix_trl_value_head_probe` is on (applied to verl's module when it is imported).
 _trl_probe_fixed = False
+#: The verl modules the fused actor loss patches (fusedhead.integrations.verl_actor).
+_ACTOR_MODULES = ("verl.trainer.ppo.core_algos", "verl.workers.engine.fsdp.transformer_impl")
 #: Where TRL keeps (kept) the value-head model verl 0.9.1's ``apply_monkey_patch`` patches.
 TRL_VALUE_HEAD_MODULES = ("trl.experimental.ppo", "trl")
 
@@ -117,6 +119,10 @@ def uninstall() -> None:
         if module is not None and original is not None:
             module.patch_forward_with_backends = original  # type: ignore[attr-defined]
         _restore_trl_probe(module)
+        if any(name in sys.modules for name in _ACTOR_MODULES):
+            from fusedhead.integrations import verl_actor
+
+            verl_actor.disarm()
         if _armed_veomni:
             from fusedhead.integrations import veomni
 
@@ -228,9 +234,24 @@ def _arm_veomni(module: types.ModuleType) -> None:
         _armed_veomni = True
 
 
+def _register_loss_mode(module: types.ModuleType) -> None:
+    from fusedhead.integrations import verl_actor
+
+    verl_actor.register_loss_mode(module)
+
+
+def _wrap_forward_step(module: types.ModuleType) -> None:
+    from fusedhead.integrations import verl_actor
+
+    verl_actor.wrap_forward_step(module)
+
+
 _TARGETS: dict[str, Callable[[types.ModuleType], None]] = {
     MONKEY_PATCH_MODULE: _patch_module,
     VEOMNI_CROSS_ENTROPY_MODULE: _arm_veomni,
+    # policy_loss.loss_mode: fusedhead (fusedhead.integrations.verl_actor)
+    "verl.trainer.ppo.core_algos": _register_loss_mode,
+    "verl.workers.engine.fsdp.transformer_impl": _wrap_forward_step,
 }
 
 
@@ -469,6 +490,22 @@ def forward_with_fusedhead_backend(
         raise ValueError(
             "forward_with_fusedhead_backend needs shift_labels, labels or input_ids to score"
         )
+    from fusedhead.integrations import verl_actor
+
+    if verl_actor.hand_over(hidden_states, self.lm_head, head, rolled, temperature):
+        # policy_loss.loss_mode: fusedhead computes the loss from the hidden states; the engine's
+        # read-out gets NaN stand-ins, which that loss replaces (nothing else reads them). The
+        # hidden states are returned too: FSDP2 hooks the root's backward (re-gathering its
+        # resharded parameters) on the outputs the loss's gradient reaches.
+        stand_in = torch.full(rolled.shape, float("nan"), device=rolled.device)
+        output_cls_: Any = CausalLMOutputForPPO
+        return output_cls_(
+            log_probs=stand_in,
+            entropy=stand_in,
+            past_key_values=outputs.past_key_values,
+            hidden_states=(hidden_states,),
+            attentions=outputs.attentions,
+        )
     # verl scores every packed position (its rolled ids hold no ignore_index), so every row goes
     # to the backend as is: no host sync, no copy of the selected rows.
     out = lm_head_logprobs(
@@ -530,7 +567,7 @@ def policy_loss_kwargs(
     """
     policy = _cfg(actor_config, "policy_loss", None)
     mode = _cfg(policy, "loss_mode", "vanilla") if policy is not None else "vanilla"
-    if mode != "vanilla":
+    if mode not in ("vanilla", "fusedhead"):  # fusedhead: vanilla, computed by the fused loss
         what = "sequence-level ratios (GSPO)" if mode == "gspo" else "another loss"
         raise ValueError(
             f"policy_loss.loss_mode={mode!r} is {what}; fusedhead's fused policy loss is verl's "

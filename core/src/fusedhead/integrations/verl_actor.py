@@ -1,0 +1,388 @@
+"""verl's actor loss from its config: ``actor_rollout_ref.actor.policy_loss.loss_mode: fusedhead``.
+
+verl 0.9.1's actor (``ActorRolloutRefWorker`` -> ``TrainingWorker`` -> the FSDP engine) computes
+its loss as ``partial(ppo_loss, config=actor_config)``, called by
+``FSDPEngineWithLMHead.forward_step`` with the model's log-probs: a loss function never sees the
+hidden states. Two pieces make ``loss_mode: fusedhead`` compute the whole loss with
+:func:`fusedhead.fused_policy_loss` from the hidden states (three GEMMs, no logits):
+
+- verl's own registry: ``register_policy_loss("fusedhead")`` (so verl's config accepts the name);
+  what it registers is verl's vanilla loss on log-probs, used only where no gradient is taken
+  (metrics of a forward-only pass); a training step that reaches it raises, naming why;
+- the patch (:func:`enable_fused_policy_loss`): ``FSDPEngineWithLMHead.forward_step`` wrapped.
+  For a training micro-batch whose loss function carries an actor config with
+  ``loss_mode: fusedhead``, fusedhead's model forward (``impl_backend: fusedhead:<name>``) hands
+  over the hidden states instead of scoring them, and :func:`fused_ppo_loss_step` replaces verl's
+  ``ppo_loss``, with verl's metric names and aggregation. Every other call is verl's, unchanged.
+
+Both are armed by :func:`fusedhead.integrations.verl.install` (the ``verl.plugins`` entry point)
+when verl imports the two modules. Nothing here imports torch or verl at import time.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "CORE_ALGOS_MODULE",
+    "FSDP_ENGINE_MODULE",
+    "LOSS_MODE",
+    "check_actor_config",
+    "disarm",
+    "enable_fused_policy_loss",
+    "fused_policy_loss_enabled",
+    "fused_ppo_loss_step",
+    "fusedhead_policy_loss",
+    "hand_over",
+    "register_loss_mode",
+    "wrap_forward_step",
+]
+
+#: The ``actor.policy_loss.loss_mode`` value that selects the fused loss.
+LOSS_MODE = "fusedhead"
+#: verl's policy-loss registry (``register_policy_loss``).
+CORE_ALGOS_MODULE = "verl.trainer.ppo.core_algos"
+#: verl's FSDP engine, whose ``FSDPEngineWithLMHead.forward_step`` runs model and loss.
+FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+
+
+@dataclasses.dataclass
+class _Pending:
+    """What fusedhead's model forward hands the fused loss instead of log-probs."""
+
+    hidden: Any = None
+    lm_head: Any = None
+    head: Any = None
+    labels: Any = None
+    temperature: Any = 1.0
+
+    def take(self) -> _Pending | None:
+        if self.hidden is None:
+            return None
+        out = dataclasses.replace(self)
+        self.hidden = self.lm_head = self.labels = None
+        return out
+
+
+_PENDING: contextvars.ContextVar[_Pending | None] = contextvars.ContextVar(
+    "fusedhead_verl_pending", default=None
+)
+_enabled = True
+_NEEDS_FORWARD = (
+    "policy_loss.loss_mode='fusedhead' needs fusedhead's model forward: set "
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend: fusedhead:<name> (with "
+    "use_fused_kernels: true); this model's forward computes log-probs, not hidden states"
+)
+
+
+def hand_over(hidden: Any, lm_head: Any, head: Any, labels: Any, temperature: Any) -> bool:
+    """Called by fusedhead's verl forward: True when the fused loss takes the hidden states."""
+    slot = _PENDING.get()
+    if slot is None or slot.hidden is not None:
+        return False
+    slot.hidden, slot.lm_head, slot.head = hidden, lm_head, head
+    slot.labels, slot.temperature = labels, temperature
+    return True
+
+
+def _loss_mode(config: Any) -> Any:
+    policy = _get(config, "policy_loss")
+    return "vanilla" if policy is None else _get(policy, "loss_mode", "vanilla")
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    getter = getattr(config, "get", None)
+    if callable(getter):
+        return getter(name, default)
+    return getattr(config, name, default)
+
+
+def check_actor_config(config: Any) -> None:
+    """Refuse, by name, an actor config whose settings the fused loss does not compute."""
+    from fusedhead.integrations.verl import policy_loss_kwargs
+
+    if _get(config, "use_prefix_grouper", False):
+        raise ValueError(
+            "policy_loss.loss_mode='fusedhead' with use_prefix_grouper=True: the prefix grouper "
+            "changes the model's forward; use loss_mode 'vanilla' with it"
+        )
+    # the mapping itself (loss_agg_mode, clip ratios, KL type); batch sizes come per micro-batch
+    policy_loss_kwargs(config, horizon=1, global_batch_size=1)
+
+
+def _fused_config(loss_function: Any) -> Any:
+    """The actor config of a ``partial(ppo_loss, config=...)`` asking for the fused loss, or None."""
+    keywords = getattr(loss_function, "keywords", None)
+    config = keywords.get("config") if isinstance(keywords, dict) else None
+    if config is None or _loss_mode(config) != LOSS_MODE:
+        return None
+    from verl.workers.utils.losses import ppo_loss
+
+    func = getattr(loss_function, "func", None)
+    if func is not ppo_loss:
+        name = getattr(func, "__name__", repr(func))
+        raise ValueError(
+            f"policy_loss.loss_mode='fusedhead' replaces verl's ppo_loss; the actor's loss here "
+            f"is {name} (distillation?), which the fused loss does not compute: use loss_mode "
+            "'vanilla' with it"
+        )
+    return config
+
+
+def _wrap_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def forward_step(self: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+        config = None if forward_only else _fused_config(loss_function)
+        if config is None:
+            return original(self, micro_batch, loss_function, forward_only)
+        _check_engine(self, micro_batch, config)
+        slot = _Pending()
+        token = _PENDING.set(slot)
+        try:
+            loss_fn = functools.partial(fused_ppo_loss_step, config=config, pending=slot)
+            return original(self, micro_batch, loss_fn, forward_only)
+        finally:
+            _PENDING.reset(token)
+
+    forward_step.__fusedhead_original__ = original  # type: ignore[attr-defined]
+    return forward_step
+
+
+def _check_engine(engine: Any, micro_batch: Any, config: Any) -> None:
+    from verl.utils import tensordict_utils as tu
+
+    check_actor_config(config)
+    flags = {
+        "use_remove_padding": "actor_rollout_ref.model.use_remove_padding: true",
+        "use_fused_kernels": "actor_rollout_ref.model.use_fused_kernels: true",
+    }
+    for key, fix in flags.items():
+        if not tu.get_non_tensor_data(data=micro_batch, key=key, default=False):
+            raise ValueError(f"policy_loss.loss_mode='fusedhead' needs {fix} (got {key}=False)")
+    module = getattr(engine, "module", None)
+    model = getattr(module, "_fsdp_wrapped_module", module)  # FSDP1 wraps, FSDP2 does not
+    if getattr(model, "_fusedhead_head", None) is None:
+        raise RuntimeError(_NEEDS_FORWARD)
+    if getattr(engine, "use_ulysses_sp", False):
+        raise ValueError(
+            "policy_loss.loss_mode='fusedhead' with ulysses_sequence_parallel_size > 1: each "
+            "rank holds a slice of the packed sequence; use loss_mode 'vanilla' with sequence "
+            "parallelism"
+        )
+
+
+def _packed_response(data: Any, total: int) -> tuple[Any, Any]:
+    """``(rows, mask)``: the packed row of each padded response slot ``[B, R]`` and whether it is
+    scored, as verl's ``no_padding_2_padding`` slices (response ``j`` of sequence ``i`` is
+    predicted at ``end_i - len_i - 1 + j``)."""
+    import torch
+
+    prompts, responses = data["prompts"], data["responses"]
+    if prompts.is_nested:
+        prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
+    else:
+        mask = data["attention_mask"]
+        prompt_lens = mask[:, : prompts.shape[1]].sum(dim=1)
+        response_lens = mask[:, prompts.shape[1] :].sum(dim=1)
+    ends = (prompt_lens + response_lens).cumsum(0)
+    if int(ends[-1]) != total:
+        raise ValueError(f"the packed micro-batch holds {total} tokens, its sequences {ends[-1]}")
+    width = data["response_mask"].shape[-1]
+    j = torch.arange(width, device=ends.device)
+    rows = (ends - response_lens - 1)[:, None] + j[None, :]
+    scored = (j[None, :] < response_lens[:, None]) & data["response_mask"].to(torch.bool)
+    return rows, scored
+
+
+def fused_ppo_loss_step(
+    config: Any, model_output: dict[str, Any], data: Any, dp_group: Any = None, *, pending: Any
+) -> tuple[Any, dict[str, Any]]:
+    """verl 0.9.1's ``ppo_loss`` (vanilla policy loss, entropy bonus, KL loss) from the hidden
+    states fusedhead's forward handed over: same loss, same metrics and aggregation types."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.metric import AggregationType, Metric
+
+    from fusedhead.integrations.lm_head import in_module_call, lm_head_policy_loss
+    from fusedhead.integrations.verl import policy_loss_kwargs
+    from fusedhead.policy import PolicyLossOutput
+
+    got = pending.take()
+    if got is None:
+        raise RuntimeError(_NEEDS_FORWARD)
+    offsets = data["input_ids"].offsets()
+    total = int(offsets[-1])
+    hidden, rolled = got.hidden[:, :total], got.labels[:, :total]  # a static pad is a suffix
+    fields = ["response_mask", "old_log_probs", "advantages"]
+    fields += [k for k in ("rollout_is_weights", "ref_log_prob") if k in data]
+    padded = data.select(*fields).to_padded_tensor()
+    rows, scored = _packed_response(data, total)
+    at = rows[scored]
+
+    def packed(name: str) -> torch.Tensor:
+        out = torch.zeros(1, total, dtype=torch.float32, device=hidden.device)
+        out[0, at] = padded[name][scored].to(torch.float32)
+        return out
+
+    labels = torch.full_like(rolled, -100)
+    labels[0, at] = rolled[0, at]
+    calc_entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
+    dp_size, num_tokens = data["dp_size"], data["batch_num_tokens"]
+    batch_size = data["global_batch_size"]
+    kwargs = policy_loss_kwargs(
+        config,
+        horizon=padded["response_mask"].shape[-1],
+        dp_size=dp_size,
+        batch_num_tokens=num_tokens,
+        global_batch_size=batch_size,
+    )
+    if not calc_entropy:  # verl adds the entropy term only where the engine computed entropy
+        kwargs["entropy_coef"] = 0.0
+    old = packed("old_log_probs")
+    if "kl_coef" in kwargs:
+        kwargs["ref_log_probs"] = packed("ref_log_prob")
+    if "rollout_is_weights" in fields:  # verl's weights w as exp(old - rollout), never truncated
+        weights = packed("rollout_is_weights")
+        kwargs["rollout_log_probs"] = old - torch.log(weights)
+        kwargs["tis_cap"] = max(float(weights.max()), 1.0)
+    names = [f.name for f in dataclasses.fields(PolicyLossOutput)]
+
+    def body() -> tuple[Any, ...]:
+        # a tuple of tensors, not the dataclass: FSDP2's post-forward hook finds the loss in it
+        # and re-gathers the resharded weight before the backward writes its gradient
+        out = lm_head_policy_loss(
+            got.lm_head,
+            hidden,
+            labels,
+            head=got.head,
+            temperature=got.temperature,
+            old_log_probs=old,
+            advantages=packed("advantages"),
+            cu_seqlens=offsets.to(hidden.device),
+            in_call=False,
+            **kwargs,
+        )
+        return tuple(getattr(out, name) for name in names)
+
+    out = PolicyLossOutput(**dict(zip(names, in_module_call(got.lm_head, body), strict=True)))
+    # the engine reads these back (0 at rows outside the responses); training discards them
+    model_output["log_probs"] = torch.nested.nested_tensor_from_jagged(out.log_probs[0], offsets)
+    if calc_entropy:
+        model_output["entropy"] = torch.nested.nested_tensor_from_jagged(out.entropy[0], offsets)
+    summed = (
+        dp_size > 1
+        or num_tokens is not None
+        or batch_size is not None
+        or _get(config, "loss_scale_factor") is not None
+    )
+    aggregation = AggregationType.SUM if summed else AggregationType.MEAN
+    pg = {
+        "actor/pg_clipfrac": out.clip_fraction,
+        "actor/ppo_kl": out.approx_kl,
+        "actor/pg_clipfrac_lower": out.clip_fraction_lower,
+    }
+    metrics: dict[str, Any] = Metric.from_dict(pg, aggregation=AggregationType.MEAN)
+    metrics["actor/pg_loss"] = Metric(value=out.pg_loss, aggregation=aggregation)
+    if calc_entropy:
+        metrics["actor/entropy_loss"] = Metric(value=out.entropy_loss, aggregation=aggregation)
+    if out.kl is not None:
+        metrics["kl_loss"] = Metric(value=out.kl, aggregation=aggregation)
+        metrics["kl_coef"] = kwargs["kl_coef"]
+    return out.loss, metrics
+
+
+def fusedhead_policy_loss(
+    old_log_prob: Any,
+    log_prob: Any,
+    advantages: Any,
+    response_mask: Any,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Any = None,
+) -> tuple[Any, dict[str, Any]]:
+    """What ``register_policy_loss("fusedhead")`` registers: verl's vanilla loss on log-probs
+    where no gradient is taken; a training step here means the fused path was not reached."""
+    import torch
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+
+    if torch.is_grad_enabled() and getattr(log_prob, "requires_grad", False):
+        raise RuntimeError(
+            "policy_loss.loss_mode='fusedhead' is computed inside verl's FSDP engine "
+            "(actor strategy fsdp/fsdp2, use_remove_padding, use_fused_kernels, impl_backend "
+            "fusedhead:<name>); this training step called verl's policy loss with log-probs "
+            "instead (another engine, or the patch is off: "
+            "fusedhead.integrations.verl_actor.enable_fused_policy_loss())"
+        )
+    return compute_policy_loss_vanilla(
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        config=config,
+        rollout_is_weights=rollout_is_weights,
+    )
+
+
+def register_loss_mode(module: types.ModuleType) -> None:
+    """Register ``fusedhead`` in verl's policy-loss registry (``core_algos``)."""
+    registry = module.POLICY_LOSS_REGISTRY
+    if _enabled and registry.get(LOSS_MODE) is not fusedhead_policy_loss:
+        module.register_policy_loss(LOSS_MODE)(fusedhead_policy_loss)
+
+
+def wrap_forward_step(module: types.ModuleType) -> None:
+    """Wrap ``FSDPEngineWithLMHead.forward_step`` (idempotent)."""
+    cls = module.FSDPEngineWithLMHead
+    current = cls.__dict__["forward_step"]
+    if _enabled and not hasattr(current, "__fusedhead_original__"):
+        cls.forward_step = _wrap_forward_step(current)
+
+
+def disarm() -> None:
+    """Undo :func:`register_loss_mode` and :func:`wrap_forward_step` where verl is imported."""
+    engine = sys.modules.get(FSDP_ENGINE_MODULE)
+    if engine is not None:
+        cls = engine.FSDPEngineWithLMHead
+        original = getattr(cls.__dict__["forward_step"], "__fusedhead_original__", None)
+        if original is not None:
+            cls.forward_step = original
+    core = sys.modules.get(CORE_ALGOS_MODULE)
+    if core is not None and core.POLICY_LOSS_REGISTRY.get(LOSS_MODE) is fusedhead_policy_loss:
+        del core.POLICY_LOSS_REGISTRY[LOSS_MODE]
+
+
+def enable_fused_policy_loss(enable: bool = True) -> None:
+    """Arm (``False``: disarm) ``policy_loss.loss_mode: fusedhead`` in verl 0.9.1.
+
+    Registers the loss mode in verl's policy-loss registry and wraps the FSDP engine's
+    ``forward_step`` (now if verl's modules are imported, else when verl imports them). Inert for
+    every config that does not name ``fusedhead``. ``import verl`` calls this through fusedhead's
+    ``verl.plugins`` entry point; call it yourself where plugins are off.
+    """
+    global _enabled
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be a bool, got {type(enable).__name__} {enable!r}")
+    from fusedhead.integrations import verl
+
+    _enabled = enable
+    if enable:
+        verl.install()  # applies the two patches now or on import (its module targets)
+    else:
+        disarm()
+
+
+def fused_policy_loss_enabled() -> bool:
+    """True when the FSDP engine's ``forward_step`` is fusedhead's wrapper (or will be on import)."""
+    from fusedhead.integrations import verl
+
+    module = sys.modules.get(FSDP_ENGINE_MODULE)
+    if module is None:
+        return _enabled and verl.is_installed()
+    return hasattr(module.FSDPEngineWithLMHead.__dict__["forward_step"], "__fusedhead_original__")
