@@ -12,6 +12,9 @@ reason. Rank 0 writes JSON.
 
 ``VP_REHEARSE=1`` runs the same plumbing on the CPU with gloo, fp32 and a tiny shape (the Triton
 kernels under ``TRITON_INTERPRET=1``): tests/bench/test_vocab_parallel_script.py does.
+
+Issue 35's run (bits at degree 2 and 4 on the grid's shards, the combine against the previous
+one) is its successor, scripts/gpu/degree_nccl.py (scripts/gpu/issue35.sh runs it).
 """
 
 from __future__ import annotations
