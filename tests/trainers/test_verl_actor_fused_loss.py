@@ -173,7 +173,7 @@ def test_loss_mode_is_registered_and_guarded() -> None:
     """verl's registry knows ``fusedhead``: vanilla without gradients, refused in a train step."""
     from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla, get_policy_loss_fn
 
-    assert verl_actor.fused_policy_loss_enabled()
+    assert fh_verl.fused_policy_loss_enabled()
     fn = get_policy_loss_fn("fusedhead")
     config = _config(clip_ratio_c=2.0)
     g = torch.Generator().manual_seed(0)

@@ -39,11 +39,22 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+from fusedhead.integrations import verl_actor
+from fusedhead.integrations.verl_actor import (
+    VERL_AGG_MODES,
+    VERL_KL_TYPES,
+    policy_loss_kwargs,
+)
+
 __all__ = [
     "MONKEY_PATCH_MODULE",
+    "VERL_AGG_MODES",
     "VERL_BACKENDS",
+    "VERL_KL_TYPES",
+    "enable_fused_policy_loss",
     "fix_trl_value_head_probe",
     "forward_with_fusedhead_backend",
+    "fused_policy_loss_enabled",
     "fused_ppo_loss",
     "install",
     "is_installed",
@@ -120,8 +131,6 @@ def uninstall() -> None:
             module.patch_forward_with_backends = original  # type: ignore[attr-defined]
         _restore_trl_probe(module)
         if any(name in sys.modules for name in _ACTOR_MODULES):
-            from fusedhead.integrations import verl_actor
-
             verl_actor.disarm()
         if _armed_veomni:
             from fusedhead.integrations import veomni
@@ -235,14 +244,10 @@ def _arm_veomni(module: types.ModuleType) -> None:
 
 
 def _register_loss_mode(module: types.ModuleType) -> None:
-    from fusedhead.integrations import verl_actor
-
     verl_actor.register_loss_mode(module)
 
 
 def _wrap_forward_step(module: types.ModuleType) -> None:
-    from fusedhead.integrations import verl_actor
-
     verl_actor.wrap_forward_step(module)
 
 
@@ -490,8 +495,6 @@ def forward_with_fusedhead_backend(
         raise ValueError(
             "forward_with_fusedhead_backend needs shift_labels, labels or input_ids to score"
         )
-    from fusedhead.integrations import verl_actor
-
     if verl_actor.hand_over(hidden_states, self.lm_head, head, rolled, temperature):
         # policy_loss.loss_mode: fusedhead computes the loss from the hidden states; the engine's
         # read-out gets NaN stand-ins, which that loss replaces (nothing else reads them). The
@@ -524,108 +527,6 @@ def forward_with_fusedhead_backend(
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
-
-
-#: verl's ``kl_loss_type`` names fusedhead computes, as fusedhead's estimator.
-VERL_KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
-#: verl's ``loss_agg_mode`` values, as fusedhead's aggregation (token-sum: a token mean whose
-#: normaliser is 1 / dp_size; seq-mean-token-sum-norm: a sequence sum over sequences x horizon).
-VERL_AGG_MODES = {
-    "token-mean": "token-mean",
-    "token-sum": "token-mean",
-    "seq-mean-token-sum": "seq-mean-token-sum",
-    "seq-mean-token-sum-norm": "seq-mean-token-sum",
-    "seq-mean-token-mean": "seq-mean-token-mean",
-}
-
-
-def _cfg(config: Any, name: str, default: Any = None) -> Any:
-    getter = getattr(config, "get", None)
-    if callable(getter):  # a DictConfig or a dict
-        return getter(name, default)
-    return getattr(config, name, default)
-
-
-def policy_loss_kwargs(
-    actor_config: Any,
-    *,
-    horizon: int | None = None,
-    dp_size: int = 1,
-    batch_num_tokens: Any = None,
-    global_batch_size: Any = None,
-) -> dict[str, Any]:
-    """``fused_policy_loss``'s keywords from verl's actor config (``actor_rollout_ref.actor``).
-
-    Maps ``loss_agg_mode``, ``clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high``,
-    ``clip_ratio_c`` (verl's dual clip, always on), ``entropy_coeff``, ``use_kl_loss`` /
-    ``kl_loss_coef`` / ``kl_loss_type``, and verl's global batch info (``dp_size``,
-    ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) into the loss normaliser,
-    as verl's ``agg_loss`` divides. ``horizon``: the padded response length verl's
-    ``seq-mean-token-sum-norm`` divides by when ``loss_scale_factor`` is unset. What fusedhead
-    does not compute (``policy_loss.loss_mode`` other than ``vanilla``, ``kl_loss_type`` ``abs``
-    or a straight-through ``+``) is a ``ValueError`` naming the setting.
-    """
-    policy = _cfg(actor_config, "policy_loss", None)
-    mode = _cfg(policy, "loss_mode", "vanilla") if policy is not None else "vanilla"
-    if mode not in ("vanilla", "fusedhead"):  # fusedhead: vanilla, computed by the fused loss
-        what = "sequence-level ratios (GSPO)" if mode == "gspo" else "another loss"
-        raise ValueError(
-            f"policy_loss.loss_mode={mode!r} is {what}; fusedhead's fused policy loss is verl's "
-            "'vanilla' (compute_policy_loss_vanilla): use it, or verl's own loss with "
-            "impl_backend fusedhead:<name> for the log-probs"
-        )
-    agg = _cfg(actor_config, "loss_agg_mode", "token-mean")
-    if agg not in VERL_AGG_MODES:
-        raise ValueError(f"loss_agg_mode={agg!r} is not one of verl's {list(VERL_AGG_MODES)}")
-    clip = _cfg(actor_config, "clip_ratio", 0.2)
-    low = _cfg(actor_config, "clip_ratio_low", None)
-    high = _cfg(actor_config, "clip_ratio_high", None)
-    kwargs: dict[str, Any] = dict(
-        clip_low=clip if low is None else low,
-        clip_high=clip if high is None else high,
-        dual_clip=_cfg(actor_config, "clip_ratio_c", 3.0),
-        entropy_coef=_cfg(actor_config, "entropy_coeff", 0.0),
-        aggregation=VERL_AGG_MODES[agg],
-    )
-    if _cfg(actor_config, "use_kl_loss", False):
-        kl_type = _cfg(actor_config, "kl_loss_type", "low_var_kl")
-        if kl_type not in VERL_KL_TYPES:
-            raise ValueError(
-                f"kl_loss_type={kl_type!r} is not computed by fusedhead's fused loss; use one of "
-                f"{sorted(VERL_KL_TYPES)} (the '+' straight-through variants and 'abs' are not)"
-            )
-        kwargs.update(
-            kl_coef=_cfg(actor_config, "kl_loss_coef", 0.001), kl_estimator=VERL_KL_TYPES[kl_type]
-        )
-    scale = _cfg(actor_config, "loss_scale_factor", None)
-    normalizer: Any = None
-    if agg == "token-mean":
-        if batch_num_tokens is None and dp_size > 1:
-            raise ValueError(
-                "batch_num_tokens (verl's global token count) is needed when dp_size > 1"
-            )
-        normalizer = None if batch_num_tokens is None else batch_num_tokens / dp_size
-    elif agg == "token-sum":
-        normalizer = 1.0 / dp_size
-    else:
-        if global_batch_size is None and dp_size > 1:
-            raise ValueError("global_batch_size is needed when dp_size > 1")
-        normalizer = None if global_batch_size is None else global_batch_size / dp_size
-        if agg == "seq-mean-token-sum-norm":
-            factor = scale if scale is not None else horizon
-            if factor is None:
-                raise ValueError(
-                    "loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor in the config "
-                    "or horizon (the padded response length verl divides by)"
-                )
-            normalizer = factor if normalizer is None else normalizer * factor
-            if global_batch_size is None:
-                raise ValueError(
-                    "loss_agg_mode='seq-mean-token-sum-norm' needs global_batch_size (the "
-                    "sequences verl's agg_loss counts) with the horizon"
-                )
-    kwargs["loss_normalizer"] = normalizer
-    return kwargs
 
 
 def fused_ppo_loss(
@@ -682,3 +583,27 @@ def fused_ppo_loss(
         metrics["kl_loss"] = out.kl
         metrics["kl_coef"] = kwargs["kl_coef"]
     return out.loss, metrics
+
+
+def enable_fused_policy_loss(enable: bool = True) -> None:
+    """Arm (``False``: disarm) ``policy_loss.loss_mode: fusedhead`` in verl 0.9.1.
+
+    Registers the loss mode in verl's policy-loss registry and wraps the FSDP engine's
+    ``forward_step`` (now if verl's modules are imported, else when verl imports them). Inert for
+    every config that does not name ``fusedhead``. ``import verl`` calls this through fusedhead's
+    ``verl.plugins`` entry point; call it yourself where plugins are off
+    (docs/integrations/verl.md, "From verl's config").
+    """
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be a bool, got {type(enable).__name__} {enable!r}")
+    verl_actor.set_enabled(enable)
+    if enable:
+        install()  # applies the two patches now or on import (its module targets)
+
+
+def fused_policy_loss_enabled() -> bool:
+    """True when the FSDP engine's ``forward_step`` is fusedhead's wrapper (or will be on import)."""
+    module = sys.modules.get(verl_actor.FSDP_ENGINE_MODULE)
+    if module is None:
+        return verl_actor.is_armed() and is_installed()
+    return hasattr(module.FSDPEngineWithLMHead.__dict__["forward_step"], "__fusedhead_original__")

@@ -9,7 +9,7 @@ hidden states. Two pieces make ``loss_mode: fusedhead`` compute the whole loss w
 - verl's own registry: ``register_policy_loss("fusedhead")`` (so verl's config accepts the name);
   what it registers is verl's vanilla loss on log-probs, used only where no gradient is taken
   (metrics of a forward-only pass); a training step that reaches it raises, naming why;
-- the patch (:func:`enable_fused_policy_loss`): ``FSDPEngineWithLMHead.forward_step`` wrapped.
+- the patch (``fusedhead.integrations.verl.enable_fused_policy_loss``): ``FSDPEngineWithLMHead.forward_step`` wrapped.
   For a training micro-batch whose loss function carries an actor config with
   ``loss_mode: fusedhead``, fusedhead's model forward (``impl_backend: fusedhead:<name>``) hands
   over the hidden states instead of scoring them, and :func:`fused_ppo_loss_step` replaces verl's
@@ -33,14 +33,17 @@ __all__ = [
     "CORE_ALGOS_MODULE",
     "FSDP_ENGINE_MODULE",
     "LOSS_MODE",
+    "VERL_AGG_MODES",
+    "VERL_KL_TYPES",
     "check_actor_config",
     "disarm",
-    "enable_fused_policy_loss",
-    "fused_policy_loss_enabled",
     "fused_ppo_loss_step",
     "fusedhead_policy_loss",
     "hand_over",
+    "is_armed",
+    "policy_loss_kwargs",
     "register_loss_mode",
+    "set_enabled",
     "wrap_forward_step",
 ]
 
@@ -74,6 +77,21 @@ _PENDING: contextvars.ContextVar[_Pending | None] = contextvars.ContextVar(
     "fusedhead_verl_pending", default=None
 )
 _enabled = True
+
+
+def set_enabled(enable: bool) -> None:
+    """Whether :func:`register_loss_mode` / :func:`wrap_forward_step` patch (and disarm if not)."""
+    global _enabled
+    _enabled = enable
+    if not enable:
+        disarm()
+
+
+def is_armed() -> bool:
+    """Whether the patches are on (or will be, when verl imports its modules)."""
+    return _enabled
+
+
 _NEEDS_FORWARD = (
     "policy_loss.loss_mode='fusedhead' needs fusedhead's model forward: set "
     "actor_rollout_ref.model.fused_kernel_options.impl_backend: fusedhead:<name> (with "
@@ -103,10 +121,110 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     return getattr(config, name, default)
 
 
+#: verl's ``kl_loss_type`` names fusedhead computes, as fusedhead's estimator.
+VERL_KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+#: verl's ``loss_agg_mode`` values, as fusedhead's aggregation (token-sum: a token mean whose
+#: normaliser is 1 / dp_size; seq-mean-token-sum-norm: a sequence sum over sequences x horizon).
+VERL_AGG_MODES = {
+    "token-mean": "token-mean",
+    "token-sum": "token-mean",
+    "seq-mean-token-sum": "seq-mean-token-sum",
+    "seq-mean-token-sum-norm": "seq-mean-token-sum",
+    "seq-mean-token-mean": "seq-mean-token-mean",
+}
+
+
+def _cfg(config: Any, name: str, default: Any = None) -> Any:
+    getter = getattr(config, "get", None)
+    if callable(getter):  # a DictConfig or a dict
+        return getter(name, default)
+    return getattr(config, name, default)
+
+
+def policy_loss_kwargs(
+    actor_config: Any,
+    *,
+    horizon: int | None = None,
+    dp_size: int = 1,
+    batch_num_tokens: Any = None,
+    global_batch_size: Any = None,
+) -> dict[str, Any]:
+    """``fused_policy_loss``'s keywords from verl's actor config (``actor_rollout_ref.actor``).
+
+    Maps ``loss_agg_mode``, ``clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high``,
+    ``clip_ratio_c`` (verl's dual clip, always on), ``entropy_coeff``, ``use_kl_loss`` /
+    ``kl_loss_coef`` / ``kl_loss_type``, and verl's global batch info (``dp_size``,
+    ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) into the loss normaliser,
+    as verl's ``agg_loss`` divides. ``horizon``: the padded response length verl's
+    ``seq-mean-token-sum-norm`` divides by when ``loss_scale_factor`` is unset. What fusedhead
+    does not compute (``policy_loss.loss_mode`` other than ``vanilla``, ``kl_loss_type`` ``abs``
+    or a straight-through ``+``) is a ``ValueError`` naming the setting.
+    """
+    policy = _cfg(actor_config, "policy_loss", None)
+    mode = _cfg(policy, "loss_mode", "vanilla") if policy is not None else "vanilla"
+    if mode not in ("vanilla", "fusedhead"):  # fusedhead: vanilla, computed by the fused loss
+        what = "sequence-level ratios (GSPO)" if mode == "gspo" else "another loss"
+        raise ValueError(
+            f"policy_loss.loss_mode={mode!r} is {what}; fusedhead's fused policy loss is verl's "
+            "'vanilla' (compute_policy_loss_vanilla): use it, or verl's own loss with "
+            "impl_backend fusedhead:<name> for the log-probs"
+        )
+    agg = _cfg(actor_config, "loss_agg_mode", "token-mean")
+    if agg not in VERL_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={agg!r} is not one of verl's {list(VERL_AGG_MODES)}")
+    clip = _cfg(actor_config, "clip_ratio", 0.2)
+    low = _cfg(actor_config, "clip_ratio_low", None)
+    high = _cfg(actor_config, "clip_ratio_high", None)
+    kwargs: dict[str, Any] = dict(
+        clip_low=clip if low is None else low,
+        clip_high=clip if high is None else high,
+        dual_clip=_cfg(actor_config, "clip_ratio_c", 3.0),
+        entropy_coef=_cfg(actor_config, "entropy_coeff", 0.0),
+        aggregation=VERL_AGG_MODES[agg],
+    )
+    if _cfg(actor_config, "use_kl_loss", False):
+        kl_type = _cfg(actor_config, "kl_loss_type", "low_var_kl")
+        if kl_type not in VERL_KL_TYPES:
+            raise ValueError(
+                f"kl_loss_type={kl_type!r} is not computed by fusedhead's fused loss; use one of "
+                f"{sorted(VERL_KL_TYPES)} (the '+' straight-through variants and 'abs' are not)"
+            )
+        kwargs.update(
+            kl_coef=_cfg(actor_config, "kl_loss_coef", 0.001), kl_estimator=VERL_KL_TYPES[kl_type]
+        )
+    scale = _cfg(actor_config, "loss_scale_factor", None)
+    normalizer: Any = None
+    if agg == "token-mean":
+        if batch_num_tokens is None and dp_size > 1:
+            raise ValueError(
+                "batch_num_tokens (verl's global token count) is needed when dp_size > 1"
+            )
+        normalizer = None if batch_num_tokens is None else batch_num_tokens / dp_size
+    elif agg == "token-sum":
+        normalizer = 1.0 / dp_size
+    else:
+        if global_batch_size is None and dp_size > 1:
+            raise ValueError("global_batch_size is needed when dp_size > 1")
+        normalizer = None if global_batch_size is None else global_batch_size / dp_size
+        if agg == "seq-mean-token-sum-norm":
+            factor = scale if scale is not None else horizon
+            if factor is None:
+                raise ValueError(
+                    "loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor in the config "
+                    "or horizon (the padded response length verl divides by)"
+                )
+            normalizer = factor if normalizer is None else normalizer * factor
+            if global_batch_size is None:
+                raise ValueError(
+                    "loss_agg_mode='seq-mean-token-sum-norm' needs global_batch_size (the "
+                    "sequences verl's agg_loss counts) with the horizon"
+                )
+    kwargs["loss_normalizer"] = normalizer
+    return kwargs
+
+
 def check_actor_config(config: Any) -> None:
     """Refuse, by name, an actor config whose settings the fused loss does not compute."""
-    from fusedhead.integrations.verl import policy_loss_kwargs
-
     if _get(config, "use_prefix_grouper", False):
         raise ValueError(
             "policy_loss.loss_mode='fusedhead' with use_prefix_grouper=True: the prefix grouper "
@@ -210,7 +328,6 @@ def fused_ppo_loss_step(
     from verl.utils.metric import AggregationType, Metric
 
     from fusedhead.integrations.lm_head import in_module_call, lm_head_policy_loss
-    from fusedhead.integrations.verl import policy_loss_kwargs
     from fusedhead.policy import PolicyLossOutput
 
     got = pending.take()
@@ -317,7 +434,7 @@ def fusedhead_policy_loss(
             "(actor strategy fsdp/fsdp2, use_remove_padding, use_fused_kernels, impl_backend "
             "fusedhead:<name>); this training step called verl's policy loss with log-probs "
             "instead (another engine, or the patch is off: "
-            "fusedhead.integrations.verl_actor.enable_fused_policy_loss())"
+            "fusedhead.integrations.verl.enable_fused_policy_loss())"
         )
     return compute_policy_loss_vanilla(
         old_log_prob=old_log_prob,
@@ -356,33 +473,3 @@ def disarm() -> None:
     core = sys.modules.get(CORE_ALGOS_MODULE)
     if core is not None and core.POLICY_LOSS_REGISTRY.get(LOSS_MODE) is fusedhead_policy_loss:
         del core.POLICY_LOSS_REGISTRY[LOSS_MODE]
-
-
-def enable_fused_policy_loss(enable: bool = True) -> None:
-    """Arm (``False``: disarm) ``policy_loss.loss_mode: fusedhead`` in verl 0.9.1.
-
-    Registers the loss mode in verl's policy-loss registry and wraps the FSDP engine's
-    ``forward_step`` (now if verl's modules are imported, else when verl imports them). Inert for
-    every config that does not name ``fusedhead``. ``import verl`` calls this through fusedhead's
-    ``verl.plugins`` entry point; call it yourself where plugins are off.
-    """
-    global _enabled
-    if not isinstance(enable, bool):
-        raise TypeError(f"enable must be a bool, got {type(enable).__name__} {enable!r}")
-    from fusedhead.integrations import verl
-
-    _enabled = enable
-    if enable:
-        verl.install()  # applies the two patches now or on import (its module targets)
-    else:
-        disarm()
-
-
-def fused_policy_loss_enabled() -> bool:
-    """True when the FSDP engine's ``forward_step`` is fusedhead's wrapper (or will be on import)."""
-    from fusedhead.integrations import verl
-
-    module = sys.modules.get(FSDP_ENGINE_MODULE)
-    if module is None:
-        return _enabled and verl.is_installed()
-    return hasattr(module.FSDPEngineWithLMHead.__dict__["forward_step"], "__fusedhead_original__")
