@@ -420,6 +420,7 @@ def _patch_model(model: Any, spec: str) -> None:
     check_head_runs_on(head, _verl_device(), setting="fused_kernel_options.impl_backend")
     model._verl_fused_kernels_backend = spec
     model._fusedhead_head = head
+    verl_actor.patched_model(model)
     type(model).forward = forward_with_fusedhead_backend
     logger.info(
         "fusedhead: %s uses backend %r for verl's fused log-probs/entropy (impl_backend=%r)",

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import sys
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "fusedhead_policy_loss",
     "hand_over",
     "is_armed",
+    "patched_model",
     "policy_loss_kwargs",
     "register_loss_mode",
     "set_enabled",
@@ -77,6 +79,13 @@ _PENDING: contextvars.ContextVar[_Pending | None] = contextvars.ContextVar(
     "fusedhead_verl_pending", default=None
 )
 _enabled = True
+#: Models whose forward fusedhead's verl integration patched (``impl_backend: fusedhead:<name>``).
+_PATCHED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def patched_model(model: Any) -> None:
+    """Record that ``model`` runs fusedhead's verl forward (called when verl patches it)."""
+    _PATCHED.add(model)
 
 
 def set_enabled(enable: bool) -> None:
@@ -284,8 +293,8 @@ def _check_engine(engine: Any, micro_batch: Any, config: Any) -> None:
         if not tu.get_non_tensor_data(data=micro_batch, key=key, default=False):
             raise ValueError(f"policy_loss.loss_mode='fusedhead' needs {fix} (got {key}=False)")
     module = getattr(engine, "module", None)
-    model = getattr(module, "_fsdp_wrapped_module", module)  # FSDP1 wraps, FSDP2 does not
-    if getattr(model, "_fusedhead_head", None) is None:
+    model = module.module if type(module).__name__ == "FullyShardedDataParallel" else module
+    if model not in _PATCHED:  # FSDP1 wraps the model (.module), FSDP2 keeps it
         raise RuntimeError(_NEEDS_FORWARD)
     if getattr(engine, "use_ulysses_sp", False):
         raise ValueError(
