@@ -229,16 +229,17 @@ def fused_head(
     the log-sum-exp, the sum of squared probabilities, the argmax (docs/distillation.md).
     The backend is the one named, always; docs/design.md states the full contract.
     """
-    req = head_request(locals())  # first: locals() is the arguments, nothing else yet
     if backend.__class__ is not str:
         _backend_name(backend)
     if temperature is None:
         raise TypeError("temperature must be a float or a tensor, got None")
-    # Without options the key is known: the cache's own entry, without building it anew.
-    head = None if options is not None or _tracing() else _cache.get((backend, ()))
-    if head is None:
-        head = get_fused_head(backend, options)
-    return head.run(req)
+    # No local variable but the arguments: locals() is then the arguments alone, and cheap (each
+    # name not yet bound costs it a raised and cleared KeyError). Without options the head's key
+    # is known: the cache's own entry, without building the key anew.
+    return (
+        (None if options is not None or _tracing() else _cache.get((backend, ())))
+        or get_fused_head(backend, options)
+    ).run(head_request(locals()))
 
 
 def fused_kl(

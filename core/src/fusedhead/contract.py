@@ -462,10 +462,11 @@ def output_ok(
     if out.__class__ is not HeadOutput:
         return False
     lp, ent = out.log_probs, out.entropy  # type: ignore[attr-defined]
+    rows = (n,)
     if not (
         lp.__class__ is _Tensor
         and lp.dtype is _F32
-        and lp.shape == (n,)
+        and lp.shape == rows
         and lp.device == device
         and (not needs_grad or lp.requires_grad)
         and (not graph or lp.grad_fn is not None)
@@ -475,7 +476,7 @@ def output_ok(
         if not (
             ent.__class__ is _Tensor
             and ent.dtype is _F32
-            and ent.shape == (n,)
+            and ent.shape == rows
             and ent.device == device
             and (not needs_grad or ent.requires_grad)
             and (not graph or ent.grad_fn is not None)

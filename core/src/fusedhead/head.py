@@ -27,7 +27,7 @@ from fusedhead.graph import Slots, as_graph_constant, slot_numbers, tracing
 from fusedhead.hooks import plugin_manager
 from fusedhead.protocol import Capabilities, HeadOutput
 from fusedhead.request import CONFIGURED, HeadRequest, KLRequest, PolicyRequest, head_request
-from fusedhead.validation import validate, validate_kl
+from fusedhead.validation import check_head, validate_kl
 from fusedhead.value_checks import Pending
 
 # Module constants for the per-call path (a global read, not a global and an attribute).
@@ -35,6 +35,8 @@ _Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
 _HeadOutput = HeadOutput
 _BASIC = contract.BASIC_OUTPUTS
+_output_ok = contract.output_ok
+_new_tuple = tuple.__new__
 
 #: Device types with an autocast mode (``torch.is_autocast_enabled`` raises for others, e.g. meta).
 _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "xla", "mtia", "ipu"})
@@ -72,6 +74,7 @@ class FusedHead:
         self.options = resolved.options
         self.backend = registry.construct_backend(resolved.cls, self.options, **self._identity())
         self._caps: dict[tuple[torch.device, torch.dtype], tuple[Capabilities, frozenset[str]]] = {}
+        self._last: tuple[Any, Any, tuple[Capabilities, frozenset[str]] | None] = (None, None, None)
         self._graph = Slots()  # _caps's entries for compiled graphs (see _prepare)
         self._graph_names: dict[tuple[torch.device, torch.dtype], str] = {}
         # (device, dtype, outputs) whose outputs' autograd graphs were seen to reach hidden and
@@ -233,28 +236,27 @@ class FusedHead:
     def run(self, req: HeadRequest) -> FusedHeadOutput:
         """One head call: the request checked into the backend's call, gated, run, its output
         checked and shaped. The per-step path, kept to few tensor reads."""
-        hidden = req.hidden
         check = req.check_labels
         traced = tracing()
-        if traced and isinstance(hidden, _Tensor):
-            _prime_device(hidden.device)
+        if traced and isinstance(req.hidden, _Tensor):
+            _prime_device(req.hidden.device)
         # The value checks' one host read (eager checked calls; on CUDA after forward has queued
         # the head's kernels, elsewhere before it): a traced call checks through the graph's
         # ops, an unchecked one (check_labels=False) reads nothing, a temperature tensor included.
         pending = Pending() if check is True and not traced else None
-        call, shape, n, device, dtype, cast = validate(req, pending)
-        basic = call.outputs <= _BASIC
-        caps, outputs = (
-            self._entry(device, dtype, True)
-            if traced
-            else self._caps.get((device, dtype)) or self._ready_entry(device, dtype)
-        )
+        call, shape, n, device, dtype, cast, needs_grad, plain = check_head(req, pending)
+        last = self._last  # the previous call's (device, dtype, entry): most calls repeat it
+        if traced:  # the first call on the pair resolves while Dynamo traces, not in the graph
+            caps, outputs = self._entry(device, dtype, True)
+        elif last[1] is dtype and last[0] == device:
+            caps, outputs = last[2]
+        else:
+            entry = self._caps.get((device, dtype)) or self._ready_entry(device, dtype)
+            self._last = (device, dtype, entry)
+            caps, outputs = entry
         if not (
-            basic
-            and call.temperature.__class__ is float
+            plain
             and call.temperature >= caps.min_temperature  # type: ignore[operator]
-            and call.softcap is None
-            and call.process_group is None
             and call.outputs <= outputs
         ):  # anything beyond a plain call: the full gate (a plain one passes it by construction)
             call = contract.gate_head(
@@ -280,23 +282,22 @@ class FusedHead:
             raise
         if pending is not None:
             pending.settle()
-        h = call.hidden
-        needs_grad = (h.requires_grad or call.weight.requires_grad) and _grad_enabled()
+        basic = plain or call.outputs <= _BASIC
         # Eager: an output must have a graph (grad_fn; requires_grad alone can be a detached
         # leaf), and the first call per (device, dtype, outputs) walks it (check_output).
         graph = needs_grad and not traced
-        walk = graph and (device, h.dtype, call.outputs) not in self._attached
-        if (
-            walk or not contract.output_ok(call, out, n, device, needs_grad, graph, basic)
-        ) and contract.check_output(call, out, graph, self._identity(), walk):
-            self._attached.add((device, h.dtype, call.outputs))
+        walk = graph and (device, dtype, call.outputs) not in self._attached
+        if (walk or not _output_ok(call, out, n, device, needs_grad, graph, basic)) and (
+            contract.check_output(call, out, graph, self._identity(), walk)
+        ):
+            self._attached.add((device, dtype, call.outputs))
         if not basic:
             return contract.shaped_output(call, out, tuple(shape))
         lp, ent = out.log_probs, out.entropy
         if len(shape) != 1:  # [N] outputs in the labels' shape (an [N] output is that already)
             lp = contract.shaped(lp, shape)
             ent = None if ent is None else contract.shaped(ent, shape)
-        return tuple.__new__(FusedHeadOutput, (lp, ent))  # type: ignore[no-any-return]
+        return _new_tuple(FusedHeadOutput, (lp, ent))  # type: ignore[no-any-return]
 
     def kl(
         self,

@@ -164,8 +164,8 @@ class FusedLMHead(nn.Module):
             )
         if labels is None:
             return nn.functional.linear(_linear_input(hidden, weight), weight, bias)
-        request = head_request(locals(), self.head.config)
-        return owned(head_forward(self.head, request, bias))
+        # In the call, not a local: locals() is the arguments (and weight, bias) alone.
+        return owned(head_forward(self.head, head_request(locals(), self.head.config), bias))
 
 
 def _linear_input(hidden: object, weight: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fusedhead.graph import tracing
+
 
 class HeadRequest(NamedTuple):
     """A head call: log-probs of ``labels`` and entropy of ``hidden @ weight.T / temperature``,
@@ -43,25 +45,45 @@ class HeadRequest(NamedTuple):
 #: The fields of a ``HeadRequest`` that a head's configuration defaults (None: take the config's).
 CONFIGURED = ("temperature", "ignore_index", "return_entropy", "check_labels", "softcap")
 _HEAD_FIELDS = HeadRequest._fields
+#: The output flags, by the naming rule: a field ``return_<output>`` asks for ``<output>`` of
+#: ``HeadCall.outputs`` (``return_entropy`` aside: the entropy is a basic output). They close the
+#: request, so ``req[FIRST_FLAG:]`` is the flags as given; a new flag is a field here, nothing else.
+OUTPUT_FLAGS: tuple[tuple[str, str], ...] = tuple(
+    (name, name.removeprefix("return_"))
+    for name in _HEAD_FIELDS
+    if name.startswith("return_") and name != "return_entropy"
+)
+FIRST_FLAG = len(_HEAD_FIELDS) - len(OUTPUT_FLAGS)
+if _HEAD_FIELDS[FIRST_FLAG:] != tuple(name for name, _ in OUTPUT_FLAGS):  # pragma: no cover
+    raise ImportError(f"HeadRequest's output flags must be its last fields, got {_HEAD_FIELDS}")
 _CONFIGURED_AT = tuple((_HEAD_FIELDS.index(name), name) for name in CONFIGURED)
 #: The fields' values out of a mapping, in order, in one C call (the per-step path; Dynamo
 #: cannot trace an itemgetter, so a traced call reads them one by one).
 _head_values = itemgetter(*_HEAD_FIELDS)
 _new_tuple = tuple.__new__
-_compiling = torch.compiler.is_compiling
 
 
 def head_request(scope: Mapping[str, Any], config: Any = None) -> HeadRequest:
     """The ``HeadRequest`` of a public entry point from its ``locals()``: each field read by its
     own name, so an entry point spells its options only in its signature. With ``config``, a
     configured field left None takes the config's value (``FusedHead`` and ``FusedLMHead``)."""
-    values = [scope[name] for name in _HEAD_FIELDS] if _compiling() else _head_values(scope)
+    if tracing():
+        values: Any = [scope[name] for name in _HEAD_FIELDS]
+    elif config is None:  # fused_head: the arguments as given
+        return _new_tuple(HeadRequest, _head_values(scope))  # type: ignore[no-any-return]
+    else:
+        values = list(_head_values(scope))
     if config is not None:
-        values = list(values)
         for i, name in _CONFIGURED_AT:
             if values[i] is None:
                 values[i] = getattr(config, name)
     return _new_tuple(HeadRequest, values)  # type: ignore[no-any-return]
+
+
+def output_flags(scope: Mapping[str, Any]) -> dict[str, Any]:
+    """The output flags (``OUTPUT_FLAGS``) that ``scope``, an entry point's ``locals()``, holds
+    and sets to anything but False, by name: what it passes on to a head call as given."""
+    return {name: scope[name] for name, _ in OUTPUT_FLAGS if scope.get(name, False) is not False}
 
 
 class KLRequest(NamedTuple):

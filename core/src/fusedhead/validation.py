@@ -36,7 +36,7 @@ from fusedhead.checks import (
     tensor_arg,
 )
 from fusedhead.protocol import KL_DIRECTIONS, HeadCall, KLCall
-from fusedhead.request import HeadRequest
+from fusedhead.request import FIRST_FLAG, OUTPUT_FLAGS, HeadRequest
 
 # The shard toolkit moved to fusedhead.shards; these names stay importable from here for one
 # release (backends written against 0.x import them from fusedhead.validation).
@@ -91,15 +91,25 @@ _new_tuple = tuple.__new__
 def validate(
     req: HeadRequest, pending: Pending | None = None
 ) -> tuple[HeadCall, tuple[int, ...], int, torch.device, torch.dtype, str | None]:
-    """Check a head request against the contract, reading each tensor property once (it runs
-    every step), the further outputs asked for included (``with_outputs``).
+    """Check a head request against the contract, the further outputs asked for included
+    (``with_outputs``).
 
     Returns the backend's 2-D call, the labels' shape (a torch.Size for a plain call, a tuple
     with further outputs), N, the device and dtype the backend runs on, and the device type whose
-    autocast is on (None: off), so the caller reads none of them again. The value checks (label
-    range, ids, per-token temperatures) go to ``pending`` when given, else are read at once.
+    autocast is on (None: off). The value checks (label range, ids, per-token temperatures) go to
+    ``pending`` when given, else are read at once.
     """
-    # The request's fields, read once (one unpacking: the per-step path's cheapest read).
+    return check_head(req, pending)[:6]  # type: ignore[return-value]
+
+
+def check_head(
+    req: HeadRequest, pending: Pending | None = None
+) -> tuple[HeadCall, tuple[int, ...], int, torch.device, torch.dtype, str | None, bool, bool]:
+    """``validate`` as the per-step path calls it, reading each tensor property once; two more
+    answers, so the head reads none of them again: whether the call records gradients (hidden or
+    weight requires grad, grad mode on), and whether it is plain (log-probs and entropy only, a
+    float temperature, no softcap, no process group: the capability gate's short path)."""
+    # The request's fields but the output flags, read once (one unpacking: the cheapest read).
     (
         hidden,
         weight,
@@ -115,19 +125,19 @@ def validate(
         softcap,
         top_k,
         gather_ids,
-        lse,
-        p2,
-        amax,
-    ) = req
+    ) = req[:FIRST_FLAG]
     h = hidden if hidden.__class__ in PLAIN else tensor_arg("hidden", hidden)
     w = weight if weight.__class__ in PLAIN else tensor_arg("weight", weight)
     y = labels if labels.__class__ in PLAIN else tensor_arg("labels", labels)
     if h.layout is not STRIDED or w.layout is not STRIDED or y.layout is not STRIDED:
         for arg, t in (("hidden", h), ("weight", w), ("labels", y)):
             tensor_arg(arg, t)
-    if h.is_nested or w.is_nested or y.is_nested:  # a nested tensor has no sizes to read
+    try:
+        hs, ws, ys = h.shape, w.shape, y.shape
+    except RuntimeError:  # a nested tensor has no sizes to read: refused by name
         for arg, t in (("hidden", h), ("weight", w), ("labels", y)):
             tensor_arg(arg, t)
+        raise
     if return_entropy is True:
         outputs = _WITH_ENTROPY
     elif return_entropy is False:
@@ -143,7 +153,6 @@ def validate(
     if not INT64_MIN <= ignore_index <= INT64_MAX:
         raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
 
-    hs, ws, ys = h.shape, w.shape, y.shape
     nd = len(hs)
     if not nd:
         raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
@@ -195,7 +204,8 @@ def validate(
             f"hidden and weight must share a dtype outside torch.autocast, got hidden {hdt} and "
             f"weight {wdt}; cast one of them or call inside torch.autocast"
         )
-    if (h.requires_grad or w.requires_grad) and _grad_enabled():  # what the backend will save
+    grad = (h.requires_grad or w.requires_grad) and _grad_enabled()
+    if grad:  # what the backend will save
         no_inference_tensor(("hidden", h), ("weight", w))
 
     if process_group is None:
@@ -237,10 +247,15 @@ def validate(
             None,
         ),
     )
-    if top_k is None and gather_ids is None and lse is False and p2 is False and amax is False:
-        return call, ys, n, dev, hdt, cast
+    if top_k is None and gather_ids is None:
+        for flag in req[FIRST_FLAG:]:
+            if flag is not False:  # asked for, or not a bool (with_outputs names it)
+                break
+        else:
+            plain = temp.__class__ is float and cap is None and process_group is None
+            return call, ys, n, dev, hdt, cast, grad, plain
     shape = tuple(ys)  # messages show it as a tuple
-    return with_outputs(call, shape, req, pending), shape, n, dev, hdt, cast
+    return with_outputs(call, shape, req, pending), shape, n, dev, hdt, cast, grad, False
 
 
 _WITH_ENTROPY = frozenset({"log_probs", "entropy"})
@@ -407,10 +422,6 @@ def _gather_ids(
     return flat
 
 
-#: Each flag of a ``HeadRequest`` that asks for an output, and the output's name in ``HeadCall``.
-FLAG_OUTPUTS = (("return_lse", "lse"), ("return_sum_p2", "sum_p2"), ("return_argmax", "argmax"))
-
-
 def with_outputs(
     call: HeadCall, shape: tuple[int, ...], req: HeadRequest, pending: Pending | None = None
 ) -> HeadCall:
@@ -418,7 +429,7 @@ def with_outputs(
     validated; the ids' range check goes to ``pending`` when given (``validate``'s)."""
 
     outputs = set(call.outputs)
-    for arg, name in FLAG_OUTPUTS:
+    for arg, name in OUTPUT_FLAGS:
         if flag_arg(arg, getattr(req, arg)):
             outputs.add(name)
     k = _top_k(req.top_k, call.vocab_size)
