@@ -30,6 +30,7 @@ from fusedhead.checks import dtype_name, is_dtensor
 from fusedhead.config import FusedHeadConfig
 from fusedhead.module import FusedLMHead, call_in_forward, head_forward, owned, run_as_forward
 from fusedhead.policy import PolicyLossOutput
+from fusedhead.request import output_flags
 
 __all__ = [
     "SPEC_PREFIX",
@@ -193,19 +194,19 @@ def lm_head_logprobs(
     ``in_call=False`` reads the weight directly, for a caller that already runs inside
     ``lm_head``'s forward (one that stands in for it during the model's own call).
     ``gather_ids [..., K]`` (a teacher's top-k ids): ``out.gathered [..., K]``, the log-probs at
-    those ids, differentiable, 0 on ignored rows (top-k distillation). ``return_sum_p2`` /
-    ``return_argmax``: ``out.sum_p2`` (sum of squared probabilities, 0 on ignored rows) and
-    ``out.argmax`` (the most likely id, the lower on ties; -1 on ignored rows). ``on_weight`` is
+    those ids, differentiable, 0 on ignored rows (top-k distillation). The ``return_*`` flags ask
+    for the outputs they name: ``out.sum_p2`` (sum of squared probabilities, 0 on ignored rows)
+    and ``out.argmax`` (the most likely id, the lower on ties; -1 on ignored rows). ``on_weight`` is
     called with the ``(weight, bias)`` read inside the call (gathered, as given: before
     ``compute_dtype`` and ``logit_scale``), for a statistic of the head under the same gather.
     """
+    # The output flags asked for, by their names in the signature, as given (validate names a
+    # non-bool). First, and no closure in this function: Dynamo reads locals() only where every
+    # closure cell is set.
+    flags = output_flags(locals())
     weight_of = _check_lm_head(lm_head)
     _check_inputs(hidden, labels, ignore_index, return_entropy, select_rows, in_call)
     _check_gather_ids(gather_ids, labels)
-    # The output flags asked for, as given (validate names a non-bool). Not read from locals():
-    # Dynamo refuses locals() where a closure's cells are not yet set.
-    asked = (("return_sum_p2", return_sum_p2), ("return_argmax", return_argmax))
-    flags = {arg: value for arg, value in asked if value is not False}
     scale = _logit_scale(logit_scale)
     if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
         raise TypeError(
@@ -222,68 +223,93 @@ def lm_head_logprobs(
     if isinstance(temp, torch.Tensor):
         # Values at ignored rows are never used: keep them out of the core's validation.
         flat_temp = torch.where(valid, temp.reshape(-1), 1.0)
-    kwargs: dict[str, Any] = {
+    options: dict[str, Any] = {
         "ignore_index": ignore_index,
         "return_entropy": return_entropy,
         "softcap": softcap,
         **flags,
     }
-
     flat_gather = None if gather_ids is None else gather_ids.reshape(flat_labels.shape[0], -1)
-
-    def run(
-        h: torch.Tensor, y: torch.Tensor, t: float | torch.Tensor, g: torch.Tensor | None
-    ) -> FusedHeadOutput:
-        call = kwargs if g is None else {**kwargs, "gather_ids": g}
-
-        # Inside lm_head's own call: parameter-gathering hooks (FSDP2, ZeRO-3) have run.
-        def body() -> FusedHeadOutput:
-            weight, bias = weight_of()
-            if on_weight is not None:
-                on_weight(weight, bias)
-            h_ = h
-            if compute_dtype is not None:
-                weight, h_ = weight.to(compute_dtype), h.to(compute_dtype)
-                bias = None if bias is None else bias.to(compute_dtype)
-            if scale != 1.0:  # s * (h @ W.T + b) == (s * h) @ W.T + s * b
-                h_ = h_ * scale
-                bias = None if bias is None else bias * scale
-            request = fused.request(h_, weight, y, temperature=t, **call)
-            if compute_dtype is None:
-                return head_forward(fused, request, bias)
-            with torch.autocast(h_.device.type, enabled=False):
-                return head_forward(fused, request, bias)
-
-        return in_module_call(lm_head, body) if in_call else body()
-
-    if not select_rows:
-        out = run(flat_hidden, flat_labels, flat_temp, flat_gather)
-
-        def place(x: torch.Tensor | None, fill: float) -> torch.Tensor | None:
-            return None if x is None else x.reshape(*shape, *x.shape[1:])  # views: owned() below
-
-    else:
+    rows = None
+    if select_rows:
         rows = valid.nonzero().squeeze(1)  # one host sync; ignored rows never reach the backend
         t = flat_temp.index_select(0, rows) if isinstance(flat_temp, torch.Tensor) else flat_temp
         g = None if flat_gather is None else flat_gather.index_select(0, rows)
-        out = run(flat_hidden.index_select(0, rows), flat_labels.index_select(0, rows), t, g)
-
-        def place(x: torch.Tensor | None, fill: float) -> torch.Tensor | None:
-            if x is None:
-                return None
-            full = x.new_full((flat_labels.shape[0], *x.shape[1:]), fill)
-            return full.index_put((rows,), x).reshape(*shape, *x.shape[1:])
-
-    log_probs = place(out.log_probs, 0.0)
+        h, y = flat_hidden.index_select(0, rows), flat_labels.index_select(0, rows)
+    else:
+        h, y, t, g = flat_hidden, flat_labels, flat_temp, flat_gather
+    out = _score(
+        lm_head,
+        fused,
+        weight_of,
+        options if g is None else {**options, "gather_ids": g},
+        (h, y, t),
+        on_weight=on_weight,
+        compute_dtype=compute_dtype,
+        scale=scale,
+        in_call=in_call,
+    )
+    n = flat_labels.shape[0]
+    log_probs = _place(out.log_probs, 0.0, shape, rows, n)
     assert log_probs is not None
     result = FusedHeadOutput(
         log_probs,
-        place(out.entropy, 0.0),
-        sum_p2=place(out.sum_p2, 0.0),
-        argmax=place(out.argmax, -1),
-        gathered=place(out.gathered, 0.0),
+        _place(out.entropy, 0.0, shape, rows, n),
+        sum_p2=_place(out.sum_p2, 0.0, shape, rows, n),
+        argmax=_place(out.argmax, -1, shape, rows, n),
+        gathered=_place(out.gathered, 0.0, shape, rows, n),
     )
     return result if select_rows else owned(result)  # index_put's outputs are fresh tensors
+
+
+def _score(
+    lm_head: nn.Module,
+    fused: FusedHead,
+    weight_of: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+    options: dict[str, Any],
+    rows: tuple[torch.Tensor, torch.Tensor, float | torch.Tensor],
+    *,
+    on_weight: Callable[[torch.Tensor, torch.Tensor | None], None] | None,
+    compute_dtype: torch.dtype | None,
+    scale: float,
+    in_call: bool,
+) -> FusedHeadOutput:
+    """The head call of ``lm_head_logprobs`` on the rows given (hidden, labels, temperature),
+    inside ``lm_head``'s own call when ``in_call``: parameter-gathering hooks (FSDP2, ZeRO-3)
+    have run when the weight is read."""
+    h, y, t = rows
+
+    def body() -> FusedHeadOutput:
+        weight, bias = weight_of()
+        if on_weight is not None:
+            on_weight(weight, bias)
+        h_ = h
+        if compute_dtype is not None:
+            weight, h_ = weight.to(compute_dtype), h.to(compute_dtype)
+            bias = None if bias is None else bias.to(compute_dtype)
+        if scale != 1.0:  # s * (h @ W.T + b) == (s * h) @ W.T + s * b
+            h_ = h_ * scale
+            bias = None if bias is None else bias * scale
+        request = fused.request(h_, weight, y, temperature=t, **options)
+        if compute_dtype is None:
+            return head_forward(fused, request, bias)
+        with torch.autocast(h_.device.type, enabled=False):
+            return head_forward(fused, request, bias)
+
+    return in_module_call(lm_head, body) if in_call else body()
+
+
+def _place(
+    x: torch.Tensor | None, fill: float, shape: tuple[int, ...], rows: torch.Tensor | None, n: int
+) -> torch.Tensor | None:
+    """An output of the scored rows in the labels' shape: without row selection (``rows`` None)
+    a view, which ``owned`` makes the caller's; else ``fill`` where no row was scored."""
+    if x is None:
+        return None
+    if rows is None:
+        return x.reshape(*shape, *x.shape[1:])
+    full = x.new_full((n, *x.shape[1:]), fill)
+    return full.index_put((rows,), x).reshape(*shape, *x.shape[1:])
 
 
 def lm_head_policy_loss(
