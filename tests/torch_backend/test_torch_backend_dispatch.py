@@ -128,7 +128,7 @@ def test_an_aten_mm_override_steers_the_fp32_logits_path(
         chunk_rows=10, block_vocab=20, skip_ignored_rows=False, fp32_logits=True
     )  # 3 x 3 tiles
     # Its probe GEMM (cached per device, e.g. cuda:0) runs before the override counts calls.
-    tile_math._mm_out_dtype_works(torch.empty(0, device=device).device, dtype)
+    tile_math.mm_out_dtype_works(torch.empty(0, device=device).device, dtype)
     overloads = ("mm", "mm.dtype") if device == "cuda" else ("mm",)
     mm_override.install(scale=2.0, overloads=overloads)
     got = run_backend(case, dtype=dtype, device=device, options=options)
@@ -267,7 +267,7 @@ def test_the_out_dtype_route_of_fp32_logits(monkeypatch: pytest.MonkeyPatch) -> 
     lib = torch.library.Library("aten", "IMPL")
     try:
         lib.impl("mm.dtype", mm_dtype, "CPU")
-        monkeypatch.setattr(tile_math, "_mm_out_dtype_works", lambda device, dtype: True)
+        monkeypatch.setattr(tile_math, "mm_out_dtype_works", lambda device, dtype: True)
         case = make_case(23, 16, 50)
         options = TorchOptions(
             chunk_rows=10, block_vocab=20, skip_ignored_rows=False, fp32_logits=True

@@ -99,7 +99,7 @@ def get_fused_head(backend: str, options: Mapping[str, Any] | BaseModel | None =
                 opts = (
                     options.model_dump() if isinstance(options, BaseModel) else dict(options or {})
                 )
-                head = FusedHead(FusedHeadConfig._from_arguments(backend=backend, options=opts))
+                head = FusedHead(FusedHeadConfig.from_arguments(backend=backend, options=opts))
                 _cache[key] = head
     return head
 

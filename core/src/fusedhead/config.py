@@ -30,13 +30,13 @@ from pydantic import (
 
 from fusedhead.errors import BackendError, OptionsError
 from fusedhead.options import (
-    _backend_error_inside,
-    _plain_number,
-    _problems,
+    backend_error_inside,
     describe_type,
     option_rows,
     option_signature,
     option_signatures,
+    plain_number,
+    problems,
     validate_options,
 )
 from fusedhead.protocol import REQUIRABLE_CAPABILITIES, SCALAR_RANGE
@@ -63,11 +63,11 @@ def _clean_error(exc: ValidationError, *, arguments: bool = False) -> Exception:
     ``FusedHead(backend=...)``), so the message names arguments, not a FusedHeadConfig the caller
     never built.
     """
-    inner = _backend_error_inside(exc)
+    inner = backend_error_inside(exc)
     if inner is not None:  # the backend's options: already names backend and options
         return inner
     what = "argument" if arguments else "field"
-    phrases, _first, _expected, all_type = _problems(exc, FusedHeadConfig, what)
+    phrases, _first, _expected, all_type = problems(exc, FusedHeadConfig, what)
     message = ("" if arguments else "FusedHeadConfig: ") + "; ".join(phrases)
     if any(p.startswith(f"unknown {what}") for p in phrases):
         message += f". {what.capitalize()}s: {', '.join(FusedHeadConfig.model_fields)}"
@@ -76,7 +76,7 @@ def _clean_error(exc: ValidationError, *, arguments: bool = False) -> Exception:
 
 # --- the config ---------------------------------------------------------------------------------
 
-#: True while ``FusedHeadConfig._from_arguments`` builds a config from a call's keyword arguments
+#: True while ``FusedHeadConfig.from_arguments`` builds a config from a call's keyword arguments
 #: (pydantic runs the custom ``__init__`` on every validation, so the flag reaches it there).
 _FROM_ARGUMENTS: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fusedhead_config_from_arguments", default=False
@@ -136,8 +136,13 @@ class FusedHeadConfig(BaseModel):
         except ValidationError as exc:
             raise _clean_error(exc) from None
 
+    @property
+    def resolved(self) -> Any:
+        """``registry.resolve``'s answer for this config, made while validating it (or None)."""
+        return self._resolved
+
     @classmethod
-    def _from_arguments(cls, **arguments: Any) -> FusedHeadConfig:
+    def from_arguments(cls, **arguments: Any) -> FusedHeadConfig:
         """The config a call's keyword arguments make (``get_fused_head(backend, options)``,
         ``FusedHead(**overrides)``): an error names the argument, not FusedHeadConfig."""
         token = _FROM_ARGUMENTS.set(True)
@@ -194,7 +199,7 @@ class FusedHeadConfig(BaseModel):
     @classmethod
     def _integer(cls, value: Any) -> Any:
         # A NumPy integer is the int it stands for, as in a call; a bool (NumPy's too) is not.
-        return _plain_number(value) if isinstance(value, numbers.Integral) else value
+        return plain_number(value) if isinstance(value, numbers.Integral) else value
 
     @field_validator("ignore_index")
     @classmethod

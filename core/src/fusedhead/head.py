@@ -57,7 +57,7 @@ class FusedHead:
         self, config: FusedHeadConfig | Mapping[str, Any] | None = None, **overrides: Any
     ) -> None:
         if config is None:  # keyword arguments: an error names the argument
-            config = FusedHeadConfig._from_arguments(**overrides)
+            config = FusedHeadConfig.from_arguments(**overrides)
         elif isinstance(config, Mapping):
             config = FusedHeadConfig.from_dict({**config, **overrides})
         elif isinstance(config, FusedHeadConfig):
@@ -68,11 +68,11 @@ class FusedHead:
                 f"config must be a FusedHeadConfig or a mapping, got {type(config).__name__}"
             )
         self.config = config
-        resolved = registry.resolve(config.backend, config.options, config._resolved)
+        resolved = registry.resolve(config.backend, config.options, config.resolved)
         self.distribution = resolved.entry.distribution
         self.version = resolved.entry.version
         self.options = resolved.options
-        self.backend = registry.construct_backend(resolved.cls, self.options, **self._identity())
+        self.backend = registry.construct_backend(resolved.cls, self.options, **self.identity())
         self._caps: dict[tuple[torch.device, torch.dtype], tuple[Capabilities, frozenset[str]]] = {}
         self._last: tuple[Any, Any, tuple[Capabilities, frozenset[str]] | None] = (None, None, None)
         self._graph = Slots()  # _caps's entries for compiled graphs (see _prepare)
@@ -101,7 +101,8 @@ class FusedHead:
     def __repr__(self) -> str:
         return f"FusedHead(backend={self.name!r}, distribution={self.distribution!r}, version={self.version!r})"
 
-    def _identity(self) -> dict[str, str | None]:
+    def identity(self) -> dict[str, str | None]:
+        """The backend's identity as its errors carry it: backend, distribution, version."""
         return {"backend": self.name, "distribution": self.distribution, "version": self.version}
 
     @contextmanager
@@ -111,7 +112,7 @@ class FusedHead:
         try:
             yield
         except BackendError as exc:
-            raise exc.attach(**self._identity()) from None
+            raise exc.attach(**self.identity()) from None
         except Exception as exc:
             if what is None:
                 raise
@@ -119,17 +120,18 @@ class FusedHead:
                 f"{what} raised {type(exc).__name__}: {exc}",
                 hint="a backend's check() must raise fusedhead.errors.BackendUnavailableError with "
                 "the reason and the fix; report this to the backend's authors",
-                **self._identity(),
+                **self.identity(),
             ) from exc
 
-    def _broke(self, reason: str) -> NoReturn:
-        contract.broke(reason, self._identity())
+    def broke(self, reason: str) -> NoReturn:
+        """Raise the ``BackendContractError`` of this backend's breach of the plugin contract."""
+        contract.broke(reason, self.identity())
 
     def capabilities(self, device: torch.device | str) -> Capabilities:
         """The backend's capabilities on ``device`` (a plugin that breaks the contract there, by
         raising or by returning something else, is a ``BackendContractError`` naming it)."""
         caps: Capabilities = registry.backend_capabilities(
-            self.backend, torch.device(device), **self._identity()
+            self.backend, torch.device(device), **self.identity()
         )
         return caps
 
@@ -141,10 +143,10 @@ class FusedHead:
                 capability=missing[0],
                 hint="fusedhead never picks another backend for you: choose one that declares "
                 "them, or drop the requirement",
-                **self._identity(),
+                **self.identity(),
             )
 
-    def _ready(self, device: torch.device, dtype: torch.dtype) -> Capabilities:
+    def ready(self, device: torch.device, dtype: torch.dtype) -> Capabilities:
         """Capabilities on (device, dtype), after the backend's own check; cached per pair."""
         return (self._caps.get((device, dtype)) or self._ready_entry(device, dtype))[0]
 
@@ -165,13 +167,13 @@ class FusedHead:
                     f"does not run on device type {device.type!r} (it declares {list(caps.devices)})",
                     hint=f"move hidden and weight to one of {list(caps.devices)}, or name a backend "
                     f"that runs on {device.type!r}",
-                    **self._identity(),
+                    **self.identity(),
                 )
             if dtype_name(dtype) not in caps.dtypes:
                 raise BackendUnavailableError(
                     f"does not take {dtype} inputs (it declares {list(caps.dtypes)})",
                     hint=f"cast hidden and weight to one of {list(caps.dtypes)}",
-                    **self._identity(),
+                    **self.identity(),
                 )
             self._check_required(caps, device)
             entry = self._caps[key] = (caps, frozenset(caps.outputs))
@@ -260,7 +262,7 @@ class FusedHead:
             and call.outputs <= outputs
         ):  # anything beyond a plain call: the full gate (a plain one passes it by construction)
             call = contract.gate_head(
-                call, caps, self._identity(), pending, traced and check is True
+                call, caps, self.identity(), pending, traced and check is True
             )
         if not n:
             return contract.empty_output(call, shape)
@@ -275,7 +277,7 @@ class FusedHead:
         except BackendError as exc:
             if pending is not None:
                 pending.settle()  # a failed check is the cause to name, not what it broke
-            raise exc.attach(**self._identity()) from None
+            raise exc.attach(**self.identity()) from None
         except Exception:
             if pending is not None:
                 pending.settle()
@@ -288,7 +290,7 @@ class FusedHead:
         graph = needs_grad and not traced
         walk = graph and (device, dtype, call.outputs) not in self._attached
         if (walk or not _output_ok(call, out, n, device, needs_grad, graph, basic)) and (
-            contract.check_output(call, out, graph, self._identity(), walk)
+            contract.check_output(call, out, graph, self.identity(), walk)
         ):
             self._attached.add((device, dtype, call.outputs))
         if not basic:
@@ -360,7 +362,7 @@ class FusedHead:
         check = req.check_labels is True
         floor_read = Pending() if check and not traced else None
         caps = self._entry(call.hidden.device, call.hidden.dtype, traced)[0]
-        call = contract.gate_kl(call, caps, self._identity(), floor_read, traced and check)
+        call = contract.gate_kl(call, caps, self.identity(), floor_read, traced and check)
         if floor_read is not None:
             floor_read.send()
             floor_read.settle()
@@ -369,7 +371,7 @@ class FusedHead:
             return contract.shaped(zero, shape)
         method = getattr(self.backend, "kl", None)
         if not callable(method):
-            self._broke("declares kl_directions but has no kl(call) method")
+            self.broke("declares kl_directions but has no kl(call) method")
         dev = call.hidden.device.type
         try:
             if dev in _AUTOCAST_DEVICES and torch.is_autocast_enabled(dev):
@@ -378,11 +380,11 @@ class FusedHead:
             else:
                 out = method(call)
         except BackendError as exc:
-            raise exc.attach(**self._identity()) from None
+            raise exc.attach(**self.identity()) from None
         needs_grad = torch.is_grad_enabled() and (
             call.hidden.requires_grad or call.weight.requires_grad
         )
-        contract.check_kl(out, call, needs_grad, not traced, self._identity())
+        contract.check_kl(out, call, needs_grad, not traced, self.identity())
         return contract.shaped(out.kl, shape)
 
     def policy_loss(

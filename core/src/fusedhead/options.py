@@ -115,7 +115,7 @@ def _show(value: Any) -> str:
 _NO_DETAIL = ("_type", "literal_error", "greater_than", "less_than", "multiple_of", "enum")
 
 
-def _problems(
+def problems(
     exc: ValidationError, model: type[BaseModel], what: str
 ) -> tuple[list[str], str | None, str | None, bool]:
     """(one phrase per field, the first field, its expectation, whether all are type errors)."""
@@ -169,7 +169,8 @@ def _problems(
     return phrases, first, first_expected, all_type
 
 
-def _backend_error_inside(exc: ValidationError) -> BackendError | None:
+def backend_error_inside(exc: ValidationError) -> BackendError | None:
+    """The ``BackendError`` a validator raised inside ``exc`` (pydantic wraps it), or None."""
     for err in exc.errors():
         inner = (err.get("ctx") or {}).get("error")
         if isinstance(inner, BackendError):
@@ -194,7 +195,7 @@ def _identity(name: str) -> tuple[str | None, str | None]:
         return None, None
 
 
-def _plain_number(value: Any) -> Any:
+def plain_number(value: Any) -> Any:
     """A NumPy number as the Python one its type stands for (``np.int64`` an int, ``np.float32``
     a float), as a call takes it; anything else (``np.bool_`` included) as given."""
     if value.__class__ in (int, float, bool) or not isinstance(value, numbers.Real):
@@ -224,7 +225,7 @@ def validate_options(name: str, cls: type, options: Any) -> BaseModel:
             f"options for backend {name!r} must be a mapping of option names to values, "
             f"got {type(options).__name__}"
         )
-    data = {key: _plain_number(value) for key, value in options.items()}
+    data = {key: plain_number(value) for key, value in options.items()}
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as exc:
@@ -233,7 +234,7 @@ def validate_options(name: str, cls: type, options: Any) -> BaseModel:
         return model.model_validate_json(json.dumps(data), strict=True)
     except (ValidationError, TypeError, ValueError):
         pass
-    phrases, option, expected, _ = _problems(first_error, model, "option")
+    phrases, option, expected, _ = problems(first_error, model, "option")
     distribution, version = _identity(name)
     valid = option_signatures(model)
     raise OptionsError(

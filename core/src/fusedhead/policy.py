@@ -45,9 +45,9 @@ class _Head(Protocol):
 
     backend: Any
 
-    def _ready(self, device: torch.device, dtype: torch.dtype) -> Capabilities: ...
-    def _identity(self) -> dict[str, str | None]: ...
-    def _broke(self, reason: str) -> NoReturn: ...
+    def ready(self, device: torch.device, dtype: torch.dtype) -> Capabilities: ...
+    def identity(self) -> dict[str, str | None]: ...
+    def broke(self, reason: str) -> NoReturn: ...
 
 
 @dataclass(frozen=True)
@@ -291,9 +291,9 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
     )
     call, shape, n, device, dtype, cast = validate(head_req)
     shape = tuple(shape)
-    caps = head._ready(device, dtype)
-    gate_policy_loss(caps, head._identity())
-    call = gate_head(call, caps, head._identity())
+    caps = head.ready(device, dtype)
+    gate_policy_loss(caps, head.identity())
+    call = gate_head(call, caps, head.identity())
     pcall = _policy_call(call, shape, n, device, req)
     if n == 0:
         lp = torch.zeros(0, dtype=torch.float32, device=device)
@@ -307,12 +307,12 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
     else:
         method = getattr(head.backend, "policy_loss", None)
         if not callable(method):
-            head._broke("declares policy_loss but has no policy_loss(call) method")
+            head.broke("declares policy_loss but has no policy_loss(call) method")
         try:
             with torch.no_grad(), torch.autocast(cast or "cpu", enabled=False):
                 result = method(pcall)
         except BackendError as exc:
-            raise exc.attach(**head._identity()) from None
+            raise exc.attach(**head.identity()) from None
     _check_result(head, pcall, result, n, device)
     return _output(pcall, result, shape)
 
@@ -392,16 +392,16 @@ def _check_result(
 ) -> None:
     """The backend's result against the contract; a breach is a ``BackendContractError``."""
     if not isinstance(result, PolicyLossResult):
-        head._broke(
+        head.broke(
             f"policy_loss() must return a fusedhead.protocol.PolicyLossResult, got "
             f"{type(result).__name__}"
         )
     for what, stat in (("log_probs", result.log_probs), ("entropy", result.entropy)):
         t: Any = stat
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (n,):
-            head._broke(f"policy_loss's {what} must be float32 [{n}], got {_describe(t)}")
+            head.broke(f"policy_loss's {what} must be float32 [{n}], got {_describe(t)}")
         if t.device != device:
-            head._broke(f"policy_loss's {what} must be on {device}, got {t.device}")
+            head.broke(f"policy_loss's {what} must be on {device}, got {t.device}")
     h, w = call.head.hidden, call.head.weight
     for what, need, t, like in (
         ("grad_hidden", call.need_hidden_grad, result.grad_hidden, h),
@@ -409,7 +409,7 @@ def _check_result(
     ):
         if not need:
             if t is not None:
-                head._broke(f"policy_loss's {what} was not asked for and must be None")
+                head.broke(f"policy_loss's {what} was not asked for and must be None")
             continue
         if (
             not isinstance(t, torch.Tensor)
@@ -417,7 +417,7 @@ def _check_result(
             or t.dtype != like.dtype
             or t.device != like.device
         ):
-            head._broke(
+            head.broke(
                 f"policy_loss's {what} must be {like.dtype} {tuple(like.shape)} on "
                 f"{like.device}, got {_describe(t)}"
             )

@@ -58,7 +58,7 @@ def _request(
     return kw
 
 
-def _logits(
+def reference_logits(
     h: torch.Tensor,
     w: torch.Tensor,
     temperature: float | torch.Tensor,
@@ -87,7 +87,7 @@ def reference_outputs(
     gather_ids: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """float64 outputs of 2-D ``h`` from full logits; ``topk_log_probs`` at the given ``topk_ids``."""
-    z, _ = _logits(h, w, temperature, softcap)
+    z, _ = reference_logits(h, w, temperature, softcap)
     logp = torch.log_softmax(z, dim=-1)
     p = logp.exp()
     valid = (y != ignore_index).unsqueeze(1)
@@ -113,7 +113,7 @@ def reference_outputs(
     return out
 
 
-def _magnitude_terms(
+def magnitude_terms(
     ref: dict[str, torch.Tensor],
     grads: dict[str, torch.Tensor],
     y: torch.Tensor,
@@ -147,7 +147,7 @@ def _magnitude_terms(
     return d
 
 
-def _magnitudes(
+def magnitudes(
     d: torch.Tensor, h: torch.Tensor, w: torch.Tensor, slope: torch.Tensor | float, temperature: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(D' @ |W|, D'.T @ |h|)`` with ``D' = D * softcap' / T``."""
@@ -245,7 +245,9 @@ def check_outputs(
         rows = None if t is None else t.detach().cpu().reshape(yy.shape[0], -1)
         flat[f] = rows if rows is None or f in _WIDE else rows.squeeze(1)
     valid = yy != IGNORE_INDEX
-    z, slope = _logits(hh, ww, temp.cpu() if isinstance(temp, torch.Tensor) else temp, softcap)
+    z, slope = reference_logits(
+        hh, ww, temp.cpu() if isinstance(temp, torch.Tensor) else temp, softcap
+    )
     zmax = _zmax(z, valid)
     tol: Tolerances = target.tolerances(hh.shape[1], ww.shape[0], zmax)
     lp_bound = tol.log_probs
@@ -321,10 +323,10 @@ def check_outputs(
         if topk_ids is None
         else torch.where(valid.unsqueeze(1), topk_ids, 0),
     }
-    d = _magnitude_terms(
+    d = magnitude_terms(
         ref, flat_grads, yy, {k_: v for k_, v in sparse_ids.items() if v is not None}, IGNORE_INDEX
     )
-    m_h, m_w = _magnitudes(d, hh, ww, slope, temp.cpu() if isinstance(temp, torch.Tensor) else temp)
+    m_h, m_w = magnitudes(d, hh, ww, slope, temp.cpu() if isinstance(temp, torch.Tensor) else temp)
     try:
         pairs = (("hidden", h.grad, hd.grad, m_h), ("weight", w.grad, wd.grad, m_w))
         for leaf, g_leaf, r_leaf, m in pairs:
@@ -601,8 +603,8 @@ def _kl_reference(
     caps: tuple[float | None, float | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float64 per-row KL and both heads' ``p`` (for the magnitudes); ``caps``: each head's softcap."""
-    zs, _ = _logits(hs, ws, ts, caps[0])
-    zt, _ = _logits(ht, wt, tt, caps[1])
+    zs, _ = reference_logits(hs, ws, ts, caps[0])
+    zt, _ = reference_logits(ht, wt, tt, caps[1])
     ls, lt = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
     if direction == "forward":
         kl = (lt.exp() * (lt - ls)).sum(-1)
@@ -720,8 +722,8 @@ def _check_kl(
     t_s_cpu = t_s if not isinstance(t_s, torch.Tensor) else t_s.double()
     t_t_cpu = t_t if not isinstance(t_t, torch.Tensor) else t_t.double()
     want, p_s, p_t = _kl_reference(hd, wd, htd, wtd, valid, t_s_cpu, t_t_cpu, direction, caps)
-    zs, slope = _logits(hd.detach(), wd.detach(), t_s_cpu, caps[0])
-    zt, _ = _logits(htd, wtd, t_t_cpu, caps[1])
+    zs, slope = reference_logits(hd.detach(), wd.detach(), t_s_cpu, caps[0])
+    zt, _ = reference_logits(htd, wtd, t_t_cpu, caps[1])
     zmax = max(_zmax(zs, valid), _zmax(zt, valid))
     tol = target.tolerances(max(hd.shape[1], htd.shape[1]), wd.shape[0], zmax)
     g = _upstream(tuple(case.labels.shape), 51)
@@ -746,7 +748,7 @@ def _check_kl(
                 * ((ls - lt).abs() + want.detach().abs().unsqueeze(1))
             )
         d[~valid] = 0.0
-        m_h, m_w = _magnitudes(d, hd.detach(), wd.detach(), slope, t_s_cpu)
+        m_h, m_w = magnitudes(d, hd.detach(), wd.detach(), slope, t_s_cpu)
         for leaf, got_g, ref_g, m in (
             ("hidden", hs.grad, hd.grad, m_h),
             ("weight", ws.grad, wd.grad, m_w),

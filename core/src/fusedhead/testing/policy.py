@@ -25,7 +25,12 @@ import torch
 from fusedhead.reference import policy_loss_from_log_probs
 from fusedhead.testing.inputs import FLAT, IGNORE_INDEX, PEAKED, TEMPERATURE, Case, make_case
 from fusedhead.testing.outcome import NotRun, PropertyFailure
-from fusedhead.testing.outputs import _logits, _magnitude_terms, _magnitudes, reference_outputs
+from fusedhead.testing.outputs import (
+    magnitude_terms,
+    magnitudes,
+    reference_logits,
+    reference_outputs,
+)
 from fusedhead.testing.target import Target
 from fusedhead.testing.tolerances import UNIT_ROUNDOFF, Bound, assert_close
 
@@ -89,7 +94,7 @@ class _Batch:
         y = case.labels.reshape(-1)
         with torch.no_grad():
             ref = reference_outputs(h, w, y, temperature=_float(self.temperature), softcap=softcap)
-            z, _ = _logits(h, w, _float(self.temperature), softcap)
+            z, _ = reference_logits(h, w, _float(self.temperature), softcap)
         valid = y != IGNORE_INDEX
         zmax = float(z[valid].abs().max()) if bool(valid.any()) else 0.0
         self.tol = target.tolerances(h.shape[1], w.shape[0], zmax)
@@ -176,12 +181,12 @@ class _Expected:
         )
         upstreams = {"log_probs": g_lp.detach(), "entropy": g_ent.detach()}
         detached = {k: v.detach() for k, v in ref.items()}
-        d = _magnitude_terms(detached, upstreams, yy, {}, IGNORE_INDEX)
+        d = magnitude_terms(detached, upstreams, yy, {}, IGNORE_INDEX)
         slope: torch.Tensor | float = 1.0
         if batch.softcap is not None:
             th = torch.tanh(hh.detach() @ ww.detach().T / batch.softcap)
             slope = 1 - th * th
-        m_h, m_w = _magnitudes(d, hh.detach(), ww.detach(), slope, temp)
+        m_h, m_w = magnitudes(d, hh.detach(), ww.detach(), slope, temp)
         self.m_hidden = m_h.reshape(case.hidden.shape)
         self.m_weight = m_w
         self.grad_bound = tol.grad

@@ -85,7 +85,7 @@ class Target:
         # As a call's first use of (device, dtype) does: the backend's check() first (its own
         # reason and fix reach the user; a raw exception from it is a BackendContractError naming
         # the distribution), then its declared devices and dtypes.
-        caps = head._ready(dev, DTYPES[dtype])
+        caps = head.ready(dev, DTYPES[dtype])
         return cls(backend, opts, dev, dtype, head, caps)
 
     @property

@@ -34,7 +34,7 @@ from fusedhead_torch.outputs import (
 )
 from fusedhead_torch.policy import chunk_rows, policy_loss
 from fusedhead_torch.rowstats import MAX_GRID_VOCAB
-from fusedhead_torch.tile_math import _mm_out_dtype_works
+from fusedhead_torch.tile_math import mm_out_dtype_works
 from fusedhead_torch.tiling import GRID_COLS, Tiles, skips_rows
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -98,7 +98,7 @@ class TorchBackend:
                 "hidden and weight to one of those"
             )
         if dtype != torch.float32:  # its trial GEMM now, eagerly: a compiled call only reads it
-            _mm_out_dtype_works(device, dtype)
+            mm_out_dtype_works(device, dtype)
 
     def tiles(
         self, n: int, v: int, dtype: torch.dtype, device: torch.device, softcap: float | None = None

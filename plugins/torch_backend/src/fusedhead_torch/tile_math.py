@@ -48,12 +48,12 @@ class Workspace:
         return flat[: rows * cols].view(rows, cols)
 
 
-#: ``_mm_out_dtype_works`` per (device, dtype): a plain dict, which torch.compile reads as a
+#: ``mm_out_dtype_works`` per (device, dtype): a plain dict, which torch.compile reads as a
 #: constant (it would trace a ``functools.cache``'d function's body, the trial GEMM included).
 _MM_OUT_DTYPE: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
-def _mm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
+def mm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs for ``dtype`` on ``device``."""
     works = _MM_OUT_DTYPE.get((device, dtype))
     if works is None:
@@ -74,7 +74,7 @@ def _try_mm_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
 
 def gemm_operand(t: torch.Tensor, fp32: bool) -> torch.Tensor:
     """``t`` as the logits GEMMs take it: upcast once where fp32 logits need upcast operands."""
-    if fp32 and t.dtype != FP32 and not _mm_out_dtype_works(t.device, t.dtype):
+    if fp32 and t.dtype != FP32 and not mm_out_dtype_works(t.device, t.dtype):
         return t.float()
     return t
 
@@ -89,7 +89,7 @@ def logits_mm(a: torch.Tensor, b: torch.Tensor, fp32: bool) -> torch.Tensor:
     """
     if not fp32 or (a.dtype == FP32 and b.dtype == FP32):
         return torch.mm(a, b)
-    if a.dtype == b.dtype and _mm_out_dtype_works(a.device, a.dtype):
+    if a.dtype == b.dtype and mm_out_dtype_works(a.device, a.dtype):
         return torch.mm(a, b, out_dtype=FP32)
     return torch.mm(a.float(), b.float())
 

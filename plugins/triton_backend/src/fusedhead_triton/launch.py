@@ -185,7 +185,8 @@ def descriptor(t: torch.Tensor, block: list[int]) -> Any:
     return TensorDescriptor.from_tensor(t, block)
 
 
-def _tiles(cfg: TileConfig, dtype: torch.dtype, **flags: Any) -> dict[str, Any]:
+def tile_constants(cfg: TileConfig, dtype: torch.dtype, **flags: Any) -> dict[str, Any]:
+    """A kernel launch's constants: ``cfg``'s blocks, warps and stages, the dot precision, ``flags``."""
     return dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         PRECISION=precision(dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
@@ -223,7 +224,7 @@ def forward_partials(
     k_g = 0 if ex.gather is None else ex.gather.sids.shape[1]
     if t == 0 or n == 0:  # nothing to compute (and no TMA descriptor of an empty tensor)
         return Partials(ws, zy, q, arg, zg)
-    flags = _tiles(
+    flags = tile_constants(
         cfg, hidden.dtype, PER_TOKEN_T=temp is not None, HAS_SOFTCAP=sc.softcap is not None,
         HAS_Q=q is not None, HAS_ARG=arg is not None, HAS_GATHER=zg is not None,
     )  # fmt: skip
@@ -330,7 +331,7 @@ def dz_block(
     tiles_n = math.ceil(cols / cfg.block_n)
     # This block's own tile table: blocks need not start on a multiple of the tile width.
     starts = tile_starts(ex.ids, tiles_n, cfg.block_n, v0) if sparse else None  # type: ignore[arg-type]
-    flags = _tiles(
+    flags = tile_constants(
         cfg, hidden.dtype, PER_TOKEN_T=rows.temp is not None, HAS_SOFTCAP=sc.softcap is not None,
         HAS_GLP=rows.g_lp is not None, HAS_GENT=rows.g_ent is not None,
         HAS_AX=ex.ax is not None, HAS_C=ex.c is not None, HAS_SPARSE=sparse,
@@ -369,7 +370,7 @@ def dh_block(
     the result to ``acc.out``)."""
     (n, cols), h = dz.shape, weight.shape[1]
     wb = weight[v0 : v0 + cols]
-    flags = _tiles(cfg, dz.dtype, FIRST=first, LAST=last, SUM_LO=acc.sum_lo)
+    flags = tile_constants(cfg, dz.dtype, FIRST=first, LAST=last, SUM_LO=acc.sum_lo)
     tiles = math.ceil(n / cfg.block_m) * math.ceil(h / cfg.block_n)
     if tma_usable(cfg, dz.dtype, h, dz.device):
         zd = descriptor(dz, [cfg.block_m, cfg.block_k])

@@ -22,10 +22,10 @@ from .kernels.policy import policy_dz_kernel, policy_logits_kernel
 from .launch import (
     HeadScalars,
     Partials,
-    _tiles,
     combine,
     descriptor,
     num_programs,
+    tile_constants,
     tma_usable,
 )
 
@@ -75,7 +75,9 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
     tma = tma_usable(cfg, hidden.dtype, h, dev)
     w_arg = descriptor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
     progs = num_programs(dev)
-    flags = _tiles(cfg, hidden.dtype, PER_TOKEN_T=temp is not None, HAS_SOFTCAP=softcap is not None)
+    flags = tile_constants(
+        cfg, hidden.dtype, PER_TOKEN_T=temp is not None, HAS_SOFTCAP=softcap is not None
+    )
     cap_args = sc.softcap_args
     zero = torch.zeros((), dtype=hidden.dtype, device=dev)
     for start in range(0, n, rows):

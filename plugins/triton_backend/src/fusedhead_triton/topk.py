@@ -29,9 +29,9 @@ from .launch import (
     HeadScalars,
     PartialExtras,
     Partials,
-    _tiles,
     descriptor,
     forward_partials,
+    tile_constants,
     tma_usable,
 )
 
@@ -108,7 +108,7 @@ def recompute(
     at = tile.clamp(max=t - 1)
     first = starts[at] + (pid - ends[at] + chunks[at]) * bm
     prog = torch.stack((tile, first)).to(torch.int32)
-    flags = _tiles(
+    flags = tile_constants(
         cfg, hidden.dtype, PER_TOKEN_T=temp is not None, HAS_SOFTCAP=sc.softcap is not None
     )
     del flags["GROUP_M"]

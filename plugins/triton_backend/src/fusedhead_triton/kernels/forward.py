@@ -79,7 +79,7 @@ def _stats_epilogue(
     )
     tile_start = pid_n * BLOCK_N
     if HAS_GATHER:  # the gathered logits with the label's, before the softmax temporaries exist
-        hit, col = _label_column(labels_ptr, rows, row_ok, label_offset, tile_start, V, BLOCK_N)
+        hit, col = label_column(labels_ptr, rows, row_ok, label_offset, tile_start, V, BLOCK_N)
         gather_tile(
             z, rows, row_ok, hit, col, zy_ptr, g_lo, g_hi, g_first, tile_start, sids_ptr, zg_ptr,
             K_g, BLOCK_N,
@@ -101,13 +101,13 @@ def _stats_epilogue(
         a = tl.argmax(tl.where(z == z, z, float("-inf")), axis=1, tie_break_left=True).to(tl.int32)
         tl.store(arg_ptr + pid_n.to(tl.int64) * N + offs_m, a, mask=row_ok)
     if not HAS_GATHER:  # every tile, at the end: cheaper than skipping the tiles without one
-        hit, col = _label_column(labels_ptr, rows, row_ok, label_offset, tile_start, V, BLOCK_N)
+        hit, col = label_column(labels_ptr, rows, row_ok, label_offset, tile_start, V, BLOCK_N)
         zy = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == col[:, None], z, 0.0), axis=1)
         tl.store(zy_ptr + rows, zy, mask=hit)
 
 
 @triton.jit
-def _label_column(labels_ptr, rows, row_ok, label_offset, tile_start, V, BLOCK_N: tl.constexpr):
+def label_column(labels_ptr, rows, row_ok, label_offset, tile_start, V, BLOCK_N: tl.constexpr):
     """Which rows' labels fall in this tile, and their column in it (int32, -1 elsewhere)."""
     lab = tl.load(labels_ptr + rows) - label_offset
     hit = row_ok & (lab >= tile_start) & (lab < tile_start + BLOCK_N) & (lab < V)

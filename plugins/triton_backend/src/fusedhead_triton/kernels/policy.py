@@ -22,7 +22,7 @@ from .common import (
     row_inv_temperature,
     store_tile,
 )
-from .forward import _label_column, scaled_tile
+from .forward import label_column, scaled_tile
 
 
 @triton.jit(do_not_specialize=["N", "V"])
@@ -70,9 +70,7 @@ def policy_logits_kernel(
         tl.store(base, m, mask=row_ok)
         tl.store(base + stride_t, s, mask=row_ok)
         tl.store(base + 2 * stride_t, wsum, mask=row_ok)
-        hit, col = _label_column(
-            labels_ptr, rows, row_ok, label_offset, pid_n * BLOCK_N, V, BLOCK_N
-        )
+        hit, col = label_column(labels_ptr, rows, row_ok, label_offset, pid_n * BLOCK_N, V, BLOCK_N)
         zy = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == col[:, None], z, 0.0), axis=1)
         tl.store(zy_ptr + rows, zy, mask=hit)
         store_tile(
