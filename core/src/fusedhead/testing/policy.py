@@ -260,6 +260,8 @@ def _statistics(label: str, out: Any, want: _Expected, batch: _Batch) -> None:
 
 def _describe(kw: dict[str, Any]) -> str:
     parts = [f"aggregation {kw.get('aggregation', 'token-mean')}"]
+    if kw.get("old_log_probs", 0) is None:
+        parts.append("old_log_probs None (on-policy)")
     if kw.get("dual_clip") is not None:
         parts.append(f"dual_clip {kw['dual_clip']}")
     if "tis_cap" in kw:
@@ -289,7 +291,7 @@ def _check(target: Target, batch: _Batch, kw: dict[str, Any], label: str) -> Non
 
 
 def policy_loss_accuracy(target: Target) -> None:
-    """If declared: the policy loss and both gradients match float64 (every aggregation, dual clip, TIS, entropy, k1/k2/k3 KL, packed, normalizer)."""
+    """If declared: the policy loss and both gradients match float64 (every aggregation, dual clip, TIS, entropy, k1/k2/k3 KL, packed, normalizer, on-policy)."""
     _declared(target)
     n, h, v = target.sizes.small
     b = 4
@@ -310,6 +312,10 @@ def policy_loss_accuracy(target: Target) -> None:
         _check(target, batch, {**kw, "cu_seqlens": cu}, packed.description)
     kw = batch.kwargs(dual_clip=None, tis=False, **PENALTIES[0])
     _check(target, batch, {**kw, "loss_normalizer": 3.0 * n}, packed.description)
+    # On-policy: old_log_probs None (the current policy's, ratio 1): PolicyLossCall.old_log_probs
+    # is None, which fusedhead.policy_terms.token_grads reads so.
+    kw = batch.kwargs(dual_clip=1.8, tis=False, aggregation="seq-mean-token-mean", **PENALTIES[3])
+    _check(target, batch, {**kw, "old_log_probs": None}, packed.description)
     if target.caps.softcap:
         batch = _Batch(target, case, seed=64, softcap=5.0, temperature=1.3)
         kw = batch.kwargs(
