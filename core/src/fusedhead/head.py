@@ -74,7 +74,8 @@ class FusedHead:
         self.options = resolved.options
         self.backend = registry.construct_backend(resolved.cls, self.options, **self.identity())
         self._caps: dict[tuple[torch.device, torch.dtype], tuple[Capabilities, frozenset[str]]] = {}
-        self._last: tuple[Any, Any, tuple[Capabilities, frozenset[str]] | None] = (None, None, None)
+        # (device, dtype, (caps, outputs)); the first call's device None never matches
+        self._last: tuple[Any, Any, Any] = (None, None, None)
         self._graph = Slots()  # _caps's entries for compiled graphs (see _prepare)
         self._graph_names: dict[tuple[torch.device, torch.dtype], str] = {}
         # (device, dtype, outputs) whose outputs' autograd graphs were seen to reach hidden and

@@ -292,7 +292,7 @@ def _check_engine(engine: Any, micro_batch: Any, config: Any) -> None:
     for key, fix in flags.items():
         if not tu.get_non_tensor_data(data=micro_batch, key=key, default=False):
             raise ValueError(f"policy_loss.loss_mode='fusedhead' needs {fix} (got {key}=False)")
-    module = getattr(engine, "module", None)
+    module: Any = getattr(engine, "module", None)
     model = module.module if type(module).__name__ == "FullyShardedDataParallel" else module
     if model not in _PATCHED:  # FSDP1 wraps the model (.module), FSDP2 keeps it
         raise RuntimeError(_NEEDS_FORWARD)
@@ -408,7 +408,7 @@ def fused_ppo_loss_step(
         or _get(config, "loss_scale_factor") is not None
     )
     aggregation = AggregationType.SUM if summed else AggregationType.MEAN
-    pg = {
+    pg: dict[str, Any] = {
         "actor/pg_clipfrac": out.clip_fraction,
         "actor/ppo_kl": out.approx_kl,
         "actor/pg_clipfrac_lower": out.clip_fraction_lower,
@@ -435,7 +435,9 @@ def fusedhead_policy_loss(
     """What ``register_policy_loss("fusedhead")`` registers: verl's vanilla loss on log-probs
     where no gradient is taken; a training step here means the fused path was not reached."""
     import torch
-    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+    from verl.trainer.ppo import core_algos
+
+    vanilla: Any = core_algos.compute_policy_loss_vanilla  # its registry decorator hides the args
 
     if torch.is_grad_enabled() and getattr(log_prob, "requires_grad", False):
         raise RuntimeError(
@@ -445,7 +447,7 @@ def fusedhead_policy_loss(
             "instead (another engine, or the patch is off: "
             "fusedhead.integrations.verl.enable_fused_policy_loss())"
         )
-    return compute_policy_loss_vanilla(
+    result: tuple[Any, dict[str, Any]] = vanilla(
         old_log_prob=old_log_prob,
         log_prob=log_prob,
         advantages=advantages,
@@ -454,6 +456,7 @@ def fusedhead_policy_loss(
         config=config,
         rollout_is_weights=rollout_is_weights,
     )
+    return result
 
 
 def register_loss_mode(module: types.ModuleType) -> None:
