@@ -115,6 +115,17 @@ def integer(arg: str, value: object, expected: str) -> int:
     return int(value)
 
 
+def per_token_rank(arg: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    """Refuse a per-token tensor of another number of dimensions than the labels' ``shape``
+    (one element aside): torch would broadcast ``[B]`` beside ``[B, S]`` along S, silently, where
+    B == S or where either is 1. ``what`` names the argument's role in the message."""
+    if t.dim() != len(shape) and t.numel() != 1:
+        raise ValueError(
+            f"{what} of shape {tuple(t.shape)} must have the labels' number of dimensions "
+            f"(labels {tuple(shape)}; [B, 1] for one value per sequence) or one element"
+        )
+
+
 def no_inference_tensor(*named: tuple[str, torch.Tensor]) -> None:
     """Refuse an inference tensor where a gradient is due: autograd cannot save it for backward
     (torch's own RuntimeError, raised deep inside a backend, names no argument)."""

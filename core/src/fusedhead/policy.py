@@ -32,6 +32,7 @@ from fusedhead.protocol import (
 )
 from fusedhead.request import HeadRequest, PolicyRequest
 from fusedhead.validation import validate
+from fusedhead.value_checks import Pending
 
 #: verl's names of the KL estimators, taken as the canonical ones.
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
@@ -198,21 +199,41 @@ def _per_token(
     return full.reshape(-1).to(torch.float32).contiguous()
 
 
-def _normalizer(value: object, device: torch.device) -> torch.Tensor | None:
-    """``loss_normalizer`` as an fp32 0-d tensor on the device (a tensor is not read: no sync)."""
+def _normalizer(
+    value: object, device: torch.device, pending: Pending | None = None
+) -> torch.Tensor | None:
+    """``loss_normalizer`` as an fp32 0-d tensor on the device. A tensor's value is checked (a
+    count > 0, finite) by ``pending``'s one read, with the labels' range; ``pending=None`` (the
+    call's ``check_labels=False``) or a compiled graph: not read."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or not (value.is_floating_point() or not value.is_complex()):
+        t = tensor_arg("loss_normalizer", value)
+        if t.dtype == torch.bool or t.is_complex():
+            raise TypeError(
+                "loss_normalizer must be a number or a one-element real (float or integer) "
+                f"tensor, got a tensor of dtype {t.dtype}"
+            )
+        if t.numel() != 1:
             raise ValueError(
                 f"loss_normalizer must be a number or a one-element tensor, got a tensor of "
-                f"shape {tuple(value.shape)}"
+                f"shape {tuple(t.shape)}"
             )
-        return value.detach().reshape(()).to(device=device, dtype=torch.float32)
+        out = t.detach().reshape(()).to(device=device, dtype=torch.float32)
+        if pending is not None and out.device.type != "meta" and not torch.compiler.is_compiling():
+            pending.add(~(torch.isfinite(out) & (out > 0)), _bad_normalizer, out)
+        return out
     return torch.tensor(
         _real("loss_normalizer", value, low=1e-30, what="a count > 0 (tokens or sequences)"),
         dtype=torch.float32,
         device=device,
+    )
+
+
+def _bad_normalizer(t: torch.Tensor) -> NoReturn:
+    raise ValueError(
+        f"loss_normalizer must be a count > 0 (tokens or sequences), got a tensor holding "
+        f"{float(t)} (a head configured with check_labels=False skips this check)"
     )
 
 
@@ -289,12 +310,18 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
         check_labels=req.check_labels,
         softcap=req.softcap,
     )
-    call, shape, n, device, dtype, cast = validate(head_req)
+    # The value checks (labels' range, per-token temperatures, a loss_normalizer tensor's value)
+    # read by the host once, before the backend runs.
+    pending = Pending() if req.check_labels is True else None
+    call, shape, n, device, dtype, cast = validate(head_req, pending)
     shape = tuple(shape)
     caps = head.ready(device, dtype)
     gate_policy_loss(caps, head.identity())
     call = gate_head(call, caps, head.identity())
-    pcall = _policy_call(call, shape, n, device, req)
+    pcall = _policy_call(call, shape, n, device, req, pending)
+    if pending is not None:
+        pending.send()
+        pending.settle()
     if n == 0:
         lp = torch.zeros(0, dtype=torch.float32, device=device)
         result = PolicyLossResult(lp, lp.clone())
@@ -318,7 +345,12 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
 
 
 def _policy_call(
-    call: HeadCall, shape: tuple[int, ...], n: int, device: torch.device, req: PolicyRequest
+    call: HeadCall,
+    shape: tuple[int, ...],
+    n: int,
+    device: torch.device,
+    req: PolicyRequest,
+    pending: Pending | None = None,
 ) -> PolicyLossCall:
     """The loss's own arguments checked and flattened beside the head call."""
     aggregation = _choice("aggregation", req.aggregation, AGGREGATIONS, {})
@@ -364,7 +396,7 @@ def _policy_call(
         tis = torch.exp(old - roll).clamp_(max=cap)
     valid = call.labels != call.ignore_index
     weights = token_weights(
-        valid, shape, aggregation, _normalizer(req.loss_normalizer, device), req.cu_seqlens
+        valid, shape, aggregation, _normalizer(req.loss_normalizer, device, pending), req.cu_seqlens
     )
     if req.cu_seqlens is not None and aggregation == "token-mean":
         _sequences(shape, req.cu_seqlens, n, device)  # checked even where it changes nothing
@@ -468,7 +500,10 @@ def _output(
         kl_tok, _ = kl_penalty(call.kl_estimator, lp_valid, torch.where(valid, ref, zero))
         kl = (kl_tok * weight).sum()
     any_valid = count > 0
-    big = torch.full((), math.inf, device=lp.device)
+    big = torch.full((1,), math.inf, device=lp.device)
+    # The extremes over scored rows, with a sentinel (an empty batch has no rows to reduce).
+    ratio_min = torch.cat((torch.where(valid, ratio, big), big)).amin()
+    ratio_max = torch.cat((torch.where(valid, ratio, -big), -big)).amax()
     return PolicyLossOutput(
         loss=loss,
         log_probs=_shaped(lp, shape),
@@ -480,8 +515,8 @@ def _output(
         clip_fraction_lower=lower,
         approx_kl=(-log_ratio).sum() / denom,
         ratio_mean=torch.where(valid, ratio, zero).sum() / denom,
-        ratio_min=torch.where(any_valid, torch.where(valid, ratio, big).amin(), zero),
-        ratio_max=torch.where(any_valid, torch.where(valid, ratio, -big).amax(), zero),
+        ratio_min=torch.where(any_valid, ratio_min, zero),
+        ratio_max=torch.where(any_valid, ratio_max, zero),
     )
 
 

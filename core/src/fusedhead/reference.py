@@ -60,7 +60,7 @@ def _check(
     hidden: object, weight: object, labels: object, temperature: object, softcap: object
 ) -> None:
     """The arguments' shapes and scalars, named (any float dtype is taken: this is the yardstick)."""
-    from fusedhead.checks import positive_float, tensor_arg
+    from fusedhead.checks import per_token_rank, positive_float, tensor_arg
 
     h, w, y = (
         tensor_arg("hidden", hidden),
@@ -81,6 +81,8 @@ def _check(
         raise TypeError(f"labels must be an integer tensor, got dtype {y.dtype}")
     if not isinstance(temperature, torch.Tensor):
         positive_float("temperature", temperature)
+    else:
+        per_token_rank("temperature", temperature, tuple(y.shape), "temperature tensor")
     if softcap is not None:
         positive_float("softcap", softcap)
 
@@ -168,6 +170,16 @@ def policy_loss_from_log_probs(
     """verl's policy loss from per-token log-probs ``logp`` and entropies ``ent`` (labels' shape),
     differentiable in both: ``reference_policy_loss`` after its head, and the loss the four-GEMM
     paths (a head's log-probs, then the loss in torch) compute. Computes in ``logp``'s dtype."""
+    from fusedhead.checks import per_token_rank
+
+    for arg, t in (
+        ("old_log_probs", old_log_probs),
+        ("advantages", advantages),
+        ("ref_log_probs", ref_log_probs),
+        ("rollout_log_probs", rollout_log_probs),
+    ):
+        if t is not None:  # [B] beside [B, S] would broadcast along S
+            per_token_rank(arg, t, tuple(labels.shape), arg)
     dtype = logp.dtype
     mask = labels != ignore_index
     # None: on-policy, the old policy is the current one (TRL's and verl's lp.detach())

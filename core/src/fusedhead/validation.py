@@ -32,6 +32,7 @@ from fusedhead.checks import (
     no_inference_tensor,
     not_a_flag,
     not_int64_exact,
+    per_token_rank,
     positive_float,
     tensor_arg,
 )
@@ -312,11 +313,7 @@ def _temperature(
             f"{arg} tensor requires grad, but fusedhead does not differentiate with respect to a "
             f"temperature (no gradient would reach it); pass {arg}.detach()"
         )
-    if t.dim() != labels.dim() and t.numel() != 1:  # [B] beside [B, S] would broadcast along S
-        raise ValueError(
-            f"{arg} tensor of shape {tuple(t.shape)} must have the labels' number of dimensions "
-            f"(labels {tuple(labels.shape)}; [B, 1] for one value per sequence) or one element"
-        )
+    per_token_rank(arg, t, tuple(labels.shape), f"{arg} tensor")
     try:
         t = torch.broadcast_to(t, labels.shape)
     except RuntimeError:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput, cached_head
-from fusedhead.checks import dtype_name, is_dtensor
+from fusedhead.checks import dtype_name, is_dtensor, per_token_rank
 from fusedhead.config import FusedHeadConfig
 from fusedhead.module import FusedLMHead, call_in_forward, head_forward, owned, run_as_forward
 from fusedhead.policy import PolicyLossOutput
@@ -534,6 +534,7 @@ def _temperature(value: object, labels: torch.Tensor, device: torch.device) -> f
         raise ValueError(
             f"temperature tensor must be on hidden's device {device}, got {value.device}"
         )
+    per_token_rank("temperature", value, tuple(labels.shape), "temperature tensor")
     try:
         return torch.broadcast_to(value, labels.shape)
     except RuntimeError:

@@ -153,13 +153,17 @@ def _temperature(value: float | torch.Tensor, input_ids: torch.Tensor) -> float 
     """A float as is; a tensor broadcast to ``input_ids``' shape (the core validates the values)."""
     if not isinstance(value, torch.Tensor):
         return value
+    wrong = ValueError(
+        f"temperature tensor of shape {tuple(value.shape)} must broadcast to input_ids' shape "
+        f"{tuple(input_ids.shape)} with as many dimensions (or hold one element); a per-sample "
+        "temperature has shape [B, 1]"
+    )
+    if value.dim() != input_ids.dim() and value.numel() != 1:  # [B] would broadcast along T
+        raise wrong
     try:
         return torch.broadcast_to(value, input_ids.shape)
     except RuntimeError:
-        raise ValueError(
-            f"temperature tensor of shape {tuple(value.shape)} must broadcast to input_ids' shape "
-            f"{tuple(input_ids.shape)}; a per-sample temperature has shape [B, 1]"
-        ) from None
+        raise wrong from None
 
 
 def _decoder(model: nn.Module) -> nn.Module:

@@ -1,0 +1,196 @@
+"""Bad input to the policy loss, found by a battery of bad calls: each class refused by name, or
+(where the call is valid) computed as the float64 reference computes it.
+
+- An empty batch (N = 0: ``[0]``, ``[0, S]``, ``[B, 0]``) raised torch's ``amin(): Expected
+  reduction dim ...`` RuntimeError from the ratio metrics; it is a loss of 0 with zero gradients.
+- A ``loss_normalizer`` tensor was taken unread: 0, a negative count, NaN or Inf gave a NaN,
+  negative or infinite loss silently (the float form refused them), a bool tensor counted as 1,
+  and a complex one was refused as "a tensor of shape ()". Its dtype is checked, and its value by
+  the call's one read of the labels' range.
+- A per-token tensor of fewer dimensions than the labels (``[B]`` beside ``[B, S]``) broadcast
+  along S in the reference (``reference_policy_loss``) and in ``lm_head_policy_loss``'s
+  temperature, as it did in ``fused_policy_loss`` before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from policy_backends import POLICY_BACKENDS
+
+import fusedhead
+from fusedhead.integrations.lm_head import lm_head_policy_loss
+from fusedhead.reference import reference_policy_loss
+
+B, S, H, V = 3, 3, 8, 11  # B == S: a [B] tensor broadcast to [B, S] goes along S unnoticed
+
+
+def _batch(b: int = B, s: int = S) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "hidden": torch.randn(b, s, H, generator=g),
+        "weight": torch.randn(V, H, generator=g) / 3,
+        "labels": torch.randint(0, V, (b, s), generator=g),
+        "old_log_probs": -2.0 + 0.3 * torch.randn(b, s, generator=g),
+        "advantages": torch.randn(b, s, generator=g),
+    }
+
+
+def _call(backend: str, batch: dict[str, torch.Tensor], **kw: Any) -> Any:
+    args = {**batch, **kw}
+    h, w, y = args.pop("hidden"), args.pop("weight"), args.pop("labels")
+    return fusedhead.fused_policy_loss(h, w, y, backend=backend, **args)
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize("shape", [(0,), (0, S), (B, 0)], ids=["N0", "B0", "S0"])
+@pytest.mark.parametrize(
+    "aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
+def test_an_empty_batch_is_a_zero_loss_with_zero_gradients(backend, shape, aggregation):
+    """Before: RuntimeError amin(): Expected reduction dim to be specified (ratio_min)."""
+    hidden = torch.randn(*shape, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    out = fusedhead.fused_policy_loss(
+        hidden,
+        weight,
+        torch.zeros(shape, dtype=torch.long),
+        old_log_probs=torch.zeros(shape),
+        advantages=torch.zeros(shape),
+        aggregation=aggregation,
+        backend=backend,
+    )
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    assert out.log_probs.shape == shape and out.entropy.shape == shape
+    assert out.ratio_min.item() == 0.0 and out.ratio_max.item() == 0.0
+    assert hidden.grad is not None and hidden.grad.shape == hidden.shape
+    assert weight.grad is not None and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [0.0, -5.0, float("nan"), float("inf"), -float("inf")],
+    ids=["zero", "negative", "nan", "inf", "-inf"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_loss_normalizer_tensor_that_is_no_count_is_refused_with_its_value(value, dtype):
+    """Before: taken unread; the loss came out NaN, negative or infinite."""
+    with pytest.raises(
+        ValueError, match=r"loss_normalizer must be a count > 0 .* got a tensor holding"
+    ):
+        _call("torch", _batch(), loss_normalizer=torch.tensor(value, dtype=dtype))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [torch.tensor(True), torch.tensor(6 + 0j), torch.tensor([1 + 1j])],
+    ids=["bool", "complex", "complex-1"],
+)
+def test_a_loss_normalizer_tensor_of_a_non_real_dtype_is_a_type_error_naming_it(value):
+    """Before: a bool tensor counted as 1 (silently); a complex one was refused as 'a tensor of
+    shape ()', which names no fault."""
+    with pytest.raises(
+        TypeError, match=rf"loss_normalizer must be .* got a tensor of dtype {value.dtype}"
+    ):
+        _call("torch", _batch(), loss_normalizer=value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.tensor(6.0),
+        torch.tensor(6),
+        torch.tensor([[6.0]]),
+        torch.tensor(6.0, dtype=torch.float64),
+    ],
+    ids=["f32", "int64", "one-element-2d", "f64"],
+)
+def test_a_loss_normalizer_tensor_that_is_a_count_matches_the_reference(value):
+    batch = _batch()
+    out = _call("torch", batch, loss_normalizer=value)
+    ref = reference_policy_loss(
+        batch["hidden"].double(),
+        batch["weight"].double(),
+        batch["labels"],
+        old_log_probs=batch["old_log_probs"],
+        advantages=batch["advantages"],
+        loss_normalizer=6.0,
+    )
+    torch.testing.assert_close(out.loss.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_head_that_checks_no_labels_reads_no_loss_normalizer():
+    """check_labels=False (CUDA-graph capture) reads no value, the normalizer's included."""
+    head = fusedhead.FusedHead({"backend": "torch", "check_labels": False})
+    b = _batch()
+    args = (b["hidden"], b["weight"], b["labels"])
+    kw = {"old_log_probs": b["old_log_probs"], "advantages": b["advantages"]}
+    out = head.policy_loss(*args, **kw, loss_normalizer=torch.tensor(-1.0))
+    one = head.policy_loss(*args, **kw, loss_normalizer=1.0)
+    torch.testing.assert_close(out.loss, -one.loss)  # ran, its normalizer unread
+
+
+@pytest.mark.parametrize(
+    "arg", ["old_log_probs", "advantages", "ref_log_probs", "rollout_log_probs"]
+)
+@pytest.mark.parametrize("shape", [(B,), (S,), (1,) * 3], ids=["B", "S", "rank3"])
+def test_the_reference_refuses_a_per_token_tensor_of_other_rank(arg, shape):
+    """Before: reference_policy_loss broadcast [B] beside [B, S] along S (B == S: no error)."""
+    b = _batch()
+    kw: dict[str, Any] = {
+        "old_log_probs": b["old_log_probs"],
+        "advantages": b["advantages"],
+        "ref_log_probs": b["old_log_probs"],
+        "kl_coef": 0.1,
+        "rollout_log_probs": b["old_log_probs"],
+        "tis_cap": 2.0,
+    }
+    kw[arg] = torch.zeros(shape) if shape != (1,) * 3 else torch.zeros(1, 1, 2)
+    with pytest.raises(
+        ValueError, match=rf"{arg} of shape .* must have the labels' number of dimensions"
+    ):
+        reference_policy_loss(b["hidden"], b["weight"], b["labels"], **kw)
+
+
+@pytest.mark.parametrize("shape", [(B,), (S,)], ids=["B", "S"])
+def test_lm_head_policy_loss_refuses_a_temperature_of_fewer_dimensions(shape):
+    """Before: broadcast along S; the loss used each position's temperature of another row."""
+    b = _batch()
+    lin = torch.nn.Linear(H, V, bias=False)
+    with pytest.raises(ValueError, match=r"temperature tensor of shape .* labels' number of dim"):
+        lm_head_policy_loss(
+            lin,
+            b["hidden"],
+            b["labels"],
+            temperature=torch.tensor([0.5, 1.0, 2.0]).reshape(shape),
+            old_log_probs=b["old_log_probs"],
+            advantages=b["advantages"],
+        )
+
+
+def test_lm_head_policy_loss_per_sequence_temperature_matches_the_reference():
+    b = _batch()
+    lin = torch.nn.Linear(H, V, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(b["weight"])
+    temp = torch.tensor([[0.5], [1.0], [2.0]])
+    out = lm_head_policy_loss(
+        lin,
+        b["hidden"],
+        b["labels"],
+        temperature=temp,
+        old_log_probs=b["old_log_probs"],
+        advantages=b["advantages"],
+    )
+    ref = reference_policy_loss(
+        b["hidden"].double(),
+        b["weight"].double(),
+        b["labels"],
+        temperature=temp.double(),
+        old_log_probs=b["old_log_probs"],
+        advantages=b["advantages"],
+    )
+    torch.testing.assert_close(out.loss.double(), ref, rtol=1e-5, atol=1e-6)
