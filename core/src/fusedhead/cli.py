@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 from fusedhead import diagnostics, install_hints, registry
 from fusedhead.errors import BackendError
+from fusedhead.options import load_json
 
 #: Sub-commands implemented elsewhere: module with ``add_arguments(parser)`` and ``run(args) -> int``.
 _DELEGATED = {
@@ -95,12 +96,14 @@ nonnegative_float = _float_above(0.0, inclusive=True)
 def json_object(text: str) -> dict[str, Any]:
     """A JSON object given on the command line (a backend's options)."""
     try:
-        value = json.loads(text)
+        value = load_json(text)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(
             f"must be a JSON object such as '{{\"name\": 1}}', got {text!r}: "
             f"{exc.msg} at line {exc.lineno}, column {exc.colno}"
         ) from None
+    except ValueError as exc:  # a repeated key
+        raise argparse.ArgumentTypeError(f"{exc}, got {text!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(
             f"must be a JSON object such as '{{\"name\": 1}}', got a JSON {type(value).__name__}: {text!r}"

@@ -266,7 +266,13 @@ class FusedHeadConfig(BaseModel):
 
         if isinstance(text, os.PathLike):
             source = source or os.fspath(text)
-            text = Path(text).read_text()
+            try:
+                text = Path(text).read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{source}: not a YAML text file (not UTF-8: byte {exc.object[exc.start]:#04x} "
+                    f"at offset {exc.start})"
+                ) from None
         elif not isinstance(text, str):
             raise TypeError(f"text must be YAML text (str) or a path, got {type(text).__name__}")
         where = source or "<yaml text>"
@@ -348,7 +354,28 @@ def _yaml_loader() -> type:
     import yaml
 
     class Loader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no types here
-        pass
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            """A mapping whose key repeats is refused (PyYAML keeps the last one silently: a
+            file saying ``backend:`` twice ran the second without a word)."""
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # '<<': its keys may be overridden
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: PyYAML's own error names it
+                    break
+                if first is not key_node:
+                    line = key_node.start_mark.line + 1
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"found the key {key!r} twice (first at line {first.start_mark.line + 1}, "
+                        f"again at line {line}); give each key once",
+                        key_node.start_mark,
+                    )
+            return super().construct_mapping(node, deep=deep)
 
     Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_FLOAT, list("-+0123456789."))
     return Loader

@@ -252,3 +252,20 @@ def validate_options(name: str, cls: type, options: Any) -> BaseModel:
         )
         + " (values are taken as given: no conversion from bool or str).",
     ) from None
+
+
+def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook``: an object whose key repeats is refused (``json``
+    keeps the last one silently: ``{"chunk_rows": 2, "chunk_rows": 3}`` ran with 3)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} is given twice in one JSON object; give it once")
+        out[key] = value
+    return out
+
+
+def load_json(text: str) -> Any:
+    """``json.loads`` that refuses a repeated key (``unique_pairs``); a ``ValueError`` either way
+    (``json.JSONDecodeError`` for malformed text)."""
+    return json.loads(text, object_pairs_hook=unique_pairs)

@@ -14,7 +14,6 @@ import dataclasses
 import importlib
 import importlib.metadata as md
 import importlib.util
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from fusedhead import registry
 from fusedhead.bench import heads, policy
 from fusedhead.bench.cases import ELEMENT_BYTES, IGNORE_INDEX, Case
 from fusedhead.errors import BackendConflictError, BackendLoadError, BackendUnavailableError
+from fusedhead.options import load_json
 
 Fn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, "torch.Tensor | None"]
@@ -375,8 +375,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     if not sep:
         return name, {}
     try:
-        options = json.loads(raw)
-    except json.JSONDecodeError as exc:
+        options = load_json(raw)
+    except ValueError as exc:  # malformed, or a key given twice
         raise ValueError(
             f"--impl {spec!r}: options after ':' must be a JSON object ({exc})"
         ) from exc

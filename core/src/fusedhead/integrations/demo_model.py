@@ -7,7 +7,6 @@ weight gradient against the model's own ``model(...).logits`` (log_softmax in fl
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
@@ -130,6 +129,7 @@ def run(args: Any) -> int:
     from fusedhead.api import FusedHead
     from fusedhead.config import FusedHeadConfig
     from fusedhead.integrations.transformers import causal_lm_logprobs, shifted_labels
+    from fusedhead.options import load_json
     from fusedhead.registry import default_device
 
     try:  # before the backend is resolved: a wrong name is the first thing to say
@@ -143,7 +143,7 @@ def run(args: Any) -> int:
         )
         return 2
     device = torch.device(getattr(args, "device", None) or default_device())
-    options = json.loads(args.options) if getattr(args, "options", None) else {}
+    options = load_json(args.options) if getattr(args, "options", None) else {}
     backend = getattr(args, "backend", None) or "torch"
     head = FusedHead(
         FusedHeadConfig.from_dict({"backend": backend, "options": options, "device": str(device)})

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import json
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from fusedhead.integrations.lm_head import (
     parse_backend_spec,
     resolve_lm_head,
 )
+from fusedhead.options import load_json
 from fusedhead.policy import PolicyLossOutput
 
 __all__ = [
@@ -393,8 +393,8 @@ def fused_head_from_args(args: Any) -> HeadLike:
     options = getattr(args, "fused_head_options", None)
     if isinstance(options, str):
         try:
-            options = json.loads(options)
-        except json.JSONDecodeError as exc:
+            options = load_json(options)
+        except ValueError as exc:  # malformed, or a key given twice
             raise ValueError(f"fused_head_options is not valid JSON: {options!r} ({exc})") from None
     if options is not None and not isinstance(options, Mapping):
         raise TypeError(

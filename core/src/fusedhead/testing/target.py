@@ -12,6 +12,7 @@ import torch
 from fusedhead.api import FusedHead
 from fusedhead.config import FusedHeadConfig
 from fusedhead.errors import BackendUnavailableError
+from fusedhead.options import load_json
 from fusedhead.protocol import Capabilities
 from fusedhead.testing.tolerances import Tolerances
 
@@ -45,7 +46,7 @@ def parse_options(text: str | Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     if isinstance(text, Mapping):
         return dict(text)
-    value = json.loads(text)
+    value = load_json(text)
     if not isinstance(value, dict):
         raise ValueError(f"--options must be a JSON object, got {text!r}")
     return value
