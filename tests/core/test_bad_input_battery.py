@@ -9,9 +9,14 @@ one example). Each refusal names the argument, what it got and what was expected
   bench's ``--impl NAME:{...}``, the kit's options, TRL's ``fused_head_options``) was taken as
   its last value silently; refused, naming the key. A config file that is not UTF-8 gave a bare
   ``UnicodeDecodeError``; a ``ValueError`` naming the file.
+- ``lm_head_logprobs`` named the rows it selected and the shape it flattened instead of the
+  caller's; a ``logit_scale`` that fp32 cannot hold (NaN rows, or the uniform distribution) and an
+  ``on_weight`` that is no callable (torch's "'int' object is not callable") were taken.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -164,3 +169,96 @@ def test_bench_impl_options_that_repeat_a_key_are_refused_naming_it():
 def test_kit_options_that_repeat_a_key_are_refused_naming_it():
     with pytest.raises(ValueError, match=r"the key 'chunk_rows' is given twice"):
         parse_options(DUPLICATE_JSON)
+
+
+# lm_head_logprobs sends the scored rows only (select_rows=True, the default) and flattens hidden:
+# its refusals named the selected rows ("flat position 3" for the caller's position 5) and the
+# flattened shape ("hidden shape (4, 8)" for the caller's (2, 3, 8)). They name what the caller
+# passed, with rows selected or not.
+
+
+def _ragged() -> tuple[torch.Tensor, torch.Tensor]:
+    h, _, y = _inputs()
+    y = y.clone()
+    y[0, :2] = -100  # two ignored rows before the faulty position (1, 2), flat position 8
+    return h, y
+
+
+FAULTS = {
+    "labels": (
+        lambda y: {"labels": torch.where(torch.arange(B * S).reshape(B, S) == 8, V + 3, y)},
+        r"got 14 at flat position 8",
+    ),
+    "temperature": (
+        lambda y: {"temperature": torch.where(torch.arange(B * S).reshape(B, S) == 8, 0.0, 1.0)},
+        r"got 0\.0 \(as fp32\) at flat position 8",
+    ),
+    "gather_ids": (
+        lambda y: {
+            "gather_ids": torch.where(
+                torch.arange(B * S).reshape(B, S) == 8, V + 1, y.clamp(min=0)
+            )[..., None]
+        },
+        r"got 12 at flat row 8, position 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("select_rows", [True, False])
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_lm_head_logprobs_names_the_callers_position_of_a_bad_value(select_rows, fault):
+    h, y = _ragged()
+    make, words = FAULTS[fault]
+    kw = make(y)
+    labels = kw.pop("labels", y)
+    with pytest.raises(ValueError, match=words):
+        lm_head_logprobs(_linear(torch.randn(V, H)), h, labels, select_rows=select_rows, **kw)
+
+
+def test_lm_head_logprobs_of_a_head_that_checks_nothing_reads_no_value():
+    h, y = _ragged()
+    y[1, 2] = V + 3
+    out = lm_head_logprobs(
+        _linear(torch.randn(V, H)), h, y, head={"backend": "torch", "check_labels": False}
+    )
+    assert out.log_probs.shape == (B, S)
+
+
+@pytest.mark.parametrize("select_rows", [True, False])
+@pytest.mark.parametrize("bias", [False, True])
+def test_lm_head_logprobs_names_the_callers_hidden_shape_when_h_differs(select_rows, bias):
+    h, y = _ragged()
+    with pytest.raises(
+        ValueError, match=rf"lm_head's weight H=4 .* got hidden shape \({B}, {S}, {H}\)"
+    ):
+        lm_head_logprobs(nn.Linear(4, V, bias=bias), h, y, select_rows=select_rows)
+
+
+@pytest.mark.parametrize(
+    "scale", [1e39, 2.0**127, 1e-46, 5e-324, -1e39, math.nan, math.inf, 10**400, 0]
+)
+def test_lm_head_logprobs_refuses_a_logit_scale_fp32_cannot_hold(scale):
+    """Before: 1e39 gave NaN in every row, 1e-46 the uniform distribution, without an error."""
+    h, w, y = _inputs()
+    with pytest.raises(
+        ValueError, match=r"logit_scale must be a finite non-zero float whose magnitude"
+    ):
+        lm_head_logprobs(_linear(w), h, y, logit_scale=scale)
+
+
+@pytest.mark.parametrize("scale", [2.0**-126, 0.5, -1.0, 30.0])
+def test_lm_head_logprobs_takes_a_logit_scale_fp32_holds(scale):
+    h, w, y = _inputs()
+    out = lm_head_logprobs(_linear(w), h, y, logit_scale=scale)
+    lp, _ = fusedhead.reference_fused_head(h.double() * scale, w.double(), y)
+    torch.testing.assert_close(out.log_probs.double(), lp, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("value", [3, "hook", torch.zeros(1)], ids=["int", "str", "tensor"])
+def test_lm_head_logprobs_refuses_an_on_weight_that_is_no_callable(value):
+    """Before: TypeError "'int' object is not callable" from inside the head call."""
+    h, w, y = _inputs()
+    with pytest.raises(
+        TypeError, match=r"on_weight must be a callable taking \(weight, bias\) or None"
+    ):
+        lm_head_logprobs(_linear(w), h, y, on_weight=value)

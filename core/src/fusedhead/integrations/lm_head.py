@@ -26,11 +26,25 @@ import torch
 from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput, cached_head
-from fusedhead.checks import dtype_name, is_dtensor, per_token_rank
+from fusedhead.checks import (
+    INT_DTYPES,
+    RANGE_TEXT,
+    SCALAR_HI,
+    SCALAR_LO,
+    dtype_name,
+    is_dtensor,
+    per_token_rank,
+)
 from fusedhead.config import FusedHeadConfig
 from fusedhead.module import FusedLMHead, call_in_forward, head_forward, owned, run_as_forward
 from fusedhead.policy import PolicyLossOutput
 from fusedhead.request import output_flags
+from fusedhead.value_checks import (
+    Pending,
+    check_gather_range,
+    check_label_range,
+    check_temperature_values,
+)
 
 __all__ = [
     "SPEC_PREFIX",
@@ -207,6 +221,11 @@ def lm_head_logprobs(
     weight_of = _check_lm_head(lm_head)
     _check_inputs(hidden, labels, ignore_index, return_entropy, select_rows, in_call)
     _check_gather_ids(gather_ids, labels)
+    if on_weight is not None and not callable(on_weight):
+        raise TypeError(
+            "on_weight must be a callable taking (weight, bias) or None, got "
+            f"{type(on_weight).__name__} {on_weight!r}"
+        )
     scale = _logit_scale(logit_scale)
     if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
         raise TypeError(
@@ -248,6 +267,10 @@ def lm_head_logprobs(
         compute_dtype=compute_dtype,
         scale=scale,
         in_call=in_call,
+        hidden_shape=tuple(hidden.shape),
+        # With rows selected, the value checks read the caller's tensors (their errors name the
+        # caller's positions, not the selected rows'); the head then checks nothing again.
+        full=None if rows is None else (flat_labels, flat_temp, flat_gather, ignore_index),
     )
     n = flat_labels.shape[0]
     log_probs = _place(out.log_probs, 0.0, shape, rows, n)
@@ -273,16 +296,28 @@ def _score(
     compute_dtype: torch.dtype | None,
     scale: float,
     in_call: bool,
+    hidden_shape: tuple[int, ...],
+    full: tuple[torch.Tensor, float | torch.Tensor, torch.Tensor | None, int] | None = None,
 ) -> FusedHeadOutput:
     """The head call of ``lm_head_logprobs`` on the rows given (hidden, labels, temperature),
     inside ``lm_head``'s own call when ``in_call``: parameter-gathering hooks (FSDP2, ZeRO-3)
-    have run when the weight is read."""
+    have run when the weight is read. ``hidden_shape``: the caller's, for the errors; ``full``:
+    the caller's flat labels, temperature, gather ids and ignore_index, whose values are checked
+    here (when the head checks values) instead of the selected rows'."""
     h, y, t = rows
 
     def body() -> FusedHeadOutput:
         weight, bias = weight_of()
         if on_weight is not None:
             on_weight(weight, bias)
+        if hidden_shape[-1] != weight.shape[1]:  # named as the caller passed it, not flattened
+            raise ValueError(
+                f"hidden's last dimension must equal lm_head's weight H={weight.shape[1]} (weight "
+                f"shape {tuple(weight.shape)}), got hidden shape {hidden_shape}"
+            )
+        opts = options
+        if full is not None and fused.config.check_labels and _check_values(full, weight):
+            opts = {**options, "check_labels": False}  # checked above, on the caller's tensors
         h_ = h
         if compute_dtype is not None:
             weight, h_ = weight.to(compute_dtype), h.to(compute_dtype)
@@ -290,13 +325,39 @@ def _score(
         if scale != 1.0:  # s * (h @ W.T + b) == (s * h) @ W.T + s * b
             h_ = h_ * scale
             bias = None if bias is None else bias * scale
-        request = fused.request(h_, weight, y, temperature=t, **options)
+        request = fused.request(h_, weight, y, temperature=t, **opts)
         if compute_dtype is None:
             return head_forward(fused, request, bias)
         with torch.autocast(h_.device.type, enabled=False):
             return head_forward(fused, request, bias)
 
     return in_module_call(lm_head, body) if in_call else body()
+
+
+def _check_values(
+    full: tuple[torch.Tensor, float | torch.Tensor, torch.Tensor | None, int], weight: torch.Tensor
+) -> bool:
+    """The head's value checks (label range, per-token temperatures, gather ids) on the caller's
+    flat tensors, in one host read; False where they cannot run here (a dtype the head refuses by
+    type, a compiled graph): the head then checks the rows it gets."""
+    labels, temp, ids, ignore_index = full
+    if torch.compiler.is_compiling() or labels.dtype not in INT_DTYPES or weight.dim() != 2:
+        return False
+    if ids is not None and ids.dtype not in INT_DTYPES:
+        return False
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        return False
+    vocab = weight.shape[0]
+    pending = Pending()
+    labels = labels.to(torch.int64)
+    check_label_range(labels, ignore_index, vocab, pending)
+    if isinstance(temp, torch.Tensor):
+        check_temperature_values(temp.to(torch.float32), "temperature", pending)
+    if ids is not None:
+        check_gather_range(ids.to(torch.int64), labels, ignore_index, vocab, pending)
+    pending.send()
+    pending.settle()
+    return True
 
 
 def _place(
@@ -512,11 +573,22 @@ def _check_gather_ids(gather_ids: object, labels: torch.Tensor) -> None:
 
 
 def _logit_scale(value: object) -> float:
+    """A finite non-zero float whose magnitude is a normal fp32 number (beyond 2**126 the scaled
+    hidden overflows to inf and every row is NaN; below 2**-126 it flushes to 0 and every row is
+    the uniform distribution: both without an error before)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"logit_scale must be a float, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value == 0:
-        raise ValueError(f"logit_scale must be a finite non-zero float, got {value!r}")
-    return float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond any float
+        out = math.inf
+    if not SCALAR_LO <= abs(out) <= SCALAR_HI:  # NaN fails both comparisons
+        shown = value if abs(out) < math.inf or isinstance(value, float) else "an int beyond fp32"
+        raise ValueError(
+            f"logit_scale must be a finite non-zero float whose magnitude is {RANGE_TEXT}, got "
+            f"{shown!r}"
+        )
+    return out
 
 
 def _temperature(value: object, labels: torch.Tensor, device: torch.device) -> float | torch.Tensor:
