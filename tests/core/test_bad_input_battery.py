@@ -12,6 +12,9 @@ one example). Each refusal names the argument, what it got and what was expected
 - ``lm_head_logprobs`` named the rows it selected and the shape it flattened instead of the
   caller's; a ``logit_scale`` that fp32 cannot hold (NaN rows, or the uniform distribution) and an
   ``on_weight`` that is no callable (torch's "'int' object is not callable") were taken.
+- ``causal_lm_logprobs``: a token id outside the model's embedding (torch's IndexError "index out
+  of range in self"), float ids (torch's RuntimeError from the embedding), a truthy str for
+  ``pack``, and a bad per-token temperature named at its packed row instead of the caller's.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import fusedhead
 from fusedhead import cli
 from fusedhead.bench.peers import parse_spec
 from fusedhead.integrations.lm_head import lm_head_logprobs
-from fusedhead.integrations.transformers import causal_lm_logprobs
+from fusedhead.integrations.transformers import causal_lm_logprobs, shifted_labels
 from fusedhead.testing.target import parse_options
 
 B, S, H, V = 3, 3, 8, 11  # B == S: a [B] tensor broadcast to [B, S] goes along S unnoticed
@@ -49,12 +52,27 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
     return lin
 
 
+class _Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, H)
+
+    def forward(self, input_ids: torch.Tensor, **_: object) -> tuple[torch.Tensor]:
+        return (self.embed(input_ids),)
+
+
 class _TinyLM(nn.Module):
-    """Enough of a causal LM for the arguments' checks (they run before the decoder)."""
+    """A causal LM as causal_lm_logprobs reads one: .model (the decoder), .lm_head and
+    get_input_embeddings(); the hidden state of a position is its token's embedding."""
 
     def __init__(self) -> None:
         super().__init__()
+        torch.manual_seed(0)
+        self.model = _Decoder()
         self.lm_head = nn.Linear(H, V, bias=False)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed
 
 
 TEMPERATURE = torch.tensor([0.5, 1.0, 2.0])
@@ -262,3 +280,71 @@ def test_lm_head_logprobs_refuses_an_on_weight_that_is_no_callable(value):
         TypeError, match=r"on_weight must be a callable taking \(weight, bias\) or None"
     ):
         lm_head_logprobs(_linear(w), h, y, on_weight=value)
+
+
+def _ids() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (2, 6), generator=g)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0  # left padding: packed rows differ from the caller's positions
+    return ids, mask
+
+
+@pytest.mark.parametrize(("value", "shown"), [(V + 5, V + 5), (-1, -1)], ids=["above", "negative"])
+@pytest.mark.parametrize("pack", [True, False])
+def test_causal_lm_logprobs_refuses_a_token_id_outside_the_embedding(value, shown, pack):
+    """Before: IndexError 'index out of range in self' from inside the model."""
+    ids, mask = _ids()
+    ids[1, 4] = value
+    with pytest.raises(
+        ValueError,
+        match=rf"input_ids must be token ids in \[0, {V}\) .* got {shown} at position \(1, 4\)",
+    ):
+        causal_lm_logprobs(_TinyLM(), ids, mask, pack=pack)
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "words"),
+    [
+        (
+            torch.zeros(2, 6),
+            TypeError,
+            r"input_ids must be an integer tensor of token ids, got dtype torch.float32",
+        ),
+        ([[1, 2, 3]], TypeError, r"input_ids must be a torch.Tensor, got list"),
+    ],
+    ids=["float", "list"],
+)
+def test_causal_lm_logprobs_names_input_ids_of_a_wrong_type(ids, error, words):
+    with pytest.raises(error, match=words):
+        causal_lm_logprobs(_TinyLM(), ids)
+
+
+@pytest.mark.parametrize("pack", ["yes", 1, None])
+def test_causal_lm_logprobs_pack_must_be_a_bool(pack):
+    ids, mask = _ids()
+    with pytest.raises(TypeError, match=r"pack must be a bool, got"):
+        causal_lm_logprobs(_TinyLM(), ids, mask, pack=pack)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_causal_lm_logprobs_names_the_callers_position_of_a_bad_temperature(pack):
+    ids, mask = _ids()
+    temp = torch.ones(2, 6)
+    temp[1, 3] = 0.0  # flat position 9; row 6 among the packed rows
+    with pytest.raises(ValueError, match=r"got 0\.0 \(as fp32\) at flat position 9"):
+        causal_lm_logprobs(_TinyLM(), ids, mask, temperature=temp, pack=pack)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_causal_lm_logprobs_of_good_ids_matches_the_reference(pack):
+    ids, mask = _ids()
+    model = _TinyLM()
+    out = causal_lm_logprobs(model, ids, mask, pack=pack)
+    labels = shifted_labels(ids, mask)
+    lp, ent = fusedhead.reference_fused_head(
+        model.model.embed.weight[ids].double(), model.lm_head.weight.double(), labels
+    )
+    torch.testing.assert_close(out.log_probs.double(), lp, rtol=1e-5, atol=1e-5)
+    assert out.entropy is not None
+    torch.testing.assert_close(out.entropy.double(), ent, rtol=1e-5, atol=1e-5)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput, cached_head
+from fusedhead.checks import INT_DTYPES, flag_arg, tensor_arg
 from fusedhead.config import FusedHeadConfig
 from fusedhead.module import (
     FusedLMHead,
@@ -27,6 +28,7 @@ from fusedhead.module import (
     output_head,
     owned,
 )
+from fusedhead.value_checks import check_temperature_values
 
 __all__ = ["causal_lm_logprobs", "shifted_labels"]
 
@@ -88,6 +90,8 @@ def causal_lm_logprobs(
         config = lm_head.head  # a model whose lm_head was replaced keeps that head's backend
     head = _cached_head(config)
     cfg = head.config
+    pack = flag_arg("pack", pack)
+    _check_input_ids(model, input_ids, attention_mask, cfg.check_labels)
     labels = shifted_labels(input_ids, attention_mask, ignore_index=cfg.ignore_index)
     temp = _temperature(temperature, input_ids)
     cap = softcap if softcap is not None else model_softcap(model)
@@ -140,6 +144,12 @@ def _score(
 
     if not pack:
         return owned(run(hidden, labels, temperature))
+    if (
+        isinstance(temperature, torch.Tensor)
+        and head.config.check_labels
+        and not torch.compiler.is_compiling()
+    ):  # checked here, so that an error names the caller's position, not the packed row's
+        check_temperature_values(temperature.reshape(-1).to(torch.float32), "temperature")
     where = valid.nonzero(as_tuple=True)  # one host sync; padding rows never reach the head
     t = temperature[where] if isinstance(temperature, torch.Tensor) else temperature
     out = run(hidden[where], labels[where], t)
@@ -147,6 +157,31 @@ def _score(
     log_probs = zeros.index_put(where, out.log_probs)
     entropy = None if out.entropy is None else zeros.index_put(where, out.entropy)
     return FusedHeadOutput(log_probs, entropy)
+
+
+def _check_input_ids(
+    model: nn.Module, input_ids: object, attention_mask: object, check_values: bool
+) -> None:
+    """``input_ids`` an integer ``[B, T]`` tensor (``attention_mask`` a tensor or None) and, when
+    the head checks values, every id a row of the model's input embedding (one host read): an id
+    out of range raised torch's "index out of range in self" from inside the model."""
+    ids = tensor_arg("input_ids", input_ids)
+    if ids.dtype not in INT_DTYPES:
+        raise TypeError(f"input_ids must be an integer tensor of token ids, got dtype {ids.dtype}")
+    if attention_mask is not None:
+        tensor_arg("attention_mask", attention_mask)
+    get = getattr(model, "get_input_embeddings", None)
+    embed = get() if callable(get) else None
+    rows = getattr(embed, "num_embeddings", None)
+    if not check_values or not isinstance(rows, int) or torch.compiler.is_compiling():
+        return
+    bad = (ids < 0) | (ids >= rows)
+    if ids.numel() and bool(bad.any()):
+        pos = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"input_ids must be token ids in [0, {rows}) (the model's input embedding), got "
+            f"{int(ids[pos])} at position {pos} ({int(bad.sum())} id(s) out of range)"
+        )
 
 
 def _temperature(value: float | torch.Tensor, input_ids: torch.Tensor) -> float | torch.Tensor:
