@@ -15,6 +15,8 @@ one example). Each refusal names the argument, what it got and what was expected
 - ``causal_lm_logprobs``: a token id outside the model's embedding (torch's IndexError "index out
   of range in self"), float ids (torch's RuntimeError from the embedding), a truthy str for
   ``pack``, and a bad per-token temperature named at its packed row instead of the caller's.
+- ``fusedhead.shards``: bounds the slots cannot carry came back as other numbers; a float, a
+  rank past the world and a layout of the wrong size raised torch's or Python's own errors.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 import fusedhead
-from fusedhead import cli
+from fusedhead import cli, shards
 from fusedhead.bench.peers import parse_spec
 from fusedhead.integrations.lm_head import lm_head_logprobs
 from fusedhead.integrations.transformers import causal_lm_logprobs, shifted_labels
@@ -348,3 +350,67 @@ def test_causal_lm_logprobs_of_good_ids_matches_the_reference(pack):
     torch.testing.assert_close(out.log_probs.double(), lp, rtol=1e-5, atol=1e-5)
     assert out.entropy is not None
     torch.testing.assert_close(out.entropy.double(), ent, rtol=1e-5, atol=1e-5)
+
+
+# fusedhead.shards (public for backend authors): a bound the slots cannot carry came back as
+# another number (shard_slots(-1, ...) as 2**63 - 1, 2**80 as 0) without a word; a float, a
+# rank past the world or a layout of the wrong size raised torch's or Python's own error.
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "words"),
+    [
+        ((-1, 4, 10), ValueError, r"start must be an int in \[0, 2\*\*63\), got -1"),
+        ((0, 2**80, 10), ValueError, r"width must be an int in \[0, 2\*\*63\), got 1208925"),
+        ((0, 4, 2**63), ValueError, r"size must be an int in \[0, 2\*\*63\)"),
+        ((1.5, 4, 10), TypeError, r"start must be an int, got float 1.5"),
+        ((0, True, 10), TypeError, r"width must be an int, got bool True"),
+    ],
+    ids=["negative", "too-wide", "int64-overflow", "float", "bool"],
+)
+def test_shard_slots_refuses_a_bound_it_cannot_carry(args, error, words):
+    with pytest.raises(error, match=words):
+        shards.shard_slots(*args)
+
+
+@pytest.mark.parametrize(("start", "width", "size"), [(0, 4, 10), (2**62, 2**21, 2**63 - 1)])
+def test_shard_slots_round_trip_the_bounds_they_carry(start, width, size):
+    layout = torch.tensor([shards.shard_slots(start, width, size)], dtype=torch.float32)
+    assert shards.gathered_shards(layout) == [(start, width, size)]
+
+
+@pytest.mark.parametrize(
+    ("world", "rank", "words"),
+    [
+        (2, 5, r"rank must be in \[0, world=2\), got 5"),
+        (0, 0, r"world must be an int >= 1, got 0"),
+        (2, -1, r"rank must be an int >= 0, got -1"),
+    ],
+    ids=["rank-past-world", "no-world", "negative-rank"],
+)
+def test_shard_slots_tensor_refuses_a_rank_outside_the_world(world, rank, words):
+    """Before: IndexError 'index 5 is out of bounds for dimension 0 with size 2'."""
+    with pytest.raises(ValueError, match=words):
+        shards.shard_slots_tensor(0, 4, 8, torch.device("cpu"), world=world, rank=rank)
+
+
+@pytest.mark.parametrize(
+    ("layout", "error", "words"),
+    [
+        (torch.zeros(5), ValueError, r"layout must hold 9 floats per rank .* got shape \(5,\)"),
+        (torch.zeros(3, 5), ValueError, r"got shape \(3, 5\)"),
+        (torch.zeros(0, 9), ValueError, r"got shape \(0, 9\)"),
+        ([0.0] * 9, TypeError, r"layout must be a torch.Tensor \[world, 9\], got list"),
+    ],
+    ids=["short", "wrong-width", "empty", "list"],
+)
+def test_a_gathered_layout_of_the_wrong_size_is_named(layout, error, words):
+    """Before: torch's "shape '[-1, 9]' is invalid for input of size 5" or AttributeError."""
+    with pytest.raises(error, match=words):
+        shards.gathered_shards(layout)
+    with pytest.raises(error, match=words):
+        shards.check_shards(layout, 0, None, 0, 4, 8)
+
+
+def test_shards_need_check_takes_a_device_string():
+    assert shards.shards_need_check(None, 0, 4, 8, "cpu") is True

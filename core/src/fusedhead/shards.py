@@ -22,9 +22,25 @@ SHARD_FLOATS = 3 * _SHARD_CHUNKS
 _VERIFIED_SHARDS: set[tuple[int, int, int, int]] = set()
 
 
+#: The bounds the slots carry exactly: non-negative ints below 2**63 (what int64 holds).
+_SHARD_LIMIT = 1 << (_SHARD_BITS * _SHARD_CHUNKS)
+
+
+def _bound(arg: str, value: object) -> int:
+    """A shard bound as an int in ``[0, 2**63)``: a negative or larger one would come back from
+    the slots as another number (-1 as 2**63 - 1), a float or bool is no bound."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
+    if not 0 <= value < _SHARD_LIMIT:
+        raise ValueError(f"{arg} must be an int in [0, 2**63), got {value}")
+    return value
+
+
 def shard_slots(start: int, width: int, size: int) -> list[float]:
     """This rank's shard ``[start, start + width)`` of ``size`` as ``SHARD_FLOATS`` floats, for a
     backend to carry in a collective it makes anyway (gathered, or summed in a one-hot slot)."""
+    for arg, value in (("start", start), ("width", width), ("size", size)):
+        _bound(arg, value)
     mask = (1 << _SHARD_BITS) - 1
     return [
         float((value >> (_SHARD_BITS * i)) & mask)
@@ -43,6 +59,15 @@ def _shard_ints(row: list[float]) -> tuple[int, int, int]:
 
 def gathered_shards(layout: torch.Tensor) -> list[tuple[int, int, int]]:
     """Each rank's ``(vocab_start, width, vocab_size)`` from a gathered ``layout`` (one host read)."""
+    if not isinstance(layout, torch.Tensor):
+        raise TypeError(
+            f"layout must be a torch.Tensor [world, {SHARD_FLOATS}], got {type(layout).__name__}"
+        )
+    if layout.numel() == 0 or layout.numel() % SHARD_FLOATS:
+        raise ValueError(
+            f"layout must hold {SHARD_FLOATS} floats per rank (shard_slots' row of each rank), got "
+            f"shape {tuple(layout.shape)}"
+        )
     return [_shard_ints(r) for r in layout.reshape(-1, SHARD_FLOATS).tolist()]
 
 
@@ -50,6 +75,7 @@ def shards_need_check(group: Any, start: int, width: int, size: int, device: tor
     """Whether ``check_shards`` should read this call's gathered layout: always on the CPU (the
     values are in host memory already); on CUDA, where reading them waits for the collective, the
     first time this rank sees (group, vocab_start, width, vocab_size)."""
+    device = torch.device(device)  # a str names one too
     return device.type != "cuda" or (id(group), start, width, size) not in _VERIFIED_SHARDS
 
 
@@ -103,6 +129,12 @@ def shard_slots_tensor(
     (a backend copies it into the buffer of its collective)."""
     key = (start, width, size, device, world, rank)
     t = _SHARD_TENSORS.get(key)
+    if t is None:  # checked once per key: a bad one is never cached
+        for arg, value, least in (("world", world, 1), ("rank", rank, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{arg} must be an int >= {least}, got {value!r}")
+        if rank >= world:
+            raise ValueError(f"rank must be in [0, world={world}), got {rank}")
     if t is None:
         t = torch.zeros((world, SHARD_FLOATS), dtype=torch.float32)
         t[rank] = torch.tensor(shard_slots(start, width, size), dtype=torch.float32)
