@@ -17,6 +17,8 @@ one example). Each refusal names the argument, what it got and what was expected
   ``pack``, and a bad per-token temperature named at its packed row instead of the caller's.
 - ``fusedhead.shards``: bounds the slots cannot carry came back as other numbers; a float, a
   rank past the world and a layout of the wrong size raised torch's or Python's own errors.
+- A bad device string given to ``FusedHead.capabilities``, ``check_head_runs_on`` or
+  ``diagnostics.listing(probe=True)`` raised torch's RuntimeError, or marked every plugin BROKEN.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import torch
 from torch import nn
 
 import fusedhead
-from fusedhead import cli, shards
+from fusedhead import cli, diagnostics, shards
 from fusedhead.bench.peers import parse_spec
-from fusedhead.integrations.lm_head import lm_head_logprobs
+from fusedhead.integrations.lm_head import check_head_runs_on, lm_head_logprobs
 from fusedhead.integrations.transformers import causal_lm_logprobs, shifted_labels
 from fusedhead.testing.target import parse_options
 
@@ -414,3 +416,51 @@ def test_a_gathered_layout_of_the_wrong_size_is_named(layout, error, words):
 
 def test_shards_need_check_takes_a_device_string():
     assert shards.shards_need_check(None, 0, 4, 8, "cpu") is True
+
+
+# A device the caller names wrongly (a typo, an int): FusedHead.capabilities and
+# check_head_runs_on raised torch's RuntimeError ("Expected one of cpu, cuda, ... at start of
+# device string: tpu"; an int: "Cannot access accelerator device"), and diagnostics.listing
+# (probe=True) marked every installed plugin BROKEN with that error: the caller's mistake blamed
+# on the plugins. Each names the argument now.
+
+BAD_DEVICES = [
+    (
+        "tpu",
+        ValueError,
+        r"device must be a torch device string such as 'cpu', 'cuda' or 'cuda:1', got 'tpu'",
+    ),
+    ("cuda:x", ValueError, r"got 'cuda:x'"),
+    (3, TypeError, r"device must be a torch.device or a device string .* got int 3"),
+]
+
+
+@pytest.mark.parametrize(
+    ("device", "error", "words"), BAD_DEVICES, ids=["unknown", "bad-index", "int"]
+)
+def test_capabilities_names_a_bad_device(device, error, words):
+    head = fusedhead.FusedHead({"backend": "torch"})
+    with pytest.raises(error, match=words):
+        head.capabilities(device)
+
+
+@pytest.mark.parametrize(
+    ("device", "error", "words"), BAD_DEVICES, ids=["unknown", "bad-index", "int"]
+)
+def test_check_head_runs_on_names_a_bad_device(device, error, words):
+    head = fusedhead.FusedHead({"backend": "torch"})
+    with pytest.raises(error, match=words):
+        check_head_runs_on(head, device, setting="fused_head")
+
+
+@pytest.mark.parametrize(
+    ("device", "error", "words"), BAD_DEVICES, ids=["unknown", "bad-index", "int"]
+)
+def test_a_probe_on_a_bad_device_blames_the_device_not_the_plugins(device, error, words):
+    with pytest.raises(error, match=words):
+        diagnostics.listing(probe=True, device=device)
+
+
+def test_capabilities_take_a_device_string_or_a_device():
+    head = fusedhead.FusedHead({"backend": "torch"})
+    assert head.capabilities("cpu") == head.capabilities(torch.device("cpu"))

@@ -176,6 +176,25 @@ def device_entry(dev: torch.device) -> tuple[str, bool]:
 _ALWAYS_USABLE = frozenset({"cpu", "meta"})
 
 
+def device_arg(arg: str, value: object) -> torch.device:
+    """``value`` (a ``torch.device`` or a device string) as a ``torch.device``, availability not
+    checked; else a ``ValueError``/``TypeError`` naming ``arg`` (torch's own RuntimeError names
+    no argument, and reads an int as an accelerator's index)."""
+    if isinstance(value, torch.device):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{arg} must be a torch.device or a device string such as 'cpu', 'cuda' or 'cuda:1', "
+            f"got {type(value).__name__} {value!r}"
+        )
+    try:
+        return torch.device(value)
+    except (RuntimeError, ValueError):
+        raise ValueError(
+            f"{arg} must be a torch device string such as 'cpu', 'cuda' or 'cuda:1', got {value!r}"
+        ) from None
+
+
 def usable_device(value: str, arg: str = "device") -> torch.device:
     """``value`` as a ``torch.device`` this process can use, else a ``ValueError`` naming ``arg``.
 

@@ -66,6 +66,10 @@ def listing(*, probe: bool = False, device: Any = None) -> list[BackendListing]:
     Name-rule and reserved-name violations are shown from metadata alone; the plugin API version
     and the class's shape need the import (``probe``).
     """
+    if probe and device is not None:  # the caller's device, refused as theirs: never a plugin's
+        from fusedhead.checks import device_arg
+
+        device = device_arg("device", device)
     rows: list[BackendListing] = []
     for name, claims in candidates().items():
         allowed = claims_allowed(name, claims)

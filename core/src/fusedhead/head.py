@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import torch
 
 from fusedhead import contract, policy, registry
-from fusedhead.checks import DEVICES, device_entry, dtype_name, usable_device
+from fusedhead.checks import DEVICES, device_arg, device_entry, dtype_name, usable_device
 from fusedhead.config import FusedHeadConfig
 from fusedhead.contract import FusedHeadOutput
 from fusedhead.errors import (
@@ -131,9 +131,8 @@ class FusedHead:
     def capabilities(self, device: torch.device | str) -> Capabilities:
         """The backend's capabilities on ``device`` (a plugin that breaks the contract there, by
         raising or by returning something else, is a ``BackendContractError`` naming it)."""
-        caps: Capabilities = registry.backend_capabilities(
-            self.backend, torch.device(device), **self.identity()
-        )
+        dev = device if device.__class__ is torch.device else device_arg("device", device)
+        caps: Capabilities = registry.backend_capabilities(self.backend, dev, **self.identity())
         return caps
 
     def _check_required(self, caps: Capabilities, device: torch.device) -> None:

@@ -31,6 +31,7 @@ from fusedhead.checks import (
     RANGE_TEXT,
     SCALAR_HI,
     SCALAR_LO,
+    device_arg,
     dtype_name,
     is_dtensor,
     per_token_rank,
@@ -144,7 +145,7 @@ def check_head_runs_on(
     """
     from fusedhead.errors import BackendUnavailableError
 
-    dev = torch.device(device)
+    dev = device_arg("device", device)
     identity = {"backend": head.name, "distribution": head.distribution, "version": head.version}
     where = dev.type if dtype is None else f"{dev.type} with {dtype}"
     try:
