@@ -10,6 +10,8 @@
 - A per-token tensor of fewer dimensions than the labels (``[B]`` beside ``[B, S]``) broadcast
   along S in the reference (``reference_policy_loss``) and in ``lm_head_policy_loss``'s
   temperature, as it did in ``fused_policy_loss`` before.
+- ``reference_policy_loss`` computed an unknown ``aggregation`` or ``kl_estimator`` as another
+  one, and let torch or an ``assert`` speak for bad shapes and missing partners.
 """
 
 from __future__ import annotations
@@ -194,3 +196,80 @@ def test_lm_head_policy_loss_per_sequence_temperature_matches_the_reference():
         advantages=b["advantages"],
     )
     torch.testing.assert_close(out.loss.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+# reference_policy_loss, the yardstick: an unknown aggregation was computed as seq-mean-token-sum
+# and an unknown kl_estimator as k3 (no error), a per-token tensor of another shape raised torch's
+# expand error, kl_coef without ref_log_probs or a half of TIS an AssertionError, a bad
+# cu_seqlens gave a loss over wrong spans. Named as fused_policy_loss names them.
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "words"),
+    [
+        (
+            {"aggregation": "tokenmean"},
+            ValueError,
+            r"aggregation must be one of .* got 'tokenmean'",
+        ),
+        ({"kl_estimator": "k4"}, ValueError, r"kl_estimator must be one of .* got 'k4'"),
+        ({"kl_coef": 0.1}, ValueError, r"kl_coef=0.1 needs ref_log_probs"),
+        (
+            {"rollout_log_probs": torch.zeros(B, S)},
+            ValueError,
+            r"needs both rollout_log_probs and tis_cap",
+        ),
+        (
+            {"tis_cap": 2.0},
+            ValueError,
+            r"needs both rollout_log_probs and tis_cap, got tis_cap alone",
+        ),
+        (
+            {"advantages": torch.zeros(B, S + 1)},
+            ValueError,
+            r"advantages must have the labels' shape \(3, 3\) \(or broadcast to it\), got \(3, 4\)",
+        ),
+        ({"advantages": [0.0] * 9}, TypeError, r"advantages must be a torch.Tensor, got list"),
+    ],
+    ids=[
+        "aggregation",
+        "kl_estimator",
+        "kl-without-ref",
+        "rollout-alone",
+        "tis-cap-alone",
+        "shape",
+        "list",
+    ],
+)
+def test_the_reference_names_a_bad_loss_argument(kw, error, words):
+    b = _batch()
+    args = {"old_log_probs": b["old_log_probs"], "advantages": b["advantages"], **kw}
+    with pytest.raises(error, match=words):
+        reference_policy_loss(b["hidden"], b["weight"], b["labels"], **args)
+
+
+@pytest.mark.parametrize(
+    "cu",
+    [
+        torch.tensor([0, 2, 8]),
+        torch.tensor([1, 2, 9]),
+        torch.tensor([0, 5, 2, 9]),
+        torch.tensor([0.0, 9.0]),
+        torch.tensor([[0, 9]]),
+    ],
+    ids=["short", "not-from-0", "decreasing", "float", "2-d"],
+)
+def test_the_reference_refuses_a_bad_cu_seqlens(cu):
+    b = _batch()
+    with pytest.raises(
+        ValueError, match=r"cu_seqlens must be a 1-D integer tensor that starts at 0"
+    ):
+        reference_policy_loss(
+            b["hidden"].reshape(1, -1, H),
+            b["weight"],
+            b["labels"].reshape(1, -1),
+            old_log_probs=None,
+            advantages=b["advantages"].reshape(1, -1),
+            aggregation="seq-mean-token-mean",
+            cu_seqlens=cu,
+        )

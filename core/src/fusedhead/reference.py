@@ -170,16 +170,18 @@ def policy_loss_from_log_probs(
     """verl's policy loss from per-token log-probs ``logp`` and entropies ``ent`` (labels' shape),
     differentiable in both: ``reference_policy_loss`` after its head, and the loss the four-GEMM
     paths (a head's log-probs, then the loss in torch) compute. Computes in ``logp``'s dtype."""
-    from fusedhead.checks import per_token_rank
-
-    for arg, t in (
-        ("old_log_probs", old_log_probs),
-        ("advantages", advantages),
-        ("ref_log_probs", ref_log_probs),
-        ("rollout_log_probs", rollout_log_probs),
-    ):
-        if t is not None:  # [B] beside [B, S] would broadcast along S
-            per_token_rank(arg, t, tuple(labels.shape), arg)
+    _check_loss_arguments(
+        labels,
+        old_log_probs=old_log_probs,
+        advantages=advantages,
+        ref_log_probs=ref_log_probs,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        rollout_log_probs=rollout_log_probs,
+        tis_cap=tis_cap,
+        aggregation=aggregation,
+        cu_seqlens=cu_seqlens,
+    )
     dtype = logp.dtype
     mask = labels != ignore_index
     # None: on-policy, the old policy is the current one (TRL's and verl's lp.detach())
@@ -219,6 +221,72 @@ def policy_loss_from_log_probs(
         for coef, mat in zip(coefs, terms, strict=True)
     ]
     return torch.stack(parts).sum()
+
+
+def _check_loss_arguments(
+    labels: torch.Tensor,
+    *,
+    old_log_probs: object,
+    advantages: object,
+    ref_log_probs: object,
+    kl_coef: float,
+    kl_estimator: object,
+    rollout_log_probs: object,
+    tis_cap: object,
+    aggregation: object,
+    cu_seqlens: object,
+) -> None:
+    """The loss's own arguments, named as ``fused_policy_loss`` names them: an unknown
+    ``aggregation`` or ``kl_estimator`` was computed as another one, a per-token tensor of another
+    shape raised torch's expand error, a missing partner tensor an AssertionError."""
+    from fusedhead.checks import per_token_rank, tensor_arg
+    from fusedhead.protocol import AGGREGATIONS, KL_ESTIMATORS
+
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {aggregation!r}")
+    estimators = (*KL_ESTIMATORS, "kl", "mse", "low_var_kl")
+    if kl_estimator not in estimators:
+        raise ValueError(f"kl_estimator must be one of {list(estimators)}, got {kl_estimator!r}")
+    if kl_coef and ref_log_probs is None:
+        raise ValueError(f"kl_coef={kl_coef!r} needs ref_log_probs; pass them, or kl_coef=0.0")
+    if (rollout_log_probs is None) != (tis_cap is None):
+        raise ValueError(
+            "truncated importance sampling needs both rollout_log_probs and tis_cap, got "
+            f"{'rollout_log_probs' if tis_cap is None else 'tis_cap'} alone"
+        )
+    shape = tuple(labels.shape)
+    for arg, value in (
+        ("old_log_probs", old_log_probs),
+        ("advantages", advantages),
+        ("ref_log_probs", ref_log_probs),
+        ("rollout_log_probs", rollout_log_probs),
+    ):
+        if value is None and arg != "advantages":
+            continue
+        t = tensor_arg(arg, value)
+        per_token_rank(arg, t, shape, arg)  # [B] beside [B, S] would broadcast along S
+        try:
+            t.expand(labels.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"{arg} must have the labels' shape {shape} (or broadcast to it), got "
+                f"{tuple(t.shape)}"
+            ) from None
+    if cu_seqlens is not None:
+        cu = tensor_arg("cu_seqlens", cu_seqlens)
+        n = labels.numel()
+        bounds = cu.tolist() if cu.dim() == 1 and not cu.is_floating_point() else None
+        if (
+            bounds is None
+            or len(bounds) < 2
+            or bounds[0] != 0
+            or bounds[-1] != n
+            or any(a > b for a, b in itertools.pairwise(bounds))
+        ):
+            raise ValueError(
+                f"cu_seqlens must be a 1-D integer tensor that starts at 0, never decreases and "
+                f"ends at the {n} tokens, got {cu.dtype} {cu.tolist() if cu.numel() <= 12 else tuple(cu.shape)}"
+            )
 
 
 def _aggregate(
