@@ -19,6 +19,8 @@ one example). Each refusal names the argument, what it got and what was expected
   rank past the world and a layout of the wrong size raised torch's or Python's own errors.
 - A bad device string given to ``FusedHead.capabilities``, ``check_head_runs_on`` or
   ``diagnostics.listing(probe=True)`` raised torch's RuntimeError, or marked every plugin BROKEN.
+- ``reference_fused_head``: a temperature tensor that does not broadcast, and a weight or labels
+  on another device than hidden, raised torch's own RuntimeError.
 """
 
 from __future__ import annotations
@@ -464,3 +466,28 @@ def test_a_probe_on_a_bad_device_blames_the_device_not_the_plugins(device, error
 def test_capabilities_take_a_device_string_or_a_device():
     head = fusedhead.FusedHead({"backend": "torch"})
     assert head.capabilities("cpu") == head.capabilities(torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        (
+            {"temperature": torch.ones(B, S + 1)},
+            r"temperature tensor of shape \(3, 4\) must broadcast to the labels' shape \(3, 3\)",
+        ),
+        ({"labels": "meta"}, r"labels must be on hidden's device cpu, got meta"),
+        ({"weight": "meta"}, r"weight must be on hidden's device cpu, got meta"),
+    ],
+    ids=["temperature-shape", "labels-device", "weight-device"],
+)
+def test_the_reference_names_a_temperature_or_device_it_cannot_use(kw, words):
+    """Before: torch's expand RuntimeError, or 'Tensor on device cpu is not on the expected
+    device meta!'."""
+    h, w, y = _inputs()
+    args = {"weight": w, "labels": y, "temperature": 1.0}
+    for k, v in kw.items():
+        args[k] = args[k].to("meta") if v == "meta" else v
+    with pytest.raises(ValueError, match=words):
+        fusedhead.reference_fused_head(
+            h, args["weight"], args["labels"], temperature=args["temperature"]
+        )

@@ -83,6 +83,16 @@ def _check(
         positive_float("temperature", temperature)
     else:
         per_token_rank("temperature", temperature, tuple(y.shape), "temperature tensor")
+        try:
+            temperature.expand(y.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"temperature tensor of shape {tuple(temperature.shape)} must broadcast to the "
+                f"labels' shape {tuple(y.shape)}"
+            ) from None
+    for arg, t in (("weight", w), ("labels", y)):
+        if t.device != h.device:
+            raise ValueError(f"{arg} must be on hidden's device {h.device}, got {t.device}")
     if softcap is not None:
         positive_float("softcap", softcap)
 
