@@ -384,7 +384,7 @@ def test_torch_compiled_chunks_match_the_reference() -> None:
             data,
             temperature=0.8,
             entropy_coef=0.01,
-            options={"compile_policy": True, "chunk_rows": 8},
+            options={"compile_elementwise": True, "chunk_rows": 8},
             use=["ref_log_probs"],
             kl_coef=0.05,
         )
@@ -415,3 +415,35 @@ def test_old_log_probs_none_is_on_policy(backend: str, aggregation: str) -> None
     m = none.metrics()
     assert m["ratio_min"].item() == m["ratio_max"].item() == 1.0
     assert m["clip_fraction"].item() == 0.0 and m["approx_kl"].item() == 0.0
+
+
+TORCH_PATHS = [
+    pytest.param({"compile_elementwise": False, "chunk_rows": 8}, id="torch-eager"),
+    pytest.param({"compile_elementwise": True, "chunk_rows": 8}, id="torch-compiled"),
+]
+
+
+@pytest.mark.parametrize("options", TORCH_PATHS)
+@pytest.mark.parametrize("temperature", [1e-25, 1e-10])
+def test_tiny_temperatures_give_the_reference_not_nan(
+    options: dict[str, Any], temperature: float
+) -> None:
+    """At ``T = 1e-10`` a fused ``k x - k max x`` left the max's ``d`` at the rounding of
+    ``k max x`` (thousands): the eager path's loss was NaN. And ``b d`` alone overflows where
+    ``e`` is 0: with an entropy bonus the gradients were NaN on both paths. Without the entropy
+    term the float64 reference's gradients are finite too (its ``p log p`` is NaN at ``p = 0``)."""
+    data = batch(seed=21)
+    kw: dict[str, Any] = dict(temperature=temperature, options=options)
+    assert_matches(run_both("torch", data, **kw))
+    h = data["hidden"].clone().requires_grad_()
+    w = data["weight"].clone().requires_grad_()
+    args = {k: data[k] for k in ("labels", "old_log_probs", "advantages")}
+    out = fusedhead.fused_policy_loss(h, w, **args, entropy_coef=0.01, backend="torch", **kw)
+    out.loss.backward()
+    ref = reference_policy_loss(
+        data["hidden"].double(), data["weight"].double(), **args, temperature=temperature,
+        entropy_coef=0.01,
+    )  # fmt: skip
+    assert abs(out.loss.item() - ref.item()) <= 1e-5 * max(1.0, abs(ref.item()))
+    assert h.grad is not None and w.grad is not None
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()

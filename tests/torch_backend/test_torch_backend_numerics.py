@@ -4,6 +4,7 @@ temperatures, and ignored rows whose hidden state holds NaN (all against float64
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from torch_backend_helpers import (
     run_reference,
 )
 
+import fusedhead
 from fusedhead_torch import TorchBackend, TorchOptions
 
 RAGGED = TorchOptions(chunk_rows=10, block_vocab=16)
@@ -274,3 +276,96 @@ def test_nan_hidden_in_an_ignored_row_on_cuda_defaults(entropy: bool) -> None:
     assert not got.d_hidden[ignored].any() and torch.isfinite(got.d_hidden).all()
     clean = run_backend(case, device="cuda", options=options, return_entropy=entropy)
     assert torch.equal(got.d_weight, clean.d_weight)
+
+
+# --- a recomputed logit that rounds above the forward's row max ----------------------------------
+
+#: A case where a backward block (16 columns) rounds row 11's largest logit above what the
+#: forward's 50-column tile gave: ``d = k (x' - x) > 0``, ``exp(d)`` inf at tiny temperatures.
+RECOMPUTE_CASE = (30, 16, 50)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("temperature", [1e-25, 1e-10])
+def test_a_recomputed_logit_above_the_forward_max_keeps_gradients_finite(
+    compiled: bool, temperature: float
+) -> None:
+    case = make_case(*RECOMPUTE_CASE, ignore_every=3)
+    options = TorchOptions(chunk_rows=10, block_vocab=16, compile_elementwise=compiled)
+    got = run_backend(case, options=options, temperature=temperature)
+    want = run_reference(case, temperature=temperature)
+    _assert_extreme_close(got, want, "fp32", f"T={temperature:g} compiled={compiled}")
+
+
+@pytest.mark.parametrize("temperature", [1e-25, 1e-10])
+def test_a_recomputed_logit_above_the_forward_max_in_the_extra_outputs_backward(
+    temperature: float,
+) -> None:
+    """The same class in the extra outputs' backward (``sum_p2`` takes that walk)."""
+    case = make_case(*RECOMPUTE_CASE, ignore_every=3)
+    h = case.hidden.float().requires_grad_()
+    w = case.weight.float().requires_grad_()
+    out = fusedhead.fused_head(
+        h, w, case.labels, backend="torch", temperature=temperature, ignore_index=IGNORE,
+        return_entropy=True, return_sum_p2=True, options={"chunk_rows": 10, "block_vocab": 16},
+    )  # fmt: skip
+    (out.log_probs.sum() + out.entropy.sum() + out.sum_p2.sum()).backward()
+    assert h.grad is not None and w.grad is not None
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+    want = run_reference(case, temperature=temperature)
+    assert rel_err(out.log_probs.detach(), want.log_probs) <= 1e-5
+
+
+# --- the backward's dz through torch.compile (compile_elementwise, the CUDA default) -------------
+
+
+def _paths(**options: Any) -> tuple[TorchOptions, TorchOptions]:
+    base = {"chunk_rows": 10, "block_vocab": 16, "skip_ignored_rows": False, **options}
+    return TorchOptions(compile_elementwise=True, **base), TorchOptions(
+        compile_elementwise=False, **base
+    )
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("feature", ["plain", "per-token-T", "no-entropy", "one-tile"])
+def test_the_compiled_backward_keeps_the_forward_bits_and_the_gradients(
+    dtype: str, feature: str
+) -> None:
+    """Only the backward's pointwise dz is compiled: the forward's statistics stay eager (the
+    same bits, so batch and degree invariance hold), the gradients within the dtype's bounds."""
+    case = make_case(30, 16, 50, ignore_every=4)
+    kwargs: dict[str, Any] = {}
+    if feature == "per-token-T":
+        kwargs["temperature"] = torch.linspace(0.3, 3.0, 30)
+    if feature == "no-entropy":
+        kwargs["return_entropy"] = False
+    extra = {"chunk_rows": None, "block_vocab": None} if feature == "one-tile" else {}
+    fused, eager = _paths(**extra)
+    got = run_backend(case, dtype=DTYPES[dtype], options=fused, **kwargs)
+    plain = run_backend(case, dtype=DTYPES[dtype], options=eager, **kwargs)
+    assert torch.equal(got.log_probs, plain.log_probs)
+    if plain.entropy is not None:
+        assert got.entropy is not None and torch.equal(got.entropy, plain.entropy)
+    assert_close(got, run_reference(case, dtype=DTYPES[dtype], **kwargs), dtype, feature)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_compiled_backward_gives_ignored_rows_exact_zeros(value: float, dtype: str) -> None:
+    case = make_case(30, 16, 50, ignore_every=3)
+    hidden, ignored = _with_nan_rows(case, value)
+    fused, _ = _paths()
+    got = run_backend(case, dtype=DTYPES[dtype], options=fused, hidden=hidden)
+    assert not got.d_hidden[ignored].any() and torch.isfinite(got.d_hidden).all()
+    assert torch.isfinite(got.d_weight).all()
+    clean = run_backend(case, dtype=DTYPES[dtype], options=fused)
+    assert torch.equal(got.d_weight, clean.d_weight)
+
+
+def test_a_softcap_keeps_the_eager_backward() -> None:
+    """The compiled pass has no softcap: with one the option changes nothing, bit for bit."""
+    case = make_case(30, 16, 50, ignore_every=4)
+    fused, eager = _paths()
+    got = run_backend(case, options=fused, softcap=2.5)
+    plain = run_backend(case, options=eager, softcap=2.5)
+    assert torch.equal(got.d_hidden, plain.d_hidden) and torch.equal(got.d_weight, plain.d_weight)

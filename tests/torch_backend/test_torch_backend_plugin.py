@@ -47,7 +47,7 @@ def test_options_defaults_and_round_trip() -> None:
         "chunk_rows": None,
         "skip_ignored_rows": None,
         "fp32_logits": None,
-        "compile_policy": None,
+        "compile_elementwise": None,
     }
 
 

@@ -18,6 +18,7 @@ from fusedhead.protocol import (
     PolicyLossResult,
 )
 from fusedhead_torch.chunked import ChunkedFusedHead, HeadSpec
+from fusedhead_torch.fused_passes import compile_by_default
 from fusedhead_torch.kl import KL_DIRECTIONS, forward_kl
 from fusedhead_torch.options import (
     TorchOptions,
@@ -156,6 +157,7 @@ class TorchBackend:
             process_group=call.process_group,
             reduce_hidden_grad=call.reduce_hidden_grad,
             fp32_logits=self.fp32_logits(hidden.device),
+            compile_dz=compile_by_default(self.options.compile_elementwise, hidden.device),
             forward_tiles=self.forward_tiles(
                 hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device, softcap
             ),
@@ -183,7 +185,5 @@ class TorchBackend:
             head.softcap is not None,
             self.options.chunk_rows,
         )
-        use_compile = self.options.compile_policy
-        if use_compile is None:
-            use_compile = device.type == "cuda"
+        use_compile = compile_by_default(self.options.compile_elementwise, device)
         return policy_loss(call, rows, self.fp32_logits(device), use_compile)

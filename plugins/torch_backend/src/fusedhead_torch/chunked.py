@@ -34,6 +34,7 @@ from fusedhead_torch.tile_math import (
     Workspace,
     backward_tile,
     clamp_scale,
+    compiled_backward_tile,
     forward_tile,
     gemm_operand,
     logits_mm,
@@ -55,6 +56,8 @@ class HeadSpec:
     reduce_hidden_grad: bool = True
     #: Logits GEMMs accumulate and write fp32 (bf16/fp16 inputs); gradient GEMMs stay as they are.
     fp32_logits: bool = False
+    #: The backward's ``dz`` through one compiled pass (``fused_passes``; no softcap).
+    compile_dz: bool = False
     #: The forward's tiles (``tiling.GRID_COLS`` columns: the vocabulary grid); None: ``tiles``.
     forward_tiles: Tiles | None = None
 
@@ -179,25 +182,23 @@ def _backward_grads(
     coef_a, coef_b, label_term = coefs
     grads = TileGrads(h, weight, len(row_chunks), len(blocks), need_h, need_w)
     h_mm = gemm_operand(h, spec.fp32_logits)  # the recompute's operands (upcast once if need be)
+    fused = spec.compile_dz and spec.softcap is None
     for b, (v0, v1) in enumerate(blocks):
         w_block = weight[v0:v1]
         w_mm = gemm_operand(w_block, spec.fp32_logits)
         for r0, r1 in row_chunks:
             in_block, col = place.tile(b, r0, r1, v1 - v0)
             b_rows = None if coef_b is None else coef_b[r0:r1]
-            dz = backward_tile(
-                logits_mm(h_mm[r0:r1], w_mm.T, spec.fp32_logits),
-                col,
-                in_block,
-                scaling.rows(r0, r1),
-                scaling,
-                ws,
-                row_max[r0:r1],
-                coef_a[r0:r1],
-                b_rows,
-                label_term[r0:r1],
-                dz_dtype=h.dtype,
-            )
+            x = logits_mm(h_mm[r0:r1], w_mm.T, spec.fp32_logits)
+            k = scaling.rows(r0, r1)
+            coef_rows = (coef_a[r0:r1], b_rows, label_term[r0:r1])
+            if fused:
+                dz = compiled_backward_tile(x, col, in_block, k, row_max[r0:r1], coef_rows, h.dtype)
+            else:
+                dz = backward_tile(
+                    x, col, in_block, k, scaling, ws, row_max[r0:r1], *coef_rows, dz_dtype=h.dtype
+                )
+            del x
             grads.add(dz, w_block, h[r0:r1], (r0, r1), (v0, v1))
             del dz
         grads.end_block((v0, v1))

@@ -44,6 +44,8 @@ from fusedhead_torch.tile_math import (
     clamp_scale,
     forward_tile,
     logits_mm,
+    offsets,
+    recomputed_offsets,
 )
 from fusedhead_torch.tiling import skips_rows
 
@@ -144,13 +146,6 @@ def _k_col(k: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.full((1, 1), k, dtype=FP32, device=device)
 
 
-def _shifted(
-    src: torch.Tensor, k_col: torch.Tensor, row_max: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """``d = k * src - m`` in fp32 as two rounded operations (the row's max gives exactly 0)."""
-    return torch.mul(src, k_col, out=out).sub_(row_max.unsqueeze(1))
-
-
 @dataclass
 class _Walk:
     """What the forward walk gathers, for all rows."""
@@ -218,7 +213,7 @@ def _forward_walk(
                 # relative to the tile max exactly as forward_tile forms it (same ops: same bits)
                 base = x if src is None else src
                 m_tile = (base.amax(dim=1, keepdim=True).float() * k_col).squeeze(1)
-                d = _shifted(base, k_col, m_tile, out=mine.get(1, rows, cols))
+                d = offsets(base, k_col, m_tile, out=mine.get(1, rows, cols))
                 q[b, r0:r1] = d.exp_().square_().sum(dim=1)
             in_block, col = place.tile(b, r0, r1, cols)
             stats, z_y = forward_tile(x, col, k, scaling, ws, hs.return_entropy)
@@ -388,7 +383,8 @@ def _backward_walk(
             sech2 = scaling.sech2(x, out=ws.get(3, rows, cols)) if capped else None
             src = scaling.source(x, out=x if x32 else ws.get(0, rows, cols))
             d_out = x if x32 and not capped else ws.get(2, rows, cols)
-            d = _shifted(src, _k_col(scaling.rows(r0, r1), h.device), row_max[r0:r1], d_out)
+            k_col = _k_col(scaling.rows(r0, r1), h.device)
+            d = recomputed_offsets(src, k_col, row_max[r0:r1], d_out)
             e = torch.exp(d, out=ws.get(1, rows, cols))
             a = coefs.a[r0:r1].unsqueeze(1)
             if coefs.b is not None:

@@ -17,44 +17,10 @@ import torch
 
 from fusedhead.policy_terms import token_grads
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
+from fusedhead_torch.fused_passes import compiled
 from fusedhead_torch.tile_math import MAX_SCALE, gemm_operand, logits_mm
 
 FP32 = torch.float32
-
-
-def row_stats(
-    x: torch.Tensor, k: torch.Tensor, label: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A chunk's ``max z``, ``s = sum e``, ``t = sum e d`` and ``d`` at the label, with
-    ``z = k x``, ``d = z - max z``, ``e = exp(d)`` (``k``: ``[rows, 1]``); one function, so that
-    ``torch.compile`` fuses its passes over the fp32 logits into two reductions."""
-    z = x * k
-    m = z.amax(dim=1, keepdim=True)
-    d = z - m
-    e = torch.exp(d)
-    return m.squeeze(1), e.sum(dim=1), (e * d).sum(dim=1), d.gather(1, label).squeeze(1)
-
-
-def logits_grad(
-    x: torch.Tensor, k: torch.Tensor, m: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-    dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
-    """``e (a + b d)`` in ``dtype`` (the label column excepted); compiled: one pass."""
-    d = x * k - m.unsqueeze(1)
-    return (torch.exp(d) * (a.unsqueeze(1) + b.unsqueeze(1) * d)).to(dtype)
-
-
-_COMPILED: dict[str, object] = {}
-
-
-def compiled(name: str) -> object:
-    """``row_stats`` or ``logits_grad`` through ``torch.compile`` (dynamic rows), made once."""
-    fn = _COMPILED.get(name)
-    if fn is None:
-        fn = _COMPILED[name] = torch.compile(
-            row_stats if name == "row_stats" else logits_grad, dynamic=True, fullgraph=True
-        )
-    return fn
 
 
 def chunk_rows(
@@ -68,13 +34,20 @@ def chunk_rows(
     return max(1, budget_bytes // (v * per_value))
 
 
-#: ``dz`` of a chunk from its per-row coefficients ``(a, b, onehot)``: ``e (a + b d)`` [* sech^2]
-#: in the GEMMs' dtype, its label column not yet patched, and the label column's value
-#: ``(e_y (a + b d_y) + onehot)`` [* sech^2] in fp32.
+#: ``dz`` of a chunk from its per-row coefficients ``(a, b, onehot)``: ``e a + (e d) b``
+#: [* sech^2] in the GEMMs' dtype, its label column not yet patched, and the label column's value
+#: ``e_y a + (e_y d_y) b + onehot`` [* sech^2] in fp32.
 ChunkGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 #: What a chunk's elementwise work gives: each row's ``d`` at the label, ``s``, ``log s``, the
 #: entropy, and the chunk's ``ChunkGrad``.
 ChunkStats = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ChunkGrad]
+
+
+def label_grad(
+    e_y: torch.Tensor, d_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, onehot: torch.Tensor
+) -> torch.Tensor:
+    """The label column's ``e a + (e d) b + onehot`` in fp32 (``e d`` first, as in the tile)."""
+    return torch.addcmul(torch.addcmul(onehot, e_y, a), e_y * d_y, b)
 
 
 def _eager_chunk(
@@ -86,7 +59,10 @@ def _eager_chunk(
     if cap is not None:
         sech2 = torch.div(x, cap).cosh_().square_().reciprocal_() if need_grads else None
         x.div_(cap).tanh_().mul_(cap)
-    d = torch.addcmul((-x.amax(dim=1) * k).unsqueeze(1), x, k.unsqueeze(1), out=x)
+    # d = k x - k max x as two rounded ops (no fused multiply-add): the max gives d = 0 exactly
+    # at any temperature (a fused one is off by the rounding of k max x, thousands at T = 1e-10).
+    k_col = k.unsqueeze(1)
+    d = torch.mul(x, k_col, out=x).sub_(x.amax(dim=1, keepdim=True))
     e = torch.exp(d)
     s = e.sum(dim=1)
     log_s = torch.log(s)
@@ -96,14 +72,14 @@ def _eager_chunk(
     def grad(
         a: torch.Tensor, b: torch.Tensor, onehot: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        e_y = e.gather(1, label).squeeze(1)
-        dz_label = e_y * (a + b * d_y) + onehot
-        g = torch.addcmul(a.unsqueeze(1), d, b.unsqueeze(1), out=d)
+        dz_label = label_grad(e.gather(1, label).squeeze(1), d_y, a, b, onehot)
+        # e a + (e d) b: b d alone overflows at tiny temperatures where e is 0.
+        ed = d.mul_(e)
+        g = torch.mul(e, a.unsqueeze(1), out=e).addcmul_(ed, b.unsqueeze(1))
         if sech2 is not None:
             dz_label = dz_label * sech2.gather(1, label).squeeze(1)
             g.mul_(sech2)
-        low = dtype != FP32
-        return torch.mul(g, e, out=torch.empty_like(g, dtype=dtype) if low else g), dz_label
+        return (g.to(dtype) if dtype != FP32 else g), dz_label
 
     return d_y, s, log_s, ent, grad
 
@@ -115,14 +91,14 @@ def _compiled_chunk(
     """The same through ``row_stats`` and ``logits_grad`` compiled (no softcap): the fp32 logits
     are read three times and ``dz`` written once, in the GEMMs' dtype."""
     kc = k.unsqueeze(1)
-    m, s, t, d_y = compiled("row_stats")(x, kc, label)  # type: ignore[operator]
+    m, s, t, d_y = compiled("row_stats")(x, kc, label)
     log_s = torch.log(s)
 
     def grad(
         a: torch.Tensor, b: torch.Tensor, onehot: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        dz = compiled("logits_grad")(x, kc, m, a, b, dtype)  # type: ignore[operator]
-        return dz, torch.exp(d_y) * (a + b * d_y) + onehot
+        dz = compiled("logits_grad")(x, kc, m, a, b, dtype)
+        return dz, label_grad(torch.exp(d_y), d_y, a, b, onehot)
 
     return d_y, s, log_s, log_s - t / s, grad
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fusedhead_torch.fused_passes import compiled
 from fusedhead_torch.rowstats import RowStats
 
 FP32 = torch.float32
@@ -160,6 +161,19 @@ def offsets(
     return torch.mul(src, k_col, out=out).sub_(row_max.unsqueeze(1))
 
 
+def recomputed_offsets(
+    src: torch.Tensor, k_col: torch.Tensor, row_max: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``offsets`` of a recomputed tile against the forward's row max, clamped to ``d <= 0``.
+
+    A backward GEMM of another width may round a logit differently from the forward's (CPU and
+    cuBLAS kernels change with the shape): ``d = k (x' - x)`` is then positive, ``u |z|`` in
+    size, which at tiny temperatures is thousands, ``exp(d)`` inf and the gradient NaN. Every
+    ``d`` is at most 0 by definition; the clamp keeps ``p <= 1``.
+    """
+    return offsets(src, k_col, row_max, out).clamp_(max=0.0)
+
+
 def affine(
     src: torch.Tensor, k: float | torch.Tensor, shift: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
@@ -236,7 +250,7 @@ def backward_tile(
     else:
         src = x
         d_out, e_out = (ws.get(0, rows, cols) if low else x), ws.get(1, rows, cols)
-    d = offsets(src, scale_factor(k, x.device), row_max, out=d_out)
+    d = recomputed_offsets(src, scale_factor(k, x.device), row_max, out=d_out)
     e = torch.exp(d, out=e_out)
     e_label = e.gather(1, col).squeeze(1)
     if out_dtype == FP32:
@@ -260,6 +274,30 @@ def backward_tile(
         dz = torch.mul(g, sech2, out=dz_out)
     else:
         dz = g
+    current = dz.gather(1, col).squeeze(1)
+    patched = torch.where(in_block, dz_label.to(dz.dtype), current)
+    return dz.scatter_(1, col, patched.unsqueeze(1))
+
+
+def compiled_backward_tile(
+    x: torch.Tensor,
+    label_col: torch.Tensor,
+    in_block: torch.Tensor,
+    k: float | torch.Tensor,
+    row_max: torch.Tensor,
+    coefs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+    dz_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``backward_tile``'s ``dz`` (no softcap) in one compiled pass over the tile
+    (``fused_passes.logits_grad``: ``e a + (e d) b``), the label column patched after, as there."""
+    coef_a, coef_b, label_term = coefs
+    b = torch.zeros_like(coef_a) if coef_b is None else coef_b
+    k_col = scale_factor(k, x.device)
+    col = label_col.unsqueeze(1)
+    dz: torch.Tensor = compiled("logits_grad")(x, k_col, row_max, coef_a, b, dz_dtype)
+    d_y = ((x.gather(1, col).float() * k_col).squeeze(1) - row_max).clamp_(max=0.0)
+    e_y = torch.exp(d_y)
+    dz_label = torch.addcmul(torch.addcmul(label_term, e_y, coef_a), e_y * d_y, b)
     current = dz.gather(1, col).squeeze(1)
     patched = torch.where(in_block, dz_label.to(dz.dtype), current)
     return dz.scatter_(1, col, patched.unsqueeze(1))

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# torch_head.sh OUT: the torch backend's figures on one CUDA GPU in one call (issue 33's <= 6.3
+# GEMM units for the head, issue 31's <= 4.5 for its policy loss), from the repository root with
+# .gpu-wheels/{small,install-wheels} carried:
+#   1. the wheels and the project, installed as run_all.sh installs them;
+#   2. fusedhead bench (log-probs + entropy, fwd and fwd+bwd; bf16, H = 4096, V = 151936, T = 0.7,
+#      N = 8192 and 32768): torch (its default: the backward's dz compiled), torch with
+#      compile_elementwise off (the eager passes), triton -> OUT/head.json, head.md;
+#   3. fusedhead bench --case policy at N = 8192: torch, triton -> OUT/policy.json, policy.md;
+#   4. tiny_temperatures.py (finite outputs and gradients at small T, every backend) -> OUT;
+#   5. pytest of tests/torch_backend and tests/policy on this machine (its CUDA cases run).
+# Limits per step: HEAD_LIMIT (220 s), POLICY_LIMIT (100), TINY_LIMIT (60), PYTEST_LIMIT (120).
+set -uo pipefail
+OUT=${1:?usage: torch_head.sh OUT}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+WHEELS=${WHEELS:-.gpu-wheels}
+{
+  bash "$WHEELS/install-wheels" "$WHEELS/small"
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation ./core \
+    ./plugins/torch_backend ./plugins/triton_backend ./plugins/liger_backend
+  python3 "$HERE/env_report.py"
+} >"$OUT/setup.log" 2>&1
+tail -n 4 "$OUT/setup.log"
+run() { # run NAME LIMIT CMD...
+  local name=$1 limit=$2
+  shift 2
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "$name exit $?" >>"$OUT/$name.log"
+  tail -n 14 "$OUT/$name.log"
+}
+GRID=(--device cuda --dtype bf16 --hidden 4096 --vocab 151936 --temperature 0.7)
+run head "${HEAD_LIMIT:-220}" python3 -m fusedhead.cli bench "${GRID[@]}" --n 8192 32768 \
+  --max-minutes 3 --impl torch 'torch:{"compile_elementwise": false}' triton \
+  --json "$OUT/head.json" --markdown "$OUT/head.md"
+run policy "${POLICY_LIMIT:-100}" python3 -m fusedhead.cli bench "${GRID[@]}" --n 8192 \
+  --case policy --max-minutes 1.5 --impl torch triton \
+  --json "$OUT/policy.json" --markdown "$OUT/policy.md"
+run tiny "${TINY_LIMIT:-60}" python3 "$HERE/tiny_temperatures.py" "$OUT"
+run pytest "${PYTEST_LIMIT:-120}" python3 -m pytest -q -rfEs -p no:cacheprovider -x \
+  tests/torch_backend/test_torch_backend_numerics.py tests/torch_backend/test_torch_backend_math.py \
+  tests/torch_backend/test_torch_backend_dispatch.py tests/policy/test_policy_loss.py
