@@ -62,6 +62,10 @@ from fusedhead.value_checks import (
 # Module constants for the per-call path (a global read, not a global and an attribute).
 _I64 = torch.int64
 _autocast_enabled = torch.is_autocast_enabled
+#: False while no device type has autocast on (the common case): one call, half the time of
+#: asking about one device type (Dynamo folds it as it folds is_autocast_enabled). A torch
+#: without it asks about the device itself.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)
 _grad_enabled = torch.is_grad_enabled
 
 #: HeadCall's fields as ``validate`` builds them, positionally: a change to the protocol must be
@@ -85,6 +89,29 @@ if HeadCall._fields != _HEAD_CALL_FIELDS:  # pragma: no cover - a protocol edit 
     raise ImportError(
         f"fusedhead.validation builds HeadCall with the fields {_HEAD_CALL_FIELDS}, but "
         f"protocol.HeadCall has {HeadCall._fields}"
+    )
+#: The request's fields before its output flags, as ``check_head`` unpacks them (the flags after
+#: them, whatever their number): checked on import, as ``_HEAD_CALL_FIELDS``.
+_REQUEST_FIELDS = (
+    "hidden",
+    "weight",
+    "labels",
+    "temperature",
+    "ignore_index",
+    "return_entropy",
+    "process_group",
+    "vocab_start",
+    "vocab_size",
+    "reduce_hidden_grad",
+    "check_labels",
+    "softcap",
+    "top_k",
+    "gather_ids",
+)
+if HeadRequest._fields[:FIRST_FLAG] != _REQUEST_FIELDS:  # pragma: no cover - a request edit
+    raise ImportError(
+        f"fusedhead.validation unpacks HeadRequest as {_REQUEST_FIELDS} and the output flags, "
+        f"but request.HeadRequest has {HeadRequest._fields}"
     )
 _new_tuple = tuple.__new__
 
@@ -110,7 +137,7 @@ def check_head(
     answers, so the head reads none of them again: whether the call records gradients (hidden or
     weight requires grad, grad mode on), and whether it is plain (log-probs and entropy only, a
     float temperature, no softcap, no process group: the capability gate's short path)."""
-    # The request's fields but the output flags, read once (one unpacking: the cheapest read).
+    # The request's fields, read once (one unpacking: the cheapest read); the output flags last.
     (
         hidden,
         weight,
@@ -126,7 +153,8 @@ def check_head(
         softcap,
         top_k,
         gather_ids,
-    ) = req[:FIRST_FLAG]
+        *flags,
+    ) = req
     h = hidden if hidden.__class__ in PLAIN else tensor_arg("hidden", hidden)
     w = weight if weight.__class__ in PLAIN else tensor_arg("weight", weight)
     y = labels if labels.__class__ in PLAIN else tensor_arg("labels", labels)
@@ -196,7 +224,7 @@ def check_head(
     if ydev != dev:
         raise ValueError(f"labels must be on hidden's device {dev}, got {ydev}")
     dev_type, known = DEVICES.get(dev) or device_entry(dev)
-    cast = dev_type if known and _autocast_enabled(dev_type) else None
+    cast = dev_type if known and _any_autocast() and _autocast_enabled(dev_type) else None
     if cast is not None:  # compute in the autocast dtype, like the matmul this replaces
         hdt = torch.get_autocast_dtype(cast)
         h, w = h.to(hdt), w.to(hdt)
@@ -249,7 +277,7 @@ def check_head(
         ),
     )
     if top_k is None and gather_ids is None:
-        for flag in req[FIRST_FLAG:]:
+        for flag in flags:
             if flag is not False:  # asked for, or not a bool (with_outputs names it)
                 break
         else:
