@@ -22,7 +22,7 @@ from fusedhead.graph import Slots, as_graph_constant, slot_numbers
 from fusedhead.graph import tracing as _tracing
 from fusedhead.head import FusedHead
 from fusedhead.policy import PolicyLossOutput
-from fusedhead.request import KLRequest, PolicyRequest, head_request
+from fusedhead.request import HeadRequest, KLRequest, PolicyRequest, entry_point, head_request
 
 __all__ = [
     "FusedHead",
@@ -200,6 +200,22 @@ def _forget() -> None:
 registry.on_refresh(_forget)
 
 
+def _run_fused_head(
+    req: HeadRequest, backend: str, options: Mapping[str, Any] | BaseModel | None
+) -> FusedHeadOutput:
+    """``fused_head`` once its request is built: the named backend's cached head runs it."""
+    if backend.__class__ is not str:
+        _backend_name(backend)
+    if req.temperature is None:
+        raise TypeError("temperature must be a float or a tensor, got None")
+    # Without options the head's key is known: the cache's own entry, without building the key.
+    return (
+        (None if options is not None or _tracing() else _cache.get((backend, ())))
+        or get_fused_head(backend, options)
+    ).run(req)
+
+
+@entry_point(HeadRequest, _run_fused_head)
 def fused_head(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -229,17 +245,8 @@ def fused_head(
     the log-sum-exp, the sum of squared probabilities, the argmax (docs/distillation.md).
     The backend is the one named, always; docs/design.md states the full contract.
     """
-    if backend.__class__ is not str:
-        _backend_name(backend)
-    if temperature is None:
-        raise TypeError("temperature must be a float or a tensor, got None")
-    # No local variable but the arguments: locals() is then the arguments alone, and cheap (each
-    # name not yet bound costs it a raised and cleared KeyError). Without options the head's key
-    # is known: the cache's own entry, without building the key anew.
-    return (
-        (None if options is not None or _tracing() else _cache.get((backend, ())))
-        or get_fused_head(backend, options)
-    ).run(head_request(locals()))
+    # What runs is this body without the locals() dict (request.entry_point generates it).
+    return _run_fused_head(head_request(locals()), backend, options)
 
 
 def fused_kl(

@@ -10,9 +10,10 @@ an immutable NamedTuple: cheap to build on every step, and Dynamo traces it as p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from operator import itemgetter
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -78,6 +79,48 @@ def head_request(scope: Mapping[str, Any], config: Any = None) -> HeadRequest:
             if values[i] is None:
                 values[i] = getattr(config, name)
     return _new_tuple(HeadRequest, values)  # type: ignore[no-any-return]
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def entry_point(request: type[tuple[Any, ...]], run: Callable[..., Any]) -> Callable[[F], F]:
+    """The per-step form of a public entry point whose body is ``run(request(locals()), **rest)``.
+
+    The decorated function is the contract and the readable body; the function returned has its
+    very signature, defaults and docstring, and builds the request from its parameters in one
+    tuple, with no ``locals()`` dict (about 0.6 us of a ~4 us call): generated code, as
+    ``dataclasses`` and ``namedtuple`` make their ``__init__``, so each option is still spelled
+    only in the signature and the request. Parameters that are not fields of ``request``
+    (``backend``, ``options``) go to ``run`` by name; every field must be a parameter.
+    """
+
+    def make(fn: F) -> F:
+        params = list(inspect.signature(fn).parameters.values())
+        names = [p.name for p in params]
+        fields = request._fields  # type: ignore[attr-defined]
+        if missing := [f for f in fields if f not in names]:
+            raise TypeError(f"{fn.__qualname__} lacks {request.__name__} fields {missing}")
+        positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        keyword = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+        if len(positional) + len(keyword) != len(params):
+            raise TypeError(f"{fn.__qualname__}: only plain and keyword-only parameters")
+        rest = ", ".join(f"{n}={n}" for n in names if n not in fields)
+        head = ", ".join(positional + (["*", *keyword] if keyword else []))
+        source = (
+            f"def {fn.__name__}({head}):\n"
+            f"    return _run(_new(_request, ({', '.join(fields)},)), {rest})\n"
+        )
+        scope: dict[str, Any] = {"_run": run, "_new": tuple.__new__, "_request": request}
+        exec(compile(source, f"<entry point {fn.__qualname__}>", "exec"), scope)
+        out = scope[fn.__name__]
+        out.__defaults__, out.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__
+        for attr in ("__doc__", "__qualname__", "__module__", "__annotations__"):
+            setattr(out, attr, getattr(fn, attr))
+        out.__wrapped__ = fn  # inspect.signature and getsource show the decorated function
+        return out  # type: ignore[no-any-return]
+
+    return make
 
 
 def output_flags(scope: Mapping[str, Any]) -> dict[str, Any]:
