@@ -369,3 +369,25 @@ def test_a_softcap_keeps_the_eager_backward() -> None:
     got = run_backend(case, options=fused, softcap=2.5)
     plain = run_backend(case, options=eager, softcap=2.5)
     assert torch.equal(got.d_hidden, plain.d_hidden) and torch.equal(got.d_weight, plain.d_weight)
+
+
+def test_more_compiled_variants_than_dynamos_recompile_limit_in_one_process() -> None:
+    """Dtypes, logits precision and per-row temperatures each specialise the compiled pass; a
+    process that meets more of them than Dynamo's recompile limit (8 per code object) is an error
+    under ``fullgraph=True``: each variant compiles a code object of its own."""
+    case = make_case(12, 8, 20, ignore_every=4)
+    variants = 0
+    for dtype in ("fp32", "bf16", "fp16"):
+        for fp32_logits in (True, False):
+            if dtype == "fp32" and not fp32_logits:
+                continue
+            for temperature in (0.7, torch.linspace(0.5, 1.5, 12)):
+                options = TorchOptions(
+                    compile_elementwise=True, fp32_logits=fp32_logits, block_vocab=8
+                )
+                got = run_backend(
+                    case, dtype=DTYPES[dtype], options=options, temperature=temperature
+                )
+                assert torch.isfinite(got.d_hidden).all() and torch.isfinite(got.d_weight).all()
+                variants += 1
+    assert variants == 10

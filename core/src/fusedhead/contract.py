@@ -329,13 +329,16 @@ def _unreached(node: Any, inputs: Mapping[str, torch.Tensor]) -> list[str]:
     non-leaf input by its ``grad_fn``, a leaf by the ``AccumulateGrad`` node holding it."""
     targets = {name: t.grad_fn for name, t in inputs.items() if t.requires_grad}
     missing = set(targets)
-    seen: set[int] = set()
+    # Nodes by id, each kept alive: a node's Python wrapper made by next_functions dies with its
+    # last reference, and a later wrapper (another node) may get its id: taken for seen, its
+    # subgraph was skipped and a reachable input reported unreached (seen on torch 2.11).
+    seen: dict[int, Any] = {}
     stack = [node]
     while stack and missing and len(seen) < _MAX_NODES:
         fn = stack.pop()
         if fn is None or id(fn) in seen:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         var = getattr(fn, "variable", None)
         for name in list(missing):
             target = targets[name]

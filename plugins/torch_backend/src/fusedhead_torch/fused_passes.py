@@ -10,6 +10,7 @@ do, and a row's largest logit gets ``d = 0`` exactly at any temperature.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -49,15 +50,25 @@ def logits_grad(
 
 
 _PASSES: dict[str, Callable[..., Any]] = {"row_stats": row_stats, "logits_grad": logits_grad}
-_COMPILED: dict[str, Callable[..., Any]] = {}
+_COMPILED: dict[tuple[str, tuple[Any, ...]], Callable[..., Any]] = {}
 
 
-def compiled(name: str) -> Callable[..., Any]:
-    """``row_stats`` or ``logits_grad`` through ``torch.compile`` (dynamic rows), made once."""
-    fn = _COMPILED.get(name)
+def compiled(name: str, *variant: Any) -> Callable[..., Any]:
+    """``row_stats`` or ``logits_grad`` through ``torch.compile`` (dynamic rows), made once per
+    ``variant`` (what its graph is specialised on: device type, dtypes, a per-row ``k``).
+
+    Each variant compiles a code object of its own: Dynamo keeps its graphs on the code object,
+    and a process that mixes devices and dtypes would otherwise pass the recompile limit (8),
+    which with ``fullgraph=True`` is an error, not a slower call.
+    """
+    key = (name, variant)
+    fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[name] = torch.compile(
-            _PASSES[name], dynamic=True, fullgraph=True, options=COMPILE_OPTIONS
+        base = _PASSES[name]
+        code = base.__code__.replace(co_name=f"{name}_{len(_COMPILED)}")
+        own = types.FunctionType(code, base.__globals__, code.co_name, base.__defaults__)
+        fn = _COMPILED[key] = torch.compile(
+            own, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS
         )
     return fn
 

@@ -91,13 +91,14 @@ def _compiled_chunk(
     """The same through ``row_stats`` and ``logits_grad`` compiled (no softcap): the fp32 logits
     are read three times and ``dz`` written once, in the GEMMs' dtype."""
     kc = k.unsqueeze(1)
-    m, s, t, d_y = compiled("row_stats")(x, kc, label)
+    variant = (x.device.type, x.dtype, dtype)
+    m, s, t, d_y = compiled("row_stats", *variant)(x, kc, label)
     log_s = torch.log(s)
 
     def grad(
         a: torch.Tensor, b: torch.Tensor, onehot: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        dz = compiled("logits_grad")(x, kc, m, a, b, dtype)
+        dz = compiled("logits_grad", *variant, True)(x, kc, m, a, b, dtype)
         return dz, label_grad(torch.exp(d_y), d_y, a, b, onehot)
 
     return d_y, s, log_s, log_s - t / s, grad

@@ -294,7 +294,8 @@ def compiled_backward_tile(
     b = torch.zeros_like(coef_a) if coef_b is None else coef_b
     k_col = scale_factor(k, x.device)
     col = label_col.unsqueeze(1)
-    dz: torch.Tensor = compiled("logits_grad")(x, k_col, row_max, coef_a, b, dz_dtype)
+    variant = (x.device.type, x.dtype, dz_dtype, k_col.shape[0] > 1)
+    dz: torch.Tensor = compiled("logits_grad", *variant)(x, k_col, row_max, coef_a, b, dz_dtype)
     d_y = ((x.gather(1, col).float() * k_col).squeeze(1) - row_max).clamp_(max=0.0)
     e_y = torch.exp(d_y)
     dz_label = torch.addcmul(torch.addcmul(label_term, e_y, coef_a), e_y * d_y, b)
