@@ -166,7 +166,56 @@ def _transformers(rank: int, world: int, kind: str, shard_head: bool) -> None:
     _check(what, make, shard, run, rank, world, 503)
 
 
+class BodyAndHead(nn.Module):
+    """A body whose forward gives the hidden states, and an LM head the trainer calls after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.body = nn.Linear(H, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.body(x))
+
+
+def _policy_loss(rank: int, world: int) -> None:
+    """``lm_head_policy_loss`` after the model's forward, the LM head sharded on its own (FSDP2
+    reshards it after its call): the loss comes back as a ``PolicyLossOutput`` from the head's
+    hooked call, and every parameter's gradient must still be the unsharded model's."""
+    from fusedhead.integrations.lm_head import lm_head_policy_loss
+
+    model = BodyAndHead()
+    reference = copy.deepcopy(model)
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    batches = [_batch(r, V) for r in range(world)]
+
+    def run(m: nn.Module, b: dict[str, torch.Tensor]) -> Any:
+        g = torch.Generator().manual_seed(7)
+        old = -3.0 + 0.1 * torch.randn(2, 9, generator=g)
+        return lm_head_policy_loss(
+            m.lm_head, m(b["hidden"]), b["labels"], old_log_probs=old, advantages=b["g_lp"],
+            temperature=0.8, entropy_coef=0.01, head={"backend": BACKEND},
+        )  # fmt: skip
+
+    out = run(model, batches[rank])
+    out.loss.backward()
+    refs = [run(reference, b) for b in batches]
+    (sum(o.loss for o in refs) / world).backward()
+    torch.testing.assert_close(out.log_probs, refs[rank].log_probs)
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert type(param).__name__ == "DTensor", f"{name} is not sharded outside forward"
+        got, want = _full(param.grad), ref_params[name].grad
+        assert got is not None and want is not None, f"{name} got no gradient"
+        torch.testing.assert_close(
+            got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
 SCENARIOS: dict[str, Callable[[int, int], None]] = {
+    "policy_loss": _policy_loss,
     "head_only": _head_only,
     "tied": _tied,
     "llama": lambda r, w: _transformers(r, w, "llama", shard_head=False),

@@ -53,6 +53,10 @@ def test_fused_lm_head_alone_and_tied_embeddings_under_fsdp2(tmp_path: Path) -> 
     _spawn(["head_only", "tied"], tmp_path)
 
 
+def test_the_fused_policy_loss_with_the_lm_head_sharded_under_fsdp2(tmp_path: Path) -> None:
+    _spawn(["policy_loss"], tmp_path)
+
+
 def test_transformers_helper_under_fsdp2(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     _spawn(["llama", "llama_head_sharded", "gemma2_tied_softcap"], tmp_path)
