@@ -491,3 +491,18 @@ def test_the_reference_names_a_temperature_or_device_it_cannot_use(kw, words):
         fusedhead.reference_fused_head(
             h, args["weight"], args["labels"], temperature=args["temperature"]
         )
+
+
+def test_a_verified_shard_layout_is_remembered_by_its_group_not_the_groups_id():
+    """On CUDA a (group, shard) checked once is not read again. Keyed by ``id(group)``, a group
+    destroyed and replaced by another at the same address passed unchecked (CPython reuses the
+    address of a freed object at once); the group itself is the key now."""
+
+    class Group:
+        pass
+
+    group = Group()
+    shards._VERIFIED_SHARDS.add((group, 0, 4, 8))  # what check_shards records on CUDA
+    assert not shards.shards_need_check(group, 0, 4, 8, "cuda")
+    del group
+    assert all(shards.shards_need_check(Group(), 0, 4, 8, "cuda") for _ in range(200))

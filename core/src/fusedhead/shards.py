@@ -17,9 +17,10 @@ _SHARD_BITS = 21
 _SHARD_CHUNKS = 3
 #: Floats a rank's shard takes in a collective (see ``shard_slots``).
 SHARD_FLOATS = 3 * _SHARD_CHUNKS
-#: Shard layouts verified on CUDA, by (group id, vocab_start, width, vocab_size) (see
-#: ``check_shards``).
-_VERIFIED_SHARDS: set[tuple[int, int, int, int]] = set()
+#: Shard layouts verified on CUDA, by (group, vocab_start, width, vocab_size) (see
+#: ``check_shards``). The group itself, held: by ``id`` a destroyed group's successor at the same
+#: address would have passed as verified.
+_VERIFIED_SHARDS: set[tuple[Any, int, int, int]] = set()
 
 
 #: The bounds the slots carry exactly: non-negative ints below 2**63 (what int64 holds).
@@ -76,7 +77,7 @@ def shards_need_check(group: Any, start: int, width: int, size: int, device: tor
     values are in host memory already); on CUDA, where reading them waits for the collective, the
     first time this rank sees (group, vocab_start, width, vocab_size)."""
     device = torch.device(device)  # a str names one too
-    return device.type != "cuda" or (id(group), start, width, size) not in _VERIFIED_SHARDS
+    return device.type != "cuda" or (group, start, width, size) not in _VERIFIED_SHARDS
 
 
 def check_shards(
@@ -115,7 +116,7 @@ def check_shards(
             f"shards cover, or shards that cover vocab_size; {mine}"
         )
     if layout.device.type == "cuda":
-        _VERIFIED_SHARDS.add((id(group), start, width, size))
+        _VERIFIED_SHARDS.add((group, start, width, size))
 
 
 _SHARD_TENSORS: dict[tuple[Any, ...], torch.Tensor] = {}
