@@ -47,7 +47,7 @@ def label_grad(
     e_y: torch.Tensor, d_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, onehot: torch.Tensor
 ) -> torch.Tensor:
     """The label column's ``e a + (e d) b + onehot`` in fp32 (``e d`` first, as in the tile)."""
-    return torch.addcmul(torch.addcmul(onehot, e_y, a), e_y * d_y, b)
+    return e_y * a + (e_y * d_y) * b + onehot  # plain ops: each rounded (no fused multiply-add)
 
 
 def _eager_chunk(
@@ -59,10 +59,10 @@ def _eager_chunk(
     if cap is not None:
         sech2 = torch.div(x, cap).cosh_().square_().reciprocal_() if need_grads else None
         x.div_(cap).tanh_().mul_(cap)
-    # d = k x - k max x as two rounded ops (no fused multiply-add): the max gives d = 0 exactly
-    # at any temperature (a fused one is off by the rounding of k max x, thousands at T = 1e-10).
-    k_col = k.unsqueeze(1)
-    d = torch.mul(x, k_col, out=x).sub_(x.amax(dim=1, keepdim=True))
+    # d = (x - max x) k: the max gives d = 0 exactly at any temperature (k x - k max x in one fused
+    # multiply-add is off by the rounding of k max x, thousands at T = 1e-10), and near the max,
+    # where p is large, x - max x is exact (Sterbenz): d carries one rounding, relative to d.
+    d = torch.sub(x, x.amax(dim=1, keepdim=True), out=x).mul_(k.unsqueeze(1))
     e = torch.exp(d)
     s = e.sum(dim=1)
     log_s = torch.log(s)
