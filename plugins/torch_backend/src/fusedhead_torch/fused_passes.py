@@ -49,6 +49,13 @@ def logits_grad(
     return (e * a.unsqueeze(1) + (e * d) * b.unsqueeze(1)).to(dtype)
 
 
+def label_grad(
+    e_y: torch.Tensor, d_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, onehot: torch.Tensor
+) -> torch.Tensor:
+    """The label column's ``e a + (e d) b + onehot`` in fp32 (``e d`` first, as in the tile)."""
+    return e_y * a + (e_y * d_y) * b + onehot  # plain ops: each rounded (no fused multiply-add)
+
+
 _PASSES: dict[str, Callable[..., Any]] = {"row_stats": row_stats, "logits_grad": logits_grad}
 _COMPILED: dict[tuple[str, tuple[Any, ...]], Callable[..., Any]] = {}
 

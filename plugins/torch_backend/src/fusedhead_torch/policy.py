@@ -17,7 +17,7 @@ import torch
 
 from fusedhead.policy_terms import token_grads
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
-from fusedhead_torch.fused_passes import compiled
+from fusedhead_torch.fused_passes import compiled, label_grad
 from fusedhead_torch.tile_math import MAX_SCALE, gemm_operand, logits_mm
 
 FP32 = torch.float32
@@ -41,13 +41,6 @@ ChunkGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Ten
 #: What a chunk's elementwise work gives: each row's ``d`` at the label, ``s``, ``log s``, the
 #: entropy, and the chunk's ``ChunkGrad``.
 ChunkStats = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ChunkGrad]
-
-
-def label_grad(
-    e_y: torch.Tensor, d_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, onehot: torch.Tensor
-) -> torch.Tensor:
-    """The label column's ``e a + (e d) b + onehot`` in fp32 (``e d`` first, as in the tile)."""
-    return e_y * a + (e_y * d_y) * b + onehot  # plain ops: each rounded (no fused multiply-add)
 
 
 def _eager_chunk(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusedhead_torch.fused_passes import compiled
+from fusedhead_torch.fused_passes import compiled, label_grad
 from fusedhead_torch.rowstats import RowStats
 
 FP32 = torch.float32
@@ -218,6 +218,16 @@ def forward_tile(
     return RowStats(m, s, t), z_label
 
 
+def patch_label(
+    dz: torch.Tensor, col: torch.Tensor, in_block: torch.Tensor, dz_label: torch.Tensor
+) -> torch.Tensor:
+    """``dz`` with each row's label column (``col`` ``[R, 1]``) set to ``dz_label`` where the
+    label lies in this block (a gather and a scatter: no host sync)."""
+    current = dz.gather(1, col).squeeze(1)
+    patched = torch.where(in_block, dz_label.to(dz.dtype), current)
+    return dz.scatter_(1, col, patched.unsqueeze(1))
+
+
 def backward_tile(
     x: torch.Tensor,
     label_col: torch.Tensor,
@@ -274,9 +284,7 @@ def backward_tile(
         dz = torch.mul(g, sech2, out=dz_out)
     else:
         dz = g
-    current = dz.gather(1, col).squeeze(1)
-    patched = torch.where(in_block, dz_label.to(dz.dtype), current)
-    return dz.scatter_(1, col, patched.unsqueeze(1))
+    return patch_label(dz, col, in_block, dz_label)
 
 
 def compiled_backward_tile(
@@ -298,7 +306,5 @@ def compiled_backward_tile(
     dz: torch.Tensor = compiled("logits_grad", *variant)(x, k_col, row_max, coef_a, b, dz_dtype)
     d_y = ((x.gather(1, col).float() * k_col).squeeze(1) - row_max).clamp_(max=0.0)
     e_y = torch.exp(d_y)
-    dz_label = torch.addcmul(torch.addcmul(label_term, e_y, coef_a), e_y * d_y, b)
-    current = dz.gather(1, col).squeeze(1)
-    patched = torch.where(in_block, dz_label.to(dz.dtype), current)
-    return dz.scatter_(1, col, patched.unsqueeze(1))
+    dz_label = label_grad(e_y, d_y, coef_a, b, label_term)
+    return patch_label(dz, col, in_block, dz_label)
