@@ -31,6 +31,7 @@ from fusedhead.protocol import (
     PolicyLossResult,
 )
 from fusedhead.request import HeadRequest, PolicyRequest
+from fusedhead.scored_rows import nothing_scored, scored_rows, spread, take
 from fusedhead.validation import validate
 from fusedhead.value_checks import Pending
 
@@ -311,7 +312,7 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
         softcap=req.softcap,
     )
     # The value checks (labels' range, per-token temperatures, a loss_normalizer tensor's value)
-    # read by the host once, before the backend runs.
+    # and the number of scored rows, read by the host once, before the backend runs.
     pending = Pending() if req.check_labels is True else None
     call, shape, n, device, dtype, cast = validate(head_req, pending)
     shape = tuple(shape)
@@ -319,28 +320,30 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
     gate_policy_loss(caps, head.identity())
     call = gate_head(call, caps, head.identity())
     pcall = _policy_call(call, shape, n, device, req, pending)
+    valid = call.labels != call.ignore_index
+    scored = n
     if pending is not None:
+        if not torch.compiler.is_compiling():
+            pending.count(valid.sum())  # read with the checks: the backend sees scored rows only
         pending.send()
         pending.settle()
-    if n == 0:
-        lp = torch.zeros(0, dtype=torch.float32, device=device)
-        result = PolicyLossResult(lp, lp.clone())
-        if pcall.need_hidden_grad:
-            result = PolicyLossResult(lp, lp, grad_hidden=torch.zeros_like(call.hidden))
-        if pcall.need_weight_grad:
-            result = PolicyLossResult(
-                lp, lp, result.grad_hidden, grad_weight=torch.zeros_like(call.weight)
-            )
+        scored = pending.counts[0] if pending.counts else n
+    if scored == 0:
+        result = nothing_scored(pcall)
     else:
+        rows = scored_rows(valid, scored)
+        sub = pcall if rows is None else take(pcall, rows)
         method = getattr(head.backend, "policy_loss", None)
         if not callable(method):
             head.broke("declares policy_loss but has no policy_loss(call) method")
         try:
             with torch.no_grad(), torch.autocast(cast or "cpu", enabled=False):
-                result = method(pcall)
+                result = method(sub)
         except BackendError as exc:
             raise exc.attach(**head.identity()) from None
-    _check_result(head, pcall, result, n, device)
+        _check_result(head, sub, result, scored, device)
+        if rows is not None:
+            result = spread(result, rows, pcall)
     return _output(pcall, result, shape)
 
 

@@ -107,23 +107,34 @@ class Pending:
     gives NaN rows). Elsewhere ``send`` reads the flags at once, before the backend sees the call.
     """
 
-    __slots__ = ("_checks", "_event", "_host")
+    __slots__ = ("_checks", "_counts", "_event", "_host", "counts")
 
     def __init__(self) -> None:
         self._checks: list[tuple[torch.Tensor, Callable[..., NoReturn], tuple[Any, ...]]] = []
+        self._counts: list[torch.Tensor] = []
         self._host: torch.Tensor | None = None
         self._event: Any = None
+        #: The values of the counts ``count`` added, in order, once ``settle`` has read them.
+        self.counts: list[int] = []
 
     def add(self, bad: torch.Tensor, raiser: Callable[..., NoReturn], *args: Any) -> None:
         """A 0-d bool ``bad``; ``raiser(*args)`` raises the check's error when it is set."""
         self._checks.append((bad, raiser, args))
 
+    def count(self, value: torch.Tensor) -> None:
+        """A 0-d integer tensor read with the flags (no read of its own): ``counts`` after
+        ``settle``."""
+        self._counts.append(value)
+
     def send(self) -> None:
         """Start the flags' one read (CUDA: queued behind an event), or raise now (elsewhere)."""
         checks = self._checks
-        if not checks:
+        if not checks and not self._counts:
             return
-        flags = checks[0][0] if len(checks) == 1 else torch.stack([c[0] for c in checks])
+        if self._counts:
+            flags = torch.stack([c[0].to(torch.int64) for c in checks] + self._counts)
+        else:
+            flags = checks[0][0] if len(checks) == 1 else torch.stack([c[0] for c in checks])
         if flags.device.type != "cuda":
             self._host = flags
             self.settle()
@@ -146,10 +157,10 @@ class Pending:
         self._host = None
         if self._event is not None:
             self._event.synchronize()
-        failed = host.tolist()
-        for bad, (_, raiser, args) in zip(
-            failed if isinstance(failed, list) else [failed], self._checks, strict=True
-        ):
+        read = host.tolist()
+        read = read if isinstance(read, list) else [read]
+        failed, self.counts = read[: len(self._checks)], [int(c) for c in read[len(self._checks) :]]
+        for bad, (_, raiser, args) in zip(failed, self._checks, strict=True):
             if bad:
                 raiser(*args)
 

@@ -199,8 +199,10 @@ def _call(
     *,
     hidden: torch.Tensor | None = None,
     requires: tuple[bool, bool] = (True, True),
+    every_row: bool = False,
 ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """The backend's loss on ``batch`` (its leaves on the target), and the leaves."""
+    """The backend's loss on ``batch`` (its leaves on the target), and the leaves; ``every_row``:
+    unchecked, so the backend itself sees the ignored rows (a checked call leaves them out)."""
     dev, dt = target.device, target.dtype
     source = batch.case.hidden if hidden is None else hidden
     h = source.detach().to(dev, dt).requires_grad_(requires[0])
@@ -208,7 +210,8 @@ def _call(
     temp = batch.temperature
     if isinstance(temp, torch.Tensor):
         temp = temp.to(dev)
-    out = target.head.policy_loss(
+    head = target.unchecked_head() if every_row else target.head
+    out = head.policy_loss(
         h,
         w,
         batch.case.labels.to(dev),
@@ -340,7 +343,10 @@ def policy_loss_ignored_rows(target: Target) -> None:
     for i, (r, c) in enumerate(rows.tolist()):
         dirty[r, c, i % h] = (math.nan, math.inf, -math.inf)[i % 3]
     batch = _Batch(target, case, seed=67)
-    for aggregation in ("token-mean", "seq-mean-token-mean"):
+    # Unchecked calls hand the backend the ignored rows; a checked call leaves them out (core).
+    for aggregation, every_row in (
+        ("token-mean", True), ("seq-mean-token-mean", True), ("token-mean", False)
+    ):  # fmt: skip
         kw = batch.kwargs(dual_clip=None, tis=False, aggregation=aggregation, **PENALTIES[3])
         nan_terms = {
             k: torch.where(ignored, math.nan, v) if k in ("old_log_probs", "ref_log_probs") else v
@@ -349,9 +355,10 @@ def policy_loss_ignored_rows(target: Target) -> None:
         label = (
             f"{case.description}, {int(ignored.sum())} ignored rows with NaN/Inf in their hidden "
             f"state and NaN old/ref log-probs, aggregation {aggregation}"
+            + (", every row handed to the backend (check_labels=False)" if every_row else "")
         )
         try:
-            out, hh, ww = _call(target, batch, nan_terms, hidden=dirty)
+            out, hh, ww = _call(target, batch, nan_terms, hidden=dirty, every_row=every_row)
             out.loss.backward()
         except Exception as exc:
             raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
@@ -370,9 +377,9 @@ def policy_loss_ignored_rows(target: Target) -> None:
     every = make_case(8, h, v, scale=FLAT, seed=68, ignore_fraction=1.0)
     batch = _Batch(target, every, seed=69)
     kw = batch.kwargs(dual_clip=None, tis=False, **PENALTIES[3])
-    label = f"{every.description}, every row ignored"
+    label = f"{every.description}, every row ignored, every row handed to the backend"
     try:
-        out, hh, ww = _call(target, batch, kw)
+        out, hh, ww = _call(target, batch, kw, every_row=True)
         out.loss.backward()
     except Exception as exc:
         raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
@@ -405,11 +412,12 @@ def policy_loss_upstream_scale(target: Target) -> None:
     label = f"{case.description}: two micro-batches into one .grad, loss_normalizer {total:g}"
     dev, dt = target.device, target.dtype
     w = case.weight.detach().to(dev, dt).requires_grad_(True)
+    head = target.unchecked_head()  # every row to the backend: its own buffers reach autograd
     try:
         grads_h = []
         for part, kw_part in ((batch, kw1), (other, kw2)):
             hp = part.case.hidden.detach().to(dev, dt).requires_grad_(True)
-            out = target.head.policy_loss(
+            out = head.policy_loss(
                 hp, w, part.case.labels.to(dev), temperature=part.temperature, **_on(dev, kw_part)
             )
             torch.autograd.backward([out.loss * 0.5])

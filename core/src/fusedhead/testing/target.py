@@ -93,6 +93,16 @@ class Target:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.dtype_name]
 
+    def unchecked_head(self) -> FusedHead:
+        """The same backend with ``check_labels=False``: no value read, so a policy-loss call
+        hands the backend every row, ignored ones included (a checked call leaves them out)."""
+        return FusedHead(
+            FusedHeadConfig.from_dict(
+                {"backend": self.backend, "options": self.options, "device": str(self.device),
+                 "check_labels": False}
+            )
+        )  # fmt: skip
+
     @property
     def min_temperature(self) -> float:
         """The smallest temperature the backend declares it computes at (``Capabilities``)."""

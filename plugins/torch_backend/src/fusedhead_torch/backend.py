@@ -178,12 +178,13 @@ class TorchBackend:
         """The policy loss's statistics and gradients in three matmuls per row chunk."""
         head = call.head
         device = head.hidden.device
+        use_compile = compile_by_default(self.options.compile_elementwise, device)
         rows = chunk_rows(
             head.weight.shape[0],
             head.hidden.dtype,
             workspace_bytes(self.options, device),
             head.softcap is not None,
             self.options.chunk_rows,
+            compiled_chunk=use_compile,
         )
-        use_compile = compile_by_default(self.options.compile_elementwise, device)
         return policy_loss(call, rows, self.fp32_logits(device), use_compile)

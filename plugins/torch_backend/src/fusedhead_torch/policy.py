@@ -24,13 +24,22 @@ FP32 = torch.float32
 
 
 def chunk_rows(
-    v: int, dtype: torch.dtype, budget_bytes: int, softcap: bool, explicit: int | None
+    v: int,
+    dtype: torch.dtype,
+    budget_bytes: int,
+    softcap: bool,
+    explicit: int | None,
+    compiled_chunk: bool = False,
 ) -> int:
-    """Rows per chunk: the chunk's tiles within the budget (two fp32 ``[rows, V]`` tiles, a
-    16-bit one for a 16-bit ``dz``, a third fp32 one with a softcap)."""
+    """Rows per chunk: the chunk's tiles within the budget. Eager: two fp32 ``[rows, V]`` tiles,
+    a 16-bit one for a 16-bit ``dz``, a third fp32 one with a softcap; compiled (no softcap): the
+    fp32 logits and ``dz`` alone, so more rows (fewer roundings of the weight gradient's sum)."""
     if explicit is not None:
         return explicit
-    per_value = 8 + (2 if dtype != FP32 else 0) + (4 if softcap else 0)
+    if compiled_chunk and not softcap:
+        per_value = 4 + torch.empty((), dtype=dtype).element_size()
+    else:
+        per_value = 8 + (2 if dtype != FP32 else 0) + (4 if softcap else 0)
     return max(1, budget_bytes // (v * per_value))
 
 

@@ -1,0 +1,76 @@
+"""The policy loss computes only the rows that count: ignored rows are left out of the backend's
+call and their outputs written as the contract gives them (zero statistics, zero hidden gradient).
+
+Rows are independent in every statistic, so a scored row's log-prob and entropy are the bits it
+gets in the whole batch (the backends' batch invariance), and each of the three GEMMs shrinks by
+the ignored fraction (prompt and padding tokens in an RL batch). The number of scored rows is read
+by the host with the call's value checks (one read that happens anyway); the rows are found on the
+device from that count, without a read of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fusedhead.protocol import PolicyLossCall, PolicyLossResult
+
+
+def scored_rows(valid: torch.Tensor, count: int) -> torch.Tensor | None:
+    """The ``count`` indices where ``valid`` holds, in order, or None where every row counts."""
+    if count >= valid.shape[0]:
+        return None
+    order = torch.argsort((~valid).to(torch.int8), stable=True)  # scored rows first, in order
+    return order[:count]
+
+
+def take(call: PolicyLossCall, rows: torch.Tensor) -> PolicyLossCall:
+    """``call`` on ``rows`` only: every per-row tensor gathered, the rest as it is."""
+    head = call.head
+    temp = head.temperature
+    head = head._replace(
+        hidden=head.hidden.index_select(0, rows),
+        labels=head.labels.index_select(0, rows),
+        temperature=temp.index_select(0, rows) if isinstance(temp, torch.Tensor) else temp,
+    )
+
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.index_select(0, rows)
+
+    return dataclasses.replace(
+        call,
+        head=head,
+        old_log_probs=pick(call.old_log_probs),
+        advantages=call.advantages.index_select(0, rows),
+        token_weight=call.token_weight.index_select(0, rows),
+        ref_log_probs=pick(call.ref_log_probs),
+        tis_weight=pick(call.tis_weight),
+    )
+
+
+def spread(result: PolicyLossResult, rows: torch.Tensor, call: PolicyLossCall) -> PolicyLossResult:
+    """The result on ``rows`` as the whole call's: zeros elsewhere (statistics and hidden
+    gradient rows); the weight gradient is the scored rows' alone already."""
+    n = call.head.labels.shape[0]
+
+    def full(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(like).index_copy_(0, rows, t)
+
+    stat = torch.empty(n, dtype=torch.float32, device=rows.device)
+    gh = result.grad_hidden
+    return PolicyLossResult(
+        full(result.log_probs, stat),
+        full(result.entropy, stat),
+        grad_hidden=None if gh is None else full(gh, call.head.hidden),
+        grad_weight=result.grad_weight,
+    )
+
+
+def nothing_scored(call: PolicyLossCall) -> PolicyLossResult:
+    """The result where no row counts: zero statistics and zero gradients, no backend run."""
+    n = call.head.labels.shape[0]
+    lp = torch.zeros(n, dtype=torch.float32, device=call.head.hidden.device)
+    gh = torch.zeros_like(call.head.hidden) if call.need_hidden_grad else None
+    gw = torch.zeros_like(call.head.weight) if call.need_weight_grad else None
+    return PolicyLossResult(lp, lp.clone(), grad_hidden=gh, grad_weight=gw)

@@ -1,0 +1,125 @@
+"""A checked policy-loss call computes only the rows that count (``fusedhead.scored_rows``).
+
+The number of scored rows comes with the value checks' one host read; the backend is handed those
+rows alone, and the outputs are the whole batch's: every statistic the unchecked call (which hands
+the backend every row) gives, zeros and zero hidden gradient at ignored rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from policy_backends import POLICY_BACKENDS
+
+import fusedhead
+from fusedhead.protocol import PolicyLossCall
+
+
+def _batch(per_token_temperature: bool) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(5)
+    b, s, h, v = 3, 9, 16, 70
+    labels = torch.randint(0, v, (b, s), generator=g)
+    labels[0, 5:] = -100  # padding
+    labels[1, :3] = -100  # a prompt
+    hidden = torch.randn(b, s, h, generator=g)
+    hidden[0, 6, 2] = float("nan")  # an ignored row's NaN reaches nothing
+    temp: float | torch.Tensor = 0.7
+    if per_token_temperature:
+        temp = 0.5 + torch.rand(b, s, generator=g)
+    return {
+        "hidden": hidden,
+        "weight": torch.randn(v, h, generator=g) / 3,
+        "labels": labels,
+        "old_log_probs": -4 + torch.randn(b, s, generator=g),
+        "advantages": torch.randn(b, 1, generator=g),
+        "ref_log_probs": -4 + torch.randn(b, s, generator=g),
+        "rollout_log_probs": -4 + torch.randn(b, s, generator=g),
+        "temperature": temp,
+    }
+
+
+def _run(head: fusedhead.FusedHead, x: dict[str, Any]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    hid = x["hidden"].clone().requires_grad_()
+    w = x["weight"].clone().requires_grad_()
+    rest = {k: v for k, v in x.items() if k not in ("hidden", "weight", "labels")}
+    out = head.policy_loss(
+        hid, w, x["labels"], tis_cap=2.0, entropy_coef=0.01, kl_coef=0.1, dual_clip=3.0,
+        aggregation="seq-mean-token-mean", **rest,
+    )  # fmt: skip
+    out.loss.backward()
+    assert hid.grad is not None and w.grad is not None
+    return out, hid.grad, w.grad
+
+
+def _spy(head: fusedhead.FusedHead, seen: list[PolicyLossCall]) -> None:
+    backend = head.backend
+    inner = backend.policy_loss
+
+    def policy_loss(call: PolicyLossCall) -> Any:
+        seen.append(call)
+        return inner(call)
+
+    backend.policy_loss = policy_loss
+
+
+@pytest.mark.parametrize("per_token_temperature", [False, True])
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_the_backend_sees_the_scored_rows_and_the_outputs_are_the_whole_batchs(
+    backend: str, per_token_temperature: bool
+) -> None:
+    x = _batch(per_token_temperature)
+    checked = fusedhead.FusedHead({"backend": backend})
+    unchecked = fusedhead.FusedHead({"backend": backend, "check_labels": False})
+    _run(checked, x)  # resolves the backend, so the spy can wrap it
+    _run(unchecked, x)
+    seen: list[PolicyLossCall] = []
+    _spy(checked, seen)
+    _spy(unchecked, seen)
+    got, gh, gw = _run(checked, x)
+    want, wh, ww = _run(unchecked, x)
+    scored = x["labels"] != -100
+    (part, whole) = seen
+    assert part.head.hidden.shape[0] == int(scored.sum()) < whole.head.hidden.shape[0] == 27
+    assert bool((part.head.labels != -100).all())
+    assert torch.equal(part.head.labels, x["labels"][scored])
+    if per_token_temperature:
+        assert isinstance(part.head.temperature, torch.Tensor)
+        assert torch.equal(part.head.temperature, x["temperature"][scored].float())
+    # Rows are independent: a scored row's statistics are its bits in the whole batch.
+    assert torch.equal(got.log_probs, want.log_probs)
+    assert torch.equal(got.entropy, want.entropy)
+    for name in ("loss", "pg_loss", "entropy_loss", "kl", "clip_fraction", "ratio_max"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-6, atol=0)
+    assert torch.equal(gh[~scored], torch.zeros_like(gh[~scored]))
+    torch.testing.assert_close(gh, wh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw, ww, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_no_scored_row_gives_zeros_without_running_the_backend(backend: str) -> None:
+    x = _batch(False)
+    x["labels"] = torch.full_like(x["labels"], -100)
+    head = fusedhead.FusedHead({"backend": backend})
+    _run(head, _batch(False))
+    seen: list[PolicyLossCall] = []
+    _spy(head, seen)
+    out, gh, gw = _run(head, x)
+    assert seen == []
+    assert float(out.loss.detach()) == 0.0
+    assert not bool(out.log_probs.any()) and not bool(out.entropy.any())
+    assert not bool(gh.any()) and not bool(gw.any())
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_every_row_scored_hands_the_backend_the_call_as_it_is(backend: str) -> None:
+    x = _batch(False)
+    x["labels"] = x["labels"].clamp(min=0)
+    x["hidden"] = x["hidden"].nan_to_num()
+    head = fusedhead.FusedHead({"backend": backend})
+    _run(head, x)
+    seen: list[PolicyLossCall] = []
+    _spy(head, seen)
+    _run(head, x)
+    assert seen[0].head.hidden.shape[0] == 27
