@@ -4,11 +4,12 @@
 # runtime's pieces in PARTS_DIRs for Liger's SM90 kernel: see stash_part.sh; without them Liger's
 # kernel is reported unavailable and the rest runs):
 #   1. the wheels and the project, installed as run_all.sh installs them;
-#   2. fusedhead bench --case policy: triton, torch, unfused:triton, unfused:torch, liger-direct
+#   2. fusedhead bench --case policy: triton, unfused:triton, liger-direct, torch, unfused:torch
 #      (bf16, H = 4096, V = 151936, T = 0.7, N = 8192 and 32768) -> OUT/policy.json, policy.md;
 #   3. policy_loss_bench.py: the triton backend's memory choices and a chunk that keeps the peak
 #      under 1.5 GiB at N = 8192, determinism -> OUT/plb/policy_loss_bench.json;
 #   4. fusedhead check {triton,torch} --device cuda --dtype bf16 -k policy -> OUT/checks.log.
+# Limits (s): BENCH_LIMIT 300 (BENCH_MINUTES 4 of bench time cap), PLB_LIMIT 120, CHECK_LIMIT 90.
 set -uo pipefail
 OUT=${1:?usage: policy_loss.sh OUT [PARTS_DIR ...]}
 shift
@@ -25,19 +26,19 @@ WHEELS=${WHEELS:-.gpu-wheels}
   python3 "$HERE/env_report.py"
 } >"$OUT/setup.log" 2>&1
 tail -n 6 "$OUT/setup.log"
-timeout -k 10 300 python3 -m fusedhead.cli bench --device cuda --dtype bf16 --n 8192 32768 \
-  --hidden 4096 --vocab 151936 --temperature 0.7 --case policy --max-minutes 4 \
-  --impl triton torch unfused:triton unfused:torch liger-direct \
+timeout -k 10 "${BENCH_LIMIT:-300}" python3 -m fusedhead.cli bench --device cuda --dtype bf16 \
+  --n 8192 32768 --hidden 4096 --vocab 151936 --temperature 0.7 --case policy \
+  --max-minutes "${BENCH_MINUTES:-4}" --impl triton unfused:triton liger-direct torch unfused:torch \
   --json "$OUT/policy.json" --markdown "$OUT/policy.md" >"$OUT/bench.log" 2>&1
 echo "bench exit $?" >>"$OUT/bench.log"
 tail -n 14 "$OUT/bench.log"
-timeout -k 10 120 python3 "$HERE/policy_loss_bench.py" "$OUT/plb" --reps 5 --accuracy-n 8192 \
+timeout -k 10 "${PLB_LIMIT:-120}" python3 "$HERE/policy_loss_bench.py" "$OUT/plb" --reps 5 --accuracy-n 8192 \
   --impl fused:triton fused:triton:memory=fast fused:triton:policy_chunk_rows=768 \
   unfused:triton >"$OUT/plb.log" 2>&1
 echo "policy_loss_bench exit $?" >>"$OUT/plb.log"
 tail -n 10 "$OUT/plb.log"
 for b in triton torch; do
-  timeout -k 10 90 python3 -m fusedhead.cli check "$b" --device cuda --dtype bf16 -k policy
+  timeout -k 10 "${CHECK_LIMIT:-90}" python3 -m fusedhead.cli check "$b" --device cuda --dtype bf16 -k policy
   echo "check $b exit $?"
 done >"$OUT/checks.log" 2>&1
 tail -n 20 "$OUT/checks.log"

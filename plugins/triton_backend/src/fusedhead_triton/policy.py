@@ -41,11 +41,15 @@ def keep_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def chunk_rows(n: int, v: int, dtype: torch.dtype, budget_bytes: int, explicit: int | None) -> int:
-    """Rows per chunk: the kept ``[rows, V]`` buffer within ``budget_bytes`` (at least 128 rows)."""
+    """Rows per chunk: as few chunks as the kept ``[rows, V]`` buffer within ``budget_bytes``
+    allows (at least 128 rows), of equal size in whole 128-row tiles, so no small last chunk
+    pays a GEMM of its own at low efficiency and a read-modify-write of the weight gradient."""
     if explicit is not None:
         return explicit
     per_row = v * torch.empty((), dtype=keep_dtype(dtype)).element_size()
-    rows = max(128, budget_bytes // per_row // 128 * 128)
+    most = max(128, budget_bytes // per_row // 128 * 128)
+    chunks = math.ceil(max(n, 1) / most)
+    rows = math.ceil(max(n, 1) / chunks / 128) * 128
     return min(rows, max(n, 1))
 
 

@@ -1,0 +1,36 @@
+"""The policy loss's row chunks: as few as the kept buffer's budget allows, of equal size in whole
+128-row tiles (no small last chunk with a GEMM and a weight-gradient read-modify-write of its own)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fusedhead_triton.policy import chunk_rows
+
+V = 151936
+GIB = 2**30
+
+
+@pytest.mark.parametrize("n", [1, 100, 3456, 3457, 7430, 8192, 29538, 32768, 100_000])
+@pytest.mark.parametrize("budget", [GIB // 4, GIB, 2 * GIB])
+def test_chunks_are_few_equal_whole_tiles_within_the_budget(n: int, budget: int) -> None:
+    rows = chunk_rows(n, V, torch.bfloat16, budget, None)
+    most = budget // (V * 2) // 128 * 128  # the buffer's rows (fp16 offsets: 2 bytes a value)
+    chunks = math.ceil(n / rows)
+    assert chunks == math.ceil(n / most)  # no more chunks than the budget forces
+    if rows < n:
+        assert rows % 128 == 0 and rows <= most
+        assert n - (chunks - 1) * rows > rows - 128 * chunks  # the last chunk is nearly full
+    else:
+        assert rows == n
+
+
+def test_an_explicit_chunk_is_taken_as_given() -> None:
+    assert chunk_rows(7430, V, torch.bfloat16, GIB, 768) == 768
+
+
+def test_fp32_inputs_keep_four_bytes_a_value() -> None:
+    assert chunk_rows(100_000, V, torch.float32, GIB, None) <= GIB // (V * 4)
