@@ -44,7 +44,9 @@ def main() -> int:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     if sys.argv[2:3] == ["--dz"]:
-        dz_sweep([(2, 4, 3), (1, 4, 3), (2, 4, 4), (4, 4, 3), (2, 8, 3), (4, 8, 4), (1, 2, 4), (2, 4, 3)])
+        dz_sweep(
+            [(2, 4, 3), (1, 4, 3), (2, 4, 4), (4, 4, 3), (2, 8, 3), (4, 8, 4), (1, 2, 4), (2, 4, 3)]
+        )
         return 0
     impls = sys.argv[2:] or ["fused:triton:policy_chunk_rows=8192", "unfused:triton"]
     n = 8192
