@@ -32,6 +32,7 @@ def policy_logits_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGS: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     PER_TOKEN_T: tl.constexpr, HAS_SOFTCAP: tl.constexpr, KEEP_TMA: tl.constexpr,
+    KEEP_EARLY: tl.constexpr = False, KEEP_SPLIT: tl.constexpr = 1,
 ):  # fmt: skip
     """Persistent over the (row tile, vocab tile) grid: the fp32 logits tile, its (m, s, w),
     the label logit, and ``d = z - m`` stored in ``keep``'s dtype (through its TMA descriptor
@@ -62,6 +63,9 @@ def policy_logits_kernel(
         )  # fmt: skip
         m = tl.max(z, axis=1)
         d = z - m[:, None]
+        if KEEP_EARLY:
+            _keep(keep_ptr, d, pid_m * BLOCK_M, pid_n * BLOCK_N, N, V, stride_keep, BLOCK_M,
+                  BLOCK_N, KEEP_TMA, KEEP_SPLIT)  # fmt: skip
         e = tl.exp2(d * LOG2E)
         s = tl.sum(e, axis=1)
         wsum = tl.sum(e * tl.where(col_ok[None, :], d, 0.0), axis=1)
@@ -73,10 +77,23 @@ def policy_logits_kernel(
         hit, col = label_column(labels_ptr, rows, row_ok, label_offset, pid_n * BLOCK_N, V, BLOCK_N)
         zy = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == col[:, None], z, 0.0), axis=1)
         tl.store(zy_ptr + rows, zy, mask=hit)
-        store_tile(
-            keep_ptr, d, pid_m * BLOCK_M, pid_n * BLOCK_N, N, V, stride_keep, BLOCK_M, BLOCK_N,
-            KEEP_TMA,
-        )  # fmt: skip
+        if not KEEP_EARLY:
+            _keep(keep_ptr, d, pid_m * BLOCK_M, pid_n * BLOCK_N, N, V, stride_keep, BLOCK_M,
+                  BLOCK_N, KEEP_TMA, KEEP_SPLIT)  # fmt: skip
+
+
+@triton.jit
+def _keep(
+    keep_ptr, d, off_m, off_n, N, V, stride_keep, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KEEP_TMA: tl.constexpr, KEEP_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """EXPERIMENT: the kept offsets in one store, or (TMA) in two column halves."""
+    if KEEP_TMA and KEEP_SPLIT == 2:
+        d0, d1 = tl.split(tl.permute(tl.reshape(d, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        keep_ptr.store([off_m, off_n], d0.to(keep_ptr.dtype))
+        keep_ptr.store([off_m, off_n + BLOCK_N // 2], d1.to(keep_ptr.dtype))
+    else:
+        store_tile(keep_ptr, d, off_m, off_n, N, V, stride_keep, BLOCK_M, BLOCK_N, KEEP_TMA)
 
 
 @triton.jit(do_not_specialize=["N", "V"])
