@@ -31,9 +31,6 @@ from .launch import (
 
 #: The dz kernel's rows per program, warps and load stages (its columns: the GEMM's tile width).
 DZ_CONFIG = (2, 4, 3)
-#: EXPERIMENT: the kept offsets' store (early: right after d, before the statistics; split: in
-#: two column halves through TMA).
-KEEP_STORE = (False, 1)
 FP32 = torch.float32
 
 
@@ -97,8 +94,7 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
         t_rows = temp[start:stop] if temp is not None else log_probs  # a dummy unless per-token
         keep = buf[: m * v].view(m, v)
         keep_tma = tma and (v * keep.element_size()) % 16 == 0 and keep.data_ptr() % 16 == 0
-        early, split = KEEP_STORE
-        keep_arg = descriptor(keep, [cfg.block_m, cfg.block_n // split]) if keep_tma else keep
+        keep_arg = descriptor(keep, [cfg.block_m, cfg.block_n]) if keep_tma else keep
         ws = torch.empty((3, tiles, m), dtype=FP32, device=dev)
         zy = torch.full((m,), float("nan"), dtype=FP32, device=dev)
         h_arg = descriptor(h_rows, [cfg.block_m, cfg.block_k]) if tma else h_rows
@@ -106,8 +102,7 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
         policy_logits_kernel[grid](
             h_arg, w_arg, y, t_rows, ws, zy, keep_arg, m, v, h, *h_rows.stride(),
             *weight.stride(), keep.stride(0), 0, inv_temp, *cap_args, NUM_PROGS=progs, TMA=tma,
-            EVEN_K=h % cfg.block_k == 0, KEEP_TMA=keep_tma, KEEP_EARLY=early, KEEP_SPLIT=split,
-            **flags,
+            EVEN_K=h % cfg.block_k == 0, KEEP_TMA=keep_tma, **flags,
         )  # fmt: skip
         out = combine(Partials(ws, zy), y, head.ignore_index, entropy=True)
         log_probs[start:stop] = out.log_probs
