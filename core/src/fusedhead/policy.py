@@ -320,10 +320,10 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
     gate_policy_loss(caps, head.identity())
     call = gate_head(call, caps, head.identity())
     pcall = _policy_call(call, shape, n, device, req, pending)
-    valid = call.labels != call.ignore_index
-    scored = n
+    scored, valid = n, None
     if pending is not None:
         if not torch.compiler.is_compiling():
+            valid = call.labels != call.ignore_index
             pending.count(valid.sum())  # read with the checks: the backend sees scored rows only
         pending.send()
         pending.settle()
@@ -331,7 +331,7 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
     if scored == 0:
         result = nothing_scored(pcall)
     else:
-        rows = scored_rows(valid, scored)
+        rows = None if valid is None else scored_rows(valid, scored)
         sub = pcall if rows is None else take(pcall, rows)
         method = getattr(head.backend, "policy_loss", None)
         if not callable(method):
