@@ -123,3 +123,24 @@ def test_every_row_scored_hands_the_backend_the_call_as_it_is(backend: str) -> N
     _spy(head, seen)
     _run(head, x)
     assert seen[0].head.hidden.shape[0] == 27
+
+
+@pytest.mark.parametrize("per_token_temperature", [False, True])
+def test_the_count_comes_with_the_value_checks_in_their_one_host_read(
+    monkeypatch: pytest.MonkeyPatch, per_token_temperature: bool
+) -> None:
+    x = _batch(per_token_temperature)
+    head = fusedhead.FusedHead({"backend": "torch"})
+    _run(head, x)
+    reads: list[list[int]] = []
+    real = torch.Tensor.tolist
+
+    def tolist(t: torch.Tensor) -> Any:
+        out = real(t)
+        reads.append(out if isinstance(out, list) else [out])
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    _run(head, x)
+    flags = 2 if per_token_temperature else 1  # the labels' range, the temperatures' range
+    assert reads == [[0] * flags + [int((x["labels"] != -100).sum())]]
