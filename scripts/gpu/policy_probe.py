@@ -1,5 +1,6 @@
-"""Issue 31 probe: where a *hot* fused policy step's time goes, and what skipping ignored rows and
-other chunkings would give (one CUDA GPU, bf16, H = 4096, V = 151936, T = 0.7).
+"""Issue 31 probe: where a *hot* fused policy step's time goes, and what other chunkings would
+give (one CUDA GPU, bf16, H = 4096, V = 151936, T = 0.7): a checked call hands the backend the
+scored rows alone, ``--every-row`` runs the same with ``check_labels=False`` (every row).
 
     python scripts/gpu/policy_probe.py OUT_DIR [--n 8192 ...]
 
@@ -26,7 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from policy_loss_bench import build, make_inputs, timed
+from policy_loss_bench import LOSS, build, make_inputs, timed
 
 
 def heat(a: torch.Tensor, b: torch.Tensor, seconds: float) -> None:
@@ -38,10 +39,17 @@ def heat(a: torch.Tensor, b: torch.Tensor, seconds: float) -> None:
         torch.cuda.synchronize()
 
 
-def compacted(x: dict[str, Any]) -> dict[str, Any]:
-    """The same step with the ignored rows left out (their loss terms and gradients are 0)."""
-    keep = x["labels"] != -100
-    return {k: v[keep] if k != "weight" else v for k, v in x.items()}
+def every_row(backend: str, x: dict[str, Any]) -> Any:
+    """The fused loss with ``check_labels=False``: nothing read, the backend sees every row."""
+    import fusedhead
+
+    head = fusedhead.FusedHead({"backend": backend, "check_labels": False})
+    terms = {k: x[k] for k in ("old_log_probs", "advantages", "ref_log_probs")}
+
+    def fn(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return head.policy_loss(h, w, x["labels"], **terms, **LOSS).loss
+
+    return fn
 
 
 def profile_step(fn: Any, h: torch.Tensor, w: torch.Tensor) -> dict[str, Any]:
@@ -95,11 +103,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
     p.add_argument("--n", type=int, nargs="+", default=[8192])
+    p.add_argument("--every-row", nargs="*", default=[], help="backends, also run unchecked")
     p.add_argument("--impl", nargs="+", default=[
         "fused:triton", "fused:triton:policy_chunk_rows=2736", "fused:triton:policy_chunk_rows=4096",
         "fused:triton:policy_chunk_rows=8192", "unfused:triton",
     ])  # fmt: skip
-    p.add_argument("--compact", nargs="*", default=[], help="also these on the scored rows alone")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -112,11 +120,12 @@ def main() -> int:
         hot = statistics.median(timed(lambda a=hid, b=wt: a @ b.T, 7, dev))
         rec: dict[str, Any] = {"gemm_unit_cold_ms": cold, "gemm_unit_hot_ms": hot, "cases": []}
         print(json.dumps({"n": n, "unit_cold": cold, "unit_hot": hot}), flush=True)
-        cases = [(s, x, "") for s in a.impl] + [(s, compacted(x), "compact") for s in a.compact]
-        for spec, inp, tag in cases:
-            case: dict[str, Any] = {"impl": spec, "rows": int(inp["hidden"].shape[0]), "tag": tag}
+        for spec in [*a.impl, *(f"every-row:{b}" for b in a.every_row)]:
+            inp = x
+            case: dict[str, Any] = {"impl": spec, "rows": int(inp["hidden"].shape[0])}
             try:
-                fn = build(spec, inp)
+                kind, _, name = spec.partition(":")
+                fn = every_row(name, inp) if kind == "every-row" else build(spec, inp)
                 h = inp["hidden"].detach().clone().requires_grad_()
                 w = inp["weight"].detach().clone().requires_grad_()
                 h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)
