@@ -54,15 +54,14 @@ def spread(result: PolicyLossResult, rows: torch.Tensor, call: PolicyLossCall) -
     gradient rows); the weight gradient is the scored rows' alone already."""
     n = call.head.labels.shape[0]
 
-    def full(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(like).index_copy_(0, rows, t)
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.new_zeros((n, *t.shape[1:])).index_copy_(0, rows, t)
 
-    stat = torch.empty(n, dtype=torch.float32, device=rows.device)
     gh = result.grad_hidden
     return PolicyLossResult(
-        full(result.log_probs, stat),
-        full(result.entropy, stat),
-        grad_hidden=None if gh is None else full(gh, call.head.hidden),
+        full(result.log_probs),
+        full(result.entropy),
+        grad_hidden=None if gh is None else full(gh),
         grad_weight=result.grad_weight,
     )
 
