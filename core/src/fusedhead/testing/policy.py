@@ -15,6 +15,7 @@ the log-prob bound) away from every kink, so a right backend never straddles one
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -198,16 +199,18 @@ def _call(
     kw: dict[str, Any],
     *,
     hidden: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
     requires: tuple[bool, bool] = (True, True),
     every_row: bool = False,
 ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """The backend's loss on ``batch`` (its leaves on the target), and the leaves; ``every_row``:
-    unchecked, so the backend itself sees the ignored rows (a checked call leaves them out)."""
+    """The backend's loss on ``batch`` (its leaves on the target), and the leaves; ``hidden`` and
+    ``temperature`` replace the batch's in the call alone; ``every_row``: unchecked, so the
+    backend itself sees the ignored rows (a checked call leaves them out)."""
     dev, dt = target.device, target.dtype
     source = batch.case.hidden if hidden is None else hidden
     h = source.detach().to(dev, dt).requires_grad_(requires[0])
     w = batch.case.weight.detach().to(dev, dt).requires_grad_(requires[1])
-    temp = batch.temperature
+    temp = batch.temperature if temperature is None else temperature
     if isinstance(temp, torch.Tensor):
         temp = temp.to(dev)
     head = target.unchecked_head() if every_row else target.head
@@ -333,7 +336,7 @@ def policy_loss_accuracy(target: Target) -> None:
 
 
 def policy_loss_ignored_rows(target: Target) -> None:
-    """If declared: ignored rows (NaN/Inf hidden, NaN old log-probs) add nothing, get exactly zero gradient; all rows ignored give loss 0."""
+    """If declared: ignored rows (NaN/Inf hidden, NaN old log-probs, any per-token temperature) add nothing, get exactly zero gradient; all rows ignored give loss 0."""
     _declared(target)
     n, h, v = target.sizes.small
     case = make_case(n, h, v, scale=FLAT, seed=66, ignore_fraction=0.3, lead=(4, n // 4))
@@ -342,11 +345,20 @@ def policy_loss_ignored_rows(target: Target) -> None:
     rows = ignored.nonzero()
     for i, (r, c) in enumerate(rows.tolist()):
         dirty[r, c, i % h] = (math.nan, math.inf, -math.inf)[i % 3]
-    batch = _Batch(target, case, seed=67)
+    batches = [(_Batch(target, case, seed=67), None)]
+    if target.caps.per_token_temperature:
+        # An unchecked call may carry any temperature on an ignored row (NaN, 0, negative).
+        temps = torch.linspace(0.5, 1.5, case.labels.numel()).reshape(case.labels.shape)
+        junk = torch.tensor([math.nan, 0.0, -1.0]).repeat(int(ignored.sum()) // 3 + 1)
+        dirty_temps = temps.clone()
+        dirty_temps[ignored] = junk[: int(ignored.sum())]
+        batches.append((_Batch(target, case, seed=67, temperature=temps), dirty_temps))
     # Unchecked calls hand the backend the ignored rows; a checked call leaves them out (core).
-    for aggregation, every_row in (
-        ("token-mean", True), ("seq-mean-token-mean", True), ("token-mean", False)
-    ):  # fmt: skip
+    for (batch, temps), (aggregation, every_row) in itertools.product(
+        batches, (("token-mean", True), ("seq-mean-token-mean", True), ("token-mean", False))
+    ):
+        if temps is not None and not every_row:
+            continue  # a checked call refuses a temperature that is not > 0, ignored row or not
         kw = batch.kwargs(dual_clip=None, tis=False, aggregation=aggregation, **PENALTIES[3])
         nan_terms = {
             k: torch.where(ignored, math.nan, v) if k in ("old_log_probs", "ref_log_probs") else v
@@ -354,11 +366,15 @@ def policy_loss_ignored_rows(target: Target) -> None:
         }
         label = (
             f"{case.description}, {int(ignored.sum())} ignored rows with NaN/Inf in their hidden "
-            f"state and NaN old/ref log-probs, aggregation {aggregation}"
+            f"state and NaN old/ref log-probs"
+            + (", NaN/0/-1 per-token temperatures" if temps is not None else "")
+            + f", aggregation {aggregation}"
             + (", every row handed to the backend (check_labels=False)" if every_row else "")
         )
         try:
-            out, hh, ww = _call(target, batch, nan_terms, hidden=dirty, every_row=every_row)
+            out, hh, ww = _call(
+                target, batch, nan_terms, hidden=dirty, temperature=temps, every_row=every_row
+            )
             out.loss.backward()
         except Exception as exc:
             raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc

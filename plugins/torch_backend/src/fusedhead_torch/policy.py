@@ -122,13 +122,14 @@ def policy_loss(
     n = hidden.shape[0]
     device = hidden.device
     temp = head.temperature
+    valid = labels != head.ignore_index
     inv_t = (
-        (1.0 / temp.to(FP32)).clamp_(max=MAX_SCALE)
+        # An ignored row's temperature is never read (an unchecked call may pass NaN or 0 there).
+        torch.where(valid, 1.0 / temp.to(FP32), 1.0).clamp_(max=MAX_SCALE)
         if isinstance(temp, torch.Tensor)
         else torch.full((1,), min(1.0 / float(temp), MAX_SCALE), dtype=FP32, device=device)
     )
     chunk = _compiled_chunk if use_compile and head.softcap is None else _eager_chunk
-    valid = labels != head.ignore_index
     zero = torch.zeros((), dtype=FP32, device=device)
     w_t = gemm_operand(weight, fp32_logits).t()
     log_probs = torch.empty(n, dtype=FP32, device=device)
