@@ -56,7 +56,9 @@ class PolicyRef:
         logp = torch.log_softmax(z, dim=-1)
         valid = call.labels != call.ignore_index
         zero = torch.zeros((), dtype=torch.float32)
-        lp = logp.gather(1, call.labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+        in_range = (call.labels >= 0) & (call.labels < w.shape[0])  # unchecked calls: NaN rows
+        lp = logp.gather(1, torch.where(in_range, call.labels, 0).unsqueeze(1)).squeeze(1)
+        lp = torch.where(in_range, lp, torch.nan)
         ent = -(logp.exp() * logp).sum(-1)
         return torch.where(valid, lp, zero), torch.where(valid, ent, zero)
 

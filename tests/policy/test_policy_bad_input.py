@@ -10,6 +10,10 @@
 - A per-token tensor of fewer dimensions than the labels (``[B]`` beside ``[B, S]``) broadcast
   along S in the reference (``reference_policy_loss``) and in ``lm_head_policy_loss``'s
   temperature, as it did in ``fused_policy_loss`` before.
+- A ``loss_normalizer`` tensor on another device was moved there unchecked: on ``meta``, torch's
+  NotImplementedError "Cannot copy out of meta tensor". The CPU or hidden's device, else refused.
+- A label out of range told the caller to "pass check_labels=False", which ``fused_policy_loss``
+  does not take; the message says where it is passed.
 - ``reference_policy_loss`` computed an unknown ``aggregation`` or ``kl_estimator`` as another
   one, and let torch or an ``assert`` speak for bad shapes and missing partners.
 """
@@ -273,3 +277,24 @@ def test_the_reference_refuses_a_bad_cu_seqlens(cu):
             aggregation="seq-mean-token-mean",
             cu_seqlens=cu,
         )
+
+
+def test_a_loss_normalizer_tensor_on_another_device_is_refused_by_name():
+    """Before: NotImplementedError: Cannot copy out of meta tensor; no data!"""
+    with pytest.raises(
+        ValueError, match=r"loss_normalizer must be on hidden's device cpu, got meta"
+    ):
+        _call("torch", _batch(), loss_normalizer=torch.tensor(6.0, device="meta"))
+
+
+def test_an_out_of_range_label_says_where_check_labels_false_is_passed():
+    """Before: "pass check_labels=False", a TypeError in fused_policy_loss that takes none."""
+    batch = _batch()
+    batch["labels"][0, 1] = V
+    with pytest.raises(ValueError, match=r"got 11 at flat position 1") as caught:
+        _call("torch", batch)
+    assert "FusedHead(check_labels=False)" in str(caught.value)
+    head = fusedhead.FusedHead(backend="torch", check_labels=False)  # as the message says
+    args = {k: v for k, v in batch.items() if k not in ("hidden", "weight", "labels")}
+    out = head.policy_loss(batch["hidden"], batch["weight"], batch["labels"], **args)
+    assert torch.isnan(out.log_probs[0, 1]) and torch.isnan(out.loss)

@@ -21,7 +21,7 @@ import torch
 from fusedhead.checks import tensor_arg
 from fusedhead.contract import gate_head, gate_policy_loss
 from fusedhead.errors import BackendError
-from fusedhead.policy_terms import LOG_RATIO_BOUND, kl_penalty, token_grads
+from fusedhead.policy_terms import LOG_RATIO_BOUND, kl_penalty, on_policy_log_ratio, token_grads
 from fusedhead.protocol import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -220,6 +220,9 @@ def _normalizer(
                 f"loss_normalizer must be a number or a one-element tensor, got a tensor of "
                 f"shape {tuple(t.shape)}"
             )
+        if t.device != device and t.device.type != "cpu":
+            where = f"hidden's device {device}" + ("" if device.type == "cpu" else " or the CPU")
+            raise ValueError(f"loss_normalizer must be on {where}, got {t.device}")
         out = t.detach().reshape(()).to(device=device, dtype=torch.float32)
         if pending is not None and out.device.type != "meta" and not torch.compiler.is_compiling():
             pending.add(~(torch.isfinite(out) & (out > 0)), _bad_normalizer, out)
@@ -482,8 +485,11 @@ def _output(
     zero = torch.zeros((), dtype=torch.float32, device=lp.device)
     count = valid.sum().to(torch.float32)
     denom = count.clamp(min=1.0)
-    old = lp if call.old_log_probs is None else call.old_log_probs  # None: on-policy, ratio 1
-    log_ratio = torch.where(valid, (lp - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), zero)
+    if call.old_log_probs is None:  # on-policy: ratio 1 (NaN where lp is), as token_grads has it
+        log_ratio = on_policy_log_ratio(lp)
+    else:
+        log_ratio = (lp - call.old_log_probs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    log_ratio = torch.where(valid, log_ratio, zero)
     ratio = torch.exp(log_ratio)
     adv = torch.where(valid, call.advantages, zero)
     unclipped = -adv * ratio

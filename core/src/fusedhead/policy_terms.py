@@ -34,6 +34,12 @@ class TokenTerms(NamedTuple):
     grad_entropy: torch.Tensor
 
 
+def on_policy_log_ratio(log_probs: torch.Tensor) -> torch.Tensor:
+    """``lp - lp.detach()`` on-policy: 0, and NaN where ``lp`` is (an unchecked call's
+    out-of-range label), so such a row makes the loss NaN, not a finite value without it."""
+    return torch.where(torch.isnan(log_probs), log_probs, torch.zeros_like(log_probs))
+
+
 def _clamped(x: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``clamp(x, -bound, bound)`` and where its derivative is 1 (the closed range)."""
     return x.clamp(-bound, bound), (x >= -bound) & (x <= bound)
@@ -50,7 +56,8 @@ def surrogate(
     """The clipped (dual-clipped, TIS-weighted) surrogate of each token and its derivative."""
     adv = call.advantages[rows]
     if call.old_log_probs is None:  # on-policy: exp(lp - lp.detach()), exactly 1 with slope 1
-        log_ratio, live = torch.zeros_like(log_probs), torch.ones_like(log_probs, dtype=torch.bool)
+        log_ratio = on_policy_log_ratio(log_probs)
+        live = torch.ones_like(log_probs, dtype=torch.bool)
     else:
         log_ratio, live = _clamped(log_probs - call.old_log_probs[rows], LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)

@@ -14,6 +14,13 @@ import torch
 
 from fusedhead.checks import RANGE_TEXT, SCALAR_HI, SCALAR_LO
 
+#: Where ``check_labels=False`` is passed, for the errors that point to it: ``fused_policy_loss``
+#: takes no such argument, a head configured with it checks none of its calls.
+UNCHECKED = (
+    "check_labels=False (an argument of fused_head and fused_kl; FusedHead(check_labels=False) "
+    "for every call of a head, its policy_loss included)"
+)
+
 
 def check_temperature_values(t: torch.Tensor, arg: str, pending: Pending | None = None) -> None:
     """Every per-token temperature in ``SCALAR_RANGE`` (so finite and > 0; one device-to-host
@@ -61,8 +68,8 @@ def _raise_bad_labels(
     count = int(bad.sum())
     raise ValueError(
         f"labels must be in [0, {vocab_size}) or ignore_index={ignore_index}, got {int(labels[idx])} "
-        f"at flat position {idx} ({count} label(s) out of range); pass check_labels=False to skip "
-        "this check (such rows then give NaN)"
+        f"at flat position {idx} ({count} label(s) out of range); {UNCHECKED} skips this check "
+        "(such rows then give NaN)"
     )
 
 
@@ -90,8 +97,8 @@ def _raise_bad_ids(
     raise ValueError(
         f"gather_ids must be in [0, {vocab_size}) or ignore_index={ignore_index} "
         f"on scored rows, got {int(flat[row, col])} at flat row {row}, position {col} "
-        f"({int(bad.sum())} id(s) out of range); pass check_labels=False to skip this "
-        "check (such ids then give NaN)"
+        f"({int(bad.sum())} id(s) out of range); {UNCHECKED} skips this check (such ids then give "
+        "NaN)"
     )
 
 
@@ -143,7 +150,7 @@ class Pending:
             raise ValueError(
                 "check_labels=True checks the label range (and any gather_ids and per-token "
                 "temperature tensor) by a device-to-host read, which CUDA-graph capture forbids; "
-                "inside a captured region pass check_labels=False (it skips all three value checks)"
+                f"inside a captured region, {UNCHECKED} skips all three value checks"
             )
         self._host = flags.to("cpu", non_blocking=True)
         self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -513,7 +513,7 @@ def policy_loss_determinism(target: Target) -> None:
 
 
 def policy_loss_contract(target: Target) -> None:
-    """If declared: the output's types and shapes, gradients only where asked, none under no_grad, a second backward and create_graph refused."""
+    """If declared: the output's types and shapes, gradients only where asked, none under no_grad, a second backward and create_graph refused, unchecked out-of-range labels NaN."""
     from fusedhead.policy import PolicyLossOutput
 
     _declared(target)
@@ -624,6 +624,41 @@ def policy_loss_contract(target: Target) -> None:
     want = _Expected(batch, target, settings[1][1])
     if abs(float(out.loss) - want.loss) > want.loss_bound:
         raise PropertyFailure(f"{label}: loss {float(out.loss)!r}, float64 {want.loss!r}")
+    _unchecked_labels(target, batch)
+
+
+def _unchecked_labels(target: Target, batch: _Batch) -> None:
+    """An unchecked call's out-of-range labels (the contract's ``unchecked_labels``): no crash,
+    NaN log-probs at their rows alone, and a NaN loss, on-policy too (never a finite one)."""
+    dev = target.device
+    labels = batch.case.labels.clone()
+    flat = labels.view(-1)
+    v = batch.case.weight.shape[0]
+    bad = torch.zeros(flat.shape[0], dtype=torch.bool)
+    bad[[1, 4]] = True
+    flat[1], flat[4] = v, -5
+    for what, old in (("off-policy", batch.old), ("on-policy", None)):
+        label = f"{batch.case.description}, labels {v} and -5 at rows 1 and 4, check_labels=False, {what}"
+        kw = {**batch.kwargs(dual_clip=None, tis=False, **PENALTIES[3]), "old_log_probs": old}
+        h = batch.case.hidden.detach().to(dev, target.dtype).requires_grad_()
+        w = batch.case.weight.detach().to(dev, target.dtype).requires_grad_()
+        try:
+            out = target.unchecked_head().policy_loss(
+                h, w, labels.to(dev), temperature=batch.temperature, **_on(dev, kw)
+            )
+            out.loss.backward()
+        except Exception as exc:
+            raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+        lp = out.log_probs.detach().cpu().reshape(-1)
+        scored = (flat != IGNORE_INDEX) & ~bad
+        if not bool(torch.isnan(lp[bad]).all()) or not bool(torch.isfinite(lp[scored]).all()):
+            raise PropertyFailure(
+                f"{label}: log_probs must be NaN at the out-of-range rows alone, got "
+                f"{lp[bad].tolist()} there and {int((~torch.isfinite(lp[scored])).sum())} "
+                "non-finite elsewhere"
+            )
+        if not bool(torch.isnan(out.loss.detach())):
+            raise PropertyFailure(f"{label}: the loss must be NaN, got {float(out.loss)!r}")
 
 
 POLICY_PROPERTIES: dict[str, Property] = {

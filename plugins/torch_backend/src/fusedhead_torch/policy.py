@@ -11,6 +11,7 @@ workspace budget) besides the two gradients. Ignored rows are selected out (neve
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -131,6 +132,8 @@ def policy_loss(
     )
     chunk = _compiled_chunk if use_compile and head.softcap is None else _eager_chunk
     zero = torch.zeros((), dtype=FP32, device=device)
+    nan = torch.full((), math.nan, dtype=FP32, device=device)
+    v = weight.shape[0]
     w_t = gemm_operand(weight, fp32_logits).t()
     log_probs = torch.empty(n, dtype=FP32, device=device)
     entropy = torch.empty(n, dtype=FP32, device=device)
@@ -146,9 +149,12 @@ def policy_loss(
         )
         x = logits_mm(gemm_operand(h_rows, fp32_logits), w_t, fp32_logits).to(FP32)
         k = inv_t[start:stop] if inv_t.numel() > 1 else inv_t.expand(stop - start)
-        label = torch.where(ok, labels[start:stop], 0).unsqueeze(1)
+        y = labels[start:stop]
+        # An unchecked call's out-of-range label is never read out of bounds: its row gives NaN.
+        in_range = ok & (y >= 0) & (y < v)
+        label = torch.where(in_range, y, 0).unsqueeze(1)
         d_y, s, log_s, ent, grad = chunk(x, k, label, head.softcap, need_grads, hidden.dtype)
-        lp = torch.where(ok, d_y - log_s, zero)
+        lp = torch.where(in_range, d_y - log_s, torch.where(ok, nan, zero))
         ent = torch.where(ok, ent, zero)
         log_probs[start:stop] = lp
         entropy[start:stop] = ent
