@@ -91,8 +91,8 @@ def test_custom_ops_pass_opcheck() -> None:
     ))  # fmt: skip
     logp, lse, ent = torch.ops.fusedhead_triton.head_forward(*fwd_args)
     g = torch.ones_like(logp)
-    bwd_args = (hidden.detach(), weight.detach(), lab, None, lse.detach(), ent.detach(), g, None,
-                0, -100, 1.0, None, key, True, False)  # fmt: skip
+    bwd_args = (hidden.detach(), weight.detach(), lab, None, lse.detach(), logp.detach(),
+                ent.detach(), g, None, 0, -100, 1.0, None, key, True, False)  # fmt: skip
     torch.library.opcheck(torch.ops.fusedhead_triton.head_backward, bwd_args,
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
     dh, dw = torch.ops.fusedhead_triton.head_backward(*bwd_args)

@@ -279,9 +279,9 @@ def test_extras_custom_ops_pass_opcheck() -> None:
     ))  # fmt: skip
     outs = torch.ops.fusedhead_triton.head_outputs(*args)
     g = torch.ones(8)
-    bwd = (hid.detach(), w.detach(), y, None, ids, outs[1].detach(), outs[2].detach(),
-           outs[4].detach(), g, None, g, g, torch.ones(8, 4), 0, IGNORE, 1.0, None, 50, key,
-           True, True)  # fmt: skip
+    bwd = (hid.detach(), w.detach(), y, None, ids, outs[1].detach(), outs[0].detach(),
+           outs[2].detach(), outs[4].detach(), g, None, g, g, torch.ones(8, 4), 0, IGNORE, 1.0,
+           None, 50, key, True, True)  # fmt: skip
     torch.library.opcheck(torch.ops.fusedhead_triton.head_outputs_backward, bwd,
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
 

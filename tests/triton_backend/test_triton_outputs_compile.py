@@ -59,8 +59,8 @@ def _variants() -> dict[str, dict[str, Any]]:
         "h": f"tensordesc<bf16[{dcfg.block_m}, {dcfg.block_k}]>",
         "w": f"tensordesc<bf16[{dcfg.block_n}, {dcfg.block_k}]>",
         "dz": f"tensordesc<bf16[{dcfg.block_m}, {dcfg.block_n}]>",
-        "labels_ptr": "*i64", "temp_ptr": "*fp32", "lse_ptr": "*fp32", "ent_ptr": "*fp32",
-        "glp_ptr": "*fp32", "gent_ptr": "*fp32", "ax_ptr": "*fp32", "c_ptr": "*fp32",
+        "labels_ptr": "*i64", "temp_ptr": "*fp32", "lse_ptr": "*fp32", "lp_ptr": "*fp32",
+        "ent_ptr": "*fp32", "glp_ptr": "*fp32", "gent_ptr": "*fp32", "ax_ptr": "*fp32", "c_ptr": "*fp32",
         "starts_ptr": "*i32", "sids_ptr": "*i32", "gs_ptr": "*fp32", "N": "i32", "Vb": "i32",
         "H": "i32", **dict.fromkeys(
             ("stride_hn", "stride_hk", "stride_wv", "stride_wk", "stride_dzm"), "i32"
@@ -90,7 +90,8 @@ def _variants() -> dict[str, dict[str, Any]]:
         out[f"combine_{'shard' if gm else 'one'}"] = off.resources(compiled).__dict__
     fin_sig = {
         "m_ptr": "*fp32", "sums_ptr": "*i64", "zy_ptr": "*fp32", "labels_ptr": "*i64",
-        "lp_ptr": "*fp32", "lse_ptr": "*fp32", "ent_ptr": "*fp32", "p2_ptr": "*fp32", "N": "i32",
+        "lp_ptr": "*fp32", "lse_ptr": "*fp32", "logs_ptr": "*fp32", "ent_ptr": "*fp32",
+        "p2_ptr": "*fp32", "N": "i32",
         "ignore_index": "i32", "inv_two_f": "fp32",
     }  # fmt: skip
     consts = {"BLOCK_R": 64, "HAS_ENT": True, "HAS_Q": True}

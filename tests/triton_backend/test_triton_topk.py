@@ -13,7 +13,7 @@ from fusedhead_triton.configs import settings_for
 from fusedhead_triton.launch import (
     HeadScalars,
     PartialExtras,
-    combine,
+    combine_extras,
     forward_partials,
     sort_ids,
 )
@@ -238,7 +238,8 @@ def test_finish_gives_log_probs_and_blanks_ignored_rows() -> None:
     cfg = settings_for(torch.float32, **SMALL_TILES).forward
     sc = HeadScalars(0, IGNORE, 1.0, None)
     p, top = topk_partials(hid, w, lab, None, sc, cfg, 5)
-    out = finish(top, combine(p, lab, IGNORE, entropy=False).lse, lab, IGNORE)
+    rows = combine_extras(p, lab, IGNORE, entropy=False)
+    out = finish(top, rows.row_max, rows.log_s, lab, IGNORE)
     ids, _ = _reference(hid.double() @ w.double().T, 5)
     logp = torch.log_softmax(hid.double() @ w.double().T, dim=1).gather(1, ids)
     keep = lab != IGNORE

@@ -345,7 +345,7 @@ def policy_loss_ignored_rows(target: Target) -> None:
     rows = ignored.nonzero()
     for i, (r, c) in enumerate(rows.tolist()):
         dirty[r, c, i % h] = (math.nan, math.inf, -math.inf)[i % 3]
-    batches = [(_Batch(target, case, seed=67), None)]
+    batches: list[tuple[_Batch, torch.Tensor | None]] = [(_Batch(target, case, seed=67), None)]
     if target.caps.per_token_temperature:
         # An unchecked call may carry any temperature on an ignored row (NaN, 0, negative).
         temps = torch.linspace(0.5, 1.5, case.labels.numel()).reshape(case.labels.shape)
@@ -354,10 +354,10 @@ def policy_loss_ignored_rows(target: Target) -> None:
         dirty_temps[ignored] = junk[: int(ignored.sum())]
         batches.append((_Batch(target, case, seed=67, temperature=temps), dirty_temps))
     # Unchecked calls hand the backend the ignored rows; a checked call leaves them out (core).
-    for (batch, temps), (aggregation, every_row) in itertools.product(
+    for (batch, call_temps), (aggregation, every_row) in itertools.product(
         batches, (("token-mean", True), ("seq-mean-token-mean", True), ("token-mean", False))
     ):
-        if temps is not None and not every_row:
+        if call_temps is not None and not every_row:
             continue  # a checked call refuses a temperature that is not > 0, ignored row or not
         kw = batch.kwargs(dual_clip=None, tis=False, aggregation=aggregation, **PENALTIES[3])
         nan_terms = {
@@ -367,13 +367,13 @@ def policy_loss_ignored_rows(target: Target) -> None:
         label = (
             f"{case.description}, {int(ignored.sum())} ignored rows with NaN/Inf in their hidden "
             f"state and NaN old/ref log-probs"
-            + (", NaN/0/-1 per-token temperatures" if temps is not None else "")
+            + (", NaN/0/-1 per-token temperatures" if call_temps is not None else "")
             + f", aggregation {aggregation}"
             + (", every row handed to the backend (check_labels=False)" if every_row else "")
         )
         try:
             out, hh, ww = _call(
-                target, batch, nan_terms, hidden=dirty, temperature=temps, every_row=every_row
+                target, batch, nan_terms, hidden=dirty, temperature=call_temps, every_row=every_row
             )
             out.loss.backward()
         except Exception as exc:
@@ -646,7 +646,7 @@ def _unchecked_labels(target: Target, batch: _Batch) -> None:
             out = target.unchecked_head().policy_loss(
                 h, w, labels.to(dev), temperature=batch.temperature, **_on(dev, kw)
             )
-            out.loss.backward()
+            torch.autograd.backward([out.loss])
         except Exception as exc:
             raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
         lp = out.log_probs.detach().cpu().reshape(-1)

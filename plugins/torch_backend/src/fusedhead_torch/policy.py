@@ -18,7 +18,7 @@ import torch
 
 from fusedhead.policy_terms import token_grads
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
-from fusedhead_torch.fused_passes import compiled, label_grad
+from fusedhead_torch.fused_passes import compiled
 from fusedhead_torch.tile_math import MAX_SCALE, gemm_operand, logits_mm
 
 FP32 = torch.float32
@@ -44,9 +44,9 @@ def chunk_rows(
     return max(1, budget_bytes // (v * per_value))
 
 
-#: ``dz`` of a chunk from its per-row coefficients ``(a, b, onehot)``: ``e a + (e d) b``
+#: ``dz`` of a chunk from its per-row coefficients ``(a, b, label)``: ``e a + (e d) b``
 #: [* sech^2] in the GEMMs' dtype, its label column not yet patched, and the label column's value
-#: ``e_y a + (e_y d_y) b + onehot`` [* sech^2] in fp32.
+#: ``label`` [* sech^2] in fp32.
 ChunkGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 #: What a chunk's elementwise work gives: each row's ``d`` at the label, ``s``, ``log s``, the
 #: entropy, and the chunk's ``ChunkGrad``.
@@ -73,9 +73,8 @@ def _eager_chunk(
     d_y = d.gather(1, label).squeeze(1)
 
     def grad(
-        a: torch.Tensor, b: torch.Tensor, onehot: torch.Tensor
+        a: torch.Tensor, b: torch.Tensor, dz_label: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        dz_label = label_grad(e.gather(1, label).squeeze(1), d_y, a, b, onehot)
         # e a + (e d) b: b d alone overflows at tiny temperatures where e is 0.
         ed = d.mul_(e)
         g = torch.mul(e, a.unsqueeze(1), out=e).addcmul_(ed, b.unsqueeze(1))
@@ -99,10 +98,10 @@ def _compiled_chunk(
     log_s = torch.log(s)
 
     def grad(
-        a: torch.Tensor, b: torch.Tensor, onehot: torch.Tensor
+        a: torch.Tensor, b: torch.Tensor, dz_label: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dz = compiled("logits_grad", *variant, True)(x, kc, m, a, b, dtype)
-        return dz, label_grad(torch.exp(d_y), d_y, a, b, onehot)
+        return dz, dz_label
 
     return d_y, s, log_s, log_s - t / s, grad
 
@@ -164,11 +163,13 @@ def policy_loss(
         terms = token_grads(call, start, stop, lp, ent)
         g_lp, g_ent = terms.grad_log_probs, terms.grad_entropy
         # dL/dx_j = k (g_lp (onehot - p_j) - g_ent p_j (log p_j + H)) [* sech^2], with p = e / s
-        # and log p = d - log s: e (a + b d) + onehot k g_lp, k folded into a and b.
+        # and log p = d - log s: e (a + b d), k folded into a and b; the label column from the
+        # row's log-prob, 1 - p as -expm1(lp): a confident token's keeps its digits.
         inv_s = k / s
         a = (-g_lp - g_ent * (ent - log_s)) * inv_s
         b = -g_ent * inv_s
-        dz, dz_label = grad(a, b, g_lp * k)
+        label_value = k * (g_lp * -torch.expm1(lp) - g_ent * torch.exp(lp) * (lp + ent))
+        dz, dz_label = grad(a, b, label_value)
         del grad, x  # the chunk's fp32 tiles but dz, before the gradient GEMMs
         dz.scatter_(1, label, dz_label.to(dz.dtype).unsqueeze(1))
         if grad_h is not None:

@@ -51,6 +51,7 @@ class RowGrads(NamedTuple):
     labels: torch.Tensor
     temp: torch.Tensor | None
     lse: torch.Tensor
+    log_probs: torch.Tensor
     ent: torch.Tensor | None
     g_lp: torch.Tensor | None
     g_ent: torch.Tensor | None
@@ -90,13 +91,16 @@ class PartialExtras(NamedTuple):
 
 
 class ExtraRowOutputs(NamedTuple):
-    """``RowOutputs`` and the extras (each a dummy when not asked): sum of squared p, argmax."""
+    """``RowOutputs`` and the extras (each a dummy when not asked): sum of squared p, argmax;
+    the row max and ``log s`` (any id's log-prob is ``(z - row_max) - log_s``)."""
 
     log_probs: torch.Tensor
     lse: torch.Tensor
     entropy: torch.Tensor
     sum_p2: torch.Tensor
     argmax: torch.Tensor
+    row_max: torch.Tensor
+    log_s: torch.Tensor
 
 
 class RowOutputs(NamedTuple):
@@ -279,21 +283,20 @@ def tile_sums(
 def finish_rows(
     m: torch.Tensor, sums: torch.Tensor, zy: torch.Tensor, labels: torch.Tensor,
     ignore_index: int, *, entropy: bool, sum_p2: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(log_prob, lse, entropy-or-dummy, sum_p2-or-dummy) from ``tile_sums``' row max and sums
-    (or their sum over ranks): ``finish_kernel``, the one path to the outputs."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(log_prob, lse, entropy-or-dummy, sum_p2-or-dummy, log s) from ``tile_sums``' row max
+    and sums (or their sum over ranks): ``finish_kernel``, the one path to the outputs."""
     n = m.shape[0]
-    # Three separate [N] outputs (a custom op's returns may not alias); sum_p2's only if asked.
-    outs = [torch.empty(n, dtype=torch.float32, device=m.device) for _ in range(3)]
-    ent = outs[2]
+    # Separate [N] outputs (a custom op's returns may not alias); sum_p2's only if asked.
+    lp, lse, ent, log_s = (torch.empty(n, dtype=torch.float32, device=m.device) for _ in range(4))
     p2 = torch.empty(n if sum_p2 else 0, dtype=torch.float32, device=m.device)
     if n:
         finish_kernel[(math.ceil(n / COMBINE_BLOCK_R),)](
-            m, sums, zy, labels, outs[0], outs[1], ent, p2 if sum_p2 else ent, n, ignore_index,
+            m, sums, zy, labels, lp, lse, log_s, ent, p2 if sum_p2 else ent, n, ignore_index,
             float(2.0**-FIXED_BITS), BLOCK_R=COMBINE_BLOCK_R, HAS_ENT=entropy, HAS_Q=sum_p2,
             num_warps=4,
         )  # fmt: skip
-    return outs[0], outs[1], ent, p2
+    return lp, lse, ent, p2, log_s
 
 
 def combine(p: Partials, labels: torch.Tensor, ignore_index: int, *, entropy: bool) -> RowOutputs:
@@ -311,12 +314,12 @@ def combine_extras(
     """``combine`` with the sum of squared p (from ``p.q``) and the argmax (from ``p.arg``; -1
     on ignored rows)."""
     m, sums, arg = tile_sums(p, None, label_offset, arg_width)
-    lp, lse, ent, p2 = finish_rows(
+    lp, lse, ent, p2, log_s = finish_rows(
         m, sums, p.zy, labels, ignore_index, entropy=entropy, sum_p2=p.q is not None
     )
     if arg is not None:
         arg = torch.where(labels != ignore_index, arg, -1)
-    return ExtraRowOutputs(lp, lse, ent, p2, lp if arg is None else arg)
+    return ExtraRowOutputs(lp, lse, ent, p2, lp if arg is None else arg, m, log_s)
 
 
 def dz_block(

@@ -47,13 +47,13 @@ def head_forward(
 @torch.library.custom_op("fusedhead_triton::head_backward", mutates_args=())
 def head_backward(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
-    lse: torch.Tensor, ent: torch.Tensor | None, g_lp: torch.Tensor | None,
+    lse: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor | None, g_lp: torch.Tensor | None,
     g_ent: torch.Tensor | None, label_offset: int, ignore_index: int, inv_temp: float,
     softcap: float | None, settings: str, need_dh: bool, need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dh, dW) of one shard; an empty tensor for a gradient not asked."""
     sc = HeadScalars(label_offset, ignore_index, inv_temp, softcap)
-    rows = RowGrads(labels, temp, lse, ent, g_lp, g_ent)
+    rows = RowGrads(labels, temp, lse, lp, ent, g_lp, g_ent)
     st = Settings.from_key(settings)
     dh, dw = backward(hidden, weight, rows, sc, st, need_dh=need_dh, need_dw=need_dw, dh_fp32=False)
     return grads_or_empty(hidden, weight, dh, dw)
@@ -61,20 +61,21 @@ def head_backward(
 
 def _forward_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     hidden, weight, labels, temp, *scalars, entropy, settings = inputs
-    ctx.save_for_backward(hidden, weight, labels, temp, output[1], output[2] if entropy else None)
+    lp, lse, ent = output
+    ctx.save_for_backward(hidden, weight, labels, temp, lse, lp, ent if entropy else None)
     ctx.scalars, ctx.entropy, ctx.settings = tuple(scalars), entropy, settings
     ctx.set_materialize_grads(False)
 
 
 def _forward_backward(ctx: Any, g_lp: Any, g_lse: Any, g_ent: Any) -> tuple[Any, ...]:
-    hidden, weight, labels, temp, lse, ent = ctx.saved_tensors
+    hidden, weight, labels, temp, lse, lp, ent = ctx.saved_tensors
     need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     g_ent = g_ent if ctx.entropy else None
     none = (None,) * 8
     if (g_lp is None and g_ent is None) or not (need_dh or need_dw):
         return (None, None, *none)
     dh, dw = torch.ops.fusedhead_triton.head_backward(
-        hidden, weight, labels, temp, lse, ent, _grad(g_lp), _grad(g_ent), *ctx.scalars,
+        hidden, weight, labels, temp, lse, lp, ent, _grad(g_lp), _grad(g_ent), *ctx.scalars,
         ctx.settings, need_dh, need_dw,
     )  # fmt: skip
     return (dh if need_dh else None, dw if need_dw else None, *none)

@@ -81,10 +81,12 @@ def _unsorted(zg: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 
 def _gathered(
-    z: torch.Tensor, lse: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, ignore: int
-) -> torch.Tensor:
-    """``z - lse`` where counted, else 0: the subtraction the combine makes for the label."""
-    return torch.where(_counted(ids, labels, ignore), z - lse.unsqueeze(1), 0.0)
+    z: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor, ids: torch.Tensor,
+    labels: torch.Tensor, ignore: int,
+) -> torch.Tensor:  # fmt: skip
+    """``(z - m) - log s`` where counted, else 0: the subtraction the combine makes for the label."""
+    lp = (z - m.unsqueeze(1)) - log_s.unsqueeze(1)
+    return torch.where(_counted(ids, labels, ignore), lp, 0.0)
 
 
 def forward_values(
@@ -112,18 +114,18 @@ def forward_values(
     if group is None:
         out = combine_extras(p, labels, ig, entropy=entropy, label_offset=lo, arg_width=cfg.block_n)
         lp, lse, ent = out.log_probs, out.lse, out.entropy
-        p2, arg_out = out.sum_p2, out.argmax
+        p2, arg_out, m, log_s = out.sum_p2, out.argmax, out.row_max, out.log_s
     else:
-        lp, lse, ent, p2, arg_out, zg = _sharded_combine(
+        lp, lse, ent, p2, arg_out, zg, m, log_s = _sharded_combine(
             p, zg, gather_ids, labels, sc, v_local, cfg, entropy, sum_p2, argmax, group, vocab_size
         )  # fmt: skip
     valid = labels != ig
-    tk = None if top is None else finish(top, lse, labels, ig)
+    tk = None if top is None else finish(top, m, log_s, labels, ig)
     return Values(
         lp, lse, ent if entropy else _empty(lp), torch.where(valid, lse, 0.0),
         p2 if sum_p2 else _empty(lp),
         arg_out if argmax and arg_out is not None else _empty(lp, torch.int64),
-        _empty(lp) if zg is None or gather_ids is None else _gathered(zg, lse, gather_ids, labels, ig),
+        _empty(lp) if zg is None or gather_ids is None else _gathered(zg, m, log_s, gather_ids, labels, ig),
         _empty(lp, torch.int64) if tk is None else tk.ids.contiguous(),
         _empty(lp) if tk is None else tk.logits.contiguous(),
     )  # fmt: skip
@@ -133,7 +135,10 @@ def _sharded_combine(
     p: Partials, zg: torch.Tensor | None, gather_ids: torch.Tensor | None, labels: torch.Tensor,
     sc: HeadScalars, v_local: int, cfg: TileConfig, entropy: bool, sum_p2: bool, argmax: bool,
     group: Any, vocab_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+    torch.Tensor | None, torch.Tensor, torch.Tensor,
+]:  # fmt: skip
     """The full vocabulary's outputs from every rank's tiles, the one-process bits where the
     shards start on the tile grid: the row max MAX-reduced, each rank's fixed-point tile sums
     relative to it (``launch.tile_sums``) SUM-reduced as int64 (exact in any order) and finished
@@ -164,7 +169,7 @@ def _sharded_combine(
         packed[5 * n : 6 * n] == 1, packed[4 * n : 5 * n].to(torch.int32).view(torch.float32),
         float("nan"),
     )  # fmt: skip
-    lp, lse, ent, p2 = finish_rows(
+    lp, lse, ent, p2, log_s = finish_rows(
         m, packed[: 4 * n].view(4, n), label_logit, labels, ig, entropy=entropy, sum_p2=sum_p2
     )
     arg_out = None
@@ -178,7 +183,7 @@ def _sharded_combine(
         both = torch.stack([torch.where(mine, zg, 0.0), mine.to(torch.float32)])
         dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)  # one owner: exact
         zg = torch.where(both[1] == 1, both[0], float("nan"))
-    return lp, lse, ent, p2, arg_out, zg
+    return lp, lse, ent, p2, arg_out, zg, m, log_s
 
 
 class Grads(NamedTuple):
@@ -197,7 +202,7 @@ def _fp32(g: torch.Tensor | None) -> torch.Tensor | None:
 
 def backward_values(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
-    sparse_ids: torch.Tensor | None, lse: torch.Tensor, ent: torch.Tensor | None,
+    sparse_ids: torch.Tensor | None, lse: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor | None,
     sum_p2: torch.Tensor | None, grads: Grads, sc: HeadScalars, vocab_size: int, st: Settings,
     *, need_dh: bool, need_dw: bool, dh_fp32: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
@@ -224,7 +229,7 @@ def backward_values(
         gs = g.gather(1, ids.perm).contiguous()
     if ax is not None:
         ax = torch.where(valid, ax, 0.0).contiguous()
-    rows = RowGrads(labels, temp, lse, ent, grads.log_probs, grads.entropy)
+    rows = RowGrads(labels, temp, lse, lp, ent, grads.log_probs, grads.entropy)
     extra = DzExtras(ax, None if c is None else c.contiguous(), ids, gs)
 
     def fill_dz(v0: int, dz: torch.Tensor) -> None:
@@ -282,8 +287,9 @@ def _head_outputs_fake(
 @torch.library.custom_op("fusedhead_triton::head_outputs_backward", mutates_args=())
 def head_outputs_backward(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
-    sparse_ids: torch.Tensor | None, lse: torch.Tensor, ent: torch.Tensor | None,
-    sum_p2: torch.Tensor | None, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None,
+    sparse_ids: torch.Tensor | None, lse: torch.Tensor, lp: torch.Tensor,
+    ent: torch.Tensor | None, sum_p2: torch.Tensor | None, g_lp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
     g_lse: torch.Tensor | None, g_p2: torch.Tensor | None, g_sparse: torch.Tensor | None,
     label_offset: int, ignore_index: int, inv_temp: float, softcap: float | None,
     vocab_size: int, settings: str, need_dh: bool, need_dw: bool,
@@ -292,7 +298,7 @@ def head_outputs_backward(
     sc = HeadScalars(label_offset, ignore_index, inv_temp, softcap)
     grads = Grads(g_lp, g_ent, g_lse, g_p2, g_sparse)
     dh, dw = backward_values(
-        hidden, weight, labels, temp, sparse_ids, lse, ent, sum_p2, grads, sc, vocab_size,
+        hidden, weight, labels, temp, sparse_ids, lse, lp, ent, sum_p2, grads, sc, vocab_size,
         Settings.from_key(settings), need_dh=need_dh, need_dw=need_dw, dh_fp32=False,
     )  # fmt: skip
     return grads_or_empty(hidden, weight, dh, dw)
@@ -314,15 +320,15 @@ def sparse_grads(
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     hidden, weight, labels, temp, gather_ids, lo, ig, inv_t, cap, entropy, p2, _, k, key = inputs
     ctx.save_for_backward(
-        hidden, weight, labels, temp, gather_ids, output[1], output[2] if entropy else None,
-        output[4] if p2 else None, output[7] if k else None,
+        hidden, weight, labels, temp, gather_ids, output[1], output[0],
+        output[2] if entropy else None, output[4] if p2 else None, output[7] if k else None,
     )  # fmt: skip
     ctx.scalars, ctx.entropy, ctx.sum_p2, ctx.settings = (lo, ig, inv_t, cap), entropy, p2, key
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-    hidden, weight, labels, temp, gather_ids, lse, ent, p2, topk_ids = ctx.saved_tensors
+    hidden, weight, labels, temp, gather_ids, lse, lp, ent, p2, topk_ids = ctx.saved_tensors
     g_lp, _, g_ent, g_lse, g_p2, _, g_gath, _, g_topk = grads
     need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     ids, g_sparse = sparse_grads(((gather_ids, g_gath), (topk_ids, g_topk)))
@@ -336,7 +342,7 @@ def _backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
     lo, ig, inv_t, cap = ctx.scalars
     # vocab_size only bounds the counted ids: one shard holds the whole vocabulary.
     dh, dw = torch.ops.fusedhead_triton.head_outputs_backward(
-        hidden, weight, labels, temp, ids, lse, ent, p2, *g, lo, ig, inv_t, cap,
+        hidden, weight, labels, temp, ids, lse, lp, ent, p2, *g, lo, ig, inv_t, cap,
         weight.shape[0] + lo, ctx.settings, need_dh, need_dw,
     )  # fmt: skip
     return (dh if need_dh else None, dw if need_dw else None, *none)
@@ -370,8 +376,8 @@ class ShardedOutputs(torch.autograd.Function):
             sum_p2=sum_p2, argmax=argmax, group=group, vocab_size=vocab_size,
         )  # fmt: skip
         ctx.save_for_backward(
-            hidden, weight, labels, temp, gather_ids, v.lse, v.entropy if entropy else None,
-            v.sum_p2 if sum_p2 else None,
+            hidden, weight, labels, temp, gather_ids, v.lse, v.log_probs,
+            v.entropy if entropy else None, v.sum_p2 if sum_p2 else None,
         )  # fmt: skip
         ctx.args = (sc, st, flags, vocab_size, group, reduce)
         ctx.mark_non_differentiable(v.argmax)
@@ -382,7 +388,7 @@ class ShardedOutputs(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
         if torch.is_grad_enabled():  # create_graph=True: its collectives have no derivative here
             raise RuntimeError(DOUBLE_BACKWARD)
-        hidden, weight, labels, temp, gather_ids, lse, ent, p2 = ctx.saved_tensors
+        hidden, weight, labels, temp, gather_ids, lse, lp, ent, p2 = ctx.saved_tensors
         sc, st, (entropy, sum_p2, _), vocab_size, group, reduce = ctx.args
         g_lp, g_ent, g_lse, g_p2, _, g_gath = grads
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -395,7 +401,7 @@ class ShardedOutputs(torch.autograd.Function):
             return (None, None, *none)
         sum_dh = reduce and need_dh
         dh, dw = backward_values(
-            hidden, weight, labels, temp, gather_ids, lse, ent, p2, g, sc, vocab_size, st,
+            hidden, weight, labels, temp, gather_ids, lse, lp, ent, p2, g, sc, vocab_size, st,
             need_dh=need_dh, need_dw=need_dw,
             dh_fp32=sum_dh and hidden.dtype != torch.float32,
         )  # fmt: skip

@@ -113,10 +113,14 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
         g_lp, g_ent = terms.grad_log_probs, terms.grad_entropy
         a = torch.addcmul(g_lp, g_ent, out.entropy).neg_()
         b = g_ent.neg()
+        # The label column, g_lp (1 - p) - g_ent p (lp + H), from the row's log-prob with 1 - p
+        # as -expm1(lp): a confident token's keeps its digits (the tile's p carries lse's ulp).
+        lp = out.log_probs
+        dz_label = g_lp * -torch.expm1(lp) - g_ent * torch.exp(lp) * (lp + out.entropy)
         dz = keep if keep.dtype == hidden.dtype else keep.view(hidden.dtype)
         block_r, warps, stages = DZ_CONFIG
         policy_dz_kernel[(math.ceil(m / block_r),)](
-            keep, dz, ws, y, t_rows, out.lse, a, b, g_lp, m, v, keep.stride(0), dz.stride(0), 0,
+            keep, dz, ws, y, t_rows, out.lse, a, b, dz_label, m, v, keep.stride(0), dz.stride(0), 0,
             head.ignore_index, inv_temp, cap_args[1], BLOCK_R=block_r, BLOCK_N=cfg.block_n,
             PER_TOKEN_T=temp is not None, HAS_SOFTCAP=softcap is not None, STAGES=stages,
             num_warps=warps,

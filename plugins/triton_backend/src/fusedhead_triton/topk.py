@@ -172,8 +172,12 @@ def topk_partials(
     return p, select(cand, tiles, floor, k, sc.label_offset, weight.shape[0])
 
 
-def finish(top: TopK, lse: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> TopK:
-    """``(ids, log-probs)``: logits minus the row's lse; ignored rows give ids -1 and 0."""
+def finish(
+    top: TopK, m: torch.Tensor, log_s: torch.Tensor, labels: torch.Tensor, ignore_index: int
+) -> TopK:
+    """``(ids, log-probs)``: ``(logit - row max) - log s``, as the label's; ignored rows give
+    ids -1 and 0."""
     keep = (labels != ignore_index).unsqueeze(1)
     ids = torch.where(keep, top.ids, -1)
-    return TopK(ids, torch.where(keep, top.logits - lse.unsqueeze(1), 0.0))
+    lp = (top.logits - m.unsqueeze(1)) - log_s.unsqueeze(1)
+    return TopK(ids, torch.where(keep, lp, 0.0))

@@ -36,6 +36,7 @@ def _grad_tile(
     labels_ptr,
     temp_ptr,
     lse_ptr,
+    lp_ptr,
     ent_ptr,
     glp_ptr,
     gent_ptr,
@@ -99,7 +100,17 @@ def _grad_tile(
         cc = tl.where(valid, tl.load(c_ptr + rows), 0.0) * inv_t
         g = g + cc[:, None] * (p * p)
     if HAS_GLP:
-        g = tl.where(offs_n[None, :] == lab_local[:, None], g + glp[:, None], g)
+        # The label column per row from the forward's log-prob, exact near 0: the tile's log p
+        # carries an ulp of lse, which a confident token's 1 - p cannot afford.
+        lp = tl.load(lp_ptr + rows)
+        p_y = tl.exp2(lp * LOG2E)
+        if HAS_GENT:  # noqa: SIM108 - constexpr branch
+            g_y = -p_y * (base + gent * lp)
+        else:
+            g_y = -p_y * base
+        if HAS_C:
+            g_y = g_y + cc * (p_y * p_y)
+        g = tl.where(offs_n[None, :] == lab_local[:, None], (g_y + glp)[:, None], g)
     if HAS_SPARSE:
         g = add_sparse(g, offs_n, rows, row_ok, sp_lo, sp_hi, col0, sids_ptr, gs_ptr, K_sp, inv_t)
     if HAS_SOFTCAP:
@@ -110,7 +121,7 @@ def _grad_tile(
 
 @triton.jit(do_not_specialize=["N", "Vb", "K_sp", "col0"])
 def dz_kernel(
-    h, w, dz, labels_ptr, temp_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, ax_ptr, c_ptr,
+    h, w, dz, labels_ptr, temp_ptr, lse_ptr, lp_ptr, ent_ptr, glp_ptr, gent_ptr, ax_ptr, c_ptr,
     starts_ptr, sids_ptr, gs_ptr, N, Vb, H, stride_hn, stride_hk, stride_wv, stride_wk,
     stride_dzm, label_offset, ignore_index, inv_temp, softcap, inv_softcap, K_sp, col0,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -141,7 +152,7 @@ def dz_kernel(
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         g = _grad_tile(
-            acc, offs_m, offs_n, N, Vb, labels_ptr, temp_ptr, lse_ptr, ent_ptr, glp_ptr,
+            acc, offs_m, offs_n, N, Vb, labels_ptr, temp_ptr, lse_ptr, lp_ptr, ent_ptr, glp_ptr,
             gent_ptr, ax_ptr, c_ptr, sids_ptr, gs_ptr, sp_lo, sp_hi, K_sp, col0, label_offset,
             ignore_index, inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP,
             HAS_GENT, HAS_AX, HAS_C, HAS_SPARSE,

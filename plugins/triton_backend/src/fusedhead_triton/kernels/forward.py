@@ -250,6 +250,7 @@ def finish_kernel(
     labels_ptr,
     lp_ptr,
     lse_ptr,
+    logs_ptr,
     ent_ptr,
     p2_ptr,
     N,
@@ -260,8 +261,9 @@ def finish_kernel(
     HAS_Q: tl.constexpr,
 ):
     """A row's outputs from its row max and fixed-point sums (``combine_kernel``'s, or their sum
-    over ranks): log_prob, lse and, where asked, entropy and the sum of squared p (ignored rows
-    give 0 but in lse, which the backward reads; NaN where a summed term was not finite). One
+    over ranks): log_prob, lse, log s (``lse - m`` unrounded: other ids' log-probs are
+    ``(z - m) - log s`` too) and, where asked, entropy and the sum of squared p (ignored rows
+    give 0 but in lse and log s; NaN where a summed term was not finite). One
     kernel for the one-process and the vocab-parallel call: the same bits from the same sums."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N
@@ -275,8 +277,11 @@ def finish_kernel(
     zy = tl.load(zy_ptr + rows, mask=row_ok, other=0.0)
     lab = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)
     valid = lab != ignore_index
-    tl.store(lp_ptr + rows, tl.where(valid, zy - lse, 0.0), mask=row_ok)
+    # (z_y - m) - log s, not z_y - lse: lse rounds a small log s to an ulp of m (a confident
+    # token's log-prob, and its gradient's 1 - p, would lose digits); z_y - m is exact near m.
+    tl.store(lp_ptr + rows, tl.where(valid, (zy - big_m) - log_s, 0.0), mask=row_ok)
     tl.store(lse_ptr + rows, lse, mask=row_ok)
+    tl.store(logs_ptr + rows, log_s, mask=row_ok)
     if HAS_ENT:
         big_w = tl.load(sums_ptr + N + rows, mask=row_ok, other=0).to(tl.float32) * inv_two_f
         tl.store(ent_ptr + rows, tl.where(valid, log_s - big_w / big_s, 0.0), mask=row_ok)

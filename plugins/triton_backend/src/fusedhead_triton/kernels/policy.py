@@ -82,21 +82,23 @@ def policy_logits_kernel(
 
 @triton.jit(do_not_specialize=["N", "V"])
 def policy_dz_kernel(
-    keep_ptr, dz_ptr, ws_ptr, labels_ptr, temp_ptr, lse_ptr, a_ptr, b_ptr, g_ptr, N, V,
+    keep_ptr, dz_ptr, ws_ptr, labels_ptr, temp_ptr, lse_ptr, a_ptr, b_ptr, dzy_ptr, N, V,
     stride_keep, stride_dz, label_offset, ignore_index, inv_temp, inv_softcap,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN_T: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """``dz = (p (a + b log p) + onehot g) / T [* sech^2]``, ``log p = d + m_tile - lse``, for
-    ``BLOCK_R`` rows streamed along the vocabulary one GEMM tile width at a time (in place: each
-    value is read, then written, by this program); exactly 0 on ignored rows (selected)."""
+    """``dz = p (a + b log p) / T [* sech^2]``, ``log p = d + m_tile - lse``, the label column
+    ``dzy / T [* sech^2]`` (the launcher forms it from the row's log-prob: a confident token's
+    ``1 - p`` keeps its digits), for ``BLOCK_R`` rows streamed along the vocabulary one GEMM tile
+    width at a time (in place: each value is read, then written, by this program); exactly 0 on
+    ignored rows (selected)."""
     offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = offs_m < N
     rows = tl.minimum(offs_m, N - 1)
     lse = tl.load(lse_ptr + rows)
     a = tl.load(a_ptr + rows)[:, None]
     b = tl.load(b_ptr + rows)[:, None]
-    g = tl.load(g_ptr + rows)[:, None]
+    dzy = tl.load(dzy_ptr + rows)[:, None]
     lab = tl.load(labels_ptr + rows)
     live = (row_ok & (lab != ignore_index))[:, None]
     col_lab = (lab - label_offset)[:, None]
@@ -110,7 +112,7 @@ def policy_dz_kernel(
         m = tl.load(ws_ptr + t * N + rows)[:, None]
         log_p = d + (m - lse[:, None])
         p = tl.exp2(log_p * LOG2E)
-        dz = p * (a + b * log_p) + tl.where(offs_n[None, :] == col_lab, g, 0.0)
+        dz = tl.where(offs_n[None, :] == col_lab, dzy, p * (a + b * log_p))
         dz = dz * inv_t
         if HAS_SOFTCAP:  # z = c tanh(x / c) / T: tanh = z T / c, and dz/dx carries sech^2
             th = (d + m) / inv_t * inv_softcap
