@@ -22,7 +22,7 @@ from .kernels.policy import policy_dz_kernel, policy_logits_kernel
 from .launch import (
     HeadScalars,
     Partials,
-    combine,
+    combine_extras,
     descriptor,
     num_programs,
     tile_constants,
@@ -104,7 +104,7 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
             *weight.stride(), keep.stride(0), 0, inv_temp, *cap_args, NUM_PROGS=progs, TMA=tma,
             EVEN_K=h % cfg.block_k == 0, KEEP_TMA=keep_tma, **flags,
         )  # fmt: skip
-        out = combine(Partials(ws, zy), y, head.ignore_index, entropy=True)
+        out = combine_extras(Partials(ws, zy), y, head.ignore_index, entropy=True)
         log_probs[start:stop] = out.log_probs
         entropy[start:stop] = out.entropy
         if grad_h is None and grad_w is None:
@@ -120,7 +120,8 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
         dz = keep if keep.dtype == hidden.dtype else keep.view(hidden.dtype)
         block_r, warps, stages = DZ_CONFIG
         policy_dz_kernel[(math.ceil(m / block_r),)](
-            keep, dz, ws, y, t_rows, out.lse, a, b, dz_label, m, v, keep.stride(0), dz.stride(0), 0,
+            keep, dz, ws, y, t_rows, out.row_max, out.log_s, a, b, dz_label, m, v, keep.stride(0),
+            dz.stride(0), 0,
             head.ignore_index, inv_temp, cap_args[1], BLOCK_R=block_r, BLOCK_N=cfg.block_n,
             PER_TOKEN_T=temp is not None, HAS_SOFTCAP=softcap is not None, STAGES=stages,
             num_warps=warps,

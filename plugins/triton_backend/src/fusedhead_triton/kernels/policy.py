@@ -5,7 +5,7 @@ statistics ``ws[3, T, N]`` and label logit ``zy[N]``, so the fixed-order combine
 log-probs and entropies of the plain head) whose epilogue also stores each tile's offsets
 ``d = z - m_tile`` into ``keep[N, V]``. ``policy_dz_kernel`` turns them into the logits' gradient
 ``dz = dL/dx`` in place (``keep`` and ``dz`` share a buffer of one element size), for the two
-gradient GEMMs. ``d <= 0`` and ``p = exp(d + m_tile - lse) <= exp(d)``, so storing ``d`` in fp16
+gradient GEMMs. ``d <= 0`` and ``p = exp(d + (m_tile - m) - log s) <= exp(d)``, so storing ``d`` in fp16
 costs at most ``p |d| 2^-11 <= 2^-11 / e`` of a probability.
 """
 
@@ -82,12 +82,13 @@ def policy_logits_kernel(
 
 @triton.jit(do_not_specialize=["N", "V"])
 def policy_dz_kernel(
-    keep_ptr, dz_ptr, ws_ptr, labels_ptr, temp_ptr, lse_ptr, a_ptr, b_ptr, dzy_ptr, N, V,
+    keep_ptr, dz_ptr, ws_ptr, labels_ptr, temp_ptr, m_ptr, logs_ptr, a_ptr, b_ptr, dzy_ptr, N, V,
     stride_keep, stride_dz, label_offset, ignore_index, inv_temp, inv_softcap,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN_T: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """``dz = p (a + b log p) / T [* sech^2]``, ``log p = d + m_tile - lse``, the label column
+    """``dz = p (a + b log p) / T [* sech^2]``, ``log p = d + (m_tile - m) - log s`` (not
+    ``- lse``, whose rounding to an ulp of ``m`` a large p's ``log p`` cannot afford), the label column
     ``dzy / T [* sech^2]`` (the launcher forms it from the row's log-prob: a confident token's
     ``1 - p`` keeps its digits), for ``BLOCK_R`` rows streamed along the vocabulary one GEMM tile
     width at a time (in place: each value is read, then written, by this program); exactly 0 on
@@ -95,7 +96,8 @@ def policy_dz_kernel(
     offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = offs_m < N
     rows = tl.minimum(offs_m, N - 1)
-    lse = tl.load(lse_ptr + rows)
+    m_row = tl.load(m_ptr + rows)[:, None]
+    log_s = tl.load(logs_ptr + rows)[:, None]
     a = tl.load(a_ptr + rows)[:, None]
     b = tl.load(b_ptr + rows)[:, None]
     dzy = tl.load(dzy_ptr + rows)[:, None]
@@ -110,7 +112,7 @@ def policy_dz_kernel(
         col_ok = (offs_n < V)[None, :]
         d = tl.load(keep_rows + offs_n[None, :], mask=col_ok, other=0.0).to(tl.float32)
         m = tl.load(ws_ptr + t * N + rows)[:, None]
-        log_p = d + (m - lse[:, None])
+        log_p = d + ((m - m_row) - log_s)
         p = tl.exp2(log_p * LOG2E)
         dz = tl.where(offs_n[None, :] == col_lab, dzy, p * (a + b * log_p))
         dz = dz * inv_t
