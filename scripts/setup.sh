@@ -10,6 +10,6 @@ pip install -q --upgrade pip
 pip install -q torch==2.13.0
 pip install -q -e "./core[testing,yaml,bench,transformers]" \
     -e ./plugins/torch_backend -e ./plugins/triton_backend -e ./plugins/liger_backend
-pip install -q ruff==0.17.6 mypy==2.4.1 omegaconf build hatchling editables
+pip install -q ruff==0.17.6 mypy==2.4.1 pytest-xdist==3.8.0 omegaconf build hatchling editables
 .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "setup: ok ($(.venv/bin/python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'))"
