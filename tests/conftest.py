@@ -30,6 +30,19 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+#: Most workers ``pytest -n auto`` starts (pytest-xdist): each imports torch and some tests spawn
+#: process groups of their own, so a many-core machine gets this many, not one per core.
+MAX_WORKERS = 8
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core this process may use, at most ``MAX_WORKERS``."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return max(1, min(MAX_WORKERS, cores))
+
+
 FIXTURE_DISTS = Path(__file__).parent / "fixtures" / "dists"
 #: Distributions that break the plugin rules on purpose (tests/core/test_faults.py).
 FAULT_DISTS = Path(__file__).parent / "fixtures" / "faults"
