@@ -100,6 +100,19 @@ def kl_penalty(
     return kl, grad
 
 
+def label_logit_grad(
+    log_probs: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_log_probs: torch.Tensor,
+    grad_entropy: torch.Tensor,
+) -> torch.Tensor:
+    """``dL/dz`` at each row's label column (before ``1 / T`` and a softcap's chain factor):
+    ``g_lp (1 - p) - g_H p (log p + H)``, with ``1 - p = -expm1(log p)`` from the row's log-prob,
+    so a confident token's ``1 - p`` keeps its digits (a tile's ``p`` carries ``lse``'s rounding)."""
+    p = torch.exp(log_probs)
+    return grad_log_probs * -torch.expm1(log_probs) - grad_entropy * p * (log_probs + entropy)
+
+
 def token_grads(
     call: PolicyLossCall,
     start: int,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from fusedhead.policy_terms import token_grads
+from fusedhead.policy_terms import label_logit_grad, token_grads
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
 from fusedhead_torch.fused_passes import compiled
 from fusedhead_torch.tile_math import MAX_SCALE, gemm_operand, logits_mm
@@ -164,12 +164,11 @@ def policy_loss(
         g_lp, g_ent = terms.grad_log_probs, terms.grad_entropy
         # dL/dx_j = k (g_lp (onehot - p_j) - g_ent p_j (log p_j + H)) [* sech^2], with p = e / s
         # and log p = d - log s: e (a + b d), k folded into a and b; the label column from the
-        # row's log-prob, 1 - p as -expm1(lp): a confident token's keeps its digits.
+        # row's log-prob (policy_terms.label_logit_grad).
         inv_s = k / s
         a = (-g_lp - g_ent * (ent - log_s)) * inv_s
         b = -g_ent * inv_s
-        label_value = k * (g_lp * -torch.expm1(lp) - g_ent * torch.exp(lp) * (lp + ent))
-        dz, dz_label = grad(a, b, label_value)
+        dz, dz_label = grad(a, b, k * label_logit_grad(lp, ent, g_lp, g_ent))
         del grad, x  # the chunk's fp32 tiles but dz, before the gradient GEMMs
         dz.scatter_(1, label, dz_label.to(dz.dtype).unsqueeze(1))
         if grad_h is not None:

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from fusedhead.policy_terms import token_grads
+from fusedhead.policy_terms import label_logit_grad, token_grads
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
 
 from .configs import Settings
@@ -113,10 +113,7 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
         g_lp, g_ent = terms.grad_log_probs, terms.grad_entropy
         a = torch.addcmul(g_lp, g_ent, out.entropy).neg_()
         b = g_ent.neg()
-        # The label column, g_lp (1 - p) - g_ent p (lp + H), from the row's log-prob with 1 - p
-        # as -expm1(lp): a confident token's keeps its digits (the tile's p carries lse's ulp).
-        lp = out.log_probs
-        dz_label = g_lp * -torch.expm1(lp) - g_ent * torch.exp(lp) * (lp + out.entropy)
+        dz_label = label_logit_grad(out.log_probs, out.entropy, g_lp, g_ent)
         dz = keep if keep.dtype == hidden.dtype else keep.view(hidden.dtype)
         block_r, warps, stages = DZ_CONFIG
         policy_dz_kernel[(math.ceil(m / block_r),)](
