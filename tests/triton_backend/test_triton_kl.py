@@ -5,6 +5,7 @@ determinism, the teacher never differentiated, the custom ops under torch.compil
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -287,16 +288,18 @@ def test_custom_ops_pass_opcheck() -> None:
     torch.library.opcheck(torch.ops.fusedhead_triton.kl_forward, fwd, test_utils=(
         "test_schema", "test_faketensor", "test_aot_dispatch_static",
     ))  # fmt: skip
-    kl, lse, t_lse = torch.ops.fusedhead_triton.kl_forward(*fwd)
+    kl, norm = torch.ops.fusedhead_triton.kl_forward(*fwd)
     coef = torch.where(valid, heads.g.float(), 0.0)
-    bwd = (hs.detach(), ws.detach(), ht, wt, None, None, lse.detach(), t_lse, kl.detach(), coef,
+    bwd = (hs.detach(), ws.detach(), ht, wt, None, None, norm.detach(), kl.detach(), coef,
            1 / 0.7, 1.0, None, None, True, key, False, True)  # fmt: skip
     torch.library.opcheck(torch.ops.fusedhead_triton.kl_backward, bwd,
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
     dh, dw = torch.ops.fusedhead_triton.kl_backward(*bwd)
     assert dh.numel() == 0 and dw.shape == ws.shape
+    # the normalisers: (row max, log s) in base 2 of each head, whose sum is its log-sum-exp
     want = torch.logsumexp(hs.detach().double() @ ws.detach().double().T / 0.7, -1)
-    assert rel_err(lse, want) <= 1e-6
+    assert norm.shape == (4, hs.shape[0])
+    assert rel_err(norm[:2].detach().double().sum(0) * math.log(2), want) <= 1e-6
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ recomputed tiles, driven block by block by ``backward.backward_from``) are ``tor
 custom ops with fake implementations, so ``torch.compile(fullgraph=True)`` traces them. Gradients
 reach the student's hidden states and weight only; the teacher is read, never differentiated.
 Memory: the chunks' statistics ``[5, C, N]`` (``C`` = V / (BLOCK_N * CHUNK)) in the forward, then
-``O(N)`` saved; the backward's the driver's dz blocks and an fp32 ``[N, H]`` dh sum (``Dense``).
+``O(N)`` saved (the KL and both heads' normalisers: row max and ``log2 s``, kept apart); the backward's the driver's dz blocks and an fp32 ``[N, H]`` dh sum (``Dense``).
 """
 
 # No ``from __future__ import annotations``: torch.library reads the annotations as types.
@@ -21,7 +21,7 @@ from fusedhead.protocol import KLCall, KLOutput
 
 from .backward import Dense, backward_from
 from .configs import Settings, TileConfig, kl_tile
-from .custom_ops import grads_or_empty, register_pair, rows_fake
+from .custom_ops import grads_or_empty, register_pair
 from .kernels.kl import kl_combine_kernel, kl_dz_kernel, kl_stats_kernel
 from .launch import (
     COMBINE_BLOCK_R,
@@ -93,14 +93,15 @@ def kl_values(
     hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor, valid: torch.Tensor,
     temp_s: torch.Tensor | None, temp_t: torch.Tensor | None, sc: KLScalars, cfg: TileConfig,
     chunk: int = CHUNK,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(kl, lse_s, lse_t), fp32 [N] each: one pass over the vocabulary, then the combine
-    (``chunk``: a tuning knob for tools/kl_sweep.py, never dependent on N)."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(kl fp32 [N], the normalisers fp32 [4, N]: the student's row max of ``z log2(e)`` and
+    ``log2 s``, then the teacher's): one pass over the vocabulary, then the combine (``chunk``: a
+    tuning knob for tools/kl_sweep.py, never dependent on N)."""
     n, v, dev = hs.shape[0], ws.shape[0], hs.device
     chunks = math.ceil(math.ceil(v / cfg.block_n) / chunk)
-    outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3)]
+    outs = _outputs(hs)
     if n == 0:
-        return outs[0], outs[1], outs[2]
+        return outs
     part = torch.empty((5, chunks, n), dtype=torch.float32, device=dev)
     tma, flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc)
     items = math.ceil(n / cfg.block_m) * chunks
@@ -114,20 +115,26 @@ def kl_values(
         part, valid.view(torch.uint8), *outs, n, chunks, BLOCK_R=COMBINE_BLOCK_R,
         BLOCK_T=COMBINE_BLOCK_T, REVERSE=sc.reverse, num_warps=4,
     )  # fmt: skip
-    return outs[0], outs[1], outs[2]
+    return outs
+
+
+def _outputs(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh (kl [N], normalisers [4, N]), fp32: the forward op's outputs and its fake's."""
+    n = hidden.shape[0]
+    return tuple(hidden.new_empty(shape, dtype=torch.float32) for shape in (n, (4, n)))  # type: ignore[return-value]
 
 
 def kl_grads(
     hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor,
-    temp_s: torch.Tensor | None, temp_t: torch.Tensor | None, lse_s: torch.Tensor,
-    lse_t: torch.Tensor, kl: torch.Tensor, coef: torch.Tensor, sc: KLScalars, st: Settings,
+    temp_s: torch.Tensor | None, temp_t: torch.Tensor | None, norm: torch.Tensor,
+    kl: torch.Tensor, coef: torch.Tensor, sc: KLScalars, st: Settings,
     cfg: TileConfig, *, need_dh: bool, need_dw: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """The student's (dh, dW) for the upstream gradient ``coef`` (0 on ignored rows)."""
     tma, flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc)
     n = hs.shape[0]
     row_args = (temp_s if temp_s is not None else coef, temp_t if temp_t is not None else coef,
-                lse_s, lse_t, kl, coef)  # fmt: skip
+                norm, kl, coef)  # fmt: skip
 
     def fill_dz(v0: int, dz: torch.Tensor) -> None:
         cols = dz.shape[1]
@@ -152,8 +159,8 @@ def kl_forward(
     teacher_weight: torch.Tensor, valid: torch.Tensor, temp: torch.Tensor | None,
     teacher_temp: torch.Tensor | None, inv_temp: float, teacher_inv_temp: float,
     softcap: float | None, teacher_softcap: float | None, reverse: bool, settings: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(kl, lse of the student, lse of the teacher), fp32 [N] each."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(kl fp32 [N], both heads' normalisers fp32 [4, N]; ``kl_values``)."""
     sc = KLScalars(inv_temp, teacher_inv_temp, softcap, teacher_softcap, reverse)
     cfg = kl_tile(Settings.from_key(settings).forward)
     return kl_values(hidden, weight, teacher_hidden, teacher_weight, valid, temp, teacher_temp,
@@ -164,7 +171,7 @@ def kl_forward(
 def kl_backward(
     hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
     teacher_weight: torch.Tensor, temp: torch.Tensor | None, teacher_temp: torch.Tensor | None,
-    lse: torch.Tensor, teacher_lse: torch.Tensor, kl: torch.Tensor, coef: torch.Tensor,
+    norm: torch.Tensor, kl: torch.Tensor, coef: torch.Tensor,
     inv_temp: float, teacher_inv_temp: float, softcap: float | None,
     teacher_softcap: float | None, reverse: bool, settings: str, need_dh: bool, need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -172,7 +179,7 @@ def kl_backward(
     sc = KLScalars(inv_temp, teacher_inv_temp, softcap, teacher_softcap, reverse)
     st = Settings.from_key(settings)
     dh, dw = kl_grads(
-        hidden, weight, teacher_hidden, teacher_weight, temp, teacher_temp, lse, teacher_lse, kl,
+        hidden, weight, teacher_hidden, teacher_weight, temp, teacher_temp, norm, kl,
         coef, sc, st, kl_tile(st.dz), need_dh=need_dh, need_dw=need_dw,
     )  # fmt: skip
     return grads_or_empty(hidden, weight, dh, dw)
@@ -185,22 +192,26 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) 
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx: Any, g_kl: Any, g_lse: Any, g_teacher_lse: Any) -> tuple[Any, ...]:
-    hs, ws, ht, wt, valid, temp, teacher_temp, kl, lse, teacher_lse = ctx.saved_tensors
+def _backward(ctx: Any, g_kl: Any, g_norm: Any) -> tuple[Any, ...]:
+    hs, ws, ht, wt, valid, temp, teacher_temp, kl, norm = ctx.saved_tensors
     need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     none = (None,) * 11
     if g_kl is None or not (need_dh or need_dw):
         return (None, None, *none)
     coef = torch.where(valid, g_kl.to(torch.float32), 0.0).contiguous()
     dh, dw = torch.ops.fusedhead_triton.kl_backward(
-        hs, ws, ht, wt, temp, teacher_temp, lse, teacher_lse, kl, coef, *ctx.scalars,
+        hs, ws, ht, wt, temp, teacher_temp, norm, kl, coef, *ctx.scalars,
         ctx.settings, need_dh, need_dw,
     )  # fmt: skip
     return (dh if need_dh else None, dw if need_dw else None, *none)
 
 
+def _forward_fake(hidden: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return _outputs(hidden)
+
+
 register_pair(
-    kl_forward, kl_backward, forward_fake=rows_fake(3), setup_context=_setup, gradient=_backward
+    kl_forward, kl_backward, forward_fake=_forward_fake, setup_context=_setup, gradient=_backward
 )
 
 
@@ -224,7 +235,7 @@ def kl(call: KLCall, key: str) -> KLOutput:
     temp, inv = _temperature("temperature", call.temperature, n, dev)
     t_temp, t_inv = _temperature("teacher_temperature", call.teacher_temperature, n, dev)
     softcap, teacher_softcap = call.softcap, call.teacher_softcap
-    kl_out, _, _ = torch.ops.fusedhead_triton.kl_forward(
+    kl_out, _ = torch.ops.fusedhead_triton.kl_forward(
         hs.contiguous(), call.weight, ht.detach().contiguous(), call.teacher_weight.detach(),
         call.valid.contiguous(), temp, t_temp, inv, t_inv,
         None if softcap is None else float(softcap),

@@ -185,11 +185,13 @@ def kl_stats_kernel(
 
 @triton.jit(do_not_specialize=["N", "C"])
 def kl_combine_kernel(
-    part_ptr, valid_ptr, kl_ptr, lse_s_ptr, lse_t_ptr, N, C,
+    part_ptr, valid_ptr, kl_ptr, norm_ptr, N, C,
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, REVERSE: tl.constexpr,
 ):  # fmt: skip
-    """Reduce the C chunks of each row in a fixed order (the maxima, then the sums): the KL (0
-    where not valid) and both heads' log-sum-exp, in nats."""
+    """Reduce the C chunks of each row in a fixed order (the maxima, then the sums): the KL in
+    nats (0 where not valid) and the heads' normalisers ``norm[4, N]``: the student's row max of
+    ``z log2(e)`` and ``log2 s``, then the teacher's, kept apart (their sum, rounded to an ulp of
+    the max, would be the size of a confident pair's ``p_s - p_t``)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N
     stat_stride = C.to(tl.int64) * N
@@ -232,13 +234,15 @@ def kl_combine_kernel(
         kl = w / s_t - log_st + log_ss
     valid = tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0
     tl.store(kl_ptr + rows, tl.where(valid, kl * LN2, 0.0), mask=row_ok)  # base 2 -> nats
-    tl.store(lse_s_ptr + rows, (big_s + log_ss) * LN2, mask=row_ok)
-    tl.store(lse_t_ptr + rows, (big_t + log_st) * LN2, mask=row_ok)
+    tl.store(norm_ptr + rows, big_s, mask=row_ok)
+    tl.store(norm_ptr + N + rows, log_ss, mask=row_ok)
+    tl.store(norm_ptr + 2 * N + rows, big_t, mask=row_ok)
+    tl.store(norm_ptr + 3 * N + rows, log_st, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["N", "Vb"])
 def kl_dz_kernel(
-    hs, ws, ht, wt, dz, temp_s_ptr, temp_t_ptr, lse_s_ptr, lse_t_ptr, kl_ptr, coef_ptr,
+    hs, ws, ht, wt, dz, temp_s_ptr, temp_t_ptr, norm_ptr, kl_ptr, coef_ptr,
     N, Vb, HS, HT, stride_hsn, stride_hsk, stride_wsv, stride_wsk, stride_htn, stride_htk,
     stride_wtv, stride_wtk, stride_dzm, inv_temp_s, inv_temp_t, softcap_s, inv_softcap_s,
     softcap_t, inv_softcap_t,
@@ -269,9 +273,11 @@ def kl_dz_kernel(
             SOFTCAP_S, SOFTCAP_T,
         )  # fmt: skip
         coef = tl.load(coef_ptr + rows)
-        # log2 of each head's probabilities: one fused multiply-add a logit
-        ls = xs * (inv_s * LOG2E)[:, None] - (tl.load(lse_s_ptr + rows) * LOG2E)[:, None]
-        lt = xt * c_t[:, None] - (tl.load(lse_t_ptr + rows) * LOG2E)[:, None]
+        # log2 of each head's probabilities: (z log2(e) - max) - log2 s, never z - lse
+        m_s, log_ss = tl.load(norm_ptr + rows), tl.load(norm_ptr + N + rows)
+        m_t, log_st = tl.load(norm_ptr + 2 * N + rows), tl.load(norm_ptr + 3 * N + rows)
+        ls = (xs * (inv_s * LOG2E)[:, None] - m_s[:, None]) - log_ss[:, None]
+        lt = (xt * c_t[:, None] - m_t[:, None]) - log_st[:, None]
         p_s = tl.exp2(ls)
         if REVERSE:  # p_s (ln p_s - ln p_t - KL) = p_s (ls - lt - KL log2(e)) ln 2
             kl2 = tl.load(kl_ptr + rows) * LOG2E
