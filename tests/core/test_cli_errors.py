@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
+import os
 import subprocess
 import sys
 from typing import Any, Literal
@@ -357,12 +358,31 @@ def test_a_missing_file_is_one_error_line(capsys, tmp_path):
     assert rc == 2 and str(missing) in line and "No such file" in line
 
 
-@pytest.mark.parametrize("command", ["demo", "bench"])
-def test_a_cuda_device_that_is_not_here_is_one_error_line(capsys, command):
-    rc, out, err = run_main(capsys, command, "--device", "cuda:99", "--n", "8")
+@pytest.mark.parametrize(
+    "argv", [["demo", "--n", "8"], ["bench", "--n", "8"], ["check", "torch"]], ids=lambda a: a[0]
+)
+def test_a_cuda_device_that_is_not_here_is_one_error_line(capsys, argv):
+    """Every command takes cuda:K as a device and refuses one this machine lacks, naming it."""
+    rc, out, err = run_main(capsys, *argv, "--device", "cuda:99")
     line = one_error_line(err)
     assert rc == 2 and "--device cuda:99" in line and "PASS" not in out
     assert "CUDA is not available here" in line or "CUDA device(s)" in line
+
+
+@pytest.mark.parametrize("argv", [["list"], ["list", "--json"], ["check", "torch", "--list"]])
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(argv):
+    """``fusedhead list | head -c 5``: no traceback, the shell's status for SIGPIPE."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the command writes
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "fusedhead", *argv], stdout=write_end, stderr=subprocess.PIPE,
+            text=True, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert proc.returncode == cli.EXIT_BROKEN_PIPE
+    assert proc.stderr == ""
 
 
 # --- each sub-command's --help, bench's output paths, demo --model ------------------------------

@@ -38,6 +38,8 @@ _DELEGATED = {
 TRACEBACK_ENV = "FUSEDHEAD_TRACEBACK"
 #: Exit status of a command that could not run (bad input, a backend that cannot be selected).
 EXIT_ERROR = 2
+#: Exit status when stdout's reader closed the pipe: a shell's for a process killed by SIGPIPE.
+EXIT_BROKEN_PIPE = 141
 
 
 # --- argument types: each names what it takes; argparse adds the flag ---------------------------
@@ -477,8 +479,16 @@ def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse
     return parser
 
 
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so the interpreter's flush at exit finds no closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; the exit status (0 ok, 1 a failed check, 2 an error) is returned."""
+    """Run the command; the exit status (0 ok, 1 a failed check, 2 an error, 141 a closed pipe)
+    is returned."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args: argparse.Namespace | None = None
@@ -499,6 +509,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fusedhead: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as `yes | head` does
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except BackendError as exc:
         _fail(exc.message, exc.to_dict(), args)
         return EXIT_ERROR

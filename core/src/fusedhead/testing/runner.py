@@ -16,9 +16,11 @@ DTYPES = ("bf16", "fp16", "fp32")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``check`` sub-command's arguments."""
+    from fusedhead.cli import device_arg
+
     parser.add_argument("name", help="backend name (as in `fusedhead list`)")
     parser.add_argument(
-        "--device", default="cpu", choices=["cpu", "cuda"], help="device to test on (default cpu)"
+        "--device", default="cpu", type=device_arg, help="cpu (default), cuda or cuda:K"
     )
     parser.add_argument(
         "--dtype", default="fp32", choices=DTYPES, help="input dtype (default fp32)"
@@ -45,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the kit as ``args`` says; 0 when no property failed, 1 otherwise."""
+    from fusedhead.cli import runnable_device
     from fusedhead.testing.catalog import describe, run_property, select
     from fusedhead.testing.target import Target
 
@@ -53,11 +56,10 @@ def run(args: argparse.Namespace) -> int:
         for name in names:
             print(f"{name}: {describe(name)}")
         return 0
-    target = Target.resolve(args.name, args.options, args.device, args.dtype)
+    target = Target.resolve(args.name, args.options, runnable_device(args.device), args.dtype)
     if not args.json:
-        print(
-            f"fusedhead conformance kit: {target.describe()}, {len(names)} properties", flush=True
-        )
+        count = f"{len(names)} propert{'y' if len(names) == 1 else 'ies'}"
+        print(f"fusedhead conformance kit: {target.describe()}, {count}", flush=True)
     results = []
     for name in names:
         result = run_property(name, target)
