@@ -500,6 +500,20 @@ def test_demo_unknown_model_is_one_error_line_on_stderr(capsys):
     assert rc == 2 and "--model nope" in line and "tiny-llama" in line and out == ""
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--n", "10", "--temperature", "2"], "--n, --temperature set"),
+        (["--seed", "3"], "--seed sets"),
+    ],
+)
+def test_demo_model_refuses_the_synthetic_problems_flags_by_name(capsys, flags, named):
+    """``--model`` runs its own model and batch: a flag it would not read is refused, not ignored."""
+    rc, out, err = run_main(capsys, "demo", "--model", "tiny-llama", *flags, "--quiet")
+    line = one_error_line(err)
+    assert rc == 2 and named in line and "drop --model" in line and out == ""
+
+
 SMALL = ("--n", "4", "--hidden", "8", "--vocab", "16", "--no-memory")
 
 

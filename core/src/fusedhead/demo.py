@@ -96,13 +96,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         metavar="NAME",
-        help="run a small random causal LM end to end instead (e.g. tiny-llama, tiny-qwen2; needs transformers)",
+        help="run a small random causal LM end to end instead (e.g. tiny-llama, tiny-qwen2; "
+        "needs transformers); it takes --backend, --options, --device and --dtype only",
     )
+
+
+#: The synthetic problem's flags, which ``--model`` (its own model and batch) does not read.
+PROBLEM_ONLY = ("n", "hidden", "vocab", "temperature", "scale", "seed", "reps", "no_memory")
+
+
+def _refuse_problem_flags(args: argparse.Namespace) -> None:
+    """``--model`` with a flag it would ignore is refused by name, never run as if it were read."""
+    probe = argparse.ArgumentParser()
+    add_arguments(probe)
+    defaults = probe.parse_args([])
+    given = [
+        "--" + dest.replace("_", "-")
+        for dest in PROBLEM_ONLY
+        if getattr(args, dest, None) != getattr(defaults, dest)
+    ]
+    if given:
+        raise ValueError(
+            f"demo --model {args.model}: {', '.join(given)} {'sets' if len(given) == 1 else 'set'} the "
+            "synthetic problem, which "
+            "--model does not run (its model fixes the sizes, temperatures and batch); drop "
+            f"{'it' if len(given) == 1 else 'them'}, or drop --model"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; 0 on PASS, 1 on FAIL; raises (the command exits 2) when it cannot run."""
     if args.model:
+        _refuse_problem_flags(args)
         if importlib.util.find_spec(MODEL_MODULE) is None:
             raise ValueError(f"demo --model: {MODEL_MODULE} is not available in this installation")
         if isinstance(args.options, dict):  # the model demo takes --options as JSON text
