@@ -16,5 +16,5 @@ def test_from_yaml_without_pyyaml_names_the_package_and_the_fix(
     with pytest.raises(ModuleNotFoundError) as info:
         FusedHeadConfig.from_yaml("backend: torch")
     text = str(info.value)
-    assert "from_yaml needs PyYAML" in text and "pip install pyyaml" in text
+    assert "from_yaml needs PyYAML" in text and "pip install 'pyyaml>=6'" in text
     assert info.value.name == "yaml"

@@ -161,6 +161,20 @@ def test_once_on_pypi_the_advice_is_the_extra(monkeypatch):
     assert install_hints.install_command("triton") == "pip install 'fusedhead[triton]'"
 
 
+@pytest.mark.parametrize(
+    ("extra", "wanted"),
+    [("testing", "'hypothesis>=6'"), ("yaml", "'pyyaml>=6'"), ("bench", "'matplotlib>=3.7'"),
+     ("transformers", "'transformers>=4.45'")],
+)  # fmt: skip
+def test_an_extras_advice_names_its_packages_until_fusedhead_is_on_pypi(monkeypatch, extra, wanted):
+    """Before the first upload ``fusedhead[EXTRA]`` would look for fusedhead on the index: the
+    advice is the extra's own requirements, from the core's metadata; after it, the extra."""
+    command = install_hints.extra_command(extra)
+    assert command.startswith("pip install ") and wanted in command and "fusedhead[" not in command
+    monkeypatch.setattr(install_hints, "ON_PYPI", True)
+    assert install_hints.extra_command(extra) == f"pip install 'fusedhead[{extra}]'"
+
+
 def test_source_checkout_is_the_clone_of_an_install_from_source():
     # The dev venv installs ./core editable (scripts/setup.sh): direct_url.json names this clone.
     assert install_hints.source_checkout() == str(REPO)

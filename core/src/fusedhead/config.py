@@ -253,14 +253,17 @@ class FusedHeadConfig(BaseModel):
 
         The fields sit at the top, or under one ``fused_head:`` key (the shape of
         docs/configuration.md). A malformed file is a ``ValueError`` naming the file (``source``)
-        and the line and column. Needs PyYAML: ``pip install 'fusedhead[yaml]'``.
+        and the line and column. Needs PyYAML (the core's ``yaml`` extra).
         """
         try:
             import yaml
         except ModuleNotFoundError as exc:
+            from fusedhead.install_hints import extra_command
+
             raise ModuleNotFoundError(
-                "FusedHeadConfig.from_yaml needs PyYAML, which is not installed: pip install "
-                "pyyaml (the core's 'yaml' extra); or build the config with from_dict",
+                "FusedHeadConfig.from_yaml needs PyYAML, which is not installed: "
+                f"{extra_command('yaml')} (the core's 'yaml' extra); or build the config with "
+                "from_dict",
                 name="yaml",
             ) from exc
 

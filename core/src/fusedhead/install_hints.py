@@ -73,6 +73,24 @@ def install_command(name: str) -> str:
     )
 
 
+def extra_command(extra: str) -> str:
+    """The pip command that installs what the core's extra ``extra`` adds (``testing``, ``yaml``,
+    ``bench``, ``transformers``): ``pip install 'fusedhead[EXTRA]'`` once fusedhead is on PyPI;
+    until then the extra's own requirements, read from the core's metadata (a bare
+    ``fusedhead[EXTRA]`` would look for fusedhead on the index)."""
+    if ON_PYPI:
+        return f"pip install 'fusedhead[{extra}]'"
+    marker = re.compile(rf"""\s*;\s*extra\s*==\s*['"]{re.escape(extra)}['"]\s*$""")
+    try:
+        requires = md.distribution("fusedhead").requires or []
+    except (md.PackageNotFoundError, ValueError, OSError):
+        requires = []
+    wanted = [marker.sub("", r) for r in requires if marker.search(r)]
+    if not wanted:
+        return f"pip install 'fusedhead[{extra}]'"
+    return "pip install " + " ".join(f"'{r}'" for r in wanted)
+
+
 def normalize(dist_name: str) -> str:
     """A distribution name normalized (PEP 503), for comparing names."""
     return re.sub(r"[-_.]+", "-", dist_name).lower()

@@ -121,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--markdown", metavar="PATH", help="write the Markdown table here")
     parser.add_argument(
-        "--plot", metavar="PATH", help="write a PNG plot here (needs fusedhead[bench])"
+        "--plot",
+        metavar="PATH",
+        help="write a PNG plot here (needs matplotlib: the core's bench extra)",
     )
 
 
@@ -172,7 +174,7 @@ def check_outputs(args: argparse.Namespace) -> None:
         try:
             from matplotlib.backend_bases import FigureCanvasBase
         except ImportError:
-            return  # the plot is skipped with a note at the end (fusedhead[bench] installs it)
+            return  # the plot is skipped with a note at the end (matplotlib, the core's bench extra)
         formats = FigureCanvasBase.get_supported_filetypes()
         if suffix and suffix not in formats:
             raise ValueError(

@@ -328,8 +328,10 @@ def plot(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> boo
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        from fusedhead.install_hints import extra_command
+
         print(
-            "fusedhead bench: matplotlib is not installed, no plot (pip install 'fusedhead[bench]')",
+            f"fusedhead bench: matplotlib is not installed, no plot ({extra_command('bench')})",
             file=sys.stderr,
         )
         return False

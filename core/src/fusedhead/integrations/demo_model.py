@@ -59,8 +59,10 @@ def build_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0)
     try:
         import transformers
     except ImportError as exc:
+        from fusedhead.install_hints import extra_command
+
         raise DemoUnavailable(
-            "fusedhead demo --model needs transformers: pip install 'fusedhead[transformers]'"
+            f"fusedhead demo --model needs transformers: {extra_command('transformers')}"
         ) from exc
     config_cls, model_cls, extra = MODELS[name]
     config = getattr(transformers, config_cls)(

@@ -49,7 +49,9 @@ def hypothesis_cases(target: Target) -> None:
         from hypothesis import HealthCheck, Phase, Verbosity, given, settings
         from hypothesis import strategies as st
     except ImportError as exc:
-        raise NotRun("hypothesis is not installed: pip install 'fusedhead[testing]'") from exc
+        from fusedhead.install_hints import extra_command
+
+        raise NotRun(f"hypothesis is not installed: {extra_command('testing')}") from exc
     big = target.device.type != "cpu"
     max_n, max_h, max_v = (300, 300, 3000) if big else (24, 48, 160)
     low, high = target.temperature_range(0.05, 20.0)
