@@ -1,10 +1,11 @@
 """OpenRLHF with fusedhead, offline on the CPU: the actor's log-probs beside OpenRLHF's own forward.
 
     FUSED_HEAD_BACKEND=fusedhead:torch .venv/bin/python examples/trainers/openrlhf_actor.py
+    .venv/bin/python examples/trainers/openrlhf_actor.py [--backend NAME]
 
 OpenRLHF has no config field for the head; the backend name comes from the setting its launcher
-recipe reads (``FUSED_HEAD_BACKEND``, docs/integrations/openrlhf.md) and goes to
-``patch_actor``. Two ``openrlhf.models.actor.Actor`` instances load the same tiny Llama
+recipe reads (``FUSED_HEAD_BACKEND``, docs/integrations/openrlhf.md; ``--backend`` overrides it)
+and goes to ``patch_actor``. Two ``openrlhf.models.actor.Actor`` instances load the same tiny Llama
 (tiny.py) with OpenRLHF's ``packing_samples``; one is patched. The action log-probs, entropy
 and gradients of a left/right-padded batch are printed side by side. flash-attn cannot be built
 without CUDA, and OpenRLHF imports four padding helpers from it: where it is absent, the
@@ -13,6 +14,7 @@ stand-in in tests/trainers/openrlhf_stubs goes on the path. About 10 s on two co
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import sys
@@ -25,7 +27,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from tiny import max_abs_diff, tiny_model  # noqa: E402
+from tiny import add_backend_flag, max_abs_diff, tiny_model  # noqa: E402
 
 VOCAB = 53
 
@@ -52,7 +54,9 @@ def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def main() -> None:
-    backend = os.environ.get("FUSED_HEAD_BACKEND", "fusedhead:torch")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_backend_flag(parser, os.environ.get("FUSED_HEAD_BACKEND", "torch"))
+    backend = parser.parse_args().backend
     actor_cls = import_actor()
     from fusedhead.integrations.openrlhf import patch_actor
 

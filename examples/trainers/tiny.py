@@ -8,12 +8,39 @@ trainer as an object: saved with ``save_pretrained`` and reloaded through ``Auto
 
 from __future__ import annotations
 
+import argparse
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 WORDS = [f"w{i}" for i in range(40)]
+
+
+def fusedhead_setting(text: str) -> str:
+    """``--backend``: a fusedhead backend, ``NAME`` or ``fusedhead:NAME``, as the trainer's setting
+    ``fusedhead:NAME`` (a bare ``torch`` there would select the trainer's own path)."""
+    name = text.removeprefix("fusedhead:")
+    if not re.fullmatch(r"[a-z0-9_-]+", name):
+        raise argparse.ArgumentTypeError(
+            f"must name a fusedhead backend such as 'torch' or 'fusedhead:triton', got {text!r}"
+        )
+    return f"fusedhead:{name}"
+
+
+def add_backend_flag(parser: argparse.ArgumentParser, default: str = "torch") -> None:
+    """The scripts' shared ``--backend NAME``."""
+    parser.add_argument(
+        "--backend",
+        default=fusedhead_setting(default),
+        type=fusedhead_setting,
+        metavar="NAME",
+        help="the fusedhead backend (NAME or fusedhead:NAME; default %(default)s), written into "
+        "the trainer's setting as fusedhead:NAME",
+    )
+
+
 SPECIAL = ["[PAD]", "[EOS]", "[UNK]"]
 
 

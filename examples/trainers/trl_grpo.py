@@ -1,6 +1,6 @@
 """TRL GRPO with fusedhead, offline on the CPU: two steps beside TRL's own fused LM head.
 
-    .venv/bin/python examples/trainers/trl_grpo.py [--backend fusedhead:torch]
+    .venv/bin/python examples/trainers/trl_grpo.py [--backend NAME]
 
 The backend is named in TRL's own config (``FusedHeadGRPOConfig(fused_head_backend=...)``); the
 same two steps run with TRL's own kernel (``trl.GRPOConfig``) and the logged metrics are printed
@@ -20,7 +20,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny import WORDS, make_tokenizer, save_tiny_llama
+from tiny import WORDS, add_backend_flag, make_tokenizer, save_tiny_llama
 
 KEYS = ("loss", "kl", "entropy", "reward", "clip_ratio/region_mean")
 
@@ -86,7 +86,7 @@ def run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="fusedhead:torch", help="fused_head_backend value")
+    add_backend_flag(parser)
     parser.add_argument(
         "--fused-policy-loss",
         action="store_true",

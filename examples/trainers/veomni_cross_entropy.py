@@ -1,6 +1,6 @@
 """VeOmni with fusedhead, offline on the CPU: its loss and log-probs beside VeOmni's chunk_loss.
 
-    .venv/bin/python examples/trainers/veomni_cross_entropy.py [--backend fusedhead:torch]
+    .venv/bin/python examples/trainers/veomni_cross_entropy.py [--backend NAME]
 
 The backend is named in VeOmni's own config (``ops_implementation.
 cross_entropy_loss_implementation``, the ``OpsImplementationConfig`` field). The same tiny Qwen2
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny import max_abs_diff, tiny_config
+from tiny import add_backend_flag, max_abs_diff, tiny_config
 
 VOCAB, IGNORE = 256, -100
 
@@ -82,9 +82,7 @@ def run(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--backend", default="fusedhead:torch", help="cross_entropy_loss_implementation value"
-    )
+    add_backend_flag(parser)
     backend = parser.parse_args().backend
 
     from fusedhead.integrations import veomni as fh_veomni

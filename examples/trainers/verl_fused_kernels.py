@@ -1,6 +1,6 @@
 """verl with fusedhead, offline on the CPU: the actor's packed log-probs beside verl's own kernel.
 
-    .venv/bin/python examples/trainers/verl_fused_kernels.py [--backend fusedhead:torch]
+    .venv/bin/python examples/trainers/verl_fused_kernels.py [--backend NAME]
 
 The backend is named in verl's own config (``actor_rollout_ref.model.fused_kernel_options.
 impl_backend``). verl's own ``apply_monkey_patch`` patches a tiny Qwen2 (tiny.py) from that
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny import max_abs_diff, tiny_model
+from tiny import add_backend_flag, max_abs_diff, tiny_model
 
 VERL_CONFIG = """
 actor_rollout_ref:
@@ -89,7 +89,7 @@ def score(base: torch.nn.Module, model_cfg: Any, batch: Any) -> dict[str, torch.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="fusedhead:torch", help="impl_backend value")
+    add_backend_flag(parser)
     backend = parser.parse_args().backend
 
     import verl  # noqa: F401  (loads the verl.plugins entry points, fusedhead's among them)

@@ -1,6 +1,6 @@
 """verl's actor with the fused policy loss from its config, offline on the CPU, beside verl's own.
 
-    .venv/bin/python examples/trainers/verl_fused_policy_loss.py [--backend fusedhead:torch]
+    .venv/bin/python examples/trainers/verl_fused_policy_loss.py [--backend NAME]
 
 verl 0.9.1's actor engine (``FSDPEngineWithLMHead``, FSDP2 on one gloo rank) is built from
 verl's own config dataclasses twice on a tiny Qwen2 (tiny.py): once as verl ships it
@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny import make_tokenizer, tiny_model
+from tiny import add_backend_flag, make_tokenizer, tiny_model
 
 #: Sequences per rollout batch, prompt and response widths (left/right padded, as verl's rollout).
 BATCH, PROMPT, RESPONSE = 8, 6, 8
@@ -337,7 +337,7 @@ def train(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="fusedhead:torch", help="impl_backend value")
+    add_backend_flag(parser)
     backend = parser.parse_args().backend
 
     import verl  # noqa: F401  (loads the verl.plugins entry points, fusedhead's among them)
