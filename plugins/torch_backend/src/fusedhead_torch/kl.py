@@ -6,13 +6,13 @@ columns (two GEMMs; the heads' hidden sizes may differ): ``z = x / T``, or with 
 and head it keeps the running max ``m`` and ``s = sum exp(z - m)``, plus the cross term of the
 direction:
 
-- forward ``KL(p_t || p_s) = sum e_t (z_t - z_s) / s_t - lse_t + lse_s``;
-- reverse ``KL(p_s || p_t) = sum e_s (z_s - z_t) / s_s - lse_s + lse_t``,
+- forward ``KL(p_t || p_s) = sum e_t (d_t - d_s) / s_t - log s_t + log s_s``;
+- reverse ``KL(p_s || p_t) = sum e_s (d_s - d_t) / s_s - log s_s + log s_t``,
 
-with ``lse_t - lse_s`` formed as ``(m_t - m_s) + log(s_t / s_s)`` (``lse_gap``), never from
-``m + log s`` rounded to an ulp of ``m``: a confident pair's whole KL can be that small.
-
-The cross term is weighted by one head's ``e`` and so rebases with that head's max only. Backward
+with the offsets ``d = z - m`` of each head: the maxima never enter, so a large logit's rounding
+(an ulp of ``z``, 1.5e-5 at 160) is never left in a KL of a few nats or of 1e-7. The cross term is
+weighted by one head's ``e``: merging two blocks rebases it with that head's max and shifts it
+by the change of ``d_c - d_o``. Backward
 recomputes both tiles: ``dz_s = g (p_s - p_t)`` (forward) or ``g p_s (log p_s - log p_t - KL)``
 (reverse), then ``dz_s / T_s`` (times ``1 - tanh^2`` under the student's softcap) enters the two
 gradient GEMMs. The teacher gets no gradient. Nothing of size ``[N, V]`` exists; memory is the
@@ -81,6 +81,23 @@ def _z(
     return torch.mul(src, scale_factor(k, x.device), out=dst)
 
 
+def _merge(one: list[torch.Tensor], two: list[torch.Tensor], forward: bool) -> list[torch.Tensor]:
+    """Two sets of ``[m_s, s_s, m_t, s_t, cross]`` as one: each rebased on the larger maxima, the
+    cross term (of offsets ``d = z - m``) also shifted by its offsets' change ``d_c - d_o``."""
+    m_s, m_t = torch.maximum(one[0], two[0]), torch.maximum(one[2], two[2])
+    s_s, s_t, cross = [torch.zeros_like(m_s) for _ in range(3)]
+    for part in (one, two):
+        sh_s, sh_t = part[0] - m_s, part[2] - m_t  # <= 0
+        a_s, a_t = torch.exp(sh_s), torch.exp(sh_t)
+        s_s += part[1] * a_s
+        s_t += part[3] * a_t
+        if forward:  # weighted by the teacher
+            cross += a_t * (part[4] + (sh_t - sh_s) * part[3])
+        else:
+            cross += a_s * (part[4] + (sh_s - sh_t) * part[1])
+    return [m_s, s_s, m_t, s_t, cross]
+
+
 def _forward_walk(
     hs: torch.Tensor,
     ws_: torch.Tensor,
@@ -109,40 +126,22 @@ def _forward_walk(
             zt = _z(x_t, sc_t, r0, r1, buf.get(1, rows, cols))
             del x_t
             ms, mt = zs.amax(dim=1), zt.amax(dim=1)
-            # forward: sum e_t (z_t - z_s); reverse: sum e_s (z_s - z_t)
-            a, b = (zt, zs) if forward else (zs, zt)
+            ds = zs.sub_(ms.unsqueeze(1))  # the offsets d = z - m, in place
+            dt = zt.sub_(mt.unsqueeze(1))
+            # forward: sum e_t (d_t - d_s); reverse: sum e_s (d_s - d_t)
+            a, b = (dt, ds) if forward else (ds, dt)
             diff = torch.sub(a, b, out=buf.get(2, rows, cols))
-            es = zs.sub_(ms.unsqueeze(1)).exp_()
-            et = zt.sub_(mt.unsqueeze(1)).exp_()
+            es, et = ds.exp_(), dt.exp_()
             ss, st = es.sum(dim=1), et.sum(dim=1)
             cross = diff.mul_(et if forward else es).sum(dim=1)
             if run is None:
                 run = [ms, ss, mt, st, cross]
                 continue
-            m_s = torch.maximum(run[0], ms)
-            a_s, b_s = torch.exp(run[0] - m_s), torch.exp(ms - m_s)
-            m_t = torch.maximum(run[2], mt)
-            a_t, b_t = torch.exp(run[2] - m_t), torch.exp(mt - m_t)
-            a_c, b_c = (a_t, b_t) if forward else (a_s, b_s)
-            run = [
-                m_s,
-                run[1] * a_s + ss * b_s,
-                m_t,
-                run[3] * a_t + st * b_t,
-                run[4] * a_c + cross * b_c,
-            ]
+            run = _merge(run, [ms, ss, mt, st, cross], forward)
         assert run is not None
         for i, val in enumerate(run):
             out[i][r0:r1] = val
     return tuple(out)
-
-
-def lse_gap(
-    m_a: torch.Tensor, s_a: torch.Tensor, m_b: torch.Tensor, s_b: torch.Tensor
-) -> torch.Tensor:
-    """``lse_a - lse_b`` per row from each head's max and ``sum exp(z - m)``, as
-    ``(m_a - m_b) + log(s_a / s_b)``: within fp32 of the difference, not of each ``lse``."""
-    return torch.log(s_a / s_b).add_(m_a - m_b)
 
 
 def _backward_walk(
@@ -166,10 +165,11 @@ def _backward_walk(
     capped = spec.softcap is not None
     grads = TileGrads(hs, ws_, len(row_chunks), len(blocks), need_h, need_w)
     forward = spec.direction == "forward"
-    # forward: dz = g (e_s / s_s - e_t / s_t); reverse: dz = g e_s / s_s (z_s - z_t + lse_t - lse_s - KL)
+    # forward: dz = g (e_s / s_s - e_t / s_t); reverse: dz = g e_s / s_s (d_s - d_t + log(s_t / s_s)
+    # - KL) with the offsets d = z - m (log p_s - log p_t without the maxima's rounding)
     a_s = coef / s_s
     a_t = coef / s_t
-    shift = lse_gap(m_t, s_t, m_s, s_s).sub_(kl)
+    shift = torch.log(s_t / s_s).sub_(kl)
     for v0, v1 in blocks:
         cols = v1 - v0
         w_block = ws_[v0:v1]
@@ -184,14 +184,14 @@ def _backward_walk(
             x_t = logits_mm(ht[r0:r1], wt[v0:v1].T, spec.fp32_logits)
             zt = _z(x_t, sc_t, r0, r1, buf.get(1, rows, cols))
             del x_t
-            es = torch.sub(zs, m_s[r0:r1].unsqueeze(1), out=buf.get(2, rows, cols)).exp_()
+            ds = torch.sub(zs, m_s[r0:r1].unsqueeze(1), out=buf.get(2, rows, cols))
+            dt = zt.sub_(m_t[r0:r1].unsqueeze(1))
             if forward:
-                et = zt.sub_(m_t[r0:r1].unsqueeze(1)).exp_()
-                dz = es.mul_(a_s[r0:r1].unsqueeze(1))
-                dz.addcmul_(et, a_t[r0:r1].unsqueeze(1), value=-1.0)
+                dz = ds.exp_().mul_(a_s[r0:r1].unsqueeze(1))
+                dz.addcmul_(dt.exp_(), a_t[r0:r1].unsqueeze(1), value=-1.0)
             else:
-                u = torch.sub(zs, zt, out=zt).add_(shift[r0:r1].unsqueeze(1))
-                dz = es.mul_(u).mul_(a_s[r0:r1].unsqueeze(1))
+                u = torch.sub(ds, dt, out=dt).add_(shift[r0:r1].unsqueeze(1))
+                dz = ds.exp_().mul_(u).mul_(a_s[r0:r1].unsqueeze(1))
             dz.mul_(scale_factor(sc_s.inv_t_rows(r0, r1), hs.device))
             if sech2 is not None:
                 dz.mul_(sech2)  # d tanh(y) = sech(y)^2
@@ -222,11 +222,12 @@ class ChunkedKL(torch.autograd.Function):
         wt = teacher_weight.detach()
         with torch.no_grad(), torch.autocast(device_type=hs.device.type, enabled=False):
             m_s, s_s, m_t, s_t, cross = _forward_walk(hs, weight, ht, wt, inv_s, inv_t, spec)
-        # lse_t - lse_s as (m_t - m_s) + log(s_t / s_s): never m + log s, whose rounding to an
-        # ulp of m (3.8e-6 at logits of 40 / 0.7) is the size of a confident pair's whole KL.
-        gap = lse_gap(m_t, s_t, m_s, s_s)
-        forward = spec.direction == "forward"
-        kl = (cross / s_t).sub_(gap) if forward else (cross / s_s).add_(gap)
+        # cross: of the offsets d = z - m, so the maxima never enter (their rounding, an ulp of
+        # a large logit, would be the size of a confident pair's whole KL)
+        if spec.direction == "forward":
+            kl = (cross / s_t).sub_(torch.log(s_t / s_s))
+        else:
+            kl = (cross / s_s).add_(torch.log(s_t / s_s))
         kl = torch.where(valid, kl, torch.zeros((), dtype=FP32, device=kl.device))
         ctx.spec = spec
         ctx.inv = tuple(None if isinstance(t, torch.Tensor) else t for t in (inv_s, inv_t))
