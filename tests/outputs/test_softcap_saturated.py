@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
+import fusedhead
 from fusedhead.testing.inputs import make_case
 from fusedhead.testing.outputs import _check_kl, check_outputs
 from fusedhead.testing.target import Target
@@ -47,3 +49,24 @@ def test_the_kl_student_gradients_through_a_saturated_cap(backend, direction):
     teacher = make_case(3, 9, 129, scale=4.0, seed=2)
     label = f"{direction} KL, {case.description}, student softcap 0.5, T_s 0.11"
     _check_kl(target, case, teacher, direction, 0.11, 1.1, label, (0.5, None))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_logits_a_saturated_cap_makes_equal_go_to_the_lower_id(backend):
+    """Past ``|x| ~ 9 c`` the capped logits ``c tanh(x / c)`` are equal in fp32: top-k and argmax
+    rank them by the lower id, as any equal logits. torch ranked by the raw ``x`` and returned
+    other ids (the log-probs were the same); it ranks ``tanh(x / c)`` now."""
+    _target(backend)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 32, generator=g) * 20
+    weight = torch.randn(300, 32, generator=g) / 5
+    z = 0.5 * torch.tanh((hidden @ weight.T) / 0.5)
+    ties = z == z.amax(dim=1, keepdim=True)
+    assert int(ties.sum(dim=1).min()) > 4  # many ids share each row's max
+    lowest = [row.nonzero().squeeze(1)[:4].tolist() for row in ties]
+    out = fusedhead.fused_head(
+        hidden, weight, torch.zeros(4, dtype=torch.long), backend=backend, softcap=0.5, top_k=4,
+        return_argmax=True,
+    )  # fmt: skip
+    assert out.topk_ids.tolist() == lowest
+    assert out.argmax.tolist() == [ids[0] for ids in lowest]

@@ -6,8 +6,9 @@ plain call; the extras are read off each logit tile before ``forward_tile`` reus
 
 - gather: each id's raw logit, scaled like the label's, so ``gathered`` at ``K = 1`` on the labels
   is bitwise ``log_probs``;
-- top-k / argmax: a per-block ``torch.topk`` on the raw logits (softcap and temperature keep the
-  order), ties resolved to the lower id, merged into a running ``[N, k]`` candidate list;
+- top-k / argmax: a per-block ``torch.topk`` on ``src`` (the raw logits, or ``tanh(x / c)`` under a
+  softcap, whose saturation makes distinct logits equal; the temperature keeps the order), ties
+  resolved to the lower id, merged into a running ``[N, k]`` candidate list;
 - sum of squared p: ``q = sum exp(2 (z - m))`` per tile, summed like ``s``; ``sum_p2 = q / s^2``.
 
 The forward walks the vocabulary grid (``tiling.GRID_COLS`` columns per tile); the tiles'
@@ -15,7 +16,7 @@ statistics and ``q`` are added as fixed-point integers (``rowstats.combine_tiles
 process group every rank walks its own shard and the same sums are all-reduced
 (``parallel.all_reduce_tile_stats``: the one-process bits where the shards lie on the grid); the
 gathered logits are summed (one owner each), and the top-k / argmax candidates of all ranks are
-all-gathered and merged (``merge_ranks``: by raw logit, equal ones by the lower global id).
+all-gathered and merged (``merge_ranks``: by ``src``, equal ones by the lower global id).
 
 Backward recomputes each tile once and forms, in fp32, ``dz = e (A + B d + C e)`` plus the sparse
 one-hot terms (label, gathered ids, top-k ids: on a shard, those it owns), with ``d = z - m``,
@@ -155,7 +156,7 @@ class _Walk:
     z_gather: (
         torch.Tensor | None
     )  #: [N, K] scaled logits at the gather ids (0 where no block has them)
-    cand_vals: torch.Tensor | None  #: [N, k] raw logits of the best ids so far
+    cand_vals: torch.Tensor | None  #: [N, k] src (raw logits, or tanh(x / c)) of the best ids
     cand_ids: torch.Tensor | None  #: [N, k] their global ids
 
 
@@ -172,8 +173,9 @@ def _forward_walk(
     tiles = hs.grid_tiles
     dev = h.device
     ws = Workspace(tiles.rows * tiles.cols, dev)
-    # Own buffers: src of a softcapped tile (gather), and d of the sum_p2 pass.
-    extra = spec.sum_p2 or (spec.gather and hs.softcap is not None)
+    # Own buffers: src of a softcapped tile (gather, top-k), and d of the sum_p2 pass.
+    kk = spec.candidates
+    extra = spec.sum_p2 or ((spec.gather or bool(kk)) and hs.softcap is not None)
     mine = Workspace(tiles.rows * tiles.cols, dev) if extra else None
     blocks = list(tiles.col_ranges(v)) if v else []
     m, s, t = (torch.empty(len(blocks), n, dtype=FP32, device=dev) for _ in range(3))
@@ -183,7 +185,6 @@ def _forward_walk(
     if gather_ids is not None:
         z_gather = torch.zeros(gather_ids.shape, dtype=FP32, device=dev)
         gather_local = gather_ids - hs.vocab_start
-    kk = spec.candidates
     width = min(kk, v)
     cand_vals = torch.empty(n, width, dtype=FP32, device=dev) if kk else None
     cand_ids = torch.empty(n, width, dtype=torch.int64, device=dev) if kk else None
@@ -197,7 +198,7 @@ def _forward_walk(
             rows = r1 - r0
             k_col = _k_col(k, dev)
             src = None
-            if mine is not None and (z_gather is not None or spec.sum_p2):
+            if mine is not None and (z_gather is not None or spec.sum_p2 or kk):
                 # src exactly as forward_tile forms it (same op, same tile shape: same bits).
                 src = scaling.source(x, out=mine.get(0, rows, cols))
             if z_gather is not None:
@@ -205,8 +206,8 @@ def _forward_walk(
                 here = (local >= 0) & (local < cols)
                 picked = (x if src is None else src).gather(1, local.clamp(0, cols - 1))
                 z_gather[r0:r1] = torch.where(here, picked.float() * k_col, z_gather[r0:r1])
-            if kk:
-                vals, ids = block_topk(x, kk)
+            if kk:  # ranked by src: a saturated softcap's equal logits go to the lower id
+                vals, ids = block_topk(x if src is None else src, kk)
                 ids = ids + (v0 + hs.vocab_start)
                 best = (vals, ids) if best is None else merge_topk(best, (vals, ids), kk)
             if q is not None and mine is not None:
@@ -477,7 +478,7 @@ class ChunkedHeadOutputs(torch.autograd.Function):
             if spec.argmax:
                 argmax = ids[:, 0].contiguous()
             if spec.top_k:
-                z = scaling.scaled(walk.cand_vals, _k_col(scaling.rows(0, n), dev))
+                z = walk.cand_vals * _k_col(scaling.rows(0, n), dev)  # src (x or tanh) * k
                 lp = (z - stats.m.unsqueeze(1)).sub_(log_s.unsqueeze(1))
                 topk_lp = torch.where(valid.unsqueeze(1), lp, zero)
                 topk_ids = ids

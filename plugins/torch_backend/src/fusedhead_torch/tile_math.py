@@ -133,12 +133,6 @@ class Scaling:
         inv_c = torch.full((1, 1), 1.0 / float(self.softcap or 1.0), dtype=FP32, device=x.device)
         return torch.mul(x, inv_c, out=out).cosh_().square_().reciprocal_()
 
-    def scaled(self, raw: torch.Tensor, k: float | torch.Tensor) -> torch.Tensor:
-        """``z`` of a few raw fp32 values, one per row (for callers that need ``z`` itself)."""
-        if self.softcap is not None:
-            raw = torch.tanh(raw * (1.0 / self.softcap))
-        return raw * k
-
 
 def scale_factor(k: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     """``k`` as an fp32 tensor broadcasting over a tile's columns (``[R, 1]`` or ``[1, 1]``).
