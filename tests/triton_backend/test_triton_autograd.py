@@ -89,9 +89,10 @@ def test_custom_ops_pass_opcheck() -> None:
     torch.library.opcheck(torch.ops.fusedhead_triton.head_forward, fwd_args, test_utils=(
         "test_schema", "test_faketensor", "test_aot_dispatch_static",
     ))  # fmt: skip
-    logp, lse, ent = torch.ops.fusedhead_triton.head_forward(*fwd_args)
+    logp, norm, ent = torch.ops.fusedhead_triton.head_forward(*fwd_args)
+    assert norm.shape == (2, logp.shape[0])  # each row's max and log s, for the backward
     g = torch.ones_like(logp)
-    bwd_args = (hidden.detach(), weight.detach(), lab, None, lse.detach(), logp.detach(),
+    bwd_args = (hidden.detach(), weight.detach(), lab, None, norm.detach(), logp.detach(),
                 ent.detach(), g, None, 0, -100, 1.0, None, key, True, False)  # fmt: skip
     torch.library.opcheck(torch.ops.fusedhead_triton.head_backward, bwd_args,
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip

@@ -59,7 +59,7 @@ def _variants() -> dict[str, dict[str, Any]]:
         "h": f"tensordesc<bf16[{dcfg.block_m}, {dcfg.block_k}]>",
         "w": f"tensordesc<bf16[{dcfg.block_n}, {dcfg.block_k}]>",
         "dz": f"tensordesc<bf16[{dcfg.block_m}, {dcfg.block_n}]>",
-        "labels_ptr": "*i64", "temp_ptr": "*fp32", "lse_ptr": "*fp32", "lp_ptr": "*fp32",
+        "labels_ptr": "*i64", "temp_ptr": "*fp32", "norm_ptr": "*fp32", "lp_ptr": "*fp32",
         "ent_ptr": "*fp32", "glp_ptr": "*fp32", "gent_ptr": "*fp32", "ax_ptr": "*fp32", "c_ptr": "*fp32",
         "starts_ptr": "*i32", "sids_ptr": "*i32", "gs_ptr": "*fp32", "N": "i32", "Vb": "i32",
         "H": "i32", **dict.fromkeys(

@@ -91,7 +91,7 @@ def compile_dz(cfg: TileConfig, *, arch: int = 90, entropy: bool = True) -> Any:
         "w": f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>",
         "dz": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n}]>",
         **{k: "*i64" if k == "labels_ptr" else "*fp32" for k in
-           ("labels_ptr", "temp_ptr", "lse_ptr", "lp_ptr", "ent_ptr", "glp_ptr", "gent_ptr")},
+           ("labels_ptr", "temp_ptr", "norm_ptr", "lp_ptr", "ent_ptr", "glp_ptr", "gent_ptr")},
         "ax_ptr": "*fp32", "c_ptr": "*fp32", "starts_ptr": "*i32", "sids_ptr": "*i32",
         "gs_ptr": "*fp32",
         "N": "i32", "Vb": "i32", "H": "i32",

@@ -93,7 +93,7 @@ def main() -> None:
     def with_topk(k: int) -> Any:
         p, top = topk_partials(hid, w, lab, None, sc, cfg, k)
         out = combine(p, lab, IGNORE, entropy=True)
-        return out, finish(top, out.lse, lab, IGNORE)
+        return out, finish(top, out.norm[0], out.norm[1], lab, IGNORE)
 
     rows: list[dict[str, Any]] = []
     with torch.no_grad():

@@ -52,15 +52,6 @@ def backward_fake(
     )
 
 
-def rows_fake(count: int) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """The fake of a forward op giving ``count`` fp32 ``[N]`` tensors (N: ``hidden``'s rows)."""
-
-    def fake(hidden: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
-        return tuple(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(count))
-
-    return fake
-
-
 def register_pair(
     forward: Any,
     backward: Any,

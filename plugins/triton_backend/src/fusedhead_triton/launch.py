@@ -46,18 +46,20 @@ class HeadScalars:
 
 
 class RowGrads(NamedTuple):
-    """Per-row inputs of the dz kernel (unused ones are a dummy never read)."""
+    """Per-row inputs of the dz kernel (unused ones are a dummy never read); ``norm [2, N]``:
+    each row's max and ``log s`` of the scaled logits, so ``log p = (z - max) - log s``, never
+    ``z - lse`` (whose rounding to an ulp of the max is the size of a confident row's ``1 - p``)."""
 
     labels: torch.Tensor
     temp: torch.Tensor | None
-    lse: torch.Tensor
+    norm: torch.Tensor
     log_probs: torch.Tensor
     ent: torch.Tensor | None
     g_lp: torch.Tensor | None
     g_ent: torch.Tensor | None
 
     def args(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self.lse if t is None else t for t in self)
+        return tuple(self.norm if t is None else t for t in self)
 
 
 class Partials(NamedTuple):
@@ -104,10 +106,11 @@ class ExtraRowOutputs(NamedTuple):
 
 
 class RowOutputs(NamedTuple):
-    """A row's final outputs: log_prob, log-sum-exp and entropy (a dummy when not asked)."""
+    """A row's final outputs: log_prob, the normaliser ``[2, N]`` (row max, ``log s``: what the
+    backward reads) and entropy (a dummy when not asked)."""
 
     log_probs: torch.Tensor
-    lse: torch.Tensor
+    norm: torch.Tensor
     entropy: torch.Tensor
 
 
@@ -302,9 +305,10 @@ def finish_rows(
 def combine(p: Partials, labels: torch.Tensor, ignore_index: int, *, entropy: bool) -> RowOutputs:
     """The rows' outputs from one shard's tile statistics (its whole vocabulary)."""
     m, sums, _ = tile_sums(p)
-    return RowOutputs(
-        *finish_rows(m, sums, p.zy, labels, ignore_index, entropy=entropy, sum_p2=False)[:3]
+    lp, _, ent, _, log_s = finish_rows(
+        m, sums, p.zy, labels, ignore_index, entropy=entropy, sum_p2=False
     )
+    return RowOutputs(lp, torch.stack((m, log_s)), ent)
 
 
 def combine_extras(
@@ -340,7 +344,7 @@ def dz_block(
         HAS_AX=ex.ax is not None, HAS_C=ex.c is not None, HAS_SPARSE=sparse,
     )  # fmt: skip
     scalars = (sc.label_offset + v0, sc.ignore_index, sc.inv_temp, *sc.softcap_args)
-    dummy = rows.lse
+    dummy = rows.norm
     extra_args = (
         dummy if ex.ax is None else ex.ax,
         dummy if ex.c is None else ex.c,

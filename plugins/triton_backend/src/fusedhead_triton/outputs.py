@@ -56,7 +56,7 @@ class Values(NamedTuple):
     """The forward's results; a dummy (empty) tensor for each output not asked."""
 
     log_probs: torch.Tensor
-    lse: torch.Tensor  #: every row's log-sum-exp (the backward's), ignored rows included
+    norm: torch.Tensor  #: [2, N] every row's max and log s (the backward's), ignored rows included
     entropy: torch.Tensor
     lse_out: torch.Tensor  #: 0 on ignored rows
     sum_p2: torch.Tensor
@@ -122,7 +122,7 @@ def forward_values(
     valid = labels != ig
     tk = None if top is None else finish(top, m, log_s, labels, ig)
     return Values(
-        lp, lse, ent if entropy else _empty(lp), torch.where(valid, lse, 0.0),
+        lp, torch.stack((m, log_s)), ent if entropy else _empty(lp), torch.where(valid, lse, 0.0),
         p2 if sum_p2 else _empty(lp),
         arg_out if argmax and arg_out is not None else _empty(lp, torch.int64),
         _empty(lp) if zg is None or gather_ids is None else _gathered(zg, m, log_s, gather_ids, labels, ig),
@@ -202,8 +202,8 @@ def _fp32(g: torch.Tensor | None) -> torch.Tensor | None:
 
 def backward_values(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
-    sparse_ids: torch.Tensor | None, lse: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor | None,
-    sum_p2: torch.Tensor | None, grads: Grads, sc: HeadScalars, vocab_size: int, st: Settings,
+    sparse_ids: torch.Tensor | None, norm: torch.Tensor, lp: torch.Tensor,
+    ent: torch.Tensor | None, sum_p2: torch.Tensor | None, grads: Grads, sc: HeadScalars, vocab_size: int, st: Settings,
     *, need_dh: bool, need_dw: bool, dh_fp32: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """(dh, dW) of the asked outputs: ``dz = p (ax + c p) + onehots - ...`` per vocabulary block,
@@ -229,7 +229,7 @@ def backward_values(
         gs = g.gather(1, ids.perm).contiguous()
     if ax is not None:
         ax = torch.where(valid, ax, 0.0).contiguous()
-    rows = RowGrads(labels, temp, lse, lp, ent, grads.log_probs, grads.entropy)
+    rows = RowGrads(labels, temp, norm, lp, ent, grads.log_probs, grads.entropy)
     extra = DzExtras(ax, None if c is None else c.contiguous(), ids, gs)
 
     def fill_dz(v0: int, dz: torch.Tensor) -> None:
@@ -255,7 +255,7 @@ def head_outputs(
     gather_ids: torch.Tensor | None, label_offset: int, ignore_index: int, inv_temp: float,
     softcap: float | None, entropy: bool, sum_p2: bool, argmax: bool, top_k: int, settings: str,
 ) -> _Nine:  # fmt: skip
-    """``Values`` of one shard (log_probs, lse, entropy, lse_out, sum_p2, argmax, gathered,
+    """``Values`` of one shard (log_probs, norm, entropy, lse_out, sum_p2, argmax, gathered,
     topk_ids, topk_log_probs)."""
     sc = HeadScalars(label_offset, ignore_index, inv_temp, softcap)
     cfg = Settings.from_key(settings).forward
@@ -278,7 +278,7 @@ def _head_outputs_fake(
 
     k_g = 0 if gather_ids is None else gather_ids.shape[1]
     return (
-        make((n,), True), make((n,), True), make((n,), entropy), make((n,), True),
+        make((n,), True), make((2, n), True), make((n,), entropy), make((n,), True),
         make((n,), sum_p2), make((n,), argmax, torch.int64), make((n, k_g), gather_ids is not None),
         make((n, top_k), top_k > 0, torch.int64), make((n, top_k), top_k > 0),
     )  # fmt: skip
@@ -287,7 +287,7 @@ def _head_outputs_fake(
 @torch.library.custom_op("fusedhead_triton::head_outputs_backward", mutates_args=())
 def head_outputs_backward(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp: torch.Tensor | None,
-    sparse_ids: torch.Tensor | None, lse: torch.Tensor, lp: torch.Tensor,
+    sparse_ids: torch.Tensor | None, norm: torch.Tensor, lp: torch.Tensor,
     ent: torch.Tensor | None, sum_p2: torch.Tensor | None, g_lp: torch.Tensor | None,
     g_ent: torch.Tensor | None,
     g_lse: torch.Tensor | None, g_p2: torch.Tensor | None, g_sparse: torch.Tensor | None,
@@ -298,7 +298,7 @@ def head_outputs_backward(
     sc = HeadScalars(label_offset, ignore_index, inv_temp, softcap)
     grads = Grads(g_lp, g_ent, g_lse, g_p2, g_sparse)
     dh, dw = backward_values(
-        hidden, weight, labels, temp, sparse_ids, lse, lp, ent, sum_p2, grads, sc, vocab_size,
+        hidden, weight, labels, temp, sparse_ids, norm, lp, ent, sum_p2, grads, sc, vocab_size,
         Settings.from_key(settings), need_dh=need_dh, need_dw=need_dw, dh_fp32=False,
     )  # fmt: skip
     return grads_or_empty(hidden, weight, dh, dw)
@@ -328,7 +328,7 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) 
 
 
 def _backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-    hidden, weight, labels, temp, gather_ids, lse, lp, ent, p2, topk_ids = ctx.saved_tensors
+    hidden, weight, labels, temp, gather_ids, norm, lp, ent, p2, topk_ids = ctx.saved_tensors
     g_lp, _, g_ent, g_lse, g_p2, _, g_gath, _, g_topk = grads
     need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     ids, g_sparse = sparse_grads(((gather_ids, g_gath), (topk_ids, g_topk)))
@@ -342,7 +342,7 @@ def _backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
     lo, ig, inv_t, cap = ctx.scalars
     # vocab_size only bounds the counted ids: one shard holds the whole vocabulary.
     dh, dw = torch.ops.fusedhead_triton.head_outputs_backward(
-        hidden, weight, labels, temp, ids, lse, lp, ent, p2, *g, lo, ig, inv_t, cap,
+        hidden, weight, labels, temp, ids, norm, lp, ent, p2, *g, lo, ig, inv_t, cap,
         weight.shape[0] + lo, ctx.settings, need_dh, need_dw,
     )  # fmt: skip
     return (dh if need_dh else None, dw if need_dw else None, *none)
@@ -376,7 +376,7 @@ class ShardedOutputs(torch.autograd.Function):
             sum_p2=sum_p2, argmax=argmax, group=group, vocab_size=vocab_size,
         )  # fmt: skip
         ctx.save_for_backward(
-            hidden, weight, labels, temp, gather_ids, v.lse, v.log_probs,
+            hidden, weight, labels, temp, gather_ids, v.norm, v.log_probs,
             v.entropy if entropy else None, v.sum_p2 if sum_p2 else None,
         )  # fmt: skip
         ctx.args = (sc, st, flags, vocab_size, group, reduce)
@@ -388,7 +388,7 @@ class ShardedOutputs(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
         if torch.is_grad_enabled():  # create_graph=True: its collectives have no derivative here
             raise RuntimeError(DOUBLE_BACKWARD)
-        hidden, weight, labels, temp, gather_ids, lse, lp, ent, p2 = ctx.saved_tensors
+        hidden, weight, labels, temp, gather_ids, norm, lp, ent, p2 = ctx.saved_tensors
         sc, st, (entropy, sum_p2, _), vocab_size, group, reduce = ctx.args
         g_lp, g_ent, g_lse, g_p2, _, g_gath = grads
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -401,7 +401,7 @@ class ShardedOutputs(torch.autograd.Function):
             return (None, None, *none)
         sum_dh = reduce and need_dh
         dh, dw = backward_values(
-            hidden, weight, labels, temp, gather_ids, lse, lp, ent, p2, g, sc, vocab_size, st,
+            hidden, weight, labels, temp, gather_ids, norm, lp, ent, p2, g, sc, vocab_size, st,
             need_dh=need_dh, need_dw=need_dw,
             dh_fp32=sum_dh and hidden.dtype != torch.float32,
         )  # fmt: skip

@@ -35,7 +35,7 @@ def _grad_tile(
     Vb,
     labels_ptr,
     temp_ptr,
-    lse_ptr,
+    norm_ptr,
     lp_ptr,
     ent_ptr,
     glp_ptr,
@@ -69,7 +69,8 @@ def _grad_tile(
     row_ok = offs_m < N
     rows = tl.minimum(offs_m, N - 1)
     inv_t = row_inv_temperature(temp_ptr, rows, inv_temp, PER_TOKEN_T)
-    lse = tl.load(lse_ptr + rows)
+    row_max = tl.load(norm_ptr + rows)
+    log_s = tl.load(norm_ptr + N + rows)
     lab = tl.load(labels_ptr + rows)
     valid = row_ok & (lab != ignore_index)
     # label column inside this block as int32 (-1 when outside: never matches a column)
@@ -90,7 +91,8 @@ def _grad_tile(
     if HAS_SOFTCAP:
         dcap = sech2_f32(acc * inv_softcap)  # d tanh, exact where the cap saturates
         acc = softcap * tanh_f32(acc * inv_softcap)
-    logp = acc * inv_t[:, None] - lse[:, None]
+    # (z - max) - log s: exact where z is the max, never z - lse (an ulp of the max)
+    logp = (acc * inv_t[:, None] - row_max[:, None]) - log_s[:, None]
     p = tl.exp2(logp * LOG2E)
     if HAS_GENT:  # noqa: SIM108 - constexpr branch
         g = -p * (base[:, None] + gent[:, None] * logp)
@@ -100,8 +102,7 @@ def _grad_tile(
         cc = tl.where(valid, tl.load(c_ptr + rows), 0.0) * inv_t
         g = g + cc[:, None] * (p * p)
     if HAS_GLP:
-        # The label column per row from the forward's log-prob, exact near 0: the tile's log p
-        # carries an ulp of lse, which a confident token's 1 - p cannot afford.
+        # The label column per row from the forward's log-prob (the same bits as the outputs).
         lp = tl.load(lp_ptr + rows)
         p_y = tl.exp2(lp * LOG2E)
         if HAS_GENT:  # noqa: SIM108 - constexpr branch
@@ -115,13 +116,13 @@ def _grad_tile(
         g = add_sparse(g, offs_n, rows, row_ok, sp_lo, sp_hi, col0, sids_ptr, gs_ptr, K_sp, inv_t)
     if HAS_SOFTCAP:
         g = g * dcap
-    # Selected, not multiplied: an ignored row's logits (and lse) may be NaN or inf, 0 * NaN is NaN.
+    # Selected, not multiplied: an ignored row's logits (and norm) may be NaN or inf, 0 * NaN is NaN.
     return tl.where(valid[:, None], g, 0.0)
 
 
 @triton.jit(do_not_specialize=["N", "Vb", "K_sp", "col0"])
 def dz_kernel(
-    h, w, dz, labels_ptr, temp_ptr, lse_ptr, lp_ptr, ent_ptr, glp_ptr, gent_ptr, ax_ptr, c_ptr,
+    h, w, dz, labels_ptr, temp_ptr, norm_ptr, lp_ptr, ent_ptr, glp_ptr, gent_ptr, ax_ptr, c_ptr,
     starts_ptr, sids_ptr, gs_ptr, N, Vb, H, stride_hn, stride_hk, stride_wv, stride_wk,
     stride_dzm, label_offset, ignore_index, inv_temp, softcap, inv_softcap, K_sp, col0,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -152,7 +153,7 @@ def dz_kernel(
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         g = _grad_tile(
-            acc, offs_m, offs_n, N, Vb, labels_ptr, temp_ptr, lse_ptr, lp_ptr, ent_ptr, glp_ptr,
+            acc, offs_m, offs_n, N, Vb, labels_ptr, temp_ptr, norm_ptr, lp_ptr, ent_ptr, glp_ptr,
             gent_ptr, ax_ptr, c_ptr, sids_ptr, gs_ptr, sp_lo, sp_hi, K_sp, col0, label_offset,
             ignore_index, inv_temp, softcap, inv_softcap, PER_TOKEN_T, HAS_SOFTCAP, HAS_GLP,
             HAS_GENT, HAS_AX, HAS_C, HAS_SPARSE,
