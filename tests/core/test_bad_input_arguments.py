@@ -168,9 +168,25 @@ def test_an_invalid_backend_name_names_the_argument_not_a_config_never_built(
     }[how]
     with pytest.raises(ValueError) as info:
         select()
-    assert str(info.value) == (
+    assert str(info.value).startswith(
         f"backend name {name!r} is not valid: expected lowercase [a-z0-9_-]+"
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("fusedhead:triton", "names fusedhead's backend 'triton': pass 'triton'"),
+        ("Torch", "did you mean 'torch'?"),
+    ],
+)
+def test_an_invalid_backend_name_says_what_was_meant(name, hint):
+    """The trainers' ``fusedhead:NAME`` spelling and an upper-case name point at the name."""
+    from fusedhead import FusedHead
+
+    with pytest.raises(ValueError, match="is not valid") as info:
+        FusedHead(backend=name)
+    assert hint in str(info.value)
 
 
 def test_a_bad_keyword_of_fused_head_names_the_argument(ref_backend):

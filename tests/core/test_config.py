@@ -47,6 +47,12 @@ def test_unknown_config_keys_are_refused():
         FusedHeadConfig.from_dict({"backnd": "torch"})
 
 
+def test_a_whole_trainer_config_points_at_its_fused_head_section():
+    with pytest.raises(ValueError, match="unknown field 'fused_head'") as info:
+        FusedHeadConfig.from_dict({"fused_head": {"backend": "torch"}})
+    assert "from_dict(config['fused_head'])" in str(info.value)
+
+
 def test_unknown_backend_fails_at_config_time(ref_backend):
     with pytest.raises(UnknownBackendError, match="Did you mean 'ref-test'"):
         FusedHeadConfig(backend="ref-tset")

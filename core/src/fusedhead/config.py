@@ -71,6 +71,11 @@ def _clean_error(exc: ValidationError, *, arguments: bool = False) -> Exception:
     message = ("" if arguments else "FusedHeadConfig: ") + "; ".join(phrases)
     if any(p.startswith(f"unknown {what}") for p in phrases):
         message += f". {what.capitalize()}s: {', '.join(FusedHeadConfig.model_fields)}"
+    if any(p.startswith(f"unknown {what} {YAML_SECTION!r}") for p in phrases):
+        message += (
+            f". The fields sit under {YAML_SECTION!r} in a trainer's config: pass that section "
+            f"(from_dict(config[{YAML_SECTION!r}]), from_omegaconf(cfg.{YAML_SECTION}))"
+        )
     return (TypeError if all_type else ValueError)(message)
 
 

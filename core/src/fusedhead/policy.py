@@ -159,7 +159,8 @@ def _choice(arg: str, value: object, choices: tuple[str, ...], aliases: dict[str
         )
     close = difflib.get_close_matches(value, [*choices, *aliases], n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"{arg} must be one of {list(choices)}, got {value!r}{hint}")
+    named = f" (or verl's {list(aliases)})" if aliases else ""
+    raise ValueError(f"{arg} must be one of {list(choices)}{named}, got {value!r}{hint}")
 
 
 def _real(arg: str, value: object, *, low: float, high: float = math.inf, what: str) -> float:

@@ -208,7 +208,15 @@ def _check_name(name: object) -> None:
             f"backend must be a str naming a backend, got {type(name).__name__} {name!r}"
         )
     if not NAME_PATTERN.match(name):
-        raise ValueError(f"backend name {name!r} is not valid: expected lowercase [a-z0-9_-]+")
+        prefix, _, rest = name.partition(":")
+        hint = ""
+        if prefix == "fusedhead" and NAME_PATTERN.match(rest):
+            hint = f" (the trainers' spelling {name!r} names fusedhead's backend {rest!r}: pass {rest!r})"
+        elif NAME_PATTERN.match(name.lower()):
+            hint = f" (names are lowercase: did you mean {name.lower()!r}?)"
+        raise ValueError(
+            f"backend name {name!r} is not valid: expected lowercase [a-z0-9_-]+{hint}"
+        )
 
 
 def unknown_name_message(name: str, available: Iterable[str]) -> str:
