@@ -28,8 +28,8 @@ def _run(
     sc = HeadScalars(0, IGNORE, 1.0, softcap)
     with torch.no_grad():
         p, top = topk_partials(hid, w, lab, temp, sc, cfg, k)
-        lse = combine(p, lab, IGNORE, entropy=False).lse
-    return p.ws, top, lse
+        norm = combine(p, lab, IGNORE, entropy=False).norm  # each row's max and log s
+    return p.ws, top, norm
 
 
 def _random(n: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -65,7 +65,7 @@ def test_exact_ties_bf16(k: int) -> None:
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_values_and_log_probs_against_fp32_bf16(softcap: float | None) -> None:
     hid, w, lab, temp = _random(3001, seed=1)
-    _, top, lse = _run(hid, w, lab, 32, temp=temp, softcap=softcap)
+    _, top, norm = _run(hid, w, lab, 32, temp=temp, softcap=softcap)
     z = hid.float() @ w.float().T
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
@@ -73,7 +73,7 @@ def test_values_and_log_probs_against_fp32_bf16(softcap: float | None) -> None:
     ref = torch.topk(z, 32, dim=1).values
     assert (top.logits - ref).abs().max() <= 1e-4  # fp32 GEMM against fp32-accumulated bf16 tiles
     assert (z.gather(1, top.ids) - ref).abs().max() <= 1e-4  # a swap only between near-ties
-    out = finish(top, lse, lab, IGNORE)
+    out = finish(top, norm[0], norm[1], lab, IGNORE)
     logp = torch.log_softmax(z, dim=1).gather(1, top.ids)
     keep = lab != IGNORE
     assert (out.logits[keep] - logp[keep]).abs().max() <= 1e-4
@@ -93,8 +93,9 @@ def test_recomputed_tiles_are_the_forwards_bits_bf16(softcap: float | None) -> N
 
 
 def test_outputs_are_a_plain_calls_bits_bf16() -> None:
-    """log_probs, entropy, lse, sum_p2 and argmax of a call with top-k are a plain call's, and the
-    top-k log-probs the gathered log-probs at the top-k ids, bit for bit."""
+    """log_probs, entropy, lse (and the backward's norm), sum_p2 and argmax of a call with top-k
+    are a plain call's, and the top-k log-probs the gathered log-probs at the top-k ids, bit for
+    bit."""
     hid, w, lab, temp = _random(8192, seed=4)
     cfg = settings_for(torch.bfloat16).forward
     sc = HeadScalars(0, IGNORE, 1.0, None)
@@ -104,7 +105,7 @@ def test_outputs_are_a_plain_calls_bits_bf16() -> None:
         keep = (lab != IGNORE).unsqueeze(1)
         ids = torch.where(keep, top.topk_ids, 0)
         plain = forward_values(hid, w, lab, temp, ids, sc, cfg, top_k=0, **kw)  # type: ignore[arg-type]
-    for name in ("log_probs", "lse", "entropy", "lse_out", "sum_p2", "argmax"):
+    for name in ("log_probs", "norm", "entropy", "lse_out", "sum_p2", "argmax"):
         assert torch.equal(getattr(top, name), getattr(plain, name)), name
     assert torch.equal(top.topk_log_probs, torch.where(keep, plain.gathered, 0.0))
     assert torch.equal(top.argmax, top.topk_ids[:, 0])
