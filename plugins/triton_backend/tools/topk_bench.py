@@ -126,7 +126,7 @@ def main() -> None:
                 row["steps_ms"] = {
                     "candidate_tiles": median_ms(lambda: candidate_tiles(p.ws[0], k)),  # noqa: B023
                     "recompute": median_ms(lambda: recompute(hid, w, None, sc, cfg, tiles)),  # noqa: B023
-                    "select": median_ms(lambda: select(cand, tiles, floor, k, 0)),  # noqa: B023
+                    "select": median_ms(lambda: select(cand, tiles, floor, k, 0, w.shape[0])),  # noqa: B023
                 }  # fmt: skip
                 row["cand_gib"] = cand.numel() * 4 / 2**30
                 # (row, tile) pairs whose recomputed max is not the forward's tile max: 0 if the
