@@ -34,7 +34,7 @@ from fusedhead_triton.kl import CHUNK, kl_tile
 _HEADS = ("hs", "ws", "ht", "wt")
 _STRIDES = tuple(f"stride_{x}" for x in ("hsn", "hsk", "wsv", "wsk", "htn", "htk", "wtv", "wtk"))
 _SCALARS = ("inv_temp_s", "inv_temp_t", "softcap_s", "inv_softcap_s", "softcap_t", "inv_softcap_t")
-_ROWS = ("temp_s_ptr", "temp_t_ptr", "norm_ptr", "kl_ptr", "coef_ptr")
+_ROWS = ("temp_s_ptr", "temp_t_ptr", "norm_ptr", "coef_ptr")
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,7 @@ def _backward_walk(
     need_w: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Student ``dh`` and ``dW`` from recomputed tiles of both heads."""
-    hs, ws_, ht, wt, m_s, s_s, m_t, s_t, kl = saved
+    hs, ws_, ht, wt, m_s, s_s, m_t, s_t, mean = saved
     n, v = hs.shape[0], ws_.shape[0]
     tiles = spec.tiles
     buf = Workspace(tiles.rows * tiles.cols, hs.device)
@@ -165,11 +165,11 @@ def _backward_walk(
     capped = spec.softcap is not None
     grads = TileGrads(hs, ws_, len(row_chunks), len(blocks), need_h, need_w)
     forward = spec.direction == "forward"
-    # forward: dz = g (e_s / s_s - e_t / s_t); reverse: dz = g e_s / s_s (d_s - d_t + log(s_t / s_s)
-    # - KL) with the offsets d = z - m (log p_s - log p_t without the maxima's rounding)
+    # forward: dz = g (e_s / s_s - e_t / s_t); reverse: dz = g e_s / s_s (d_s - d_t - mean), with
+    # the offsets d = z - m: log p_s - log p_t - KL without the maxima, the sums or the KL rounded
     a_s = coef / s_s
     a_t = coef / s_t
-    shift = torch.log(s_t / s_s).sub_(kl)
+    shift = -mean
     for v0, v1 in blocks:
         cols = v1 - v0
         w_block = ws_[v0:v1]
@@ -223,11 +223,14 @@ class ChunkedKL(torch.autograd.Function):
         with torch.no_grad(), torch.autocast(device_type=hs.device.type, enabled=False):
             m_s, s_s, m_t, s_t, cross = _forward_walk(hs, weight, ht, wt, inv_s, inv_t, spec)
         # cross: of the offsets d = z - m, so the maxima never enter (their rounding, an ulp of
-        # a large logit, would be the size of a confident pair's whole KL)
+        # a large logit, would be the size of a confident pair's whole KL); its mean is what the
+        # reverse gradient subtracts from d_s - d_t (log p_s - log p_t - KL, no log s in it)
         if spec.direction == "forward":
-            kl = (cross / s_t).sub_(torch.log(s_t / s_s))
+            mean = cross / s_t
+            kl = mean - torch.log(s_t / s_s)
         else:
-            kl = (cross / s_s).add_(torch.log(s_t / s_s))
+            mean = cross / s_s
+            kl = mean + torch.log(s_t / s_s)
         kl = torch.where(valid, kl, torch.zeros((), dtype=FP32, device=kl.device))
         ctx.spec = spec
         ctx.inv = tuple(None if isinstance(t, torch.Tensor) else t for t in (inv_s, inv_t))
@@ -241,7 +244,7 @@ class ChunkedKL(torch.autograd.Function):
             s_s,
             m_t,
             s_t,
-            kl,
+            mean,
             *(t if isinstance(t, torch.Tensor) else None for t in (inv_s, inv_t)),
         )
         return kl
@@ -249,7 +252,7 @@ class ChunkedKL(torch.autograd.Function):
     @staticmethod
     @first_order
     def backward(ctx: Any, g: torch.Tensor | None) -> tuple[Any, ...]:
-        hidden, weight, ht, wt, valid, m_s, s_s, m_t, s_t, kl, t_s, t_t = ctx.saved_tensors
+        hidden, weight, ht, wt, valid, m_s, s_s, m_t, s_t, mean, t_s, t_t = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         nothing = (None,) * 8
         if g is None or not (need_h or need_w):
@@ -264,9 +267,9 @@ class ChunkedKL(torch.autograd.Function):
             rows = valid.unsqueeze(1)
             hs = torch.where(rows, hs, torch.zeros((), dtype=hs.dtype, device=hs.device))
             ht = torch.where(rows, ht, torch.zeros((), dtype=ht.dtype, device=ht.device))
-            m_s, m_t, kl = (torch.where(valid, t, torch.zeros_like(t)) for t in (m_s, m_t, kl))
+            m_s, m_t, mean = (torch.where(valid, t, torch.zeros_like(t)) for t in (m_s, m_t, mean))
             s_s, s_t = (torch.where(valid, t, torch.ones_like(t)) for t in (s_s, s_t))
-        saved = (hs, weight, ht, wt, m_s, s_s, m_t, s_t, kl)
+        saved = (hs, weight, ht, wt, m_s, s_s, m_t, s_t, mean)
         with torch.no_grad(), torch.autocast(device_type=hidden.device.type, enabled=False):
             dh, dw = _backward_walk(saved, inv_s, inv_t, coef, ctx.spec, need_h, need_w)
         return dh, dw, None, None, None, None, None, None

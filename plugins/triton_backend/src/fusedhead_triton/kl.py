@@ -6,7 +6,8 @@ recomputed tiles, driven block by block by ``backward.backward_from``) are ``tor
 custom ops with fake implementations, so ``torch.compile(fullgraph=True)`` traces them. Gradients
 reach the student's hidden states and weight only; the teacher is read, never differentiated.
 Memory: the chunks' statistics ``[5, C, N]`` (``C`` = V / (BLOCK_N * CHUNK)) in the forward, then
-``O(N)`` saved (the KL and both heads' normalisers: row max and ``log2 s``, kept apart); the backward's the driver's dz blocks and an fp32 ``[N, H]`` dh sum (``Dense``).
+``O(N)`` saved (``norm [5, N]``: both heads' row max and ``log2 s``, kept apart, and the cross
+term's mean); the backward's the driver's dz blocks and an fp32 ``[N, H]`` dh sum (``Dense``).
 """
 
 # No ``from __future__ import annotations``: torch.library reads the annotations as types.
@@ -94,9 +95,10 @@ def kl_values(
     temp_s: torch.Tensor | None, temp_t: torch.Tensor | None, sc: KLScalars, cfg: TileConfig,
     chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(kl fp32 [N], the normalisers fp32 [4, N]: the student's row max of ``z log2(e)`` and
-    ``log2 s``, then the teacher's): one pass over the vocabulary, then the combine (``chunk``: a
-    tuning knob for tools/kl_sweep.py, never dependent on N)."""
+    """(kl fp32 [N], ``norm`` fp32 [5, N]: the student's row max of ``z log2(e)`` and ``log2 s``,
+    the teacher's, and the cross term's mean, ``kernels.kl.kl_combine_kernel``): one pass over
+    the vocabulary, then the combine (``chunk``: a tuning knob for tools/kl_sweep.py, never
+    dependent on N)."""
     n, v, dev = hs.shape[0], ws.shape[0], hs.device
     chunks = math.ceil(math.ceil(v / cfg.block_n) / chunk)
     outs = _outputs(hs)
@@ -119,22 +121,22 @@ def kl_values(
 
 
 def _outputs(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh (kl [N], normalisers [4, N]), fp32: the forward op's outputs and its fake's."""
+    """Fresh (kl [N], norm [5, N]), fp32: the forward op's outputs and its fake's."""
     n = hidden.shape[0]
-    return tuple(hidden.new_empty(shape, dtype=torch.float32) for shape in (n, (4, n)))  # type: ignore[return-value]
+    return tuple(hidden.new_empty(shape, dtype=torch.float32) for shape in (n, (5, n)))  # type: ignore[return-value]
 
 
 def kl_grads(
     hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor,
     temp_s: torch.Tensor | None, temp_t: torch.Tensor | None, norm: torch.Tensor,
-    kl: torch.Tensor, coef: torch.Tensor, sc: KLScalars, st: Settings,
+    coef: torch.Tensor, sc: KLScalars, st: Settings,
     cfg: TileConfig, *, need_dh: bool, need_dw: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """The student's (dh, dW) for the upstream gradient ``coef`` (0 on ignored rows)."""
     tma, flags = _flags(cfg, hs, ht, (temp_s, temp_t), sc)
     n = hs.shape[0]
     row_args = (temp_s if temp_s is not None else coef, temp_t if temp_t is not None else coef,
-                norm, kl, coef)  # fmt: skip
+                norm, coef)  # fmt: skip
 
     def fill_dz(v0: int, dz: torch.Tensor) -> None:
         cols = dz.shape[1]
@@ -160,7 +162,7 @@ def kl_forward(
     teacher_temp: torch.Tensor | None, inv_temp: float, teacher_inv_temp: float,
     softcap: float | None, teacher_softcap: float | None, reverse: bool, settings: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(kl fp32 [N], both heads' normalisers fp32 [4, N]; ``kl_values``)."""
+    """(kl fp32 [N], norm fp32 [5, N]; ``kl_values``)."""
     sc = KLScalars(inv_temp, teacher_inv_temp, softcap, teacher_softcap, reverse)
     cfg = kl_tile(Settings.from_key(settings).forward)
     return kl_values(hidden, weight, teacher_hidden, teacher_weight, valid, temp, teacher_temp,
@@ -171,7 +173,7 @@ def kl_forward(
 def kl_backward(
     hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
     teacher_weight: torch.Tensor, temp: torch.Tensor | None, teacher_temp: torch.Tensor | None,
-    norm: torch.Tensor, kl: torch.Tensor, coef: torch.Tensor,
+    norm: torch.Tensor, coef: torch.Tensor,
     inv_temp: float, teacher_inv_temp: float, softcap: float | None,
     teacher_softcap: float | None, reverse: bool, settings: str, need_dh: bool, need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -179,7 +181,7 @@ def kl_backward(
     sc = KLScalars(inv_temp, teacher_inv_temp, softcap, teacher_softcap, reverse)
     st = Settings.from_key(settings)
     dh, dw = kl_grads(
-        hidden, weight, teacher_hidden, teacher_weight, temp, teacher_temp, norm, kl,
+        hidden, weight, teacher_hidden, teacher_weight, temp, teacher_temp, norm,
         coef, sc, st, kl_tile(st.dz), need_dh=need_dh, need_dw=need_dw,
     )  # fmt: skip
     return grads_or_empty(hidden, weight, dh, dw)
@@ -187,20 +189,20 @@ def kl_backward(
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     hs, ws, ht, wt, valid, temp, teacher_temp, *scalars, settings = inputs
-    ctx.save_for_backward(hs, ws, ht, wt, valid, temp, teacher_temp, *output)
+    ctx.save_for_backward(hs, ws, ht, wt, valid, temp, teacher_temp, output[1])  # norm
     ctx.scalars, ctx.settings = tuple(scalars), settings
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, g_kl: Any, g_norm: Any) -> tuple[Any, ...]:
-    hs, ws, ht, wt, valid, temp, teacher_temp, kl, norm = ctx.saved_tensors
+    hs, ws, ht, wt, valid, temp, teacher_temp, norm = ctx.saved_tensors
     need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     none = (None,) * 11
     if g_kl is None or not (need_dh or need_dw):
         return (None, None, *none)
     coef = torch.where(valid, g_kl.to(torch.float32), 0.0).contiguous()
     dh, dw = torch.ops.fusedhead_triton.kl_backward(
-        hs, ws, ht, wt, temp, teacher_temp, norm, kl, coef, *ctx.scalars,
+        hs, ws, ht, wt, temp, teacher_temp, norm, coef, *ctx.scalars,
         ctx.settings, need_dh, need_dw,
     )  # fmt: skip
     return (dh if need_dh else None, dw if need_dw else None, *none)

@@ -195,9 +195,11 @@ def kl_combine_kernel(
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, REVERSE: tl.constexpr,
 ):  # fmt: skip
     """Reduce the C chunks of each row in a fixed order (the maxima, then the sums): the KL in
-    nats (0 where not valid) and the heads' normalisers ``norm[4, N]``: the student's row max of
-    ``z log2(e)`` and ``log2 s``, then the teacher's, kept apart (their sum, rounded to an ulp of
-    the max, would be the size of a confident pair's ``p_s - p_t``)."""
+    nats (0 where not valid) and ``norm[5, N]`` for the backward: the student's row max of
+    ``z log2(e)`` and ``log2 s``, the teacher's, kept apart (their sum, rounded to an ulp of the
+    max, would be the size of a confident pair's ``p_s - p_t``), and the cross term's mean
+    ``w / s_c`` (base 2): the reverse gradient's ``log p_s - log p_t - KL`` is ``d_s - d_t`` less
+    it, with no ``log s`` nor the KL's own rounding in the difference."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N
     stat_stride = C.to(tl.int64) * N
@@ -244,11 +246,12 @@ def kl_combine_kernel(
     tl.store(norm_ptr + N + rows, log_ss, mask=row_ok)
     tl.store(norm_ptr + 2 * N + rows, big_t, mask=row_ok)
     tl.store(norm_ptr + 3 * N + rows, log_st, mask=row_ok)
+    tl.store(norm_ptr + 4 * N + rows, w / (s_s if REVERSE else s_t), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["N", "Vb"])
 def kl_dz_kernel(
-    hs, ws, ht, wt, dz, temp_s_ptr, temp_t_ptr, norm_ptr, kl_ptr, coef_ptr,
+    hs, ws, ht, wt, dz, temp_s_ptr, temp_t_ptr, norm_ptr, coef_ptr,
     N, Vb, HS, HT, stride_hsn, stride_hsk, stride_wsv, stride_wsk, stride_htn, stride_htk,
     stride_wtv, stride_wtk, stride_dzm, inv_temp_s, inv_temp_t, softcap_s, inv_softcap_s,
     softcap_t, inv_softcap_t,
@@ -282,14 +285,14 @@ def kl_dz_kernel(
         # log2 of each head's probabilities: (z log2(e) - max) - log2 s, never z - lse
         m_s, log_ss = tl.load(norm_ptr + rows), tl.load(norm_ptr + N + rows)
         m_t, log_st = tl.load(norm_ptr + 2 * N + rows), tl.load(norm_ptr + 3 * N + rows)
-        ls = (xs * (inv_s * LOG2E)[:, None] - m_s[:, None]) - log_ss[:, None]
-        lt = (xt * c_t[:, None] - m_t[:, None]) - log_st[:, None]
-        p_s = tl.exp2(ls)
-        if REVERSE:  # p_s (ln p_s - ln p_t - KL) = p_s (ls - lt - KL log2(e)) ln 2
-            kl2 = tl.load(kl_ptr + rows) * LOG2E
-            g = p_s * ((ls - lt) - kl2[:, None]) * (coef * inv_s * LN2)[:, None]
+        d_s = xs * (inv_s * LOG2E)[:, None] - m_s[:, None]
+        d_t = xt * c_t[:, None] - m_t[:, None]
+        p_s = tl.exp2(d_s - log_ss[:, None])
+        if REVERSE:  # p_s (ln p_s - ln p_t - KL) = p_s ((d_s - d_t) - mean(d_s - d_t)) ln 2
+            mean = tl.load(norm_ptr + 4 * N + rows)
+            g = p_s * ((d_s - d_t) - mean[:, None]) * (coef * inv_s * LN2)[:, None]
         else:
-            g = (p_s - tl.exp2(lt)) * (coef * inv_s)[:, None]
+            g = (p_s - tl.exp2(d_t - log_st[:, None])) * (coef * inv_s)[:, None]
         if SOFTCAP_S:
             g = g * dcap
         g = tl.where((coef != 0.0)[:, None], g, 0.0)
