@@ -107,19 +107,42 @@ def test_a_confident_tokens_policy_loss_gradients_keep_fp32_precision(backend):
 
 
 def _kl_grads(
-    student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, direction: str,
-    dtype: torch.dtype,
+    student: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, teacher_weight: torch.Tensor,
+    temps: tuple[float, float], direction: str, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Per-row KL from full log-softmaxes in ``dtype``, and the gradients of its sum."""
     h = student.to(dtype, copy=True).requires_grad_()
     w = weight.to(dtype, copy=True).requires_grad_()
-    log_q = torch.log_softmax(h @ w.T / T, dim=-1)
-    log_p = torch.log_softmax(teacher.to(dtype) @ weight.to(dtype).T / T, dim=-1)
+    log_q = torch.log_softmax(h @ w.T / temps[0], dim=-1)
+    log_p = torch.log_softmax(teacher.to(dtype) @ teacher_weight.to(dtype).T / temps[1], dim=-1)
     a, b = (log_p, log_q) if direction == "forward" else (log_q, log_p)
     kl = (a.exp() * (a - b)).sum(-1)
     kl.sum().backward()
     assert h.grad is not None and w.grad is not None
     return kl.detach(), h.grad, w.grad
+
+
+def _check_kl(
+    backend: str, direction: str, student: torch.Tensor, weight: torch.Tensor,
+    teacher: torch.Tensor, teacher_weight: torch.Tensor, temps: tuple[float, float],
+) -> torch.Tensor:  # fmt: skip
+    """``fused_kl``'s value and student gradients within 4x fp32 autograd's error against
+    float64; returns the float64 KL (for the case's own precondition)."""
+    args = (student, weight, teacher, teacher_weight, temps, direction)
+    want, want_dh, want_dw = _kl_grads(*args, torch.float64)
+    fp32, fp32_dh, fp32_dw = _kl_grads(*args, torch.float32)
+    h = student.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    kl = fusedhead.fused_kl(
+        h, w, teacher, teacher_weight, backend=backend, direction=direction,
+        temperature=temps[0], teacher_temperature=temps[1],
+    )  # fmt: skip
+    kl.sum().backward()
+    assert h.grad is not None and w.grad is not None
+    assert _rel(kl.detach(), want) < 4 * _rel(fp32, want)
+    assert _rel(h.grad, want_dh) < 4 * _rel(fp32_dh, want_dh)
+    assert _rel(w.grad, want_dw) < 4 * _rel(fp32_dw, want_dw)
+    return want
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -128,24 +151,12 @@ def test_the_kl_of_two_confident_heads_keeps_fp32_precision(backend, direction):
     """A student close to a confident teacher: a KL of about 2e-7 from logits of about 40 / T.
     Both backends formed ``lse = m + log s`` in fp32, rounded to an ulp of the max (3.8e-6):
     torch's KL value ``cross - (lse_t - lse_s)`` was 10x to 30x fp32's error, triton's gradient
-    ``p_s - p_t`` 40x to 80x. torch's value is now ``cross - ((m_t - m_s) + log(s_t / s_s))``;
-    triton keeps each head's max and ``log s`` apart for its backward."""
+    ``p_s - p_t`` 40x to 80x. Neither forms an lse now: the KL is the cross term of the offsets
+    ``z - m`` with ``log(s_t / s_s)``, and triton's backward reads each head's max and ``log s``."""
     teacher, weight, _, _ = _confident_batch()
     student = teacher + 0.3 * torch.randn(N, H, generator=torch.Generator().manual_seed(1))
-    want, want_dh, want_dw = _kl_grads(student, teacher, weight, direction, torch.float64)
+    want = _check_kl(backend, direction, student, weight, teacher, weight, (T, T))
     assert 1e-8 < float(want.mean()) < 1e-5  # a small KL: the case that cancels
-    fp32, fp32_dh, fp32_dw = _kl_grads(student, teacher, weight, direction, torch.float32)
-    h = student.clone().requires_grad_()
-    w = weight.clone().requires_grad_()
-    kl = fusedhead.fused_kl(
-        h, w, teacher, weight, backend=backend, direction=direction, temperature=T,
-        teacher_temperature=T,
-    )  # fmt: skip
-    kl.sum().backward()
-    assert h.grad is not None and w.grad is not None
-    assert _rel(kl.detach(), want) < 4 * _rel(fp32, want)
-    assert _rel(h.grad, want_dh) < 4 * _rel(fp32_dh, want_dh)
-    assert _rel(w.grad, want_dw) < 4 * _rel(fp32_dw, want_dw)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -162,32 +173,8 @@ def test_the_kl_of_heads_at_different_temperatures_keeps_fp32_precision(
     hs, ht = torch.randn(N, H, generator=g), torch.randn(N, H, generator=g)
     ws = torch.randn(V, H, generator=g) * (4 if t_student < 1 else 1) / math.sqrt(H)
     wt = torch.randn(V, H, generator=g) * (4 if t_teacher < 1 else 1) / math.sqrt(H)
-
-    def reference(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        h = hs.to(dtype, copy=True).requires_grad_()
-        w = ws.to(dtype, copy=True).requires_grad_()
-        log_q = torch.log_softmax(h @ w.T / t_student, dim=-1)
-        log_p = torch.log_softmax(ht.to(dtype) @ wt.to(dtype).T / t_teacher, dim=-1)
-        a, b = (log_p, log_q) if direction == "forward" else (log_q, log_p)
-        kl = (a.exp() * (a - b)).sum(-1)
-        kl.sum().backward()
-        assert h.grad is not None and w.grad is not None
-        return kl.detach(), h.grad, w.grad
-
-    want, want_dh, want_dw = reference(torch.float64)
-    fp32, fp32_dh, fp32_dw = reference(torch.float32)
-    h = hs.clone().requires_grad_()
-    w = ws.clone().requires_grad_()
-    kl = fusedhead.fused_kl(
-        h, w, ht, wt, backend=backend, direction=direction, temperature=t_student,
-        teacher_temperature=t_teacher,
-    )  # fmt: skip
-    kl.sum().backward()
-    assert h.grad is not None and w.grad is not None
+    want = _check_kl(backend, direction, hs, ws, ht, wt, (t_student, t_teacher))
     assert float(want.mean()) > 0.1  # a KL of nats: the raw logits' rounding is what cancels
-    assert _rel(kl.detach(), want) < 4 * _rel(fp32, want)
-    assert _rel(h.grad, want_dh) < 4 * _rel(fp32_dh, want_dh)
-    assert _rel(w.grad, want_dw) < 4 * _rel(fp32_dw, want_dw)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
