@@ -19,7 +19,7 @@ import torch
 from fusedhead.policy_terms import label_logit_grad, token_grads
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
 from fusedhead_torch.fused_passes import compiled
-from fusedhead_torch.tile_math import MAX_SCALE, gemm_operand, logits_mm
+from fusedhead_torch.tile_math import MAX_SCALE, gemm_operand, logits_mm, mm_out_dtype_works
 
 FP32 = torch.float32
 
@@ -106,6 +106,44 @@ def _compiled_chunk(
     return d_y, s, log_s, log_s - t / s, grad
 
 
+class WeightGradSum:
+    """``dW = sum over chunks of dz^T h`` summed in fp32 and rounded once to the weight's dtype.
+
+    A 16-bit running sum rounds once per chunk, an error that grows with the number of chunks
+    (bf16 at N = 32768: 3.05e-3 relative over 26 chunks, against 2.3e-3 for one rounding); an
+    fp32 ``[V, H]`` sum costs twice the weight gradient's memory. On CUDA the GEMM adds into it
+    in its fp32 epilogue (``aten::addmm.dtype``); elsewhere the chunk's operands are upcast.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self._like = weight
+        self._sum: torch.Tensor | None = None
+        self._fused = weight.dtype != FP32 and mm_out_dtype_works(weight.device, weight.dtype)
+
+    def add(self, dz: torch.Tensor, h_rows: torch.Tensor) -> None:
+        """Add one chunk's ``dz^T h_rows``."""
+        a, b = dz.t(), h_rows
+        if self._fused:
+            if self._sum is None:
+                self._sum = torch.mm(a, b, out_dtype=FP32)
+            else:
+                torch.addmm(self._sum, a, b, out_dtype=FP32, out=self._sum)
+            return
+        if a.dtype != FP32:
+            a, b = a.float(), b.float()
+        if self._sum is None:
+            self._sum = torch.mm(a, b)
+        else:
+            self._sum.addmm_(a, b)
+
+    def result(self) -> torch.Tensor:
+        """The sum in the weight's dtype (zeros without any chunk); the fp32 sum is let go."""
+        total, self._sum = self._sum, None
+        if total is None:
+            return torch.zeros_like(self._like)
+        return total if total.dtype == self._like.dtype else total.to(self._like.dtype)
+
+
 def policy_loss(
     call: PolicyLossCall, rows_per_chunk: int, fp32_logits: bool, use_compile: bool = False
 ) -> PolicyLossResult:
@@ -137,7 +175,7 @@ def policy_loss(
     log_probs = torch.empty(n, dtype=FP32, device=device)
     entropy = torch.empty(n, dtype=FP32, device=device)
     grad_h = torch.empty_like(hidden) if call.need_hidden_grad else None
-    grad_w = torch.empty_like(weight) if call.need_weight_grad else None
+    grad_w = WeightGradSum(weight) if call.need_weight_grad else None
     need_grads = grad_h is not None or grad_w is not None
     for start in range(0, n, rows_per_chunk):
         stop = min(start + rows_per_chunk, n)
@@ -174,8 +212,8 @@ def policy_loss(
         if grad_h is not None:
             torch.mm(dz, weight, out=grad_h[start:stop])
         if grad_w is not None:
-            if start == 0:
-                torch.mm(dz.t(), h_rows, out=grad_w)
-            else:
-                grad_w.addmm_(dz.t(), h_rows)
-    return PolicyLossResult(log_probs, entropy, grad_hidden=grad_h, grad_weight=grad_w)
+            grad_w.add(dz, h_rows)
+    return PolicyLossResult(
+        log_probs, entropy, grad_hidden=grad_h,
+        grad_weight=None if grad_w is None else grad_w.result(),
+    )  # fmt: skip
