@@ -40,7 +40,14 @@ if [[ $STEP == bench || $STEP == all ]]; then
 fi
 if [[ $STEP == tests || $STEP == all ]]; then
   T=tests/triton_backend
-  run "${PYTEST_LIMIT:-360}" "$OUT/pytest.log" python3 -m pytest -m gpu -v -rfEs \
+  # Most of a GPU test's time is Triton's compile on the host: where pytest-xdist imports (offline:
+  # its and execnet's wheels put beside the small ones), PYTEST_WORKERS processes share the GPU
+  # (4 by default; 0 runs the tests in one process).
+  workers=()
+  if python3 -c "import xdist" 2>/dev/null && [[ ${PYTEST_WORKERS:-4} != 0 ]]; then
+    workers=(-n "${PYTEST_WORKERS:-4}")
+  fi
+  run "${PYTEST_LIMIT:-360}" "$OUT/pytest.log" python3 -m pytest -m gpu -v -rfEs "${workers[@]}" \
     -p no:cacheprovider $T/test_triton_outputs_gpu.py $T/test_triton_topk_gpu.py \
     $T/test_triton_kl_gpu.py $T ${PYTEST_K:+-k "$PYTEST_K"}
   run "${CHECK_LIMIT:-180}" "$OUT/check.log" python3 -m fusedhead.cli check triton \
