@@ -116,11 +116,11 @@ def _refuse_problem_flags(args: argparse.Namespace) -> None:
         if getattr(args, dest, None) != getattr(defaults, dest)
     ]
     if given:
+        one = len(given) == 1
         raise ValueError(
-            f"demo --model {args.model}: {', '.join(given)} {'sets' if len(given) == 1 else 'set'} the "
-            "synthetic problem, which "
-            "--model does not run (its model fixes the sizes, temperatures and batch); drop "
-            f"{'it' if len(given) == 1 else 'them'}, or drop --model"
+            f"demo --model {args.model}: {', '.join(given)} {'sets' if one else 'set'} the "
+            "synthetic problem, which --model does not run (its model fixes the sizes, "
+            f"temperatures and batch); drop {'it' if one else 'them'}, or drop --model"
         )
 
 
