@@ -290,7 +290,73 @@ def test_check_runs_the_out_dtype_probe_eagerly(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(tile_math, "_MM_OUT_DTYPE", {})
     cpu = torch.device("cpu")
     TorchBackend(TorchOptions()).check(cpu, dtype)
+    monkeypatch.setattr(tile_math, "_ADDMM_OUT_DTYPE", {})
+    TorchBackend(TorchOptions()).check(cpu, dtype)
     probed = dict(tile_math._MM_OUT_DTYPE)
     assert probed == {(cpu, dtype): False}  # no aten::mm.dtype on the CPU
+    probed = dict(tile_math._ADDMM_OUT_DTYPE)
+    assert probed == {(cpu, dtype): False}  # nor, so, its in-place aten::addmm.dtype_out
     TorchBackend(TorchOptions()).check(cpu, torch.float32)  # fp32 needs no probe
     assert list(tile_math._MM_OUT_DTYPE) == [(cpu, dtype)]
+
+
+def test_the_policy_weight_gradient_sums_in_the_gemm_epilogue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The policy loss's CUDA route for a 16-bit weight gradient, run on the CPU through kernels
+    registered for ``aten::mm.dtype`` and ``aten::addmm.dtype_out`` here: the probe passes, the
+    first chunk writes the fp32 sum and every later one adds into it in place, and the gradient is
+    the upcast route's bits (both sum the same fp32 products)."""
+    import fusedhead
+
+    calls: list[tuple[str, tuple[int, int]]] = []
+
+    def mm_dtype(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        calls.append(("mm", (a.shape[0], b.shape[1])))
+        return torch.mm(a.to(out_dtype), b.to(out_dtype))
+
+    def addmm_dtype_out(
+        c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
+        beta: float = 1, alpha: float = 1, out: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        calls.append(("addmm", (a.shape[0], b.shape[1])))
+        assert out_dtype == torch.float32 and out.dtype == torch.float32
+        return torch.addmm(c, a.to(out_dtype), b.to(out_dtype), beta=beta, alpha=alpha, out=out)
+
+    g = torch.Generator().manual_seed(5)
+    n, h, v = 40, 16, 50
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = (torch.randn(v, h, generator=g) / 4).bfloat16()
+    labels = torch.randint(0, v, (n,), generator=g)
+    old, adv = torch.randn(n, generator=g) - 3, torch.randn(n, generator=g)
+
+    def weight_grad() -> torch.Tensor:
+        w = weight.clone().requires_grad_()
+        out = fusedhead.fused_policy_loss(
+            hidden, w, labels, old_log_probs=old, advantages=adv, backend="torch",
+            temperature=0.7, options={"chunk_rows": 8, "compile_elementwise": False},
+        )  # fmt: skip
+        out.loss.backward()
+        assert w.grad is not None and w.grad.dtype == torch.bfloat16
+        return w.grad
+
+    upcast = weight_grad()
+    assert calls == []
+    # mm.dtype is taken to work (its probe asks for CUDA); the addmm probe runs its trial.
+    monkeypatch.setattr(tile_math, "mm_out_dtype_works", lambda device, dtype: True)
+    monkeypatch.setattr(tile_math, "_ADDMM_OUT_DTYPE", {})
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        lib.impl("mm.dtype", mm_dtype, "CPU")
+        lib.impl("addmm.dtype_out", addmm_dtype_out, "CPU")
+        fused = weight_grad()
+    finally:
+        lib._destroy()
+    probed = dict(tile_math._ADDMM_OUT_DTYPE)
+    assert probed == {(torch.device("cpu"), torch.bfloat16): True}
+    # the addmm probe's 2 x 2 trial, then 5 chunks of 8 rows, each a [8, V] fp32 logits GEMM and
+    # its share of the [V, H] sum: the first written by mm, the 4 others added by addmm in place
+    logits = ("mm", (8, v))
+    assert calls[0] == ("addmm", (2, 2))
+    assert calls[1:] == [logits, ("mm", (v, h))] + [logits, ("addmm", (v, h))] * 4
+    assert torch.equal(fused, upcast)

@@ -35,7 +35,7 @@ from fusedhead_torch.outputs import (
 )
 from fusedhead_torch.policy import chunk_rows, policy_loss
 from fusedhead_torch.rowstats import MAX_GRID_VOCAB
-from fusedhead_torch.tile_math import mm_out_dtype_works
+from fusedhead_torch.tile_math import addmm_out_dtype_works, mm_out_dtype_works
 from fusedhead_torch.tiling import GRID_COLS, Tiles, skips_rows
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -98,8 +98,9 @@ class TorchBackend:
                 f"backend 'torch' computes fp32, fp16 and bf16 inputs, not {dtype}; cast "
                 "hidden and weight to one of those"
             )
-        if dtype != torch.float32:  # its trial GEMM now, eagerly: a compiled call only reads it
+        if dtype != torch.float32:  # the trial GEMMs now, eagerly: a compiled call only reads them
             mm_out_dtype_works(device, dtype)
+            addmm_out_dtype_works(device, dtype)
 
     def tiles(
         self, n: int, v: int, dtype: torch.dtype, device: torch.device, softcap: float | None = None

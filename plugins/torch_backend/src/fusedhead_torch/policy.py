@@ -19,7 +19,7 @@ import torch
 from fusedhead.policy_terms import label_logit_grad, token_grads
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
 from fusedhead_torch.fused_passes import compiled
-from fusedhead_torch.tile_math import MAX_SCALE, gemm_operand, logits_mm, mm_out_dtype_works
+from fusedhead_torch.tile_math import MAX_SCALE, addmm_out_dtype_works, gemm_operand, logits_mm
 
 FP32 = torch.float32
 
@@ -118,7 +118,7 @@ class WeightGradSum:
     def __init__(self, weight: torch.Tensor) -> None:
         self._like = weight
         self._sum: torch.Tensor | None = None
-        self._fused = weight.dtype != FP32 and mm_out_dtype_works(weight.device, weight.dtype)
+        self._fused = weight.dtype != FP32 and addmm_out_dtype_works(weight.device, weight.dtype)
 
     def add(self, dz: torch.Tensor, h_rows: torch.Tensor) -> None:
         """Add one chunk's ``dz^T h_rows``."""
