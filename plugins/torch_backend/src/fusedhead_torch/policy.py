@@ -5,8 +5,9 @@ Per chunk of rows: the fp32 logits ``x = h W^T`` (GEMM 1), the rows' max, ``sum 
 entropy, the loss's derivative in each row's log-prob and entropy
 (``fusedhead.policy_terms.token_grads``), the logits' gradient ``dz`` in place of the logits, then
 ``dX = dz W`` (GEMM 2) and ``dW += dz^T h`` (GEMM 3). Memory: the chunk's fp32 tiles (the
-workspace budget) besides the two gradients. Ignored rows are selected out (never multiplied by
-0), so a NaN or Inf in their hidden state reaches nothing.
+workspace budget) and, for 16-bit weights, the weight gradient's fp32 sum besides the two
+gradients. Ignored rows are selected out (never multiplied by 0), so a NaN or Inf in their hidden
+state reaches nothing.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ class WeightGradSum:
 
     A 16-bit running sum rounds once per chunk, an error that grows with the number of chunks
     (bf16 at N = 32768: 3.05e-3 relative over 26 chunks, against 2.3e-3 for one rounding); an
-    fp32 ``[V, H]`` sum costs twice the weight gradient's memory. On CUDA the GEMM adds into it
-    in its fp32 epilogue (``aten::addmm.dtype``); elsewhere the chunk's operands are upcast.
+    fp32 ``[V, H]`` sum costs twice the weight gradient's memory. Where ``aten::addmm.dtype_out``
+    adds in place (CUDA, torch >= 2.8: ``addmm_out_dtype_works``) the GEMM adds into it in its
+    fp32 epilogue; elsewhere the chunk's operands are upcast.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
