@@ -5,6 +5,9 @@ Each case is timed after its own GEMM unit (one ``hidden @ weight.T`` of the sha
 
     python scripts/gpu/ab_cases.py TAG [--backend triton] [--cases plain,gather_check,...]
     python scripts/gpu/ab_cases.py TAG --dry   # the CPU, the torch backend, tiny shapes
+
+The policy case also records its weight gradient's error against fp32 (up to N = 8192 at
+V = 151936), for trees that change how that gradient is summed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import Any
 import torch
 
 import fusedhead
-from fusedhead import FusedHead, fused_kl
+from fusedhead import FusedHead, fused_kl, fused_policy_loss
+from fusedhead.reference import reference_policy_loss
 
 #: name -> (forward only, check_labels, further call arguments by name: see ``_kwargs``)
 CASES: dict[str, tuple[bool, bool, tuple[str, ...]]] = {
@@ -34,7 +38,16 @@ CASES: dict[str, tuple[bool, bool, tuple[str, ...]]] = {
     # fused_kl of two heads of the shape (the teacher: its own hidden states and weight)
     "kl": (True, False, ("teacher",)),
     "kl_fb": (False, False, ("teacher",)),
+    # fused_policy_loss, fwd+bwd (policy_loss_bench.py's loss); also its weight gradient's
+    # relative L2 error against reference_policy_loss in fp32 on the same values
+    "policy": (False, True, ("policy",)),
 }
+#: Most logits the policy case's fp32 reference is formed for (N = 8192 at V = 151936: about
+#: 5 GB a copy, several held by autograd).
+REFERENCE_MAX_LOGITS = 8192 * 151936
+#: The policy case's loss: issue 31's (clip 0.2 / 0.28, entropy 0.01, k3 KL 0.001, token-mean).
+POLICY = {"clip_low": 0.2, "clip_high": 0.28, "entropy_coef": 0.01, "kl_coef": 0.001,
+          "kl_estimator": "k3", "aggregation": "token-mean"}  # fmt: skip
 
 
 def main() -> None:
@@ -92,10 +105,30 @@ def run(opts: argparse.Namespace, names: list[str], dev: torch.device, dtype: to
 
         return forward if fwd_only else both
 
+    with torch.no_grad():
+        lp0 = head(hidden, weight, labels, temperature=0.7).log_probs
+    pol = {"old_log_probs": lp0 + 0.05 * torch.randn(n, device=dev, generator=g),
+           "ref_log_probs": lp0 + 0.05 * torch.randn(n, device=dev, generator=g),
+           "advantages": coef, "temperature": 0.7, **POLICY}  # fmt: skip
+
+    def policy_step() -> None:
+        fused_policy_loss(hh, ww, labels, backend=opts.backend, **pol).loss.backward()
+        hh.grad = ww.grad = None
+
+    def policy_grad_w_err() -> float:
+        w = weight.clone().requires_grad_()
+        fused_policy_loss(hidden, w, labels, backend=opts.backend, **pol).loss.backward()
+        w32 = weight.float().requires_grad_()
+        reference_policy_loss(hidden.float(), w32, labels, **pol).backward()
+        assert w.grad is not None and w32.grad is not None
+        return float((w.grad.float() - w32.grad).norm() / w32.grad.norm())
+
     def case(name: str) -> Callable[[], Any]:
         fwd_only, check, more = CASES[name]
         if "teacher" in more:
             return kl_case(fwd_only)
+        if "policy" in more:
+            return policy_step
         kw = {k: extra[k] for k in more}
 
         def forward() -> Any:
@@ -138,6 +171,8 @@ def run(opts: argparse.Namespace, names: list[str], dev: torch.device, dtype: to
             fn()
             torch.cuda.synchronize()
             res[name + "_peak_gib"] = round((torch.cuda.max_memory_allocated() - before) / 2**30, 4)
+        if name == "policy" and n * v <= REFERENCE_MAX_LOGITS:
+            res["policy_grad_w_err"] = policy_grad_w_err()
     print(json.dumps(res), flush=True)
 
 
