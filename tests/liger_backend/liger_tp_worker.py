@@ -10,6 +10,7 @@ raised, in processes of their own: a missing check hangs or misleads those, not 
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -160,3 +161,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Saved and the process group destroyed: leave without the interpreter's teardown, where
+    # gloo's worker threads can abort a finished rank (scripts/gpu/vocab_parallel_nccl.py's note).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
