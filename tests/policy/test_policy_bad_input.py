@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -71,7 +72,9 @@ def test_an_empty_batch_is_a_zero_loss_with_zero_gradients(backend, shape, aggre
     out.loss.backward()
     assert out.loss.item() == 0.0
     assert out.log_probs.shape == shape and out.entropy.shape == shape
-    assert out.ratio_min.item() == 0.0 and out.ratio_max.item() == 0.0
+    # min and max over no token are their identities, so reductions across micro-batches hold
+    assert out.ratio_min.item() == math.inf and out.ratio_max.item() == -math.inf
+    assert out.clip_fraction.item() == out.approx_kl.item() == out.ratio_mean.item() == 0.0
     assert hidden.grad is not None and hidden.grad.shape == hidden.shape
     assert weight.grad is not None and torch.equal(weight.grad, torch.zeros_like(weight))
 

@@ -509,9 +509,9 @@ def _output(
         lp_valid = torch.where(valid, lp, zero)
         kl_tok, _ = kl_penalty(call.kl_estimator, lp_valid, torch.where(valid, ref, zero))
         kl = (kl_tok * weight).sum()
-    any_valid = count > 0
     big = torch.full((1,), math.inf, device=lp.device)
-    # The extremes over scored rows, with a sentinel (an empty batch has no rows to reduce).
+    # The extremes over scored rows; with none, min/max's identities (+inf, -inf), so that a
+    # min or max across micro-batches or ranks (all_reduce MIN/MAX) stays right.
     ratio_min = torch.cat((torch.where(valid, ratio, big), big)).amin()
     ratio_max = torch.cat((torch.where(valid, ratio, -big), -big)).amax()
     return PolicyLossOutput(
@@ -525,8 +525,8 @@ def _output(
         clip_fraction_lower=lower,
         approx_kl=(-log_ratio).sum() / denom,
         ratio_mean=torch.where(valid, ratio, zero).sum() / denom,
-        ratio_min=torch.where(any_valid, ratio_min, zero),
-        ratio_max=torch.where(any_valid, ratio_max, zero),
+        ratio_min=ratio_min,
+        ratio_max=ratio_max,
     )
 
 
