@@ -60,6 +60,19 @@ def test_unfused_runs_the_policy_case_only(torch_backend: None) -> None:
         peers.resolve("unfused:reference")
 
 
+def test_by_default_the_policy_case_weighs_every_backend_against_its_unfused_path(
+    torch_backend: None,
+) -> None:
+    """Issue 31 item 5 in one run without --impl: the fused loss and its four-GEMM path."""
+    backends = [s for s in peers.default_specs() if s not in peers.PEERS]
+    assert "torch" in backends and not any(s.startswith("unfused:") for s in backends)
+    with_policy = peers.default_specs(["logprobs", "policy"])
+    assert [s for s in with_policy if s.startswith("unfused:")] == [
+        f"unfused:{b}" for b in backends
+    ]
+    assert with_policy[: len(backends)] == backends
+
+
 def test_the_blocked_reference_is_the_whole_batchs_loss(monkeypatch: pytest.MonkeyPatch) -> None:
     case = Case(37, 8, 50, head="policy", seed=3)
     inputs = make_inputs(case)

@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="implementations: installed backend names (NAME or 'NAME:{json options}'), "
         "unfused:NAME (--case policy: the backend's log-probs, then the loss in torch) and peers "
-        "reference, verl-chunked, liger-direct, cce (default: every installed backend and peer)",
+        "reference, verl-chunked, liger-direct, cce (default: every installed backend and peer; "
+        "with --case policy, unfused:NAME of every installed backend too)",
     )
     parser.add_argument(
         "--device",
@@ -276,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=str(device),
     )
-    specs = args.impl or peers.default_specs()
+    specs = args.impl or peers.default_specs(c.head for c in cases)
     # Unknown names and bad options fail here, before any work.
     impls = [peers.resolve(s) for s in specs]
     common = {

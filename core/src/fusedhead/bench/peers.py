@@ -15,7 +15,7 @@ import importlib
 import importlib.metadata as md
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -467,9 +467,13 @@ def _unfused(spec: str) -> Impl:
     )
 
 
-def default_specs() -> list[str]:
-    """Every installed backend with its default options, then every peer whose package is installed."""
-    return [*registry.candidates(), *(p for p in PEERS if _peer_installed(p))]
+def default_specs(heads_asked: Iterable[str] = ()) -> list[str]:
+    """Every installed backend with its default options, then every peer whose package is
+    installed; with the ``policy`` case among ``heads_asked``, each backend's unfused path too
+    (its log-probs, then the loss in torch), the four-GEMM path the fused loss is weighed against."""
+    backends = list(registry.candidates())
+    unfused = [f"{UNFUSED}{b}" for b in backends] if policy.NAME in heads_asked else []
+    return [*backends, *unfused, *(p for p in PEERS if _peer_installed(p))]
 
 
 def environment_note() -> dict[str, str]:
