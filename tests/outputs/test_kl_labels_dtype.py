@@ -73,3 +73,41 @@ def test_uint64_ids_are_refused_by_name_everywhere():
         text = str(info.value)
         assert text.startswith(f"{arg.strip()} must be an integer tensor that converts to int64")
         assert "torch.uint64" in text, text
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("bad", [-1, 300, 2**40])
+def test_a_label_out_of_range_is_refused_as_fused_head_refuses_it(backend, bad):
+    """The KL reads labels as a mask only, so padding of -1 beside ignore_index=-100 was scored,
+    silently. Now one read checks the range (with the temperatures), naming value and position;
+    check_labels=False still scores such a row, as documented."""
+    g = torch.Generator().manual_seed(2)
+    n, h, v = 5, 8, 300
+    hidden, weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    t_hidden, t_weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    labels = torch.tensor([4, -100, bad, 7, bad])
+    opts = BACKENDS[backend]
+    with pytest.raises(
+        ValueError, match=rf"labels must be in \[0, 300\) .* got {bad} at flat position 2 \(2 label"
+    ):
+        fused_kl(hidden, weight, t_hidden, t_weight, labels, backend=backend, options=opts)
+    with pytest.raises(ValueError, match="labels must be in"):
+        FusedHead(backend=backend, options=opts or {}).kl(
+            hidden, weight, t_hidden, t_weight, labels
+        )
+    kl = fused_kl(hidden, weight, t_hidden, t_weight, labels, backend=backend, options=opts,
+                  check_labels=False)  # fmt: skip
+    assert kl[1] == 0 and bool((kl[[0, 2, 3, 4]] > 0).all())
+
+
+def test_a_compiled_kl_refuses_a_label_out_of_range_too():
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(4, 8, generator=g), torch.randn(30, 8, generator=g)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def kl(labels: torch.Tensor) -> torch.Tensor:
+        return fused_kl(hidden, weight, hidden, weight * 2, labels, backend="torch")
+
+    assert kl(torch.tensor([1, 2, -100, 3])).shape == (4,)
+    with pytest.raises(ValueError, match="got -1 at flat position 3"):
+        kl(torch.tensor([1, 2, -100, -1]))

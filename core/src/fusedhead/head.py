@@ -344,6 +344,10 @@ class FusedHead:
 
     def run_kl(self, req: KLRequest) -> torch.Tensor:
         """One KL call: checked, gated as a head call is, run, its output checked and shaped."""
+        traced = tracing()
+        check = req.check_labels is True
+        # The labels' range, per-token temperatures and the backend's floor: one host read.
+        pending = Pending() if check and not traced else None
         call, shape = validate_kl(
             req.hidden,
             req.weight,
@@ -357,15 +361,13 @@ class FusedHead:
             softcap=req.softcap,
             teacher_softcap=req.teacher_softcap,
             check=req.check_labels,
+            pending=pending,
         )
-        traced = tracing()
-        check = req.check_labels is True
-        floor_read = Pending() if check and not traced else None
         caps = self._entry(call.hidden.device, call.hidden.dtype, traced)[0]
-        call = contract.gate_kl(call, caps, self.identity(), floor_read, traced and check)
-        if floor_read is not None:
-            floor_read.send()
-            floor_read.settle()
+        call = contract.gate_kl(call, caps, self.identity(), pending, traced and check)
+        if pending is not None:
+            pending.send()
+            pending.settle()
         if call.valid.numel() == 0:
             zero = call.hidden.sum(-1).float() * 0 + call.weight.sum().float() * 0
             return contract.shaped(zero, shape)

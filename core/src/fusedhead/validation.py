@@ -51,6 +51,7 @@ from fusedhead.shards import (  # noqa: F401
     shards_need_check,
 )
 from fusedhead.value_checks import (
+    KL_UNCHECKED_EFFECT,
     Pending,
     check_gather_range,
     check_label_range,
@@ -486,9 +487,11 @@ def validate_kl(
     softcap: object = None,
     teacher_softcap: object = None,
     check: object = True,
+    pending: Pending | None = None,
 ) -> tuple[KLCall, tuple[int, ...]]:
-    """Check a two-head KL call: the backend's 2-D call and the rows' shape (``check``: read
-    and check per-token temperatures' values, as ``_temperature`` does)."""
+    """Check a two-head KL call: the backend's 2-D call and the rows' shape (``check``: read and
+    check the labels' range and per-token temperatures' values, in ``pending``'s one read when
+    given, as ``validate`` does)."""
 
     h = tensor_arg("hidden", hidden)
     w = tensor_arg("weight", weight)
@@ -562,6 +565,10 @@ def validate_kl(
         flat = rows.reshape(-1)
         if flat.dtype != torch.int64:  # compared in int64, as fused_head's labels: in a narrower
             flat = flat.to(torch.int64)  # dtype torch wraps ignore_index (uint8: -100 == 156)
+        if check and flat.numel() and h.device.type != "meta":
+            # Only a mask here, but a label out of range (padding of -1 beside ignore_index=-100)
+            # is a mistake that would silently score its row: refused as fused_head refuses it.
+            flat = check_label_range(flat, ignore_index, w.shape[0], pending, KL_UNCHECKED_EFFECT)
         valid = (flat != ignore_index).contiguous()
     call = KLCall(
         hidden=h.reshape(-1, h.shape[-1]),
@@ -569,9 +576,9 @@ def validate_kl(
         teacher_hidden=th.reshape(-1, th.shape[-1]),
         teacher_weight=tw,
         valid=valid,
-        temperature=_temperature(temperature, rows, h.device, check=check),
+        temperature=_temperature(temperature, rows, h.device, pending=pending, check=check),
         teacher_temperature=_temperature(
-            teacher_temperature, rows, h.device, "teacher_temperature", check=check
+            teacher_temperature, rows, h.device, "teacher_temperature", pending, check
         ),
         direction=direction,
         softcap=None if softcap is None else positive_float("softcap", softcap),

@@ -41,19 +41,30 @@ def _raise_bad_temperature(arg: str, t: torch.Tensor) -> NoReturn:
     )
 
 
+#: What ``check_labels=False`` does with an out-of-range label, as the errors say: a head's row
+#: gives NaN; the KL reads labels as a mask only, so the row is scored.
+HEAD_UNCHECKED_EFFECT = "such rows then give NaN"
+KL_UNCHECKED_EFFECT = "such rows are then scored as any other"
+
+
 def check_label_range(
-    labels: torch.Tensor, ignore_index: int, vocab_size: int, pending: Pending | None = None
+    labels: torch.Tensor,
+    ignore_index: int,
+    vocab_size: int,
+    pending: Pending | None = None,
+    unchecked_effect: str = HEAD_UNCHECKED_EFFECT,
 ) -> torch.Tensor:
     """One device-to-host read (or ``pending``'s); the first offending position is named. Returns
     ``labels`` (under torch.compile, the checked copy from the graph's op: see ``labels_checked``)."""
     if torch.compiler.is_compiling():
-        checked: torch.Tensor = labels_checked(labels, ignore_index, vocab_size)
+        checked: torch.Tensor = labels_checked(labels, ignore_index, vocab_size, unchecked_effect)
         return checked
     bad = _bad_labels(labels, ignore_index, vocab_size)
+    args = (labels, bad, ignore_index, vocab_size, unchecked_effect)
     if pending is not None:
-        pending.add(bad.any(), _raise_bad_labels, labels, bad, ignore_index, vocab_size)
+        pending.add(bad.any(), _raise_bad_labels, *args)
     elif bool(bad.any()):
-        _raise_bad_labels(labels, bad, ignore_index, vocab_size)
+        _raise_bad_labels(*args)
     return labels
 
 
@@ -62,14 +73,18 @@ def _bad_labels(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> tor
 
 
 def _raise_bad_labels(
-    labels: torch.Tensor, bad: torch.Tensor, ignore_index: int, vocab_size: int
+    labels: torch.Tensor,
+    bad: torch.Tensor,
+    ignore_index: int,
+    vocab_size: int,
+    unchecked_effect: str = HEAD_UNCHECKED_EFFECT,
 ) -> NoReturn:
     idx = int(bad.nonzero()[0, 0])
     count = int(bad.sum())
     raise ValueError(
         f"labels must be in [0, {vocab_size}) or ignore_index={ignore_index}, got {int(labels[idx])} "
         f"at flat position {idx} ({count} label(s) out of range); {UNCHECKED} skips this check "
-        "(such rows then give NaN)"
+        f"({unchecked_effect})"
     )
 
 
@@ -181,9 +196,11 @@ class Pending:
 
 
 @torch.library.custom_op("fusedhead::check_labels", mutates_args=())
-def labels_checked(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> torch.Tensor:
+def labels_checked(
+    labels: torch.Tensor, ignore_index: int, vocab_size: int, unchecked_effect: str
+) -> torch.Tensor:
     """``check_label_range`` in a compiled graph; a copy of ``labels``."""
-    check_label_range(labels, ignore_index, vocab_size)
+    check_label_range(labels, ignore_index, vocab_size, None, unchecked_effect)
     return labels.clone()
 
 
