@@ -134,13 +134,16 @@ def _scale_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
     """``grads *= scale`` in place, nothing to do for a scale of 1 (``loss.backward()``).
 
     The scale is read on the host, once per backward (as Liger's fused cross-entropy does): a
-    Python scale keeps the multiply one vectorised pass in fp32 arithmetic, where a bf16 ``mul_``
-    by an fp32 0-d tensor takes a slow mixed-dtype kernel (2.4 ms for a 1.2 GiB weight gradient on
-    an H200), and the usual scale of 1 costs nothing.
+    Python scale keeps the multiply one pass in fp32 arithmetic, rounded once, where a bf16
+    ``mul_`` by an fp32 0-d tensor takes a slow mixed-dtype kernel (2.4 ms for a 1.2 GiB weight
+    gradient on an H200), and the usual scale of 1 costs nothing. Not ``_foreach_mul_``: on the
+    CPU it rounds the scale to the gradients' dtype first (fp16: 65536, a GradScaler's first
+    scale, is inf, and a zero gradient times inf is NaN; bf16: 1/3 is off by 0.2 %).
     """
     value = float(scale)
-    if value != 1.0 and grads:
-        torch._foreach_mul_(grads, value)
+    if value != 1.0:
+        for g in grads:
+            g.mul_(value)
 
 
 def _choice(arg: str, value: object, choices: tuple[str, ...], aliases: dict[str, str]) -> str:
