@@ -322,7 +322,32 @@ def test_metrics_are_verl_s() -> None:
         (
             {"advantages": torch.zeros(7)},
             ValueError,
-            r"advantages must have the labels' shape \(3, 7\) or broadcast to it with as many",
+            r"advantages must have the labels' shape \(3, 7\) or \(3, 1\) \(one value per "
+            r"sequence\), got \(7,\)",
+        ),
+        # One sequence's values (or one value) spread over the batch is a mistake, not a broadcast.
+        ({"advantages": torch.zeros(1, 7)}, ValueError, r"advantages .* got \(1, 7\)"),
+        ({"advantages": torch.zeros(())}, ValueError, r"advantages .* got \(\)"),
+        (
+            {"old_log_probs": torch.zeros(1, 7)},
+            ValueError,
+            r"old_log_probs .* \(3, 7\), got \(1, 7\)",
+        ),
+        (
+            {"old_log_probs": torch.zeros(3, 1)},
+            ValueError,
+            r"old_log_probs .* \(3, 7\), got \(3, 1\)",
+        ),
+        ({"old_log_probs": torch.tensor(-1.0)}, ValueError, r"old_log_probs .* got \(\)"),
+        (
+            {"ref_log_probs": torch.zeros(1, 7), "kl_coef": 0.1},
+            ValueError,
+            r"ref_log_probs must have the labels' shape \(3, 7\), got \(1, 7\)",
+        ),
+        (
+            {"rollout_log_probs": torch.zeros(()), "tis_cap": 2.0},
+            ValueError,
+            r"rollout_log_probs must have the labels' shape \(3, 7\), got \(\)",
         ),
         ({"old_log_probs": [0.0] * 21}, TypeError, r"old_log_probs must be a torch.Tensor or None"),
         (

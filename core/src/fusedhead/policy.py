@@ -177,10 +177,17 @@ def _real(arg: str, value: object, *, low: float, high: float = math.inf, what: 
 
 
 def _per_token(
-    arg: str, value: object, shape: tuple[int, ...], device: torch.device, none: str = ""
+    arg: str,
+    value: object,
+    shape: tuple[int, ...],
+    device: torch.device,
+    none: str = "",
+    per_sequence: bool = False,
 ) -> torch.Tensor:
-    """A per-token tensor broadcastable to the labels' shape, as a detached fp32 ``[N]`` copy;
-    ``none`` says what None means where the argument may be None."""
+    """A tensor of the labels' shape (or with ``per_sequence``, ``[..., 1]``: one value per
+    sequence) as a detached fp32 ``[N]`` copy; ``none`` says what None means where the argument
+    may be None. No other broadcast: a ``[1, S]`` or 0-d tensor beside ``[B, S]`` labels is a
+    mistake that would silently spread one sequence's values over the batch."""
     if none and not isinstance(value, torch.Tensor):
         raise TypeError(
             f"{arg} must be a torch.Tensor or None ({none}), got {type(value).__name__}"
@@ -190,18 +197,12 @@ def _per_token(
         raise TypeError(f"{arg} must be a floating tensor (fp32, fp64, fp16, bf16), got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{arg} must be on hidden's device {device}, got {t.device}")
-    if t.dim() != len(shape) and t.numel() != 1:  # [B] beside [B, S] would broadcast along S
-        raise ValueError(
-            f"{arg} must have the labels' shape {shape} or broadcast to it with as many "
-            f"dimensions (e.g. [B, 1]: one value per sequence), got {tuple(t.shape)}"
-        )
-    try:
-        full = t.detach().expand(shape)
-    except RuntimeError:
-        raise ValueError(
-            f"{arg} must have the labels' shape {shape} (or broadcast to it), got {tuple(t.shape)}"
-        ) from None
-    return full.reshape(-1).to(torch.float32).contiguous()
+    got = tuple(t.shape)
+    one_per_sequence = (*shape[:-1], 1) if per_sequence and len(shape) >= 2 else None
+    if got != shape and got != one_per_sequence:
+        also = f" or {one_per_sequence} (one value per sequence)" if one_per_sequence else ""
+        raise ValueError(f"{arg} must have the labels' shape {shape}{also}, got {got}")
+    return t.detach().expand(shape).reshape(-1).to(torch.float32).contiguous()
 
 
 def _normalizer(
@@ -376,7 +377,7 @@ def _policy_call(
     kl_coef = _real("kl_coef", req.kl_coef, low=0.0, what="a finite float >= 0")
     old = req.old_log_probs
     old = None if old is None else _per_token("old_log_probs", old, shape, device, "on-policy")
-    adv = _per_token("advantages", req.advantages, shape, device)
+    adv = _per_token("advantages", req.advantages, shape, device, per_sequence=True)
     ref = req.ref_log_probs
     ref = None if ref is None else _per_token("ref_log_probs", ref, shape, device, "no KL term")
     if kl_coef and ref is None:
