@@ -153,3 +153,67 @@ def test_the_liger_adapter_masks_ignored_rows_before_liger(return_entropy):
         assert bool(t[6].isnan())
     assert bool(torch.isfinite(gw).all()) and bool((gh[bad] == 0).all())
     assert torch.equal(gw, clean_gw) and torch.equal(gh, clean_gh)
+
+
+#: A per-token temperature that an unchecked call (``check_labels=False``) hands over on the
+#: ignored rows: none of it is ever read.
+BAD_TEMPERATURES = {1: float("nan"), 3: float("inf"), 4: 0.0, 5: -1.0}
+
+
+def _temperature(poison: bool, seed: int = 0) -> torch.Tensor:
+    t = torch.rand(N, generator=torch.Generator().manual_seed(seed + 7)) + 0.5
+    for row, value in BAD_TEMPERATURES.items():
+        t[row] = value if poison else 1.0
+    return t
+
+
+@pytest.mark.parametrize("output", list(OUTPUTS))
+@pytest.mark.parametrize(("backend", "options", "dtype"), PARAMS)
+def test_an_ignored_rows_temperature_reaches_nothing(backend, options, dtype, output):
+    """Before: the torch backend without ``skip_ignored_rows`` (its CUDA default) scaled the
+    recomputed tiles of an ignored row by ``1 / NaN``, so ``weight.grad`` was NaN everywhere
+    and the row's hidden gradient NaN. Now an ignored row's temperature is never read."""
+
+    def run(poison: bool):
+        hidden, weight, labels = _inputs(DTYPES[dtype], poison=False)
+        h, w = hidden.requires_grad_(), weight.requires_grad_()
+        out = fused_head(
+            h, w, labels, temperature=_temperature(poison), check_labels=False,
+            backend=backend, options=options, **OUTPUTS[output],
+        )  # fmt: skip
+        ts = _differentiable(out)
+        sum(((i + 1) * t.float()).sum() for i, t in enumerate(ts)).backward()
+        return out, ts, h.grad, w.grad
+
+    _assert_nothing_leaks(run(poison=True), run(poison=False))
+
+
+@pytest.mark.parametrize("teacher", [False, True], ids=["student", "teacher"])
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+@pytest.mark.parametrize(("backend", "options", "dtype"), PARAMS)
+def test_an_ignored_rows_temperature_reaches_nothing_in_the_kl(
+    backend, options, dtype, direction, teacher
+):
+    """The KL's student and teacher temperatures, as the head's (before: NaN gradients)."""
+
+    def run(poison: bool):
+        hidden, weight, labels = _inputs(DTYPES[dtype], poison=False)
+        t_hidden, t_weight, _ = _inputs(DTYPES[dtype], poison=False, seed=1)
+        h, w = hidden.requires_grad_(), weight.requires_grad_()
+        temps = {
+            "temperature": _temperature(poison and not teacher),
+            "teacher_temperature": _temperature(poison and teacher, seed=1),
+        }
+        kl = fused_kl(
+            h, w, t_hidden, t_weight, labels, direction=direction, check_labels=False,
+            backend=backend, options=options, **temps,
+        )  # fmt: skip
+        kl.sum().backward()
+        return kl, h.grad, w.grad
+
+    kl, gh, gw = run(True)
+    clean_kl, clean_gh, clean_gw = run(False)
+    bad = list(BAD_TEMPERATURES)
+    assert bool((kl[bad] == 0).all()) and torch.equal(kl, clean_kl)
+    assert bool(torch.isfinite(gw).all()) and bool((gh[bad] == 0).all())
+    assert torch.equal(gw, clean_gw) and torch.equal(gh, clean_gh)

@@ -35,7 +35,11 @@ from fusedhead_torch.outputs import (
 )
 from fusedhead_torch.policy import chunk_rows, policy_loss
 from fusedhead_torch.rowstats import MAX_GRID_VOCAB
-from fusedhead_torch.tile_math import addmm_out_dtype_works, mm_out_dtype_works
+from fusedhead_torch.tile_math import (
+    addmm_out_dtype_works,
+    inverse_temperature,
+    mm_out_dtype_works,
+)
 from fusedhead_torch.tiling import GRID_COLS, Tiles, skips_rows
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -127,14 +131,11 @@ class TorchBackend:
         temperature, ignore_index, softcap = call.temperature, call.ignore_index, call.softcap
         return_entropy = call.return_entropy
         n = hidden.shape[0]
-        if isinstance(temperature, torch.Tensor):
-            # Not differentiable: the temperature is a sampling setting, not a parameter.
-            temp = temperature.detach().to(device=hidden.device, dtype=torch.float32)
-            inv_t: float | torch.Tensor = temp.expand(n).reciprocal()
-        else:
-            inv_t = 1.0 / float(temperature)
+        scored = labels != ignore_index
+        # Not differentiable: the temperature is a sampling setting, not a parameter.
+        inv_t = inverse_temperature(temperature, scored)
         keep = (
-            (labels != ignore_index).nonzero().squeeze(1)
+            scored.nonzero().squeeze(1)
             if skips_rows(self.options.skip_ignored_rows, hidden)
             else None
         )

@@ -34,7 +34,7 @@ from fusedhead_torch.tile_math import (
     FP32,
     Scaling,
     Workspace,
-    clamp_scale,
+    inverse_temperature,
     logits_mm,
     scale_factor,
 )
@@ -275,16 +275,6 @@ class ChunkedKL(torch.autograd.Function):
         return dh, dw, None, None, None, None, None, None
 
 
-def _inverse(
-    temperature: float | torch.Tensor, n: int, device: torch.device
-) -> float | torch.Tensor:
-    """``1 / T`` per row (a float, or fp32 ``[n]``), clamped to ``MAX_SCALE`` as the head is."""
-    if isinstance(temperature, torch.Tensor):
-        t = temperature.detach().to(device=device, dtype=FP32).expand(n)
-        return clamp_scale(t.reciprocal())
-    return clamp_scale(1.0 / float(temperature))
-
-
 def forward_kl(options: TorchOptions, call: KLCall) -> KLOutput:
     """The per-token KL of ``call`` on the torch backend (ignored rows left out on the CPU)."""
     hs, ws_, ht, wt, valid = (
@@ -295,8 +285,8 @@ def forward_kl(options: TorchOptions, call: KLCall) -> KLOutput:
         call.valid,
     )
     n = hs.shape[0]
-    inv_s = _inverse(call.temperature, n, hs.device)
-    inv_t = _inverse(call.teacher_temperature, n, hs.device)
+    inv_s = inverse_temperature(call.temperature, valid)  # an ignored row's reads 1, as the head
+    inv_t = inverse_temperature(call.teacher_temperature, valid)
     keep = valid.nonzero().squeeze(1) if skips_rows(options.skip_ignored_rows, hs) else None
     if keep is not None and keep.numel() < n:
         hs, ht, valid = hs.index_select(0, keep), ht.index_select(0, keep), valid[keep]

@@ -44,6 +44,7 @@ from fusedhead_torch.tile_math import (
     Workspace,
     clamp_scale,
     forward_tile,
+    inverse_temperature,
     logits_mm,
     offsets,
     recomputed_offsets,
@@ -562,17 +563,9 @@ def forward_outputs(options: TorchOptions, call: HeadCall) -> HeadOutput:
     hidden, weight, labels = call.hidden, call.weight, call.labels
     gather_ids = call.gather_ids
     n = hidden.shape[0]
-    inv_t: float | torch.Tensor
-    if isinstance(call.temperature, torch.Tensor):
-        temp = call.temperature.detach().to(device=hidden.device, dtype=FP32)
-        inv_t = temp.expand(n).reciprocal()
-    else:
-        inv_t = 1.0 / float(call.temperature)
-    keep = (
-        (labels != call.ignore_index).nonzero().squeeze(1)
-        if skips_rows(options.skip_ignored_rows, hidden)
-        else None
-    )
+    scored = labels != call.ignore_index
+    inv_t = inverse_temperature(call.temperature, scored)
+    keep = scored.nonzero().squeeze(1) if skips_rows(options.skip_ignored_rows, hidden) else None
     if keep is not None and keep.numel() < n:
         hidden = hidden.index_select(0, keep)
         labels = labels.index_select(0, keep)

@@ -32,6 +32,22 @@ def clamp_scale(k: float | torch.Tensor) -> float | torch.Tensor:
     return min(k, MAX_SCALE)
 
 
+def inverse_temperature(
+    temperature: float | torch.Tensor, scored: torch.Tensor
+) -> float | torch.Tensor:
+    """``1 / T`` clamped to ``MAX_SCALE``: a float, or fp32 ``[N]`` for a per-token temperature,
+    where a row that is not ``scored`` (``[N]`` bool) gets 1.
+
+    An ignored row's temperature is never read: an unchecked call (``check_labels=False``) may
+    hold NaN there, and one NaN factor would reach every gradient through ``0 * NaN`` in the
+    backward's tiles (a finite 1 keeps that row's zeros exact, as zeroed hidden rows do).
+    """
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.detach().to(device=scored.device, dtype=FP32)
+        return clamp_scale(torch.where(scored, t.reciprocal(), 1.0))
+    return clamp_scale(1.0 / float(temperature))
+
+
 class Workspace:
     """Flat buffers reused by every tile of a call, each viewed at the tile's shape."""
 
