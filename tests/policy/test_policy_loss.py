@@ -148,6 +148,43 @@ def test_loss_normalizer_replaces_the_count(backend: str, aggregation: str) -> N
 
 
 @pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_with_loss_normalizer_and_horizon_packed_micro_batches_add_up(backend: str) -> None:
+    """seq-mean-token-sum-norm divides by sequences x horizon. A packed batch's default horizon,
+    its longest sequence, changes from one micro-batch to the next; ``horizon`` (verl's
+    loss_scale_factor, TRL's max_completion_length) fixes it, so split batches add up."""
+    data = batch(b=1, s=17, seed=9, ignore_row=False)
+    data["advantages"] = data["advantages"].expand(1, 17) + torch.linspace(-1, 1, 17)
+    whole_cu = [0, 3, 11, 17]  # micro-batches below: the first sequence, then the other two
+
+    def loss_and_grad(lo: int, hi: int, cu: list[int], **kw: Any) -> tuple[torch.Tensor, ...]:
+        part = {k: v if k == "weight" else v[:, lo:hi] for k, v in data.items()}
+        args = _args(part, w=True)
+        out = fusedhead.fused_policy_loss(
+            **args, aggregation="seq-mean-token-sum-norm", cu_seqlens=torch.tensor(cu),
+            loss_normalizer=3, backend=backend, **kw,
+        )  # fmt: skip
+        out.loss.backward()
+        return out.loss.detach(), args["weight"].grad
+
+    whole, whole_grad = loss_and_grad(0, 17, whole_cu, horizon=8)
+    first, g1 = loss_and_grad(0, 3, [0, 3], horizon=8)
+    second, g2 = loss_and_grad(3, 17, [0, 8, 14], horizon=8)
+    torch.testing.assert_close(first + second, whole, rtol=1e-6, atol=0)
+    torch.testing.assert_close(g1 + g2, whole_grad, rtol=1e-5, atol=1e-7)
+    # horizon=8 is the whole batch's longest sequence: its default, not each micro-batch's
+    assert torch.equal(loss_and_grad(0, 17, whole_cu)[0], whole)
+    assert not torch.allclose(loss_and_grad(0, 3, [0, 3])[0], first)
+    # and the norm mode is the sequence sum divided by the horizon
+    summed = fusedhead.fused_policy_loss(
+        **_args(data), aggregation="seq-mean-token-sum", backend=backend
+    )
+    normed = fusedhead.fused_policy_loss(
+        **_args(data), aggregation="seq-mean-token-sum-norm", horizon=64, backend=backend
+    )
+    torch.testing.assert_close(normed.loss, summed.loss / 64, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
 def test_per_token_temperature_and_softcap(backend: str) -> None:
     data = batch(seed=7)
     temp = 0.5 + torch.rand(3, 7, generator=torch.Generator().manual_seed(1))
@@ -350,6 +387,29 @@ def test_metrics_are_verl_s() -> None:
             r"rollout_log_probs must have the labels' shape \(3, 7\), got \(\)",
         ),
         ({"old_log_probs": [0.0] * 21}, TypeError, r"old_log_probs must be a torch.Tensor or None"),
+        ({"kl_estimator": "K3"}, ValueError, "did you mean 'k3'"),
+        ({"aggregation": "Token-Mean"}, ValueError, "did you mean 'token-mean'"),
+        ({"horizon": 8}, ValueError, r"horizon=8 is the length seq-mean-token-sum-norm divides"),
+        (
+            {"horizon": 0, "aggregation": "seq-mean-token-sum-norm"},
+            ValueError,
+            r"horizon must be a length > 0 \(verl's loss_scale_factor",
+        ),
+        (
+            {"horizon": "8", "aggregation": "seq-mean-token-sum-norm"},
+            TypeError,
+            "horizon must be a float",
+        ),
+        (
+            {"advantages": torch.zeros(3, 1, requires_grad=True)},
+            ValueError,
+            r"advantages requires grad, .* pass advantages.detach\(\)",
+        ),
+        (
+            {"old_log_probs": torch.zeros(3, 7, requires_grad=True)},
+            ValueError,
+            r"old_log_probs requires grad",
+        ),
         (
             {"ref_log_probs": 0.5, "kl_coef": 0.1},
             TypeError,
@@ -366,6 +426,8 @@ def test_bad_arguments_are_named(kw: dict[str, Any], error: type, match: str) ->
 
 def test_bad_cu_seqlens_values() -> None:
     data = batch(b=1, s=10, seed=1, ignore_row=False)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be on hidden's device cpu, got meta"):
+        fusedhead.fused_policy_loss(**_args(data), cu_seqlens=torch.tensor([0, 10], device="meta"))
     for bad in ([0, 4, 3, 10], [1, 10], [0, 4, 9]):
         with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
             fusedhead.fused_policy_loss(**_args(data), cu_seqlens=torch.tensor(bad))

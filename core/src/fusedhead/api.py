@@ -320,6 +320,7 @@ def fused_policy_loss(
     tis_cap: float | None = None,
     aggregation: str = "token-mean",
     loss_normalizer: float | torch.Tensor | None = None,
+    horizon: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     ignore_index: int = -100,
     softcap: float | None = None,
@@ -334,7 +335,8 @@ def fused_policy_loss(
     sampling (``rollout_log_probs``, ``tis_cap``), ``- entropy_coef`` times the entropy,
     ``+ kl_coef`` times the ``kl_estimator`` KL to ``ref_log_probs``, each aggregated by
     ``aggregation`` (verl's ``loss_agg_mode``; ``cu_seqlens`` for a packed batch,
-    ``loss_normalizer`` for the global count).
+    ``loss_normalizer`` for the global count, ``horizon`` for the length
+    ``seq-mean-token-sum-norm`` divides by: verl's ``loss_scale_factor``).
     Rows whose label is ``ignore_index`` add nothing. The backend must declare ``policy_loss``.
     """
     if temperature is None:
@@ -358,6 +360,7 @@ def fused_policy_loss(
             tis_cap=tis_cap,
             aggregation=aggregation,
             loss_normalizer=loss_normalizer,
+            horizon=horizon,
             cu_seqlens=cu_seqlens,
             ignore_index=ignore_index,
             softcap=softcap,

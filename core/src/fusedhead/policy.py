@@ -160,7 +160,9 @@ def _choice(arg: str, value: object, choices: tuple[str, ...], aliases: dict[str
             "fused_policy_loss does not compute: its ratios are per token (verl's vanilla PPO); "
             f"{arg} must be one of {list(choices)}"
         )
-    close = difflib.get_close_matches(value, [*choices, *aliases], n=1)
+    names = [*choices, *aliases]
+    same_case = [c for c in names if c.lower() == value.lower()]  # "K3", "Token-Mean"
+    close = same_case or difflib.get_close_matches(value, names, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     named = f" (or verl's {list(aliases)})" if aliases else ""
     raise ValueError(f"{arg} must be one of {list(choices)}{named}, got {value!r}{hint}")
@@ -197,6 +199,11 @@ def _per_token(
         raise TypeError(f"{arg} must be a floating tensor (fp32, fp64, fp16, bf16), got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{arg} must be on hidden's device {device}, got {t.device}")
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{arg} requires grad, but fused_policy_loss differentiates in hidden and weight "
+            f"only (no gradient would reach it); pass {arg}.detach()"
+        )
     got = tuple(t.shape)
     one_per_sequence = (*shape[:-1], 1) if per_sequence and len(shape) >= 2 else None
     if got != shape and got != one_per_sequence:
@@ -248,7 +255,7 @@ def _bad_normalizer(t: torch.Tensor) -> NoReturn:
 
 def _sequences(
     shape: tuple[int, ...], cu_seqlens: object, n: int, device: torch.device
-) -> tuple[torch.Tensor, int, torch.Tensor | int]:
+) -> tuple[torch.Tensor, int, int]:
     """Each token's sequence index, the number of sequences and the horizon (longest length)."""
     if cu_seqlens is None:
         width = shape[-1] if shape else 1
@@ -256,6 +263,9 @@ def _sequences(
         seq = torch.arange(n, device=device) // max(width, 1)
         return seq, count, width
     cu = tensor_arg("cu_seqlens", cu_seqlens)
+    if cu.device not in (device, torch.device("cpu")) or cu.device.type == "meta":
+        also = "" if device.type == "cpu" else " or the CPU"
+        raise ValueError(f"cu_seqlens must be on hidden's device {device}{also}, got {cu.device}")
     if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(
             f"cu_seqlens must be a 1-D int32/int64 tensor of sequence starts [0, ..., T] "
@@ -283,11 +293,14 @@ def token_weights(
     aggregation: str,
     normalizer: torch.Tensor | None,
     cu_seqlens: object,
+    horizon: float | None = None,
 ) -> torch.Tensor:
     """The aggregation (verl's ``loss_agg_mode``) as one fp32 weight per token, 0 where ignored.
 
     ``normalizer`` replaces the count the mean divides by: valid tokens for ``token-mean``,
-    sequences with a valid token for the ``seq-mean-*`` modes.
+    sequences with a valid token for the ``seq-mean-*`` modes. ``horizon`` replaces the length
+    ``seq-mean-token-sum-norm`` divides by (the batch's width, or a packed batch's longest
+    sequence), so that micro-batches of any width add up.
     """
     n = valid.shape[0]
     device = valid.device
@@ -296,7 +309,8 @@ def token_weights(
     if aggregation == "token-mean":
         denom = ones.sum() if normalizer is None else normalizer
         return torch.where(valid, 1.0 / denom, zero)
-    seq, count, horizon = _sequences(shape, cu_seqlens, n, device)
+    seq, count, longest = _sequences(shape, cu_seqlens, n, device)
+    length = float(longest if horizon is None else horizon)
     per_seq = torch.zeros(count, dtype=torch.float32, device=device).index_add_(0, seq, ones)
     seqs = (per_seq > 0).sum().to(torch.float32) if normalizer is None else normalizer
     if aggregation == "seq-mean-token-sum":
@@ -304,7 +318,7 @@ def token_weights(
         return torch.where(valid, scale, zero)
     if aggregation == "seq-mean-token-mean":
         return torch.where(valid, 1.0 / (per_seq[seq] * seqs), zero)
-    return torch.where(valid, 1.0 / (seqs * float(horizon)), zero)  # seq-mean-token-sum-norm
+    return torch.where(valid, 1.0 / (seqs * length), zero)  # seq-mean-token-sum-norm
 
 
 def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
@@ -406,9 +420,17 @@ def _policy_call(
             )
         tis = torch.exp(old - roll).clamp_(max=cap)
     valid = call.labels != call.ignore_index
-    weights = token_weights(
-        valid, shape, aggregation, _normalizer(req.loss_normalizer, device, pending), req.cu_seqlens
-    )
+    horizon = req.horizon
+    if horizon is not None:
+        what = "a length > 0 (verl's loss_scale_factor, TRL's max_completion_length)"
+        horizon = _real("horizon", horizon, low=1e-30, what=what)
+        if aggregation != "seq-mean-token-sum-norm":
+            raise ValueError(
+                f"horizon={req.horizon!r} is the length seq-mean-token-sum-norm divides by; "
+                f"aggregation={aggregation!r} divides by none: pass horizon=None, or that mode"
+            )
+    normalizer = _normalizer(req.loss_normalizer, device, pending)
+    weights = token_weights(valid, shape, aggregation, normalizer, req.cu_seqlens, horizon)
     if req.cu_seqlens is not None and aggregation == "token-mean":
         _sequences(shape, req.cu_seqlens, n, device)  # checked even where it changes nothing
     grad = torch.is_grad_enabled()

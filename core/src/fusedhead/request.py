@@ -166,6 +166,7 @@ class PolicyRequest(NamedTuple):
     tis_cap: float | None = None
     aggregation: str = "token-mean"
     loss_normalizer: float | torch.Tensor | None = None
+    horizon: float | None = None
     cu_seqlens: torch.Tensor | None = None
     ignore_index: int = -100
     softcap: float | None = None
