@@ -356,6 +356,36 @@ def test_an_installed_backend_hidden_by_the_limit_is_named_as_hidden_not_missing
     assert "pip install" not in msg, msg
 
 
+@pytest.mark.parametrize("typo", ["torhc", "god"])
+def test_a_near_miss_of_a_hidden_backend_is_suggested_as_hidden_not_missing(
+    typo, with_fixture_dists, monkeypatch
+):
+    """Before: "Did you mean 'torch' (not installed: pip install ...)?" for an installed torch that
+    FUSEDHEAD_BACKENDS hid (and a hidden third-party name was not suggested at all). Now a near
+    miss gets the advice an exact hidden name gets: the variable, not a pip install."""
+    monkeypatch.setenv("FUSEDHEAD_BACKENDS", "broken")
+    meant = {"torhc": "torch", "god": "good"}[typo]
+    with pytest.raises(UnknownBackendError) as info:
+        registry.load_class(typo)
+    msg = str(info.value)
+    want = f"Did you mean {meant!r} (installed, but FUSEDHEAD_BACKENDS hides it: add {meant!r} "
+    assert want in msg, msg
+    assert "not installed" not in msg and "pip install" not in msg, msg
+
+
+def test_an_in_process_backend_hidden_by_the_limit_is_named_as_hidden(ref_backend, monkeypatch):
+    """A registration that FUSEDHEAD_BACKENDS leaves out: named as hidden, exact or near."""
+    monkeypatch.setenv("FUSEDHEAD_BACKENDS", "torch")
+    said = {
+        "ref-test": "Backend 'ref-test' is registered in-process, but FUSEDHEAD_BACKENDS hides it",
+        "ref-tset": "Did you mean 'ref-test' (registered in-process, but FUSEDHEAD_BACKENDS hides",
+    }
+    for asked, want in said.items():
+        with pytest.raises(UnknownBackendError) as info:
+            registry.load_class(asked)
+        assert want in str(info.value), str(info.value)
+
+
 def test_an_unknown_name_lists_the_first_party_backends_as_they_install_before_pypi(
     with_fixture_dists,
 ):

@@ -219,6 +219,19 @@ def _check_name(name: object) -> None:
         )
 
 
+def _hidden_by_limit(limit: set[str] | None) -> dict[str, str]:
+    """Names that exist here but ``FUSEDHEAD_BACKENDS`` (``limit``) leaves out, each with how it
+    exists (``installed`` or ``registered in-process``): a name the user asks for among these
+    needs the variable changed, never a pip install."""
+    if limit is None:
+        return {}
+    found = {c.name: "installed" for c in installed_entry_points() if c.name not in limit}
+    for reg in _registered.values():
+        if reg.name not in limit:
+            found.setdefault(reg.name, "registered in-process")
+    return found
+
+
 def unknown_name_message(name: str, available: Iterable[str]) -> str:
     """Why ``name`` selects nothing: the selectable names of ``available`` (with a "Did you mean"
     among them), entry-point names that break the name rule apart, and how to install."""
@@ -245,18 +258,26 @@ def unknown_name_message(name: str, available: Iterable[str]) -> str:
             f" Not selectable, as their names break the rule (lowercase [a-z0-9_-]+; "
             f"fusedhead list shows them): {shown}."
         )
+    hidden = _hidden_by_limit(limit)
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    near_hidden = difflib.get_close_matches(name, sorted(hidden.keys() - {name}), n=1, cutoff=0.6)
+    absent = [  # first-party names neither selectable nor hidden: these need a pip install
+        n
+        for n in install_hints.FIRST_PARTY_EXTRAS
+        if n != name and n not in hidden.keys() | set(names)
+    ]
     if close:
         msg += f" Did you mean {close[0]!r}?"
-    else:
-        close = difflib.get_close_matches(
-            name, list(install_hints.FIRST_PARTY_EXTRAS), n=1, cutoff=0.6
+    elif near_hidden:  # the fix is the variable, not a pip install
+        near = near_hidden[0]
+        msg += (
+            f" Did you mean {near!r} ({hidden[near]}, but {LIMIT_ENV} hides it: add {near!r} "
+            "there or unset it)?"
         )
-        if close and close[0] != name:
-            msg += f" Did you mean {close[0]!r} (not installed: {install_hints.install_command(close[0])})?"
-    hidden = limit is not None and any(c.name == name for c in installed_entry_points())
-    if hidden:
-        msg += f" Backend {name!r} is installed, but {LIMIT_ENV} hides it: add {name!r} there or unset it."
+    elif close := difflib.get_close_matches(name, absent, n=1, cutoff=0.6):
+        msg += f" Did you mean {close[0]!r} (not installed: {install_hints.install_command(close[0])})?"
+    if name in hidden:
+        msg += f" Backend {name!r} is {hidden[name]}, but {LIMIT_ENV} hides it: add {name!r} there or unset it."
         return msg
     if name in install_hints.FIRST_PARTY_EXTRAS:
         msg += f" Backend {name!r} is provided by {RESERVED_NAMES[name]}: {install_hints.install_command(name)}."
