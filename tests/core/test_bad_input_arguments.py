@@ -204,3 +204,36 @@ def test_a_config_built_by_the_caller_keeps_its_own_name(ref_backend):
         FusedHeadConfig(backend="Ref-Test")
     with pytest.raises(ValueError, match=r"^FusedHeadConfig: unknown field 'temprature'"):
         FusedHeadConfig(backend="ref-test", temprature=0.5)
+
+
+def _cyclic() -> dict:
+    d: dict = {"a": 1}
+    d["self"] = d
+    return d
+
+
+@pytest.mark.parametrize(
+    "mapping",
+    [{1: 2, "a": 3}, {(1,): 2}, {"a": {1: 2, "b": 3}}, {"a": [{2: 1, "x": 0}]}, {1: 2}, _cyclic()],
+    ids=["int-beside-str", "tuple", "nested-mixed", "in-a-list", "int-alone", "cycle"],
+)
+def test_the_cache_key_of_options_never_raises_so_validation_names_the_key(mapping):
+    """Before: the cache key was sorted JSON, so ``{1: 2, "a": 3}`` raised Python's bare "'<' not
+    supported between instances of 'str' and 'int'" (and ``{(1,): 2}`` "keys must be str") before
+    validation could name the key. Now the key always forms, the same for the same mapping."""
+    from fusedhead.options import cache_text
+
+    text = cache_text(mapping)
+    assert isinstance(text, str) and text == cache_text(mapping)
+
+
+def test_the_cache_key_of_options_is_sorted_json_and_tells_an_int_key_from_a_str_one():
+    """Keys of str-keyed options are unchanged; JSON writes 1 and "1" alike, the key does not."""
+    import json
+
+    from fusedhead.options import cache_text
+
+    options = {"b": {"y": 1, "x": [2, 3]}, "a": None, "c": 1.5}
+    assert cache_text(options) == json.dumps(options, sort_keys=True)
+    assert cache_text({1: 2}) != cache_text({"1": 2})
+    assert cache_text({"a": {1: 2}}) != cache_text({"a": {"1": 2}})

@@ -269,3 +269,34 @@ def load_json(text: str) -> Any:
     """``json.loads`` that refuses a repeated key (``unique_pairs``); a ``ValueError`` either way
     (``json.JSONDecodeError`` for malformed text)."""
     return json.loads(text, object_pairs_hook=unique_pairs)
+
+
+# --- the text that keys a cache of resolved heads by their options (or a config mapping) ---------
+
+
+def _str_keys_only(value: Any, path: frozenset[int] = frozenset()) -> bool:
+    """Whether every mapping in ``value`` (itself, or nested in mappings, lists and tuples) has
+    str keys only; False for a container that holds itself (JSON cannot write a cycle)."""
+    if not isinstance(value, (Mapping, list, tuple)):
+        return True
+    if id(value) in path:
+        return False
+    inner = path | {id(value)}
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _str_keys_only(v, inner) for k, v in value.items())
+    return all(_str_keys_only(v, inner) for v in value)
+
+
+def cache_text(mapping: Mapping[Any, Any]) -> str:
+    """``mapping`` as the text that keys a cache: sorted JSON (values JSON cannot write by their
+    repr) when every key in it is a str, else a repr of its items in a fixed order.
+
+    Never raises, so that a key of the wrong type reaches validation, whose error names it:
+    sorted JSON of ``{1: 2, "a": 3}`` raises Python's bare "'<' not supported between instances
+    of 'str' and 'int'", and of ``{(1,): 2}`` "keys must be str, ...". The repr keeps ``1`` and
+    ``"1"`` apart, which JSON (writing both as ``"1"``) would give one text.
+    """
+    if _str_keys_only(mapping):
+        return json.dumps(dict(mapping), sort_keys=True, default=repr)
+    items = sorted(mapping.items(), key=lambda kv: (type(kv[0]).__qualname__, repr(kv[0])))
+    return "repr:" + repr(items)
