@@ -105,6 +105,17 @@ def positive_float(arg: str, value: object) -> float:
     return out
 
 
+def real_in(arg: str, value: object, *, low: float, high: float = math.inf, what: str) -> float:
+    """``value`` as a finite float in ``[low, high)``: any real number but a bool, else a
+    ``TypeError``/``ValueError`` naming ``arg``, the value and ``what`` it must be."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{arg} must be a float ({what}), got {type(value).__name__} {value!r}")
+    out = float(value)
+    if not (low <= out < high) or not math.isfinite(out):
+        raise ValueError(f"{arg} must be {what}, got {value!r}")
+    return out
+
+
 def integer(arg: str, value: object, expected: str) -> int:
     """``value`` as an int: any integer but a bool (Python's, or a NumPy integer such as a
     config's ``np.int64``, as ``operator.index`` takes it)."""

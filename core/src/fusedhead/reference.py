@@ -7,6 +7,7 @@ obviously right and obviously memory-hungry. Compute in float64 to measure other
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -26,23 +27,29 @@ def reference_fused_head(
 
     ``hidden [..., H]``, ``weight [V, H]``, ``labels [...]``; ``temperature`` a float or a tensor
     broadcastable to ``labels``; ``softcap`` applies ``c * tanh(z / c)`` before the temperature
-    division. Out-of-range labels (not ``ignore_index``) give NaN. Outputs have the shape of ``labels`` and dtype ``compute_dtype`` (default: the input
-    dtype promoted to at least fp32). Ignored rows give 0 and no gradient.
+    division. Out-of-range labels (not ``ignore_index``) give NaN. Outputs have the shape of
+    ``labels`` and dtype ``compute_dtype`` (a floating dtype; default: the input dtype promoted to
+    at least fp32). Ignored rows give 0 and no gradient, whatever their hidden state or
+    temperature holds (NaN included): they are selected out before the matmul, never multiplied
+    by 0. Arguments are checked as ``fused_head`` checks them, by name.
     """
-    _check(hidden, weight, labels, temperature, softcap)
+    ignore_index, return_entropy = _check(
+        hidden, weight, labels, temperature, ignore_index, return_entropy, softcap, compute_dtype
+    )
     dtype = compute_dtype or torch.promote_types(hidden.dtype, torch.float32)
-    h = hidden.to(dtype)
+    labels = labels.long()
+    valid = labels != ignore_index
+    h = torch.where(valid.unsqueeze(-1), hidden.to(dtype), torch.zeros((), dtype=dtype))
     w = weight.to(dtype)
     z = h @ w.T
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     if isinstance(temperature, torch.Tensor):
-        t = temperature.to(device=z.device, dtype=dtype).expand(labels.shape).unsqueeze(-1)
-        z = z / t
+        t = temperature.to(dtype).expand(labels.shape)
+        z = z / torch.where(valid, t, torch.ones((), dtype=dtype)).unsqueeze(-1)
     else:
         z = z / temperature
     logp_all = torch.log_softmax(z, dim=-1)
-    valid = labels != ignore_index
     in_range = (labels >= 0) & (labels < z.shape[-1])
     safe = torch.where(valid & in_range, labels, torch.zeros_like(labels)).long()
     logp = logp_all.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
@@ -57,16 +64,49 @@ def reference_fused_head(
 
 
 def _check(
-    hidden: object, weight: object, labels: object, temperature: object, softcap: object
-) -> None:
-    """The arguments' shapes and scalars, named (any float dtype is taken: this is the yardstick)."""
-    from fusedhead.checks import per_token_rank, positive_float, tensor_arg
+    hidden: object,
+    weight: object,
+    labels: object,
+    temperature: object,
+    ignore_index: object,
+    return_entropy: object,
+    softcap: object,
+    compute_dtype: object,
+) -> tuple[int, bool]:
+    """The arguments' types, shapes, devices and scalars, named as ``fused_head`` names them (any
+    floating dtype is taken: this is the yardstick); ``ignore_index`` and ``return_entropy`` as
+    an int and a bool."""
+    from fusedhead.checks import (
+        INT64_MAX,
+        INT64_MIN,
+        INT_DTYPES,
+        flag_arg,
+        integer,
+        not_int64_exact,
+        per_token_rank,
+        positive_float,
+        tensor_arg,
+    )
 
     h, w, y = (
         tensor_arg("hidden", hidden),
         tensor_arg("weight", weight),
         tensor_arg("labels", labels),
     )
+    for arg, t in (("hidden", h), ("weight", w)):
+        if not t.is_floating_point():
+            raise TypeError(f"{arg} must be a floating-point tensor, got dtype {t.dtype}")
+    index = integer("ignore_index", ignore_index, "an int")
+    if not INT64_MIN <= index <= INT64_MAX:
+        raise ValueError(f"ignore_index must fit in int64, got {index}")
+    entropy = flag_arg("return_entropy", return_entropy)
+    if compute_dtype is not None and not (
+        isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point
+    ):
+        raise TypeError(
+            "compute_dtype must be a floating torch.dtype (torch.float64, torch.float32, ...) or "
+            f"None, got {type(compute_dtype).__name__} {compute_dtype!r}"
+        )
     if w.dim() != 2:
         raise ValueError(f"weight must have shape [V, H], got shape {tuple(w.shape)}")
     if h.dim() == 0 or h.shape[-1] != w.shape[1]:
@@ -77,11 +117,21 @@ def _check(
         raise ValueError(
             f"labels must have hidden's leading shape {tuple(h.shape[:-1])}, got {tuple(y.shape)}"
         )
-    if y.dtype == torch.bool or y.is_floating_point() or y.is_complex():
-        raise TypeError(f"labels must be an integer tensor, got dtype {y.dtype}")
+    if y.dtype not in INT_DTYPES:
+        not_int64_exact("labels", y.dtype)
     if not isinstance(temperature, torch.Tensor):
         positive_float("temperature", temperature)
     else:
+        tensor_arg("temperature", temperature)
+        if not temperature.is_floating_point():
+            raise TypeError(
+                f"temperature tensor must be floating point, got dtype {temperature.dtype}"
+            )
+        if temperature.device != h.device:
+            raise ValueError(
+                f"temperature tensor must be on hidden's device {h.device}, got "
+                f"{temperature.device}"
+            )
         per_token_rank("temperature", temperature, tuple(y.shape), "temperature tensor")
         try:
             temperature.expand(y.shape)
@@ -95,6 +145,7 @@ def _check(
             raise ValueError(f"{arg} must be on hidden's device {h.device}, got {t.device}")
     if softcap is not None:
         positive_float("softcap", softcap)
+    return index, entropy
 
 
 def reference_policy_loss(
@@ -180,6 +231,16 @@ def policy_loss_from_log_probs(
     """verl's policy loss from per-token log-probs ``logp`` and entropies ``ent`` (labels' shape),
     differentiable in both: ``reference_policy_loss`` after its head, and the loss the four-GEMM
     paths (a head's log-probs, then the loss in torch) compute. Computes in ``logp``'s dtype."""
+    _check_loss_scalars(
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        entropy_coef=entropy_coef,
+        kl_coef=kl_coef,
+        tis_cap=tis_cap,
+        loss_normalizer=loss_normalizer,
+        ignore_index=ignore_index,
+    )
     _check_loss_arguments(
         labels,
         old_log_probs=old_log_probs,
@@ -274,6 +335,12 @@ def _check_loss_arguments(
         if value is None and arg != "advantages":
             continue
         t = tensor_arg(arg, value)
+        if not t.is_floating_point():
+            raise TypeError(
+                f"{arg} must be a floating tensor (fp32, fp64, fp16, bf16), got {t.dtype}"
+            )
+        if t.device != labels.device:
+            raise ValueError(f"{arg} must be on the labels' device {labels.device}, got {t.device}")
         per_token_rank(arg, t, shape, arg)  # [B] beside [B, S] would broadcast along S
         try:
             t.expand(labels.shape)
@@ -297,6 +364,50 @@ def _check_loss_arguments(
                 f"cu_seqlens must be a 1-D integer tensor that starts at 0, never decreases and "
                 f"ends at the {n} tokens, got {cu.dtype} {cu.tolist() if cu.numel() <= 12 else tuple(cu.shape)}"
             )
+
+
+def _check_loss_scalars(
+    *,
+    clip_low: object,
+    clip_high: object,
+    dual_clip: object,
+    entropy_coef: object,
+    kl_coef: object,
+    tis_cap: object,
+    loss_normalizer: object,
+    ignore_index: object,
+) -> None:
+    """The loss's numbers in the ranges ``fused_policy_loss`` takes, named as it names them:
+    before, a str or None raised Python's operand TypeError, and NaN gave a NaN loss."""
+    from fusedhead.checks import INT64_MAX, INT64_MIN, integer, real_in
+
+    real_in("clip_low", clip_low, low=0.0, high=1.0, what="in [0, 1)")
+    real_in("clip_high", clip_high, low=0.0, what="a finite float >= 0")
+    if dual_clip is not None:
+        what = "a finite float > 1 (verl's clip_ratio_c)"
+        if real_in("dual_clip", dual_clip, low=1.0, what=what) == 1.0:
+            raise ValueError(f"dual_clip must be {what}, got {dual_clip!r}")
+    real_in("entropy_coef", entropy_coef, low=-math.inf, what="a finite float")
+    real_in("kl_coef", kl_coef, low=0.0, what="a finite float >= 0")
+    if tis_cap is not None:
+        real_in("tis_cap", tis_cap, low=1e-30, what="a finite float > 0")
+    if isinstance(loss_normalizer, torch.Tensor):
+        if loss_normalizer.dtype == torch.bool or loss_normalizer.is_complex():
+            raise TypeError(
+                "loss_normalizer must be a number or a one-element real (float or integer) "
+                f"tensor, got a tensor of dtype {loss_normalizer.dtype}"
+            )
+        if loss_normalizer.numel() != 1:
+            raise ValueError(
+                "loss_normalizer must be a number or a one-element tensor, got a tensor of "
+                f"shape {tuple(loss_normalizer.shape)}"
+            )
+    elif loss_normalizer is not None:
+        what = "a count > 0 (tokens or sequences)"
+        real_in("loss_normalizer", loss_normalizer, low=1e-30, what=what)
+    index = integer("ignore_index", ignore_index, "an int")
+    if not INT64_MIN <= index <= INT64_MAX:
+        raise ValueError(f"ignore_index must fit in int64, got {index}")
 
 
 def _aggregate(
