@@ -475,7 +475,10 @@ class ChunkedHeadOutputs(torch.autograd.Function):
         topk_ids = _unasked(dev, torch.int64)
         argmax = _unasked(dev, torch.int64)
         if walk.cand_vals is not None and walk.cand_ids is not None:
-            ids = torch.where(valid.unsqueeze(1), walk.cand_ids, -1)
+            # A row whose scaled logits have no max (NaN: a NaN hidden state or temperature) has
+            # no most likely id: -1, as an ignored row's, never an id ranked by NaN's order.
+            ranked = valid & ~torch.isnan(stats.m)
+            ids = torch.where(ranked.unsqueeze(1), walk.cand_ids, -1)
             if spec.argmax:
                 argmax = ids[:, 0].contiguous()
             if spec.top_k:

@@ -1,0 +1,61 @@
+"""A scored row whose scaled logits are all NaN (a NaN in its hidden state, or a NaN per-token
+temperature handed over unchecked with ``check_labels=False``) has no most likely id: its argmax
+and top-k ids read -1, the id an ignored row reads, on every first-party backend; its log-probs
+are NaN, and no other row changes.
+
+Before: the torch backend ranked such a row by NaN's sort order (or by its raw logits, past a NaN
+temperature) and returned ids in ``[0, V)`` that looked valid, so ``out.argmax == labels``
+could count the NaN row as a correct token; the triton backend already read -1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedhead import fused_head
+
+N, H, V, K = 6, 16, 40, 3
+#: Scored rows without a ranking, and what makes them so.
+NO_MAX = {1: "nan-row", 2: "one-nan", 4: "nan-temperature"}
+CASES = {
+    "torch-skip-rows": ("torch", {"skip_ignored_rows": True}),
+    "torch-all-rows": ("torch", {"skip_ignored_rows": False}),
+    "torch-tiled": ("torch", {"skip_ignored_rows": False, "block_vocab": 16, "chunk_rows": 4}),
+    "triton": ("triton", {"block_m": 16, "block_n": 16, "block_k": 16}),
+}
+
+
+def _inputs(poison: bool):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(N, H, generator=g)
+    weight = torch.randn(V, H, generator=g) / 4
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[5] = -100
+    temperature = torch.rand(N, generator=g) + 0.5
+    if poison:
+        hidden[1] = float("nan")
+        hidden[2, 3] = float("nan")
+        temperature[4] = float("nan")
+    return hidden, weight, labels, temperature
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["no-softcap", "softcap"])
+@pytest.mark.parametrize(("backend", "options"), list(CASES.values()), ids=list(CASES))
+def test_a_scored_row_without_a_max_logit_has_no_ids(backend, options, softcap):
+    def run(poison: bool):
+        h, w, y, t = _inputs(poison)
+        return fused_head(
+            h, w, y, temperature=t, softcap=softcap, check_labels=False, return_argmax=True,
+            top_k=K, backend=backend, options=options,
+        )  # fmt: skip
+
+    out, clean = run(True), run(False)
+    bad = list(NO_MAX)
+    assert out.argmax[bad].tolist() == [-1] * len(bad)
+    assert out.topk_ids[bad].tolist() == [[-1] * K] * len(bad)
+    assert bool(out.log_probs[bad].isnan().all())
+    good = [i for i in range(N) if i not in NO_MAX]
+    assert torch.equal(out.argmax[good], clean.argmax[good])
+    assert torch.equal(out.topk_ids[good], clean.topk_ids[good])
+    assert out.argmax[5] == -1 and 0 <= int(clean.argmax[0]) < V
