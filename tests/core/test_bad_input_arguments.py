@@ -237,3 +237,45 @@ def test_the_cache_key_of_options_is_sorted_json_and_tells_an_int_key_from_a_str
     assert cache_text(options) == json.dumps(options, sort_keys=True)
     assert cache_text({1: 2}) != cache_text({"1": 2})
     assert cache_text({"a": {1: 2}}) != cache_text({"a": {"1": 2}})
+
+
+@pytest.mark.parametrize(
+    ("options", "key"), [({1: 2, "a": 3}, "1 (int)"), ({(1,): 2}, "(1,) (tuple)")]
+)
+def test_an_options_key_that_is_not_a_str_is_named_by_every_entry_point(
+    ref_backend, inputs, options, key
+):
+    """Before: building the cache key sorted the keys first, so ``{1: 2, "a": 3}`` raised
+    Python's bare "'<' not supported between instances of 'str' and 'int'" (and ``{(1,): 2}``
+    "keys must be str, ...") from fused_head, fused_kl, fused_policy_loss and cached_head, where
+    ``{1: 2}`` alone got the error naming the key. Now every one names the key."""
+    import torch
+
+    from fusedhead import fused_policy_loss
+    from fusedhead.api import cached_head
+
+    h, w, y = inputs()
+    th, tw = inputs(h=5, seed=1)[:2]
+    zeros = torch.zeros(y.shape)
+    argument = f"argument 'options' has the key {key}: expected dict[str, Any]"
+    calls = {
+        argument: [
+            lambda: fused_head(h, w, y, backend="ref-test", options=options),
+            lambda: fused_kl(h, w, th, tw, y, backend="ref-test", options=options),
+            lambda: fused_policy_loss(
+                h, w, y, old_log_probs=zeros, advantages=zeros, backend="ref-test",
+                options=options,
+            ),
+        ],
+        f"field 'options' has the key {key}": [
+            lambda: cached_head({"backend": "ref-test", "options": options}),
+        ],
+    }  # fmt: skip
+    for words, entry_points in calls.items():
+        for call in entry_points:
+            with pytest.raises(TypeError) as info:
+                call()
+            assert words in str(info.value), str(info.value)
+    with pytest.raises(TypeError, match="config keys must be field names"):
+        cached_head({1: 2, "backend": "ref-test"})
+    assert not ref_backend.calls

@@ -21,6 +21,7 @@ from fusedhead.contract import FusedHeadOutput
 from fusedhead.graph import Slots, as_graph_constant, slot_numbers
 from fusedhead.graph import tracing as _tracing
 from fusedhead.head import FusedHead
+from fusedhead.options import cache_text
 from fusedhead.policy import PolicyLossOutput
 from fusedhead.request import HeadRequest, KLRequest, PolicyRequest, entry_point, head_request
 
@@ -69,7 +70,8 @@ def _flat_key(options: Mapping[str, Any]) -> tuple[tuple[str, str, Any], ...] | 
 
 
 def _options_key(options: Any) -> tuple[tuple[str, str, Any], ...] | str:
-    """The cache key of a backend's options: flat ones as a tuple, the rest as sorted JSON text."""
+    """The cache key of a backend's options: flat ones as a tuple, the rest as their
+    ``cache_text`` (sorted JSON where every key is a str)."""
     if options is None:
         return ()
     if isinstance(options, BaseModel):
@@ -79,7 +81,7 @@ def _options_key(options: Any) -> tuple[tuple[str, str, Any], ...] | str:
     key = _flat_key(options)
     if key is not None:
         return key
-    return json.dumps(dict(options), sort_keys=True, default=repr)
+    return cache_text(options)  # never raises: validation names a key that is not a str
 
 
 def get_fused_head(backend: str, options: Mapping[str, Any] | BaseModel | None = None) -> FusedHead:
@@ -173,7 +175,7 @@ def _config_key(config: object) -> tuple[str, str, None]:
     """``cached_head``'s key: a mapping by its own text, a ``FusedHeadConfig`` by its dict's."""
     if config is None or isinstance(config, Mapping):
         raw = {} if config is None else dict(config)
-        return ("mapping", json.dumps(raw, sort_keys=True, default=repr), None)
+        return ("mapping", cache_text(raw), None)
     if not isinstance(config, FusedHeadConfig):
         raise TypeError(
             "config must be a FusedHeadConfig, a mapping, a FusedHead or None, "
