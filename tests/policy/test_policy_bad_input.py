@@ -158,9 +158,7 @@ def test_the_reference_refuses_a_per_token_tensor_of_other_rank(arg, shape):
         "tis_cap": 2.0,
     }
     kw[arg] = torch.zeros(shape) if shape != (1,) * 3 else torch.zeros(1, 1, 2)
-    with pytest.raises(
-        ValueError, match=rf"{arg} of shape .* must have the labels' number of dimensions"
-    ):
+    with pytest.raises(ValueError, match=rf"{arg} must have the labels' shape \({B}, {S}\)"):
         reference_policy_loss(b["hidden"], b["weight"], b["labels"], **kw)
 
 
@@ -238,7 +236,7 @@ def test_lm_head_policy_loss_per_sequence_temperature_matches_the_reference():
         (
             {"advantages": torch.zeros(B, S + 1)},
             ValueError,
-            r"advantages must have the labels' shape \(3, 3\) \(or broadcast to it\), got \(3, 4\)",
+            r"advantages must have the labels' shape \(3, 3\) or \(3, 1\) .*, got \(3, 4\)",
         ),
         ({"advantages": [0.0] * 9}, TypeError, r"advantages must be a torch.Tensor, got list"),
     ],

@@ -122,6 +122,21 @@ def test_matches_verl_reference(
 
 
 @pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize(
+    "estimator", ["abs", "abs+", "k1+", "kl+", "k3+", "low_var_kl+", "mse+", "k3-unclamped"]
+)
+def test_every_kl_estimator_of_verl_and_trl_matches_the_reference(
+    backend: str, estimator: str
+) -> None:
+    """verl's abs and straight-through '+' forms (the value, k2's gradient) and TRL's unclamped
+    k3, with a reference 3 nats above some tokens: past k3's clamp of the KL at 10."""
+    data = batch(seed=11)
+    data["ref_log_probs"] = data["ref_log_probs"] + 3.0 * (torch.arange(7) % 2)
+    kw = dict(kl_coef=0.1, kl_estimator=estimator, aggregation="seq-mean-token-mean")
+    assert_matches(run_both(backend, data, temperature=0.7, use=["ref_log_probs"], **kw))
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_packed_batch_by_cu_seqlens(backend: str, aggregation: str) -> None:
     data = batch(b=1, s=19, seed=5, ignore_row=False)

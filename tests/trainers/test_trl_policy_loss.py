@@ -49,6 +49,9 @@ CASES = {
     # TRL's default: no old log-probs computed (ratio exp(lp - lp.detach())), the fused loss
     # on-policy with old_log_probs=None
     "grpo on-policy": dict(loss_type="grpo", num_iterations=1),
+    # A large step takes tokens' KL to the reference past 10, where verl's k3 clamps and TRL's
+    # does not: the fused loss takes TRL's (k3-unclamped); with verl's, step 2 differed.
+    "grpo far from the reference": dict(loss_type="grpo", learning_rate=0.05),
 }
 
 
@@ -120,6 +123,8 @@ def _config(model_dir: Path, tmp_path: Path, **overrides: Any) -> Any:
         (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold=0.5"),
         (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True"),
         (dict(loss_type="grpo", entropy_coef=0.01), "entropy_coef=0.01"),
+        (dict(epsilon=1.0), "epsilon=1.0: the clip range must be in"),
+        (dict(epsilon_high=-0.1), "epsilon_high=-0.1: the clip range must be >= 0"),
     ],
 )
 def test_configs_that_do_not_map_are_refused_when_built(
@@ -128,6 +133,8 @@ def test_configs_that_do_not_map_are_refused_when_built(
     with pytest.raises(ValueError, match=named.replace("(", r"\(")) as info:
         _config(model_dir, tmp_path, **overrides)
     assert "fused_policy_loss=False" in str(info.value)
+    if "use_bias_correction_kl" in named:  # TRL's default is the refused True: the fix says so
+        assert "set use_bias_correction_kl=False" in str(info.value)
     # the same settings without the fused loss are TRL's to run
     _config(model_dir, tmp_path, **{**overrides, "fused_policy_loss": False})
 

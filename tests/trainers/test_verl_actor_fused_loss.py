@@ -159,8 +159,7 @@ def _config(**actor: Any) -> Any:
 @pytest.mark.parametrize(
     ("actor", "match"),
     [
-        (dict(use_kl_loss=True, kl_loss_type="abs"), "kl_loss_type='abs'"),
-        (dict(use_kl_loss=True, kl_loss_type="low_var_kl+"), "kl_loss_type='low_var_kl\\+'"),
+        (dict(use_kl_loss=True, kl_loss_type="full"), "kl_loss_type='full'"),
         (dict(use_prefix_grouper=True), "use_prefix_grouper"),
     ],
 )

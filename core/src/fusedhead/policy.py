@@ -35,8 +35,17 @@ from fusedhead.scored_rows import nothing_scored, scored_rows, spread, take
 from fusedhead.validation import validate
 from fusedhead.value_checks import Pending
 
-#: verl's names of the KL estimators, taken as the canonical ones.
-KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+#: verl's other names of the KL estimators (``kl_loss_type``); k2+ is k2 itself in verl (the
+#: straight-through gradient of k2 is k2's own).
+KL_ALIASES = {
+    "kl": "k1",
+    "mse": "k2",
+    "low_var_kl": "k3",
+    "kl+": "k1+",
+    "k2+": "k2",
+    "mse+": "k2",
+    "low_var_kl+": "k3+",
+}
 #: Names that ask for sequence-level importance ratios (GSPO), refused by name.
 SEQUENCE_LEVEL = ("gspo", "sequence", "seq-ratio", "sequence-level", "geo-mean")
 _PER_TOKEN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

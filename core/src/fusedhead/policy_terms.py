@@ -85,12 +85,20 @@ def surrogate(
 def kl_penalty(
     estimator: str, log_probs: torch.Tensor, ref_log_probs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token KL estimate against the reference policy and its derivative in ``lp``."""
+    """The per-token KL estimate against the reference policy and its derivative in ``lp``
+    (``protocol.KL_ESTIMATORS``; a ``+`` form is its value with k2's gradient, as verl's)."""
     diff = log_probs - ref_log_probs
+    if estimator.endswith("+"):
+        return kl_penalty(estimator[:-1], log_probs, ref_log_probs)[0], diff
     if estimator == "k1":
         return diff, torch.ones_like(diff)
     if estimator == "k2":
         return 0.5 * diff.square(), diff
+    if estimator == "abs":  # torch's abs: slope 0 at 0
+        return diff.abs(), torch.sign(diff)
+    if estimator == "k3-unclamped":  # TRL's: d = ref - lp; exp(d) - d - 1
+        e = torch.exp(-diff)
+        return e + diff - 1.0, 1.0 - e
     # k3 (verl's low_var_kl): d = ref - lp, clamped; exp(d) - d - 1, clamped.
     d, live_d = _clamped(-diff, LOG_RATIO_BOUND)
     e = torch.exp(d)

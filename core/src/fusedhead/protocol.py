@@ -53,8 +53,11 @@ AGGREGATIONS: tuple[str, ...] = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
-#: ``kl_estimator`` of the policy loss's KL penalty against a reference policy.
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+#: ``kl_estimator`` of the policy loss's KL penalty against a reference policy: verl's k1, k2, k3
+#: (``low_var_kl``, clamped) and abs; k1+, k3+ and abs+, verl's straight-through forms (the value,
+#: the gradient of k2); k3-unclamped, TRL's GRPO KL (``exp(d) - d - 1`` without verl's
+#: clamps). Backends take each term's derivative from ``fusedhead.policy_terms.token_grads``.
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+", "k3-unclamped")
 #: The range of a call's float scalars (``temperature``, ``softcap`` and the KL's teacher ones,
 #: per-token temperatures included), checked by the core: 2**-126 to 2**126, where the value and
 #: its reciprocal are both normal fp32 numbers, so a backend may take ``1 / temperature`` or

@@ -167,6 +167,7 @@ def reference_policy_loss(
     tis_cap: float | None = None,
     aggregation: str = "token-mean",
     loss_normalizer: float | None = None,
+    horizon: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     ignore_index: int = -100,
     softcap: float | None = None,
@@ -202,6 +203,7 @@ def reference_policy_loss(
         tis_cap=tis_cap,
         aggregation=aggregation,
         loss_normalizer=loss_normalizer,
+        horizon=horizon,
         cu_seqlens=cu_seqlens,
         ignore_index=ignore_index,
     )
@@ -225,6 +227,7 @@ def policy_loss_from_log_probs(
     tis_cap: float | None = None,
     aggregation: str = "token-mean",
     loss_normalizer: float | None = None,
+    horizon: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     ignore_index: int = -100,
 ) -> torch.Tensor:
@@ -239,6 +242,7 @@ def policy_loss_from_log_probs(
         kl_coef=kl_coef,
         tis_cap=tis_cap,
         loss_normalizer=loss_normalizer,
+        horizon=horizon,
         ignore_index=ignore_index,
     )
     _check_loss_arguments(
@@ -251,6 +255,7 @@ def policy_loss_from_log_probs(
         rollout_log_probs=rollout_log_probs,
         tis_cap=tis_cap,
         aggregation=aggregation,
+        horizon=horizon,
         cu_seqlens=cu_seqlens,
     )
     dtype = logp.dtype
@@ -278,20 +283,33 @@ def policy_loss_from_log_probs(
         assert ref_log_probs is not None
         ref = torch.where(mask, ref_log_probs.to(dtype).expand(labels.shape), 0)
         lp = torch.where(mask, logp, 0)
-        if kl_estimator in ("k1", "kl"):
-            kl = lp - ref
-        elif kl_estimator in ("k2", "mse"):
-            kl = 0.5 * (lp - ref).square()
-        else:
-            d = torch.clamp(ref - lp, min=-20, max=20)
-            kl = torch.clamp(torch.exp(d) - d - 1, min=-10, max=10)
+        kl = _kl_penalty(str(kl_estimator), lp, ref)
         terms.append(kl)
         coefs.append(kl_coef)
     parts = [
-        coef * _aggregate(mat, mask, aggregation, loss_normalizer, cu_seqlens)
+        coef * _aggregate(mat, mask, aggregation, loss_normalizer, cu_seqlens, horizon)
         for coef, mat in zip(coefs, terms, strict=True)
     ]
     return torch.stack(parts).sum()
+
+
+def _kl_penalty(estimator: str, lp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """verl's ``kl_penalty`` (and TRL's unclamped k3), differentiable through autograd: a ``+``
+    form is verl's straight-through estimate, the value of its base with k2's gradient."""
+    if estimator.endswith("+"):
+        k2 = 0.5 * (lp - ref).square()
+        return k2 - k2.detach() + _kl_penalty(estimator[:-1], lp, ref).detach()
+    if estimator in ("k1", "kl"):
+        return lp - ref
+    if estimator == "abs":
+        return (lp - ref).abs()
+    if estimator in ("k2", "mse"):
+        return 0.5 * (lp - ref).square()
+    if estimator == "k3-unclamped":
+        d = ref - lp
+        return torch.exp(d) - d - 1
+    d = torch.clamp(ref - lp, min=-20, max=20)  # k3, verl's low_var_kl
+    return torch.clamp(torch.exp(d) - d - 1, min=-10, max=10)
 
 
 def _check_loss_arguments(
@@ -305,21 +323,27 @@ def _check_loss_arguments(
     rollout_log_probs: object,
     tis_cap: object,
     aggregation: object,
+    horizon: object,
     cu_seqlens: object,
 ) -> None:
     """The loss's own arguments, named as ``fused_policy_loss`` names them: an unknown
     ``aggregation`` or ``kl_estimator`` was computed as another one, a per-token tensor of another
     shape raised torch's expand error, a missing partner tensor an AssertionError."""
-    from fusedhead.checks import per_token_rank, tensor_arg
+    from fusedhead.checks import tensor_arg
     from fusedhead.protocol import AGGREGATIONS, KL_ESTIMATORS
 
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {aggregation!r}")
-    estimators = (*KL_ESTIMATORS, "kl", "mse", "low_var_kl")
+    estimators = (*KL_ESTIMATORS, "kl", "mse", "low_var_kl", "kl+", "k2+", "mse+", "low_var_kl+")
     if kl_estimator not in estimators:
         raise ValueError(f"kl_estimator must be one of {list(estimators)}, got {kl_estimator!r}")
     if kl_coef and ref_log_probs is None:
         raise ValueError(f"kl_coef={kl_coef!r} needs ref_log_probs; pass them, or kl_coef=0.0")
+    if horizon is not None and aggregation != "seq-mean-token-sum-norm":
+        raise ValueError(
+            f"horizon={horizon!r} is the length seq-mean-token-sum-norm divides by; "
+            f"aggregation={aggregation!r} divides by none"
+        )
     if (rollout_log_probs is None) != (tis_cap is None):
         raise ValueError(
             "truncated importance sampling needs both rollout_log_probs and tis_cap, got "
@@ -341,14 +365,13 @@ def _check_loss_arguments(
             )
         if t.device != labels.device:
             raise ValueError(f"{arg} must be on the labels' device {labels.device}, got {t.device}")
-        per_token_rank(arg, t, shape, arg)  # [B] beside [B, S] would broadcast along S
-        try:
-            t.expand(labels.shape)
-        except RuntimeError:
+        # the labels' shape; advantages also one per sequence (no other broadcast)
+        per_sequence = (*shape[:-1], 1) if arg == "advantages" and len(shape) >= 2 else None
+        if tuple(t.shape) not in (shape, per_sequence):
+            also = f" or {per_sequence} (one value per sequence)" if per_sequence else ""
             raise ValueError(
-                f"{arg} must have the labels' shape {shape} (or broadcast to it), got "
-                f"{tuple(t.shape)}"
-            ) from None
+                f"{arg} must have the labels' shape {shape}{also}, got {tuple(t.shape)}"
+            )
     if cu_seqlens is not None:
         cu = tensor_arg("cu_seqlens", cu_seqlens)
         n = labels.numel()
@@ -375,6 +398,7 @@ def _check_loss_scalars(
     kl_coef: object,
     tis_cap: object,
     loss_normalizer: object,
+    horizon: object,
     ignore_index: object,
 ) -> None:
     """The loss's numbers in the ranges ``fused_policy_loss`` takes, named as it names them:
@@ -405,6 +429,8 @@ def _check_loss_scalars(
     elif loss_normalizer is not None:
         what = "a count > 0 (tokens or sequences)"
         real_in("loss_normalizer", loss_normalizer, low=1e-30, what=what)
+    if horizon is not None:
+        real_in("horizon", horizon, low=1e-30, what="a length > 0")
     index = integer("ignore_index", ignore_index, "an int")
     if not INT64_MIN <= index <= INT64_MAX:
         raise ValueError(f"ignore_index must fit in int64, got {index}")
@@ -416,8 +442,10 @@ def _aggregate(
     mode: str,
     normalizer: float | None,
     cu_seqlens: torch.Tensor | None,
+    horizon: float | None = None,
 ) -> torch.Tensor:
-    """verl's ``agg_loss`` over the sequences (rows, or ``cu_seqlens``'s spans)."""
+    """verl's ``agg_loss`` over the sequences (rows, or ``cu_seqlens``'s spans); ``horizon``:
+    the norm mode's divisor (default the longest sequence, verl's padded width for rows)."""
     flat, fmask = mat.reshape(-1), mask.reshape(-1)
     masked = torch.where(fmask, flat, 0)
     if mode == "token-mean":
@@ -427,7 +455,8 @@ def _aggregate(
         bounds = list(range(0, flat.numel() + 1, width))
     else:
         bounds = [int(b) for b in cu_seqlens.tolist()]
-    horizon = max(b - a for a, b in itertools.pairwise(bounds))
+    if horizon is None:
+        horizon = max(b - a for a, b in itertools.pairwise(bounds))
     seq_losses, active = [], 0
     for a, b in itertools.pairwise(bounds):
         count = int(fmask[a:b].sum())

@@ -562,7 +562,17 @@ def check_policy_loss_args(args: Any, head: FusedHead | None = None) -> None:
             f"fused_policy_loss=True with importance_sampling_level={level!r} (GSPO): "
             f"fused_policy_loss's ratios are per token; use 'token', {off}"
         )
+    eps_low = args.epsilon
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    for name, value, ok, what in (
+        ("epsilon", eps_low, 0 <= eps_low < 1, "in [0, 1) (the lower clip 1 - epsilon > 0)"),
+        ("epsilon_high", eps_high, eps_high >= 0, ">= 0"),
+    ):
+        if not ok:  # fused_policy_loss would refuse it at the first step, by its own name
+            raise ValueError(
+                f"fused_policy_loss=True with {name}={value!r}: the clip range must be {what}; "
+                f"change it, {off}"
+            )
     delta = getattr(args, "delta", None)
     if delta is not None and not delta > 1 + eps_high:
         raise ValueError(
@@ -574,26 +584,30 @@ def check_policy_loss_args(args: Any, head: FusedHead | None = None) -> None:
             getattr(args, "use_bias_correction_kl", False) and getattr(args, "beta", 0.0) != 0.0,
             f"with beta={getattr(args, 'beta', None)!r} TRL multiplies the KL by the ratio "
             "(differentiable, so the gradient changes even on-policy), which is not a term of "
-            "fused_policy_loss; set use_bias_correction_kl=False (verl's KL loss),",
+            "fused_policy_loss",
+            "set use_bias_correction_kl=False (TRL's default is True; False is the plain KL term)",
         ),
         "top_entropy_quantile": (
             getattr(args, "top_entropy_quantile", 1.0) < 1.0,
             "a mask from the entropies needs them before the loss, which computes them",
+            "",
         ),
         "off_policy_mask_threshold": (
             getattr(args, "off_policy_mask_threshold", None) is not None,
             "a sequence mask from the current log-probs needs them before the loss",
+            "",
         ),
         "use_adaptive_entropy": (
             getattr(args, "use_adaptive_entropy", False),
             "the adaptive entropy coefficient is not mapped",
+            "",
         ),
     }
-    for name, (bad, why) in refused.items():
+    for name, (bad, why, fix) in refused.items():
         if bad:
+            fix = fix or f"leave {name} at its default"
             raise ValueError(
-                f"fused_policy_loss=True with {name}={getattr(args, name)!r}: {why}; leave "
-                f"{name} at its default, {off}"
+                f"fused_policy_loss=True with {name}={getattr(args, name)!r}: {why}; {fix}, {off}"
             )
     if getattr(args, "entropy_coef", 0.0) != 0.0 and loss_type != "bnpo":
         raise ValueError(
@@ -684,7 +698,7 @@ def grpo_fused_policy_loss(trainer: Any, model: nn.Module, inputs: Mapping[str, 
         entropy_coef=coef,
         ref_log_probs=inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
         kl_coef=trainer.beta,
-        kl_estimator="k3",
+        kl_estimator="k3-unclamped",  # TRL's exp(d) - d - 1, without verl's clamps
         aggregation=POLICY_LOSS_TYPES[loss_type],
         loss_normalizer=normalizer,
     )

@@ -130,8 +130,20 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     return getattr(config, name, default)
 
 
-#: verl's ``kl_loss_type`` names fusedhead computes, as fusedhead's estimator.
-VERL_KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+#: verl's ``kl_loss_type`` names, as fusedhead's estimator: every one but ``full`` (which needs
+#: whole distributions); a ``+`` form is the value with k2's gradient (k2+ is k2 itself).
+VERL_KL_TYPES = {
+    "kl": "k1",
+    "k1": "k1",
+    "abs": "abs",
+    "mse": "k2",
+    "k2": "k2",
+    "low_var_kl": "k3",
+    "k3": "k3",
+    **{f"{name}+": f"{est}+" for name, est in (("kl", "k1"), ("k1", "k1"), ("abs", "abs"))},
+    **{f"{name}+": "k2" for name in ("mse", "k2")},
+    **{f"{name}+": "k3+" for name in ("low_var_kl", "k3")},
+}
 #: verl's ``loss_agg_mode`` values, as fusedhead's aggregation (token-sum: a token mean whose
 #: normaliser is 1 / dp_size; seq-mean-token-sum-norm: a sequence sum over sequences x horizon).
 VERL_AGG_MODES = {
@@ -166,8 +178,8 @@ def policy_loss_kwargs(
     ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) into the loss normaliser,
     as verl's ``agg_loss`` divides. ``horizon``: the padded response length verl's
     ``seq-mean-token-sum-norm`` divides by when ``loss_scale_factor`` is unset. What fusedhead
-    does not compute (``policy_loss.loss_mode`` other than ``vanilla``, ``kl_loss_type`` ``abs``
-    or a straight-through ``+``) is a ``ValueError`` naming the setting.
+    does not compute (``policy_loss.loss_mode`` other than ``vanilla``, ``kl_loss_type``
+    ``full``) is a ``ValueError`` naming the setting.
     """
     policy = _cfg(actor_config, "policy_loss", None)
     mode = _cfg(policy, "loss_mode", "vanilla") if policy is not None else "vanilla"
@@ -196,7 +208,7 @@ def policy_loss_kwargs(
         if kl_type not in VERL_KL_TYPES:
             raise ValueError(
                 f"kl_loss_type={kl_type!r} is not computed by fusedhead's fused loss; use one of "
-                f"{sorted(VERL_KL_TYPES)} (the '+' straight-through variants and 'abs' are not)"
+                f"{sorted(VERL_KL_TYPES)} ('full' needs whole distributions)"
             )
         kwargs.update(
             kl_coef=_cfg(actor_config, "kl_loss_coef", 0.001), kl_estimator=VERL_KL_TYPES[kl_type]

@@ -297,7 +297,7 @@ def _check(target: Target, batch: _Batch, kw: dict[str, Any], label: str) -> Non
 
 
 def policy_loss_accuracy(target: Target) -> None:
-    """If declared: the policy loss and both gradients match float64 (every aggregation, dual clip, TIS, entropy, k1/k2/k3 KL, packed, normalizer, on-policy)."""
+    """If declared: the policy loss and both gradients match float64 (every aggregation, dual clip, TIS, entropy, each KL estimator, packed, normalizer, horizon, on-policy)."""
     _declared(target)
     n, h, v = target.sizes.small
     b = 4
@@ -318,6 +318,15 @@ def policy_loss_accuracy(target: Target) -> None:
         _check(target, batch, {**kw, "cu_seqlens": cu}, packed.description)
     kw = batch.kwargs(dual_clip=None, tis=False, **PENALTIES[0])
     _check(target, batch, {**kw, "loss_normalizer": 3.0 * n}, packed.description)
+    # A fixed horizon for the norm mode (verl's loss_scale_factor), over the packed sequences.
+    kw = batch.kwargs(dual_clip=None, tis=False, aggregation="seq-mean-token-sum-norm")
+    _check(target, batch, {**kw, "cu_seqlens": cu, "horizon": 2.0 * n}, packed.description)
+    # verl's straight-through KL forms (the value, k2's gradient), abs, and TRL's unclamped k3,
+    # with a reference 3 nats above half the tokens, past k3's clamp of the KL at 10.
+    far = batch.ref_log_probs + 3.0 * (torch.arange(n).reshape(1, n) % 2)
+    for estimator in ("k1+", "k3+", "k3-unclamped", "k3"):
+        kw = batch.kwargs(dual_clip=None, tis=False, kl_coef=0.1, kl_estimator=estimator)
+        _check(target, batch, {**kw, "ref_log_probs": far}, f"{packed.description}, {estimator}")
     # On-policy: old_log_probs None (the current policy's, ratio 1): PolicyLossCall.old_log_probs
     # is None, which fusedhead.policy_terms.token_grads reads so.
     kw = batch.kwargs(dual_clip=1.8, tis=False, aggregation="seq-mean-token-mean", **PENALTIES[3])
