@@ -30,6 +30,7 @@ from veomni_helpers import (
     veomni_state,
 )
 
+import fusedhead
 from fusedhead.errors import UnknownBackendError
 from fusedhead.integrations import veomni as fh_veomni
 
@@ -153,6 +154,28 @@ def test_an_unknown_fusedhead_name_fails_the_build_loudly() -> None:
         build("fusedhead:no-such-backend")
     with pytest.raises(ValueError, match="not one of the accepted forms"):
         build("fusedhead:")
+
+
+def test_a_backend_that_cannot_run_here_fails_where_the_config_is_applied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: accepted at the build, refused at the first forward without naming the setting."""
+    from veomni.ops.kernels import cross_entropy
+
+    from fusedhead.errors import BackendUnavailableError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU: triton cannot run
+    fusedhead.refresh()
+    with pytest.raises(BackendUnavailableError, match="cross_entropy_loss_implementation") as info:
+        cross_entropy.install_loss_mapping("fusedhead:triton")
+    assert "cannot run on this trainer's device (cpu)" in str(info.value)
+
+
+def test_a_misspelt_fusedhead_name_lists_fusedheads_names() -> None:
+    from veomni.ops.kernels import cross_entropy
+
+    with pytest.raises(ValueError, match=r"looks meant for fusedhead.*'fusedhead:torch'"):
+        cross_entropy.install_loss_mapping("fusedhaed:torch")
 
 
 def test_veomni_names_still_go_to_veomni() -> None:

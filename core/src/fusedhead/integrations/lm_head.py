@@ -17,9 +17,10 @@ those into per-token log-probs and entropies without forming ``[tokens, vocab]``
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -82,6 +83,16 @@ def is_fusedhead_spec(value: object) -> bool:
     treating it as one of its own names.
     """
     return isinstance(value, str) and value.strip().lower().startswith(SPEC_PREFIX)
+
+
+def is_misspelt_spec(value: object, trainer_names: Iterable[str] = ()) -> bool:
+    """A trainer-config value meant for fusedhead that is not its spelling (``fusedhaed:triton``,
+    ``fused-head``), and not one of the trainer's own ``trainer_names``. Only such a value is
+    refused by the integrations: any other stays the trainer's to handle, as without fusedhead."""
+    if not isinstance(value, str) or value in trainer_names or is_fusedhead_spec(value):
+        return False
+    word = value.partition(":")[0].strip().lower().replace("-", "").replace("_", "")
+    return bool(difflib.get_close_matches(word, [SPEC_PREFIX], n=1, cutoff=0.75))
 
 
 def parse_backend_spec(spec: object) -> str:

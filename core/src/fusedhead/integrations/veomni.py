@@ -59,6 +59,17 @@ def _causal_factory(spec: str) -> Callable[..., Any]:
     return functools.partial(fusedhead_causal_lm_loss, head=_resolve(spec))
 
 
+def _check_runs_here(spec: str) -> None:
+    """Fail where the config is applied, not at the first forward: the backend must run on the
+    device VeOmni trains on (``veomni.utils.device.get_device_type``), named with the setting."""
+    from veomni.utils.device import get_device_type
+
+    from fusedhead.integrations.lm_head import check_head_runs_on
+
+    setting = "cross_entropy_loss_implementation"
+    check_head_runs_on(_resolve(spec), get_device_type(), setting=setting)
+
+
 def _seq_cls_factory() -> Callable[..., Any]:
     """Sequence classification has no per-token log-probs: VeOmni's eager wrapper, as chunk_loss."""
     from veomni.ops.kernels.cross_entropy import ForSequenceClassificationLoss, eager_cross_entropy
@@ -161,8 +172,14 @@ def install_loss_mapping(impl: str = "eager") -> str:
     :func:`install`), and ``LOSS_MAPPING`` gets fusedhead's loss for ``ForCausalLM`` and
     ``ForConditionalGeneration`` and VeOmni's eager loss for ``ForSequenceClassification``.
     """
-    from fusedhead.integrations.lm_head import is_fusedhead_spec
+    from fusedhead.integrations.lm_head import is_fusedhead_spec, is_misspelt_spec
 
+    if is_misspelt_spec(impl):  # VeOmni's own error would list its names only
+        ours = ", ".join(f"'fusedhead:{n}'" for n in _installed_names()) or "none installed"
+        raise ValueError(
+            f"cross_entropy_loss_implementation={impl!r} looks meant for fusedhead but is not its "
+            f"spelling; fusedhead's: 'fusedhead', {ours} (VeOmni's own names are unchanged)"
+        )
     if not is_fusedhead_spec(impl):
         original = _original.get("install_loss_mapping")
         if original is None:
@@ -176,6 +193,7 @@ def install_loss_mapping(impl: str = "eager") -> str:
     from transformers.loss.loss_utils import LOSS_MAPPING
 
     causal = _causal_factory(impl)  # resolves: unknown names raise here
+    _check_runs_here(impl)
     _register_spec(impl)
     LOSS_MAPPING["ForCausalLM"] = causal
     LOSS_MAPPING["ForConditionalGeneration"] = causal

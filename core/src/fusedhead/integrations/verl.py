@@ -29,7 +29,6 @@ provenance then. Nothing here imports verl or torch at import time.
 
 from __future__ import annotations
 
-import difflib
 import importlib.abc
 import importlib.machinery
 import logging
@@ -325,18 +324,6 @@ def _accepted_names() -> str:
     return f"verl's own {theirs}; fusedhead's {ours}"
 
 
-def _misspelt_spec(value: object) -> bool:
-    """A value meant for fusedhead that is not its spelling: ``fusedhaed:triton``, ``fused-head``.
-
-    Only these are refused: any other value stays verl's to handle (or skip), so that a config
-    which does not name fusedhead behaves as it does without fusedhead installed.
-    """
-    if not isinstance(value, str) or value in VERL_BACKENDS:
-        return False
-    word = value.partition(":")[0].strip().lower().replace("-", "").replace("_", "")
-    return bool(difflib.get_close_matches(word, ["fusedhead"], n=1, cutoff=0.75))
-
-
 def patch_forward_with_backends(
     model: Any,
     use_fused_kernels: bool = False,
@@ -349,7 +336,7 @@ def patch_forward_with_backends(
     fusedhead name with ``use_fused_kernels`` on raises ``ValueError``; everything else goes to
     verl's function as it is (verl's own names, and verl's own skip of names it does not know).
     """
-    from fusedhead.integrations.lm_head import is_fusedhead_spec
+    from fusedhead.integrations.lm_head import is_fusedhead_spec, is_misspelt_spec
 
     if is_fusedhead_spec(fused_kernels_backend):
         assert isinstance(fused_kernels_backend, str)
@@ -361,7 +348,7 @@ def patch_forward_with_backends(
             )
         _patch_model(model, fused_kernels_backend)
         return
-    if use_fused_kernels and _misspelt_spec(fused_kernels_backend):
+    if use_fused_kernels and is_misspelt_spec(fused_kernels_backend, VERL_BACKENDS):
         raise ValueError(
             f"fused_kernel_options.impl_backend={fused_kernels_backend!r} is not a fused-kernel "
             f"backend (use_fused_kernels=True); accepted: {_accepted_names()}. verl itself would "
