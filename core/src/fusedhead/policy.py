@@ -12,13 +12,12 @@ from __future__ import annotations
 import difflib
 import itertools
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 import torch
 
-from fusedhead.checks import tensor_arg
+from fusedhead.checks import real_in, tensor_arg
 from fusedhead.contract import gate_head, gate_policy_loss
 from fusedhead.errors import BackendError
 from fusedhead.policy_terms import LOG_RATIO_BOUND, kl_penalty, on_policy_log_ratio, token_grads
@@ -177,16 +176,6 @@ def _choice(arg: str, value: object, choices: tuple[str, ...], aliases: dict[str
     raise ValueError(f"{arg} must be one of {list(choices)}{named}, got {value!r}{hint}")
 
 
-def _real(arg: str, value: object, *, low: float, high: float = math.inf, what: str) -> float:
-    """``value`` as a finite float in ``[low, high)`` (bool refused), named in the error."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{arg} must be a float ({what}), got {type(value).__name__} {value!r}")
-    out = float(value)
-    if not (low <= out < high) or not math.isfinite(out):
-        raise ValueError(f"{arg} must be {what}, got {value!r}")
-    return out
-
-
 def _per_token(
     arg: str,
     value: object,
@@ -249,7 +238,7 @@ def _normalizer(
             pending.add(~(torch.isfinite(out) & (out > 0)), _bad_normalizer, out)
         return out
     return torch.tensor(
-        _real("loss_normalizer", value, low=1e-30, what="a count > 0 (tokens or sequences)"),
+        real_in("loss_normalizer", value, low=1e-30, what="a count > 0 (tokens or sequences)"),
         dtype=torch.float32,
         device=device,
     )
@@ -389,15 +378,15 @@ def _policy_call(
     """The loss's own arguments checked and flattened beside the head call."""
     aggregation = _choice("aggregation", req.aggregation, AGGREGATIONS, {})
     estimator = _choice("kl_estimator", req.kl_estimator, KL_ESTIMATORS, KL_ALIASES)
-    clip_low = _real("clip_low", req.clip_low, low=0.0, high=1.0, what="in [0, 1)")
-    clip_high = _real("clip_high", req.clip_high, low=0.0, what="a finite float >= 0")
+    clip_low = real_in("clip_low", req.clip_low, low=0.0, high=1.0, what="in [0, 1)")
+    clip_high = real_in("clip_high", req.clip_high, low=0.0, what="a finite float >= 0")
     dual = req.dual_clip
     if dual is not None:
-        dual = _real("dual_clip", dual, low=1.0, what="a finite float > 1 (verl's clip_ratio_c)")
+        dual = real_in("dual_clip", dual, low=1.0, what="a finite float > 1 (verl's clip_ratio_c)")
         if dual == 1.0:
             raise ValueError(f"dual_clip must be > 1 (verl's clip_ratio_c), got {req.dual_clip!r}")
-    entropy_coef = _real("entropy_coef", req.entropy_coef, low=-math.inf, what="a finite float")
-    kl_coef = _real("kl_coef", req.kl_coef, low=0.0, what="a finite float >= 0")
+    entropy_coef = real_in("entropy_coef", req.entropy_coef, low=-math.inf, what="a finite float")
+    kl_coef = real_in("kl_coef", req.kl_coef, low=0.0, what="a finite float >= 0")
     old = req.old_log_probs
     old = None if old is None else _per_token("old_log_probs", old, shape, device, "on-policy")
     adv = _per_token("advantages", req.advantages, shape, device, per_sequence=True)
@@ -419,7 +408,7 @@ def _policy_call(
         )
     tis = None
     if rollout is not None:
-        cap = _real("tis_cap", cap, low=1e-30, what="a finite float > 0")
+        cap = real_in("tis_cap", cap, low=1e-30, what="a finite float > 0")
         roll = _per_token("rollout_log_probs", rollout, shape, device, "no TIS")
         if old is None:
             raise ValueError(
@@ -432,7 +421,7 @@ def _policy_call(
     horizon = req.horizon
     if horizon is not None:
         what = "a length > 0 (verl's loss_scale_factor, TRL's max_completion_length)"
-        horizon = _real("horizon", horizon, low=1e-30, what=what)
+        horizon = real_in("horizon", horizon, low=1e-30, what=what)
         if aggregation != "seq-mean-token-sum-norm":
             raise ValueError(
                 f"horizon={req.horizon!r} is the length seq-mean-token-sum-norm divides by; "
