@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,8 @@ import torch
 
 N, H = 12, 16
 WORLD = 2
-#: name -> per rank (vocab_start, local rows, vocab_size), and call keywords.
+#: name -> per rank (vocab_start, local rows, vocab_size; None: the default), and call keywords
+#: ("label_at": a label set at a position on every rank).
 CASES: dict[str, dict[str, Any]] = {
     "covered": {"shards": [(0, 8, 16), (8, 8, 16)], "kwargs": {}},
     "covered_uneven": {"shards": [(0, 5, 16), (5, 11, 16)], "kwargs": {"return_lse": True}},
@@ -21,6 +23,12 @@ CASES: dict[str, dict[str, Any]] = {
     "overlap": {"shards": [(0, 10, 18), (8, 10, 18)], "kwargs": {}},
     "sizes_differ": {"shards": [(0, 8, 16), (8, 8, 18)], "kwargs": {}},
     "covered_again": {"shards": [(0, 8, 16), (8, 8, 16)], "kwargs": {}},
+    # Uneven shards with the defaults (vocab_start = rank x rows, vocab_size = world x rows):
+    # rank 1's default is 12, so its labels 12..15 fail its range check alone; that check used
+    # to raise before the collective, leaving rank 0 waiting in it.
+    "uneven_defaults": {"shards": [(0, 10, None), (10, 6, None)], "kwargs": {}},
+    # A label out of range on every rank: each raises it, after the collectives.
+    "label_out_of_range": {"shards": [(0, 8, 16), (8, 8, 16)], "kwargs": {}, "label_at": (3, 16)},
 }
 
 
@@ -36,11 +44,14 @@ def run(backend: str, options: dict[str, Any], rank: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, case in CASES.items():
         start, width, size = case["shards"][rank]
+        y = labels.clone()
+        if "label_at" in case:
+            y[case["label_at"][0]] = case["label_at"][1]
         try:
             out = fused_head(
-                hidden, weight[start : start + width].contiguous(), labels, backend=backend,
-                options=options, process_group=dist.group.WORLD, vocab_start=start,
-                vocab_size=size, **case["kwargs"],
+                hidden, weight[start : start + width].contiguous(), y, backend=backend,
+                options=options, process_group=dist.group.WORLD,
+                vocab_start=None if size is None else start, vocab_size=size, **case["kwargs"],
             )  # fmt: skip
             results[name] = ("ok", out.log_probs.clone())
         except Exception as exc:  # what each rank raised, to compare across ranks
@@ -54,9 +65,10 @@ def worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    dist.init_process_group(  # a rank left waiting fails the test in a minute, not gloo's 30
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
     try:
         options = {"block_m": 16, "block_n": 16, "block_k": 16} if backend == "triton" else {}
         torch.save(run(backend, options, rank), Path(out) / f"rank{rank}.pt")

@@ -121,7 +121,9 @@ def test_the_grid_layouts_lie_on_the_grid() -> None:
     assert grid_shards(V, 2, GRID) == [(0, 2048), (2048, 1952)]
     assert grid_shards(V, 4, GRID) == [(0, 1024), (1024, 1024), (2048, 1024), (3072, 928)]
     assert grid_shards(151936, 8, GRID)[-1] == (134144, 17792)  # 148.4 tiles: 19 x 5, 18 x 3
-    assert grid_shards(100, 3, GRID) == [(0, 100), (100, 0), (100, 0)]
+    with pytest.raises(ValueError, match=r"1 tile.* for world=3 ranks: every rank needs a tile"):
+        grid_shards(100, 3, GRID)  # empty shards, which fused_head refuses on one rank alone
+    assert grid_shards(100, 3, 32) == [(0, 64), (64, 32), (96, 4)]
     with pytest.raises(ValueError, match="grid must be an int >= 1, got 0"):
         grid_shards(V, 2, 0)
 

@@ -44,6 +44,7 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         ("gap_with_extras", ["vocab_size=20 is larger than the union", "[16, 20)"]),
         ("overlap", ["shards of process_group overlap at id 8"]),
         ("sizes_differ", ["vocab_size must be the same on every rank", "[16, 18]"]),
+        ("uneven_defaults", ["vocab_size must be the same on every rank", "[12, 20]"]),
     ],
 )
 def test_every_rank_raises_the_same_named_error(ranks, name, words):
@@ -56,6 +57,15 @@ def test_every_rank_raises_the_same_named_error(ranks, name, words):
         assert f"this rank ({r}) passed vocab_start=" in msg, msg
     # One message on every rank but for the clause naming the rank's own arguments.
     assert len({rank[name][1].split("; this rank")[0] for rank in ranks}) == 1
+
+
+def test_a_label_out_of_range_is_raised_on_every_rank_after_the_collectives(ranks):
+    """The checks of a vocab-parallel call are read after the backend's collectives, so a check
+    that fails on one rank alone cannot leave another waiting in them (uneven_defaults above)."""
+    for r, rank in enumerate(ranks):
+        kind, msg = rank["label_out_of_range"]
+        assert kind == "ValueError", (r, kind, msg)
+        assert "labels must be in [0, 16)" in msg and "got 16 at flat position 3" in msg, msg
 
 
 @pytest.mark.parametrize("name", ["covered", "covered_uneven", "covered_again"])

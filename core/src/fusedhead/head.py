@@ -266,8 +266,12 @@ class FusedHead:
             )
         if not n:
             return contract.empty_output(call, shape)
+        # A vocab-parallel call reads its checks after the backend's collectives everywhere: a
+        # check that fails on one rank only (a default vocab_size of uneven shards) would leave
+        # the others waiting in them. Unchecked values are safe to run (they give NaN rows).
+        shared = call.process_group is not None
         if pending is not None:
-            pending.send()
+            pending.send(defer=shared)
         try:
             if cast is None:
                 out = self.backend.forward(call)
@@ -275,11 +279,11 @@ class FusedHead:
                 with torch.autocast(cast, enabled=False):
                     out = self.backend.forward(call)
         except BackendError as exc:
-            if pending is not None:
+            if pending is not None and not shared:
                 pending.settle()  # a failed check is the cause to name, not what it broke
             raise exc.attach(**self.identity()) from None
         except Exception:
-            if pending is not None:
+            if pending is not None and not shared:  # shared: the layout's error, on every rank
                 pending.settle()
             raise
         if pending is not None:

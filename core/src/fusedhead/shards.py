@@ -149,8 +149,9 @@ def grid_shards(vocab_size: int, world: int, grid: int) -> list[tuple[int, int]]
 
     Every shard starts on a multiple of ``grid``: a backend declaring ``degree_invariant`` with
     that ``vocab_grid`` gives the one-process bits on this layout (docs/vocab-parallel.md). Equal
-    shards are this layout exactly when ``vocab_size / world`` is a multiple of ``grid``. Ranks
-    past the last tile get empty shards (which ``fused_head`` refuses: use fewer ranks than tiles).
+    shards are this layout exactly when ``vocab_size / world`` is a multiple of ``grid``. Fewer
+    tiles than ranks is a ``ValueError``: a rank would hold an empty shard, which ``fused_head``
+    refuses on that rank alone.
     """
     for name, value, least in (
         ("vocab_size", vocab_size, 0),
@@ -160,6 +161,12 @@ def grid_shards(vocab_size: int, world: int, grid: int) -> list[tuple[int, int]]
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     tiles = -(-vocab_size // grid)
+    if tiles < world:
+        raise ValueError(
+            f"vocab_size={vocab_size} is {tiles} tile(s) of grid={grid} columns for world={world} "
+            f"ranks: every rank needs a tile (an empty shard is refused); use at most {tiles} "
+            f"rank(s), or a grid of at most {max(vocab_size // world, 1)} columns"
+        )
     base, extra = divmod(tiles, world)
     out: list[tuple[int, int]] = []
     start = 0

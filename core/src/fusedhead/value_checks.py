@@ -148,8 +148,10 @@ class Pending:
         ``settle``."""
         self._counts.append(value)
 
-    def send(self) -> None:
-        """Start the flags' one read (CUDA: queued behind an event), or raise now (elsewhere)."""
+    def send(self, defer: bool = False) -> None:
+        """Start the flags' one read (CUDA: queued behind an event), or raise now (elsewhere;
+        with ``defer``, at ``settle``: a vocab-parallel call raises after the backend's
+        collectives, so that a check that fails on one rank leaves no other rank waiting)."""
         checks = self._checks
         if not checks and not self._counts:
             return
@@ -159,7 +161,8 @@ class Pending:
             flags = checks[0][0] if len(checks) == 1 else torch.stack([c[0] for c in checks])
         if flags.device.type != "cuda":
             self._host = flags
-            self.settle()
+            if not defer:
+                self.settle()
             return
         if torch.cuda.is_current_stream_capturing():
             raise ValueError(
