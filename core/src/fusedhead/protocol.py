@@ -118,6 +118,25 @@ class Capabilities(BaseModel):
             raise ValueError(
                 f"outputs must include 'log_probs' (every call returns it), got {self.outputs}"
             )
+        # Names the core knows: a misspelt one ("arg_max") would read as "not declared" and its
+        # kit property as "not run", silently.
+        for arg, names, known in (
+            ("outputs", self.outputs, OUTPUTS),
+            ("vocab_parallel_outputs", self.vocab_parallel_outputs, OUTPUTS),
+            ("kl_directions", self.kl_directions, ("forward", "reverse")),
+        ):
+            unknown = [n for n in names if n not in known]
+            if unknown:
+                raise ValueError(f"{arg} must be among {list(known)}, got {unknown}")
+        import torch  # at run time only here: the module is read before torch is needed
+
+        for name in self.devices:
+            try:
+                torch.device(name)
+            except (RuntimeError, TypeError):
+                raise ValueError(
+                    f"devices must be torch device types ('cpu', 'cuda', ...), got {name!r}"
+                ) from None
         if self.degree_invariant and (not self.vocab_parallel or self.vocab_grid < 1):
             raise ValueError(
                 "degree_invariant needs vocab_parallel and the grid it holds on (vocab_grid >= "

@@ -559,6 +559,16 @@ def backend_capabilities(instance: Any, device: Any, /, **fields: Any) -> Any:
             hint=hint,
             **fields,
         )
+    # What it declares must have its method: else it fails only when first called.
+    for declared, method in ((caps.policy_loss, "policy_loss"), (caps.kl_directions, "kl")):
+        if declared and not callable(getattr(instance, method, None)):
+            raise BackendContractError(
+                f"capabilities({device}) declares {method} but the backend has no "
+                f"{method}(call) method",
+                hint="add the method (docs/writing-a-backend.md) or drop the declaration; report "
+                "this to the backend's authors",
+                **fields,
+            )
     return caps
 
 
