@@ -578,3 +578,20 @@ def test_an_ignore_index_beyond_int64_is_a_value_error_naming_it(inputs, value):
 def test_an_out_of_range_softcap_is_a_value_error_naming_it(inputs, value):
     with pytest.raises(ValueError, match="softcap must be a finite float > 0"):
         fused_head(*inputs(), backend="torch", softcap=value)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+def test_a_raw_exception_from_forward_keeps_its_type_and_names_the_backend(
+    good_class, inputs, monkeypatch
+):
+    """forward's own bug (or an out-of-memory) is not a contract breach to rewrap: its type
+    stays, and a note names the backend and distribution it came from."""
+
+    def forward(self: Any, call: Any) -> Any:
+        raise IndexError("index 3 is out of bounds")
+
+    monkeypatch.setattr(good_class, "forward", forward)
+    with pytest.raises(IndexError, match="index 3 is out of bounds") as info:
+        fused_head(*inputs(), backend="good")
+    notes = getattr(info.value, "__notes__", [])
+    assert notes == ["raised inside fusedhead backend 'good' (fh-fixture-good 1.0.0)"], notes

@@ -205,3 +205,14 @@ ERROR_CLASSES: tuple[type[BackendError], ...] = (
     BackendContractError,
     OptionsError,
 )
+
+
+def note_backend(
+    exc: BaseException, backend: str | None, distribution: str | None, version: str | None
+) -> None:
+    """Name the backend an exception of its own came from (an IndexError, an out-of-memory),
+    without changing its type: a note shown under the traceback (Python 3.11+)."""
+    add_note = getattr(exc, "add_note", None)
+    if callable(add_note):
+        where = f"{distribution} {version}" if distribution else "registered in-process"
+        add_note(f"raised inside fusedhead backend {backend!r} ({where})")

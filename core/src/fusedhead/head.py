@@ -22,6 +22,7 @@ from fusedhead.errors import (
     BackendError,
     BackendUnavailableError,
     CapabilityError,
+    note_backend,
 )
 from fusedhead.graph import Slots, as_graph_constant, slot_numbers, tracing
 from fusedhead.hooks import plugin_manager
@@ -282,9 +283,10 @@ class FusedHead:
             if pending is not None and not shared:
                 pending.settle()  # a failed check is the cause to name, not what it broke
             raise exc.attach(**self.identity()) from None
-        except Exception:
+        except Exception as exc:
             if pending is not None and not shared:  # shared: the layout's error, on every rank
                 pending.settle()
+            note_backend(exc, **self.identity())
             raise
         if pending is not None:
             pending.settle()
@@ -387,6 +389,9 @@ class FusedHead:
                 out = method(call)
         except BackendError as exc:
             raise exc.attach(**self.identity()) from None
+        except Exception as exc:
+            note_backend(exc, **self.identity())
+            raise
         needs_grad = torch.is_grad_enabled() and (
             call.hidden.requires_grad or call.weight.requires_grad
         )

@@ -19,7 +19,7 @@ import torch
 
 from fusedhead.checks import real_in, tensor_arg
 from fusedhead.contract import gate_head, gate_policy_loss
-from fusedhead.errors import BackendError
+from fusedhead.errors import BackendError, note_backend
 from fusedhead.policy_terms import LOG_RATIO_BOUND, kl_penalty, on_policy_log_ratio, token_grads
 from fusedhead.protocol import (
     AGGREGATIONS,
@@ -361,6 +361,9 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
                 result = method(sub)
         except BackendError as exc:
             raise exc.attach(**head.identity()) from None
+        except Exception as exc:
+            note_backend(exc, **head.identity())
+            raise
         _check_result(head, sub, result, scored, device)
         if rows is not None:
             result = spread(result, rows, pcall)
