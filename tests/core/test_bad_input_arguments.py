@@ -53,7 +53,16 @@ def test_process_group_must_be_a_process_group(ref_backend, inputs, world_of_one
         text = str(info.value)
         assert "process_group must be a torch.distributed.ProcessGroup" in text
         assert type(group).__name__ in text
+        assert "NON_GROUP_MEMBER" not in text
     assert not ref_backend.calls
+
+
+def test_a_rank_outside_its_new_group_is_told_so(ref_backend, inputs, world_of_one):
+    """dist.new_group hands ranks outside the group an int marker, which said only 'got int'."""
+    import torch.distributed as dist
+
+    with pytest.raises(TypeError, match="GroupMember.NON_GROUP_MEMBER on a rank outside"):
+        head(*inputs(), process_group=dist.GroupMember.NON_GROUP_MEMBER)
 
 
 @pytest.mark.parametrize(

@@ -387,9 +387,16 @@ def _shard(group: Any, v_local: int, vocab_start: object, vocab_size: object) ->
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("process_group was given but torch.distributed is not initialized")
     if not isinstance(group, dist.ProcessGroup):
+        outside = group is dist.GroupMember.NON_GROUP_MEMBER
         raise TypeError(
             "process_group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD or "
-            f"one from dist.new_group), got {type(group).__name__}"
+            f"one from dist.new_group), got {type(group).__name__} {group!r}"
+            + (
+                ": dist.new_group gives GroupMember.NON_GROUP_MEMBER on a rank outside the "
+                "group; call with that group only on its members"
+                if outside
+                else ""
+            )
         )
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
