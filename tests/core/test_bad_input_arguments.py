@@ -61,7 +61,7 @@ def test_a_rank_outside_its_new_group_is_told_so(ref_backend, inputs, world_of_o
     """dist.new_group hands ranks outside the group an int marker, which said only 'got int'."""
     import torch.distributed as dist
 
-    with pytest.raises(TypeError, match="GroupMember.NON_GROUP_MEMBER on a rank outside"):
+    with pytest.raises(TypeError, match=r"GroupMember\.NON_GROUP_MEMBER on a rank outside"):
         head(*inputs(), process_group=dist.GroupMember.NON_GROUP_MEMBER)
 
 
