@@ -521,6 +521,11 @@ def test_fusedhead_check_wraps_a_raw_exception_from_check_as_a_call_does(
     err = capsys.readouterr().err.strip()
     assert err == f"fusedhead: error: {called.value}"
     assert "(fh-fixture-good 1.0.0): check() raised RuntimeError: CUDA driver not found" in err
+    # list --check and info word it as the call does (was 'probe failed: RuntimeError: ...')
+    listed = rows(probe=True, device="cpu")[("good", "fh-fixture-good")]
+    assert listed.status is Status.BROKEN
+    assert (listed.reason or "").startswith("check() raised RuntimeError: CUDA driver not found")
+    assert "report this to the backend's authors" in (listed.reason or "")
 
 
 def test_fusedhead_check_on_a_dtype_the_backend_does_not_declare_names_its_distribution(

@@ -124,8 +124,12 @@ def probe_backend(cand: Candidate, device: Any = None) -> tuple[Status, str | No
         )
     except BackendContractError as exc:  # the plugin's own bug, named by the helpers above
         return Status.BROKEN, exc.reason + (f" Fix: {exc.hint}" if exc.hint else "")
-    except Exception as exc:
-        return Status.BROKEN, f"probe failed: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # check() raised something else: a breach, worded as a call says it
+        return Status.BROKEN, (
+            f"check() raised {type(exc).__name__}: {exc}. Fix: a backend's check() must raise "
+            "fusedhead.errors.BackendUnavailableError with the reason and the fix; report this "
+            "to the backend's authors"
+        )
     return Status.OK, None
 
 
