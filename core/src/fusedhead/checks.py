@@ -126,6 +126,31 @@ def integer(arg: str, value: object, expected: str) -> int:
     return int(value)
 
 
+def per_token_shape(arg: str, t: torch.Tensor, shape: tuple[int, ...], per_sequence: bool) -> None:
+    """A per-token tensor must have the labels' ``shape`` (with ``per_sequence``, also
+    ``[..., 1]``: one value per sequence); any other broadcast would spread values silently."""
+    got = tuple(t.shape)
+    one_per_sequence = (*shape[:-1], 1) if per_sequence and len(shape) >= 2 else None
+    if got != shape and got != one_per_sequence:
+        also = f" or {one_per_sequence} (one value per sequence)" if one_per_sequence else ""
+        raise ValueError(f"{arg} must have the labels' shape {shape}{also}, got {got}")
+
+
+def one_element_real(arg: str, t: torch.Tensor) -> None:
+    """A tensor standing for one real number (``loss_normalizer``): not bool or complex, one
+    element."""
+    if t.dtype == torch.bool or t.is_complex():
+        raise TypeError(
+            f"{arg} must be a number or a one-element real (float or integer) tensor, got a "
+            f"tensor of dtype {t.dtype}"
+        )
+    if t.numel() != 1:
+        raise ValueError(
+            f"{arg} must be a number or a one-element tensor, got a tensor of shape "
+            f"{tuple(t.shape)}"
+        )
+
+
 def per_token_rank(arg: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
     """Refuse a per-token tensor of another number of dimensions than the labels' ``shape``
     (one element aside): torch would broadcast ``[B]`` beside ``[B, S]`` along S, silently, where

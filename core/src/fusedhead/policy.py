@@ -17,7 +17,7 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 
-from fusedhead.checks import real_in, tensor_arg
+from fusedhead.checks import one_element_real, per_token_shape, real_in, tensor_arg
 from fusedhead.contract import gate_head, gate_policy_loss
 from fusedhead.errors import BackendError, note_backend
 from fusedhead.policy_terms import LOG_RATIO_BOUND, kl_penalty, on_policy_log_ratio, token_grads
@@ -202,11 +202,7 @@ def _per_token(
             f"{arg} requires grad, but fused_policy_loss differentiates in hidden and weight "
             f"only (no gradient would reach it); pass {arg}.detach()"
         )
-    got = tuple(t.shape)
-    one_per_sequence = (*shape[:-1], 1) if per_sequence and len(shape) >= 2 else None
-    if got != shape and got != one_per_sequence:
-        also = f" or {one_per_sequence} (one value per sequence)" if one_per_sequence else ""
-        raise ValueError(f"{arg} must have the labels' shape {shape}{also}, got {got}")
+    per_token_shape(arg, t, shape, per_sequence)
     return t.detach().expand(shape).reshape(-1).to(torch.float32).contiguous()
 
 
@@ -220,16 +216,7 @@ def _normalizer(
         return None
     if isinstance(value, torch.Tensor):
         t = tensor_arg("loss_normalizer", value)
-        if t.dtype == torch.bool or t.is_complex():
-            raise TypeError(
-                "loss_normalizer must be a number or a one-element real (float or integer) "
-                f"tensor, got a tensor of dtype {t.dtype}"
-            )
-        if t.numel() != 1:
-            raise ValueError(
-                f"loss_normalizer must be a number or a one-element tensor, got a tensor of "
-                f"shape {tuple(t.shape)}"
-            )
+        one_element_real("loss_normalizer", t)
         if t.device != device and t.device.type != "cpu":
             where = f"hidden's device {device}" + ("" if device.type == "cpu" else " or the CPU")
             raise ValueError(f"loss_normalizer must be on {where}, got {t.device}")

@@ -329,7 +329,7 @@ def _check_loss_arguments(
     """The loss's own arguments, named as ``fused_policy_loss`` names them: an unknown
     ``aggregation`` or ``kl_estimator`` was computed as another one, a per-token tensor of another
     shape raised torch's expand error, a missing partner tensor an AssertionError."""
-    from fusedhead.checks import tensor_arg
+    from fusedhead.checks import per_token_shape, tensor_arg
     from fusedhead.protocol import AGGREGATIONS, KL_ESTIMATORS
 
     if aggregation not in AGGREGATIONS:
@@ -365,13 +365,7 @@ def _check_loss_arguments(
             )
         if t.device != labels.device:
             raise ValueError(f"{arg} must be on the labels' device {labels.device}, got {t.device}")
-        # the labels' shape; advantages also one per sequence (no other broadcast)
-        per_sequence = (*shape[:-1], 1) if arg == "advantages" and len(shape) >= 2 else None
-        if tuple(t.shape) not in (shape, per_sequence):
-            also = f" or {per_sequence} (one value per sequence)" if per_sequence else ""
-            raise ValueError(
-                f"{arg} must have the labels' shape {shape}{also}, got {tuple(t.shape)}"
-            )
+        per_token_shape(arg, t, shape, per_sequence=arg == "advantages")
     if cu_seqlens is not None:
         cu = tensor_arg("cu_seqlens", cu_seqlens)
         n = labels.numel()
@@ -403,7 +397,7 @@ def _check_loss_scalars(
 ) -> None:
     """The loss's numbers in the ranges ``fused_policy_loss`` takes, named as it names them:
     before, a str or None raised Python's operand TypeError, and NaN gave a NaN loss."""
-    from fusedhead.checks import INT64_MAX, INT64_MIN, integer, real_in
+    from fusedhead.checks import INT64_MAX, INT64_MIN, integer, one_element_real, real_in
 
     real_in("clip_low", clip_low, low=0.0, high=1.0, what="in [0, 1)")
     real_in("clip_high", clip_high, low=0.0, what="a finite float >= 0")
@@ -416,16 +410,7 @@ def _check_loss_scalars(
     if tis_cap is not None:
         real_in("tis_cap", tis_cap, low=1e-30, what="a finite float > 0")
     if isinstance(loss_normalizer, torch.Tensor):
-        if loss_normalizer.dtype == torch.bool or loss_normalizer.is_complex():
-            raise TypeError(
-                "loss_normalizer must be a number or a one-element real (float or integer) "
-                f"tensor, got a tensor of dtype {loss_normalizer.dtype}"
-            )
-        if loss_normalizer.numel() != 1:
-            raise ValueError(
-                "loss_normalizer must be a number or a one-element tensor, got a tensor of "
-                f"shape {tuple(loss_normalizer.shape)}"
-            )
+        one_element_real("loss_normalizer", loss_normalizer)
     elif loss_normalizer is not None:
         what = "a count > 0 (tokens or sequences)"
         real_in("loss_normalizer", loss_normalizer, low=1e-30, what=what)
