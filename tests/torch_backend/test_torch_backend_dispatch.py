@@ -17,6 +17,7 @@ from torch_backend_helpers import (
     run_reference,
 )
 
+import fusedhead.grad_sum as grad_sum
 import fusedhead_torch.tile_math as tile_math
 from fusedhead.protocol import call_backend
 from fusedhead_torch import TorchBackend, TorchOptions
@@ -290,11 +291,11 @@ def test_check_runs_the_out_dtype_probe_eagerly(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(tile_math, "_MM_OUT_DTYPE", {})
     cpu = torch.device("cpu")
     TorchBackend(TorchOptions()).check(cpu, dtype)
-    monkeypatch.setattr(tile_math, "_ADDMM_OUT_DTYPE", {})
+    monkeypatch.setattr(grad_sum, "_ADDMM_OUT_DTYPE", {})
     TorchBackend(TorchOptions()).check(cpu, dtype)
     probed = dict(tile_math._MM_OUT_DTYPE)
     assert probed == {(cpu, dtype): False}  # no aten::mm.dtype on the CPU
-    probed = dict(tile_math._ADDMM_OUT_DTYPE)
+    probed = dict(grad_sum._ADDMM_OUT_DTYPE)
     assert probed == {(cpu, dtype): False}  # nor, so, its in-place aten::addmm.dtype_out
     TorchBackend(TorchOptions()).check(cpu, torch.float32)  # fp32 needs no probe
     assert list(tile_math._MM_OUT_DTYPE) == [(cpu, dtype)]
@@ -305,21 +306,21 @@ def test_the_policy_weight_gradient_sums_in_the_gemm_epilogue(
 ) -> None:
     """The policy loss's CUDA route for a 16-bit weight gradient, run on the CPU through kernels
     registered for ``aten::mm.dtype`` and ``aten::addmm.dtype_out`` here: the probe passes, the
-    first chunk writes the fp32 sum and every later one adds into it in place, and the gradient is
-    the upcast route's bits (both sum the same fp32 products)."""
+    first chunk writes each row block of the fp32 sum (beta 0) and every later one adds into it in
+    place, and the gradient is the upcast route's bits (both sum the same fp32 products)."""
     import fusedhead
 
-    calls: list[tuple[str, tuple[int, int]]] = []
+    calls: list[tuple[str, tuple[int, int], float]] = []
 
     def mm_dtype(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        calls.append(("mm", (a.shape[0], b.shape[1])))
+        calls.append(("mm", (a.shape[0], b.shape[1]), 1.0))
         return torch.mm(a.to(out_dtype), b.to(out_dtype))
 
     def addmm_dtype_out(
         c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
         beta: float = 1, alpha: float = 1, out: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        calls.append(("addmm", (a.shape[0], b.shape[1])))
+        calls.append(("addmm", (a.shape[0], b.shape[1]), float(beta)))
         assert out_dtype == torch.float32 and out.dtype == torch.float32
         return torch.addmm(c, a.to(out_dtype), b.to(out_dtype), beta=beta, alpha=alpha, out=out)
 
@@ -344,7 +345,7 @@ def test_the_policy_weight_gradient_sums_in_the_gemm_epilogue(
     assert calls == []
     # mm.dtype is taken to work (its probe asks for CUDA); the addmm probe runs its trial.
     monkeypatch.setattr(tile_math, "mm_out_dtype_works", lambda device, dtype: True)
-    monkeypatch.setattr(tile_math, "_ADDMM_OUT_DTYPE", {})
+    monkeypatch.setattr(grad_sum, "_ADDMM_OUT_DTYPE", {})
     lib = torch.library.Library("aten", "IMPL")
     try:
         lib.impl("mm.dtype", mm_dtype, "CPU")
@@ -352,11 +353,15 @@ def test_the_policy_weight_gradient_sums_in_the_gemm_epilogue(
         fused = weight_grad()
     finally:
         lib._destroy()
-    probed = dict(tile_math._ADDMM_OUT_DTYPE)
+    probed = dict(grad_sum._ADDMM_OUT_DTYPE)
     assert probed == {(torch.device("cpu"), torch.bfloat16): True}
     # the addmm probe's 2 x 2 trial, then 5 chunks of 8 rows, each a [8, V] fp32 logits GEMM and
-    # its share of the [V, H] sum: the first written by mm, the 4 others added by addmm in place
-    logits = ("mm", (8, v))
-    assert calls[0] == ("addmm", (2, 2))
-    assert calls[1:] == [logits, ("mm", (v, h))] + [logits, ("addmm", (v, h))] * 4
+    # its share of the [V, H] sum in 8 row blocks (7 of 7 rows, 1 of 1): written by the first
+    # chunk (beta 0), added to in place by the 4 others
+    logits = ("mm", (8, v), 1.0)
+    blocks = [(7, h)] * 7 + [(1, h)]
+    assert calls[0] == ("addmm", (2, 2), 1.0)
+    first = [("addmm", b, 0.0) for b in blocks]
+    later = [("addmm", b, 1.0) for b in blocks]
+    assert calls[1:] == [logits, *first] + [logits, *later] * 4
     assert torch.equal(fused, upcast)

@@ -8,6 +8,7 @@ import torch
 from pydantic import BaseModel
 
 from fusedhead.errors import BackendUnavailableError
+from fusedhead.grad_sum import addmm_out_dtype_works
 from fusedhead.protocol import (
     Capabilities,
     HeadCall,
@@ -36,7 +37,6 @@ from fusedhead_torch.outputs import (
 from fusedhead_torch.policy import chunk_rows, policy_loss
 from fusedhead_torch.rowstats import MAX_GRID_VOCAB
 from fusedhead_torch.tile_math import (
-    addmm_out_dtype_works,
     inverse_temperature,
     mm_out_dtype_works,
 )

@@ -17,10 +17,11 @@ from collections.abc import Callable
 
 import torch
 
+from fusedhead.grad_sum import WeightGradSum
 from fusedhead.policy_terms import label_logit_grad, token_grads
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
 from fusedhead_torch.fused_passes import compiled
-from fusedhead_torch.tile_math import MAX_SCALE, addmm_out_dtype_works, gemm_operand, logits_mm
+from fusedhead_torch.tile_math import MAX_SCALE, gemm_operand, logits_mm
 
 FP32 = torch.float32
 
@@ -105,45 +106,6 @@ def _compiled_chunk(
         return dz, dz_label
 
     return d_y, s, log_s, log_s - t / s, grad
-
-
-class WeightGradSum:
-    """``dW = sum over chunks of dz^T h`` summed in fp32 and rounded once to the weight's dtype.
-
-    A 16-bit running sum rounds once per chunk, an error that grows with the number of chunks
-    (bf16 at N = 32768: 3.05e-3 relative over 26 chunks, against 2.3e-3 for one rounding); an
-    fp32 ``[V, H]`` sum costs twice the weight gradient's memory. Where ``aten::addmm.dtype_out``
-    adds in place (CUDA, torch >= 2.8: ``addmm_out_dtype_works``) the GEMM adds into it in its
-    fp32 epilogue; elsewhere the chunk's operands are upcast.
-    """
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self._like = weight
-        self._sum: torch.Tensor | None = None
-        self._fused = weight.dtype != FP32 and addmm_out_dtype_works(weight.device, weight.dtype)
-
-    def add(self, dz: torch.Tensor, h_rows: torch.Tensor) -> None:
-        """Add one chunk's ``dz^T h_rows``."""
-        a, b = dz.t(), h_rows
-        if self._fused:
-            if self._sum is None:
-                self._sum = torch.mm(a, b, out_dtype=FP32)
-            else:
-                torch.addmm(self._sum, a, b, out_dtype=FP32, out=self._sum)
-            return
-        if a.dtype != FP32:
-            a, b = a.float(), b.float()
-        if self._sum is None:
-            self._sum = torch.mm(a, b)
-        else:
-            self._sum.addmm_(a, b)
-
-    def result(self) -> torch.Tensor:
-        """The sum in the weight's dtype (zeros without any chunk); the fp32 sum is let go."""
-        total, self._sum = self._sum, None
-        if total is None:
-            return torch.zeros_like(self._like)
-        return total if total.dtype == self._like.dtype else total.to(self._like.dtype)
 
 
 def policy_loss(

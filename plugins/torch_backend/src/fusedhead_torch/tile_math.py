@@ -89,31 +89,6 @@ def _try_mm_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-#: ``addmm_out_dtype_works`` per (device, dtype), as ``_MM_OUT_DTYPE``.
-_ADDMM_OUT_DTYPE: dict[tuple[torch.device, torch.dtype], bool] = {}
-
-
-def addmm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.addmm(c, a, b, out_dtype=torch.float32, out=c)`` adds ``a @ b`` of
-    ``dtype`` into the fp32 ``c`` in place on ``device`` (a trial on 2 x 2 ones, its value read)."""
-    works = _ADDMM_OUT_DTYPE.get((device, dtype))
-    if works is None:
-        works = _ADDMM_OUT_DTYPE[(device, dtype)] = _try_addmm_out_dtype(device, dtype)
-    return works
-
-
-def _try_addmm_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
-    if not mm_out_dtype_works(device, dtype):
-        return False
-    a = torch.ones(2, 2, dtype=dtype, device=device)
-    c = torch.ones(2, 2, dtype=FP32, device=device)
-    try:
-        torch.addmm(c, a, a, out_dtype=FP32, out=c)
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-    return bool(torch.equal(c, torch.full_like(c, 3.0)))
-
-
 def gemm_operand(t: torch.Tensor, fp32: bool) -> torch.Tensor:
     """``t`` as the logits GEMMs take it: upcast once where fp32 logits need upcast operands."""
     if fp32 and t.dtype != FP32 and not mm_out_dtype_works(t.device, t.dtype):

@@ -4,7 +4,8 @@ Per chunk: the logits GEMM with the forward's statistics in its epilogue, each t
 ``d = z - m_tile`` kept (``kernels.policy``); the fixed-order combine of the plain head (so the
 log-probs and entropies are the plain head's bits); the loss's derivative per row
 (``fusedhead.policy_terms.token_grads``); ``dz`` in place of the kept offsets; then cuBLAS for
-``dX = dz W`` and ``dW += dz^T h``. The kept offsets and ``dz`` share one ``[rows, V]`` buffer of
+``dX = dz W`` and ``dW += dz^T h``, the latter into an fp32 sum rounded once at the end
+(``fusedhead.grad_sum``). The kept offsets and ``dz`` share one ``[rows, V]`` buffer of
 two bytes per value for 16-bit inputs (fp16 offsets: within ``2^-11 / e`` of a probability).
 """
 
@@ -14,6 +15,7 @@ import math
 
 import torch
 
+from fusedhead.grad_sum import WeightGradSum
 from fusedhead.policy_terms import label_logit_grad, token_grads
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
 
@@ -72,7 +74,7 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
     log_probs = torch.empty(n, dtype=FP32, device=dev)
     entropy = torch.empty(n, dtype=FP32, device=dev)
     grad_h = torch.empty_like(hidden) if call.need_hidden_grad else None
-    grad_w = torch.empty_like(weight) if call.need_weight_grad else None
+    grad_w = WeightGradSum(weight) if call.need_weight_grad else None
     rows = min(rows_per_chunk, n)
     buf = torch.empty(rows * v, dtype=keep_dtype(hidden.dtype), device=dev)
     tiles = math.ceil(v / cfg.block_n)
@@ -84,6 +86,7 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
     )
     cap_args = sc.softcap_args
     zero = torch.zeros((), dtype=hidden.dtype, device=dev)
+    keep = dz = keep_arg = buf  # views of the kept buffer, bound whatever the loop runs
     for start in range(0, n, rows):
         stop = min(start + rows, n)
         m = stop - start
@@ -126,8 +129,11 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
         if grad_h is not None:
             torch.mm(dz, weight, out=grad_h[start:stop])
         if grad_w is not None:
-            if start == 0:
-                torch.mm(dz.t(), h_rows, out=grad_w)
-            else:
-                grad_w.addmm_(dz.t(), h_rows)
-    return PolicyLossResult(log_probs, entropy, grad_hidden=grad_h, grad_weight=grad_w)
+            grad_w.add(dz, h_rows)
+    del buf, keep, dz, keep_arg  # the kept buffer goes before the fp32 sum is rounded
+    return PolicyLossResult(
+        log_probs,
+        entropy,
+        grad_hidden=grad_h,
+        grad_weight=None if grad_w is None else grad_w.result(),
+    )
