@@ -6,8 +6,8 @@
 #   1. the wheels and the project, installed as run_all.sh installs them;
 #   2. fusedhead bench --case policy: triton, unfused:triton, liger-direct, torch, unfused:torch
 #      (bf16, H = 4096, V = 151936, T = 0.7, N = 8192 and 32768) -> OUT/policy.json, policy.md;
-#   3. policy_loss_bench.py: the triton backend's memory choices and a chunk that keeps the peak
-#      under 1.5 GiB at N = 8192, determinism -> OUT/plb/policy_loss_bench.json;
+#   3. policy_loss_bench.py: the triton backend's memory choices and a smaller chunk (PLB_IMPLS
+#      sets the list), determinism -> OUT/plb/policy_loss_bench.json;
 #   4. fusedhead check {triton,torch} --device cuda --dtype bf16 -k policy -> OUT/checks.log.
 # Limits (s): BENCH_LIMIT 300 (BENCH_MINUTES 4 of bench time cap), PLB_LIMIT 120, CHECK_LIMIT 90.
 set -uo pipefail
@@ -33,8 +33,8 @@ timeout -k 10 "${BENCH_LIMIT:-300}" python3 -m fusedhead.cli bench --device cuda
 echo "bench exit $?" >>"$OUT/bench.log"
 tail -n 14 "$OUT/bench.log"
 timeout -k 10 "${PLB_LIMIT:-120}" python3 "$HERE/policy_loss_bench.py" "$OUT/plb" --reps 5 --accuracy-n 8192 \
-  --impl fused:triton fused:triton:memory=fast fused:triton:policy_chunk_rows=768 \
-  unfused:triton >"$OUT/plb.log" 2>&1
+  --impl ${PLB_IMPLS:-fused:triton fused:triton:memory=fast fused:triton:policy_chunk_rows=1536 unfused:triton} \
+  >"$OUT/plb.log" 2>&1
 echo "policy_loss_bench exit $?" >>"$OUT/plb.log"
 tail -n 10 "$OUT/plb.log"
 for b in triton torch; do
