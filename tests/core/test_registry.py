@@ -395,3 +395,18 @@ def test_an_unknown_name_lists_the_first_party_backends_as_they_install_before_p
     msg = str(info.value)
     assert "fusedhead[" not in msg, msg  # not on PyPI: an extra there installs nothing
     assert "triton (./plugins/triton_backend)" in msg and "fusedhead.backends" in msg, msg
+
+
+def test_a_lookup_of_a_name_with_capitals_points_at_a_name_that_exists(with_fixture_dists):
+    """'TORCH' is 'torch' lowercased; 'Good_' lowercased is no name, so the hint is the closest
+    name that exists (never 'good_'); a name near none lists what there is. Registering a name
+    with capitals is told its lowercase (a new name: nothing to point at)."""
+    with pytest.raises(ValueError, match=r"did you mean 'torch'\?"):
+        registry.find("TORCH")
+    with pytest.raises(ValueError, match=r"did you mean 'good'\?") as info:
+        registry.find("Good_")
+    assert "good_" not in str(info.value)
+    with pytest.raises(ValueError, match=r"names are lowercase; available: .*torch") as info:
+        registry.find("Zzzzzz")
+    with pytest.raises(ValueError, match=r"did you mean 'mine'\?"):
+        registry.register_backend("Mine", type("B", (), {}))

@@ -202,7 +202,9 @@ def unregister_backend(name: str) -> None:
         callback()
 
 
-def _check_name(name: object) -> None:
+def _check_name(name: object, known: Iterable[str] | None = None) -> None:
+    """``name`` is a str that follows the entry points' naming rule. ``known``: the names a lookup
+    could find, so that a misspelt one is pointed at one of them, not at its own lowercase."""
     if not isinstance(name, str):
         raise TypeError(
             f"backend must be a str naming a backend, got {type(name).__name__} {name!r}"
@@ -212,8 +214,14 @@ def _check_name(name: object) -> None:
         hint = ""
         if prefix == "fusedhead" and NAME_PATTERN.match(rest):
             hint = f" (the trainers' spelling {name!r} names fusedhead's backend {rest!r}: pass {rest!r})"
-        elif NAME_PATTERN.match(name.lower()):
-            hint = f" (names are lowercase: did you mean {name.lower()!r}?)"
+        elif NAME_PATTERN.match(low := name.lower()):
+            names = sorted(known) if known is not None else None
+            if names is None or low in names:
+                hint = f" (names are lowercase: did you mean {low!r}?)"
+            elif close := difflib.get_close_matches(low, names, n=1, cutoff=0.6):
+                hint = f" (names are lowercase: did you mean {close[0]!r}?)"
+            else:
+                hint = f" (names are lowercase; available: {', '.join(names) or 'none'})"
         raise ValueError(
             f"backend name {name!r} is not valid: expected lowercase [a-z0-9_-]+{hint}"
         )
@@ -321,7 +329,8 @@ def claims_allowed(name: str, claims: list[Candidate]) -> list[Candidate]:
 
 def find(name: str) -> Candidate:
     """The one candidate for exactly ``name``; unknown, reserved and conflicting names raise."""
-    _check_name(name)
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        _check_name(name, known=candidates())
     table = candidates()
     claims = table.get(name)
     if not claims:
