@@ -33,9 +33,7 @@ def exact(parts: list) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("v", [50, 3, 64], ids=["v50", "v3", "v64"])
-def test_a_16_bit_weight_gradient_is_the_exact_sum_rounded_once(
-    dtype: torch.dtype, v: int
-) -> None:
+def test_a_16_bit_weight_gradient_is_the_exact_sum_rounded_once(dtype: torch.dtype, v: int) -> None:
     parts = chunks(32, 8, v, 24, dtype)
     acc = WeightGradSum(torch.empty(v, 24, dtype=dtype))
     for dz, h in parts:
