@@ -11,7 +11,7 @@ import torch
 from policy_backends import POLICY_BACKENDS
 
 import fusedhead
-from fusedhead.grad_sum import PARTS, WeightGradSum
+from fusedhead.grad_sum import WeightGradSum
 
 SMALL_CHUNK = {"torch": {"chunk_rows": 8}, "triton": {"policy_chunk_rows": 8}}
 ONE_CHUNK = {"torch": {"chunk_rows": 256}, "triton": {"policy_chunk_rows": 256}}
@@ -68,14 +68,13 @@ def test_no_chunk_gives_zeros_and_result_lets_go_of_the_sum() -> None:
     assert torch.equal(acc.result(), torch.zeros(10, 4, dtype=torch.bfloat16))
     acc.add(torch.ones(2, 10, dtype=torch.bfloat16), torch.ones(2, 4, dtype=torch.bfloat16))
     assert torch.equal(acc.result(), torch.full((10, 4), 2.0, dtype=torch.bfloat16))
-    assert acc._parts == []  # the fp32 blocks are gone once rounded
+    assert acc._sum is None  # the fp32 sum is gone once rounded
 
 
-def test_the_fp32_sum_is_held_in_row_blocks() -> None:
-    acc = WeightGradSum(torch.empty(50, 4, dtype=torch.bfloat16))
-    acc.add(torch.ones(2, 50, dtype=torch.bfloat16), torch.ones(2, 4, dtype=torch.bfloat16))
-    assert [p.shape[0] for p in acc._parts] == [7] * 7 + [1] and len(acc._parts) <= PARTS
-    assert all(p.dtype == torch.float32 for p in acc._parts)
+def test_the_rounding_copy_is_a_16_bit_weight_gradient() -> None:
+    """What ``result`` allocates beside the sum: the triton backend's kept buffer may be as large."""
+    assert WeightGradSum.rounding_bytes(torch.empty(300, 8, dtype=torch.bfloat16)) == 4800
+    assert WeightGradSum.rounding_bytes(torch.empty(300, 8)) == 0
 
 
 @pytest.mark.parametrize("backend", POLICY_BACKENDS)
@@ -102,3 +101,17 @@ def test_a_policy_loss_weight_gradient_does_not_drift_with_the_chunks(backend: s
 
     one, many = grad(ONE_CHUNK[backend]), grad(SMALL_CHUNK[backend])
     assert (one == many).float().mean().item() >= 0.99
+
+
+def test_the_triton_kept_buffer_may_grow_to_the_rounding_copy() -> None:
+    """The triton backend's kept buffer bound: its ``memory`` choice, or the 16-bit weight
+    gradient's size where that is more and the gradient is asked (the peak is the rounding's)."""
+    pytest.importorskip("triton")
+    from fusedhead_triton.policy import kept_budget
+
+    w16 = torch.empty(151936, 4096, dtype=torch.bfloat16, device="meta")
+    assert kept_budget(1 << 30, w16, need_weight_grad=True) == 151936 * 4096 * 2
+    assert kept_budget(2 << 30, w16, need_weight_grad=True) == 2 << 30
+    assert kept_budget(1 << 30, w16, need_weight_grad=False) == 1 << 30
+    w32 = torch.empty(151936, 4096, device="meta")
+    assert kept_budget(1 << 30, w32, need_weight_grad=True) == 1 << 30

@@ -306,21 +306,21 @@ def test_the_policy_weight_gradient_sums_in_the_gemm_epilogue(
 ) -> None:
     """The policy loss's CUDA route for a 16-bit weight gradient, run on the CPU through kernels
     registered for ``aten::mm.dtype`` and ``aten::addmm.dtype_out`` here: the probe passes, the
-    first chunk writes each row block of the fp32 sum (beta 0) and every later one adds into it in
-    place, and the gradient is the upcast route's bits (both sum the same fp32 products)."""
+    first chunk writes the fp32 sum and every later one adds into it in place, and the gradient is
+    the upcast route's bits (both sum the same fp32 products)."""
     import fusedhead
 
-    calls: list[tuple[str, tuple[int, int], float]] = []
+    calls: list[tuple[str, tuple[int, int]]] = []
 
     def mm_dtype(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        calls.append(("mm", (a.shape[0], b.shape[1]), 1.0))
+        calls.append(("mm", (a.shape[0], b.shape[1])))
         return torch.mm(a.to(out_dtype), b.to(out_dtype))
 
     def addmm_dtype_out(
         c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
         beta: float = 1, alpha: float = 1, out: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        calls.append(("addmm", (a.shape[0], b.shape[1]), float(beta)))
+        calls.append(("addmm", (a.shape[0], b.shape[1])))
         assert out_dtype == torch.float32 and out.dtype == torch.float32
         return torch.addmm(c, a.to(out_dtype), b.to(out_dtype), beta=beta, alpha=alpha, out=out)
 
@@ -343,7 +343,8 @@ def test_the_policy_weight_gradient_sums_in_the_gemm_epilogue(
 
     upcast = weight_grad()
     assert calls == []
-    # mm.dtype is taken to work (its probe asks for CUDA); the addmm probe runs its trial.
+    # mm.dtype is taken to work for the logits (its probe asks for CUDA); grad_sum's probe runs
+    # its trials.
     monkeypatch.setattr(tile_math, "mm_out_dtype_works", lambda device, dtype: True)
     monkeypatch.setattr(grad_sum, "_ADDMM_OUT_DTYPE", {})
     lib = torch.library.Library("aten", "IMPL")
@@ -355,13 +356,9 @@ def test_the_policy_weight_gradient_sums_in_the_gemm_epilogue(
         lib._destroy()
     probed = dict(grad_sum._ADDMM_OUT_DTYPE)
     assert probed == {(torch.device("cpu"), torch.bfloat16): True}
-    # the addmm probe's 2 x 2 trial, then 5 chunks of 8 rows, each a [8, V] fp32 logits GEMM and
-    # its share of the [V, H] sum in 8 row blocks (7 of 7 rows, 1 of 1): written by the first
-    # chunk (beta 0), added to in place by the 4 others
-    logits = ("mm", (8, v), 1.0)
-    blocks = [(7, h)] * 7 + [(1, h)]
-    assert calls[0] == ("addmm", (2, 2), 1.0)
-    first = [("addmm", b, 0.0) for b in blocks]
-    later = [("addmm", b, 1.0) for b in blocks]
-    assert calls[1:] == [logits, *first] + [logits, *later] * 4
+    # the probe's 2 x 2 trials, then 5 chunks of 8 rows, each a [8, V] fp32 logits GEMM and its
+    # share of the [V, H] sum: the first written by mm, the 4 others added by addmm in place
+    logits = ("mm", (8, v))
+    assert calls[:2] == [("mm", (2, 2)), ("addmm", (2, 2))]
+    assert calls[2:] == [logits, ("mm", (v, h))] + [logits, ("addmm", (v, h))] * 4
     assert torch.equal(fused, upcast)

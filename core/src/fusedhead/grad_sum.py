@@ -11,9 +11,6 @@ from __future__ import annotations
 import torch
 
 FP32 = torch.float32
-#: Row blocks a 16-bit weight's fp32 sum is held in. ``result`` rounds them one at a time and lets
-#: each go, so the rounding holds the fp32 sum plus one block's copy, not plus the whole copy.
-PARTS = 8
 
 #: ``addmm_out_dtype_works`` per (device, dtype): a plain dict, which torch.compile reads as a
 #: constant (it would trace a ``functools.cache``'d function's body, the trial GEMM included).
@@ -21,9 +18,10 @@ _ADDMM_OUT_DTYPE: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
 def addmm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.addmm(c, a, b, out_dtype=torch.float32, out=c)`` adds ``a @ b`` of
-    ``dtype`` into the fp32 ``c`` in place on ``device`` (a trial on 2 x 2 ones, its value read;
-    CUDA with torch >= 2.8 has ``aten::addmm.dtype_out``)."""
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` and ``torch.addmm(c, a, b,
+    out_dtype=torch.float32, out=c)`` take ``a``, ``b`` of ``dtype`` on ``device``, the latter
+    adding into the fp32 ``c`` in place (a trial on 2 x 2 ones, its value read; CUDA with
+    torch >= 2.8 has ``aten::mm.dtype`` and ``aten::addmm.dtype_out``)."""
     works = _ADDMM_OUT_DTYPE.get((device, dtype))
     if works is None:
         works = _ADDMM_OUT_DTYPE[(device, dtype)] = _try_addmm_out_dtype(device, dtype)
@@ -31,15 +29,15 @@ def addmm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _try_addmm_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
-    if not hasattr(torch.ops.aten.addmm, "dtype_out"):
+    if not hasattr(torch.ops.aten.addmm, "dtype_out") or not hasattr(torch.ops.aten.mm, "dtype"):
         return False
     a = torch.ones(2, 2, dtype=dtype, device=device)
-    c = torch.ones(2, 2, dtype=FP32, device=device)
     try:
+        c = torch.mm(a, a, out_dtype=FP32)
         torch.addmm(c, a, a, out_dtype=FP32, out=c)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-    return bool(torch.equal(c, torch.full_like(c, 3.0)))
+    return bool(c.dtype == FP32 and torch.equal(c, torch.full_like(c, 4.0)))
 
 
 class WeightGradSum:
@@ -47,44 +45,39 @@ class WeightGradSum:
 
     Where ``aten::addmm.dtype_out`` adds in place (``addmm_out_dtype_works``) each chunk's GEMM
     adds into the fp32 sum in its epilogue; elsewhere (the CPU) the chunk's operands are upcast.
-    Memory: the fp32 sum (twice a 16-bit weight gradient) until ``result``.
+    Memory: the fp32 sum (twice a 16-bit weight gradient), and at ``result`` the rounded copy.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
         self._like = weight
-        self._parts: list[torch.Tensor] = []
+        self._sum: torch.Tensor | None = None
         self._fused = weight.dtype != FP32 and addmm_out_dtype_works(weight.device, weight.dtype)
-        v = weight.shape[0]
-        step = max(1, -(-v // PARTS)) if weight.dtype != FP32 else max(v, 1)
-        self._bounds = [(r0, min(r0 + step, v)) for r0 in range(0, v, step)]
 
     def add(self, dz: torch.Tensor, h_rows: torch.Tensor) -> None:
         """Add one chunk's ``dz^T h_rows`` (``dz`` ``[rows, V]``, ``h_rows`` ``[rows, H]``)."""
-        first = not self._parts
-        if first:
-            shape = (self._like.shape[1],)
-            self._parts = [
-                torch.empty((r1 - r0, *shape), dtype=FP32, device=self._like.device)
-                for r0, r1 in self._bounds
-            ]
         a, b = dz.t(), h_rows
-        if not self._fused and a.dtype != FP32:
-            a, b = a.float(), b.float()
-        beta = 0 if first else 1  # beta 0: the empty sum's contents are never read
-        for (r0, r1), part in zip(self._bounds, self._parts, strict=True):
-            if self._fused:
-                torch.addmm(part, a[r0:r1], b, beta=beta, out_dtype=FP32, out=part)
+        if self._fused:
+            if self._sum is None:
+                self._sum = torch.mm(a, b, out_dtype=FP32)
             else:
-                torch.addmm(part, a[r0:r1], b, beta=beta, out=part)
+                torch.addmm(self._sum, a, b, out_dtype=FP32, out=self._sum)
+            return
+        if a.dtype != FP32:
+            a, b = a.float(), b.float()
+        if self._sum is None:
+            self._sum = torch.mm(a, b)
+        else:
+            self._sum.addmm_(a, b)
 
     def result(self) -> torch.Tensor:
         """The sum in the weight's dtype (zeros without any chunk); the fp32 sum is let go."""
-        parts, self._parts = self._parts, []
-        if not parts:
+        total, self._sum = self._sum, None
+        if total is None:
             return torch.zeros_like(self._like)
-        if self._like.dtype == FP32:
-            return parts[0]
-        rounded = []
-        while parts:
-            rounded.append(parts.pop(0).to(self._like.dtype))  # each fp32 block freed once rounded
-        return torch.cat(rounded) if len(rounded) > 1 else rounded[0]
+        return total if total.dtype == self._like.dtype else total.to(self._like.dtype)
+
+    @staticmethod
+    def rounding_bytes(weight: torch.Tensor) -> int:
+        """Bytes ``result`` allocates beside the fp32 sum (0 for an fp32 weight): a chunk
+        workspace let go before ``result`` may take as much without raising the peak."""
+        return 0 if weight.dtype == FP32 else weight.numel() * weight.element_size()

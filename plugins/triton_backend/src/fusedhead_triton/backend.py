@@ -46,7 +46,8 @@ _BASIC = frozenset({"log_probs", "entropy"})
 EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "gather")
 #: Largest tile size the options take (block_m, block_n, block_k).
 MAX_TILE = 1024
-#: The policy loss's kept ``[rows, V]`` buffer per ``memory`` choice, in bytes (docs/policy-loss.md).
+#: The policy loss's kept ``[rows, V]`` buffer per ``memory`` choice, in bytes, at least
+#: (``policy.kept_budget``; docs/policy-loss.md).
 POLICY_BUFFER_BYTES = {"low": 1024 << 20, "fast": 2048 << 20}
 
 
@@ -88,7 +89,8 @@ class TritonOptions(BaseModel):
         None,
         ge=1,
         description="Tuning: rows per chunk of the policy loss (None: from memory, a kept buffer "
-        "of 1 GiB for 'low' and 2 GiB for 'fast').",
+        "of 1 GiB for 'low' and 2 GiB for 'fast', or the size of a 16-bit weight gradient where "
+        "that is more: rounding its fp32 sum at the end needs as much).",
     )
     tma: bool | None = Field(
         None,
@@ -292,7 +294,7 @@ class TritonBackend:
     def policy_loss(self, call: PolicyLossCall) -> PolicyLossResult:
         """The policy loss's statistics and gradients: three GEMMs per row chunk."""
         from .launch import MAX_GRID_VOCAB
-        from .policy import chunk_rows, policy_loss
+        from .policy import chunk_rows, kept_budget, policy_loss
 
         h, w = call.head.hidden, call.head.weight
         if w.shape[0] >= MAX_GRID_VOCAB:  # the statistics go through the head's exact combine
@@ -300,10 +302,8 @@ class TritonBackend:
                 f"weight: the triton backend's exact (fixed-point) combine of the vocabulary "
                 f"tiles takes vocabularies below {MAX_GRID_VOCAB} rows, got {w.shape[0]}"
             )
-        rows = chunk_rows(
-            h.shape[0], w.shape[0], h.dtype, POLICY_BUFFER_BYTES[self.options.memory],
-            self.options.policy_chunk_rows,
-        )  # fmt: skip
+        budget = kept_budget(POLICY_BUFFER_BYTES[self.options.memory], w, call.need_weight_grad)
+        rows = chunk_rows(h.shape[0], w.shape[0], h.dtype, budget, self.options.policy_chunk_rows)
         return policy_loss(call, self._settings(h.dtype)[0], rows)
 
     def _settings(self, dtype: torch.dtype) -> tuple[Settings, str]:

@@ -5,7 +5,7 @@ Per chunk: the logits GEMM with the forward's statistics in its epilogue, each t
 log-probs and entropies are the plain head's bits); the loss's derivative per row
 (``fusedhead.policy_terms.token_grads``); ``dz`` in place of the kept offsets; then cuBLAS for
 ``dX = dz W`` and ``dW += dz^T h``, the latter into an fp32 sum rounded once at the end
-(``fusedhead.grad_sum``). The kept offsets and ``dz`` share one ``[rows, V]`` buffer of
+(``fusedhead.grad_sum``; the kept buffer is let go first). The kept offsets and ``dz`` share one ``[rows, V]`` buffer of
 two bytes per value for 16-bit inputs (fp16 offsets: within ``2^-11 / e`` of a probability).
 """
 
@@ -40,6 +40,16 @@ def keep_dtype(dtype: torch.dtype) -> torch.dtype:
     """What the offsets are kept in: fp16 beside 16-bit inputs (their dz has the same size, and
     is written in place), fp32 beside fp32 inputs."""
     return FP32 if dtype == FP32 else torch.float16
+
+
+def kept_budget(memory_bytes: int, weight: torch.Tensor, need_weight_grad: bool) -> int:
+    """The kept buffer's bound: ``memory_bytes``, or a 16-bit weight gradient's size where that
+    is more and the gradient is asked. Its fp32 sum is rounded into a copy of that size after the
+    buffer is let go, so a buffer up to that size adds nothing to the peak, and fewer chunks are
+    fewer read-modify-writes of the sum."""
+    if not need_weight_grad:
+        return memory_bytes
+    return max(memory_bytes, WeightGradSum.rounding_bytes(weight))
 
 
 def chunk_rows(n: int, v: int, dtype: torch.dtype, budget_bytes: int, explicit: int | None) -> int:
