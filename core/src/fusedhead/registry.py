@@ -329,9 +329,9 @@ def claims_allowed(name: str, claims: list[Candidate]) -> list[Candidate]:
 
 def find(name: str) -> Candidate:
     """The one candidate for exactly ``name``; unknown, reserved and conflicting names raise."""
-    if not isinstance(name, str) or not NAME_PATTERN.match(name):
-        _check_name(name, known=candidates())
     table = candidates()
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        _check_name(name, known=table)
     claims = table.get(name)
     if not claims:
         raise UnknownBackendError(unknown_name_message(name, table), backend=name)

@@ -5,8 +5,9 @@ Per chunk: the logits GEMM with the forward's statistics in its epilogue, each t
 log-probs and entropies are the plain head's bits); the loss's derivative per row
 (``fusedhead.policy_terms.token_grads``); ``dz`` in place of the kept offsets; then cuBLAS for
 ``dX = dz W`` and ``dW += dz^T h``, the latter into an fp32 sum rounded once at the end
-(``fusedhead.grad_sum``; the kept buffer is let go first). The kept offsets and ``dz`` share one ``[rows, V]`` buffer of
-two bytes per value for 16-bit inputs (fp16 offsets: within ``2^-11 / e`` of a probability).
+(``fusedhead.grad_sum``; the kept buffer is let go first). The kept offsets and ``dz`` share one
+``[rows, V]`` buffer of two bytes per value for 16-bit inputs (fp16 offsets: within
+``2^-11 / e`` of a probability).
 """
 
 from __future__ import annotations
