@@ -16,11 +16,22 @@
   does not take; the message says where it is passed.
 - ``reference_policy_loss`` computed an unknown ``aggregation`` or ``kl_estimator`` as another
   one, and let torch or an ``assert`` speak for bad shapes and missing partners.
+- Beside packed labels (``cu_seqlens``), ``[1, 1]`` advantages were taken as "one value per
+  sequence" and spread one value over every sequence; ``[k, 1]`` was told to pass ``(1, 1)``.
+- A scalar past fp32's range (``clip_high=1e39``, ``entropy_coef=1e39``) raised torch's
+  "value cannot be converted to type float without overflow"; ``kl_coef=1e39`` gave an inf loss,
+  ``loss_normalizer=1e40`` a loss of 0 with every token treated as ignored (its weight, 1/inf,
+  was 0, which marks an ignored token), and a normaliser near 2**126 did the same to the metrics.
+- A ``loss_normalizer`` tensor that requires grad was taken (no gradient reaches it), where the
+  per-token tensors are refused with a ``.detach()`` hint.
+- verl's ``token-sum`` was offered ``token-mean`` as a did-you-mean, TRL's loss types and verl's
+  ``full`` KL no word at all: each is told what it is here.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -303,3 +314,117 @@ def test_an_out_of_range_label_says_where_check_labels_false_is_passed():
     args = {k: v for k, v in batch.items() if k not in ("hidden", "weight", "labels")}
     out = head.policy_loss(batch["hidden"], batch["weight"], batch["labels"], **args)
     assert torch.isnan(out.log_probs[0, 1]) and torch.isnan(out.loss)
+
+
+def _packed(b: int = 1, t: int = 12) -> dict[str, torch.Tensor]:
+    batch = _batch(1, t)
+    batch["advantages"] = torch.linspace(-1.0, 1.0, t)[None]
+    return batch
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize("adv_shape", [(1, 1), (3, 1)], ids=["one-for-all", "per-sequence"])
+def test_packed_labels_refuse_advantages_of_one_value_per_row(backend, adv_shape):
+    """Before: [1, 1] spread one advantage over the three packed sequences."""
+    batch = _packed()
+    batch["advantages"] = torch.ones(adv_shape)
+    cu = torch.tensor([0, 4, 8, 12])
+    words = r"would not give one value per sequence.*repeat_interleave\(cu_seqlens.diff\(\)\)"
+    with pytest.raises(
+        ValueError, match=rf"advantages of shape {re.escape(str(adv_shape))}.*{words}"
+    ):
+        _call(backend, batch, cu_seqlens=cu, aggregation="seq-mean-token-mean")
+    with pytest.raises(ValueError, match=words):
+        reference_policy_loss(
+            batch["hidden"],
+            batch["weight"],
+            batch["labels"],
+            old_log_probs=None,
+            advantages=batch["advantages"],
+            cu_seqlens=cu,
+        )
+
+
+def test_a_single_packed_sequence_takes_its_one_advantage():
+    batch = _packed()
+    batch["advantages"] = torch.tensor([[0.5]])
+    one = _call("torch", batch, cu_seqlens=torch.tensor([0, 12]))
+    batch["advantages"] = torch.full((1, 12), 0.5)
+    assert torch.equal(one.loss, _call("torch", batch, cu_seqlens=torch.tensor([0, 12])).loss)
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize(
+    "arg", ["clip_high", "dual_clip", "entropy_coef", "kl_coef", "tis_cap", "loss_normalizer"]
+)
+@pytest.mark.parametrize("value", [1e39, -1e39, 10**400], ids=["1e39", "-1e39", "huge-int"])
+def test_a_scalar_past_fp32s_range_is_refused_by_name(backend, arg, value):
+    """Before: torch's overflow RuntimeError (clip_high, entropy_coef), an inf loss (kl_coef), a
+    loss of 0 (loss_normalizer)."""
+    batch = _batch()
+    kw: dict[str, Any] = {arg: value}
+    if arg == "kl_coef":
+        kw["ref_log_probs"] = batch["old_log_probs"]
+    if arg == "tis_cap":
+        kw["rollout_log_probs"] = batch["old_log_probs"]
+    with pytest.raises(ValueError, match=rf"^{arg} must be"):
+        _call(backend, batch, **kw)
+    with pytest.raises(ValueError, match=rf"^{arg} must be"):
+        reference_policy_loss(
+            batch.pop("hidden"), batch.pop("weight"), batch.pop("labels"), **batch, **kw
+        )
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"loss_normalizer": 2.0**126},
+        {"loss_normalizer": torch.tensor(2.0**126)},
+        {
+            "aggregation": "seq-mean-token-sum-norm",
+            "loss_normalizer": 2.0**126,
+            "horizon": 2.0**126,
+        },
+        {"aggregation": "seq-mean-token-mean", "loss_normalizer": 2.0**126},
+    ],
+    ids=["token-mean", "tensor", "sum-norm", "seq-mean"],
+)
+def test_a_huge_normalizer_scales_the_loss_but_not_the_metrics(backend, kw):
+    """Before: a weight that underflowed to 0 marked its token as ignored, to the metrics too."""
+    batch = _batch()
+    plain = _call(backend, batch)
+    scaled = _call(backend, batch, **kw)
+    assert abs(scaled.loss.item()) < 1e-30
+    for metric in ("clip_fraction", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"):
+        assert torch.equal(getattr(scaled, metric), getattr(plain, metric)), metric
+
+
+def test_a_loss_normalizer_that_requires_grad_is_refused():
+    with pytest.raises(ValueError, match=r"loss_normalizer requires grad.*loss_normalizer.detach"):
+        _call("torch", _batch(), loss_normalizer=torch.tensor(9.0, requires_grad=True))
+
+
+@pytest.mark.parametrize(
+    "arg,value,words",
+    [
+        (
+            "aggregation",
+            "token-sum",
+            r"verl's token-sum is aggregation='token-mean' with loss_norm",
+        ),
+        ("aggregation", "token_sum", r"verl's token-sum is aggregation='token-mean'"),
+        ("aggregation", "grpo", r"TRL's loss_type='grpo' is aggregation='seq-mean-token-mean'"),
+        ("aggregation", "bnpo", r"TRL's loss_type='bnpo' is aggregation='token-mean'"),
+        ("aggregation", "dapo", r"'dapo' is aggregation='token-mean' with loss_normalizer"),
+        ("aggregation", "dr_grpo", r"'dr_grpo' is aggregation='seq-mean-token-sum-norm' with hor"),
+        ("kl_estimator", "full", r"kl_loss_type='full' needs whole distributions"),
+    ],
+)
+def test_another_trainers_name_is_told_what_it_is_here(arg, value, words):
+    batch = _batch()
+    extra = (
+        {"ref_log_probs": batch["old_log_probs"], "kl_coef": 0.1} if arg == "kl_estimator" else {}
+    )
+    with pytest.raises(ValueError, match=rf"^{arg}={value!r} is not one of \[.*\]: .*{words}"):
+        _call("torch", batch, **{arg: value}, **extra)

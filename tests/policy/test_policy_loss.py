@@ -142,6 +142,8 @@ def test_packed_batch_by_cu_seqlens(backend: str, aggregation: str) -> None:
     data = batch(b=1, s=19, seed=5, ignore_row=False)
     data["labels"][0, 3:5] = -100
     cu = torch.tensor([0, 5, 11, 11, 19], dtype=torch.int32)  # an empty sequence too
+    per_sequence = torch.tensor([0.7, -1.2, 0.4, -0.3])  # GRPO: one advantage per sequence
+    data["advantages"] = per_sequence.repeat_interleave(cu.diff().long())[None]
     assert_matches(
         run_both(backend, data, aggregation=aggregation, cu_seqlens=cu, entropy_coef=0.01)
     )
@@ -441,6 +443,7 @@ def test_bad_arguments_are_named(kw: dict[str, Any], error: type, match: str) ->
 
 def test_bad_cu_seqlens_values() -> None:
     data = batch(b=1, s=10, seed=1, ignore_row=False)
+    data["advantages"] = data["advantages"].expand(1, 10)
     with pytest.raises(ValueError, match=r"cu_seqlens must be on hidden's device cpu, got meta"):
         fusedhead.fused_policy_loss(**_args(data), cu_seqlens=torch.tensor([0, 10], device="meta"))
     for bad in ([0, 4, 3, 10], [1, 10], [0, 4, 9]):

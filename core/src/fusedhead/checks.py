@@ -106,13 +106,24 @@ def positive_float(arg: str, value: object) -> float:
 
 
 def real_in(arg: str, value: object, *, low: float, high: float = math.inf, what: str) -> float:
-    """``value`` as a finite float in ``[low, high)``: any real number but a bool, else a
+    """``value`` as a finite float in ``[low, high)`` and within ``SCALAR_HI`` of 0 (it is used
+    in fp32: 1e39 would be inf there), any real number but a bool, else a
     ``TypeError``/``ValueError`` naming ``arg``, the value and ``what`` it must be."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{arg} must be a float ({what}), got {type(value).__name__} {value!r}")
-    out = float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond the float range
+        out = math.inf
+    huge = isinstance(value, int) and abs(value) >= 10**20
+    shown = f"an int of {len(str(abs(value)))} digits" if huge else repr(value)
     if not (low <= out < high) or not math.isfinite(out):
-        raise ValueError(f"{arg} must be {what}, got {value!r}")
+        raise ValueError(f"{arg} must be {what}, got {shown}")
+    if abs(out) > SCALAR_HI:
+        raise ValueError(
+            f"{arg} must be {what} and at most 2**126 (about 8.5e37) in magnitude, where fp32 "
+            f"holds it with room to compute, got {shown}"
+        )
     return out
 
 
@@ -134,6 +145,22 @@ def per_token_shape(arg: str, t: torch.Tensor, shape: tuple[int, ...], per_seque
     if got != shape and got != one_per_sequence:
         also = f" or {one_per_sequence} (one value per sequence)" if one_per_sequence else ""
         raise ValueError(f"{arg} must have the labels' shape {shape}{also}, got {got}")
+
+
+def packed_per_sequence(
+    arg: str, t: torch.Tensor, cu_seqlens: object, shape: tuple[int, ...]
+) -> None:
+    """Beside packed ``[1, T]`` labels (``cu_seqlens``), a ``[k, 1]`` tensor is no value per
+    sequence as ``[B, 1]`` is beside ``[B, S]``: ``[1, 1]`` would spread one value over every
+    sequence. Refused (a single sequence aside), with the spread that was likely meant."""
+    seqs = cu_seqlens.numel() - 1 if isinstance(cu_seqlens, torch.Tensor) else None
+    per_sequence_shape = len(shape) == 2 and t.dim() == 2 and t.shape[1] == 1
+    if per_sequence_shape and tuple(t.shape) != shape and seqs != 1:
+        raise ValueError(
+            f"{arg} of shape {tuple(t.shape)} beside packed labels {shape} (cu_seqlens of "
+            f"{seqs} sequences) would not give one value per sequence; pass one per token, "
+            f"e.g. per-sequence values A [{seqs}] as A.repeat_interleave(cu_seqlens.diff())[None]"
+        )
 
 
 def one_element_real(arg: str, t: torch.Tensor) -> None:

@@ -17,7 +17,13 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 
-from fusedhead.checks import one_element_real, per_token_shape, real_in, tensor_arg
+from fusedhead.checks import (
+    one_element_real,
+    packed_per_sequence,
+    per_token_shape,
+    real_in,
+    tensor_arg,
+)
 from fusedhead.contract import gate_head, gate_policy_loss
 from fusedhead.errors import BackendError, note_backend
 from fusedhead.policy_terms import LOG_RATIO_BOUND, kl_penalty, on_policy_log_ratio, token_grads
@@ -44,6 +50,23 @@ KL_ALIASES = {
     "k2+": "k2",
     "mse+": "k2",
     "low_var_kl+": "k3+",
+}
+#: Other trainers' names that are no value of an argument here, each told what it is here.
+FOREIGN_NAMES = {
+    "aggregation": {
+        "token-sum": "verl's token-sum is aggregation='token-mean' with loss_normalizer=1.0 "
+        "(1 / dp_size under data parallelism, as fusedhead.integrations.verl_actor maps it)",
+        "grpo": "TRL's loss_type='grpo' is aggregation='seq-mean-token-mean'",
+        "bnpo": "TRL's loss_type='bnpo' is aggregation='token-mean'",
+        "dapo": "TRL's loss_type='dapo' is aggregation='token-mean' with loss_normalizer the "
+        "global count of scored tokens",
+        "dr-grpo": "TRL's loss_type='dr_grpo' is aggregation='seq-mean-token-sum-norm' with "
+        "horizon=max_completion_length and loss_normalizer the number of sequences",
+    },
+    "kl_estimator": {
+        "full": "verl's kl_loss_type='full' needs whole distributions, which a fused head never "
+        "holds; the per-token estimators k1, k2 and k3 are computed here",
+    },
 }
 #: Names that ask for sequence-level importance ratios (GSPO), refused by name.
 SEQUENCE_LEVEL = ("gspo", "sequence", "seq-ratio", "sequence-level", "geo-mean")
@@ -168,6 +191,9 @@ def _choice(arg: str, value: object, choices: tuple[str, ...], aliases: dict[str
             "fused_policy_loss does not compute: its ratios are per token (verl's vanilla PPO); "
             f"{arg} must be one of {list(choices)}"
         )
+    foreign = FOREIGN_NAMES.get(arg, {}).get(value.lower().replace("_", "-"))
+    if foreign:
+        raise ValueError(f"{arg}={value!r} is not one of {list(choices)}: {foreign}")
     names = [*choices, *aliases]
     same_case = [c for c in names if c.lower() == value.lower()]  # "K3", "Token-Mean"
     close = same_case or difflib.get_close_matches(value, names, n=1)
@@ -217,6 +243,11 @@ def _normalizer(
     if isinstance(value, torch.Tensor):
         t = tensor_arg("loss_normalizer", value)
         one_element_real("loss_normalizer", t)
+        if t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                "loss_normalizer requires grad, but fused_policy_loss differentiates in hidden "
+                "and weight only (no gradient would reach it); pass loss_normalizer.detach()"
+            )
         if t.device != device and t.device.type != "cpu":
             where = f"hidden's device {device}" + ("" if device.type == "cpu" else " or the CPU")
             raise ValueError(f"loss_normalizer must be on {where}, got {t.device}")
@@ -290,20 +321,27 @@ def token_weights(
     n = valid.shape[0]
     device = valid.device
     ones = valid.to(torch.float32)
-    zero = torch.zeros((), dtype=torch.float32, device=device)
     if aggregation == "token-mean":
         denom = ones.sum() if normalizer is None else normalizer
-        return torch.where(valid, 1.0 / denom, zero)
+        return _scored(valid, 1.0 / denom)
     seq, count, longest = _sequences(shape, cu_seqlens, n, device)
     length = float(longest if horizon is None else horizon)
     per_seq = torch.zeros(count, dtype=torch.float32, device=device).index_add_(0, seq, ones)
     seqs = (per_seq > 0).sum().to(torch.float32) if normalizer is None else normalizer
     if aggregation == "seq-mean-token-sum":
-        scale = 1.0 / seqs
-        return torch.where(valid, scale, zero)
+        return _scored(valid, 1.0 / seqs)
     if aggregation == "seq-mean-token-mean":
-        return torch.where(valid, 1.0 / (per_seq[seq] * seqs), zero)
-    return torch.where(valid, 1.0 / (seqs * length), zero)  # seq-mean-token-sum-norm
+        return _scored(valid, 1.0 / (per_seq[seq] * seqs))
+    return _scored(valid, 1.0 / (seqs * length))  # seq-mean-token-sum-norm
+
+
+def _scored(valid: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` at scored tokens, 0 elsewhere. A weight is never 0 at a scored token (a weight
+    of 0 marks an ignored one, to the metrics and the backends): one that underflows fp32 (a
+    normaliser times a horizon near 2**126) is held at the smallest normal number."""
+    tiny = torch.finfo(torch.float32).tiny
+    zero = torch.zeros_like(weight)
+    return torch.where(valid, torch.where(weight == 0, tiny, weight), zero)
 
 
 def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
@@ -379,6 +417,8 @@ def _policy_call(
     kl_coef = real_in("kl_coef", req.kl_coef, low=0.0, what="a finite float >= 0")
     old = req.old_log_probs
     old = None if old is None else _per_token("old_log_probs", old, shape, device, "on-policy")
+    if req.cu_seqlens is not None and isinstance(req.advantages, torch.Tensor):
+        packed_per_sequence("advantages", req.advantages, req.cu_seqlens, shape)
     adv = _per_token("advantages", req.advantages, shape, device, per_sequence=True)
     ref = req.ref_log_probs
     ref = None if ref is None else _per_token("ref_log_probs", ref, shape, device, "no KL term")

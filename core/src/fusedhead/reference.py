@@ -329,7 +329,7 @@ def _check_loss_arguments(
     """The loss's own arguments, named as ``fused_policy_loss`` names them: an unknown
     ``aggregation`` or ``kl_estimator`` was computed as another one, a per-token tensor of another
     shape raised torch's expand error, a missing partner tensor an AssertionError."""
-    from fusedhead.checks import per_token_shape, tensor_arg
+    from fusedhead.checks import packed_per_sequence, per_token_shape, tensor_arg
     from fusedhead.protocol import AGGREGATIONS, KL_ESTIMATORS
 
     if aggregation not in AGGREGATIONS:
@@ -365,6 +365,8 @@ def _check_loss_arguments(
             )
         if t.device != labels.device:
             raise ValueError(f"{arg} must be on the labels' device {labels.device}, got {t.device}")
+        if arg == "advantages" and cu_seqlens is not None:
+            packed_per_sequence(arg, t, cu_seqlens, shape)
         per_token_shape(arg, t, shape, per_sequence=arg == "advantages")
     if cu_seqlens is not None:
         cu = tensor_arg("cu_seqlens", cu_seqlens)
