@@ -17,7 +17,7 @@ import torch
 from policy_backends import POLICY_BACKENDS
 
 import fusedhead
-from fusedhead.errors import CapabilityError
+from fusedhead.errors import BackendUnavailableError, CapabilityError
 from fusedhead.reference import reference_policy_loss
 
 AGGREGATIONS = [
@@ -468,6 +468,42 @@ def test_a_backend_without_the_capability_is_refused() -> None:
         assert info.value.capability == "policy_loss"
     finally:
         fusedhead.unregister_backend("no-policy-test")
+        fusedhead.refresh()
+
+
+def test_a_backend_unavailable_here_that_lacks_the_capability_says_it_lacks_it() -> None:
+    """Before: liger on a CPU was told to install the CuTe DSL or run on a GPU, where the same
+    call is refused for want of policy_loss."""
+    from fusedhead.bench import peers
+    from fusedhead.bench.cases import Case
+    from fusedhead.protocol import Capabilities
+    from fusedhead_torch.backend import TorchBackend
+
+    class NoPolicyNowhere(TorchBackend):
+        """Like liger on a CPU: unavailable here, and no policy loss anywhere."""
+
+        name = "no-policy-unavailable-test"
+
+        def check(self, device: torch.device, dtype: torch.dtype) -> None:
+            raise BackendUnavailableError("needs a GPU here", hint="install a GPU runtime")
+
+        def capabilities(self, device: torch.device) -> Capabilities:
+            return super().capabilities(device).model_copy(update={"policy_loss": False})
+
+    fusedhead.register_backend(NoPolicyNowhere.name, NoPolicyNowhere)
+    data = batch()
+    try:
+        with pytest.raises(CapabilityError, match="does not declare policy_loss"):
+            fusedhead.fused_policy_loss(**_args(data), backend=NoPolicyNowhere.name)
+        reason = peers.resolve(NoPolicyNowhere.name).availability(Case(8, 4, 16, head="policy"))
+        assert reason is not None and "does not declare policy_loss" in reason
+        assert "GPU" not in reason
+        with pytest.raises(BackendUnavailableError, match="needs a GPU here"):  # its other calls
+            fusedhead.fused_head(
+                data["hidden"], data["weight"], data["labels"], backend=NoPolicyNowhere.name
+            )
+    finally:
+        fusedhead.unregister_backend(NoPolicyNowhere.name)
         fusedhead.refresh()
 
 

@@ -25,7 +25,7 @@ from fusedhead.checks import (
     tensor_arg,
 )
 from fusedhead.contract import gate_head, gate_policy_loss
-from fusedhead.errors import BackendError, note_backend
+from fusedhead.errors import BackendError, BackendUnavailableError, note_backend
 from fusedhead.policy_terms import LOG_RATIO_BOUND, kl_penalty, on_policy_log_ratio, token_grads
 from fusedhead.protocol import (
     AGGREGATIONS,
@@ -361,7 +361,13 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
     pending = Pending() if req.check_labels is True else None
     call, shape, n, device, dtype, cast = validate(head_req, pending)
     shape = tuple(shape)
-    caps = head.ready(device, dtype)
+    try:
+        caps = head.ready(device, dtype)
+    except BackendUnavailableError:
+        # A backend that never computes the loss says so, not how to make it run here (liger:
+        # "install the CuTe DSL" would lead to the same refusal).
+        gate_policy_loss(head.capabilities(device), head.identity())
+        raise
     gate_policy_loss(caps, head.identity())
     call = gate_head(call, caps, head.identity())
     pcall = _policy_call(call, shape, n, device, req, pending)

@@ -109,6 +109,9 @@ def _backend(name: str, options: dict[str, Any], spec: str) -> Impl:
         backend = cls(validate_options(name, cls, options))
         device = torch.device(case.device)
         caps = backend.capabilities(device)
+        why = heads.refusal(case.head, caps)  # first: no install or device makes it run the case
+        if why is not None:
+            return f"backend {name!r} {why}"
         if device.type not in caps.devices:
             try:  # the backend's own reason and fix, where it gives one
                 backend.check(device, case.torch_dtype)
@@ -123,8 +126,7 @@ def _backend(name: str, options: dict[str, Any], spec: str) -> Impl:
             backend.check(device, case.torch_dtype)
         except BackendUnavailableError as exc:
             return str(exc)
-        why = heads.refusal(case.head, caps)
-        return None if why is None else f"backend {name!r} {why}"
+        return None
 
     def build(case: Case) -> Fn:
         from fusedhead.api import FusedHead
