@@ -187,7 +187,27 @@ def test_gpu_units_come_from_interleaved_windows(monkeypatch: pytest.MonkeyPatch
     assert calls == ["gemm", "fn"] * 4
     assert t["units"] == pytest.approx(3.5)  # median of 4, 3, 3, 4
     assert t["ms"] == pytest.approx(36.0) and t["unit_ms"] == pytest.approx(10.5)
+    assert t["unit_spread"] == pytest.approx(12.0 / 9.0)  # the slowest GEMM over the fastest
     assert timing.CUDA_WINDOW_MS >= 2000 and timing.CUDA_MIN_RUNS >= 8
+
+
+def test_an_unsteady_gemm_unit_is_named_under_the_table() -> None:
+    """A loaded CPU made a tiny paired GEMM 80x slower: units said the opposite of the ms."""
+    from fusedhead.bench import report
+
+    case = Case(64, 64, 1000).to_dict()
+    row = {"status": "ok", "case": case, "fwd_bwd_ms": 6.6, "fwd_bwd_units": 78.0, "unit_ms": 0.08}
+    records = [
+        {**row, "impl": "steady", "unit_spread": 1.2},
+        {**row, "impl": "loaded", "unit_spread": 80.0},
+    ]
+    text = report.markdown(records)
+    assert "Unsteady GEMM unit" in text and "compare these rows in ms" in text
+    listed = text.split("Unsteady GEMM unit")[1]
+    assert (
+        "loaded" in listed and "80.0x" in listed and "steady" not in listed.replace("Unsteady", "")
+    )
+    assert "Unsteady" not in report.markdown(records[:1])
 
 
 def test_gemm_unit_times_one_matmul_of_the_case() -> None:

@@ -419,6 +419,7 @@ def test_a_loss_normalizer_that_requires_grad_is_refused():
         ("aggregation", "dapo", r"'dapo' is aggregation='token-mean' with loss_normalizer"),
         ("aggregation", "dr_grpo", r"'dr_grpo' is aggregation='seq-mean-token-sum-norm' with hor"),
         ("kl_estimator", "full", r"kl_loss_type='full' needs whole distributions"),
+        ("aggregation", "cispo", r"another loss .*from fused_head's log-probs and entropy"),
     ],
 )
 def test_another_trainers_name_is_told_what_it_is_here(arg, value, words):

@@ -62,6 +62,11 @@ FOREIGN_NAMES = {
         "global count of scored tokens",
         "dr-grpo": "TRL's loss_type='dr_grpo' is aggregation='seq-mean-token-sum-norm' with "
         "horizon=max_completion_length and loss_normalizer the number of sequences",
+        **{
+            name: f"TRL's loss_type={name!r} is another loss than verl's vanilla PPO, which is "
+            "the one computed here; compute it from fused_head's log-probs and entropy"
+            for name in ("cispo", "sapo", "luspo", "vespo")
+        },
     },
     "kl_estimator": {
         "full": "verl's kl_loss_type='full' needs whole distributions, which a fused head never "

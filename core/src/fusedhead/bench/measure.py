@@ -105,13 +105,18 @@ def measure(
             fn(h0, w0, inputs.labels)
 
     gemm = timing.gemm_fn(h0, w0) if interleave_gemm else None
+    spreads: list[float] = []
     if forward:
         inference()
         _sync(device)
         t = timing.timed_units(inference, device, reps=reps, unit_ms=unit_ms, gemm=gemm)
         out["fwd_ms"], out["fwd_units"] = t["ms"], t["units"]
+        spreads.append(t.get("unit_spread", 1.0))
     t = timing.timed_units(step, device, reps=reps, unit_ms=unit_ms, gemm=gemm)
     out["fwd_bwd_ms"], out["fwd_bwd_units"], out["unit_ms"] = t["ms"], t["units"], t["unit_ms"]
+    spreads.append(t.get("unit_spread", 1.0))
+    if gemm is not None:
+        out["unit_spread"] = max(spreads)
     h.grad = w.grad = None
     del h, w, step
     gc.collect()

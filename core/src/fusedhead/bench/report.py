@@ -267,6 +267,10 @@ def _provenance(records: list[dict[str, Any]]) -> str:
     return text
 
 
+#: A paired GEMM's slowest run over its fastest beyond which the report says to compare in ms.
+UNSTEADY_SPREAD = 1.5
+
+
 def markdown(records: Iterable[dict[str, Any]]) -> str:
     """A Markdown table of the measured cases, then the skipped ones with reasons."""
     records = list(records)
@@ -304,6 +308,25 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
             f"| {_err(r, 'entropy')} | {_err(r, 'grad_hidden')} | {_err(r, 'grad_weight')} |"
             + (f" {_err(r, 'loss')} |" if losses else "")
         )
+    unsteady = [
+        r
+        for r in sorted(records, key=_case_key)
+        if r["status"] == "ok" and (r.get("unit_spread") or 1.0) > UNSTEADY_SPREAD
+    ]
+    if unsteady:
+        lines += [
+            "",
+            f"Unsteady GEMM unit (its slowest paired run over {UNSTEADY_SPREAD:g}x its fastest: "
+            "other load on the machine, or a GEMM too small to time): compare these rows in ms, "
+            "not in units:",
+            "",
+        ]
+        for r in unsteady:
+            c = r["case"]
+            lines.append(
+                f"- N={c['n']} H={c['hidden']} V={c['vocab']} {c['dtype']} "
+                f"{_with_head(r['impl'], c)}: {r['unit_spread']:.1f}x"
+            )
     if skipped:
         lines += ["", "Not measured:", ""]
         for r in skipped:

@@ -7,6 +7,7 @@ On a GPU times are ``triton.testing.do_bench`` medians; on the CPU ``time.perf_c
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -115,10 +116,14 @@ def timed_units(
             g = median_ms(gemm, device, reps=1)
             f = median_ms(fn, device, reps=1)
             pairs.append((f, g))
+    gemms = [g for _, g in pairs]
     return {
         "ms": float(statistics.median(f for f, _ in pairs)),
-        "unit_ms": float(statistics.median(g for _, g in pairs)),
+        "unit_ms": float(statistics.median(gemms)),
         "units": float(statistics.median(f / g for f, g in pairs)),
+        # slowest over fastest paired GEMM: far from 1, the unit itself was unsteady (other load,
+        # a GEMM too small to time) and the ms compare better than the units
+        "unit_spread": max(gemms) / min(gemms) if min(gemms) > 0 else math.inf,
     }
 
 
