@@ -405,6 +405,13 @@ def test_info_name_says_what_it_takes(capsys):
     assert "backend name" in out
 
 
+def test_info_without_a_name_lists_the_installed_names(capsys):
+    """Before: argparse's "the following arguments are required: name", and no names."""
+    rc, _out, err = run_main(capsys, "info")
+    assert rc == 2 and "needs a backend name; installed: " in err
+    assert "torch" in err.split("installed: ")[1]
+
+
 TINY = ["--impl", "torch", "--n", "8", "--hidden", "8", "--vocab", "16", "--no-memory"]
 
 

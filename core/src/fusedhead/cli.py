@@ -277,6 +277,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     from fusedhead.config import option_rows, validate_options
 
+    if args.name is None:  # say which names there are, not only that one is required
+        names = ", ".join(registry.candidates()) or "none installed"
+        print(f"fusedhead info needs a backend name; installed: {names}", file=sys.stderr)
+        return 2
     cand = registry.find(args.name)
     out: dict[str, Any] = {
         "name": cand.name,
@@ -430,7 +434,7 @@ def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_list)
     text = "capabilities, options (their allowed values), distribution and status of a backend"
     p = sub.add_parser("info", help=text, description=_sentence(text))
-    p.add_argument("name", help="backend name (as in `fusedhead list`)")
+    p.add_argument("name", nargs="?", help="backend name (as in `fusedhead list`)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--device",
