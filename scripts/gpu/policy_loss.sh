@@ -15,6 +15,7 @@ OUT=${1:?usage: policy_loss.sh OUT [PARTS_DIR ...]}
 shift
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+[[ -f .gpu-stamp ]] && export FUSEDHEAD_GIT_COMMIT=$(<.gpu-stamp) # the tree, in every record
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 WHEELS=${WHEELS:-.gpu-wheels}
 {

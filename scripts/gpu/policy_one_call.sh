@@ -4,7 +4,8 @@
 # e.g. `bash scripts/gpu/ab.sh pack 6af4745 main`: the bf16 weight-gradient sum beside the fp32
 # one), .gpu-wheels/small and .gpu-wheels/install-wheels carried:
 #   1. sanity.log: aten::addmm.dtype_out adds into fp32 in place; beta 0 ignores a NaN-filled input;
-#   2. ab/ab.jsonl: ab.sh's policy case for each packed tree, N = 8192 and 32768, two rounds
+#   2. ab/ab.jsonl: ab.sh's policy case for each packed tree, N = AB_N (default 8192 and 32768),
+#      AB_ROUNDS rounds (default 2)
 #      (time, GEMM units, peak, the weight gradient's error against fp32 at N = 8192);
 #   3. checks.log: fusedhead check {triton,torch} --device cuda --dtype bf16 -k policy (this tree);
 #   4. policy.json / policy.md: fusedhead bench --case policy (triton, unfused:triton), as time allows.
@@ -24,7 +25,7 @@ c=p.clone(); torch.addmm(c,a,b,out_dtype=torch.float32,out=c)
 print("add err", float((c.double()-2*ref).norm()/(2*ref).norm()), torch.__version__)
 PY
 cat "$OUT/sanity.log"
-AB_N="8192 32768" AB_LIMIT=150 bash scripts/gpu/ab.sh run "$OUT/ab" 2 policy > "$OUT/ab.log" 2>&1
+AB_N=${AB_N:-8192 32768} AB_LIMIT=150 bash scripts/gpu/ab.sh run "$OUT/ab" "${AB_ROUNDS:-2}" policy > "$OUT/ab.log" 2>&1
 echo "ab done at $((SECONDS-T0)) s"; cut -c1-600 "$OUT/ab/ab.jsonl"; tail -3 "$OUT/ab/ab.err"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation ./core ./plugins/torch_backend ./plugins/triton_backend > "$OUT/reinstall.log" 2>&1
 (( $(left) > 100 )) && for b in triton torch; do
