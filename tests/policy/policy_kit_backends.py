@@ -149,6 +149,25 @@ class ReusedBuffers(PolicyRef):
         return super().grads(call, out[0], out[1])
 
 
+class ReusedWeightBuffer(PolicyRef):
+    """Wrong: one weight-gradient buffer for every call. With a backward after each call
+    autograd copies it into ``.grad`` before the next call writes it; two forwards before one
+    backward (two losses summed) hand out the second call's gradient twice."""
+
+    name: ClassVar[str] = "wrong-policy-weight-buffer"
+
+    def __init__(self, options: NoOptions) -> None:
+        super().__init__(options)
+        self.buffer: torch.Tensor | None = None
+
+    def grads(
+        self, call: PolicyLossCall, gh: torch.Tensor, gw: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.buffer is None or self.buffer.shape != gw.shape or self.buffer.dtype != gw.dtype:
+            self.buffer = torch.empty_like(gw)
+        return super().grads(call, gh, self.buffer.copy_(gw))
+
+
 class NotDeterministic(PolicyRef):
     """Wrong: declares deterministic, but its weight gradient varies in the last bits run to run
     (as an unordered atomic reduction would), well within the accuracy bounds."""
@@ -179,6 +198,7 @@ WRONG: dict[type, str] = {
     NoEntropyGradient: "policy_loss_accuracy",
     MasksByMultiplying: "policy_loss_ignored_rows",
     ReusedBuffers: "policy_loss_upstream_scale",
+    ReusedWeightBuffer: "policy_loss_upstream_scale",
     NotDeterministic: "policy_loss_determinism",
     GradientsNobodyAskedFor: "policy_loss_contract",
 }

@@ -36,6 +36,11 @@ def test_the_correct_backend_passes_every_policy_property(policy_backends: Modul
         ("wrong-policy-entropy-grad", "policy_loss_accuracy", ["entropy_coef", "grad"]),
         ("wrong-policy-mask", "policy_loss_ignored_rows", ["NaN/Inf", "grad hidden"]),
         ("wrong-policy-buffers", "policy_loss_upstream_scale", ["micro-batch 1"]),
+        (  # before: passed, a backward after each call hiding the reuse
+            "wrong-policy-weight-buffer",
+            "policy_loss_upstream_scale",
+            ["both forwards, then one backward", "grad weight accumulated"],
+        ),
         ("wrong-policy-determinism", "policy_loss_determinism", ["grad weight", "bitwise"]),
         ("wrong-policy-grads", "policy_loss_contract", ["requires grad", "not asked for"]),
     ],

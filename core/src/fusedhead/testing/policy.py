@@ -414,7 +414,7 @@ def policy_loss_ignored_rows(target: Target) -> None:
 
 
 def policy_loss_upstream_scale(target: Target) -> None:
-    """If declared: backward of c * loss scales both gradients by c; micro-batches accumulate into .grad."""
+    """If declared: backward of c * loss scales both gradients by c; micro-batches accumulate into .grad, a backward after each or one after both forwards (no gradient buffer reused across calls)."""
     _declared(target)
     n, h, v = target.sizes.small
     case = make_case(n, h, v, scale=FLAT, seed=70, lead=(4, n // 4))
@@ -434,30 +434,54 @@ def policy_loss_upstream_scale(target: Target) -> None:
     total = float((case.labels != IGNORE_INDEX).sum() + (second.labels != IGNORE_INDEX).sum())
     kw1 = batch.kwargs(dual_clip=None, tis=False, loss_normalizer=total, **PENALTIES[0])
     kw2 = other.kwargs(dual_clip=None, tis=False, loss_normalizer=total, **PENALTIES[0])
-    label = f"{case.description}: two micro-batches into one .grad, loss_normalizer {total:g}"
+    for together in (False, True):
+        # together: both forwards before one backward, as two losses summed are (a gradient
+        # buffer the backend reuses from call to call is overwritten before it is handed out)
+        how = "both forwards, then one backward" if together else "a backward after each"
+        label = (
+            f"{case.description}: two micro-batches into one .grad ({how}), loss_normalizer "
+            f"{total:g}"
+        )
+        _two_micro_batches(target, (batch, kw1), (other, kw2), case.weight, together, label)
+
+
+def _two_micro_batches(
+    target: Target,
+    first: tuple[_Batch, dict[str, Any]],
+    second: tuple[_Batch, dict[str, Any]],
+    weight: torch.Tensor,
+    together: bool,
+    label: str,
+) -> None:
+    """Two calls on one weight, each loss times 0.5, backward after each or after both: the
+    hidden gradients and the weight's accumulated one against float64."""
     dev, dt = target.device, target.dtype
-    w = case.weight.detach().to(dev, dt).requires_grad_(True)
+    w = weight.detach().to(dev, dt).requires_grad_(True)
     head = target.unchecked_head()  # every row to the backend: its own buffers reach autograd
     try:
-        grads_h = []
-        for part, kw_part in ((batch, kw1), (other, kw2)):
+        hiddens, losses = [], []
+        for part, kw_part in (first, second):
             hp = part.case.hidden.detach().to(dev, dt).requires_grad_(True)
             out = head.policy_loss(
                 hp, w, part.case.labels.to(dev), temperature=part.temperature, **_on(dev, kw_part)
             )
-            torch.autograd.backward([out.loss * 0.5])
-            grads_h.append(hp.grad)
+            hiddens.append(hp)
+            losses.append(out.loss * 0.5)
+            if not together:
+                torch.autograd.backward([losses.pop()])
+        if together:
+            torch.autograd.backward(losses)
     except Exception as exc:
         raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
-    want1 = _Expected(batch, target, kw1, upstream=0.5)
-    want2 = _Expected(other, target, kw2, upstream=0.5)
+    want1 = _Expected(first[0], target, first[1], upstream=0.5)
+    want2 = _Expected(second[0], target, second[1], upstream=0.5)
     try:
-        for i, (g, want) in enumerate(zip(grads_h, (want1, want2), strict=True)):
-            if g is None:
+        for i, (hp, want) in enumerate(zip(hiddens, (want1, want2), strict=True)):
+            if hp.grad is None:
                 raise PropertyFailure(f"grad hidden of micro-batch {i + 1} is None")
             assert_close(
                 f"grad hidden of micro-batch {i + 1}",
-                g.detach().cpu(),
+                hp.grad.detach().cpu(),
                 want.grad_hidden,
                 want.grad_bound,
                 want.m_hidden,
