@@ -300,7 +300,8 @@ def broke(reason: str, identity: Identity) -> NoReturn:
     """A backend's breach of the plugin contract, named."""
     raise BackendContractError(
         f"broke the plugin contract: {reason}",
-        hint="report this to the backend's authors; `fusedhead check NAME` runs the conformance kit",
+        hint="report this to the backend's authors (an author: `fusedhead check NAME` runs the "
+        "conformance kit, one line per property)",
         **identity,
     )
 
