@@ -115,16 +115,21 @@ def real_in(arg: str, value: object, *, low: float, high: float = math.inf, what
         out = float(value)
     except OverflowError:  # an int beyond the float range
         out = math.inf
-    huge = isinstance(value, int) and abs(value) >= 10**20
-    shown = f"an int of {len(str(abs(value)))} digits" if huge else repr(value)
     if not (low <= out < high) or not math.isfinite(out):
-        raise ValueError(f"{arg} must be {what}, got {shown}")
+        raise ValueError(f"{arg} must be {what}, got {_shown(value)}")
     if abs(out) > SCALAR_HI:
         raise ValueError(
             f"{arg} must be {what} and at most 2**126 (about 8.5e37) in magnitude, where fp32 "
-            f"holds it with room to compute, got {shown}"
+            f"holds it with room to compute, got {_shown(value)}"
         )
     return out
+
+
+def _shown(value: object) -> str:
+    """``value`` for a message: an int of hundreds of digits by its length."""
+    if isinstance(value, int) and abs(value) >= 10**20:
+        return f"an int of {len(str(abs(value)))} digits"
+    return repr(value)
 
 
 def integer(arg: str, value: object, expected: str) -> int:
