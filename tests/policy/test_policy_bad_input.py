@@ -26,6 +26,8 @@
   per-token tensors are refused with a ``.detach()`` hint.
 - verl's ``token-sum`` was offered ``token-mean`` as a did-you-mean, TRL's loss types and verl's
   ``full`` KL no word at all: each is told what it is here.
+- verl's and TRL's keyword names (``entropy_coeff=``, ``beta=``, ``response_mask=``) got Python's
+  "unexpected keyword argument", which does not say what they are here.
 """
 
 from __future__ import annotations
@@ -429,3 +431,40 @@ def test_another_trainers_name_is_told_what_it_is_here(arg, value, words):
     )
     with pytest.raises(ValueError, match=rf"^{arg}={value!r} is not one of \[.*\]: .*{words}"):
         _call("torch", batch, **{arg: value}, **extra)
+
+
+@pytest.mark.parametrize(
+    "keyword,words",
+    [
+        ("entropy_coeff", r"'entropy_coeff' \(verl's name of entropy_coef\)"),
+        ("clip_ratio_high", r"'clip_ratio_high' \(verl's name of clip_high\)"),
+        ("loss_agg_mode", r"'loss_agg_mode' \(verl's name of aggregation\)"),
+        ("beta", r"'beta' \(TRL's name of kl_coef\)"),
+        ("num_items_in_batch", r"'num_items_in_batch' \(TRL's name of loss_normalizer\)"),
+        ("response_mask", r"'response_mask' \(verl's mask: .*labels.masked_fill\(mask == 0"),
+        ("entropy_cof", r"'entropy_cof' \(did you mean 'entropy_coef'\?\)"),
+    ],
+)
+@pytest.mark.parametrize("entry", ["fused_policy_loss", "FusedHead.policy_loss"])
+def test_another_trainers_keyword_is_told_its_name_here(entry, keyword, words):
+    batch = _batch()
+    h, w, y = batch.pop("hidden"), batch.pop("weight"), batch.pop("labels")
+    call = (
+        fusedhead.fused_policy_loss
+        if entry == "fused_policy_loss"
+        else fusedhead.FusedHead({"backend": "torch"}).policy_loss
+    )
+    with pytest.raises(
+        TypeError, match=rf"^{re.escape(entry)}\(\) got unexpected keyword .*{words}"
+    ):
+        call(h, w, y, **batch, **{keyword: 0.1})
+
+
+def test_every_unknown_keyword_is_named_with_the_known_ones():
+    batch = _batch()
+    with pytest.raises(TypeError) as err:
+        _call("torch", batch, beta=0.1, kl_coeff=0.1)
+    said = str(err.value)
+    assert "keyword arguments: 'beta' (TRL's name of kl_coef); 'kl_coeff' (did you mean" in said
+    assert said.endswith("softcap, temperature, tis_cap")
+    assert _call("torch", batch, kl_coef=0.0).loss.isfinite()  # a known keyword passes through

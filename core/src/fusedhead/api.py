@@ -21,8 +21,9 @@ from fusedhead.contract import FusedHeadOutput
 from fusedhead.graph import Slots, as_graph_constant, slot_numbers
 from fusedhead.graph import tracing as _tracing
 from fusedhead.head import FusedHead
+from fusedhead.keywords import known_keywords
 from fusedhead.options import cache_text
-from fusedhead.policy import PolicyLossOutput
+from fusedhead.policy import FOREIGN_KEYWORDS, PolicyLossOutput
 from fusedhead.request import HeadRequest, KLRequest, PolicyRequest, entry_point, head_request
 
 __all__ = [
@@ -302,6 +303,7 @@ def fused_kl(
     )
 
 
+@known_keywords(FOREIGN_KEYWORDS)
 def fused_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -26,6 +26,7 @@ from fusedhead.errors import (
 )
 from fusedhead.graph import Slots, as_graph_constant, slot_numbers, tracing
 from fusedhead.hooks import plugin_manager
+from fusedhead.keywords import known_keywords
 from fusedhead.protocol import Capabilities, HeadOutput
 from fusedhead.request import CONFIGURED, HeadRequest, KLRequest, PolicyRequest, head_request
 from fusedhead.validation import check_head, validate_kl
@@ -398,6 +399,7 @@ class FusedHead:
         contract.check_kl(out, call, needs_grad, not traced, self.identity())
         return contract.shaped(out.kl, shape)
 
+    @known_keywords(policy.FOREIGN_KEYWORDS)
     def policy_loss(
         self,
         hidden: torch.Tensor,

@@ -73,6 +73,47 @@ FOREIGN_NAMES = {
         "holds; the per-token estimators k1, k2 and k3 are computed here",
     },
 }
+#: Where verl and TRL pass a mask, a fused head reads the labels.
+_MASK = "labels set to ignore_index where the mask is 0: labels.masked_fill(mask == 0, -100)"
+_VERL_NAMES = {
+    "old_log_prob": "old_log_probs",
+    "ref_log_prob": "ref_log_probs",
+    "clip_ratio_low": "clip_low",
+    "clip_ratio_high": "clip_high",
+    "clip_ratio_c": "dual_clip",
+    "entropy_coeff": "entropy_coef",
+    "kl_loss_coef": "kl_coef",
+    "kl_loss_type": "kl_estimator",
+    "loss_agg_mode": "aggregation",
+    "loss_scale_factor": "horizon",
+    "rollout_is_threshold": "tis_cap",
+}
+_TRL_NAMES = {
+    "old_per_token_logps": "old_log_probs",
+    "ref_per_token_logps": "ref_log_probs",
+    "epsilon": "clip_low",
+    "epsilon_low": "clip_low",
+    "epsilon_high": "clip_high",
+    "beta": "kl_coef",
+    "num_items_in_batch": "loss_normalizer",
+    "max_completion_length": "horizon",
+    "vllm_importance_sampling_cap": "tis_cap",
+}
+#: Other trainers' keyword arguments, each told what it is here (``keywords.known_keywords``).
+FOREIGN_KEYWORDS = {
+    **{k: f"verl's name of {v}" for k, v in _VERL_NAMES.items()},
+    **{k: f"TRL's name of {v}" for k, v in _TRL_NAMES.items()},
+    "clip_ratio": "verl's name of clip_low and clip_high together: pass both",
+    "response_mask": f"verl's mask: pass {_MASK}",
+    "completion_mask": f"TRL's mask: pass {_MASK}",
+    "loss_type": "TRL's name of aggregation (bnpo: token-mean, grpo: seq-mean-token-mean, "
+    "dapo and dr_grpo: docs/policy-loss.md)",
+    "log_prob": "the policy's log-probs, which this call computes from hidden and weight",
+    "log_probs": "the policy's log-probs, which this call computes from hidden and weight; "
+    "the sampling policy's are old_log_probs",
+    "importance_sampling_level": "TRL's choice of ratio: 'token' is this loss, 'sequence' "
+    "(GSPO) is not computed here",
+}
 #: Names that ask for sequence-level importance ratios (GSPO), refused by name.
 SEQUENCE_LEVEL = ("gspo", "sequence", "seq-ratio", "sequence-level", "geo-mean")
 _PER_TOKEN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
