@@ -217,10 +217,18 @@ def test_bad_backends_and_inputs(model_dir: Path) -> None:
     actor = _actor(model_dir, False, 1.0)
     with pytest.raises(UnknownBackendError, match="'nope'") as info:
         patch_actor(actor, "fusedhead:nope")
-    assert "torch" in str(info.value)
+    # named as the argument that held it, as written, with the fix in the same spelling
+    assert str(info.value).startswith(
+        "patch_actor(backend=...)='fusedhead:nope' names no installed fusedhead backend"
+    )
+    assert "Fix: set patch_actor(backend=...) to one of " in str(info.value)
+    assert "'fusedhead:torch'" in str(info.value)
     assert not is_patched(actor)
-    with pytest.raises(ValueError, match="accepted forms"):
+    with pytest.raises(ValueError) as err:
         patch_actor(actor, "FusedHead:torch")
+    assert str(err.value).startswith(
+        "patch_actor(backend=...)='FusedHead:torch' is not one of the accepted forms"
+    )
     with pytest.raises(TypeError, match="score_all_positions must be a bool"):
         patch_actor(actor, "torch", score_all_positions=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="openrlhf Actor"):

@@ -549,8 +549,10 @@ def test_a_backend_that_cannot_run_here_fails_when_the_config_is_built(
     with pytest.raises(BackendUnavailableError) as err:
         fh_trl.FusedHeadGRPOConfig(fused_head_backend="fusedhead:triton", **common)
     text = str(err.value)
-    assert "fused_head_backend='triton'" in text and "(cpu with torch.bfloat16)" in text
+    # the field's value as written (not fusedhead's name for it), in the dtype TRL trains in
+    assert "fused_head_backend='fusedhead:triton'" in text and "(cpu with torch.bfloat16)" in text
     assert "Fix:" in text and "'fusedhead:torch'" in text and "TRITON_INTERPRET=1" in text
+    assert "here a backend's options go in fused_head_options" in text
     # where the backend can run, the same config builds: the interpreter, in fp32
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     args = fh_trl.FusedHeadGRPOConfig(fused_head_backend="fusedhead:triton", bf16=False, **common)
@@ -569,10 +571,53 @@ def test_a_backend_that_cannot_run_here_fails_before_the_trainer_loads_a_model(
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     args = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
-    with pytest.raises(BackendUnavailableError, match=r"fused_head_backend='triton'.*\(cpu\)"):
+    with pytest.raises(BackendUnavailableError) as err:
         fh_trl.FusedHeadGRPOTrainer(
             model=str(tmp_path / "no-such-model"),
             args=args,
             reward_funcs=lambda completions, **_: [0.0] * len(completions),
             fused_head="triton",
         )
+    text = str(err.value)
+    # the argument the user set, never the config field they did not
+    assert "fused_head='triton' cannot run on this trainer's device (cpu, in any of" in text
+    assert "fused_head_backend" not in text
+    assert "set fused_head to a backend that runs on cpu here: 'torch'" in text
+
+
+@pytest.mark.parametrize(
+    ("where", "spec", "error", "words"),
+    [
+        ("keyword", "tritonn", UnknownBackendError, "names no installed fusedhead backend"),
+        ("keyword", "FusedHead:triton", ValueError, "is not one of the accepted forms"),
+        ("field", "tritonn", UnknownBackendError, "names no installed fusedhead backend"),
+        ("field", "FusedHead:triton", ValueError, "is not one of the accepted forms"),
+    ],
+)
+def test_a_bad_backend_name_is_reported_as_the_setting_that_holds_it(
+    tmp_path: Path, where: str, spec: str, error: type[Exception], words: str
+) -> None:
+    """The trainer's ``fused_head=`` keyword, or the config's ``fused_head_backend`` field: an
+    unknown or malformed name is that setting's value, refused before TRL's init."""
+    import trl
+
+    from fusedhead.integrations.lm_head import installed_backend_names
+
+    common = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
+    setting = "fused_head" if where == "keyword" else "fused_head_backend"
+    with pytest.raises(error) as err:
+        if where == "keyword":
+            fh_trl.FusedHeadGRPOTrainer(
+                model=str(tmp_path / "no-such-model"),
+                args=trl.GRPOConfig(**common),
+                reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                fused_head=spec,
+            )
+        else:
+            fh_trl.FusedHeadGRPOConfig(fused_head_backend=spec, **common)
+    text = str(err.value)
+    assert f"{setting}={spec!r} {words}" in text, text
+    assert "backend spec" not in text
+    if error is UnknownBackendError:
+        names = ", ".join(repr(n) for n in installed_backend_names())
+        assert f"Fix: set {setting} to one of {names}" in text, text

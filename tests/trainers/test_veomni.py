@@ -168,7 +168,54 @@ def test_a_backend_that_cannot_run_here_fails_where_the_config_is_applied(
     fusedhead.refresh()
     with pytest.raises(BackendUnavailableError, match="cross_entropy_loss_implementation") as info:
         cross_entropy.install_loss_mapping("fusedhead:triton")
-    assert "cannot run on this trainer's device (cpu)" in str(info.value)
+    text = str(info.value)
+    assert "cross_entropy_loss_implementation='fusedhead:triton' cannot run" in text
+    assert "this trainer's device (cpu, in any of the dtypes it declares" in text
+
+
+SETTING = "cross_entropy_loss_implementation"
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "words"),
+    [
+        ("fusedhead:no-such-backend", UnknownBackendError, "names no installed fusedhead backend"),
+        ("FusedHead:torch", ValueError, "is not one of the accepted forms"),
+        ("fusedhead:", ValueError, "is not one of the accepted forms"),
+    ],
+)
+def test_a_bad_fusedhead_name_is_reported_as_veomnis_setting(
+    spec: str, error: type[Exception], words: str
+) -> None:
+    from veomni.ops.kernels import cross_entropy
+
+    with pytest.raises(error) as err:
+        cross_entropy.install_loss_mapping(spec)
+    text = str(err.value)
+    assert f"{SETTING}={spec!r} {words}" in text, text
+    assert "backend spec" not in text
+
+
+def test_an_unavailable_backend_is_reported_in_veomnis_terms() -> None:
+    """The value as written, the fix VeOmni's config can express (another fusedhead:<name>),
+    the backend's Python-side advice (options=) said to be out of this setting's reach, and the
+    dtype said to be unknown where VeOmni applies the config, not claimed as the model's."""
+    from backend_stubs import gpu_only_backend
+    from veomni.ops.kernels import cross_entropy
+
+    from fusedhead.errors import BackendUnavailableError
+
+    with gpu_only_backend(), pytest.raises(BackendUnavailableError) as err:
+        cross_entropy.install_loss_mapping("fusedhead:gpu-only-test")
+    text = str(err.value)
+    assert (
+        f"{SETTING}='fusedhead:gpu-only-test' cannot run on this trainer's device (cpu; the "
+        "dtype is not known here, so it was checked with torch.bfloat16" in text
+    )
+    fix = err.value.hint or ""
+    assert fix.startswith(f"set {SETTING} to a backend that runs on cpu here: ")
+    assert "'fusedhead:torch'" in fix
+    assert f"{SETTING} takes a backend's name only, not its options" in fix
 
 
 def test_a_misspelt_fusedhead_name_lists_fusedheads_names() -> None:

@@ -375,6 +375,63 @@ def test_a_backend_that_cannot_run_on_verls_device_fails_at_model_build(
     with pytest.raises(BackendUnavailableError) as err:
         fh_verl.patch_forward_with_backends(model, True, "fusedhead:triton")
     text = str(err.value)
-    assert "fused_kernel_options.impl_backend='triton'" in text and "device (cpu)" in text
+    # the value as the user wrote it in verl's config, not fusedhead's name for the backend
+    assert "fused_kernel_options.impl_backend='fusedhead:triton'" in text
+    assert "device (cpu, in any of the dtypes it declares" in text  # no dtype made up
     assert "Fix:" in text and "'fusedhead:torch'" in text
     assert type(model).__dict__["forward"] is forward  # nothing patched
+
+
+IMPL_BACKEND = "actor_rollout_ref.model.fused_kernel_options.impl_backend"
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "words"),
+    [
+        ("fusedhead:nosuch", "UnknownBackendError", "names no installed fusedhead backend"),
+        ("FusedHead:torch", "ValueError", "is not one of the accepted forms"),
+        ("fusedhead:", "ValueError", "is not one of the accepted forms"),
+        ("fusedhead:bad name", "ValueError", "is not one of the accepted forms"),
+    ],
+)
+def test_a_bad_fusedhead_name_is_reported_as_verls_setting(
+    spec: str, error: str, words: str
+) -> None:
+    """Unknown and malformed names are the value of verl's setting, echoed as written."""
+    from fusedhead.integrations.lm_head import installed_backend_names
+
+    model = tiny_qwen2(0)
+    with pytest.raises(Exception) as err:
+        fh_verl.patch_forward_with_backends(model, True, spec)
+    assert type(err.value).__name__ == error
+    text = str(err.value)
+    assert f"{IMPL_BACKEND}={spec!r} {words}" in text, text
+    assert "backend spec" not in text
+    if error == "UnknownBackendError":  # the fix, in the setting's own spelling
+        names = ", ".join(f"'fusedhead:{n}'" for n in installed_backend_names())
+        assert f"Fix: set {IMPL_BACKEND} to one of {names}" in text, text
+
+
+def test_an_unavailable_backend_is_reported_in_verls_terms() -> None:
+    """A backend that cannot run on verl's device: the value as written, fixes verl's config can
+    express (another fusedhead:<name>; no backend options through verl), and outside verl's
+    engine, where the dtype is not known, no dtype claimed as the model's."""
+    from backend_stubs import gpu_only_backend
+
+    from fusedhead.errors import BackendUnavailableError
+
+    model = tiny_qwen2(0)
+    with gpu_only_backend() as checked, pytest.raises(BackendUnavailableError) as err:
+        fh_verl.patch_forward_with_backends(model, True, "fusedhead:gpu-only-test")
+    text = str(err.value)
+    assert f"{IMPL_BACKEND}='fusedhead:gpu-only-test' cannot run on this trainer's device" in text
+    assert "impl_backend='gpu-only-test'" not in text
+    assert checked[0] == torch.bfloat16  # the only dtype it declares, and the message says so
+    assert (
+        "(cpu; the dtype is not known here, so it was checked with torch.bfloat16, the only "
+        "dtype it declares)" in text
+    )
+    fix = err.value.hint or ""
+    assert fix.startswith(f"set {IMPL_BACKEND} to a backend that runs on cpu here: ")
+    assert "'fusedhead:torch'" in fix and "'fusedhead:gpu-only-test'" not in fix
+    assert f"{IMPL_BACKEND} takes a backend's name only, not its options" in fix

@@ -11,6 +11,7 @@ absolute) and the parameters after the steps closely (see :data:`PARAM_ATOL`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 import tempfile
@@ -122,25 +123,84 @@ def test_fused_loss_from_config_matches_verls_actor(tiny: tuple[Path, int], case
     print(f"{case}: parameters after 4 SGD steps within {worst:.1e}")
 
 
-def test_fused_loss_needs_fusedheads_forward(tiny: tuple[Path, int]) -> None:
-    """``loss_mode: fusedhead`` with verl's own ``impl_backend: torch``: refused by name."""
+@contextlib.contextmanager
+def _restored_forward() -> Iterator[None]:
+    """verl's apply_monkey_patch patches Qwen2's class forward and flash attention: undone."""
     from transformers import Qwen2ForCausalLM
     from transformers.integrations import flash_attention
 
-    path, vocab = tiny
-    model, config = ex.actor_configs(path, fused=True, backend="torch")
     forward, flash = Qwen2ForCausalLM.forward, flash_attention._flash_attention_forward
     fh_verl.fix_trl_value_head_probe()  # verl 0.9.1 beside TRL 1.16
     try:
-        engine = ex.build_actor(model, config)
-        batch = ex.rollout_batch(0, vocab)
-        old = torch.full(batch["responses"].shape, -3.0)
-        with pytest.raises(RuntimeError, match="impl_backend: fusedhead:<name>"):
-            ex.update_actor(engine, config, batch, old)
+        yield
     finally:
         Qwen2ForCausalLM.forward = forward  # type: ignore[method-assign]
         flash_attention._flash_attention_forward = flash
         fh_verl.fix_trl_value_head_probe(False)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "liger", "fused-kernels-of-my-own"])
+def test_a_non_fusedhead_impl_backend_is_refused_when_the_actor_is_built(
+    tiny: tuple[Path, int], backend: str
+) -> None:
+    """``loss_mode: fusedhead`` with an ``impl_backend`` that is not ``fusedhead:<name>``, set up
+    as the example does (verl's FSDP2 engine, then the old log-probs pass): refused by name when
+    the engine is built, before the model is loaded and before verl's own forward runs into it
+    (verl's own kernels fail under FSDP2 with "mixed torch.Tensor and DTensor", #5633)."""
+    path, _ = tiny
+    model, config = ex.actor_configs(path, fused=True, backend=backend)
+    with _restored_forward(), pytest.raises(RuntimeError) as err:
+        ex.build_actor(model, config)
+    text = str(err.value)
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode='fusedhead'" in text
+    assert f"actor_rollout_ref.model.fused_kernel_options.impl_backend is {backend!r}" in text
+    assert "set impl_backend: fusedhead:<name> (installed: " in text and "'fusedhead:torch'" in text
+    assert "DTensor" not in text
+
+
+def test_a_setting_the_fused_loss_needs_is_checked_at_the_first_forward_whatever_the_pass(
+    tiny: tuple[Path, int],
+) -> None:
+    """An actor config with ``loss_mode: fusedhead`` that holds the engine's model config only
+    after the engine was built is checked at the engine's first forward: here a forward-only
+    pass (the old log-probs), with fused kernels off."""
+    path, vocab = tiny
+    model, _ = ex.actor_configs(path, fused=False)
+    with _restored_forward():
+        engine = ex.build_actor(model, ex.actor_configs(path, fused=False)[1])
+        config = _config()
+        config.model_config = engine.model_config
+        with pytest.raises(ValueError) as err:
+            ex.old_log_probs(engine, config, ex.rollout_batch(0, vocab))
+    assert str(err.value).startswith(
+        "actor_rollout_ref.actor.policy_loss.loss_mode='fusedhead' needs "
+        "actor_rollout_ref.model.use_fused_kernels: true (got use_fused_kernels=False)"
+    )
+
+
+def test_an_unavailable_backend_is_checked_in_the_dtype_verls_engine_computes_in(
+    tiny: tuple[Path, int],
+) -> None:
+    """In verl's FSDP engine the head computes in ``mixed_precision.param_dtype``: the backend
+    is checked, and reported, in that dtype (fp32 in the example), not one it happens to
+    declare; the value is echoed as written."""
+    from backend_stubs import gpu_only_backend
+
+    from fusedhead.errors import BackendUnavailableError
+
+    path, _ = tiny
+    model, config = ex.actor_configs(path, fused=True, backend="fusedhead:gpu-only-test")
+    with (
+        gpu_only_backend() as checked,
+        _restored_forward(),
+        pytest.raises(BackendUnavailableError) as err,
+    ):
+        ex.build_actor(model, config)
+    assert checked[0] == torch.float32
+    assert (
+        "actor_rollout_ref.model.fused_kernel_options.impl_backend='fusedhead:gpu-only-test' "
+        "cannot run on this trainer's device (cpu with torch.float32)"
+    ) in str(err.value)
 
 
 def _config(**actor: Any) -> Any:
@@ -151,7 +211,7 @@ def _config(**actor: Any) -> Any:
         ppo_mini_batch_size=4,
         ppo_micro_batch_size_per_gpu=2,
         rollout_n=1,
-        policy_loss=PolicyLossConfig(loss_mode="fusedhead"),
+        policy_loss=actor.pop("policy_loss", PolicyLossConfig(loss_mode="fusedhead")),
         **actor,
     )
 
@@ -166,6 +226,19 @@ def _config(**actor: Any) -> Any:
 def test_refused_settings_are_named(actor: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         verl_actor.check_actor_config(_config(**actor))
+
+
+def test_verls_actor_config_is_refused_when_built_by_verls_names() -> None:
+    """``loss_mode: fusedhead`` with a value the fused loss refuses: the config itself (as hydra
+    builds it) is refused, naming verl's option."""
+    with pytest.raises(ValueError, match=r"^clip_ratio_low must be in \[0, 1\).*got 1\.5$"):
+        _config(clip_ratio_low=1.5)
+    with pytest.raises(ValueError, match="did you mean 'low_var_kl'"):
+        _config(use_kl_loss=True, kl_loss_type="lowvar_kl")
+    from verl.workers.config import PolicyLossConfig
+
+    vanilla = PolicyLossConfig(loss_mode="vanilla")
+    _config(clip_ratio_low=1.5, policy_loss=vanilla)  # verl's own loss modes: verl's to check
 
 
 def test_loss_mode_is_registered_and_guarded() -> None:

@@ -5,6 +5,7 @@ two SGD steps, for each ``loss_agg_mode``."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -236,3 +237,120 @@ def test_config_mapping() -> None:
     )
     with pytest.raises(ValueError, match="batch_num_tokens"):
         fh_verl.policy_loss_kwargs(config, dp_size=2)
+
+
+#: verl's options that map to a fused_policy_loss argument: (verl's option, fusedhead's name).
+MAPPED = [
+    ("clip_ratio_low", "clip_low"),
+    ("clip_ratio_high", "clip_high"),
+    ("clip_ratio_c", "dual_clip"),
+    ("entropy_coeff", "entropy_coef"),
+    ("kl_loss_coef", "kl_coef"),
+    ("loss_scale_factor", "horizon"),
+]
+PROBES = [-1.0, 0.0, 0.5, 0.999, 1.0, 1.5, 3.0, float("inf"), float("nan"), 1e39, True, "0.2"]
+
+
+def _with(option: str, value: Any, **more: Any) -> Any:
+    updates = {option: value, **more}
+    if option == "loss_scale_factor":  # read by the mode that divides by it
+        updates["loss_agg_mode"] = "seq-mean-token-sum-norm"
+    return OmegaConf.merge(_config("token-mean"), OmegaConf.create(updates))
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "more", "named"),
+    [
+        ("clip_ratio_low", 1.5, {}, "clip_ratio_low must be in [0, 1)"),
+        ("clip_ratio_low", "0.2", {}, "clip_ratio_low must be a float"),
+        ("clip_ratio", 1.5, {"clip_ratio_low": None}, "clip_ratio must be in [0, 1)"),
+        ("clip_ratio_high", -0.1, {}, "clip_ratio_high must be a finite float >= 0"),
+        ("clip_ratio", -0.1, {"clip_ratio_high": None}, "clip_ratio must be a finite float >= 0"),
+        ("clip_ratio_c", 0.5, {}, "clip_ratio_c must be a finite float > 1"),
+        ("clip_ratio_c", 1.0, {}, "clip_ratio_c must be a finite float > 1"),
+        ("entropy_coeff", float("nan"), {}, "entropy_coeff must be a finite float"),
+        ("kl_loss_coef", -0.1, {}, "kl_loss_coef must be a finite float >= 0"),
+        ("loss_scale_factor", 0, {}, "loss_scale_factor must be a length > 0"),
+    ],
+)
+def test_a_value_out_of_range_is_named_by_its_verl_option(
+    option: str, value: Any, more: dict[str, Any], named: str
+) -> None:
+    """verl's option names, never fusedhead's (clip_low, dual_clip, entropy_coef, kl_coef, ...),
+    in the errors of the values verl's config maps to fused_policy_loss's arguments."""
+    config = _with(option, value, **more)
+    with pytest.raises((TypeError, ValueError)) as err:
+        fh_verl.policy_loss_kwargs(config, horizon=8, global_batch_size=3)
+    text = str(err.value)
+    assert text.startswith(named), text
+    assert f"got {value!r}" in text or f"got str {value!r}" in text
+    for _, ours in MAPPED:
+        assert re.search(rf"\b{ours}\b", text) is None, (ours, text)
+
+
+def _core_accepts(argument: str, value: Any) -> bool:
+    """Whether fused_policy_loss takes ``value`` for ``argument`` (the rest valid)."""
+    import fusedhead
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(1, 4, H, generator=g), torch.randn(V, H, generator=g)
+    labels = torch.randint(0, V, (1, 4), generator=g)
+    extra: dict[str, Any] = {argument: value}
+    if argument == "kl_coef":
+        extra["ref_log_probs"] = torch.full((1, 4), -3.0)
+    if argument == "horizon":
+        extra["aggregation"] = "seq-mean-token-sum-norm"
+    try:
+        fusedhead.fused_policy_loss(
+            hidden,
+            weight,
+            labels,
+            old_log_probs=torch.full((1, 4), -3.0),
+            advantages=torch.ones(1, 4),
+            **extra,
+        )
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("option", "argument"), MAPPED)
+def test_verls_options_are_refused_exactly_where_fused_policy_loss_refuses_them(
+    option: str, argument: str
+) -> None:
+    """The glue checks each mapped value under verl's name before the loss runs: it must refuse
+    what the loss would refuse and take what it takes, no more, no less."""
+    for value in PROBES:
+        try:
+            fh_verl.policy_loss_kwargs(_with(option, value), horizon=8, global_batch_size=3)
+        except (TypeError, ValueError) as exc:
+            assert str(exc).startswith(option), (option, value, str(exc))
+            glue = False
+        else:
+            glue = True
+        assert glue == _core_accepts(argument, value), (option, value, glue)
+
+
+@pytest.mark.parametrize(
+    ("kl_type", "suggested"),
+    [
+        ("lowvar_kl", "low_var_kl"),
+        ("Low_Var_KL", "low_var_kl"),
+        ("low_var_k1", "low_var_kl"),
+        ("mes", "mse"),
+    ],
+)
+def test_a_misspelt_kl_loss_type_gets_a_did_you_mean(kl_type: str, suggested: str) -> None:
+    with pytest.raises(ValueError) as err:
+        fh_verl.policy_loss_kwargs(_with("kl_loss_type", kl_type))
+    text = str(err.value)
+    assert text.startswith(f"kl_loss_type={kl_type!r} is not computed by fusedhead's fused loss")
+    assert text.endswith(f"; did you mean {suggested!r}?"), text
+    assert "full" not in text
+
+
+def test_kl_loss_type_full_is_told_why_and_nothing_else() -> None:
+    with pytest.raises(ValueError) as err:
+        fh_verl.policy_loss_kwargs(_with("kl_loss_type", "full"))
+    text = str(err.value)
+    assert "'full' needs whole distributions" in text and "did you mean" not in text

@@ -116,7 +116,8 @@ def patch_actor(
         )
     ring = _ring_utils()
     _parts(actor)  # fail now, not on the first step
-    head = resolve_lm_head(backend)
+    # an unknown or malformed name is reported as this argument's value, as it was written
+    head = resolve_lm_head(backend, setting="patch_actor(backend=...)")
     unpatch_actor(actor)
     original = actor.forward
 

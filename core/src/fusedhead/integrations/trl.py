@@ -59,6 +59,7 @@ __all__ = [
     "fused_head_of",
     "grpo_fused_policy_loss",
     "replace_trl_fused_heads",
+    "resolve_named",
     "trainer_device",
 ]
 
@@ -402,8 +403,37 @@ def fused_head_from_args(args: Any) -> HeadLike:
         )
     if not options:
         return str(name)
-    backend = parse_backend_spec(name) if is_fusedhead_spec(name) else str(name)
+    spec = str(name)
+    backend = parse_backend_spec(spec, setting=_FIELD) if is_fusedhead_spec(spec) else spec
     return {"backend": backend, "options": dict(options)}
+
+
+#: The config field and the trainer keyword that name the backend.
+_FIELD, _KEYWORD = "fused_head_backend", "fused_head"
+
+
+def _named_by(args: Any, fused_head: HeadLike) -> tuple[HeadLike, str, object]:
+    """``(head, setting, value)``: what names the backend (the ``fused_head=`` keyword, else the
+    config's ``fused_head_backend``), that setting's name and its value as the user wrote it."""
+    if fused_head is not None:
+        shown = fused_head.name if isinstance(fused_head, FusedHead) else fused_head
+        return fused_head, _KEYWORD, shown
+    return fused_head_from_args(args), _FIELD, getattr(args, _FIELD, None)
+
+
+def _options_via(setting: str) -> str:
+    """How a backend's options are passed beside ``setting``."""
+    if setting == _KEYWORD:
+        return "fused_head={'backend': '<name>', 'options': {...}} (a mapping)"
+    return 'fused_head_options (JSON text, e.g. fused_head_options=\'{"key": "value"}\')'
+
+
+def resolve_named(args: Any, fused_head: HeadLike = None) -> tuple[FusedHead, str, object]:
+    """The head the trainer keyword ``fused_head`` (else ``args.fused_head_backend``) names,
+    resolved; an unknown or malformed name is reported as that setting's value. Returns
+    ``(head, setting, value)``."""
+    head, setting, value = _named_by(args, fused_head)
+    return resolve_lm_head(head, setting=setting, value=value), setting, value
 
 
 def trainer_device(args: Any) -> tuple[torch.device, torch.dtype | None]:
@@ -424,15 +454,30 @@ def trainer_device(args: Any) -> tuple[torch.device, torch.dtype | None]:
     return device, dtype
 
 
-def check_args_device(args: Any, head: HeadLike = None) -> FusedHead:
+def check_args_device(
+    args: Any, head: HeadLike = None, *, setting: str | None = None, value: object = None
+) -> FusedHead:
     """Resolve the head ``args`` (or ``head``) names and check it runs where ``args`` trains.
 
     Raised when a FusedHead*Config or trainer is built, before any model is loaded:
-    ``BackendUnavailableError`` naming the backend, the device and the fix.
+    ``BackendUnavailableError`` naming the setting that named the backend (``setting``, default
+    ``fused_head_backend``; the trainer's ``fused_head=`` keyword is ``fused_head``), its
+    ``value`` as written, the device and the fix.
     """
-    fused = resolve_lm_head(fused_head_from_args(args) if head is None else head)
+    if head is None:
+        fused, setting, value = resolve_named(args)
+    else:
+        setting = setting or _FIELD
+        fused = resolve_lm_head(head, setting=setting, value=value)
     device, dtype = trainer_device(args)
-    check_head_runs_on(fused, device, dtype, setting="fused_head_backend")
+    check_head_runs_on(
+        fused,
+        device,
+        dtype,
+        setting=setting,
+        value=fused.name if value is None else value,
+        options_via=_options_via(setting),
+    )
     return fused
 
 
@@ -538,7 +583,9 @@ def _is_clip_max(args: Any) -> float | None:
     return None if cap is None else float(cap)
 
 
-def check_policy_loss_args(args: Any, head: FusedHead | None = None) -> None:
+def check_policy_loss_args(
+    args: Any, head: FusedHead | None = None, *, setting: str = _FIELD
+) -> None:
     """Refuse, by name, a GRPO config whose loss ``fused_policy_loss`` does not compute.
 
     Called when a ``FusedHeadGRPOConfig`` with ``fused_policy_loss=True`` (and its trainer) is
@@ -644,7 +691,7 @@ def check_policy_loss_args(args: Any, head: FusedHead | None = None) -> None:
             f"fused_policy_loss=True needs a backend that declares policy_loss on "
             f"{device.type}; {fused.name!r} does not",
             capability="policy_loss",
-            hint="name one in fused_head_backend (e.g. 'torch', or 'triton' on a GPU), or set "
+            hint=f"name one in {setting} (e.g. 'torch', or 'triton' on a GPU), or set "
             "fused_policy_loss=False",
             backend=fused.name,
             distribution=fused.distribution,
@@ -793,8 +840,8 @@ class FusedPolicyLossMixin:
         bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
         config = bound.arguments.get("args")
         if getattr(config, "fused_policy_loss", False):
-            named = fused_head_from_args(config) if fused_head is None else fused_head
-            check_policy_loss_args(config, resolve_lm_head(named))
+            head, setting, _ = resolve_named(config, fused_head)
+            check_policy_loss_args(config, head, setting=setting)
         super().__init__(*args, fused_head=fused_head, **kwargs)  # type: ignore[call-arg]
 
     def _compute_loss(self, model: nn.Module, inputs: Mapping[str, Any]) -> Any:
@@ -814,11 +861,9 @@ class FusedHeadTrainerMixin:
         # the device the trainer will use
         bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
         config = bound.arguments.get("args")
-        if fused_head is None:
-            fused_head = fused_head_from_args(config)
-        head = resolve_lm_head(fused_head)
+        head, setting, value = resolve_named(config, fused_head)
         if config is not None:
-            check_args_device(config, head)
+            check_args_device(config, head, setting=setting, value=value)
         super().__init__(*args, **kwargs)
         self.fused_head = head
         replace_trl_fused_heads(self, head)

@@ -48,10 +48,15 @@ def _installed_names() -> list[str]:
     return sorted({row.name for row in diagnostics.listing()})
 
 
-def _resolve(spec: str) -> Any:
-    from fusedhead.integrations.lm_head import parse_backend_spec, resolve_lm_head
+#: The VeOmni setting that names the kernel, as its config spells it.
+SETTING = "cross_entropy_loss_implementation"
 
-    return resolve_lm_head(parse_backend_spec(spec))
+
+def _resolve(spec: str) -> Any:
+    """The head ``spec`` names; a malformed or unknown name is reported as the setting's value."""
+    from fusedhead.integrations.lm_head import resolve_lm_head
+
+    return resolve_lm_head(spec, setting=SETTING)
 
 
 def _causal_factory(spec: str) -> Callable[..., Any]:
@@ -66,8 +71,7 @@ def _check_runs_here(spec: str) -> None:
 
     from fusedhead.integrations.lm_head import check_head_runs_on
 
-    setting = "cross_entropy_loss_implementation"
-    check_head_runs_on(_resolve(spec), get_device_type(), setting=setting)
+    check_head_runs_on(_resolve(spec), get_device_type(), setting=SETTING, value=spec)
 
 
 def _seq_cls_factory() -> Callable[..., Any]:

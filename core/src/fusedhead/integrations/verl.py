@@ -87,7 +87,11 @@ _armed_veomni = False
 #: Whether :func:`fix_trl_value_head_probe` is on (applied to verl's module when it is imported).
 _trl_probe_fixed = False
 #: The verl modules the fused actor loss patches (fusedhead.integrations.verl_actor).
-_ACTOR_MODULES = ("verl.trainer.ppo.core_algos", "verl.workers.engine.fsdp.transformer_impl")
+_ACTOR_MODULES = (
+    "verl.trainer.ppo.core_algos",
+    "verl.workers.engine.fsdp.transformer_impl",
+    "verl.workers.config.actor",
+)
 #: Where TRL keeps (kept) the value-head model verl 0.9.1's ``apply_monkey_patch`` patches.
 TRL_VALUE_HEAD_MODULES = ("trl.experimental.ppo", "trl")
 
@@ -250,12 +254,17 @@ def _wrap_forward_step(module: types.ModuleType) -> None:
     verl_actor.wrap_forward_step(module)
 
 
+def _track_actor_configs(module: types.ModuleType) -> None:
+    verl_actor.track_actor_configs(module)
+
+
 _TARGETS: dict[str, Callable[[types.ModuleType], None]] = {
     MONKEY_PATCH_MODULE: _patch_module,
     VEOMNI_CROSS_ENTROPY_MODULE: _arm_veomni,
     # policy_loss.loss_mode: fusedhead (fusedhead.integrations.verl_actor)
     "verl.trainer.ppo.core_algos": _register_loss_mode,
     "verl.workers.engine.fsdp.transformer_impl": _wrap_forward_step,
+    verl_actor.ACTOR_CONFIG_MODULE: _track_actor_configs,
 }
 
 
@@ -376,17 +385,16 @@ def _verl_device() -> str:
     return "cpu" if name == "cuda" and not torch.cuda.is_available() else name
 
 
+#: The setting that names verl's fused-kernel backend, as verl's config spells it.
+IMPL_BACKEND = "actor_rollout_ref.model.fused_kernel_options.impl_backend"
+
+
 def _patch_model(model: Any, spec: str) -> None:
     """Resolve the backend ``spec`` names and give ``model``'s class fusedhead's forward."""
     from torch import nn
 
-    from fusedhead.integrations.lm_head import (
-        check_head_runs_on,
-        parse_backend_spec,
-        resolve_lm_head,
-    )
+    from fusedhead.integrations.lm_head import check_head_runs_on, resolve_lm_head
 
-    name = parse_backend_spec(spec)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in VERL_MULTIMODAL_MODEL_TYPES:
         raise ValueError(
@@ -402,9 +410,18 @@ def _patch_model(model: Any, spec: str) -> None:
             f"module, got {type(model).__name__} (lm_head={type(lm_head).__name__}, "
             f"model={type(decoder).__name__})"
         )
-    head = resolve_lm_head(name)  # unknown names raise here, listing what is installed
-    # fail at model build, not at the first batch: the backend must run on verl's device
-    check_head_runs_on(head, _verl_device(), setting="fused_kernel_options.impl_backend")
+    # a malformed spelling or an unknown name raises here, named as the user wrote it
+    head = resolve_lm_head(spec, setting=IMPL_BACKEND)
+    # fail at model build, not at the first batch: the backend must run on verl's device, in the
+    # dtype verl's FSDP engine computes in when it is the engine building this model
+    check_head_runs_on(
+        head,
+        _verl_device(),
+        verl_actor.building_dtype(),
+        setting=IMPL_BACKEND,
+        value=spec,
+        options_via=None,
+    )
     model._verl_fused_kernels_backend = spec
     model._fusedhead_head = head
     verl_actor.patched_model(model)

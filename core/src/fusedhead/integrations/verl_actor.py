@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import difflib
 import functools
+import math
 import sys
 import types
 import weakref
@@ -31,12 +33,15 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "ACTOR_CONFIG_MODULE",
     "CORE_ALGOS_MODULE",
     "FSDP_ENGINE_MODULE",
     "LOSS_MODE",
     "VERL_AGG_MODES",
     "VERL_KL_TYPES",
+    "building_dtype",
     "check_actor_config",
+    "check_fused_setup",
     "disarm",
     "fused_ppo_loss_step",
     "fusedhead_policy_loss",
@@ -46,6 +51,7 @@ __all__ = [
     "policy_loss_kwargs",
     "register_loss_mode",
     "set_enabled",
+    "track_actor_configs",
     "wrap_forward_step",
 ]
 
@@ -55,6 +61,11 @@ LOSS_MODE = "fusedhead"
 CORE_ALGOS_MODULE = "verl.trainer.ppo.core_algos"
 #: verl's FSDP engine, whose ``FSDPEngineWithLMHead.forward_step`` runs model and loss.
 FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+#: verl's actor config dataclasses (``ActorConfig``, whose ``__post_init__`` is wrapped).
+ACTOR_CONFIG_MODULE = "verl.workers.config.actor"
+#: The full names of the settings the fused loss needs, as verl's YAML spells them.
+_MODEL = "actor_rollout_ref.model"
+_LOSS_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode"
 
 
 @dataclasses.dataclass
@@ -106,6 +117,20 @@ _NEEDS_FORWARD = (
     "actor_rollout_ref.model.fused_kernel_options.impl_backend: fusedhead:<name> (with "
     "use_fused_kernels: true); this model's forward computes log-probs, not hidden states"
 )
+#: The dtype verl's FSDP engine computes in, while it builds its model (:func:`building_dtype`).
+_BUILDING_DTYPE: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "fusedhead_verl_building_dtype", default=None
+)
+#: Actor configs with ``loss_mode: fusedhead``, by id (weak: a config is not kept alive here).
+_FUSED_CONFIGS: dict[int, weakref.ref[Any]] = {}
+#: Engines whose setup :func:`check_fused_setup` has passed (checked once each).
+_CHECKED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def building_dtype() -> Any:
+    """The torch dtype verl's FSDP engine computes in (its ``mixed_precision.param_dtype``,
+    bf16 without one, as verl reads it) while that engine builds its model; None elsewhere."""
+    return _BUILDING_DTYPE.get()
 
 
 def hand_over(hidden: Any, lm_head: Any, head: Any, labels: Any, temperature: Any) -> bool:
@@ -162,6 +187,32 @@ def _cfg(config: Any, name: str, default: Any = None) -> Any:
     return getattr(config, name, default)
 
 
+def _real(name: str, value: Any, *, low: float, high: float = math.inf, what: str) -> float:
+    """``value`` of verl's option ``name`` as the float its fused_policy_loss argument takes,
+    checked with the core's own check (``fusedhead.checks.real_in``) under verl's name."""
+    from fusedhead.checks import real_in
+
+    return real_in(name, value, low=low, high=high, what=what)
+
+
+def _dual_clip(value: Any) -> float:
+    what = "a finite float > 1 (verl's dual-clip bound)"
+    out = _real("clip_ratio_c", value, low=1.0, what=what)
+    if out == 1.0:
+        raise ValueError(f"clip_ratio_c must be {what}, got {value!r}")
+    return out
+
+
+def _did_you_mean(value: Any, names: Any) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``names`` (a case-only difference first)."""
+    if not isinstance(value, str):
+        return ""
+    names = list(names)
+    close = [n for n in names if n.lower() == value.lower()]
+    close = close or difflib.get_close_matches(value, names, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def policy_loss_kwargs(
     actor_config: Any,
     *,
@@ -192,28 +243,60 @@ def policy_loss_kwargs(
         )
     agg = _cfg(actor_config, "loss_agg_mode", "token-mean")
     if agg not in VERL_AGG_MODES:
-        raise ValueError(f"loss_agg_mode={agg!r} is not one of verl's {list(VERL_AGG_MODES)}")
+        raise ValueError(
+            f"loss_agg_mode={agg!r} is not one of verl's {list(VERL_AGG_MODES)}"
+            f"{_did_you_mean(agg, VERL_AGG_MODES)}"
+        )
     clip = _cfg(actor_config, "clip_ratio", 0.2)
     low = _cfg(actor_config, "clip_ratio_low", None)
     high = _cfg(actor_config, "clip_ratio_high", None)
+    # each value checked as fused_policy_loss checks its argument, under verl's name for it
     kwargs: dict[str, Any] = dict(
-        clip_low=clip if low is None else low,
-        clip_high=clip if high is None else high,
-        dual_clip=_cfg(actor_config, "clip_ratio_c", 3.0),
-        entropy_coef=_cfg(actor_config, "entropy_coeff", 0.0),
+        clip_low=_real(
+            "clip_ratio" if low is None else "clip_ratio_low",
+            clip if low is None else low,
+            low=0.0,
+            high=1.0,
+            what="in [0, 1) (the lower clip bound 1 - clip_ratio_low must be > 0)",
+        ),
+        clip_high=_real(
+            "clip_ratio" if high is None else "clip_ratio_high",
+            clip if high is None else high,
+            low=0.0,
+            what="a finite float >= 0",
+        ),
+        dual_clip=_dual_clip(_cfg(actor_config, "clip_ratio_c", 3.0)),
+        entropy_coef=_real(
+            "entropy_coeff",
+            _cfg(actor_config, "entropy_coeff", 0.0),
+            low=-math.inf,
+            what="a finite float",
+        ),
         aggregation=VERL_AGG_MODES[agg],
     )
     if _cfg(actor_config, "use_kl_loss", False):
         kl_type = _cfg(actor_config, "kl_loss_type", "low_var_kl")
         if kl_type not in VERL_KL_TYPES:
+            full = isinstance(kl_type, str) and kl_type.rstrip("+") == "full"
+            why = (
+                ": 'full' needs whole distributions, which a fused head never holds (use "
+                "loss_mode 'vanilla' for it)"
+                if full
+                else _did_you_mean(kl_type, VERL_KL_TYPES)
+            )
             raise ValueError(
                 f"kl_loss_type={kl_type!r} is not computed by fusedhead's fused loss; use one of "
-                f"{sorted(VERL_KL_TYPES)} ('full' needs whole distributions)"
+                f"{sorted(VERL_KL_TYPES)}{why}"
             )
+        coef = _cfg(actor_config, "kl_loss_coef", 0.001)
         kwargs.update(
-            kl_coef=_cfg(actor_config, "kl_loss_coef", 0.001), kl_estimator=VERL_KL_TYPES[kl_type]
+            kl_coef=_real("kl_loss_coef", coef, low=0.0, what="a finite float >= 0"),
+            kl_estimator=VERL_KL_TYPES[kl_type],
         )
     scale = _cfg(actor_config, "loss_scale_factor", None)
+    if scale is not None:
+        what = "a length > 0 (the sequence length seq-mean-token-sum-norm divides by)"
+        scale = _real("loss_scale_factor", scale, low=1e-30, what=what)
     normalizer: Any = None
     if agg == "token-mean":
         if batch_num_tokens is None and dp_size > 1:
@@ -255,6 +338,127 @@ def check_actor_config(config: Any) -> None:
     policy_loss_kwargs(config, horizon=1, global_batch_size=1)
 
 
+def check_fused_setup(config: Any, model_config: Any, engine_config: Any = None) -> None:
+    """Refuse, by the settings' names, an actor with ``loss_mode: fusedhead`` that cannot run it.
+
+    ``config``: ``actor_rollout_ref.actor``; ``model_config``: ``actor_rollout_ref.model``
+    (verl's ``HFModelConfig``); ``engine_config``: the actor's engine config, for Ulysses.
+    Called when verl's FSDP engine for that model is built (before the model is loaded) and at
+    its first forward, whatever the pass, so that a setting the fused loss cannot run with is
+    named before a forward-only pass (the old log-probs) runs into it. ``impl_backend`` not
+    ``fusedhead:<name>`` is a ``RuntimeError`` (the model's forward would not be fusedhead's);
+    the rest ``ValueError``.
+    """
+    from fusedhead.integrations.lm_head import installed_backend_names, is_fusedhead_spec
+
+    check_actor_config(config)
+    for key in ("use_remove_padding", "use_fused_kernels"):
+        if not _get(model_config, key, False):
+            raise ValueError(
+                f"{_LOSS_MODE}='fusedhead' needs {_MODEL}.{key}: true (got {key}="
+                f"{_get(model_config, key, False)!r}); set it, or loss_mode 'vanilla' for verl's "
+                "own loss"
+            )
+    options = _get(model_config, "fused_kernel_options", None) or {}
+    backend = _get(options, "impl_backend", None)
+    if not is_fusedhead_spec(backend):
+        if backend is None:
+            what = "unset (verl's own fused kernel)"
+        elif backend in ("torch", "triton", "liger"):
+            what = f"{backend!r}, verl's own fused kernel, whose forward returns log-probs"
+        else:
+            what = f"{backend!r}, not a fusedhead backend"
+        ours = ", ".join(f"'fusedhead:{n}'" for n in installed_backend_names()) or "none installed"
+        raise RuntimeError(
+            f"{_LOSS_MODE}='fusedhead' computes the loss from the hidden states fusedhead's model "
+            f"forward hands over, but {_MODEL}.fused_kernel_options.impl_backend is {what}: "
+            f"set impl_backend: fusedhead:<name> (installed: {ours}), or loss_mode 'vanilla' "
+            "for verl's own loss"
+        )
+    sp = _get(engine_config, "ulysses_sequence_parallel_size", 1) if engine_config else 1
+    if isinstance(sp, int) and sp > 1:
+        raise ValueError(
+            f"{_LOSS_MODE}='fusedhead' with ulysses_sequence_parallel_size={sp}: each rank holds a "
+            "slice of the packed sequence; use loss_mode 'vanilla' with sequence parallelism"
+        )
+
+
+def _fused_config_of(model_config: Any) -> Any:
+    """The live actor config with ``loss_mode: fusedhead`` whose ``model_config`` is this one."""
+    for ref in list(_FUSED_CONFIGS.values()):
+        config = ref()
+        if config is not None and _get(config, "model_config") is model_config:
+            return config
+    return None
+
+
+def _check_built(engine: Any) -> None:
+    """:func:`check_fused_setup` for the engine's model, once per engine, where an actor config
+    with ``loss_mode: fusedhead`` holds that model config."""
+    if engine in _CHECKED:
+        return
+    model_config = getattr(engine, "model_config", None)
+    config = None if model_config is None else _fused_config_of(model_config)
+    if config is not None:  # else checked again at the next forward (a config may come later)
+        check_fused_setup(config, model_config, getattr(engine, "engine_config", None))
+        _CHECKED.add(engine)
+
+
+def _engine_dtype(engine: Any) -> Any:
+    """The dtype verl's FSDP engine computes in: ``mixed_precision.param_dtype`` (bf16 when
+    unset, and without a mixed-precision config), as its ``_build_fsdp_module`` reads it."""
+    import torch
+    from verl.utils.torch_dtypes import PrecisionType
+
+    mixed = _get(getattr(engine, "engine_config", None), "mixed_precision", None)
+    if mixed is None:
+        return torch.bfloat16
+    to_dtype: Any = PrecisionType.to_dtype  # untyped in verl
+    return to_dtype(_get(mixed, "param_dtype", "bf16"))
+
+
+def _wrap_initialize(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def initialize(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_built(self)  # before the model is loaded
+        token = _BUILDING_DTYPE.set(_engine_dtype(self))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _BUILDING_DTYPE.reset(token)
+
+    initialize.__fusedhead_original__ = original  # type: ignore[attr-defined]
+    return initialize
+
+
+def _wrap_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __post_init__(self: Any) -> None:
+        original(self)
+        if not _enabled or _loss_mode(self) != LOSS_MODE:
+            return
+        check_actor_config(self)  # what maps is checked when the config is built, by verl's names
+        key = id(self)
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            if _FUSED_CONFIGS.get(key) is ref:
+                del _FUSED_CONFIGS[key]
+
+        _FUSED_CONFIGS[key] = weakref.ref(self, forget)
+
+    __post_init__.__fusedhead_original__ = original  # type: ignore[attr-defined]
+    return __post_init__
+
+
+def track_actor_configs(module: types.ModuleType) -> None:
+    """Wrap verl's ``ActorConfig.__post_init__`` (idempotent): a config with ``loss_mode:
+    fusedhead`` is checked when built and remembered (weakly) for its engine's build."""
+    cls = module.ActorConfig
+    current = cls.__dict__["__post_init__"]
+    if _enabled and not hasattr(current, "__fusedhead_original__"):
+        cls.__post_init__ = _wrap_post_init(current)
+
+
 def _fused_config(loss_function: Any) -> Any:
     """The actor config of a ``partial(ppo_loss, config=...)`` asking for the fused loss, or None."""
     keywords = getattr(loss_function, "keywords", None)
@@ -277,6 +481,7 @@ def _fused_config(loss_function: Any) -> Any:
 def _wrap_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward_step(self: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+        _check_built(self)  # the first forward, whatever the pass, if the build did not check
         config = None if forward_only else _fused_config(loss_function)
         if config is None:
             return original(self, micro_batch, loss_function, forward_only)
@@ -479,21 +684,38 @@ def register_loss_mode(module: types.ModuleType) -> None:
 
 
 def wrap_forward_step(module: types.ModuleType) -> None:
-    """Wrap ``FSDPEngineWithLMHead.forward_step`` (idempotent)."""
-    cls = module.FSDPEngineWithLMHead
-    current = cls.__dict__["forward_step"]
-    if _enabled and not hasattr(current, "__fusedhead_original__"):
-        cls.forward_step = _wrap_forward_step(current)
+    """Wrap ``FSDPEngineWithLMHead.forward_step`` and ``FSDPEngine.initialize`` (idempotent)."""
+    if not _enabled:
+        return
+    for cls, name, wrap in (
+        (module.FSDPEngineWithLMHead, "forward_step", _wrap_forward_step),
+        (module.FSDPEngine, "initialize", _wrap_initialize),
+    ):
+        current = cls.__dict__[name]
+        if not hasattr(current, "__fusedhead_original__"):
+            setattr(cls, name, wrap(current))
 
 
 def disarm() -> None:
-    """Undo :func:`register_loss_mode` and :func:`wrap_forward_step` where verl is imported."""
+    """Undo :func:`register_loss_mode`, :func:`wrap_forward_step` and
+    :func:`track_actor_configs` where verl is imported."""
     engine = sys.modules.get(FSDP_ENGINE_MODULE)
     if engine is not None:
-        cls = engine.FSDPEngineWithLMHead
-        original = getattr(cls.__dict__["forward_step"], "__fusedhead_original__", None)
+        for cls, name in (
+            (engine.FSDPEngineWithLMHead, "forward_step"),
+            (engine.FSDPEngine, "initialize"),
+        ):
+            original = getattr(cls.__dict__[name], "__fusedhead_original__", None)
+            if original is not None:
+                setattr(cls, name, original)
+    actor = sys.modules.get(ACTOR_CONFIG_MODULE)
+    if actor is not None:
+        original = getattr(
+            actor.ActorConfig.__dict__["__post_init__"], "__fusedhead_original__", None
+        )
         if original is not None:
-            cls.forward_step = original
+            actor.ActorConfig.__post_init__ = original
+    _FUSED_CONFIGS.clear()
     core = sys.modules.get(CORE_ALGOS_MODULE)
     if core is not None and core.POLICY_LOSS_REGISTRY.get(LOSS_MODE) is fusedhead_policy_loss:
         del core.POLICY_LOSS_REGISTRY[LOSS_MODE]
