@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,11 +29,12 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def run(backend: str, options: dict[str, Any], rank: int) -> dict[str, Any]:
+def run(backend: str, rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from fusedhead import fused_head
 
+    options = {"block_m": 16, "block_n": 16, "block_k": 16} if backend == "triton" else {}
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(N, H, generator=g)
     weight = torch.randn(20, H, generator=g) / 4  # enough rows for every case's shard
@@ -57,21 +55,3 @@ def run(backend: str, options: dict[str, Any], rank: int) -> dict[str, Any]:
         except Exception as exc:  # what each rank raised, to compare across ranks
             results[name] = (type(exc).__name__, str(exc))
     return results
-
-
-def worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
-    """mp.spawn target: join the gloo group, run every case, save what happened."""
-    if backend == "triton":
-        os.environ["TRITON_INTERPRET"] = "1"
-    import torch.distributed as dist
-
-    dist.init_process_group(  # a rank left waiting fails the test in a minute, not gloo's 30
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    try:
-        options = {"block_m": 16, "block_n": 16, "block_k": 16} if backend == "triton" else {}
-        torch.save(run(backend, options, rank), Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()

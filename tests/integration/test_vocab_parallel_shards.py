@@ -8,32 +8,20 @@ rides in the combine's own collective (no extra one), and every rank raises the 
 
 from __future__ import annotations
 
-import socket
-from pathlib import Path
-
 import pytest
 import shard_check_worker as sw
 import torch
-import torch.multiprocessing as mp
+from gloo_ranks import spawn_ranks
 
 from fusedhead.shards import _shard_ints, shard_slots
 
 pytestmark = pytest.mark.multiprocess
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module", params=["torch", "triton"])
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    backend = request.param
-    out = tmp_path_factory.mktemp(f"shards-{backend}")
-    args = (sw.WORLD, _free_port(), str(out), backend)
-    mp.spawn(sw.worker, args=args, nprocs=sw.WORLD, join=True)
-    return [torch.load(Path(out) / f"rank{r}.pt") for r in range(sw.WORLD)]
+    out = tmp_path_factory.mktemp(f"shards-{request.param}")
+    return spawn_ranks("shard_check_worker", sw.WORLD, out, request.param)
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,10 @@ def _call(
         **args,
         **kw,
     )
+    if call.process_group is not None:  # the ranks' agreement that fused_head makes on the others
+        from fusedhead import rank_agreement
+
+        rank_agreement.agree(call, h.dtype, torch.is_grad_enabled(), None)
     return TorchBackend(TorchOptions(**OPTIONS)).forward(call)
 
 

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from fusedhead import contract, policy, registry
+from fusedhead import contract, policy, rank_agreement, registry
 from fusedhead.checks import DEVICES, device_arg, device_entry, dtype_name, usable_device
 from fusedhead.config import FusedHeadConfig
 from fusedhead.contract import FusedHeadOutput
@@ -248,32 +248,39 @@ class FusedHead:
         # the head's kernels, elsewhere before it): a traced call checks through the graph's
         # ops, an unchecked one (check_labels=False) reads nothing, a temperature tensor included.
         pending = Pending() if check is True and not traced else None
-        call, shape, n, device, dtype, cast, needs_grad, plain = check_head(req, pending)
-        last = self._last  # the previous call's (device, dtype, entry): most calls repeat it
-        if traced:  # the first call on the pair resolves while Dynamo traces, not in the graph
-            caps, outputs = self._entry(device, dtype, True)
-        elif last[1] is dtype and last[0] == device:
-            caps, outputs = last[2]
-        else:
-            entry = self._caps.get((device, dtype)) or self._ready_entry(device, dtype)
-            self._last = (device, dtype, entry)
-            caps, outputs = entry
-        if not (
-            plain
-            and call.temperature >= caps.min_temperature  # type: ignore[operator]
-            and call.outputs <= outputs
-        ):  # anything beyond a plain call: the full gate (a plain one passes it by construction)
-            call = contract.gate_head(
-                call, caps, self.identity(), pending, traced and check is True
-            )
+        try:
+            call, shape, n, device, dtype, cast, needs_grad, plain = check_head(req, pending)
+            last = self._last  # the previous call's (device, dtype, entry): most calls repeat it
+            if traced:  # the first call on the pair resolves while Dynamo traces, not in the graph
+                caps, outputs = self._entry(device, dtype, True)
+            elif last[1] is dtype and last[0] == device:
+                caps, outputs = last[2]
+            else:
+                entry = self._caps.get((device, dtype)) or self._ready_entry(device, dtype)
+                self._last = (device, dtype, entry)
+                caps, outputs = entry
+            if not (
+                plain
+                and call.temperature >= caps.min_temperature  # type: ignore[operator]
+                and call.outputs <= outputs
+            ):  # anything beyond a plain call: the full gate (a plain one passes it so)
+                call = contract.gate_head(
+                    call, caps, self.identity(), pending, traced and check is True
+                )
+        except Exception:
+            if req.process_group is not None and pending is not None:
+                rank_agreement.refused(req.process_group, req.hidden)  # the others raise too
+            raise
+        # A checked vocab-parallel call's ranks agree before any collective of the backend: each
+        # raises where one rank's call differs or fails its value checks (rank_agreement), which
+        # leaves no check to read afterwards. Unchecked values are safe to run (NaN rows).
+        if call.process_group is not None and pending is not None:
+            rank_agreement.agree(call, dtype, needs_grad, pending)
+            pending = None
         if not n:
             return contract.empty_output(call, shape)
-        # A vocab-parallel call reads its checks after the backend's collectives everywhere: a
-        # check that fails on one rank only (a default vocab_size of uneven shards) would leave
-        # the others waiting in them. Unchecked values are safe to run (they give NaN rows).
-        shared = call.process_group is not None
         if pending is not None:
-            pending.send(defer=shared)
+            pending.send()
         try:
             if cast is None:
                 out = self.backend.forward(call)
@@ -281,11 +288,11 @@ class FusedHead:
                 with torch.autocast(cast, enabled=False):
                     out = self.backend.forward(call)
         except BackendError as exc:
-            if pending is not None and not shared:
+            if pending is not None:
                 pending.settle()  # a failed check is the cause to name, not what it broke
             raise exc.attach(**self.identity()) from None
         except Exception as exc:
-            if pending is not None and not shared:  # shared: the layout's error, on every rank
+            if pending is not None:
                 pending.settle()
             note_backend(exc, **self.identity())
             raise

@@ -151,7 +151,7 @@ def grid_shards(vocab_size: int, world: int, grid: int) -> list[tuple[int, int]]
     that ``vocab_grid`` gives the one-process bits on this layout (docs/vocab-parallel.md). Equal
     shards are this layout exactly when ``vocab_size / world`` is a multiple of ``grid``. Fewer
     tiles than ranks is a ``ValueError``: a rank would hold an empty shard, which ``fused_head``
-    refuses on that rank alone.
+    refuses (that rank by name, the others naming it).
     """
     for name, value, least in (
         ("vocab_size", vocab_size, 0),

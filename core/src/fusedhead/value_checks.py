@@ -148,10 +148,15 @@ class Pending:
         ``settle``."""
         self._counts.append(value)
 
-    def send(self, defer: bool = False) -> None:
-        """Start the flags' one read (CUDA: queued behind an event), or raise now (elsewhere;
-        with ``defer``, at ``settle``: a vocab-parallel call raises after the backend's
-        collectives, so that a check that fails on one rank leaves no other rank waiting)."""
+    def any_failed(self) -> torch.Tensor | None:
+        """A 0-d bool on the checks' device, set where any check failed (None: no check)."""
+        checks = self._checks
+        if not checks:
+            return None
+        return checks[0][0] if len(checks) == 1 else torch.stack([c[0] for c in checks]).any()
+
+    def send(self) -> None:
+        """Start the flags' one read (CUDA: queued behind an event), or raise now (elsewhere)."""
         checks = self._checks
         if not checks and not self._counts:
             return
@@ -161,8 +166,7 @@ class Pending:
             flags = checks[0][0] if len(checks) == 1 else torch.stack([c[0] for c in checks])
         if flags.device.type != "cuda":
             self._host = flags
-            if not defer:
-                self.settle()
+            self.settle()
             return
         if torch.cuda.is_current_stream_capturing():
             raise ValueError(

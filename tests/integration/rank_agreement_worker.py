@@ -1,0 +1,91 @@
+"""Worker for the rank-agreement tests: two gloo ranks call ``fused_head`` on vocabulary shards,
+one rank's call differing from the other's in one way per case, and record what each raised;
+after every case both ranks make one good call, which must still be in step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+N, H, V = 6, 8, 16
+WORLD = 2
+
+
+def _case_args(name: str, rank: int, base: dict[str, Any]) -> dict[str, Any]:
+    """The call of ``rank`` in case ``name``: rank 1 differs from rank 0 (or both fail alike)."""
+    kw = dict(base)
+    other = rank == 1
+    if name == "labels_differ" and other:
+        kw["labels"] = kw["labels"].roll(1)
+    elif name == "label_out_of_range_on_every_rank" or (
+        name == "label_out_of_range_on_one_rank" and other
+    ):
+        kw["labels"] = kw["labels"].clone()
+        kw["labels"][2] = V + 3
+    elif name == "rows_differ" and other:
+        kw["hidden"], kw["labels"] = kw["hidden"][:4], kw["labels"][:4]
+    elif name == "hidden_differs" and other:
+        kw["hidden"] = kw["hidden"].clone()
+        kw["hidden"][3, 5] += 1.0
+    elif name == "temperature_differs" and other:
+        kw["temperature"] = 1.3
+    elif name == "token_temperature_differs":
+        t = torch.full((N,), 0.7)
+        if other:
+            t[4] = 0.9
+        kw["temperature"] = t
+    elif name == "bad_token_temperature_on_one_rank":
+        t = torch.full((N,), 0.7)
+        if other:
+            t[1] = -1.0
+        kw["temperature"] = t
+    elif name == "entropy_on_one_rank" and other:
+        kw["return_entropy"] = False
+    elif name == "grad_on_one_rank" and other:
+        kw["hidden"] = kw["hidden"].clone().requires_grad_(True)
+    elif name == "refused_on_one_rank" and other:
+        kw["hidden"] = kw["hidden"].double()  # fp64 hidden: refused by name on this rank
+    return kw
+
+
+CASES = (
+    "agree",
+    "labels_differ",
+    "label_out_of_range_on_one_rank",
+    "label_out_of_range_on_every_rank",
+    "rows_differ",
+    "hidden_differs",
+    "temperature_differs",
+    "token_temperature_differs",
+    "bad_token_temperature_on_one_rank",
+    "entropy_on_one_rank",
+    "grad_on_one_rank",
+    "refused_on_one_rank",
+)
+
+
+def run(backend: str, rank: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from fusedhead import fused_head
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(N, H, generator=g)
+    weight = torch.randn(V, H, generator=g) / 3
+    labels = torch.randint(0, V, (N,), generator=g)
+    shard = weight[rank * (V // WORLD) : (rank + 1) * (V // WORLD)]
+    base = {"hidden": hidden, "labels": labels}
+    results: dict[str, Any] = {}
+    for name in CASES:
+        kw = _case_args(name, rank, base)
+        h, y = kw.pop("hidden"), kw.pop("labels")
+        try:
+            out = fused_head(h, shard, y, backend=backend, process_group=dist.group.WORLD, **kw)
+            results[name] = ("ok", out.log_probs.detach().clone())
+        except Exception as exc:  # what each rank raised, compared across ranks by the test
+            results[name] = (type(exc).__name__, str(exc))
+        good = fused_head(hidden, shard, labels, backend=backend, process_group=dist.group.WORLD)
+        results[f"{name}/then"] = good.log_probs.clone()
+    results["one_process"] = fused_head(hidden, weight, labels, backend=backend).log_probs
+    return results

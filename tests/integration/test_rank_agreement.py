@@ -1,0 +1,68 @@
+"""Vocab-parallel ranks agree before the backend runs, on 2 gloo CPU processes.
+
+Found by a probe of the vocab-parallel path: a call that differed on one rank, or failed a
+value check there, gave the other ranks wrong log-probs with no error (a label or a per-token
+temperature bad on one rank), left them waiting in the backend's collectives (one rank
+differentiating, or refusing its arguments), or aborted the process (row counts that differ in
+the backend's collective); hidden sizes that differ were mixed silently. Every rank now raises.
+"""
+
+from __future__ import annotations
+
+import pytest
+import rank_agreement_worker as aw
+import torch
+from gloo_ranks import spawn_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module", params=["torch", "triton"])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"agree-{request.param}")
+    return spawn_ranks("rank_agreement_worker", aw.WORLD, out, request.param)
+
+
+DIFFER = [
+    ("labels_differ", "different labels: not the same on every rank"),
+    ("label_out_of_range_on_one_rank", "different labels"),
+    ("rows_differ", "different rows (tokens): rank 0: 6, rank 1: 4"),
+    ("hidden_differs", "different hidden states"),
+    ("temperature_differs", "different temperature"),
+    ("token_temperature_differs", "different temperature"),
+    ("bad_token_temperature_on_one_rank", "different temperature"),
+    ("entropy_on_one_rank", "different requested outputs"),
+    ("grad_on_one_rank", "different whether the call differentiates"),
+]
+
+
+@pytest.mark.parametrize("case,words", DIFFER, ids=[c for c, _ in DIFFER])
+def test_a_call_that_differs_on_one_rank_is_refused_on_every_rank(ranks, case, words):
+    said = [rank[case] for rank in ranks]
+    for r, (kind, msg) in enumerate(said):
+        assert kind == "ValueError", (r, kind, msg)
+        assert words in msg and "no rank ran the head" in msg, (r, msg)
+
+
+def test_a_rank_that_refuses_its_arguments_takes_every_rank_with_it(ranks):
+    (kind0, msg0), (kind1, msg1) = ranks[0]["refused_on_one_rank"], ranks[1]["refused_on_one_rank"]
+    assert kind1 == "TypeError" and "hidden must be float32, float16 or bfloat16" in msg1
+    assert kind0 == "ValueError" and "rank 1 of process_group refused its arguments" in msg0
+
+
+def test_a_check_failed_on_every_rank_is_each_ranks_own_error(ranks):
+    for kind, msg in (rank["label_out_of_range_on_every_rank"] for rank in ranks):
+        assert kind == "ValueError" and f"labels must be in [0, {aw.V})" in msg, msg
+
+
+def test_ranks_that_agree_give_the_one_process_log_probs(ranks):
+    for rank in ranks:
+        kind, lp = rank["agree"]
+        assert kind == "ok"
+        torch.testing.assert_close(lp, rank["one_process"], rtol=0, atol=4e-6)
+
+
+@pytest.mark.parametrize("case", aw.CASES)
+def test_the_ranks_are_still_in_step_after_each_case(ranks, case):
+    for rank in ranks:
+        torch.testing.assert_close(rank[f"{case}/then"], rank["one_process"], rtol=0, atol=4e-6)
