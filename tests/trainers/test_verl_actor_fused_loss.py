@@ -27,7 +27,7 @@ pytest.importorskip("verl", reason="verl is not installed (bash scripts/trainers
 import verl  # noqa: F401  (the verl.plugins entry points, fusedhead's among them)
 
 from fusedhead.integrations import verl as fh_verl
-from fusedhead.integrations import verl_actor
+from fusedhead.integrations import verl_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainers"
 #: SGD, so a parameter differs by lr times the summed gradient difference (Adam would divide
@@ -225,7 +225,7 @@ def _config(**actor: Any) -> Any:
 )
 def test_refused_settings_are_named(actor: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        verl_actor.check_actor_config(_config(**actor))
+        verl_config.check_actor_config(_config(**actor))
 
 
 def test_verls_actor_config_is_refused_when_built_by_verls_names() -> None:

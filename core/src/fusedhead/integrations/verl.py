@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from fusedhead.integrations import verl_actor
-from fusedhead.integrations.verl_actor import (
+from fusedhead.integrations.verl_config import (
     VERL_AGG_MODES,
     VERL_KL_TYPES,
     policy_loss_kwargs,

@@ -16,39 +16,43 @@ hidden states. Two pieces make ``loss_mode: fusedhead`` compute the whole loss w
   ``ppo_loss``, with verl's metric names and aggregation. Every other call is verl's, unchanged.
 
 Both are armed by :func:`fusedhead.integrations.verl.install` (the ``verl.plugins`` entry point)
-when verl imports the two modules. Nothing here imports torch or verl at import time.
+when verl imports the two modules. What verl's actor config maps to, and what it is refused for
+(:func:`~fusedhead.integrations.verl_config.policy_loss_kwargs`,
+:func:`~fusedhead.integrations.verl_config.check_fused_setup`), is
+:mod:`fusedhead.integrations.verl_config`. Nothing here imports torch or verl at import time.
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
-import difflib
 import functools
-import math
 import sys
 import types
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+from fusedhead.integrations.verl_config import (
+    _get,
+    _loss_mode,
+    check_actor_config,
+    check_fused_setup,
+    policy_loss_kwargs,
+)
+
 __all__ = [
     "ACTOR_CONFIG_MODULE",
     "CORE_ALGOS_MODULE",
     "FSDP_ENGINE_MODULE",
     "LOSS_MODE",
-    "VERL_AGG_MODES",
-    "VERL_KL_TYPES",
     "building_dtype",
-    "check_actor_config",
-    "check_fused_setup",
     "disarm",
     "fused_ppo_loss_step",
     "fusedhead_policy_loss",
     "hand_over",
     "is_armed",
     "patched_model",
-    "policy_loss_kwargs",
     "register_loss_mode",
     "set_enabled",
     "track_actor_configs",
@@ -63,9 +67,6 @@ CORE_ALGOS_MODULE = "verl.trainer.ppo.core_algos"
 FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 #: verl's actor config dataclasses (``ActorConfig``, whose ``__post_init__`` is wrapped).
 ACTOR_CONFIG_MODULE = "verl.workers.config.actor"
-#: The full names of the settings the fused loss needs, as verl's YAML spells them.
-_MODEL = "actor_rollout_ref.model"
-_LOSS_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode"
 
 
 @dataclasses.dataclass
@@ -141,246 +142,6 @@ def hand_over(hidden: Any, lm_head: Any, head: Any, labels: Any, temperature: An
     slot.hidden, slot.lm_head, slot.head = hidden, lm_head, head
     slot.labels, slot.temperature = labels, temperature
     return True
-
-
-def _loss_mode(config: Any) -> Any:
-    policy = _get(config, "policy_loss")
-    return "vanilla" if policy is None else _get(policy, "loss_mode", "vanilla")
-
-
-def _get(config: Any, name: str, default: Any = None) -> Any:
-    getter = getattr(config, "get", None)
-    if callable(getter):
-        return getter(name, default)
-    return getattr(config, name, default)
-
-
-#: verl's ``kl_loss_type`` names, as fusedhead's estimator: every one but ``full`` (which needs
-#: whole distributions); a ``+`` form is the value with k2's gradient (k2+ is k2 itself).
-VERL_KL_TYPES = {
-    "kl": "k1",
-    "k1": "k1",
-    "abs": "abs",
-    "mse": "k2",
-    "k2": "k2",
-    "low_var_kl": "k3",
-    "k3": "k3",
-    **{f"{name}+": f"{est}+" for name, est in (("kl", "k1"), ("k1", "k1"), ("abs", "abs"))},
-    **{f"{name}+": "k2" for name in ("mse", "k2")},
-    **{f"{name}+": "k3+" for name in ("low_var_kl", "k3")},
-}
-#: verl's ``loss_agg_mode`` values, as fusedhead's aggregation (token-sum: a token mean whose
-#: normaliser is 1 / dp_size; seq-mean-token-sum-norm: a sequence sum over sequences x horizon).
-VERL_AGG_MODES = {
-    "token-mean": "token-mean",
-    "token-sum": "token-mean",
-    "seq-mean-token-sum": "seq-mean-token-sum",
-    "seq-mean-token-sum-norm": "seq-mean-token-sum",
-    "seq-mean-token-mean": "seq-mean-token-mean",
-}
-
-
-def _cfg(config: Any, name: str, default: Any = None) -> Any:
-    getter = getattr(config, "get", None)
-    if callable(getter):  # a DictConfig or a dict
-        return getter(name, default)
-    return getattr(config, name, default)
-
-
-def _real(name: str, value: Any, *, low: float, high: float = math.inf, what: str) -> float:
-    """``value`` of verl's option ``name`` as the float its fused_policy_loss argument takes,
-    checked with the core's own check (``fusedhead.checks.real_in``) under verl's name."""
-    from fusedhead.checks import real_in
-
-    return real_in(name, value, low=low, high=high, what=what)
-
-
-def _dual_clip(value: Any) -> float:
-    what = "a finite float > 1 (verl's dual-clip bound)"
-    out = _real("clip_ratio_c", value, low=1.0, what=what)
-    if out == 1.0:
-        raise ValueError(f"clip_ratio_c must be {what}, got {value!r}")
-    return out
-
-
-def _did_you_mean(value: Any, names: Any) -> str:
-    """``"; did you mean 'x'?"`` for the closest of ``names`` (a case-only difference first)."""
-    if not isinstance(value, str):
-        return ""
-    names = list(names)
-    close = [n for n in names if n.lower() == value.lower()]
-    close = close or difflib.get_close_matches(value, names, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def policy_loss_kwargs(
-    actor_config: Any,
-    *,
-    horizon: int | None = None,
-    dp_size: int = 1,
-    batch_num_tokens: Any = None,
-    global_batch_size: Any = None,
-) -> dict[str, Any]:
-    """``fused_policy_loss``'s keywords from verl's actor config (``actor_rollout_ref.actor``).
-
-    Maps ``loss_agg_mode``, ``clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high``,
-    ``clip_ratio_c`` (verl's dual clip, always on), ``entropy_coeff``, ``use_kl_loss`` /
-    ``kl_loss_coef`` / ``kl_loss_type``, and verl's global batch info (``dp_size``,
-    ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) into the loss normaliser,
-    as verl's ``agg_loss`` divides. ``horizon``: the padded response length verl's
-    ``seq-mean-token-sum-norm`` divides by when ``loss_scale_factor`` is unset. What fusedhead
-    does not compute (``policy_loss.loss_mode`` other than ``vanilla``, ``kl_loss_type``
-    ``full``) is a ``ValueError`` naming the setting.
-    """
-    policy = _cfg(actor_config, "policy_loss", None)
-    mode = _cfg(policy, "loss_mode", "vanilla") if policy is not None else "vanilla"
-    if mode not in ("vanilla", "fusedhead"):  # fusedhead: vanilla, computed by the fused loss
-        what = "sequence-level ratios (GSPO)" if mode == "gspo" else "another loss"
-        raise ValueError(
-            f"policy_loss.loss_mode={mode!r} is {what}; fusedhead's fused policy loss is verl's "
-            "'vanilla' (compute_policy_loss_vanilla): use it, or verl's own loss with "
-            "impl_backend fusedhead:<name> for the log-probs"
-        )
-    agg = _cfg(actor_config, "loss_agg_mode", "token-mean")
-    if agg not in VERL_AGG_MODES:
-        raise ValueError(
-            f"loss_agg_mode={agg!r} is not one of verl's {list(VERL_AGG_MODES)}"
-            f"{_did_you_mean(agg, VERL_AGG_MODES)}"
-        )
-    clip = _cfg(actor_config, "clip_ratio", 0.2)
-    low = _cfg(actor_config, "clip_ratio_low", None)
-    high = _cfg(actor_config, "clip_ratio_high", None)
-    # each value checked as fused_policy_loss checks its argument, under verl's name for it
-    kwargs: dict[str, Any] = dict(
-        clip_low=_real(
-            "clip_ratio" if low is None else "clip_ratio_low",
-            clip if low is None else low,
-            low=0.0,
-            high=1.0,
-            what="in [0, 1) (the lower clip bound 1 - clip_ratio_low must be > 0)",
-        ),
-        clip_high=_real(
-            "clip_ratio" if high is None else "clip_ratio_high",
-            clip if high is None else high,
-            low=0.0,
-            what="a finite float >= 0",
-        ),
-        dual_clip=_dual_clip(_cfg(actor_config, "clip_ratio_c", 3.0)),
-        entropy_coef=_real(
-            "entropy_coeff",
-            _cfg(actor_config, "entropy_coeff", 0.0),
-            low=-math.inf,
-            what="a finite float",
-        ),
-        aggregation=VERL_AGG_MODES[agg],
-    )
-    if _cfg(actor_config, "use_kl_loss", False):
-        kl_type = _cfg(actor_config, "kl_loss_type", "low_var_kl")
-        if kl_type not in VERL_KL_TYPES:
-            full = isinstance(kl_type, str) and kl_type.rstrip("+") == "full"
-            why = (
-                ": 'full' needs whole distributions, which a fused head never holds (use "
-                "loss_mode 'vanilla' for it)"
-                if full
-                else _did_you_mean(kl_type, VERL_KL_TYPES)
-            )
-            raise ValueError(
-                f"kl_loss_type={kl_type!r} is not computed by fusedhead's fused loss; use one of "
-                f"{sorted(VERL_KL_TYPES)}{why}"
-            )
-        coef = _cfg(actor_config, "kl_loss_coef", 0.001)
-        kwargs.update(
-            kl_coef=_real("kl_loss_coef", coef, low=0.0, what="a finite float >= 0"),
-            kl_estimator=VERL_KL_TYPES[kl_type],
-        )
-    scale = _cfg(actor_config, "loss_scale_factor", None)
-    if scale is not None:
-        what = "a length > 0 (the sequence length seq-mean-token-sum-norm divides by)"
-        scale = _real("loss_scale_factor", scale, low=1e-30, what=what)
-    normalizer: Any = None
-    if agg == "token-mean":
-        if batch_num_tokens is None and dp_size > 1:
-            raise ValueError(
-                "batch_num_tokens (verl's global token count) is needed when dp_size > 1"
-            )
-        normalizer = None if batch_num_tokens is None else batch_num_tokens / dp_size
-    elif agg == "token-sum":
-        normalizer = 1.0 / dp_size
-    else:
-        if global_batch_size is None and dp_size > 1:
-            raise ValueError("global_batch_size is needed when dp_size > 1")
-        normalizer = None if global_batch_size is None else global_batch_size / dp_size
-        if agg == "seq-mean-token-sum-norm":
-            factor = scale if scale is not None else horizon
-            if factor is None:
-                raise ValueError(
-                    "loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor in the config "
-                    "or horizon (the padded response length verl divides by)"
-                )
-            normalizer = factor if normalizer is None else normalizer * factor
-            if global_batch_size is None:
-                raise ValueError(
-                    "loss_agg_mode='seq-mean-token-sum-norm' needs global_batch_size (the "
-                    "sequences verl's agg_loss counts) with the horizon"
-                )
-    kwargs["loss_normalizer"] = normalizer
-    return kwargs
-
-
-def check_actor_config(config: Any) -> None:
-    """Refuse, by name, an actor config whose settings the fused loss does not compute."""
-    if _get(config, "use_prefix_grouper", False):
-        raise ValueError(
-            "policy_loss.loss_mode='fusedhead' with use_prefix_grouper=True: the prefix grouper "
-            "changes the model's forward; use loss_mode 'vanilla' with it"
-        )
-    # the mapping itself (loss_agg_mode, clip ratios, KL type); batch sizes come per micro-batch
-    policy_loss_kwargs(config, horizon=1, global_batch_size=1)
-
-
-def check_fused_setup(config: Any, model_config: Any, engine_config: Any = None) -> None:
-    """Refuse, by the settings' names, an actor with ``loss_mode: fusedhead`` that cannot run it.
-
-    ``config``: ``actor_rollout_ref.actor``; ``model_config``: ``actor_rollout_ref.model``
-    (verl's ``HFModelConfig``); ``engine_config``: the actor's engine config, for Ulysses.
-    Called when verl's FSDP engine for that model is built (before the model is loaded) and at
-    its first forward, whatever the pass, so that a setting the fused loss cannot run with is
-    named before a forward-only pass (the old log-probs) runs into it. ``impl_backend`` not
-    ``fusedhead:<name>`` is a ``RuntimeError`` (the model's forward would not be fusedhead's);
-    the rest ``ValueError``.
-    """
-    from fusedhead.integrations.lm_head import installed_backend_names, is_fusedhead_spec
-
-    check_actor_config(config)
-    for key in ("use_remove_padding", "use_fused_kernels"):
-        if not _get(model_config, key, False):
-            raise ValueError(
-                f"{_LOSS_MODE}='fusedhead' needs {_MODEL}.{key}: true (got {key}="
-                f"{_get(model_config, key, False)!r}); set it, or loss_mode 'vanilla' for verl's "
-                "own loss"
-            )
-    options = _get(model_config, "fused_kernel_options", None) or {}
-    backend = _get(options, "impl_backend", None)
-    if not is_fusedhead_spec(backend):
-        if backend is None:
-            what = "unset (verl's own fused kernel)"
-        elif backend in ("torch", "triton", "liger"):
-            what = f"{backend!r}, verl's own fused kernel, whose forward returns log-probs"
-        else:
-            what = f"{backend!r}, not a fusedhead backend"
-        ours = ", ".join(f"'fusedhead:{n}'" for n in installed_backend_names()) or "none installed"
-        raise RuntimeError(
-            f"{_LOSS_MODE}='fusedhead' computes the loss from the hidden states fusedhead's model "
-            f"forward hands over, but {_MODEL}.fused_kernel_options.impl_backend is {what}: "
-            f"set impl_backend: fusedhead:<name> (installed: {ours}), or loss_mode 'vanilla' "
-            "for verl's own loss"
-        )
-    sp = _get(engine_config, "ulysses_sequence_parallel_size", 1) if engine_config else 1
-    if isinstance(sp, int) and sp > 1:
-        raise ValueError(
-            f"{_LOSS_MODE}='fusedhead' with ulysses_sequence_parallel_size={sp}: each rank holds a "
-            "slice of the packed sequence; use loss_mode 'vanilla' with sequence parallelism"
-        )
 
 
 def _fused_config_of(model_config: Any) -> Any:
