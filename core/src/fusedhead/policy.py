@@ -55,7 +55,7 @@ KL_ALIASES = {
 FOREIGN_NAMES = {
     "aggregation": {
         "token-sum": "verl's token-sum is aggregation='token-mean' with loss_normalizer=1.0 "
-        "(1 / dp_size under data parallelism, as fusedhead.integrations.verl_actor maps it)",
+        "(1 / dp_size under data parallelism, as fusedhead.integrations.verl_config maps it)",
         "grpo": "TRL's loss_type='grpo' is aggregation='seq-mean-token-mean'",
         "bnpo": "TRL's loss_type='bnpo' is aggregation='token-mean'",
         "dapo": "TRL's loss_type='dapo' is aggregation='token-mean' with loss_normalizer the "

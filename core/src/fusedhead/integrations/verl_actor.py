@@ -34,10 +34,10 @@ from collections.abc import Callable
 from typing import Any
 
 from fusedhead.integrations.verl_config import (
-    _get,
-    _loss_mode,
     check_actor_config,
     check_fused_setup,
+    loss_mode_of,
+    option,
     policy_loss_kwargs,
 )
 
@@ -148,7 +148,7 @@ def _fused_config_of(model_config: Any) -> Any:
     """The live actor config with ``loss_mode: fusedhead`` whose ``model_config`` is this one."""
     for ref in list(_FUSED_CONFIGS.values()):
         config = ref()
-        if config is not None and _get(config, "model_config") is model_config:
+        if config is not None and option(config, "model_config") is model_config:
             return config
     return None
 
@@ -171,11 +171,11 @@ def _engine_dtype(engine: Any) -> Any:
     import torch
     from verl.utils.torch_dtypes import PrecisionType
 
-    mixed = _get(getattr(engine, "engine_config", None), "mixed_precision", None)
+    mixed = option(getattr(engine, "engine_config", None), "mixed_precision", None)
     if mixed is None:
         return torch.bfloat16
     to_dtype: Any = PrecisionType.to_dtype  # untyped in verl
-    return to_dtype(_get(mixed, "param_dtype", "bf16"))
+    return to_dtype(option(mixed, "param_dtype", "bf16"))
 
 
 def _wrap_initialize(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -196,7 +196,7 @@ def _wrap_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __post_init__(self: Any) -> None:
         original(self)
-        if not _enabled or _loss_mode(self) != LOSS_MODE:
+        if not _enabled or loss_mode_of(self) != LOSS_MODE:
             return
         check_actor_config(self)  # what maps is checked when the config is built, by verl's names
         key = id(self)
@@ -224,7 +224,7 @@ def _fused_config(loss_function: Any) -> Any:
     """The actor config of a ``partial(ppo_loss, config=...)`` asking for the fused loss, or None."""
     keywords = getattr(loss_function, "keywords", None)
     config = keywords.get("config") if isinstance(keywords, dict) else None
-    if config is None or _loss_mode(config) != LOSS_MODE:
+    if config is None or loss_mode_of(config) != LOSS_MODE:
         return None
     from verl.workers.utils.losses import ppo_loss
 
@@ -383,7 +383,7 @@ def fused_ppo_loss_step(
         dp_size > 1
         or num_tokens is not None
         or batch_size is not None
-        or _get(config, "loss_scale_factor") is not None
+        or option(config, "loss_scale_factor") is not None
     )
     aggregation = AggregationType.SUM if summed else AggregationType.MEAN
     pg: dict[str, Any] = {

@@ -17,6 +17,8 @@ __all__ = [
     "VERL_KL_TYPES",
     "check_actor_config",
     "check_fused_setup",
+    "loss_mode_of",
+    "option",
     "policy_loss_kwargs",
 ]
 #: The full names of the settings the fused loss needs, as verl's YAML spells them.
@@ -24,12 +26,14 @@ _MODEL = "actor_rollout_ref.model"
 _LOSS_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode"
 
 
-def _loss_mode(config: Any) -> Any:
-    policy = _get(config, "policy_loss")
-    return "vanilla" if policy is None else _get(policy, "loss_mode", "vanilla")
+def loss_mode_of(config: Any) -> Any:
+    """An actor config's ``policy_loss.loss_mode`` (verl's default ``vanilla`` when unset)."""
+    policy = option(config, "policy_loss")
+    return "vanilla" if policy is None else option(policy, "loss_mode", "vanilla")
 
 
-def _get(config: Any, name: str, default: Any = None) -> Any:
+def option(config: Any, name: str, default: Any = None) -> Any:
+    """``config[name]`` of a mapping-like config (OmegaConf, dict) or its attribute (a dataclass)."""
     getter = getattr(config, "get", None)
     if callable(getter):
         return getter(name, default)
@@ -210,7 +214,7 @@ def policy_loss_kwargs(
 
 def check_actor_config(config: Any) -> None:
     """Refuse, by name, an actor config whose settings the fused loss does not compute."""
-    if _get(config, "use_prefix_grouper", False):
+    if option(config, "use_prefix_grouper", False):
         raise ValueError(
             "policy_loss.loss_mode='fusedhead' with use_prefix_grouper=True: the prefix grouper "
             "changes the model's forward; use loss_mode 'vanilla' with it"
@@ -234,14 +238,14 @@ def check_fused_setup(config: Any, model_config: Any, engine_config: Any = None)
 
     check_actor_config(config)
     for key in ("use_remove_padding", "use_fused_kernels"):
-        if not _get(model_config, key, False):
+        if not option(model_config, key, False):
             raise ValueError(
                 f"{_LOSS_MODE}='fusedhead' needs {_MODEL}.{key}: true (got {key}="
-                f"{_get(model_config, key, False)!r}); set it, or loss_mode 'vanilla' for verl's "
+                f"{option(model_config, key, False)!r}); set it, or loss_mode 'vanilla' for verl's "
                 "own loss"
             )
-    options = _get(model_config, "fused_kernel_options", None) or {}
-    backend = _get(options, "impl_backend", None)
+    options = option(model_config, "fused_kernel_options", None) or {}
+    backend = option(options, "impl_backend", None)
     if not is_fusedhead_spec(backend):
         if backend is None:
             what = "unset (verl's own fused kernel)"
@@ -256,7 +260,7 @@ def check_fused_setup(config: Any, model_config: Any, engine_config: Any = None)
             f"set impl_backend: fusedhead:<name> (installed: {ours}), or loss_mode 'vanilla' "
             "for verl's own loss"
         )
-    sp = _get(engine_config, "ulysses_sequence_parallel_size", 1) if engine_config else 1
+    sp = option(engine_config, "ulysses_sequence_parallel_size", 1) if engine_config else 1
     if isinstance(sp, int) and sp > 1:
         raise ValueError(
             f"{_LOSS_MODE}='fusedhead' with ulysses_sequence_parallel_size={sp}: each rank holds a "
