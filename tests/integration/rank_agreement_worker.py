@@ -44,6 +44,12 @@ def _case_args(name: str, rank: int, base: dict[str, Any]) -> dict[str, Any]:
         kw["return_entropy"] = False
     elif name == "grad_on_one_rank" and other:
         kw["hidden"] = kw["hidden"].clone().requires_grad_(True)
+    elif name == "ignored_row_differs":  # an ignored row reaches nothing, so it may differ
+        kw["labels"] = kw["labels"].clone()
+        kw["labels"][3] = -100
+        if other:
+            kw["hidden"] = kw["hidden"].clone()
+            kw["hidden"][3] = float("nan")
     elif name == "refused_on_one_rank" and other:
         kw["hidden"] = kw["hidden"].double()  # fp64 hidden: refused by name on this rank
     return kw
@@ -62,6 +68,7 @@ CASES = (
     "entropy_on_one_rank",
     "grad_on_one_rank",
     "refused_on_one_rank",
+    "ignored_row_differs",
 )
 
 

@@ -56,11 +56,14 @@ def _float_bits(x: float | None) -> int:
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _bits_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum of a float tensor's bit patterns in int64 (exact, wrapping; any order gives it)."""
-    flat = t.reshape(-1)
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-    return flat.view(ints).sum(dtype=_I64)
+def _bits_sum(t: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of a float tensor's bit patterns in int64 (exact, wrapping; any order gives it), over
+    the rows of a 2-d ``t`` where the bool ``rows`` is set when given."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    bits = t.contiguous().view(ints)
+    if rows is not None:
+        bits = torch.where(rows.unsqueeze(1), bits, 0)
+    return bits.sum(dtype=_I64)
 
 
 def _ids_sum(ids: torch.Tensor) -> torch.Tensor:
@@ -97,7 +100,7 @@ def signature(
         zero if failed is None else failed,
         _bits_sum(temp) if isinstance(temp, torch.Tensor) else zero,
         _ids_sum(call.labels),
-        _bits_sum(call.hidden),
+        _bits_sum(call.hidden, call.labels != call.ignore_index),  # an ignored row reaches nothing
         _ids_sum(call.gather_ids) if call.gather_ids is not None else zero,
     ]
     sums = torch.stack([f.to(_I64) for f in device_fields])
