@@ -50,6 +50,21 @@ def _case_args(name: str, rank: int, base: dict[str, Any]) -> dict[str, Any]:
         if other:
             kw["hidden"] = kw["hidden"].clone()
             kw["hidden"][3] = float("nan")
+    elif name == "rows_swapped" and other:  # the same values, in another order
+        kw["hidden"] = kw["hidden"][[2, 1, 0, 3, 4, 5]]
+    elif name == "elements_swapped" and other:
+        kw["hidden"] = kw["hidden"].clone()
+        kw["hidden"][3, [1, 5]] = kw["hidden"][3, [5, 1]]
+    elif name == "token_temperature_permuted":
+        t = torch.linspace(0.5, 1.5, N)
+        kw["temperature"] = t.flip(0) if other else t
+    elif name == "token_temperature_differs_at_an_ignored_row":
+        kw["labels"] = kw["labels"].clone()
+        kw["labels"][1] = -100
+        t = torch.full((N,), 0.7)
+        if other:
+            t[1] = 3.0
+        kw["temperature"] = t
     elif name == "refused_on_one_rank" and other:
         kw["hidden"] = kw["hidden"].double()  # fp64 hidden: refused by name on this rank
     return kw
@@ -69,6 +84,11 @@ CASES = (
     "grad_on_one_rank",
     "refused_on_one_rank",
     "ignored_row_differs",
+    "rows_swapped",
+    "elements_swapped",
+    "token_temperature_permuted",
+    "token_temperature_differs_at_an_ignored_row",
+    "module_bias_refused_on_one_rank",
 )
 
 
@@ -76,6 +96,7 @@ def run(backend: str, rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from fusedhead import fused_head
+    from fusedhead.module import FusedLMHead
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(N, H, generator=g)
@@ -84,11 +105,19 @@ def run(backend: str, rank: int) -> dict[str, Any]:
     shard = weight[rank * (V // WORLD) : (rank + 1) * (V // WORLD)]
     base = {"hidden": hidden, "labels": labels}
     results: dict[str, Any] = {}
+    other = rank == 1
     for name in CASES:
         kw = _case_args(name, rank, base)
         h, y = kw.pop("hidden"), kw.pop("labels")
         try:
-            out = fused_head(h, shard, y, backend=backend, process_group=dist.group.WORLD, **kw)
+            if name == "module_bias_refused_on_one_rank":  # a bias replaced after it was built
+                bias = torch.nn.Parameter(torch.zeros(shard.shape[0]))
+                m = FusedLMHead(torch.nn.Parameter(shard.clone()), {"backend": backend}, bias=bias)
+                if other:
+                    m.bias = torch.nn.Parameter(torch.zeros(shard.shape[0] + 1))
+                out = m(h, y, process_group=dist.group.WORLD)
+            else:
+                out = fused_head(h, shard, y, backend=backend, process_group=dist.group.WORLD, **kw)
             results[name] = ("ok", out.log_probs.detach().clone())
         except Exception as exc:  # what each rank raised, compared across ranks by the test
             results[name] = (type(exc).__name__, str(exc))

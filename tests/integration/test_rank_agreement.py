@@ -33,6 +33,9 @@ DIFFER = [
     ("bad_token_temperature_on_one_rank", "different temperature"),
     ("entropy_on_one_rank", "different requested outputs"),
     ("grad_on_one_rank", "different whether the call differentiates"),
+    ("rows_swapped", "different hidden states"),
+    ("elements_swapped", "different hidden states"),
+    ("token_temperature_permuted", "different temperature"),
 ]
 
 
@@ -68,7 +71,17 @@ def test_the_ranks_are_still_in_step_after_each_case(ranks, case):
         torch.testing.assert_close(rank[f"{case}/then"], rank["one_process"], rtol=0, atol=4e-6)
 
 
-def test_ignored_rows_may_differ_between_ranks(ranks):
-    (kind0, lp0), (kind1, lp1) = (rank["ignored_row_differs"] for rank in ranks)
+@pytest.mark.parametrize(
+    "case,row",
+    [("ignored_row_differs", 3), ("token_temperature_differs_at_an_ignored_row", 1)],
+)
+def test_ignored_rows_may_differ_between_ranks(ranks, case, row):
+    (kind0, lp0), (kind1, lp1) = (rank[case] for rank in ranks)
     assert kind0 == kind1 == "ok"
-    assert torch.equal(lp0, lp1) and lp0[3] == 0
+    assert torch.equal(lp0, lp1) and lp0[row] == 0
+
+
+def test_a_modules_refused_bias_takes_every_rank_with_it(ranks):
+    (kind0, msg0), (kind1, msg1) = (rank["module_bias_refused_on_one_rank"] for rank in ranks)
+    assert kind1 == "ValueError" and "bias must have shape" in msg1, msg1
+    assert kind0 == "ValueError" and "rank 1 of process_group refused its arguments" in msg0

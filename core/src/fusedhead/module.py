@@ -18,9 +18,11 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from fusedhead import rank_agreement
 from fusedhead.api import FusedHead, FusedHeadOutput
 from fusedhead.checks import is_dtensor, tensor_arg
 from fusedhead.config import FusedHeadConfig
+from fusedhead.graph import tracing
 from fusedhead.request import HeadRequest, head_request
 
 ConfigLike = FusedHeadConfig | Mapping[str, Any] | FusedHead | None
@@ -229,24 +231,35 @@ def head_forward(
     Everything the fold reads is checked first, against what the caller passed: an error after
     the fold would name the folded shapes (``H + 1``), which the caller never built."""
     if bias is not None:
-        weight = request.weight
-        # The fold reads hidden before the head validates it: its own errors name it first.
-        hidden = tensor_arg("hidden", request.hidden)
-        if hidden.dim() == 0:
-            raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
-        _check_bias(bias, weight)
-        if weight.dim() == 2 and hidden.shape[-1] != weight.shape[1]:
-            raise ValueError(
-                f"hidden's last dimension must equal weight's H={weight.shape[1]}, got hidden "
-                f"shape {tuple(hidden.shape)}"
-            )
-        # [h, 1] @ [W, b].T == h @ W.T + b
-        ones = hidden.new_ones((*hidden.shape[:-1], 1))
-        request = request._replace(
-            hidden=torch.cat([hidden, ones], dim=-1),
-            weight=torch.cat([weight, bias.to(weight.dtype).unsqueeze(-1)], dim=-1),
-        )
+        try:
+            request = _fold_bias(request, bias)
+        except Exception:
+            shared = request.process_group is not None and request.check_labels is True
+            if shared and not tracing():
+                rank_agreement.refused(request.process_group, request.hidden)  # the others too
+            raise
     return head.run(request)
+
+
+def _fold_bias(request: HeadRequest, bias: torch.Tensor) -> HeadRequest:
+    """``request`` with ``bias`` folded in as one more column of hidden and weight."""
+    weight = request.weight
+    # The fold reads hidden before the head validates it: its own errors name it first.
+    hidden = tensor_arg("hidden", request.hidden)
+    if hidden.dim() == 0:
+        raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
+    _check_bias(bias, weight)
+    if weight.dim() == 2 and hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden's last dimension must equal weight's H={weight.shape[1]}, got hidden "
+            f"shape {tuple(hidden.shape)}"
+        )
+    # [h, 1] @ [W, b].T == h @ W.T + b
+    ones = hidden.new_ones((*hidden.shape[:-1], 1))
+    return request._replace(
+        hidden=torch.cat([hidden, ones], dim=-1),
+        weight=torch.cat([weight, bias.to(weight.dtype).unsqueeze(-1)], dim=-1),
+    )
 
 
 def _check_bias(bias: object, weight: torch.Tensor) -> None:

@@ -56,21 +56,39 @@ def _float_bits(x: float | None) -> int:
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _bits_sum(t: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum of a float tensor's bit patterns in int64 (exact, wrapping; any order gives it), over
-    the rows of a 2-d ``t`` where the bool ``rows`` is set when given."""
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    bits = t.contiguous().view(ints)
-    if rows is not None:
-        bits = torch.where(rows.unsqueeze(1), bits, 0)
-    return bits.sum(dtype=_I64)
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A float tensor's bit patterns as integers of its width (contiguous)."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: _I64}[t.element_size()])
+
+
+def _place(n: int, device: torch.device, start: int = 0) -> torch.Tensor:
+    """Odd int64 weights of positions ``[start, start + n)``, each its own."""
+    return torch.arange(start, start + n, device=device, dtype=_I64) * _MIX + 1
+
+
+def _rows_sum(values: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """Position-weighted int64 sum (wrapping) of a ``[N, K]`` integer tensor over its scored
+    rows: differs where one value, its column or its row does (a swap included)."""
+    n, k = values.shape
+    cols = _place(k, values.device)
+    # 16-bit patterns times weights below 2**15 fit int32: half the temporaries' bytes.
+    small = values.dtype == torch.int16
+    if small:
+        cols = cols % (1 << 15)
+    step = max(1, (1 << 23) // max(k, 1))  # rows at once: temporaries of at most 2**23 values
+    total = torch.zeros((), dtype=_I64, device=values.device)
+    for start in range(0, n, step):
+        part = values[start : start + step]
+        wide = part.to(torch.int32 if small else _I64) * cols.to(torch.int32 if small else _I64)
+        per_row = wide.sum(dim=1, dtype=_I64) * _place(part.shape[0], values.device, start)
+        total += torch.where(scored[start : start + step], per_row, 0).sum()
+    return total
 
 
 def _ids_sum(ids: torch.Tensor) -> torch.Tensor:
     """Position-weighted sum of int64 ids (wrapping): differs where one id or its place does."""
     flat = ids.reshape(-1).to(_I64)
-    weights = torch.arange(flat.numel(), device=flat.device, dtype=_I64) * _MIX + 1
-    return ((flat + 1) * weights).sum()
+    return ((flat + 1) * _place(flat.numel(), flat.device)).sum()
 
 
 def signature(
@@ -96,12 +114,14 @@ def signature(
         call.ignore_index,
     ]
     failed = pending.any_failed() if pending is not None else None
+    scored = call.labels != call.ignore_index  # an ignored row reaches nothing: not summed
+    ids = call.gather_ids
     device_fields = [
         zero if failed is None else failed,
-        _bits_sum(temp) if isinstance(temp, torch.Tensor) else zero,
+        _rows_sum(_bits(temp).unsqueeze(1), scored) if isinstance(temp, torch.Tensor) else zero,
         _ids_sum(call.labels),
-        _bits_sum(call.hidden, call.labels != call.ignore_index),  # an ignored row reaches nothing
-        _ids_sum(call.gather_ids) if call.gather_ids is not None else zero,
+        _rows_sum(_bits(call.hidden), scored),
+        zero if ids is None else _rows_sum(ids.reshape(len(scored), -1).to(_I64), scored),
     ]
     sums = torch.stack([f.to(_I64) for f in device_fields])
     out = torch.tensor(host, dtype=_I64, device=dev)
