@@ -70,6 +70,24 @@ def test_fullgraph_compile_matches_eager_on_the_interpreter(backend: str) -> Non
         assert torch.equal(a, b)
 
 
+def test_a_heads_first_call_may_be_compiled() -> None:
+    """A head whose first call on a dtype runs under torch.compile(fullgraph=True): its kernel
+    settings are made in the backend's check, which the core runs eagerly while Dynamo traces.
+    They were made in forward, where their json key broke the trace (Dynamo's Unsupported
+    "__new__ of class type") unless an eager call on that dtype came first."""
+    from fusedhead import FusedHead
+
+    torch._dynamo.reset()
+    head = FusedHead({"backend": "triton", "options": {**SMALL_TILES, "memory": "fast"}})
+    hidden, weight, lab = _inputs("cpu", torch.float32, 16, 32, 70)
+
+    def step(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return head(h, w, y, temperature=0.7).log_probs
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(hidden, weight, lab)
+    assert torch.equal(compiled, step(hidden, weight, lab))
+
+
 def test_custom_ops_pass_opcheck() -> None:
     """Schema, fake-tensor shapes, autograd registration: what torch.compile relies on."""
     hidden, weight, lab = _inputs("cpu", torch.float32, 8, 32, 50)

@@ -160,6 +160,9 @@ class TritonBackend:
                 f"the triton backend computes in fp32, fp16 or bf16, not {dtype}; "
                 "cast hidden and weight to one of those"
             )
+        # The settings are made here, where a call under torch.compile runs eagerly (the
+        # core's check step): their key is json, which Dynamo cannot trace inside forward.
+        self._settings(dtype)
         interp = interpret_enabled()
         if device.type == "cuda":
             if interp:
