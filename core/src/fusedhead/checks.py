@@ -7,8 +7,10 @@ deferred (``fusedhead.value_checks``).
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
+from collections.abc import Iterable
 from typing import NoReturn
 
 import torch
@@ -297,3 +299,14 @@ def usable_device(value: str, arg: str = "device") -> torch.device:
             f"(indices 0..{n - 1}); {expected}"
         )
     return dev
+
+
+def did_you_mean(value: object, names: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``names`` to a str ``value`` (a case-only
+    difference first: ``"K3"``, ``"Token-Mean"``), or ``""``."""
+    if not isinstance(value, str):
+        return ""
+    names = list(names)
+    close = [n for n in names if n.lower() == value.lower()]
+    close = close or difflib.get_close_matches(value, names, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""

@@ -9,7 +9,6 @@ docs/policy-loss.md states the semantics (verl's ``core_algos``).
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import math
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any, NoReturn, Protocol
 import torch
 
 from fusedhead.checks import (
+    did_you_mean,
     one_element_real,
     packed_per_sequence,
     per_token_shape,
@@ -241,10 +241,7 @@ def _choice(arg: str, value: object, choices: tuple[str, ...], aliases: dict[str
     foreign = FOREIGN_NAMES.get(arg, {}).get(value.lower().replace("_", "-"))
     if foreign:
         raise ValueError(f"{arg}={value!r} is not one of {list(choices)}: {foreign}")
-    names = [*choices, *aliases]
-    same_case = [c for c in names if c.lower() == value.lower()]  # "K3", "Token-Mean"
-    close = same_case or difflib.get_close_matches(value, names, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = did_you_mean(value, [*choices, *aliases])
     named = f" (or verl's {list(aliases)})" if aliases else ""
     raise ValueError(f"{arg} must be one of {list(choices)}{named}, got {value!r}{hint}")
 

@@ -8,7 +8,6 @@ or verl at import time.
 
 from __future__ import annotations
 
-import difflib
 import math
 from typing import Any
 
@@ -88,16 +87,6 @@ def _dual_clip(value: Any) -> float:
     return out
 
 
-def _did_you_mean(value: Any, names: Any) -> str:
-    """``"; did you mean 'x'?"`` for the closest of ``names`` (a case-only difference first)."""
-    if not isinstance(value, str):
-        return ""
-    names = list(names)
-    close = [n for n in names if n.lower() == value.lower()]
-    close = close or difflib.get_close_matches(value, names, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
 def policy_loss_kwargs(
     actor_config: Any,
     *,
@@ -117,6 +106,8 @@ def policy_loss_kwargs(
     does not compute (``policy_loss.loss_mode`` other than ``vanilla``, ``kl_loss_type``
     ``full``) is a ``ValueError`` naming the setting.
     """
+    from fusedhead.checks import did_you_mean  # torch, not at import time
+
     policy = _cfg(actor_config, "policy_loss", None)
     mode = _cfg(policy, "loss_mode", "vanilla") if policy is not None else "vanilla"
     if mode not in ("vanilla", "fusedhead"):  # fusedhead: vanilla, computed by the fused loss
@@ -130,7 +121,7 @@ def policy_loss_kwargs(
     if agg not in VERL_AGG_MODES:
         raise ValueError(
             f"loss_agg_mode={agg!r} is not one of verl's {list(VERL_AGG_MODES)}"
-            f"{_did_you_mean(agg, VERL_AGG_MODES)}"
+            f"{did_you_mean(agg, VERL_AGG_MODES)}"
         )
     clip = _cfg(actor_config, "clip_ratio", 0.2)
     low = _cfg(actor_config, "clip_ratio_low", None)
@@ -167,7 +158,7 @@ def policy_loss_kwargs(
                 ": 'full' needs whole distributions, which a fused head never holds (use "
                 "loss_mode 'vanilla' for it)"
                 if full
-                else _did_you_mean(kl_type, VERL_KL_TYPES)
+                else did_you_mean(kl_type, VERL_KL_TYPES)
             )
             raise ValueError(
                 f"kl_loss_type={kl_type!r} is not computed by fusedhead's fused loss; use one of "
