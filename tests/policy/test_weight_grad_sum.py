@@ -1,6 +1,5 @@
 """A policy loss's weight gradient is summed over its row chunks in fp32 and rounded once
-(``fusedhead.grad_sum.WeightGradSum`` in the torch backend, a split sum in the triton backend:
-tests/triton_backend/test_triton_policy_dw_sum.py; issue 31 item 4): a 16-bit weight's gradient is the
+(``fusedhead.grad_sum.WeightGradSum``, issue 31 item 4): a 16-bit weight's gradient is the
 fp32 sum's rounding whatever the number of chunks, not a 16-bit running sum's drift."""
 
 from __future__ import annotations
@@ -72,6 +71,12 @@ def test_no_chunk_gives_zeros_and_result_lets_go_of_the_sum() -> None:
     assert acc._sum is None  # the fp32 sum is gone once rounded
 
 
+def test_the_rounding_copy_is_a_16_bit_weight_gradient() -> None:
+    """What ``result`` allocates beside the sum: the triton backend's kept buffer may be as large."""
+    assert WeightGradSum.rounding_bytes(torch.empty(300, 8, dtype=torch.bfloat16)) == 4800
+    assert WeightGradSum.rounding_bytes(torch.empty(300, 8)) == 0
+
+
 @pytest.mark.parametrize("backend", POLICY_BACKENDS)
 def test_a_policy_loss_weight_gradient_does_not_drift_with_the_chunks(backend: str) -> None:
     """fp16 (bf16 dots are wrong under the Triton interpreter): 256 rows as one chunk and as 32
@@ -96,3 +101,17 @@ def test_a_policy_loss_weight_gradient_does_not_drift_with_the_chunks(backend: s
 
     one, many = grad(ONE_CHUNK[backend]), grad(SMALL_CHUNK[backend])
     assert (one == many).float().mean().item() >= 0.99
+
+
+def test_the_triton_kept_buffer_may_grow_to_the_rounding_copy() -> None:
+    """The triton backend's kept buffer bound: its ``memory`` choice, or the 16-bit weight
+    gradient's size where that is more and the gradient is asked (the peak is the rounding's)."""
+    pytest.importorskip("triton")
+    from fusedhead_triton.policy import kept_budget
+
+    w16 = torch.empty(151936, 4096, dtype=torch.bfloat16, device="meta")
+    assert kept_budget(1 << 30, w16, need_weight_grad=True) == 151936 * 4096 * 2
+    assert kept_budget(2 << 30, w16, need_weight_grad=True) == 2 << 30
+    assert kept_budget(1 << 30, w16, need_weight_grad=False) == 1 << 30
+    w32 = torch.empty(151936, 4096, device="meta")
+    assert kept_budget(1 << 30, w32, need_weight_grad=True) == 1 << 30

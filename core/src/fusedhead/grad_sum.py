@@ -3,8 +3,7 @@
 A policy-loss backend adds ``dz^T h`` of each row chunk into ``dW``. A 16-bit running sum rounds
 once per chunk, an error that grows with the chunks (bf16, V = 151936: 2.5e-3 relative over 3
 chunks, 2.9e-3 over 9, against 2.3e-3 for one rounding); ``WeightGradSum`` keeps an fp32 sum and
-rounds it once. The ``torch`` backend's (the ``triton`` backend keeps a split sum whose high half
-is the result's own buffer: ``fusedhead_triton.sum_format``); a third-party backend may use it.
+rounds it once. Shared by the ``torch`` and ``triton`` backends; a third-party backend may use it.
 """
 
 from __future__ import annotations
@@ -76,3 +75,9 @@ class WeightGradSum:
         if total is None:
             return torch.zeros_like(self._like)
         return total if total.dtype == self._like.dtype else total.to(self._like.dtype)
+
+    @staticmethod
+    def rounding_bytes(weight: torch.Tensor) -> int:
+        """Bytes ``result`` allocates beside the fp32 sum (0 for an fp32 weight): a chunk
+        workspace let go before ``result`` may take as much without raising the peak."""
+        return 0 if weight.dtype == FP32 else weight.numel() * weight.element_size()

@@ -70,20 +70,17 @@ def _tiles(cfg: TileConfig) -> dict[str, Any]:
 
 
 def compile_dh(
-    cfg: TileConfig, *, arch: int = 90, first: bool = False, last: bool = False, sum_lo: int = 8,
-    a_t: bool = False,
-) -> Any:  # fmt: skip
-    """``dh_tma_kernel`` for bf16 with the sum format ``sum_lo``, as the launcher builds it;
-    ``a_t``: as the policy loss's weight-gradient sum builds it (``launch.dw_chunk``)."""
+    cfg: TileConfig, *, arch: int = 90, first: bool = False, last: bool = False, sum_lo: int = 8
+) -> Any:
+    """``dh_tma_kernel`` for bf16 with the sum format ``sum_lo``, as the launcher builds it."""
     hi_ty, lo_ty = SUM_TYPES[sum_lo]
-    a_block = [cfg.block_k, cfg.block_m] if a_t else [cfg.block_m, cfg.block_k]
     signature = {
-        "dz_desc": f"tensordesc<bf16[{a_block[0]}, {a_block[1]}]>",
+        "dz_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
         "w_desc": f"tensordesc<bf16[{cfg.block_k}, {cfg.block_n}]>",
         "hi_ptr": f"*{hi_ty}", "lo_ptr": f"*{lo_ty}", "out_ptr": "*bf16",
         "N": "i32", "H": "i32", "Kb": "i32",
     }  # fmt: skip
-    consts = {**_tiles(cfg), "FIRST": first, "LAST": last, "SUM_LO": sum_lo, "A_T": a_t}
+    consts = {**_tiles(cfg), "FIRST": first, "LAST": last, "SUM_LO": sum_lo}
     return _compile(dh.dh_tma_kernel, signature, consts, cfg, arch)
 
 
@@ -153,8 +150,6 @@ def candidates() -> dict[str, tuple[str, TileConfig, int]]:
         "dh_128x128_fp24": ("dh", narrow, 8),
         "dh_128x128_4stages_fp24": ("dh", replace(narrow, num_stages=4), 8),
         "dz": ("dz", shipped, 0),
-        "dw_fp24": ("dw", shipped, 8),
-        "dw_fp32": ("dw", shipped, 16),
     }
 
 
@@ -172,7 +167,7 @@ def main() -> None:
         if which == "dz":
             res = resources(compile_dz(cfg, arch=opts.arch))
         else:
-            res = resources(compile_dh(cfg, arch=opts.arch, sum_lo=sum_lo, a_t=which == "dw"))
+            res = resources(compile_dh(cfg, arch=opts.arch, sum_lo=sum_lo))
         rows.append({"name": name, "config": asdict(cfg), "sum_lo": sum_lo, **asdict(res)})
         print(line(name, res), flush=True)
     if opts.json:

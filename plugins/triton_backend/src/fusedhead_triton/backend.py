@@ -46,9 +46,9 @@ _BASIC = frozenset({"log_probs", "entropy"})
 EXTRA_OUTPUTS = ("lse", "sum_p2", "argmax", "gather")
 #: Largest tile size the options take (block_m, block_n, block_k).
 MAX_TILE = 1024
-#: The policy loss's kept ``[rows, V]`` buffer per ``memory`` choice, in bytes (at least 128 rows;
-#: ``policy.chunk_rows``; docs/policy-loss.md).
-POLICY_BUFFER_BYTES = {"low": 512 << 20, "fast": 2048 << 20}
+#: The policy loss's kept ``[rows, V]`` buffer per ``memory`` choice, in bytes, at least
+#: (``policy.kept_budget``; docs/policy-loss.md).
+POLICY_BUFFER_BYTES = {"low": 1024 << 20, "fast": 2048 << 20}
 
 
 class TritonOptions(BaseModel):
@@ -63,9 +63,7 @@ class TritonOptions(BaseModel):
         "in the weight gradient's last rows, whose logits are recomputed once at the end (about "
         "N/(2V) GEMM units), and a 64 MiB dz buffer; 'fast': the sum's exact fp32 low half beside "
         "the output (N x H x 2 bytes) and a 256 MiB dz buffer. Both put dz blocks in the weight "
-        "gradient's unwritten rows where they fit; 'low' applies when both gradients are asked. "
-        "The policy loss: 'low' keeps its weight-gradient sum's low byte (fp24) beside the result "
-        "and 512 MiB of logits per row chunk; 'fast' the exact fp32 low half and 2 GiB.",
+        "gradient's unwritten rows where they fit; 'low' applies when both gradients are asked.",
     )
     backward_block_mib: float | None = Field(
         default=None,
@@ -91,7 +89,8 @@ class TritonOptions(BaseModel):
         None,
         ge=1,
         description="Tuning: rows per chunk of the policy loss (None: from memory, a kept buffer "
-        "of 512 MiB for 'low' and 2 GiB for 'fast').",
+        "of 1 GiB for 'low' and 2 GiB for 'fast', or the size of a 16-bit weight gradient where "
+        "that is more: rounding its fp32 sum at the end needs as much).",
     )
     tma: bool | None = Field(
         None,
@@ -298,7 +297,7 @@ class TritonBackend:
     def policy_loss(self, call: PolicyLossCall) -> PolicyLossResult:
         """The policy loss's statistics and gradients: three GEMMs per row chunk."""
         from .launch import MAX_GRID_VOCAB
-        from .policy import chunk_rows, policy_loss
+        from .policy import chunk_rows, kept_budget, policy_loss
 
         h, w = call.head.hidden, call.head.weight
         if w.shape[0] >= MAX_GRID_VOCAB:  # the statistics go through the head's exact combine
@@ -306,7 +305,7 @@ class TritonBackend:
                 f"weight: the triton backend's exact (fixed-point) combine of the vocabulary "
                 f"tiles takes vocabularies below {MAX_GRID_VOCAB} rows, got {w.shape[0]}"
             )
-        budget = POLICY_BUFFER_BYTES[self.options.memory]
+        budget = kept_budget(POLICY_BUFFER_BYTES[self.options.memory], w, call.need_weight_grad)
         rows = chunk_rows(h.shape[0], w.shape[0], h.dtype, budget, self.options.policy_chunk_rows)
         return policy_loss(call, self._settings(h.dtype)[0], rows)
 

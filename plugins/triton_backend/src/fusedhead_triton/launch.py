@@ -388,31 +388,6 @@ def dh_block(
         )
     else:
         dh_kernel[(tiles,)](
-            dz, wb, acc.hi, acc.lo, acc.out, n, h, cols, *dz.stride(), *wb.stride(),
+            dz, wb, acc.hi, acc.lo, acc.out, n, h, cols, dz.stride(0), *wb.stride(),
             EVEN_K=cols % cfg.block_k == 0, EVEN_N=h % cfg.block_n == 0, **flags,
-        )  # fmt: skip
-
-
-def dw_chunk(
-    dz: torch.Tensor, h_rows: torch.Tensor, acc: DhSum, cfg: TileConfig, *, first: bool, last: bool
-) -> None:
-    """Add a row chunk's ``dz^T @ h_rows`` (``dz`` ``[rows, V]``, ``h_rows`` ``[rows, H]``) to the
-    weight gradient's running sum (``first``: start it; ``last``: write the result to
-    ``acc.out``): the dh kernels with ``dz`` read transposed."""
-    (rows, v), h = dz.shape, h_rows.shape[1]
-    flags = tile_constants(cfg, dz.dtype, FIRST=first, LAST=last, SUM_LO=acc.sum_lo)
-    tiles = math.ceil(v / cfg.block_m) * math.ceil(h / cfg.block_n)
-    rows_aligned = (v * dz.element_size()) % 16 == 0 and dz.data_ptr() % 16 == 0
-    if rows_aligned and tma_usable(cfg, dz.dtype, h, dz.device):
-        zd = descriptor(dz, [cfg.block_k, cfg.block_m])
-        hd = descriptor(h_rows, [cfg.block_k, cfg.block_n])
-        progs = num_programs(dz.device)
-        dh_tma_kernel[(min(progs, tiles),)](
-            zd, hd, acc.hi, acc.lo, acc.out, v, h, rows, NUM_PROGS=progs, A_T=True, **flags
-        )
-    else:
-        a = dz.t()
-        dh_kernel[(tiles,)](
-            a, h_rows, acc.hi, acc.lo, acc.out, v, h, rows, *a.stride(), *h_rows.stride(),
-            EVEN_K=rows % cfg.block_k == 0, EVEN_N=h % cfg.block_n == 0, **flags,
         )  # fmt: skip

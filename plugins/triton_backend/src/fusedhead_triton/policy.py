@@ -4,11 +4,10 @@ Per chunk: the logits GEMM with the forward's statistics in its epilogue, each t
 ``d = z - m_tile`` kept (``kernels.policy``); the fixed-order combine of the plain head (so the
 log-probs and entropies are the plain head's bits); the loss's derivative per row
 (``fusedhead.policy_terms.token_grads``); ``dz`` in place of the kept offsets; then cuBLAS for
-``dX = dz W``, and ``dW += dz^T h`` by the dh kernels into a split running sum (``sum_format``):
-its high half in the returned gradient's own buffer, its low part beside it, one byte a value
-(bf16 under ``memory: low``: fp24) or two (exact fp32), rounded once by the last chunk. The kept
-offsets and ``dz`` share one ``[rows, V]`` buffer of two bytes per value for 16-bit inputs (fp16
-offsets: within ``2^-11 / e`` of a probability).
+``dX = dz W`` and ``dW += dz^T h``, the latter into an fp32 sum rounded once at the end
+(``fusedhead.grad_sum``; the kept buffer is let go first). The kept offsets and ``dz`` share one
+``[rows, V]`` buffer of two bytes per value for 16-bit inputs (fp16 offsets: within
+``2^-11 / e`` of a probability).
 """
 
 from __future__ import annotations
@@ -17,10 +16,10 @@ import math
 
 import torch
 
+from fusedhead.grad_sum import WeightGradSum
 from fusedhead.policy_terms import label_logit_grad, token_grads
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
 
-from . import sum_format
 from .configs import Settings
 from .kernels.policy import policy_dz_kernel, policy_logits_kernel
 from .launch import (
@@ -28,7 +27,6 @@ from .launch import (
     Partials,
     combine_extras,
     descriptor,
-    dw_chunk,
     num_programs,
     tile_constants,
     tma_usable,
@@ -43,6 +41,16 @@ def keep_dtype(dtype: torch.dtype) -> torch.dtype:
     """What the offsets are kept in: fp16 beside 16-bit inputs (their dz has the same size, and
     is written in place), fp32 beside fp32 inputs."""
     return FP32 if dtype == FP32 else torch.float16
+
+
+def kept_budget(memory_bytes: int, weight: torch.Tensor, need_weight_grad: bool) -> int:
+    """The kept buffer's bound: ``memory_bytes``, or a 16-bit weight gradient's size where that
+    is more and the gradient is asked. Its fp32 sum is rounded into a copy of that size after the
+    buffer is let go, so a buffer up to that size adds nothing to the peak, and fewer chunks are
+    fewer read-modify-writes of the sum."""
+    if not need_weight_grad:
+        return memory_bytes
+    return max(memory_bytes, WeightGradSum.rounding_bytes(weight))
 
 
 def chunk_rows(n: int, v: int, dtype: torch.dtype, budget_bytes: int, explicit: int | None) -> int:
@@ -77,9 +85,8 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
     log_probs = torch.empty(n, dtype=FP32, device=dev)
     entropy = torch.empty(n, dtype=FP32, device=dev)
     grad_h = torch.empty_like(hidden) if call.need_hidden_grad else None
-    rows = max(1, min(rows_per_chunk, n))
-    chunks = math.ceil(n / rows)
-    grad_w = _weight_grad_sum(weight, chunks, st) if call.need_weight_grad else None
+    grad_w = WeightGradSum(weight) if call.need_weight_grad else None
+    rows = min(rows_per_chunk, n)
     buf = torch.empty(rows * v, dtype=keep_dtype(hidden.dtype), device=dev)
     tiles = math.ceil(v / cfg.block_n)
     tma = tma_usable(cfg, hidden.dtype, h, dev)
@@ -91,7 +98,7 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
     cap_args = sc.softcap_args
     zero = torch.zeros((), dtype=hidden.dtype, device=dev)
     keep = dz = keep_arg = buf  # views of the kept buffer, bound whatever the loop runs
-    for chunk, start in enumerate(range(0, n, rows)):
+    for start in range(0, n, rows):
         stop = min(start + rows, n)
         m = stop - start
         ok = valid[start:stop]
@@ -133,21 +140,11 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
         if grad_h is not None:
             torch.mm(dz, weight, out=grad_h[start:stop])
         if grad_w is not None:
-            last = chunk == chunks - 1
-            dw_chunk(dz, h_rows, grad_w, st.dh, first=chunk == 0, last=last)
-    grad_weight = None
-    if grad_w is not None:
-        grad_weight = grad_w.out if n else torch.zeros_like(weight)
-    return PolicyLossResult(log_probs, entropy, grad_hidden=grad_h, grad_weight=grad_weight)
-
-
-def _weight_grad_sum(weight: torch.Tensor, chunks: int, st: Settings) -> sum_format.DhSum:
-    """The weight gradient's running sum over ``chunks`` row chunks, its high half in the
-    result's own buffer. Its low part: one byte a value for a bf16 weight under ``memory: low``
-    (fp24, a 16-bit significand: 2^-17 relative a chunk, 8 bits below bf16's rounding), else two
-    (exact fp32; fp16's 11-bit significand would leave fp24 only 5 bits below it)."""
-    fmt = None
-    if sum_format.split_format(weight.dtype, chunks, fp32_out=False):
-        fp24 = st.memory == "low" and weight.dtype == torch.bfloat16
-        fmt = "fp24" if fp24 else "fp32"
-    return sum_format.allocate(*weight.shape, weight.dtype, weight.device, False, fmt)
+            grad_w.add(dz, h_rows)
+    del buf, keep, dz, keep_arg  # the kept buffer goes before the fp32 sum is rounded
+    return PolicyLossResult(
+        log_probs,
+        entropy,
+        grad_hidden=grad_h,
+        grad_weight=None if grad_w is None else grad_w.result(),
+    )
