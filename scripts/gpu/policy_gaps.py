@@ -1,7 +1,8 @@
 """Where a policy-loss step leaves the GPU idle: the gaps between its kernels on the stream.
 
 One step of ``policy_loss_bench.py``'s IMPL (default ``fused:triton``) at N = 8192 under
-torch.profiler; prints the step's span, its kernels' total, and every gap over 20 us with the
+torch.profiler; prints the step's time alone and with the GPU busy beforehand (the host's work
+before the step's first read then overlaps it, as in a trainer), the step's span, its kernels' total, and every gap over 20 us with the
 kernels on either side and the CPU ops that overlap it.
 
     python scripts/gpu/policy_gaps.py OUT_DIR [IMPL] [--n N]
@@ -40,12 +41,20 @@ def main() -> int:
     for _ in range(3):
         fn(h, w).backward()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn(h, w).backward()
-    end.record()
-    torch.cuda.synchronize()
-    print(f"{spec} N={n}: one step {start.elapsed_time(end):.2f} ms (events, no profiler)")
+    for busy in (False, True):
+        times = []
+        for _ in range(5):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            if busy:  # the GPU busy before the step, as after a model's forward in a trainer
+                torch.cuda._sleep(50_000_000)
+            start.record()
+            fn(h, w).backward()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        what = "after 50M cycles of GPU sleep" if busy else "alone"
+        print(f"{spec} N={n}: one step {sorted(times)[2]:.2f} ms, median of 5, {what} (events)")
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         fn(h, w).backward()
         torch.cuda.synchronize()
