@@ -1,9 +1,9 @@
 """Where a policy-loss step leaves the GPU idle: the gaps between its kernels on the stream.
 
-One step of ``policy_loss_bench.py``'s IMPL (default ``fused:triton``) at N = 8192 under
-torch.profiler; prints the step's time alone and with the GPU busy beforehand (the host's work
-before the step's first read then overlaps it, as in a trainer), the step's span, its kernels' total, and every gap over 20 us with the
-kernels on either side and the CPU ops that overlap it.
+One step of ``policy_loss_bench.py``'s IMPL (default ``fused:triton``) at N = 8192: its time
+alone and with the GPU busy beforehand (the host's work before the step's one read then overlaps
+it, as in a trainer), then under torch.profiler its span, its kernels' total, and every gap over
+20 us with the kernels on either side and the CPU ops that overlap it.
 
     python scripts/gpu/policy_gaps.py OUT_DIR [IMPL] [--n N]
 """
