@@ -1,0 +1,54 @@
+"""The host's Python time in one policy-loss step on a GPU (cProfile), to find what the GPU waits
+for before the step's first kernels: ``python scripts/gpu/policy_host_profile.py [IMPL] [N]``."""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from policy_loss_bench import build, make_inputs
+
+
+def main() -> int:
+    spec = sys.argv[1] if len(sys.argv) > 1 else "fused:triton"
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
+    x = make_inputs(n, 4096, 151936, torch.device("cuda"), torch.bfloat16)
+    fn = build(spec, x)
+    h = x["hidden"].detach().clone().requires_grad_()
+    w = x["weight"].detach().clone().requires_grad_()
+    h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)
+    for _ in range(3):
+        fn(h, w).backward()
+    torch.cuda.synchronize()
+    # the forward call's host time up to its return (the GPU still busy after), five times
+    spans = []
+    for _ in range(5):
+        torch.cuda._sleep(100_000_000)  # keep the GPU busy so no read waits on the step itself
+        t = time.perf_counter()
+        loss = fn(h, w)
+        spans.append((time.perf_counter() - t) * 1e3)
+        loss.backward()
+        torch.cuda.synchronize()
+    print(f"{spec} N={n}: host time of the forward call {sorted(spans)[2]:.2f} ms (median of 5)")
+    prof = cProfile.Profile()
+    for _ in range(5):
+        torch.cuda._sleep(100_000_000)
+        prof.enable()
+        loss = fn(h, w)
+        prof.disable()
+        loss.backward()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(25)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
