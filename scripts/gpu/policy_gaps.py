@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).parent))
 import itertools
 
-from policy_loss_bench import build, make_inputs
+from policy_loss_bench import warm_step
 
 
 def main() -> int:
@@ -33,14 +33,7 @@ def main() -> int:
         n = int(args[i + 1])
         del args[i : i + 2]
     spec = args[0] if args else "fused:triton"
-    x = make_inputs(n, 4096, 151936, torch.device("cuda"), torch.bfloat16)
-    fn = build(spec, x)
-    h = x["hidden"].detach().clone().requires_grad_()
-    w = x["weight"].detach().clone().requires_grad_()
-    h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)
-    for _ in range(3):
-        fn(h, w).backward()
-    torch.cuda.synchronize()
+    fn, h, w = warm_step(spec, n)
     for busy in (False, True):
         times = []
         for _ in range(5):

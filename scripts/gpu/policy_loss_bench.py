@@ -132,6 +132,22 @@ def build(spec: str, x: dict[str, Any]) -> Callable[[torch.Tensor, torch.Tensor]
     raise SystemExit(f"unknown implementation {spec!r}")
 
 
+def warm_step(
+    spec: str, n: int, runs: int = 3
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor]:
+    """``spec``'s step at N = ``n`` on this CUDA GPU (the bench's case), with its leaves, their
+    gradients allocated beforehand, after ``runs`` warm-up steps: (step, hidden, weight)."""
+    x = make_inputs(n, 4096, 151936, torch.device("cuda"), torch.bfloat16)
+    fn = build(spec, x)
+    h = x["hidden"].detach().clone().requires_grad_()
+    w = x["weight"].detach().clone().requires_grad_()
+    h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)
+    for _ in range(runs):
+        fn(h, w).backward()
+    torch.cuda.synchronize()
+    return fn, h, w
+
+
 def timed(fn: Callable[[], Any], reps: int, device: torch.device) -> list[float]:
     """Per-run milliseconds (CUDA events; wall clock on the CPU), after two warm-up runs."""
     for _ in range(2):

@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from policy_loss_bench import build, make_inputs
+from policy_loss_bench import build, make_inputs, warm_step
 
 
 def dz_sweep(configs: list[tuple[int, int, int]]) -> None:
@@ -49,16 +49,8 @@ def main() -> int:
         )
         return 0
     impls = sys.argv[2:] or ["fused:triton:policy_chunk_rows=8192", "unfused:triton"]
-    n = 8192
-    x = make_inputs(n, 4096, 151936, torch.device("cuda"), torch.bfloat16)
     for spec in impls:
-        fn = build(spec, x)
-        h = x["hidden"].detach().clone().requires_grad_()
-        w = x["weight"].detach().clone().requires_grad_()
-        h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)
-        for _ in range(2):
-            fn(h, w).backward()
-        torch.cuda.synchronize()
+        fn, h, w = warm_step(spec, 8192, runs=2)
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             fn(h, w).backward()
             torch.cuda.synchronize()
