@@ -34,3 +34,9 @@ def test_an_explicit_chunk_is_taken_as_given() -> None:
 
 def test_fp32_inputs_keep_four_bytes_a_value() -> None:
     assert chunk_rows(100_000, V, torch.float32, GIB, None) <= GIB // (V * 4)
+
+
+def test_a_softcap_keeps_the_raw_logits_four_bytes_a_value() -> None:
+    """The raw fp32 logits beside 16-bit inputs (the cap's derivative is taken from them)."""
+    rows = chunk_rows(100_000, V, torch.bfloat16, GIB, None, softcap=True)
+    assert rows <= GIB // (V * 4) < chunk_rows(100_000, V, torch.bfloat16, GIB, None)

@@ -306,7 +306,10 @@ class TritonBackend:
                 f"tiles takes vocabularies below {MAX_GRID_VOCAB} rows, got {w.shape[0]}"
             )
         budget = kept_budget(POLICY_BUFFER_BYTES[self.options.memory], w, call.need_weight_grad)
-        rows = chunk_rows(h.shape[0], w.shape[0], h.dtype, budget, self.options.policy_chunk_rows)
+        rows = chunk_rows(
+            h.shape[0], w.shape[0], h.dtype, budget, self.options.policy_chunk_rows,
+            softcap=call.head.softcap is not None,
+        )  # fmt: skip
         return policy_loss(call, self._settings(h.dtype)[0], rows)
 
     def _settings(self, dtype: torch.dtype) -> tuple[Settings, str]:

@@ -7,7 +7,7 @@ log-probs and entropies are the plain head's bits); the loss's derivative per ro
 ``dX = dz W`` and ``dW += dz^T h``, the latter into an fp32 sum rounded once at the end
 (``fusedhead.grad_sum``; the kept buffer is let go first). The kept offsets and ``dz`` share one
 ``[rows, V]`` buffer of two bytes per value for 16-bit inputs (fp16 offsets: within
-``2^-11 / e`` of a probability).
+``2^-11 / e`` of a probability); with a softcap, four (the raw logits, ``kernels.policy``).
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ DZ_CONFIG = (2, 4, 3)
 FP32 = torch.float32
 
 
-def keep_dtype(dtype: torch.dtype) -> torch.dtype:
+def keep_dtype(dtype: torch.dtype, softcap: bool = False) -> torch.dtype:
     """What the offsets are kept in: fp16 beside 16-bit inputs (their dz has the same size, and
-    is written in place), fp32 beside fp32 inputs."""
-    return FP32 if dtype == FP32 else torch.float16
+    is written in place), fp32 beside fp32 inputs; with a softcap, the raw logits in fp32 (the
+    16-bit dz then in the first half of each row's bytes)."""
+    return FP32 if dtype == FP32 or softcap else torch.float16
 
 
 def kept_budget(memory_bytes: int, weight: torch.Tensor, need_weight_grad: bool) -> int:
@@ -53,13 +54,16 @@ def kept_budget(memory_bytes: int, weight: torch.Tensor, need_weight_grad: bool)
     return max(memory_bytes, WeightGradSum.rounding_bytes(weight))
 
 
-def chunk_rows(n: int, v: int, dtype: torch.dtype, budget_bytes: int, explicit: int | None) -> int:
+def chunk_rows(
+    n: int, v: int, dtype: torch.dtype, budget_bytes: int, explicit: int | None,
+    softcap: bool = False,
+) -> int:  # fmt: skip
     """Rows per chunk: as few chunks as the kept ``[rows, V]`` buffer within ``budget_bytes``
     allows (at least 128 rows), of equal size in whole 128-row tiles, so no small last chunk
     pays a GEMM of its own at low efficiency and a read-modify-write of the weight gradient."""
     if explicit is not None:
         return explicit
-    per_row = v * torch.empty((), dtype=keep_dtype(dtype)).element_size()
+    per_row = v * torch.empty((), dtype=keep_dtype(dtype, softcap)).element_size()
     most = max(128, budget_bytes // per_row // 128 * 128)
     chunks = math.ceil(max(n, 1) / most)
     rows = math.ceil(max(n, 1) / chunks / 128) * 128
@@ -87,7 +91,7 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
     grad_h = torch.empty_like(hidden) if call.need_hidden_grad else None
     grad_w = WeightGradSum(weight) if call.need_weight_grad else None
     rows = min(rows_per_chunk, n)
-    buf = torch.empty(rows * v, dtype=keep_dtype(hidden.dtype), device=dev)
+    buf = torch.empty(rows * v, dtype=keep_dtype(hidden.dtype, softcap is not None), device=dev)
     tiles = math.ceil(v / cfg.block_n)
     tma = tma_usable(cfg, hidden.dtype, h, dev)
     w_arg = descriptor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
@@ -107,7 +111,13 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
         y = labels[start:stop]
         t_rows = temp[start:stop] if temp is not None else log_probs  # a dummy unless per-token
         keep = buf[: m * v].view(m, v)
-        keep_tma = tma and (v * keep.element_size()) % 16 == 0 and keep.data_ptr() % 16 == 0
+        # (not an fp32 tile beside 16-bit operands: its staging would not fit shared memory)
+        keep_tma = (
+            tma
+            and keep.element_size() == hidden.element_size()
+            and (v * keep.element_size()) % 16 == 0
+            and keep.data_ptr() % 16 == 0
+        )
         keep_arg = descriptor(keep, [cfg.block_m, cfg.block_n]) if keep_tma else keep
         ws = torch.empty((3, tiles, m), dtype=FP32, device=dev)
         zy = torch.full((m,), float("nan"), dtype=FP32, device=dev)
@@ -128,12 +138,12 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
         a = torch.addcmul(g_lp, g_ent, out.entropy).neg_()
         b = g_ent.neg()
         dz_label = label_logit_grad(out.log_probs, out.entropy, g_lp, g_ent)
-        dz = keep if keep.dtype == hidden.dtype else keep.view(hidden.dtype)
+        dz = keep if keep.dtype == hidden.dtype else keep.view(hidden.dtype)[:, :v]
         block_r, warps, stages = DZ_CONFIG
         policy_dz_kernel[(math.ceil(m / block_r),)](
             keep, dz, ws, y, t_rows, out.row_max, out.log_s, a, b, dz_label, m, v, keep.stride(0),
             dz.stride(0), 0,
-            head.ignore_index, inv_temp, cap_args[1], BLOCK_R=block_r, BLOCK_N=cfg.block_n,
+            head.ignore_index, inv_temp, *cap_args, BLOCK_R=block_r, BLOCK_N=cfg.block_n,
             PER_TOKEN_T=temp is not None, HAS_SOFTCAP=softcap is not None, STAGES=stages,
             num_warps=warps,
         )  # fmt: skip

@@ -6,7 +6,10 @@ log-probs and entropies of the plain head) whose epilogue also stores each tile'
 ``d = z - m_tile`` into ``keep[N, V]``. ``policy_dz_kernel`` turns them into the logits' gradient
 ``dz = dL/dx`` in place (``keep`` and ``dz`` share a buffer of one element size), for the two
 gradient GEMMs. ``d <= 0`` and ``p = exp(d + (m_tile - m) - log s) <= exp(d)``, so storing ``d`` in fp16
-costs at most ``p |d| 2^-11 <= 2^-11 / e`` of a probability.
+costs at most ``p |d| 2^-11 <= 2^-11 / e`` of a probability. With a softcap the raw fp32 logit is
+kept instead, and ``dz`` recomputes ``z`` from it (the forward's bits) and the cap's derivative
+``sech^2`` exactly where the cap saturates: rebuilt from a rounded ``z`` (``1 - tanh^2``) it lost
+its digits there (fp16, cap 1: gradients 40x further from float64 than the torch backend's).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from .common import (
     logits_tile,
     logits_tile_tma,
     row_inv_temperature,
+    sech2_f32,
     store_tile,
+    tanh_f32,
 )
 from .forward import label_column, scaled_tile
 
@@ -36,7 +41,8 @@ def policy_logits_kernel(
     """Persistent over the (row tile, vocab tile) grid: the fp32 logits tile, its (m, s, w),
     the label logit, and ``d = z - m`` stored in ``keep``'s dtype (through its TMA descriptor
     when ``KEEP_TMA``), issued as soon as ``d`` exists, ahead of the tile's statistics (a step
-    at N = 8192 on an H200: 47.2 ms, against 49.3 with the store after them; docs/benchmarks.md)."""
+    at N = 8192 on an H200: 47.2 ms, against 49.3 with the store after them; docs/benchmarks.md).
+    With a softcap the raw logit tile goes to ``keep`` (fp32) instead, before it is capped."""
     num_pid_m = tl.cdiv(N, BLOCK_M)
     num_pid_n = tl.cdiv(V, BLOCK_N)
     for tile in range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS):
@@ -57,16 +63,22 @@ def policy_logits_kernel(
         row_ok = offs_m < N
         col_ok = offs_n < V
         rows = tl.minimum(offs_m, N - 1)
+        if HAS_SOFTCAP:
+            store_tile(
+                keep_ptr, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, N, V, stride_keep, BLOCK_M,
+                BLOCK_N, KEEP_TMA,
+            )  # fmt: skip
         z = scaled_tile(
             acc, rows, offs_n, V, temp_ptr, inv_temp, softcap, inv_softcap, PER_TOKEN_T,
             HAS_SOFTCAP,
         )  # fmt: skip
         m = tl.max(z, axis=1)
         d = z - m[:, None]
-        store_tile(
-            keep_ptr, d, pid_m * BLOCK_M, pid_n * BLOCK_N, N, V, stride_keep, BLOCK_M, BLOCK_N,
-            KEEP_TMA,
-        )  # fmt: skip
+        if not HAS_SOFTCAP:
+            store_tile(
+                keep_ptr, d, pid_m * BLOCK_M, pid_n * BLOCK_N, N, V, stride_keep, BLOCK_M,
+                BLOCK_N, KEEP_TMA,
+            )  # fmt: skip
         e = tl.exp2(d * LOG2E)
         s = tl.sum(e, axis=1)
         wsum = tl.sum(e * tl.where(col_ok[None, :], d, 0.0), axis=1)
@@ -83,7 +95,7 @@ def policy_logits_kernel(
 @triton.jit(do_not_specialize=["N", "V"])
 def policy_dz_kernel(
     keep_ptr, dz_ptr, ws_ptr, labels_ptr, temp_ptr, m_ptr, logs_ptr, a_ptr, b_ptr, dzy_ptr, N, V,
-    stride_keep, stride_dz, label_offset, ignore_index, inv_temp, inv_softcap,
+    stride_keep, stride_dz, label_offset, ignore_index, inv_temp, softcap, inv_softcap,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN_T: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
@@ -92,7 +104,8 @@ def policy_dz_kernel(
     ``dzy / T [* sech^2]`` (the launcher forms it from the row's log-prob: a confident token's
     ``1 - p`` keeps its digits), for ``BLOCK_R`` rows streamed along the vocabulary one GEMM tile
     width at a time (in place: each value is read, then written, by this program); exactly 0 on
-    ignored rows (selected)."""
+    ignored rows (selected). With a softcap ``keep`` holds the raw logits (fp32): ``z`` is
+    recomputed as the forward formed it, and the cap's derivative is ``sech2_f32`` of it."""
     offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = offs_m < N
     rows = tl.minimum(offs_m, N - 1)
@@ -110,15 +123,19 @@ def policy_dz_kernel(
     for t in tl.range(0, tl.cdiv(V, BLOCK_N), num_stages=STAGES):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = (offs_n < V)[None, :]
-        d = tl.load(keep_rows + offs_n[None, :], mask=col_ok, other=0.0).to(tl.float32)
+        kept = tl.load(keep_rows + offs_n[None, :], mask=col_ok, other=0.0).to(tl.float32)
         m = tl.load(ws_ptr + t * N + rows)[:, None]
+        if HAS_SOFTCAP:  # z = c tanh(x / c) / T, as scaled_tile forms it
+            u = kept * inv_softcap
+            d = (softcap * tanh_f32(u)) * inv_t - m
+        else:
+            d = kept
         log_p = d + ((m - m_row) - log_s)
         p = tl.exp2(log_p * LOG2E)
         dz = tl.where(offs_n[None, :] == col_lab, dzy, p * (a + b * log_p))
         dz = dz * inv_t
-        if HAS_SOFTCAP:  # z = c tanh(x / c) / T: tanh = z T / c, and dz/dx carries sech^2
-            th = (d + m) / inv_t * inv_softcap
-            dz = dz * (1.0 - th * th)
+        if HAS_SOFTCAP:  # dz/dx carries the cap's derivative
+            dz = dz * sech2_f32(u)
         dz = tl.where(live & col_ok, dz, 0.0)
         tl.store(
             dz_rows + offs_n[None, :], dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok
