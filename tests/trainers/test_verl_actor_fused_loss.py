@@ -154,7 +154,9 @@ def test_a_non_fusedhead_impl_backend_is_refused_when_the_actor_is_built(
     text = str(err.value)
     assert "actor_rollout_ref.actor.policy_loss.loss_mode='fusedhead'" in text
     assert f"actor_rollout_ref.model.fused_kernel_options.impl_backend is {backend!r}" in text
-    assert "set impl_backend: fusedhead:<name> (installed: " in text and "'fusedhead:torch'" in text
+    assert "set impl_backend: fusedhead:<name> (installed ones that compute the loss: " in text
+    assert "'fusedhead:torch'" in text and "'fusedhead:triton'" in text
+    assert "'fusedhead:liger'" not in text  # installed, but it computes no policy loss
     assert "DTensor" not in text
 
 

@@ -244,11 +244,13 @@ def check_fused_setup(config: Any, model_config: Any, engine_config: Any = None)
             what = f"{backend!r}, verl's own fused kernel, whose forward returns log-probs"
         else:
             what = f"{backend!r}, not a fusedhead backend"
-        ours = ", ".join(f"'fusedhead:{n}'" for n in installed_backend_names()) or "none installed"
+        loss_backends = _policy_loss_backends(installed_backend_names())
+        ours = ", ".join(f"'fusedhead:{n}'" for n in loss_backends) or "none installed"
         raise RuntimeError(
             f"{_LOSS_MODE}='fusedhead' computes the loss from the hidden states fusedhead's model "
             f"forward hands over, but {_MODEL}.fused_kernel_options.impl_backend is {what}: "
-            f"set impl_backend: fusedhead:<name> (installed: {ours}), or loss_mode 'vanilla' "
+            f"set impl_backend: fusedhead:<name> (installed ones that compute the loss: "
+            f"{ours}), or loss_mode 'vanilla' "
             "for verl's own loss"
         )
     sp = option(engine_config, "ulysses_sequence_parallel_size", 1) if engine_config else 1
@@ -257,3 +259,19 @@ def check_fused_setup(config: Any, model_config: Any, engine_config: Any = None)
             f"{_LOSS_MODE}='fusedhead' with ulysses_sequence_parallel_size={sp}: each rank holds a "
             "slice of the packed sequence; use loss_mode 'vanilla' with sequence parallelism"
         )
+
+
+def _policy_loss_backends(names: list[str]) -> list[str]:
+    """Those of ``names`` whose backend declares ``policy_loss`` (on the CPU: the declaration
+    does not depend on the device for any backend shipped here); one that fails to load is left
+    out. Loads the backends: an error path only."""
+    from fusedhead.api import get_fused_head
+
+    found = []
+    for name in names:
+        try:
+            if get_fused_head(name).capabilities("cpu").policy_loss:
+                found.append(name)
+        except Exception:  # a broken plugin is named by its own error elsewhere
+            continue
+    return found
