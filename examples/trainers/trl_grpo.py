@@ -1,6 +1,6 @@
 """TRL GRPO with fusedhead, offline on the CPU: two steps beside TRL's own fused LM head.
 
-    .venv/bin/python examples/trainers/trl_grpo.py [--backend NAME]
+    .venv/bin/python examples/trainers/trl_grpo.py [--backend NAME] [--fused-policy-loss]
 
 The backend is named in TRL's own config (``FusedHeadGRPOConfig(fused_head_backend=...)``); the
 same two steps run with TRL's own kernel (``trl.GRPOConfig``) and the logged metrics are printed

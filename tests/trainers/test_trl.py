@@ -592,6 +592,9 @@ def test_a_backend_that_cannot_run_here_fails_before_the_trainer_loads_a_model(
         ("keyword", "FusedHead:triton", ValueError, "is not one of the accepted forms"),
         ("field", "tritonn", UnknownBackendError, "names no installed fusedhead backend"),
         ("field", "FusedHead:triton", ValueError, "is not one of the accepted forms"),
+        ("field", "Torch", ValueError, "is not a backend name"),
+        ("field", "fusedhaed:torch", ValueError, "is not a backend name"),
+        ("keyword", "tor ch", ValueError, "is not a backend name"),
     ],
 )
 def test_a_bad_backend_name_is_reported_as_the_setting_that_holds_it(
@@ -621,3 +624,24 @@ def test_a_bad_backend_name_is_reported_as_the_setting_that_holds_it(
     if error is UnknownBackendError:
         names = ", ".join(repr(n) for n in installed_backend_names())
         assert f"Fix: set {setting} to one of {names}" in text, text
+    if words == "is not a backend name":  # the installed names, and the closest in its spelling
+        names = ", ".join(repr(n) for n in installed_backend_names())
+        assert f"set {setting} to one of {names}" in text, text
+        meant = "fusedhead:torch" if spec.startswith("fused") else "torch"
+        assert text.endswith(f"did you mean {meant!r}?"), text
+
+
+def test_an_unknown_backend_option_names_fused_head_options(tmp_path: Path) -> None:
+    """An option the backend does not take, given in the config's ``fused_head_options``: the
+    error names that setting as written, the option and the backend's valid options."""
+    from fusedhead.errors import OptionsError
+
+    text = '{"memory": "fast"}'
+    with pytest.raises(OptionsError) as err:
+        fh_trl.FusedHeadGRPOConfig(
+            output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+            fused_head_backend="torch", fused_head_options=text,
+        )  # fmt: skip
+    said = str(err.value)
+    assert f"fused_head_options={text!r}: unknown option 'memory'" in said, said
+    assert "valid options of 'torch': workspace_mib" in said, said

@@ -21,7 +21,7 @@ import difflib
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from fusedhead.checks import (
     SCALAR_HI,
     SCALAR_LO,
     device_arg,
+    did_you_mean,
     dtype_name,
     is_dtensor,
     per_token_rank,
@@ -40,6 +41,7 @@ from fusedhead.checks import (
 from fusedhead.config import FusedHeadConfig
 from fusedhead.module import FusedLMHead, call_in_forward, head_forward, owned, run_as_forward
 from fusedhead.policy import PolicyLossOutput
+from fusedhead.registry import NAME_PATTERN
 from fusedhead.request import output_flags
 from fusedhead.value_checks import (
     Pending,
@@ -166,6 +168,8 @@ def resolve_lm_head(
             return cached_head(head)
         if isinstance(head, str):
             name = parse_backend_spec(head, setting=setting) if is_fusedhead_spec(head) else head
+            if setting is not None and not NAME_PATTERN.match(name):
+                _malformed_name(setting, shown)
             return cached_head({"backend": name})
     except UnknownBackendError as exc:
         if setting is None:
@@ -180,6 +184,19 @@ def resolve_lm_head(
     raise TypeError(
         f"{what} must be a FusedHead, a FusedHeadConfig, a mapping, a backend name (str) or "
         f"None, got {type(head).__name__} {head!r}"
+    )
+
+
+def _malformed_name(setting: str, shown: object) -> NoReturn:
+    """A trainer setting's backend name that no backend can have (not ``[a-z0-9_-]+``, bare or
+    after ``fusedhead:``), named as written, with the installed names in its spelling and the
+    closest of them (a misspelt ``fusedhead:`` prefix or a capital included)."""
+    names = [n for b in installed_backend_names() for n in (b, f"{SPEC_PREFIX}:{b}")]
+    hint = did_you_mean(shown, names)
+    listed = ", ".join(spelled(n, shown) for n in installed_backend_names()) or "none"
+    raise ValueError(
+        f"{setting}={shown!r} is not a backend name (a lowercase [a-z0-9_-]+ name, or "
+        f"{SPEC_PREFIX}:<name>): set {setting} to one of {listed}{hint}"
     )
 
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fusedhead.api import FusedHead
-from fusedhead.errors import CapabilityError
+from fusedhead.errors import CapabilityError, OptionsError
 from fusedhead.integrations.lm_head import (
     HeadLike,
     check_head_runs_on,
@@ -433,7 +433,16 @@ def resolve_named(args: Any, fused_head: HeadLike = None) -> tuple[FusedHead, st
     resolved; an unknown or malformed name is reported as that setting's value. Returns
     ``(head, setting, value)``."""
     head, setting, value = _named_by(args, fused_head)
-    return resolve_lm_head(head, setting=setting, value=value), setting, value
+    try:
+        return resolve_lm_head(head, setting=setting, value=value), setting, value
+    except OptionsError as exc:
+        if setting != _FIELD:
+            raise
+        # the options came from the config's fused_head_options: name that setting too
+        exc.reason = (
+            f"fused_head_options={getattr(args, 'fused_head_options', None)!r}: {exc.reason}"
+        )
+        raise
 
 
 def trainer_device(args: Any) -> tuple[torch.device, torch.dtype | None]:
