@@ -237,6 +237,10 @@ def test_verls_actor_config_is_refused_when_built_by_verls_names() -> None:
         _config(clip_ratio_low=1.5)
     with pytest.raises(ValueError, match="did you mean 'low_var_kl'"):
         _config(use_kl_loss=True, kl_loss_type="lowvar_kl")
+    # before verl's own check, which says "Invalid loss_agg_mode: token_mean" and lists nothing
+    with pytest.raises(ValueError, match=r"^loss_agg_mode='token_mean' is not one of verl's \[.*"
+                       r"did you mean 'token-mean'\?$"):  # fmt: skip
+        _config(loss_agg_mode="token_mean")
     from verl.workers.config import PolicyLossConfig
 
     vanilla = PolicyLossConfig(loss_mode="vanilla")

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fusedhead.integrations.verl_config import (
+    agg_mode,
     check_actor_config,
     check_fused_setup,
     loss_mode_of,
@@ -195,8 +196,11 @@ def _wrap_initialize(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __post_init__(self: Any) -> None:
+        fused = _enabled and loss_mode_of(self) == LOSS_MODE
+        if fused:
+            agg_mode(self)  # before verl's own check, which lists no valid value
         original(self)
-        if not _enabled or loss_mode_of(self) != LOSS_MODE:
+        if not fused:
             return
         check_actor_config(self)  # what maps is checked when the config is built, by verl's names
         key = id(self)

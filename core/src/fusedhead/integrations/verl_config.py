@@ -87,6 +87,20 @@ def _dual_clip(value: Any) -> float:
     return out
 
 
+def agg_mode(actor_config: Any) -> str:
+    """The actor config's ``loss_agg_mode``, one of verl's, else a ``ValueError`` listing them
+    with a did-you-mean (verl's own check names neither)."""
+    from fusedhead.checks import did_you_mean  # torch, not at import time
+
+    agg = _cfg(actor_config, "loss_agg_mode", "token-mean")
+    if agg not in VERL_AGG_MODES:
+        raise ValueError(
+            f"loss_agg_mode={agg!r} is not one of verl's {list(VERL_AGG_MODES)}"
+            f"{did_you_mean(agg, VERL_AGG_MODES)}"
+        )
+    return str(agg)
+
+
 def policy_loss_kwargs(
     actor_config: Any,
     *,
@@ -117,12 +131,7 @@ def policy_loss_kwargs(
             "'vanilla' (compute_policy_loss_vanilla): use it, or verl's own loss with "
             "impl_backend fusedhead:<name> for the log-probs"
         )
-    agg = _cfg(actor_config, "loss_agg_mode", "token-mean")
-    if agg not in VERL_AGG_MODES:
-        raise ValueError(
-            f"loss_agg_mode={agg!r} is not one of verl's {list(VERL_AGG_MODES)}"
-            f"{did_you_mean(agg, VERL_AGG_MODES)}"
-        )
+    agg = agg_mode(actor_config)
     clip = _cfg(actor_config, "clip_ratio", 0.2)
     low = _cfg(actor_config, "clip_ratio_low", None)
     high = _cfg(actor_config, "clip_ratio_high", None)
