@@ -243,6 +243,11 @@ def test_verls_actor_config_is_refused_when_built_by_verls_names() -> None:
         _config(loss_agg_mode="token_mean")
     from verl.workers.config import PolicyLossConfig
 
+    for typo in ("fused_head", "fusedHead", "fused-head"):  # when built, not at the first step
+        with pytest.raises(ValueError, match=rf"loss_mode='{typo}' is not one of verl's loss "
+                           r"modes: did you mean 'fusedhead'"):  # fmt: skip
+            _config(policy_loss=PolicyLossConfig(loss_mode=typo))
+    _config(policy_loss=PolicyLossConfig(loss_mode="gpg"))  # verl's own modes stay verl's
     vanilla = PolicyLossConfig(loss_mode="vanilla")
     _config(clip_ratio_low=1.5, policy_loss=vanilla)  # verl's own loss modes: verl's to check
 

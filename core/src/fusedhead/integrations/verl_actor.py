@@ -196,9 +196,12 @@ def _wrap_initialize(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __post_init__(self: Any) -> None:
-        fused = _enabled and loss_mode_of(self) == LOSS_MODE
+        mode = loss_mode_of(self)
+        fused = _enabled and mode == LOSS_MODE
         if fused:
             agg_mode(self)  # before verl's own check, which lists no valid value
+        elif _enabled:
+            _refuse_misspelt_mode(mode)
         original(self)
         if not fused:
             return
@@ -213,6 +216,23 @@ def _wrap_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
     __post_init__.__fusedhead_original__ = original  # type: ignore[attr-defined]
     return __post_init__
+
+
+def _refuse_misspelt_mode(mode: object) -> None:
+    """A ``loss_mode`` meant for fusedhead but misspelt (``fused_head``, ``fusedHead``) and not a
+    mode verl registered: refused when the config is built, not at the first training step."""
+    core = sys.modules.get(CORE_ALGOS_MODULE)
+    known = list(getattr(core, "POLICY_LOSS_REGISTRY", {})) if core is not None else []
+    if not isinstance(mode, str) or mode in known:
+        return
+    from fusedhead.integrations.lm_head import is_misspelt_spec  # torch: not at import time
+
+    if is_misspelt_spec(mode, known) or mode.lower() == LOSS_MODE:
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r} is not one of verl's loss "
+            f"modes: did you mean {LOSS_MODE!r} (the policy loss computed inside fusedhead's "
+            "head)?"
+        )
 
 
 def track_actor_configs(module: types.ModuleType) -> None:
