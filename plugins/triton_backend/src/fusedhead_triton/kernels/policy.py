@@ -4,12 +4,13 @@
 statistics ``ws[3, T, N]`` and label logit ``zy[N]``, so the fixed-order combine gives the very
 log-probs and entropies of the plain head) whose epilogue also stores each tile's offsets
 ``d = z - m_tile`` into ``keep[N, V]``. ``policy_dz_kernel`` turns them into the logits' gradient
-``dz = dL/dx`` in place (``keep`` and ``dz`` share a buffer of one element size), for the two
-gradient GEMMs. ``d <= 0`` and ``p = exp(d + (m_tile - m) - log s) <= exp(d)``, so storing ``d`` in fp16
-costs at most ``p |d| 2^-11 <= 2^-11 / e`` of a probability. With a softcap the raw fp32 logit is
+``dz = dL/dx`` in place (``keep`` and ``dz`` share one buffer; with a softcap ``dz`` fills the
+first half of each fp32 row's bytes), for the two gradient GEMMs. ``d <= 0`` and
+``p = exp(d + (m_tile - m) - log s) <= exp(d)``, so storing ``d`` in fp16 costs at most ``p |d| 2^-11 <= 2^-11 / e`` of a probability. With a softcap the raw fp32 logit is
 kept instead, and ``dz`` recomputes ``z`` from it (the forward's bits) and the cap's derivative
 ``sech^2`` exactly where the cap saturates: rebuilt from a rounded ``z`` (``1 - tanh^2``) it lost
-its digits there (fp16, cap 1: gradients 40x further from float64 than the torch backend's).
+its digits there (fp16, cap 1: gradients 1.8e-2 to 6.5e-2 from float64, the torch backend's
+5e-4).
 """
 
 from __future__ import annotations
