@@ -337,6 +337,11 @@ def policy_loss_accuracy(target: Target) -> None:
             dual_clip=None, tis=False, aggregation="seq-mean-token-mean", **PENALTIES[1]
         )
         _check(target, batch, kw, f"{case.description}, softcap 5.0, temperature 1.3")
+        # Peaked logits far past a cap of 1: the cap's derivative sech^2 is tiny there, and a
+        # backend that rebuilds it as 1 - tanh^2 of a 16-bit capped logit loses every digit.
+        batch = _Batch(target, packed, seed=68, softcap=1.0, temperature=1.3)
+        kw = batch.kwargs(dual_clip=None, tis=False, **PENALTIES[0])
+        _check(target, batch, kw, f"{packed.description}, saturating softcap 1.0")
     if target.caps.per_token_temperature:
         temps = torch.linspace(0.4, 2.0, n).reshape(b, n // b)
         batch = _Batch(target, case, seed=65, temperature=temps)
