@@ -297,7 +297,7 @@ def _check(target: Target, batch: _Batch, kw: dict[str, Any], label: str) -> Non
 
 
 def policy_loss_accuracy(target: Target) -> None:
-    """If declared: the policy loss and both gradients match float64 (every aggregation, dual clip, TIS, entropy, each KL estimator, packed, normalizer, horizon, on-policy)."""
+    """If declared: the policy loss and both gradients match float64 (every aggregation, dual clip, TIS, entropy, each KL estimator, packed, normalizer, horizon, on-policy, softcap saturated or not)."""
     _declared(target)
     n, h, v = target.sizes.small
     b = 4
