@@ -8,8 +8,11 @@
 #      (bf16, H = 4096, V = 151936, T = 0.7, N = 8192 and 32768) -> OUT/policy.json, policy.md;
 #   3. policy_loss_bench.py: the triton backend's memory choices and a smaller chunk (PLB_IMPLS
 #      sets the list), determinism -> OUT/plb/policy_loss_bench.json;
-#   4. fusedhead check {triton,torch} --device cuda --dtype bf16 -k policy -> OUT/checks.log.
-# Limits (s): BENCH_LIMIT 300 (BENCH_MINUTES 4 of bench time cap), PLB_LIMIT 120, CHECK_LIMIT 90.
+#   4. fusedhead check {triton,torch} --device cuda --dtype bf16 -k policy -> OUT/checks.log;
+#   5. policy_host_profile.py fused:triton 8192: the host's Python time in one step (what an idle
+#      GPU waits for) -> OUT/host_profile.log.
+# Limits (s): BENCH_LIMIT 300 (BENCH_MINUTES 4 of bench time cap), PLB_LIMIT 120, CHECK_LIMIT 90,
+# HOST_LIMIT 60.
 set -uo pipefail
 OUT=${1:?usage: policy_loss.sh OUT [PARTS_DIR ...]}
 shift
@@ -43,3 +46,7 @@ for b in triton torch; do
   echo "check $b exit $?"
 done >"$OUT/checks.log" 2>&1
 tail -n 20 "$OUT/checks.log"
+timeout -k 10 "${HOST_LIMIT:-60}" python3 "$HERE/policy_host_profile.py" fused:triton 8192 \
+  >"$OUT/host_profile.log" 2>&1
+echo "host profile exit $?" >>"$OUT/host_profile.log"
+head -n 3 "$OUT/host_profile.log"
