@@ -11,6 +11,7 @@ downloaded. About 20 s on two cores.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import tempfile
@@ -93,6 +94,9 @@ def main() -> None:
         help="fusedhead's run computes GRPO's loss with fused_policy_loss (fused_policy_loss=True)",
     )
     opts = parser.parse_args()
+    # fusedhead's INFO line says, once per LM head, that the loss runs inside the head
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("fusedhead").setLevel(logging.INFO)
     backend = opts.backend
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -339,6 +340,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_backend_flag(parser)
     backend = parser.parse_args().backend
+    # fusedhead's INFO line says, once per LM head, that the loss runs inside the head
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("fusedhead").setLevel(logging.INFO)
 
     import verl  # noqa: F401  (loads the verl.plugins entry points, fusedhead's among them)
 

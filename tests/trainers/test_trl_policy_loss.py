@@ -5,6 +5,7 @@ by name when built."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,11 @@ def _logs(trainer: Any) -> list[dict[str, float]]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_steps_log_what_trls_own_loss_logs(
-    case: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    case: str,
+    model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     settings = {**_MOVING, **CASES[case]}
     theirs = _logs(build_trainer(model_dir, tmp_path / "trl", backend=None, **settings))
@@ -78,8 +83,13 @@ def test_two_steps_log_what_trls_own_loss_logs(
     trainer = build_trainer(
         model_dir, tmp_path / "fused", backend="torch", fused_policy_loss=True, **settings
     )
+    caplog.set_level(logging.INFO, logger="fusedhead")
     ours = _logs(trainer)
     assert len(fused_calls) == 2, "one fused loss a step"
+    said = [r.getMessage() for r in caplog.records if "runs inside the head" in r.getMessage()]
+    assert len(said) == 1, f"the fused loss is announced once per LM head, got {said}"
+    aggregation = fh_trl.POLICY_LOSS_TYPES[settings["loss_type"]]
+    assert "backend 'torch'" in said[0] and f"aggregation {aggregation!r}" in said[0], said[0]
     assert len(theirs) == len(ours) == 2
     for step, (a, b) in enumerate(zip(theirs, ours, strict=True), 1):
         assert set(a) == set(b), (step, set(a) ^ set(b))

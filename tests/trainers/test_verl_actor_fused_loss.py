@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -100,11 +101,16 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_fused_loss_from_config_matches_verls_actor(tiny: tuple[Path, int], case: str) -> None:
+def test_fused_loss_from_config_matches_verls_actor(
+    tiny: tuple[Path, int], case: str, caplog: pytest.LogCaptureFixture
+) -> None:
     path, vocab = tiny
     settings = dict(CASES[case])
     theirs, params_v = ex.train(path, vocab, fused=False, optim=SGD, **settings)
+    caplog.set_level(logging.INFO, logger="fusedhead")
     ours, params_f = ex.train(path, vocab, fused=True, optim=SGD, **settings)
+    said = [r.getMessage() for r in caplog.records if "runs inside the head" in r.getMessage()]
+    assert len(said) == 1, f"the fused loss is announced once per LM head, got {said}"
     assert len(theirs) == len(ours) == 2
     clipped = 0.0
     for step, (a, b) in enumerate(zip(theirs, ours, strict=True)):

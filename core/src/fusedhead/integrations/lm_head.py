@@ -18,8 +18,10 @@ those into per-token log-probs and entropies without forming ``[tokens, vocab]``
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import re
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn, TypeVar
 
@@ -508,6 +510,28 @@ def _place(
     return full.index_put((rows,), x).reshape(*shape, *x.shape[1:])
 
 
+_LOG = logging.getLogger(__name__)
+#: The LM heads whose fused policy loss has been announced (once each, at INFO).
+_ANNOUNCED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _announce(lm_head: nn.Module, head: FusedHead, loss: Mapping[str, Any]) -> None:
+    """Log once per LM head, at INFO, that a trainer's loss runs inside the head: where a
+    trainer's own settings switch it on, this line is how a user sees that they took."""
+    if lm_head in _ANNOUNCED or not _LOG.isEnabledFor(logging.INFO):
+        return
+    _ANNOUNCED.add(lm_head)
+    where = head.distribution or "registered in-process"
+    _LOG.info(
+        "the policy loss of %s runs inside the head: fused_policy_loss on backend %r (%s), "
+        "aggregation %r; three GEMMs per token chunk, no [tokens, vocab] logits held",
+        type(lm_head).__name__,
+        head.name,
+        where if head.version is None else f"{where} {head.version}",
+        loss.get("aggregation", "token-mean"),
+    )
+
+
 def lm_head_policy_loss(
     lm_head: nn.Module,
     hidden: torch.Tensor,
@@ -557,7 +581,9 @@ def lm_head_policy_loss(
         with torch.autocast(h.device.type, enabled=False):
             return fused.policy_loss(h, weight, labels, temperature=temp, softcap=softcap, **loss)
 
-    return in_module_call(lm_head, body) if in_call else body()
+    out = in_module_call(lm_head, body) if in_call else body()
+    _announce(lm_head, fused, loss)
+    return out
 
 
 def model_logit_transform(config: Any) -> tuple[float, float | None]:
