@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
@@ -172,6 +173,20 @@ def test_an_unexpected_failure_is_one_line_unless_asked(capsys, monkeypatch):
     assert rc == 1 and "RuntimeError: kaputt on two lines" in line and cli.TRACEBACK_ENV in line
     monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
     with pytest.raises(RuntimeError, match="kaputt"):
+        cli.main(["list"])
+
+
+def test_the_traceback_variable_shows_where_bad_input_was_refused_too(capsys, monkeypatch):
+    """A ValueError is bad input's one line, and may be a bug's too: the variable shows it."""
+    rc, _out, err = run_main(capsys, "bench", "--n", "-5")
+    assert rc == 2 and "--n" in one_error_line(err)
+    monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
+
+    def refuse(args: Any) -> int:
+        raise ValueError("refused inside a command")
+
+    monkeypatch.setattr(cli, "_cmd_list", refuse)
+    with pytest.raises(ValueError, match="refused inside a command"):
         cli.main(["list"])
 
 
@@ -430,6 +445,16 @@ def test_bench_output_that_is_a_folder_is_refused_before_any_work(capsys, tmp_pa
     rc, _out, err = run_main(capsys, "bench", *TINY, flag, str(tmp_path))
     line = one_error_line(err)
     assert rc == 2 and f"{flag} {tmp_path}: is a folder" in line
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("flag", ["--json", "--markdown", "--plot"])
+def test_bench_output_in_a_folder_that_takes_no_file_is_refused_before_any_work(capsys, flag):
+    """/proc takes no new file, though os.access says it does to root: a write is tried."""
+    rc, out, err = run_main(capsys, "bench", *TINY, flag, "/proc/bench.out")
+    line = one_error_line(err)
+    assert rc == 2 and line.startswith(f"fusedhead: error: {flag} /proc/bench.out:"), line
+    assert "not writable" in line and "|" not in out
 
 
 def test_bench_plot_in_a_format_matplotlib_does_not_write_is_refused_first(capsys, tmp_path):

@@ -412,7 +412,7 @@ def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="fusedhead",
         description="fusedhead backends: list, inspect, check, bench, demo",
-        epilog=f"An unexpected failure prints one line; {TRACEBACK_ENV}=1 shows its traceback.",
+        epilog=f"An error prints one line; {TRACEBACK_ENV}=1 shows its traceback.",
     )
     parser.add_argument(
         "--version",
@@ -516,22 +516,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as `yes | head` does
         _silence_stdout()
         return EXIT_BROKEN_PIPE
-    except BackendError as exc:
+    except Exception as exc:
+        if os.environ.get(TRACEBACK_ENV) == "1":  # any error, bad input's included
+            raise
+        return _report(exc, args)
+    return result
+
+
+def _report(exc: Exception, args: argparse.Namespace | None) -> int:
+    """One line (or a JSON object) for an error that ends a command, and the exit status."""
+    if isinstance(exc, BackendError):
         _fail(exc.message, exc.to_dict(), args)
         return EXIT_ERROR
-    except (ValueError, TypeError, OSError) as exc:  # bad input, a file that is not there
+    if isinstance(exc, (ValueError, TypeError, OSError)):  # bad input, a file that is not there
         text = str(exc)
         fields = {"error": type(exc).__name__, "status": "error", "message": _one_line(text)}
         _fail(text, fields, args)
         return EXIT_ERROR
-    except Exception as exc:
-        if os.environ.get(TRACEBACK_ENV) == "1":
-            raise
-        text = f"{type(exc).__name__}: {exc} (an unexpected failure; {TRACEBACK_ENV}=1 shows where)"
-        fields = {"error": type(exc).__name__, "status": "error", "message": _one_line(text)}
-        _fail(text, fields, args)
-        return 1
-    return result
+    text = f"{type(exc).__name__}: {exc} (an unexpected failure; {TRACEBACK_ENV}=1 shows where)"
+    fields = {"error": type(exc).__name__, "status": "error", "message": _one_line(text)}
+    _fail(text, fields, args)
+    return 1
 
 
 if __name__ == "__main__":

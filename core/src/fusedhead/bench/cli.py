@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 GPU_DEFAULTS: dict[str, list[Any]] = {
@@ -135,8 +137,6 @@ def check_outputs(args: argparse.Namespace) -> None:
     written, a plot format matplotlib does not write, ``--append`` without ``--json``: each is a
     ValueError naming the flag (a run of hours must not end in an error writing its table).
     """
-    import os
-    from pathlib import Path
 
     if args.append and not args.json:
         raise ValueError("--append adds to the results in --json PATH: give --json too")
@@ -159,15 +159,15 @@ def check_outputs(args: argparse.Namespace) -> None:
         path = Path(value)
         if path.is_dir():
             raise ValueError(f"{flag} {value}: is a folder; give a file path in it")
-        if path.exists() and not os.access(path, os.W_OK):
-            raise ValueError(f"{flag} {value}: the file is not writable")
+        if path.exists() and (why := _cannot_write(path)):
+            raise ValueError(f"{flag} {value}: the file is not writable ({why})")
         folder = path.parent
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent  # the nearest existing ancestor: made into the folder later
         if not folder.is_dir():
             raise ValueError(f"{flag} {value}: {folder} is a file, not a folder")
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise ValueError(f"{flag} {value}: the folder {folder} is not writable")
+        if why := _cannot_write(folder):
+            raise ValueError(f"{flag} {value}: the folder {folder} is not writable ({why})")
     if args.append and Path(args.json).is_file():
         read_results(args.json, "--append: --json")  # what it adds to must be earlier results
     if args.plot:
@@ -182,6 +182,20 @@ def check_outputs(args: argparse.Namespace) -> None:
                 f"--plot {args.plot}: matplotlib writes no {suffix!r} file; "
                 f"use one of {', '.join(sorted(formats))} (e.g. bench.png)"
             )
+
+
+def _cannot_write(path: Path) -> str | None:
+    """Why a write to the file ``path`` or into the folder ``path`` fails, or None: tried (a
+    file opened to append, a temporary file), leaving nothing behind; not asked of
+    ``os.access``, which says yes to root on a read-only or virtual file system (/proc)."""
+    try:
+        if path.is_dir():
+            tempfile.TemporaryFile(dir=path).close()
+        else:
+            path.open("a").close()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 def read_results(path: str, flag: str) -> list[dict[str, Any]]:
