@@ -341,7 +341,12 @@ def fused_policy_loss(
     ``aggregation`` (verl's ``loss_agg_mode``; ``cu_seqlens`` for a packed batch,
     ``loss_normalizer`` for the global count, ``horizon`` for the length
     ``seq-mean-token-sum-norm`` divides by: verl's ``loss_scale_factor``).
-    Rows whose label is ``ignore_index`` add nothing. The backend must declare ``policy_loss``.
+    Rows whose label is ``ignore_index`` add nothing. ``hidden [..., H]``, ``weight [V, H]`` and
+    ``labels [...]`` as for ``fused_head``, with its ``softcap``; ``backend`` is the name of the
+    one that runs (it must declare ``policy_loss``), ``options`` its options. Defaults: clip
+    0.2 / 0.2, no dual clip, no entropy or KL term, k3, token-mean. Returns a
+    ``PolicyLossOutput``: ``loss`` (differentiable in hidden and weight), detached per-token
+    ``log_probs`` and ``entropy``, and the metrics trainers log (``out.metrics()``).
     """
     if temperature is None:
         raise TypeError("temperature must be a float or a tensor, got None")

@@ -432,9 +432,10 @@ class FusedHead:
         ignore_index: int | None = None,
         softcap: float | None = None,
     ) -> policy.PolicyLossOutput:
-        """The policy loss with its gradients computed in the forward (see ``fused_policy_loss``);
-        the config's ``temperature``, ``ignore_index``, ``softcap`` and ``check_labels`` apply
-        where the call passes none."""
+        """The policy loss with its gradients computed in the forward (see ``fused_policy_loss``,
+        whose arguments it takes but ``backend`` and ``options``, which the head holds); the
+        config's ``temperature``, ``ignore_index`` and ``softcap`` apply where the call passes
+        None, and its ``check_labels`` always (the call takes no such argument)."""
         cfg = self.config
         return self.run_policy_loss(
             PolicyRequest(
