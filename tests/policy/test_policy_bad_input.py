@@ -106,6 +106,24 @@ def test_a_loss_normalizer_tensor_that_is_no_count_is_refused_with_its_value(val
         _call("torch", _batch(), loss_normalizer=torch.tensor(value, dtype=dtype))
 
 
+@pytest.mark.parametrize("value", [0.0, float("nan")], ids=["zero", "nan"])
+def test_a_compiled_call_checks_its_loss_normalizer_tensor_as_its_labels(value):
+    """Before: under torch.compile the labels were checked (a graph op) and a tensor
+    normaliser's value was not: 0 or NaN gave a NaN loss and NaN gradients without a word."""
+    torch._dynamo.reset()
+
+    def step(norm: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = _call("torch", _batch(), loss_normalizer=norm).loss
+        return loss
+
+    compiled = torch.compile(step, backend="eager")
+    assert torch.isfinite(compiled(torch.tensor(40.0)))
+    with pytest.raises(
+        ValueError, match=r"loss_normalizer must be a count > 0 .* got a tensor holding"
+    ):
+        compiled(torch.tensor(value))
+
+
 @pytest.mark.parametrize(
     "value",
     [torch.tensor(True), torch.tensor(6 + 0j), torch.tensor([1 + 1j])],

@@ -173,7 +173,11 @@ def _fmt_bytes(n: int | None) -> str:
 
 
 def _fmt_time(ms: float) -> str:
-    return f"{ms / 1e3:.2f} s" if ms >= 1e3 else f"{ms:.1f} ms"
+    """Seconds from 1 s, else ms to three significant digits (a small problem's GEMM unit is
+    a few hundredths of a ms, and time / unit must be readable from the columns)."""
+    if ms >= 1e3:
+        return f"{ms / 1e3:.2f} s"
+    return f"{ms:.1f} ms" if ms >= 10 else f"{ms:.3g} ms"
 
 
 def _run_problem(args: argparse.Namespace) -> int:

@@ -39,7 +39,7 @@ from fusedhead.protocol import (
 from fusedhead.request import HeadRequest, PolicyRequest
 from fusedhead.scored_rows import nothing_scored, scored_rows, spread, take
 from fusedhead.validation import validate
-from fusedhead.value_checks import Pending
+from fusedhead.value_checks import Pending, check_count_value, count_checked
 
 #: verl's other names of the KL estimators (``kl_loss_type``); k2+ is k2 itself in verl (the
 #: straight-through gradient of k2 is k2's own).
@@ -290,8 +290,9 @@ def _normalizer(
     value: object, device: torch.device, pending: Pending | None = None
 ) -> torch.Tensor | None:
     """``loss_normalizer`` as an fp32 0-d tensor on the device. A tensor's value is checked (a
-    count > 0, finite) by ``pending``'s one read, with the labels' range; ``pending=None`` (the
-    call's ``check_labels=False``) or a compiled graph: not read."""
+    count > 0, finite) by ``pending``'s one read, with the labels' range, or in a compiled graph
+    by its own op, as the labels are; ``pending=None`` (the call's ``check_labels=False``): not
+    read."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -306,20 +307,16 @@ def _normalizer(
             where = f"hidden's device {device}" + ("" if device.type == "cpu" else " or the CPU")
             raise ValueError(f"loss_normalizer must be on {where}, got {t.device}")
         out = t.detach().reshape(()).to(device=device, dtype=torch.float32)
-        if pending is not None and out.device.type != "meta" and not torch.compiler.is_compiling():
-            pending.add(~(torch.isfinite(out) & (out > 0)), _bad_normalizer, out)
+        if pending is None or out.device.type == "meta":
+            return out
+        if torch.compiler.is_compiling():  # the check as a graph op, as the labels' is
+            return count_checked(out, "loss_normalizer")
+        check_count_value(out, "loss_normalizer", pending)
         return out
     return torch.tensor(
         real_in("loss_normalizer", value, low=1e-30, what="a count > 0 (tokens or sequences)"),
         dtype=torch.float32,
         device=device,
-    )
-
-
-def _bad_normalizer(t: torch.Tensor) -> NoReturn:
-    raise ValueError(
-        f"loss_normalizer must be a count > 0 (tokens or sequences), got a tensor holding "
-        f"{float(t)} (a head configured with check_labels=False skips this check)"
     )
 
 

@@ -41,6 +41,23 @@ def _raise_bad_temperature(arg: str, t: torch.Tensor) -> NoReturn:
     )
 
 
+def check_count_value(t: torch.Tensor, arg: str, pending: Pending | None = None) -> None:
+    """A 0-d count (``loss_normalizer``) finite and > 0 (one device-to-host read, or
+    ``pending``'s)."""
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if pending is not None:
+        pending.add(bad, _raise_bad_count, arg, t)
+    elif bool(bad):
+        _raise_bad_count(arg, t)
+
+
+def _raise_bad_count(arg: str, t: torch.Tensor) -> NoReturn:
+    raise ValueError(
+        f"{arg} must be a count > 0 (tokens or sequences), got a tensor holding {float(t)} "
+        "(a head configured with check_labels=False skips this check)"
+    )
+
+
 #: What ``check_labels=False`` does with an out-of-range label, as the errors say: a head's row
 #: gives NaN; the KL reads labels as a mask only, so the row is scored.
 HEAD_UNCHECKED_EFFECT = "such rows then give NaN"
@@ -227,9 +244,17 @@ def gather_ids_checked(
     return flat.clone()
 
 
+@torch.library.custom_op("fusedhead::check_count", mutates_args=())
+def count_checked(t: torch.Tensor, arg: str) -> torch.Tensor:
+    """``check_count_value`` in a compiled graph; a copy of ``t``."""
+    check_count_value(t, arg)
+    return t.clone()
+
+
 @labels_checked.register_fake
 @temperature_checked.register_fake
 @gather_ids_checked.register_fake
+@count_checked.register_fake
 def _checked_copy(t: torch.Tensor, *_: object) -> torch.Tensor:
-    """What the three ops give while tracing: a tensor like their first input."""
+    """What the four ops give while tracing: a tensor like their first input."""
     return torch.empty_like(t)
