@@ -39,7 +39,10 @@ def test_a_16_bit_weight_gradient_is_the_exact_sum_rounded_once(dtype: torch.dty
     for dz, h in parts:
         acc.add(dz, h)
     got = acc.result()
-    assert got.dtype == dtype and got.shape == (v, 24)
+    # fp16 hands over the fp32 sum, which the core rounds after the upstream scale
+    assert got.dtype == (torch.float32 if dtype == torch.float16 else dtype)
+    assert got.shape == (v, 24)
+    got = got.to(dtype)
     want = exact(parts)
     # fp32 partial sums are ~2^16 finer than a 16-bit ulp: the rounding agrees but for values
     # within that of a tie; a 16-bit running sum rounds 32 times and misses many more.

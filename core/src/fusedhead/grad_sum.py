@@ -45,7 +45,8 @@ class WeightGradSum:
 
     Where ``aten::addmm.dtype_out`` adds in place (``addmm_out_dtype_works``) each chunk's GEMM
     adds into the fp32 sum in its epilogue; elsewhere (the CPU) the chunk's operands are upcast.
-    Memory: the fp32 sum (twice a 16-bit weight gradient), and at ``result`` the rounded copy.
+    Memory: the fp32 sum (twice a 16-bit weight gradient), and at ``result`` the rounded copy
+    (bf16; fp16 keeps the sum until the backward).
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -70,11 +71,18 @@ class WeightGradSum:
             self._sum.addmm_(a, b)
 
     def result(self) -> torch.Tensor:
-        """The sum in the weight's dtype (zeros without any chunk); the fp32 sum is let go."""
+        """The sum in the weight's dtype (zeros without any chunk); the fp32 sum is let go.
+
+        For an fp16 weight the fp32 sum itself: the policy loss forms its gradients at a working
+        scale (``fusedhead.policy.working_scale``), where a sum over many tokens may pass fp16's
+        65504; the core rounds it once the upstream scale is applied (the contract allows it).
+        """
         total, self._sum = self._sum, None
         if total is None:
             return torch.zeros_like(self._like)
-        return total if total.dtype == self._like.dtype else total.to(self._like.dtype)
+        if total.dtype == self._like.dtype or self._like.dtype == torch.float16:
+            return total
+        return total.to(self._like.dtype)
 
     @staticmethod
     def rounding_bytes(weight: torch.Tensor) -> int:

@@ -189,6 +189,7 @@ class _AttachedGradients(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.grads = (grad_hidden, grad_weight)
         ctx.working_scale = working_scale
+        ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss.clone()
 
     @staticmethod
@@ -205,9 +206,14 @@ class _AttachedGradients(torch.autograd.Function):
                 "loss reused across steps); its gradients were handed out by the first backward: "
                 "compute the loss again for another backward"
             )
-        grad_hidden, grad_weight = ctx.grads
+        stored = ctx.grads
         ctx.grads = None  # handed out once; the stored gradients are scaled in place
-        _scale_([g for g in (grad_hidden, grad_weight) if g is not None], grad, ctx.working_scale)
+        _scale_([g for g in stored if g is not None], grad, ctx.working_scale)
+        # an fp32 gradient of an fp16 input (``PolicyLossResult``) rounded once, after its scale
+        grad_hidden, grad_weight = (
+            g if g is None or g.dtype == dtype else g.to(dtype)
+            for g, dtype in zip(stored, ctx.dtypes, strict=True)
+        )
         return grad_hidden, grad_weight, None, None, None, None
 
 
@@ -585,14 +591,16 @@ def _check_result(
             if t is not None:
                 head.broke(f"policy_loss's {what} was not asked for and must be None")
             continue
+        widened = like.dtype == torch.float16 and getattr(t, "dtype", None) == torch.float32
         if (
             not isinstance(t, torch.Tensor)
             or t.shape != like.shape
-            or t.dtype != like.dtype
+            or (t.dtype != like.dtype and not widened)
             or t.device != like.device
         ):
+            also = " (or float32)" if like.dtype == torch.float16 else ""
             head.broke(
-                f"policy_loss's {what} must be {like.dtype} {tuple(like.shape)} on "
+                f"policy_loss's {what} must be {like.dtype}{also} {tuple(like.shape)} on "
                 f"{like.device}, got {_describe(t)}"
             )
 
