@@ -316,7 +316,8 @@ def _normalizer(
         if pending is None or out.device.type == "meta":
             return out
         if torch.compiler.is_compiling():  # the check as a graph op, as the labels' is
-            return count_checked(out, "loss_normalizer")
+            checked: torch.Tensor = count_checked(out, "loss_normalizer")
+            return checked
         check_count_value(out, "loss_normalizer", pending)
         return out
     return torch.tensor(
