@@ -9,6 +9,7 @@ clip and TIS on and off, and with the entropy bonus and each KL estimator.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -301,25 +302,59 @@ def test_an_fp16_weight_gradient_past_65504_at_the_working_scale_is_kept(backend
     assert rel <= 2.0**-10, f"grad weight: relative error {rel:.2e}"
 
 
-def test_the_working_scale_is_fp16s_alone() -> None:
-    """A power of two s with s * max(token weight) in [1/8, 1/4) for fp16; none for bf16, fp32."""
-    from types import SimpleNamespace
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_fp16_logit_offsets_past_65504_keep_finite_gradients(backend: str) -> None:
+    """|z| / T up to 1e5 (fp16 logits of 5e3 at T = 0.05): the triton backend kept each tile's
+    offsets d = z - max in fp16, where those past 65504 became -inf and the gradients NaN at
+    every loss scale. Kept at -2**15 at most (exp is 0 there in fp32 anyway): finite, and as
+    near float64's as the logits' conditioning allows."""
+    g = torch.Generator().manual_seed(0)
+    n, h_size, v, temp = 64, 16, 256, 0.05
+    hidden = torch.randn(n, h_size, generator=g)
+    weight = torch.randn(v, h_size, generator=g)
+    c = (5e3 / (hidden @ weight.T).abs().max()).sqrt()
+    hidden, weight = (hidden * c).half().float(), (weight * c).half().float()
+    labels = torch.randint(0, v, (n,), generator=g)
+    with torch.no_grad():
+        lp, _ = fusedhead.reference_fused_head(hidden, weight, labels, temperature=temp)
+    kw: dict[str, Any] = {
+        "old_log_probs": lp,
+        "advantages": torch.randn(n, generator=g),
+        "temperature": temp,
+    }
+    h = hidden.half().requires_grad_()
+    w = weight.half().requires_grad_()
+    fusedhead.fused_policy_loss(h, w, labels, backend=backend, **kw).loss.backward()
+    h64 = hidden.double().requires_grad_()
+    w64 = weight.double().requires_grad_()
+    reference_policy_loss(h64, w64, labels, **kw).backward()
+    for what, got, want in (("hidden", h.grad, h64.grad), ("weight", w.grad, w64.grad)):
+        assert got is not None and want is not None
+        assert bool(torch.isfinite(got).all()), f"grad {what} is not finite"
+        rel = ((got.double() - want).norm() / want.norm()).item()
+        # the logits' own fp32 rounding at |z| / T = 1e5 (the torch backend's 4.3e-3 too)
+        assert rel <= 2.0**-6, f"grad {what}: relative error {rel:.2e}"
 
-    from fusedhead.policy import working_scale
 
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for top in (2.0**-18 * 3, 1.0, 5.0, 2.0**-140):
-            weights = torch.tensor([top, top / 7, 0.0])
-            head = SimpleNamespace(hidden=torch.zeros(3, 2, dtype=dtype))
-            s = working_scale(SimpleNamespace(head=head, token_weight=weights))  # type: ignore[arg-type]
-            if dtype != torch.float16:
-                assert s is None
-                continue
-            assert s is not None and s.dtype == torch.float32
-            mantissa, _ = torch.frexp(s)
-            assert mantissa.item() == 0.5, f"{s.item()} is no power of two"
-            if top > 2.0**-120:  # a weight below that takes the largest normal scale
-                assert 0.125 <= (s * top).item() < 0.25, (top, s.item())
+def test_a_chunks_scale_puts_its_largest_dz_bound_under_2_to_the_14() -> None:
+    """fp16: a power of two s with s * max_rows k (|g_lp| + |g_H| (1/2 + H)) in (2**13, 2**14];
+    1 for bf16 and fp32, for a chunk without gradient, and past NaN temperatures of rows whose
+    derivatives are 0 (ignored rows of an unchecked call)."""
+    from fusedhead.fp16_range import chunk_scale
+
+    ent = torch.tensor([2.0, 0.5, 7.0])
+    for top in (2.0**-18 * 3, 1.0, 5.0e5):
+        g_lp = torch.tensor([top, -top / 7, 0.0])
+        g_ent = torch.tensor([0.0, top / 9, 0.0])
+        k = torch.tensor([1.0, 2.0, float("nan")])
+        s = chunk_scale(torch.float16, g_lp, g_ent, ent, k)
+        assert math.frexp(s)[0] == 0.5, f"{s} is no power of two"
+        bound = max(top, 2 * (top / 7 + top / 9 * 1.0))
+        assert 2.0**13 < s * bound <= 2.0**14, (top, s)
+        for other in (torch.bfloat16, torch.float32):
+            assert chunk_scale(other, g_lp, g_ent, ent, k) == 1.0
+    zeros = torch.zeros(3)
+    assert chunk_scale(torch.float16, zeros, zeros, ent, torch.ones(3)) == 1.0
 
 
 def _args(data: dict[str, torch.Tensor], **grad: bool) -> dict[str, Any]:
@@ -384,11 +419,9 @@ def test_an_upstream_scale_multiplies_16_bit_gradients_in_fp32_rounded_once(
 ) -> None:
     """Before: on the CPU the scale was first rounded to the gradients' dtype (fp16: a
     GradScaler's 65536 is inf, so an ignored row's zero gradient became NaN; bf16: 1/3 off by
-    0.2 %). Each element is now its unscaled value times the scale in fp32, rounded once: in fp16
-    wherever the unscaled value is normal (below, the unscaled value was rounded to a subnormal
-    from the gradient formed at the working scale, which the scaled one is rounded from once).
-    An fp16 weight gradient is rounded once from its fp32 sum, after the scale: within one fp16
-    rounding of the rounded unscaled one times the scale."""
+    0.2 %). Each element is now its unscaled value times the scale in fp32, rounded once. fp16
+    gradients are held in fp32 until the backward (fusedhead.fp16_range) and rounded once after
+    the scale: within one fp16 rounding of the rounded unscaled gradient times the scale."""
     if backend == "triton" and dtype == torch.bfloat16:
         pytest.skip("bf16 tl.dot is wrong under the Triton interpreter (checked on a GPU)")
     data = batch(seed=5)
@@ -400,11 +433,11 @@ def test_an_upstream_scale_multiplies_16_bit_gradients_in_fp32_rounded_once(
         (fusedhead.fused_policy_loss(**args, backend=backend).loss * s).backward()
         grads.append((args["hidden"].grad, args["weight"].grad))
     ignored = data["labels"] == -100
-    for what, once, scaled in zip(("hidden", "weight"), grads[0], grads[1], strict=True):
+    for once, scaled in zip(grads[0], grads[1], strict=True):
         assert once is not None and scaled is not None
         normal = once.abs() >= torch.finfo(dtype).tiny
         want = (once[normal].float() * scale).to(dtype)
-        if what == "weight" and dtype == torch.float16:
+        if dtype == torch.float16:
             # one fp16 rounding of the unscaled gradient (an overflow to inf on both sides)
             torch.testing.assert_close(scaled[normal], want, rtol=2.0**-10, atol=0.0)
         else:

@@ -54,28 +54,33 @@ class WeightGradSum:
         self._sum: torch.Tensor | None = None
         self._fused = weight.dtype != FP32 and addmm_out_dtype_works(weight.device, weight.dtype)
 
-    def add(self, dz: torch.Tensor, h_rows: torch.Tensor) -> None:
-        """Add one chunk's ``dz^T h_rows`` (``dz`` ``[rows, V]``, ``h_rows`` ``[rows, H]``)."""
+    def add(self, dz: torch.Tensor, h_rows: torch.Tensor, alpha: float = 1.0) -> None:
+        """Add one chunk's ``alpha dz^T h_rows`` (``dz`` ``[rows, V]``, ``h_rows`` ``[rows, H]``;
+        ``alpha``: 1 / the scale ``dz`` was formed at, ``fusedhead.fp16_range``)."""
         a, b = dz.t(), h_rows
         if self._fused:
             if self._sum is None:
                 self._sum = torch.mm(a, b, out_dtype=FP32)
+                if alpha != 1.0:
+                    self._sum.mul_(alpha)
             else:
-                torch.addmm(self._sum, a, b, out_dtype=FP32, out=self._sum)
+                torch.addmm(self._sum, a, b, alpha=alpha, out_dtype=FP32, out=self._sum)
             return
         if a.dtype != FP32:
             a, b = a.float(), b.float()
         if self._sum is None:
             self._sum = torch.mm(a, b)
+            if alpha != 1.0:
+                self._sum.mul_(alpha)
         else:
-            self._sum.addmm_(a, b)
+            self._sum.addmm_(a, b, alpha=alpha)
 
     def result(self) -> torch.Tensor:
         """The sum in the weight's dtype (zeros without any chunk); the fp32 sum is let go.
 
-        For an fp16 weight the fp32 sum itself: the policy loss forms its gradients at a working
-        scale (``fusedhead.policy.working_scale``), where a sum over many tokens may pass fp16's
-        65504; the core rounds it once the upstream scale is applied (the contract allows it).
+        For an fp16 weight the fp32 sum itself: its true values may lie below fp16's range until
+        the upstream (GradScaler) scale lifts them, so the core rounds it once that scale is
+        applied (``fusedhead.fp16_range``; the contract allows fp32 gradients of fp16 inputs).
         """
         total, self._sum = self._sum, None
         if total is None:

@@ -9,7 +9,6 @@ docs/policy-loss.md states the semantics (verl's ``core_algos``).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -185,10 +184,8 @@ class _AttachedGradients(torch.autograd.Function):
         loss: torch.Tensor,
         grad_hidden: torch.Tensor | None,
         grad_weight: torch.Tensor | None,
-        working_scale: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.grads = (grad_hidden, grad_weight)
-        ctx.working_scale = working_scale
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss.clone()
 
@@ -208,33 +205,26 @@ class _AttachedGradients(torch.autograd.Function):
             )
         stored = ctx.grads
         ctx.grads = None  # handed out once; the stored gradients are scaled in place
-        _scale_([g for g in stored if g is not None], grad, ctx.working_scale)
+        _scale_([g for g in stored if g is not None], grad)
         # an fp32 gradient of an fp16 input (``PolicyLossResult``) rounded once, after its scale
         grad_hidden, grad_weight = (
             g if g is None or g.dtype == dtype else g.to(dtype)
             for g, dtype in zip(stored, ctx.dtypes, strict=True)
         )
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
-def _scale_(
-    grads: list[torch.Tensor], scale: torch.Tensor, working_scale: torch.Tensor | None = None
-) -> None:
-    """``grads *= scale / working_scale`` in place, nothing to do where that is 1
-    (``loss.backward()`` of a call formed at scale 1).
+def _scale_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """``grads *= scale`` in place, nothing to do for a scale of 1 (``loss.backward()``).
 
-    The scales are read on the host, once per backward (as Liger's fused cross-entropy reads
-    its one): a Python scale keeps the multiply one pass in fp32 arithmetic, rounded once, where
-    a bf16 ``mul_`` by an fp32 0-d tensor takes a slow mixed-dtype kernel (2.4 ms for a 1.2 GiB
-    weight gradient on an H200), and the usual scale of 1 costs nothing. Not ``_foreach_mul_``:
-    on the CPU it rounds the scale to the gradients' dtype first (fp16: 65536, a GradScaler's
-    first scale, is inf, and a zero gradient times inf is NaN; bf16: 1/3 is off by 0.2 %).
+    The scale is read on the host, once per backward (as Liger's fused cross-entropy does): a
+    Python scale keeps the multiply one pass in fp32 arithmetic, rounded once, where a bf16
+    ``mul_`` by an fp32 0-d tensor takes a slow mixed-dtype kernel (2.4 ms for a 1.2 GiB weight
+    gradient on an H200), and the usual scale of 1 costs nothing. Not ``_foreach_mul_``: on the
+    CPU it rounds the scale to the gradients' dtype first (fp16: 65536, a GradScaler's first
+    scale, is inf, and a zero gradient times inf is NaN; bf16: 1/3 is off by 0.2 %).
     """
-    if working_scale is None:
-        value = float(scale)
-    else:  # one read of both
-        pair = torch.stack((scale.detach().float().reshape(()), working_scale)).tolist()
-        value = pair[0] / pair[1]  # the working scale is a power of two: exact
+    value = float(scale)
     if value != 1.0:
         for g in grads:
             g.mul_(value)
@@ -402,26 +392,6 @@ def _scored(valid: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, torch.where(weight == 0, tiny, weight), zero)
 
 
-def working_scale(call: PolicyLossCall) -> torch.Tensor | None:
-    """fp16 only: the power of two ``s`` (fp32, on the device) with ``s * max(token weight)`` in
-    [1/8, 1/4), by which the backend is handed the token weights, so that it forms and stores the
-    gradients of ``s`` times the loss; the backward divides ``s`` out with the upstream scale.
-
-    fp16's exponent reaches down to 6e-8 only: the gradients of a token-mean over a global count
-    of G tokens are ``1/G`` times those of a sum, and formed at scale 1 most of the ``[rows, V]``
-    ``dz`` and the stored gradients flush to zero before a GradScaler's scale could reach them
-    (G = 262144: 8 % of the hidden gradient 0, 6.6e-2 from float64). At ``s`` the backend works
-    where a GradScaler's first scale puts autograd's backward (65536 / G = 1/4). bf16 and fp32
-    have fp32's exponent range: None, the weights as given. A power of two commutes with
-    rounding, so the scaled gradients are the unscaled ones' bits wherever those are normal.
-    """
-    if call.head.hidden.dtype != torch.float16 or call.token_weight.numel() == 0:
-        return None
-    exponent = torch.frexp(call.token_weight.max()).exponent  # max = m * 2**e, m in [0.5, 1)
-    biased = (127 - 2 - exponent).clamp(1, 254).to(torch.int32)  # 2**(-e-2), a normal fp32
-    return torch.bitwise_left_shift(biased, 23).view(torch.float32)
-
-
 def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
     """One policy-loss call on ``head``: the head's checks, the gate, the loss's own arguments,
     the backend's forward, its result checked, the loss formed."""
@@ -457,15 +427,11 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
         pending.send()
         pending.settle()
         scored = pending.counts[0] if pending.counts else n
-    working = None
     if scored == 0:
         result = nothing_scored(pcall)
     else:
         rows = None if valid is None else scored_rows(valid, scored)
         sub = pcall if rows is None else take(pcall, rows)
-        working = working_scale(sub)
-        if working is not None:
-            sub = dataclasses.replace(sub, token_weight=sub.token_weight * working)
         method = getattr(head.backend, "policy_loss", None)
         if not callable(method):
             head.broke("declares policy_loss but has no policy_loss(call) method")
@@ -480,7 +446,7 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
         _check_result(head, sub, result, scored, device)
         if rows is not None:
             result = spread(result, rows, pcall)
-    return _output(pcall, result, shape, working)
+    return _output(pcall, result, shape)
 
 
 def _policy_call(
@@ -616,7 +582,6 @@ def _output(
     call: PolicyLossCall,
     result: PolicyLossResult,
     shape: tuple[int, ...],
-    working: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """The loss formed from the backend's statistics, its gradients attached, and the metrics."""
     lp, ent = result.log_probs.detach(), result.entropy.detach()
@@ -626,7 +591,7 @@ def _output(
     h, w = call.head.hidden, call.head.weight
     if call.need_hidden_grad or call.need_weight_grad:
         loss = _AttachedGradients.apply(  # type: ignore[no-untyped-call]
-            h, w, loss, result.grad_hidden, result.grad_weight, working
+            h, w, loss, result.grad_hidden, result.grad_weight
         )
     weight = call.token_weight
     valid = weight != 0

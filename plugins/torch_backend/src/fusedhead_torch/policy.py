@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from fusedhead.fp16_range import chunk_scale, hidden_grad, hidden_grad_rows
 from fusedhead.grad_sum import WeightGradSum
 from fusedhead.policy_terms import label_logit_grad, token_grads
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
@@ -138,7 +139,7 @@ def policy_loss(
     w_t = gemm_operand(weight, fp32_logits).t()
     log_probs = torch.empty(n, dtype=FP32, device=device)
     entropy = torch.empty(n, dtype=FP32, device=device)
-    grad_h = torch.empty_like(hidden) if call.need_hidden_grad else None
+    grad_h = hidden_grad(hidden) if call.need_hidden_grad else None
     grad_w = WeightGradSum(weight) if call.need_weight_grad else None
     need_grads = grad_h is not None or grad_w is not None
     for start in range(0, n, rows_per_chunk):
@@ -164,6 +165,9 @@ def policy_loss(
             continue
         terms = token_grads(call, start, stop, lp, ent)
         g_lp, g_ent = terms.grad_log_probs, terms.grad_entropy
+        scale = chunk_scale(hidden.dtype, g_lp, g_ent, ent, k)  # fp16: dz in range; else 1
+        if scale != 1.0:
+            g_lp, g_ent = g_lp * scale, g_ent * scale
         # dL/dx_j = k (g_lp (onehot - p_j) - g_ent p_j (log p_j + H)) [* sech^2], with p = e / s
         # and log p = d - log s: e (a + b d), k folded into a and b; the label column from the
         # row's log-prob (policy_terms.label_logit_grad).
@@ -174,9 +178,9 @@ def policy_loss(
         del grad, x  # the chunk's fp32 tiles but dz, before the gradient GEMMs
         dz.scatter_(1, label, dz_label.to(dz.dtype).unsqueeze(1))
         if grad_h is not None:
-            torch.mm(dz, weight, out=grad_h[start:stop])
+            hidden_grad_rows(dz, weight, grad_h[start:stop], scale)
         if grad_w is not None:
-            grad_w.add(dz, h_rows)
+            grad_w.add(dz, h_rows, alpha=1.0 / scale)
     return PolicyLossResult(
         log_probs, entropy, grad_hidden=grad_h,
         grad_weight=None if grad_w is None else grad_w.result(),

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from fusedhead.fp16_range import chunk_scale, hidden_grad, hidden_grad_rows
 from fusedhead.grad_sum import WeightGradSum
 from fusedhead.policy_terms import label_logit_grad, token_grads
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
@@ -88,7 +89,7 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
     valid = labels != head.ignore_index
     log_probs = torch.empty(n, dtype=FP32, device=dev)
     entropy = torch.empty(n, dtype=FP32, device=dev)
-    grad_h = torch.empty_like(hidden) if call.need_hidden_grad else None
+    grad_h = hidden_grad(hidden) if call.need_hidden_grad else None
     grad_w = WeightGradSum(weight) if call.need_weight_grad else None
     rows = min(rows_per_chunk, n)
     buf = torch.empty(rows * v, dtype=keep_dtype(hidden.dtype, softcap is not None), device=dev)
@@ -135,6 +136,11 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
             continue
         terms = token_grads(call, start, stop, out.log_probs, out.entropy)
         g_lp, g_ent = terms.grad_log_probs, terms.grad_entropy
+        scale = 1.0
+        if hidden.dtype == torch.float16:  # dz formed in fp16's range (fusedhead.fp16_range)
+            k = temp[start:stop].reciprocal() if temp is not None else g_lp.new_full((1,), inv_temp)
+            scale = chunk_scale(hidden.dtype, g_lp, g_ent, out.entropy, k)
+            g_lp, g_ent = g_lp * scale, g_ent * scale
         a = torch.addcmul(g_lp, g_ent, out.entropy).neg_()
         b = g_ent.neg()
         dz_label = label_logit_grad(out.log_probs, out.entropy, g_lp, g_ent)
@@ -148,9 +154,9 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
             num_warps=warps,
         )  # fmt: skip
         if grad_h is not None:
-            torch.mm(dz, weight, out=grad_h[start:stop])
+            hidden_grad_rows(dz, weight, grad_h[start:stop], scale)
         if grad_w is not None:
-            grad_w.add(dz, h_rows)
+            grad_w.add(dz, h_rows, alpha=1.0 / scale)
     del buf, keep, dz, keep_arg  # the kept buffer goes before the fp32 sum is rounded
     return PolicyLossResult(
         log_probs,

@@ -30,6 +30,9 @@ from .common import (
 )
 from .forward import label_column, scaled_tile
 
+#: The lowest offset kept (fp16 holds it exactly; exp of it is 0 in fp32).
+KEEP_FLOOR = tl.constexpr(-32768.0)
+
 
 @triton.jit(do_not_specialize=["N", "V"])
 def policy_logits_kernel(
@@ -76,9 +79,11 @@ def policy_logits_kernel(
         m = tl.max(z, axis=1)
         d = z - m[:, None]
         if not HAS_SOFTCAP:
+            # kept at -2**15 at most below the tile's max: exp is 0 there in fp32 already, and
+            # an fp16 keep of an offset past 65504 (|z| / T past it) would be -inf, then NaN
             store_tile(
-                keep_ptr, d, pid_m * BLOCK_M, pid_n * BLOCK_N, N, V, stride_keep, BLOCK_M,
-                BLOCK_N, KEEP_TMA,
+                keep_ptr, tl.maximum(d, KEEP_FLOOR), pid_m * BLOCK_M, pid_n * BLOCK_N, N, V,
+                stride_keep, BLOCK_M, BLOCK_N, KEEP_TMA,
             )  # fmt: skip
         e = tl.exp2(d * LOG2E)
         s = tl.sum(e, axis=1)
