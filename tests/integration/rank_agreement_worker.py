@@ -67,7 +67,26 @@ def _case_args(name: str, rank: int, base: dict[str, Any]) -> dict[str, Any]:
         kw["temperature"] = t
     elif name == "refused_on_one_rank" and other:
         kw["hidden"] = kw["hidden"].double()  # fp64 hidden: refused by name on this rank
+    # refused before the head runs (the entry point's own checks, the backend's resolution)
+    elif name == "temperature_none_on_one_rank" and other:
+        kw["temperature"] = None
+    elif name == "check_labels_not_bool_on_one_rank" and other:
+        kw["check_labels"] = 1
+    elif name == "unknown_backend_on_one_rank" and other:
+        kw["backend"] = "no-such-backend"
+    elif name == "unknown_option_on_one_rank" and other:
+        kw["options"] = {"no_such_option": 1}
+    elif name == "other_backend_on_one_rank" and other:
+        kw["backend"] = OTHER_BACKEND
+    elif name == "empty_batch_with_gather_ids":
+        kw["hidden"], kw["labels"] = kw["hidden"][:0], kw["labels"][:0]
+        kw["gather_ids"] = torch.zeros(0, 2, dtype=torch.long)
     return kw
+
+
+#: The backend rank 1 runs in ``other_backend_on_one_rank``, by the backend under test.
+OTHER = {"torch": "triton", "triton": "torch"}
+OTHER_BACKEND = ""
 
 
 CASES = (
@@ -89,6 +108,12 @@ CASES = (
     "token_temperature_permuted",
     "token_temperature_differs_at_an_ignored_row",
     "module_bias_refused_on_one_rank",
+    "temperature_none_on_one_rank",
+    "check_labels_not_bool_on_one_rank",
+    "unknown_backend_on_one_rank",
+    "unknown_option_on_one_rank",
+    "other_backend_on_one_rank",
+    "empty_batch_with_gather_ids",
 )
 
 
@@ -106,9 +131,12 @@ def run(backend: str, rank: int) -> dict[str, Any]:
     base = {"hidden": hidden, "labels": labels}
     results: dict[str, Any] = {}
     other = rank == 1
+    global OTHER_BACKEND
+    OTHER_BACKEND = OTHER[backend]
     for name in CASES:
         kw = _case_args(name, rank, base)
         h, y = kw.pop("hidden"), kw.pop("labels")
+        named = kw.pop("backend", backend)
         try:
             if name == "module_bias_refused_on_one_rank":  # a bias replaced after it was built
                 bias = torch.nn.Parameter(torch.zeros(shard.shape[0]))
@@ -117,7 +145,7 @@ def run(backend: str, rank: int) -> dict[str, Any]:
                     m.bias = torch.nn.Parameter(torch.zeros(shard.shape[0] + 1))
                 out = m(h, y, process_group=dist.group.WORLD)
             else:
-                out = fused_head(h, shard, y, backend=backend, process_group=dist.group.WORLD, **kw)
+                out = fused_head(h, shard, y, backend=named, process_group=dist.group.WORLD, **kw)
             results[name] = ("ok", out.log_probs.detach().clone())
         except Exception as exc:  # what each rank raised, compared across ranks by the test
             results[name] = (type(exc).__name__, str(exc))

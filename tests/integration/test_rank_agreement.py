@@ -53,6 +53,37 @@ def test_a_rank_that_refuses_its_arguments_takes_every_rank_with_it(ranks):
     assert kind0 == "ValueError" and "rank 1 of process_group refused its arguments" in msg0
 
 
+REFUSED_EARLY = [
+    ("temperature_none_on_one_rank", "TypeError", "temperature must be a float or a tensor"),
+    ("check_labels_not_bool_on_one_rank", "TypeError", "check_labels must be a bool"),
+    ("unknown_backend_on_one_rank", "UnknownBackendError", "no-such-backend"),
+    ("unknown_option_on_one_rank", "OptionsError", "no_such_option"),
+]
+
+
+@pytest.mark.parametrize("case,kind,words", REFUSED_EARLY, ids=[c for c, _, _ in REFUSED_EARLY])
+def test_a_rank_refused_before_its_head_runs_takes_every_rank_with_it(ranks, case, kind, words):
+    """Before: refused by the entry point or the backend's resolution, ahead of the agreement's
+    gather, so rank 0 waited in it until the process group's timeout."""
+    (kind0, msg0), (kind1, msg1) = ranks[0][case], ranks[1][case]
+    assert kind1 == kind and words in msg1, (kind1, msg1)
+    assert kind0 == "ValueError" and "rank 1 of process_group refused its arguments" in msg0
+
+
+def test_another_backend_on_one_rank_is_refused_on_every_rank(ranks):
+    """Before: it passed the agreement, and the backends' collectives of other sizes aborted
+    the process (gloo: "Received data size doesn't match expected size")."""
+    for r, (kind, msg) in enumerate(rank["other_backend_on_one_rank"] for rank in ranks):
+        assert kind == "ValueError" and "different backends" in msg, (r, kind, msg)
+
+
+def test_an_empty_batch_with_gather_ids_runs_on_every_rank(ranks):
+    """Before: the agreement's signature reshaped 0 ids to [0, -1] and raised a RuntimeError."""
+    said = [rank["empty_batch_with_gather_ids"] for rank in ranks]
+    assert [kind for kind, _ in said] == ["ok", "ok"], said
+    assert all(lp.shape == (0,) for _, lp in said)
+
+
 def test_a_check_failed_on_every_rank_is_each_ranks_own_error(ranks):
     for kind, msg in (rank["label_out_of_range_on_every_rank"] for rank in ranks):
         assert kind == "ValueError" and f"labels must be in [0, {aw.V})" in msg, msg

@@ -207,15 +207,22 @@ def _run_fused_head(
     req: HeadRequest, backend: str, options: Mapping[str, Any] | BaseModel | None
 ) -> FusedHeadOutput:
     """``fused_head`` once its request is built: the named backend's cached head runs it."""
-    if backend.__class__ is not str:
-        _backend_name(backend)
-    if req.temperature is None:
-        raise TypeError("temperature must be a float or a tensor, got None")
-    # Without options the head's key is known: the cache's own entry, without building the key.
-    return (
-        (None if options is not None or _tracing() else _cache.get((backend, ())))
-        or get_fused_head(backend, options)
-    ).run(req)
+    try:
+        if backend.__class__ is not str:
+            _backend_name(backend)
+        if req.temperature is None:
+            raise TypeError("temperature must be a float or a tensor, got None")
+        # Without options the head's key is known: the cache's own entry, without building it.
+        head = (
+            None if options is not None or _tracing() else _cache.get((backend, ()))
+        ) or get_fused_head(backend, options)
+    except Exception:
+        if req.process_group is not None and req.check_labels is not False and not _tracing():
+            from fusedhead import rank_agreement  # the other ranks wait in its gather: told
+
+            rank_agreement.refused(req.process_group, req.hidden)
+        raise
+    return head.run(req)
 
 
 @entry_point(HeadRequest, _run_fused_head)

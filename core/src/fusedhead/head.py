@@ -268,14 +268,16 @@ class FusedHead:
                     call, caps, self.identity(), pending, traced and check is True
                 )
         except Exception:
-            if req.process_group is not None and pending is not None:
+            # the other ranks' checked calls wait in the agreement's gather: tell them (a
+            # check_labels that is no bool is refused here too, with no Pending made)
+            if req.process_group is not None and check is not False and not traced:
                 rank_agreement.refused(req.process_group, req.hidden)  # the others raise too
             raise
         # A checked vocab-parallel call's ranks agree before any collective of the backend: each
         # raises where one rank's call differs or fails its value checks (rank_agreement), which
         # leaves no check to read afterwards. Unchecked values are safe to run (NaN rows).
         if call.process_group is not None and pending is not None:
-            rank_agreement.agree(call, dtype, needs_grad, pending)
+            rank_agreement.agree(call, dtype, needs_grad, pending, self.name)
             pending = None
         if not n:
             return contract.empty_output(call, shape)

@@ -6,9 +6,9 @@ that differs or fails used to leave the others with wrong log-probs and no error
 temperature bad on one rank only), waiting forever (one rank differentiating, or raising before
 the backend's collectives), or aborted (row counts that differ in the backend's collective).
 Each rank now gathers a fixed-size signature of its call (shapes, flags, integer checksums of
-hidden, labels, temperature and gather ids, its shard, whether its value checks and its own
-arguments passed), and every rank raises before any collective of the backend: the rank at
-fault its own error, the others one naming that rank and what differs.
+hidden, labels, temperature and gather ids, its backend's name, its shard, whether its value
+checks and its own arguments passed), and every rank raises before any collective of the
+backend: the rank at fault its own error, the others one naming that rank and what differs.
 
 Checked eager calls only (``check_labels=True``, the default): ``check_labels=False`` and a
 traced call read nothing, as their value checks do (docs/vocab-parallel.md).
@@ -45,6 +45,7 @@ FIELDS = (
     ("labels", "labels"),
     ("hidden", "hidden states"),
     ("gather_ids", "gather_ids"),
+    ("backend", "backends (the same one must run on every rank)"),
 )
 _WIDTH = len(FIELDS) + SHARD_FLOATS
 _DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
@@ -92,7 +93,7 @@ def _ids_sum(ids: torch.Tensor) -> torch.Tensor:
 
 
 def signature(
-    call: HeadCall, dtype: torch.dtype, needs_grad: bool, pending: Pending | None
+    call: HeadCall, dtype: torch.dtype, needs_grad: bool, pending: Pending | None, backend: str = ""
 ) -> torch.Tensor:
     """This rank's int64 ``[_WIDTH]`` signature on the call's device."""
     dev = call.hidden.device
@@ -121,7 +122,9 @@ def signature(
         _rows_sum(_bits(temp).unsqueeze(1), scored) if isinstance(temp, torch.Tensor) else zero,
         _ids_sum(call.labels),
         _rows_sum(_bits(call.hidden), scored),
-        zero if ids is None else _rows_sum(ids.reshape(len(scored), -1).to(_I64), scored),
+        zero
+        if ids is None
+        else _rows_sum(ids.reshape(len(scored), ids.shape[-1]).to(_I64), scored),
     ]
     sums = torch.stack([f.to(_I64) for f in device_fields])
     out = torch.tensor(host, dtype=_I64, device=dev)
@@ -129,7 +132,8 @@ def signature(
     out[9] = out[9] + sums[1]
     slots = shard_slots(call.vocab_start, call.weight.shape[0], call.vocab_size)
     tail = torch.tensor([int(s) for s in slots], dtype=_I64, device=dev)
-    return torch.cat([out, sums[2:], tail])
+    name = torch.tensor([zlib.crc32(backend.encode())], dtype=_I64, device=dev)
+    return torch.cat([out, sums[2:], name, tail])
 
 
 def refused_signature(device: torch.device) -> torch.Tensor:
@@ -139,12 +143,14 @@ def refused_signature(device: torch.device) -> torch.Tensor:
     return out
 
 
-def agree(call: HeadCall, dtype: torch.dtype, needs_grad: bool, pending: Pending | None) -> None:
+def agree(
+    call: HeadCall, dtype: torch.dtype, needs_grad: bool, pending: Pending | None, backend: str = ""
+) -> None:
     """Gather every rank's signature and raise, on every rank, where they do not agree."""
     import torch.distributed as dist
 
     group = call.process_group
-    rows = gather(group, signature(call, dtype, needs_grad, pending))
+    rows = gather(group, signature(call, dtype, needs_grad, pending, backend))
     check(rows, dist.get_rank(group), group, call, pending)
 
 
