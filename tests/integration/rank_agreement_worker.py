@@ -78,6 +78,11 @@ def _case_args(name: str, rank: int, base: dict[str, Any]) -> dict[str, Any]:
         kw["options"] = {"no_such_option": 1}
     elif name == "other_backend_on_one_rank" and other:
         kw["backend"] = OTHER_BACKEND
+    elif name == "negative_zero_on_one_rank":  # -0.0 == +0.0: the same call
+        kw["hidden"] = kw["hidden"].clone()
+        kw["hidden"][2, 3] = -0.0 if other else 0.0
+    elif name == "reduce_differs_without_a_gradient" and other:
+        kw["reduce_hidden_grad"] = False
     elif name == "empty_batch_with_gather_ids":
         kw["hidden"], kw["labels"] = kw["hidden"][:0], kw["labels"][:0]
         kw["gather_ids"] = torch.zeros(0, 2, dtype=torch.long)
@@ -114,6 +119,8 @@ CASES = (
     "unknown_option_on_one_rank",
     "other_backend_on_one_rank",
     "empty_batch_with_gather_ids",
+    "negative_zero_on_one_rank",
+    "reduce_differs_without_a_gradient",
 )
 
 

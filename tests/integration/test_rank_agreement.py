@@ -84,6 +84,15 @@ def test_an_empty_batch_with_gather_ids_runs_on_every_rank(ranks):
     assert all(lp.shape == (0,) for _, lp in said)
 
 
+@pytest.mark.parametrize("case", ["negative_zero_on_one_rank", "reduce_differs_without_a_gradient"])
+def test_calls_that_compute_the_same_are_not_refused(ranks, case):
+    """Before: -0.0 beside +0.0 in hidden ("different hidden states"), and reduce_hidden_grad
+    differing where no rank differentiates, were refused on every rank."""
+    (kind0, lp0), (kind1, lp1) = (rank[case] for rank in ranks)
+    assert kind0 == kind1 == "ok", (lp0, lp1)
+    assert torch.equal(lp0, lp1)
+
+
 def test_a_check_failed_on_every_rank_is_each_ranks_own_error(ranks):
     for kind, msg in (rank["label_out_of_range_on_every_rank"] for rank in ranks):
         assert kind == "ValueError" and f"labels must be in [0, {aw.V})" in msg, msg

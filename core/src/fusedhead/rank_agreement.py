@@ -67,9 +67,10 @@ def _place(n: int, device: torch.device, start: int = 0) -> torch.Tensor:
     return torch.arange(start, start + n, device=device, dtype=_I64) * _MIX + 1
 
 
-def _rows_sum(values: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+def _rows_sum(values: torch.Tensor, scored: torch.Tensor, sign_zero: bool = False) -> torch.Tensor:
     """Position-weighted int64 sum (wrapping) of a ``[N, K]`` integer tensor over its scored
-    rows: differs where one value, its column or its row does (a swap included)."""
+    rows: differs where one value, its column or its row does (a swap included). ``sign_zero``:
+    the values are float bit patterns, and -0.0 counts as +0.0 (equal values, equal results)."""
     n, k = values.shape
     cols = _place(k, values.device)
     # 16-bit patterns times weights below 2**15 fit int32: half the temporaries' bytes.
@@ -78,8 +79,11 @@ def _rows_sum(values: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
         cols = cols % (1 << 15)
     step = max(1, (1 << 23) // max(k, 1))  # rows at once: temporaries of at most 2**23 values
     total = torch.zeros((), dtype=_I64, device=values.device)
+    zero_bits = torch.iinfo(values.dtype).min  # -0.0's pattern, counted as +0.0's (0)
     for start in range(0, n, step):
         part = values[start : start + step]
+        if sign_zero:
+            part = torch.where(part == zero_bits, 0, part)
         wide = part.to(torch.int32 if small else _I64) * cols.to(torch.int32 if small else _I64)
         per_row = wide.sum(dim=1, dtype=_I64) * _place(part.shape[0], values.device, start)
         total += torch.where(scored[start : start + step], per_row, 0).sum()
@@ -107,7 +111,8 @@ def signature(
         call.hidden.shape[1],
         _DTYPES.get(dtype, 0),
         int(needs_grad and call.hidden.requires_grad),
-        int(call.reduce_hidden_grad),
+        # only a differentiated call reduces the hidden gradient: otherwise it may differ
+        int(call.reduce_hidden_grad and needs_grad and call.hidden.requires_grad),
         zlib.crc32(outputs.encode()),
         call.top_k,
         _float_bits(temp) if isinstance(temp, float) else 0,
@@ -121,7 +126,7 @@ def signature(
         zero if failed is None else failed,
         _rows_sum(_bits(temp).unsqueeze(1), scored) if isinstance(temp, torch.Tensor) else zero,
         _ids_sum(call.labels),
-        _rows_sum(_bits(call.hidden), scored),
+        _rows_sum(_bits(call.hidden), scored, sign_zero=True),
         zero
         if ids is None
         else _rows_sum(ids.reshape(len(scored), ids.shape[-1]).to(_I64), scored),
