@@ -61,9 +61,9 @@ def hidden_grad_rows(
     if out.dtype == dz.dtype:
         torch.mm(dz, weight, out=out)
         return
-    if addmm_out_dtype_works(dz.device, dz.dtype):  # beta 0: out's old values are not read
-        torch.addmm(out, dz, weight, beta=0.0, alpha=1.0 / scale, out_dtype=FP32, out=out)
-        return
-    torch.mm(dz.float(), weight.float(), out=out)
+    if addmm_out_dtype_works(dz.device, dz.dtype):  # cuBLAS: fp16 operands, fp32 output
+        out.copy_(torch.mm(dz, weight, out_dtype=FP32))
+    else:
+        torch.mm(dz.float(), weight.float(), out=out)
     if scale != 1.0:
         out.mul_(1.0 / scale)
