@@ -8,7 +8,7 @@
 #      (bf16, H = 4096, V = 151936, T = 0.7, N = 8192 and 32768) -> OUT/policy.json, policy.md;
 #   3. policy_loss_bench.py: the triton backend's memory choices and a smaller chunk (PLB_IMPLS
 #      sets the list), determinism -> OUT/plb/policy_loss_bench.json;
-#   4. fusedhead check {triton,torch} --device cuda --dtype bf16 -k policy -> OUT/checks.log;
+#   4. fusedhead check {triton,torch} --device cuda --dtype {bf16,fp16} -k policy -> OUT/checks.log;
 #   5. policy_host_profile.py fused:triton 8192: the host's Python time in one step (what an idle
 #      GPU waits for) -> OUT/host_profile.log.
 # Limits (s): BENCH_LIMIT 300 (BENCH_MINUTES 4 of bench time cap), PLB_LIMIT 120, CHECK_LIMIT 90,
@@ -42,8 +42,10 @@ timeout -k 10 "${PLB_LIMIT:-120}" python3 "$HERE/policy_loss_bench.py" "$OUT/plb
 echo "policy_loss_bench exit $?" >>"$OUT/plb.log"
 tail -n 10 "$OUT/plb.log"
 for b in triton torch; do
-  timeout -k 10 "${CHECK_LIMIT:-90}" python3 -m fusedhead.cli check "$b" --device cuda --dtype bf16 -k policy
-  echo "check $b exit $?"
+  for dt in bf16 fp16; do
+    timeout -k 10 "${CHECK_LIMIT:-90}" python3 -m fusedhead.cli check "$b" --device cuda --dtype $dt -k policy
+    echo "check $b $dt exit $?"
+  done
 done >"$OUT/checks.log" 2>&1
 tail -n 20 "$OUT/checks.log"
 timeout -k 10 "${HOST_LIMIT:-60}" python3 "$HERE/policy_host_profile.py" fused:triton 8192 \

@@ -419,7 +419,7 @@ def policy_loss_ignored_rows(target: Target) -> None:
 
 
 def policy_loss_upstream_scale(target: Target) -> None:
-    """If declared: backward of c * loss scales both gradients by c; micro-batches accumulate into .grad, a backward after each or one after both forwards (no gradient buffer reused across calls)."""
+    """If declared: backward of c * loss scales both gradients by c (a GradScaler's 65536 over a global count of 2**18 included); micro-batches accumulate into .grad, a backward after each or one after both forwards (no gradient buffer reused across calls)."""
     _declared(target)
     n, h, v = target.sizes.small
     case = make_case(n, h, v, scale=FLAT, seed=70, lead=(4, n // 4))
@@ -433,6 +433,16 @@ def policy_loss_upstream_scale(target: Target) -> None:
         except Exception as exc:
             raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
         _compare(label, out, hh, ww, _Expected(batch, target, kw, upstream=c))
+    # A GradScaler's first scale on a token-mean over a global count far past the call's rows:
+    # gradients formed in fp16 at scale 1 flush to zero before the scale could lift them.
+    kw = batch.kwargs(dual_clip=None, tis=False, loss_normalizer=2.0**18, **PENALTIES[0])
+    label = f"{case.description}, loss_normalizer 2**18, (65536) * loss backward"
+    try:
+        out, hh, ww = _call(target, batch, kw)
+        (out.loss * 65536.0).backward()
+    except Exception as exc:
+        raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+    _compare(label, out, hh, ww, _Expected(batch, target, kw, upstream=65536.0))
     # Gradient accumulation: two micro-batches, each normalised by the global token count.
     second = replace(make_case(n, h, v, seed=72, lead=(4, n // 4)), weight=case.weight)
     other = _Batch(target, second, seed=73)
