@@ -103,7 +103,7 @@ def _call(
     if call.process_group is not None:  # the ranks' agreement that fused_head makes on the others
         from fusedhead import rank_agreement
 
-        rank_agreement.agree(call, h.dtype, torch.is_grad_enabled(), None)
+        rank_agreement.agree(call, h.dtype, torch.is_grad_enabled(), None, "torch")
     return TorchBackend(TorchOptions(**OPTIONS)).forward(call)
 
 

@@ -97,7 +97,7 @@ def _ids_sum(ids: torch.Tensor) -> torch.Tensor:
 
 
 def signature(
-    call: HeadCall, dtype: torch.dtype, needs_grad: bool, pending: Pending | None, backend: str = ""
+    call: HeadCall, dtype: torch.dtype, needs_grad: bool, pending: Pending | None, backend: str
 ) -> torch.Tensor:
     """This rank's int64 ``[_WIDTH]`` signature on the call's device."""
     dev = call.hidden.device
@@ -149,9 +149,10 @@ def refused_signature(device: torch.device) -> torch.Tensor:
 
 
 def agree(
-    call: HeadCall, dtype: torch.dtype, needs_grad: bool, pending: Pending | None, backend: str = ""
+    call: HeadCall, dtype: torch.dtype, needs_grad: bool, pending: Pending | None, backend: str
 ) -> None:
-    """Gather every rank's signature and raise, on every rank, where they do not agree."""
+    """Gather every rank's signature and raise, on every rank, where they do not agree
+    (``backend``: the name of the one that runs the call)."""
     import torch.distributed as dist
 
     group = call.process_group
