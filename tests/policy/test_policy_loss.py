@@ -249,7 +249,7 @@ def test_fp16_gradients_reach_a_gradscalers_scale(backend: str) -> None:
     """fp16 with a token-mean over a global count of 2**18 tokens (many micro-batches and ranks,
     verl's and TRL's normalisation): the gradients are 2**-18 of a sum's and, formed at scale 1,
     flushed to zero (8 % of the hidden gradient, 6.6e-2 from float64 at this size) before a
-    GradScaler's 65536 reached them. Formed at the working scale, the scaled backward is within
+    GradScaler's 65536 reached them. Formed at each chunk's scale, the scaled backward is within
     a few fp16 roundings of float64, as autograd's own backward of the same loss is."""
     g = torch.Generator().manual_seed(5)
     n, h_size, v, total, scale = 512, 64, 1000, 2.0**18, 65536.0
@@ -280,10 +280,11 @@ def test_fp16_gradients_reach_a_gradscalers_scale(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", POLICY_BACKENDS)
-def test_an_fp16_weight_gradient_past_65504_at_the_working_scale_is_kept(backend: str) -> None:
+def test_an_fp16_weight_gradient_past_65504_at_the_chunks_scale_is_kept(backend: str) -> None:
     """4096 tokens with one label and a hidden component of 200: the weight gradient is 200, and
-    at the working scale (~512 here) its sum passes fp16's 65504. The backend hands the fp32 sum
-    to the core, which rounds it after the upstream scale: finite, within fp16 rounding."""
+    at its chunk's scale its sum passes fp16's 65504 (it came back inf under a fixed working
+    scale). The backend hands the fp32 sum to the core, which rounds it after the upstream
+    scale: finite, within fp16 rounding."""
     g = torch.Generator().manual_seed(0)
     n, h_size, v = 4096, 8, 16
     hidden = (torch.randn(n, h_size, generator=g) * 0.1).half().float()

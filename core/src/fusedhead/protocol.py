@@ -315,9 +315,9 @@ class PolicyLossResult:
     ``log_probs`` and ``entropy`` are exactly 0 on ignored rows; ``grad_hidden`` (hidden's shape
     ``[N, H]`` and dtype) and ``grad_weight`` (weight's) are set exactly when the call needs them,
     with exactly zero rows of ``grad_hidden`` at ignored rows and nothing of those rows in
-    ``grad_weight``. Either may be fp32 where the inputs are fp16 (a sum over many tokens at
-    the core's working scale may pass fp16's range; the core rounds it after the upstream
-    scale). The core forms the loss from the statistics and attaches the gradients.
+    ``grad_weight``. Either may be fp32 where the inputs are fp16 (its true values may lie
+    below fp16's range until the upstream scale lifts them, ``fusedhead.fp16_range``; the core
+    rounds it after that scale). The core forms the loss from the statistics and attaches the gradients.
     """
 
     log_probs: torch.Tensor
