@@ -12,7 +12,7 @@
 #   5. policy_host_profile.py fused:triton 8192: the host's Python time in one step (what an idle
 #      GPU waits for) -> OUT/host_profile.log.
 # Limits (s): BENCH_LIMIT 300 (BENCH_MINUTES 4 of bench time cap), PLB_LIMIT 120, CHECK_LIMIT 90,
-# HOST_LIMIT 60.
+# HOST_LIMIT 60; PLB_LIMIT=0 skips step 3. BENCH_IMPLS sets step 2's list.
 set -uo pipefail
 OUT=${1:?usage: policy_loss.sh OUT [PARTS_DIR ...]}
 shift
@@ -32,11 +32,11 @@ WHEELS=${WHEELS:-.gpu-wheels}
 tail -n 6 "$OUT/setup.log"
 timeout -k 10 "${BENCH_LIMIT:-300}" python3 -m fusedhead.cli bench --device cuda --dtype bf16 \
   --n 8192 32768 --hidden 4096 --vocab 151936 --temperature 0.7 --case policy \
-  --max-minutes "${BENCH_MINUTES:-4}" --impl triton unfused:triton liger-direct torch unfused:torch \
+  --max-minutes "${BENCH_MINUTES:-4}" --impl ${BENCH_IMPLS:-triton unfused:triton liger-direct torch unfused:torch} \
   --json "$OUT/policy.json" --markdown "$OUT/policy.md" >"$OUT/bench.log" 2>&1
 echo "bench exit $?" >>"$OUT/bench.log"
 tail -n 14 "$OUT/bench.log"
-timeout -k 10 "${PLB_LIMIT:-120}" python3 "$HERE/policy_loss_bench.py" "$OUT/plb" --reps 5 --accuracy-n 8192 \
+[[ ${PLB_LIMIT:-120} == 0 ]] || timeout -k 10 "${PLB_LIMIT:-120}" python3 "$HERE/policy_loss_bench.py" "$OUT/plb" --reps 5 --accuracy-n 8192 \
   --impl ${PLB_IMPLS:-fused:triton fused:triton:memory=fast fused:triton:policy_chunk_rows=1536 unfused:triton} \
   >"$OUT/plb.log" 2>&1
 echo "policy_loss_bench exit $?" >>"$OUT/plb.log"
