@@ -288,3 +288,35 @@ def test_an_options_key_that_is_not_a_str_is_named_by_every_entry_point(
     with pytest.raises(TypeError, match="config keys must be field names"):
         cached_head({1: 2, "backend": "ref-test"})
     assert not ref_backend.calls
+
+
+@pytest.mark.parametrize(
+    ("call", "keyword", "said"),
+    [
+        ("fused_head", "temperatur", "(did you mean 'temperature'?)"),
+        ("fused_head", "calculate_entropy", "(verl's name of return_entropy)"),
+        ("fused_head", "compute_entropy", "(TRL's name of return_entropy)"),
+        ("FusedHead.__call__", "ignore_idx", "(did you mean 'ignore_index'?)"),
+        ("fused_kl", "directon", "(did you mean 'direction'?)"),
+        ("FusedHead.kl", "teacher_temp", "(did you mean 'teacher_temperature'?)"),
+    ],
+)
+def test_an_unknown_keyword_of_a_head_call_says_what_was_meant(
+    ref_backend, inputs, call, keyword, said
+):
+    """Python's own TypeError names the keyword only; these name the parameter it stands for
+    (a typo's closest name, or the trainer's name it is) and list the call's keywords."""
+    from fusedhead import FusedHead
+
+    h, w, y = inputs()
+    calls = {
+        "fused_head": lambda **kw: fused_head(h, w, y, backend="ref-test", **kw),
+        "FusedHead.__call__": lambda **kw: FusedHead(backend="ref-test")(h, w, y, **kw),
+        "fused_kl": lambda **kw: fused_kl(h, w, h, w, y, backend="ref-test", **kw),
+        "FusedHead.kl": lambda **kw: FusedHead(backend="ref-test").kl(h, w, h, w, y, **kw),
+    }
+    with pytest.raises(TypeError) as info:
+        calls[call](**{keyword: 1})
+    text = str(info.value)
+    assert text.startswith(f"{call}() got unexpected keyword argument: '{keyword}' {said}"), text
+    assert "Its keyword arguments: " in text and "temperature" in text

@@ -33,8 +33,14 @@ GIVEN: dict[str, Any] = {
 
 
 def test_the_signature_is_the_decorated_functions() -> None:
+    """The generated function takes the decorated one's parameters, and a catch-all of unknown
+    keywords that it refuses with a did-you-mean (``keywords.refuse``)."""
     generated = inspect.signature(fusedhead.fused_head, follow_wrapped=False)
-    assert generated == inspect.signature(fusedhead.fused_head.__wrapped__)  # type: ignore[attr-defined]
+    *params, unknown = generated.parameters.values()
+    assert unknown.kind is inspect.Parameter.VAR_KEYWORD
+    wrapped = inspect.signature(fusedhead.fused_head.__wrapped__)  # type: ignore[attr-defined]
+    assert generated.replace(parameters=params) == wrapped
+    assert inspect.signature(fusedhead.fused_head) == wrapped
     assert fusedhead.fused_head.__doc__ == fusedhead.fused_head.__wrapped__.__doc__  # type: ignore[attr-defined]
 
 

@@ -20,7 +20,7 @@ from fusedhead.config import FusedHeadConfig
 from fusedhead.contract import FusedHeadOutput
 from fusedhead.graph import Slots, as_graph_constant, slot_numbers
 from fusedhead.graph import tracing as _tracing
-from fusedhead.head import FusedHead
+from fusedhead.head import HEAD_FOREIGN_KEYWORDS, FusedHead
 from fusedhead.keywords import known_keywords
 from fusedhead.options import cache_text
 from fusedhead.policy import FOREIGN_KEYWORDS, PolicyLossOutput
@@ -225,7 +225,7 @@ def _run_fused_head(
     return head.run(req)
 
 
-@entry_point(HeadRequest, _run_fused_head)
+@entry_point(HeadRequest, _run_fused_head, HEAD_FOREIGN_KEYWORDS)
 def fused_head(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -259,6 +259,7 @@ def fused_head(
     return _run_fused_head(head_request(locals()), backend, options)
 
 
+@known_keywords({})
 def fused_kl(
     hidden: torch.Tensor,
     weight: torch.Tensor,

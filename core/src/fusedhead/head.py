@@ -52,6 +52,14 @@ def _prime_device(device: torch.device) -> None:
         device_entry(device)
 
 
+#: Other trainers' keyword arguments of a head call, each told what it is here.
+HEAD_FOREIGN_KEYWORDS = {
+    "calculate_entropy": "verl's name of return_entropy",
+    "compute_entropy": "TRL's name of return_entropy",
+    "input_ids": "the tokens: pass labels, the next token of each row (ignore_index where none)",
+}
+
+
 class FusedHead:
     """A backend resolved once from a ``FusedHeadConfig``, then called per step."""
 
@@ -213,6 +221,7 @@ class FusedHead:
                 options[name] = getattr(cfg, name)
         return HeadRequest(hidden, weight, labels, **options)
 
+    @known_keywords(HEAD_FOREIGN_KEYWORDS)
     def __call__(
         self,
         hidden: torch.Tensor,
@@ -317,6 +326,7 @@ class FusedHead:
             ent = None if ent is None else contract.shaped(ent, shape)
         return _new_tuple(FusedHeadOutput, (lp, ent))  # type: ignore[no-any-return]
 
+    @known_keywords({})
     def kl(
         self,
         hidden: torch.Tensor,

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from fusedhead.graph import tracing
+from fusedhead.keywords import refuse
 
 
 class HeadRequest(NamedTuple):
@@ -84,7 +85,11 @@ def head_request(scope: Mapping[str, Any], config: Any = None) -> HeadRequest:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def entry_point(request: type[tuple[Any, ...]], run: Callable[..., Any]) -> Callable[[F], F]:
+def entry_point(
+    request: type[tuple[Any, ...]],
+    run: Callable[..., Any],
+    foreign: Mapping[str, str] | None = None,
+) -> Callable[[F], F]:
     """The per-step form of a public entry point whose body is ``run(request(locals()), **rest)``.
 
     The decorated function is the contract and the readable body; the function returned has its
@@ -92,7 +97,8 @@ def entry_point(request: type[tuple[Any, ...]], run: Callable[..., Any]) -> Call
     tuple, with no ``locals()`` dict (about 0.6 us of a ~4 us call): generated code, as
     ``dataclasses`` and ``namedtuple`` make their ``__init__``, so each option is still spelled
     only in the signature and the request. Parameters that are not fields of ``request``
-    (``backend``, ``options``) go to ``run`` by name; every field must be a parameter.
+    (``backend``, ``options``) go to ``run`` by name; every field must be a parameter. An
+    unknown keyword gets ``keywords.refuse``'s did-you-mean (``foreign``: other trainers' names).
     """
 
     def make(fn: F) -> F:
@@ -106,12 +112,22 @@ def entry_point(request: type[tuple[Any, ...]], run: Callable[..., Any]) -> Call
         if len(positional) + len(keyword) != len(params):
             raise TypeError(f"{fn.__qualname__}: only plain and keyword-only parameters")
         rest = ", ".join(f"{n}={n}" for n in names if n not in fields)
-        head = ", ".join(positional + (["*", *keyword] if keyword else []))
+        head = ", ".join(positional + (["*", *keyword] if keyword else []) + ["**_unknown"])
         source = (
             f"def {fn.__name__}({head}):\n"
+            "    if _unknown:\n"
+            "        _refuse(_where, sorted(_unknown), _own, _foreign)\n"
             f"    return _run(_new(_request, ({', '.join(fields)},)), {rest})\n"
         )
-        scope: dict[str, Any] = {"_run": run, "_new": tuple.__new__, "_request": request}
+        scope: dict[str, Any] = {
+            "_run": run,
+            "_new": tuple.__new__,
+            "_request": request,
+            "_refuse": refuse,
+            "_where": fn.__qualname__,
+            "_own": sorted(keyword),
+            "_foreign": foreign or {},
+        }
         exec(compile(source, f"<entry point {fn.__qualname__}>", "exec"), scope)
         out = scope[fn.__name__]
         out.__defaults__, out.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__
