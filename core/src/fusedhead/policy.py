@@ -36,7 +36,7 @@ from fusedhead.protocol import (
     PolicyLossResult,
 )
 from fusedhead.request import HeadRequest, PolicyRequest
-from fusedhead.scored_rows import nothing_scored, scored_rows, spread, take
+from fusedhead.scored_rows import gather, narrow, nothing_scored, scored_first, spread
 from fusedhead.validation import validate
 from fusedhead.value_checks import Pending, check_count_value, count_checked
 
@@ -419,19 +419,22 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
     gate_policy_loss(caps, head.identity())
     call = gate_head(call, caps, head.identity())
     pcall = _policy_call(call, shape, n, device, req, pending)
-    scored, valid = n, None
+    scored, order, ordered = n, None, pcall
     if pending is not None:
         if not torch.compiler.is_compiling():
             valid = call.labels != call.ignore_index
             pending.count(valid.sum())  # read with the checks: the backend sees scored rows only
+            order = scored_first(valid)
+            ordered = gather(pcall, order)  # queued before the read: views after it
         pending.send()
         pending.settle()
         scored = pending.counts[0] if pending.counts else n
     if scored == 0:
         result = nothing_scored(pcall)
     else:
-        rows = None if valid is None else scored_rows(valid, scored)
-        sub = pcall if rows is None else take(pcall, rows)
+        rows = None if order is None or scored == n else order[:scored]
+        sub = pcall if rows is None else narrow(ordered, scored)
+        ordered = pcall  # an unused gathered copy (every row scored) is let go before the backend
         method = getattr(head.backend, "policy_loss", None)
         if not callable(method):
             head.broke("declares policy_loss but has no policy_loss(call) method")

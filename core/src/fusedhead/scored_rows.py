@@ -5,7 +5,7 @@ Rows are independent in every statistic, so a scored row's log-prob and entropy 
 gets in the whole batch (the backends' batch invariance), and each of the three GEMMs shrinks by
 the ignored fraction (prompt and padding tokens in an RL batch). The number of scored rows is read
 by the host with the call's value checks (one read that happens anyway); the rows are found on the
-device from that count, without a read of their own.
+device before that read (the gathers queued with the checks), without a read of their own.
 """
 
 from __future__ import annotations
@@ -17,35 +17,60 @@ import torch
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
 
 
-def scored_rows(valid: torch.Tensor, count: int) -> torch.Tensor | None:
-    """The ``count`` indices where ``valid`` holds, in order, or None where every row counts."""
-    if count >= valid.shape[0]:
-        return None
-    order = torch.argsort((~valid).to(torch.int8), stable=True)  # scored rows first, in order
-    return order[:count]
+def scored_first(valid: torch.Tensor) -> torch.Tensor:
+    """Every row's index, the scored rows first, each group in order (a stable sort of the mask).
+
+    Queued before the count is read, with the gathers of ``gather``: after the read only views
+    are left (``narrow``), so the GPU does not wait for the host between the read and the
+    backend's first kernel."""
+    return torch.argsort((~valid).to(torch.int8), stable=True)
 
 
-def take(call: PolicyLossCall, rows: torch.Tensor) -> PolicyLossCall:
-    """``call`` on ``rows`` only: every per-row tensor gathered, the rest as it is."""
+def gather(call: PolicyLossCall, order: torch.Tensor) -> PolicyLossCall:
+    """``call`` with every per-row tensor gathered in ``order``, the rest as it is."""
     head = call.head
     temp = head.temperature
     head = head._replace(
-        hidden=head.hidden.index_select(0, rows),
-        labels=head.labels.index_select(0, rows),
-        temperature=temp.index_select(0, rows) if isinstance(temp, torch.Tensor) else temp,
+        hidden=head.hidden.index_select(0, order),
+        labels=head.labels.index_select(0, order),
+        temperature=temp.index_select(0, order) if isinstance(temp, torch.Tensor) else temp,
     )
 
     def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.index_select(0, rows)
+        return None if t is None else t.index_select(0, order)
 
     return dataclasses.replace(
         call,
         head=head,
         old_log_probs=pick(call.old_log_probs),
-        advantages=call.advantages.index_select(0, rows),
-        token_weight=call.token_weight.index_select(0, rows),
+        advantages=call.advantages.index_select(0, order),
+        token_weight=call.token_weight.index_select(0, order),
         ref_log_probs=pick(call.ref_log_probs),
         tis_weight=pick(call.tis_weight),
+    )
+
+
+def narrow(call: PolicyLossCall, count: int) -> PolicyLossCall:
+    """The first ``count`` rows of a ``gather``ed call: views, no kernel."""
+    head = call.head
+    temp = head.temperature
+    head = head._replace(
+        hidden=head.hidden[:count],
+        labels=head.labels[:count],
+        temperature=temp[:count] if isinstance(temp, torch.Tensor) else temp,
+    )
+
+    def first(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[:count]
+
+    return dataclasses.replace(
+        call,
+        head=head,
+        old_log_probs=first(call.old_log_probs),
+        advantages=call.advantages[:count],
+        token_weight=call.token_weight[:count],
+        ref_log_probs=first(call.ref_log_probs),
+        tis_weight=first(call.tis_weight),
     )
 
 
