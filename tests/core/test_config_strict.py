@@ -58,6 +58,24 @@ def test_malformed_yaml_names_the_file_line_and_column(tmp_path, ref_backend):
         FusedHeadConfig.from_yaml("backend: [", source="cfg.yaml")
 
 
+def test_a_backend_error_from_a_yaml_file_names_the_file(tmp_path, strict_backend):
+    """A bad option or an unknown backend in a trainer's config file: the message and the
+    error's reason field name the file, and the error keeps its class and backend fields."""
+    path = tmp_path / "head.yaml"
+    path.write_text("fused_head:\n  backend: strict-test\n  options:\n    mode: quick\n")
+    with pytest.raises(OptionsError) as info:
+        FusedHeadConfig.from_yaml(path)
+    assert info.value.reason.startswith(f"{path}: option 'mode' = 'quick'"), info.value.reason
+    assert info.value.backend == "strict-test" and str(path) in str(info.value)
+    path.write_text("backend: strict-tst\n")
+    with pytest.raises(BackendError) as unknown:
+        FusedHeadConfig.from_yaml(path)
+    assert str(unknown.value).startswith(f"{path}: unknown fusedhead backend 'strict-tst'")
+    with pytest.raises(OptionsError) as text:  # YAML text has no file to name
+        FusedHeadConfig.from_yaml("backend: strict-test\noptions: {mode: quick}\n")
+    assert text.value.reason.startswith("option 'mode'"), text.value.reason
+
+
 def test_yaml_that_is_not_a_mapping_is_refused_naming_the_source(ref_backend):
     with pytest.raises(TypeError, match=r"<yaml text>: .*mapping.*got a YAML list"):
         FusedHeadConfig.from_yaml("- backend: ref-test\n")

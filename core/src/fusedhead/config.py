@@ -323,8 +323,12 @@ class FusedHeadConfig(BaseModel):
                 )
         try:
             return cls.from_dict(data)
+        except BackendError as exc:  # its message is built from fields: the file joins the reason
+            if source is not None:
+                exc.reason = f"{where}: {exc.reason}"
+            raise
         except (ValueError, TypeError) as exc:
-            if isinstance(exc, BackendError) or source is None:
+            if source is None:
                 raise
             raise type(exc)(f"{where}: {exc}") from None
 
