@@ -353,6 +353,7 @@ def _sequences(
 
 def token_weights(
     valid: torch.Tensor,
+    count: torch.Tensor,
     shape: tuple[int, ...],
     aggregation: str,
     normalizer: torch.Tensor | None,
@@ -364,14 +365,15 @@ def token_weights(
     ``normalizer`` replaces the count the mean divides by: valid tokens for ``token-mean``,
     sequences with a valid token for the ``seq-mean-*`` modes. ``horizon`` replaces the length
     ``seq-mean-token-sum-norm`` divides by (the batch's width, or a packed batch's longest
-    sequence), so that micro-batches of any width add up.
+    sequence), so that micro-batches of any width add up. ``count``: ``valid.sum()``, the
+    call's one count of scored tokens (read with its value checks).
     """
+    if aggregation == "token-mean":
+        denom = count.to(torch.float32) if normalizer is None else normalizer
+        return _scored(valid, denom.reciprocal())
     n = valid.shape[0]
     device = valid.device
     ones = valid.to(torch.float32)
-    if aggregation == "token-mean":
-        denom = ones.sum() if normalizer is None else normalizer
-        return _scored(valid, 1.0 / denom)
     seq, count, longest = _sequences(shape, cu_seqlens, n, device)
     length = float(longest if horizon is None else horizon)
     per_seq = torch.zeros(count, dtype=torch.float32, device=device).index_add_(0, seq, ones)
@@ -388,8 +390,7 @@ def _scored(valid: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     of 0 marks an ignored one, to the metrics and the backends): one that underflows fp32 (a
     normaliser times a horizon near 2**126) is held at the smallest normal number."""
     tiny = torch.finfo(torch.float32).tiny
-    zero = torch.zeros_like(weight)
-    return torch.where(valid, torch.where(weight == 0, tiny, weight), zero)
+    return torch.where(valid, torch.where(weight == 0, tiny, weight), 0.0)
 
 
 def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
@@ -418,12 +419,13 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
         raise
     gate_policy_loss(caps, head.identity())
     call = gate_head(call, caps, head.identity())
-    pcall = _policy_call(call, shape, n, device, req, pending)
+    valid = call.labels != call.ignore_index
+    count = valid.sum()
+    pcall = _policy_call(call, shape, n, device, req, valid, count, pending)
     scored, order, ordered = n, None, pcall
     if pending is not None:
         if not torch.compiler.is_compiling():
-            valid = call.labels != call.ignore_index
-            pending.count(valid.sum())  # read with the checks: the backend sees scored rows only
+            pending.count(count)  # read with the checks: the backend sees scored rows only
             order = scored_first(valid)
             ordered = gather(pcall, order)  # queued before the read: views after it
         pending.send()
@@ -458,6 +460,8 @@ def _policy_call(
     n: int,
     device: torch.device,
     req: PolicyRequest,
+    valid: torch.Tensor,
+    count: torch.Tensor,
     pending: Pending | None = None,
 ) -> PolicyLossCall:
     """The loss's own arguments checked and flattened beside the head call."""
@@ -504,7 +508,6 @@ def _policy_call(
                 "the old policy's log-probs"
             )
         tis = torch.exp(old - roll).clamp_(max=cap)
-    valid = call.labels != call.ignore_index
     horizon = req.horizon
     if horizon is not None:
         what = "a length > 0 (verl's loss_scale_factor, TRL's max_completion_length)"
@@ -515,7 +518,7 @@ def _policy_call(
                 f"aggregation={aggregation!r} divides by none: pass horizon=None, or that mode"
             )
     normalizer = _normalizer(req.loss_normalizer, device, pending)
-    weights = token_weights(valid, shape, aggregation, normalizer, req.cu_seqlens, horizon)
+    weights = token_weights(valid, count, shape, aggregation, normalizer, req.cu_seqlens, horizon)
     if req.cu_seqlens is not None and aggregation == "token-mean":
         _sequences(shape, req.cu_seqlens, n, device)  # checked even where it changes nothing
     grad = torch.is_grad_enabled()

@@ -23,7 +23,7 @@ def scored_first(valid: torch.Tensor) -> torch.Tensor:
     Queued before the count is read, with the gathers of ``gather``: after the read only views
     are left (``narrow``), so the GPU does not wait for the host between the read and the
     backend's first kernel."""
-    return torch.argsort((~valid).to(torch.int8), stable=True)
+    return torch.argsort(valid.to(torch.int8), descending=True, stable=True)
 
 
 def gather(call: PolicyLossCall, order: torch.Tensor) -> PolicyLossCall:
