@@ -427,7 +427,7 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
         if not torch.compiler.is_compiling():
             pending.count(count)  # read with the checks: the backend sees scored rows only
             order = scored_first(valid)
-            ordered = gather(pcall, order)  # queued before the read: views after it
+            ordered = gather(pcall, order)  # queued before the read: hidden's rows after it
         pending.send()
         pending.settle()
         scored = pending.counts[0] if pending.counts else n
@@ -435,8 +435,7 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
         result = nothing_scored(pcall)
     else:
         rows = None if order is None or scored == n else order[:scored]
-        sub = pcall if rows is None else narrow(ordered, scored)
-        ordered = pcall  # an unused gathered copy (every row scored) is let go before the backend
+        sub = pcall if rows is None else narrow(ordered, order, scored)
         method = getattr(head.backend, "policy_loss", None)
         if not callable(method):
             head.broke("declares policy_loss but has no policy_loss(call) method")

@@ -20,18 +20,19 @@ from fusedhead.protocol import PolicyLossCall, PolicyLossResult
 def scored_first(valid: torch.Tensor) -> torch.Tensor:
     """Every row's index, the scored rows first, each group in order (a stable sort of the mask).
 
-    Queued before the count is read, with the gathers of ``gather``: after the read only views
-    are left (``narrow``), so the GPU does not wait for the host between the read and the
-    backend's first kernel."""
+    Queued before the count is read, with the per-token gathers of ``gather``: after the read
+    only the hidden rows' gather is left (``narrow``), so the GPU waits for one launch, not
+    seven, between the read and the backend's first kernel."""
     return torch.argsort(valid.to(torch.int8), descending=True, stable=True)
 
 
 def gather(call: PolicyLossCall, order: torch.Tensor) -> PolicyLossCall:
-    """``call`` with every per-row tensor gathered in ``order``, the rest as it is."""
+    """``call`` with every per-token tensor gathered in ``order``, the rest as it is; the hidden
+    states are left to ``narrow``, which gathers the scored rows alone (an RL batch may ignore
+    most of its rows: a gather of every row would hold them all)."""
     head = call.head
     temp = head.temperature
     head = head._replace(
-        hidden=head.hidden.index_select(0, order),
         labels=head.labels.index_select(0, order),
         temperature=temp.index_select(0, order) if isinstance(temp, torch.Tensor) else temp,
     )
@@ -50,12 +51,12 @@ def gather(call: PolicyLossCall, order: torch.Tensor) -> PolicyLossCall:
     )
 
 
-def narrow(call: PolicyLossCall, count: int) -> PolicyLossCall:
-    """The first ``count`` rows of a ``gather``ed call: views, no kernel."""
+def narrow(call: PolicyLossCall, order: torch.Tensor, count: int) -> PolicyLossCall:
+    """The first ``count`` rows of a ``gather``ed call: views, and the hidden rows gathered."""
     head = call.head
     temp = head.temperature
     head = head._replace(
-        hidden=head.hidden[:count],
+        hidden=head.hidden.index_select(0, order[:count]),
         labels=head.labels[:count],
         temperature=temp[:count] if isinstance(temp, torch.Tensor) else temp,
     )
