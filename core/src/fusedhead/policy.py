@@ -353,7 +353,7 @@ def _sequences(
 
 def token_weights(
     valid: torch.Tensor,
-    count: torch.Tensor,
+    tokens: torch.Tensor,
     shape: tuple[int, ...],
     aggregation: str,
     normalizer: torch.Tensor | None,
@@ -365,11 +365,11 @@ def token_weights(
     ``normalizer`` replaces the count the mean divides by: valid tokens for ``token-mean``,
     sequences with a valid token for the ``seq-mean-*`` modes. ``horizon`` replaces the length
     ``seq-mean-token-sum-norm`` divides by (the batch's width, or a packed batch's longest
-    sequence), so that micro-batches of any width add up. ``count``: ``valid.sum()``, the
+    sequence), so that micro-batches of any width add up. ``tokens``: ``valid.sum()``, the
     call's one count of scored tokens (read with its value checks).
     """
     if aggregation == "token-mean":
-        denom = count.to(torch.float32) if normalizer is None else normalizer
+        denom = tokens.to(torch.float32) if normalizer is None else normalizer
         return _scored(valid, denom.reciprocal())
     n = valid.shape[0]
     device = valid.device
@@ -435,7 +435,7 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
         result = nothing_scored(pcall)
     else:
         rows = None if order is None or scored == n else order[:scored]
-        sub = pcall if rows is None else narrow(ordered, order, scored)
+        sub = pcall if order is None or rows is None else narrow(ordered, order, scored)
         method = getattr(head.backend, "policy_loss", None)
         if not callable(method):
             head.broke("declares policy_loss but has no policy_loss(call) method")
