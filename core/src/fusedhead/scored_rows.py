@@ -11,6 +11,8 @@ device before that read (the gathers queued with the checks), without a read of 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -30,48 +32,33 @@ def gather(call: PolicyLossCall, order: torch.Tensor) -> PolicyLossCall:
     """``call`` with every per-token tensor gathered in ``order``, the rest as it is; the hidden
     states are left to ``narrow``, which gathers the scored rows alone (an RL batch may ignore
     most of its rows: a gather of every row would hold them all)."""
-    head = call.head
-    temp = head.temperature
-    head = head._replace(
-        labels=head.labels.index_select(0, order),
-        temperature=temp.index_select(0, order) if isinstance(temp, torch.Tensor) else temp,
-    )
-
-    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.index_select(0, order)
-
-    return dataclasses.replace(
-        call,
-        head=head,
-        old_log_probs=pick(call.old_log_probs),
-        advantages=call.advantages.index_select(0, order),
-        token_weight=call.token_weight.index_select(0, order),
-        ref_log_probs=pick(call.ref_log_probs),
-        tis_weight=pick(call.tis_weight),
-    )
+    return _per_token(call, lambda t: t.index_select(0, order))
 
 
 def narrow(call: PolicyLossCall, order: torch.Tensor, count: int) -> PolicyLossCall:
     """The first ``count`` rows of a ``gather``ed call: views, and the hidden rows gathered."""
+    hidden = call.head.hidden.index_select(0, order[:count])
+    narrowed = _per_token(call, lambda t: t[:count])
+    return dataclasses.replace(narrowed, head=narrowed.head._replace(hidden=hidden))
+
+
+def _per_token(call: PolicyLossCall, f: Callable[[torch.Tensor], torch.Tensor]) -> PolicyLossCall:
+    """``call`` with ``f`` applied to each per-token tensor: the labels, a per-token
+    temperature, and the loss's own (old, advantages, token weights, reference, TIS weights)."""
+
+    def each(t: object) -> Any:
+        return f(t) if isinstance(t, torch.Tensor) else t
+
     head = call.head
-    temp = head.temperature
-    head = head._replace(
-        hidden=head.hidden.index_select(0, order[:count]),
-        labels=head.labels[:count],
-        temperature=temp[:count] if isinstance(temp, torch.Tensor) else temp,
-    )
-
-    def first(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[:count]
-
+    head = head._replace(labels=f(head.labels), temperature=each(head.temperature))
     return dataclasses.replace(
         call,
         head=head,
-        old_log_probs=first(call.old_log_probs),
-        advantages=call.advantages[:count],
-        token_weight=call.token_weight[:count],
-        ref_log_probs=first(call.ref_log_probs),
-        tis_weight=first(call.tis_weight),
+        old_log_probs=each(call.old_log_probs),
+        advantages=f(call.advantages),
+        token_weight=f(call.token_weight),
+        ref_log_probs=each(call.ref_log_probs),
+        tis_weight=each(call.tis_weight),
     )
 
 
