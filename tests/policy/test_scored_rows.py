@@ -144,3 +144,50 @@ def test_the_count_comes_with_the_value_checks_in_their_one_host_read(
     _run(head, x)
     flags = 2 if per_token_temperature else 1  # the labels' range, the temperatures' range
     assert reads == [[0] * flags + [int((x["labels"] != -100).sum())]]
+
+
+def test_after_the_read_only_the_scored_hidden_rows_are_gathered_before_the_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host latency the GPU waits for: between the value checks' one read and the backend's
+    first kernel the core makes one op that is not a view (the scored hidden rows' gather); the
+    rows' order and the per-token gathers are queued before the read."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fusedhead.value_checks import Pending
+
+    phase = {"now": "before"}
+    ops: dict[str, list[str]] = {"before": [], "after": [], "backend": []}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not func.is_view:
+                ops[phase["now"]].append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    settle = Pending.settle
+
+    def read(self: Pending) -> None:
+        settle(self)
+        phase["now"] = "after"
+
+    monkeypatch.setattr(Pending, "settle", read)
+    head = fusedhead.FusedHead({"backend": "torch"})
+    x = _batch(True)
+    _run(head, x)
+    inner = head.backend.policy_loss
+
+    def policy_loss(call: PolicyLossCall) -> Any:
+        phase["now"] = "backend"
+        return inner(call)
+
+    head.backend.policy_loss = policy_loss
+    phase["now"] = "before"
+    for k in ops:
+        ops[k].clear()
+    with Record():
+        _run(head, x)
+    assert ops["after"] == ["aten.index_select"], ops["after"]
+    # labels, the per-token temperature, old, advantages, token weights, reference, TIS weights
+    assert ops["before"].count("aten.index_select") == 7
+    assert ops["backend"], "the backend ran"
