@@ -606,3 +606,12 @@ def test_list_check_with_an_empty_device_is_one_line(capsys):
     rc, out, err = run_main(capsys, "list", "--check", "--device", "")
     line = one_error_line(err)
     assert rc == 2 and "--device" in line and "got ''" in line and "broken" not in out
+
+
+def test_info_usage_shows_the_backend_name_as_required(capsys: pytest.CaptureFixture[str]) -> None:
+    """``fusedhead info`` needs a name; its usage says so (argparse would show ``[name]``)."""
+    from fusedhead.cli import main
+
+    assert main(["info", "--help"]) == 0
+    usage = capsys.readouterr().out.splitlines()[0]
+    assert usage.endswith(" name") and "[name]" not in usage, usage

@@ -433,7 +433,9 @@ def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_list)
     text = "capabilities, options (their allowed values), distribution and status of a backend"
-    p = sub.add_parser("info", help=text, description=_sentence(text))
+    # the name is required: optional to argparse only so that its absence lists the names
+    usage = "fusedhead info [-h] [--json] [--device DEVICE] name"
+    p = sub.add_parser("info", help=text, description=_sentence(text), usage=usage)
     p.add_argument("name", nargs="?", help="backend name (as in `fusedhead list`)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
