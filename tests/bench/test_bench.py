@@ -128,6 +128,17 @@ def test_unknown_implementation_is_a_clear_error(capsys: pytest.CaptureFixture[s
     assert "reference, verl-chunked, liger-direct, cce" in err
 
 
+def test_an_implementation_listed_twice_is_refused_before_any_work(
+    torch_backend: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "b.json"
+    for twice in (["torch", "torch"], ["torch", "torch:{}"], ["reference", "reference"]):
+        assert cli.main(["bench", *TINY, "--impl", *twice, "--json", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--impl {twice[0]!r} and {twice[1]!r} name the same implementation" in err
+        assert not out.exists()
+
+
 def test_bad_impl_options_are_errors() -> None:
     with pytest.raises(ValueError, match="JSON object"):
         peers.resolve("torch:[1]")

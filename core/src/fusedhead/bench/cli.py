@@ -294,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
     specs = args.impl or peers.default_specs(c.head for c in cases)
     # Unknown names and bad options fail here, before any work.
     impls = [peers.resolve(s) for s in specs]
+    _refuse_repeats(specs, impls)
     common = {
         "device": report.device_info(device),
         "versions": report.versions(),
@@ -434,6 +435,19 @@ def _report_only(args: argparse.Namespace) -> int:
     records = read_results(args.json, "--report-only: --json")
     _finish(args, records, report)
     return 0
+
+
+def _refuse_repeats(specs: list[str], impls: list[Any]) -> None:
+    """A ValueError where two ``--impl`` specs name one implementation (``triton`` and
+    ``triton:{}``): it would be measured twice and its records could not be told apart."""
+    first: dict[str, str] = {}
+    for spec, impl in zip(specs, impls, strict=True):
+        if impl.name in first:
+            raise ValueError(
+                f"--impl {first[impl.name]!r} and {spec!r} name the same implementation "
+                f"{impl.name!r}: list each implementation once"
+            )
+        first[impl.name] = spec
 
 
 def _blocked(impl: Any, case: Any) -> tuple[str, str] | None:
