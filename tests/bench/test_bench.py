@@ -176,6 +176,7 @@ def test_gemm_units_divide_by_the_paired_gemm_time() -> None:
     t = timing.timed_units(work, torch.device("cpu"), reps=3, unit_ms=1.0, gemm=gemm)
     assert t["units"] == pytest.approx(3.0, rel=0.35)
     assert t["unit_ms"] == pytest.approx(10.0, rel=0.5)
+    assert len(t["unit_samples"]) == 3  # the paired GEMMs' own times, for the spread
     fixed = timing.timed_units(work, torch.device("cpu"), reps=2, unit_ms=15.0)
     assert fixed["units"] == pytest.approx(fixed["ms"] / 15.0)
     assert timing.units(30.0, 10.0) == 3.0
@@ -219,6 +220,38 @@ def test_an_unsteady_gemm_unit_is_named_under_the_table() -> None:
         "loaded" in listed and "80.0x" in listed and "steady" not in listed.replace("Unsteady", "")
     )
     assert "Unsteady" not in report.markdown(records[:1])
+
+
+def test_one_run_of_the_gemm_unit_is_named_as_unknown_steadiness() -> None:
+    """With ``--reps 1`` and no forward timed, one paired GEMM is all there is: its spread is
+    unknown (not 1.0), and the table says so."""
+    from fusedhead.bench import report
+
+    assert timing.unit_steadiness([8.0]) == {"unit_runs": 1, "unit_spread": None}
+    assert timing.unit_steadiness([0.06, 8.0, 0.05]) == {"unit_runs": 3, "unit_spread": 160.0}
+    case = Case(64, 64, 1000).to_dict()
+    row = {"status": "ok", "case": case, "fwd_bwd_ms": 6.6, "fwd_bwd_units": 78.0, "unit_ms": 0.08}
+    text = report.markdown([{**row, "impl": "once", **timing.unit_steadiness([8.0])}])
+    assert "- N=64 H=64 V=1000 fp32 once: one run (raise --reps)" in text
+
+
+def test_the_unit_spread_pools_the_forwards_and_the_steps_gemms(
+    torch_backend: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """One repetition each of the forward and the step: their two GEMMs make the spread."""
+    gemm_times = iter([1.0, 4.0])
+    real = timing.timed_units
+
+    def one_gemm_each(*args: object, **kwargs: object) -> dict[str, object]:
+        t = real(*args, **kwargs)  # type: ignore[arg-type]
+        return {**t, "unit_samples": [next(gemm_times)]}
+
+    monkeypatch.setattr(timing, "timed_units", one_gemm_each)
+    out = tmp_path / "b.json"
+    args = ["bench", *TINY, "--impl", "torch", "--json", str(out), "--no-memory"]
+    assert cli.main(args) == 0
+    (rec,) = [r for r in json.loads(out.read_text()) if r["status"] == "ok"]
+    assert rec["unit_runs"] == 2 and rec["unit_spread"] == pytest.approx(4.0)
 
 
 def test_gemm_unit_times_one_matmul_of_the_case() -> None:

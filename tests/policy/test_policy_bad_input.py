@@ -458,7 +458,14 @@ def test_another_trainers_name_is_told_what_it_is_here(arg, value, words):
         ("clip_ratio_high", r"'clip_ratio_high' \(verl's name of clip_high\)"),
         ("loss_agg_mode", r"'loss_agg_mode' \(verl's name of aggregation\)"),
         ("beta", r"'beta' \(TRL's name of kl_coef\)"),
-        ("num_items_in_batch", r"'num_items_in_batch' \(TRL's name of loss_normalizer\)"),
+        (
+            "num_items_in_batch",
+            r"'num_items_in_batch' \(TRL's global token count: pass "
+            r"loss_normalizer=num_items_in_batch / num_processes",
+        ),
+        ("delta", r"'delta' \(TRL's two-sided clip: dual_clip=delta is the same loss"),
+        ("vllm_importance_sampling_clip_max", r"\(TRL's name of tis_cap\)"),
+        ("vllm_importance_sampling_cap", r"\(TRL's name of tis_cap\)"),
         ("response_mask", r"'response_mask' \(verl's mask: .*labels.masked_fill\(mask == 0"),
         ("entropy_cof", r"'entropy_cof' \(did you mean 'entropy_coef'\?\)"),
     ],

@@ -347,7 +347,7 @@ def fused_policy_loss(
     sampling (``rollout_log_probs``, ``tis_cap``), ``- entropy_coef`` times the entropy,
     ``+ kl_coef`` times the ``kl_estimator`` KL to ``ref_log_probs``, each aggregated by
     ``aggregation`` (verl's ``loss_agg_mode``; ``cu_seqlens`` for a packed batch,
-    ``loss_normalizer`` for the global count, ``horizon`` for the length
+    ``loss_normalizer`` for the global count over the data-parallel size, ``horizon`` for the length
     ``seq-mean-token-sum-norm`` divides by: verl's ``loss_scale_factor``).
     Rows whose label is ``ignore_index`` add nothing. ``hidden [..., H]``, ``weight [V, H]`` and
     ``labels [...]`` as for ``fused_head``, with its ``softcap``; ``backend`` is the name of the

@@ -59,7 +59,7 @@ FOREIGN_NAMES = {
         "grpo": "TRL's loss_type='grpo' is aggregation='seq-mean-token-mean'",
         "bnpo": "TRL's loss_type='bnpo' is aggregation='token-mean'",
         "dapo": "TRL's loss_type='dapo' is aggregation='token-mean' with loss_normalizer the "
-        "global count of scored tokens",
+        "global count of scored tokens / num_processes",
         "dr-grpo": "TRL's loss_type='dr_grpo' is aggregation='seq-mean-token-sum-norm' with "
         "horizon=max_completion_length and loss_normalizer the number of sequences",
         **{
@@ -95,14 +95,17 @@ _TRL_NAMES = {
     "epsilon_low": "clip_low",
     "epsilon_high": "clip_high",
     "beta": "kl_coef",
-    "num_items_in_batch": "loss_normalizer",
     "max_completion_length": "horizon",
     "vllm_importance_sampling_cap": "tis_cap",
+    "vllm_importance_sampling_clip_max": "tis_cap",
 }
 #: Other trainers' keyword arguments, each told what it is here (``keywords.known_keywords``).
 FOREIGN_KEYWORDS = {
     **{k: f"verl's name of {v}" for k, v in _VERL_NAMES.items()},
     **{k: f"TRL's name of {v}" for k, v in _TRL_NAMES.items()},
+    "num_items_in_batch": "TRL's global token count: pass loss_normalizer="
+    "num_items_in_batch / num_processes (the gradient all-reduce averages over ranks)",
+    "delta": "TRL's two-sided clip: dual_clip=delta is the same loss when delta > 1 + clip_high",
     "clip_ratio": "verl's name of clip_low and clip_high together: pass both",
     "response_mask": f"verl's mask: pass {_MASK}",
     "completion_mask": f"TRL's mask: pass {_MASK}",

@@ -105,18 +105,18 @@ def measure(
             fn(h0, w0, inputs.labels)
 
     gemm = timing.gemm_fn(h0, w0) if interleave_gemm else None
-    spreads: list[float] = []
+    samples: list[float] = []  # every paired GEMM's ms, the forward's and the step's
     if forward:
         inference()
         _sync(device)
         t = timing.timed_units(inference, device, reps=reps, unit_ms=unit_ms, gemm=gemm)
         out["fwd_ms"], out["fwd_units"] = t["ms"], t["units"]
-        spreads.append(t.get("unit_spread", 1.0))
+        samples += t.get("unit_samples", [])
     t = timing.timed_units(step, device, reps=reps, unit_ms=unit_ms, gemm=gemm)
     out["fwd_bwd_ms"], out["fwd_bwd_units"], out["unit_ms"] = t["ms"], t["units"], t["unit_ms"]
-    spreads.append(t.get("unit_spread", 1.0))
+    samples += t.get("unit_samples", [])
     if gemm is not None:
-        out["unit_spread"] = max(spreads)
+        out.update(timing.unit_steadiness(samples))
     h.grad = w.grad = None
     del h, w, step
     gc.collect()

@@ -311,21 +311,24 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
     unsteady = [
         r
         for r in sorted(records, key=_case_key)
-        if r["status"] == "ok" and (r.get("unit_spread") or 1.0) > UNSTEADY_SPREAD
+        if r["status"] == "ok"
+        and ((r.get("unit_spread") or 1.0) > UNSTEADY_SPREAD or r.get("unit_runs") == 1)
     ]
     if unsteady:
         lines += [
             "",
             f"Unsteady GEMM unit (its slowest paired run over {UNSTEADY_SPREAD:g}x its fastest: "
-            "other load on the machine, or a GEMM too small to time): compare these rows in ms, "
-            "not in units:",
+            "other load on the machine, or a GEMM too small to time; or one run alone, whose "
+            "steadiness is unknown): compare these rows in ms, not in units:",
             "",
         ]
         for r in unsteady:
             c = r["case"]
+            spread = r.get("unit_spread")
             lines.append(
                 f"- N={c['n']} H={c['hidden']} V={c['vocab']} {c['dtype']} "
-                f"{_with_head(r['impl'], c)}: {r['unit_spread']:.1f}x"
+                f"{_with_head(r['impl'], c)}: "
+                + ("one run (raise --reps)" if spread is None else f"{spread:.1f}x")
             )
     if skipped:
         lines += ["", "Not measured:", ""]

@@ -11,6 +11,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -96,7 +97,7 @@ def timed_units(
     reps: int,
     unit_ms: float,
     gemm: Callable[[], object] | None = None,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Median ms of ``fn`` and the same in GEMM units.
 
     With ``gemm``: each repetition of ``fn`` is paired with one of the GEMM and the units are the
@@ -124,7 +125,17 @@ def timed_units(
         # slowest over fastest paired GEMM: far from 1, the unit itself was unsteady (other load,
         # a GEMM too small to time) and the ms compare better than the units
         "unit_spread": max(gemms) / min(gemms) if min(gemms) > 0 else math.inf,
+        "unit_samples": gemms,  # the paired GEMMs' ms, so a caller can pool several calls'
     }
+
+
+def unit_steadiness(samples: list[float]) -> dict[str, Any]:
+    """How far the GEMM unit can be trusted, from every paired GEMM of one implementation's
+    measurement: ``unit_runs`` and ``unit_spread``, the slowest over the fastest (None with one
+    run: its steadiness is unknown, and one run can be far off)."""
+    steady = len(samples) > 1 and min(samples) > 0
+    spread = max(samples) / min(samples) if steady else (math.inf if len(samples) > 1 else None)
+    return {"unit_runs": len(samples), "unit_spread": spread}
 
 
 def units(ms: float | None, unit_ms: float) -> float | None:
