@@ -94,8 +94,8 @@ def test_an_empty_batch_is_a_zero_loss_with_zero_gradients(backend, shape, aggre
 
 @pytest.mark.parametrize(
     "value",
-    [0.0, -5.0, float("nan"), float("inf"), -float("inf")],
-    ids=["zero", "negative", "nan", "inf", "-inf"],
+    [0.0, -5.0, float("nan"), float("inf"), -float("inf"), 1e-40, 2.0**-33],
+    ids=["zero", "negative", "nan", "inf", "-inf", "denormal", "under-the-floor"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_loss_normalizer_tensor_that_is_no_count_is_refused_with_its_value(value, dtype):
@@ -104,6 +104,29 @@ def test_a_loss_normalizer_tensor_that_is_no_count_is_refused_with_its_value(val
         ValueError, match=r"loss_normalizer must be a count > 0 .* got a tensor holding"
     ):
         _call("torch", _batch(), loss_normalizer=torch.tensor(value, dtype=dtype))
+
+
+def test_counts_whose_token_weight_would_overflow_are_refused():
+    """Before: loss_normalizer=1e-20 with horizon=1e-20 each passed its own check, and the token
+    weight 1 / 1e-40 was inf in fp32: a loss of -inf and NaN gradients without a word."""
+    norm = {"aggregation": "seq-mean-token-sum-norm"}
+    for kw, arg in (
+        ({"loss_normalizer": 1e-20, "horizon": 8.0}, "loss_normalizer"),
+        ({"loss_normalizer": 4.0, "horizon": 1e-20}, "horizon"),
+        ({"loss_normalizer": torch.tensor(1e-20), "horizon": 8.0}, "loss_normalizer"),
+    ):
+        with pytest.raises(ValueError, match=rf"^{arg} must be a .* at least 2\*\*-32"):
+            _call("torch", _batch(), **norm, **kw)
+        with pytest.raises(ValueError, match=rf"^{arg} must be a .* at least 2\*\*-32"):
+            b = _batch()
+            reference_policy_loss(
+                b.pop("hidden"), b.pop("weight"), b.pop("labels"), **b, **norm, **kw
+            )
+    batch = _batch()
+    batch["hidden"].requires_grad_()
+    edge = _call("torch", batch, **norm, loss_normalizer=2.0**-32, horizon=2.0**-32)
+    edge.loss.backward()
+    assert torch.isfinite(edge.loss) and torch.isfinite(batch["hidden"].grad).all()
 
 
 @pytest.mark.parametrize("value", [0.0, float("nan")], ids=["zero", "nan"])

@@ -447,6 +447,27 @@ def test_an_upstream_scale_multiplies_16_bit_gradients_in_fp32_rounded_once(
 
 
 @pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize("scale", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+def test_a_non_finite_upstream_scale_leaves_ignored_rows_at_zero(
+    backend: str, scale: float
+) -> None:
+    """Before: the stored zeros of ignored rows were multiplied by the scale, inf * 0 = NaN, where
+    the autograd of the same loss gives them 0. The scored rows take the scale as autograd does."""
+    data = batch(seed=5)
+    once, scaled = _args(data, h=True, w=True), _args(data, h=True, w=True)
+    fusedhead.fused_policy_loss(**once, backend=backend).loss.backward()
+    (fusedhead.fused_policy_loss(**scaled, backend=backend).loss * scale).backward()
+    ignored = data["labels"] == -100
+    assert ignored.any() and (~ignored).any()
+    grad = scaled["hidden"].grad
+    assert torch.equal(grad[ignored], torch.zeros_like(grad[ignored]))
+    for a, b in ((once["hidden"], scaled["hidden"]), (once["weight"], scaled["weight"])):
+        moved = a.grad != 0
+        assert moved.any() and not torch.isfinite(b.grad[moved]).any()
+        assert torch.equal(b.grad[~moved], a.grad[~moved])
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
 def test_deterministic(backend: str) -> None:
     data = batch(seed=6)
     runs = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusedhead import FusedHead, fused_head, fused_kl
+from fusedhead import FusedHead, fused_head, fused_kl, fused_policy_loss
 from fusedhead.errors import CapabilityError
 from fusedhead_triton.backend import MIN_TEMPERATURE, TritonBackend
 
@@ -70,6 +70,27 @@ def test_a_per_token_temperature_below_the_floor_is_refused_in_the_checked_read(
     # check_labels=False skips every value read (CUDA-graph capture): the call runs unchecked
     out = fused_head(h, w, y, backend="triton", temperature=temps.clone(), check_labels=False)
     assert out.log_probs.shape == (N,)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_the_policy_loss_below_the_floor_is_refused_as_the_head_is(per_token: bool) -> None:
+    """fused_policy_loss gated a per-token tensor without the checked read: a value under the
+    floor ran (a float was refused)."""
+    h, w, y = _inputs()
+    low: float | torch.Tensor = 1e-6
+    if per_token:
+        low = torch.full((N,), 0.7)
+        low[3] = 1e-6
+    loss = dict(old_log_probs=None, advantages=torch.ones(N), temperature=low)
+    with pytest.raises(CapabilityError) as info:
+        fused_policy_loss(h, w, y, backend="triton", **loss)  # type: ignore[arg-type]
+    _refused(info, "temperature")
+    with pytest.raises(CapabilityError) as info:
+        FusedHead(backend="triton").policy_loss(h, w, y, **loss)  # type: ignore[arg-type]
+    _refused(info, "temperature")
+    assert h.grad is None and w.grad is None  # refused before the backend ran
+    out = fused_policy_loss(h, w, y, backend="torch", **loss)  # type: ignore[arg-type]
+    assert torch.isfinite(out.loss)
 
 
 @pytest.mark.parametrize("arg", ["temperature", "teacher_temperature"])

@@ -25,6 +25,14 @@ SCALAR_LO, SCALAR_HI = SCALAR_RANGE
 RANGE_TEXT = (
     "in [2**-126, 2**126] (about 1.2e-38 to 8.5e37: it and its reciprocal normal fp32 numbers)"
 )
+#: The smallest count a loss divides by (``loss_normalizer``, ``horizon``): a token's weight
+#: ``1 / (normalizer * horizon)`` is at most 2**64, so that the weighted sum over millions of
+#: tokens stays far inside fp32 (at 2**-63 each, a weight of 2**126 made a loss of -inf).
+COUNT_FLOOR = 2.0**-32
+COUNT_TEXT = (
+    "at least 2**-32 (about 2.3e-10, so that the loss's token weights, 1 over the counts it "
+    "divides by, stay far inside fp32)"
+)
 INT_DTYPES = frozenset(
     {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32}
 )

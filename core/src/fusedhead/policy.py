@@ -17,6 +17,8 @@ from typing import Any, NoReturn, Protocol
 import torch
 
 from fusedhead.checks import (
+    COUNT_FLOOR,
+    COUNT_TEXT,
     did_you_mean,
     one_element_real,
     packed_per_sequence,
@@ -228,7 +230,10 @@ def _scale_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
     scale, is inf, and a zero gradient times inf is NaN; bf16: 1/3 is off by 0.2 %).
     """
     value = float(scale)
-    if value != 1.0:
+    if not math.isfinite(value):  # an Inf or NaN scale: a zero (an ignored row's) stays 0
+        for g in grads:
+            torch.where(g == 0, g, g * value, out=g)
+    elif value != 1.0:
         for g in grads:
             g.mul_(value)
 
@@ -314,7 +319,12 @@ def _normalizer(
         check_count_value(out, "loss_normalizer", pending)
         return out
     return torch.tensor(
-        real_in("loss_normalizer", value, low=1e-30, what="a count > 0 (tokens or sequences)"),
+        real_in(
+            "loss_normalizer",
+            value,
+            low=COUNT_FLOOR,
+            what=f"a count > 0 (tokens or sequences), {COUNT_TEXT}",
+        ),
         dtype=torch.float32,
         device=device,
     )
@@ -421,7 +431,12 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
         gate_policy_loss(head.capabilities(device), head.identity())
         raise
     gate_policy_loss(caps, head.identity())
-    call = gate_head(call, caps, head.identity())
+    # A per-token temperature under the backend's min_temperature is refused in the one read
+    # (traced: by an op of the graph), as fused_head refuses it.
+    traced = torch.compiler.is_compiling()
+    call = gate_head(
+        call, caps, head.identity(), None if traced else pending, traced and pending is not None
+    )
     valid = call.labels != call.ignore_index
     count = valid.sum()
     pcall = _policy_call(call, shape, n, device, req, valid, count, pending)
@@ -512,8 +527,8 @@ def _policy_call(
         tis = torch.exp(old - roll).clamp_(max=cap)
     horizon = req.horizon
     if horizon is not None:
-        what = "a length > 0 (verl's loss_scale_factor, TRL's max_completion_length)"
-        horizon = real_in("horizon", horizon, low=1e-30, what=what)
+        what = f"a length > 0 (verl's loss_scale_factor, TRL's max_completion_length), {COUNT_TEXT}"
+        horizon = real_in("horizon", horizon, low=COUNT_FLOOR, what=what)
         if aggregation != "seq-mean-token-sum-norm":
             raise ValueError(
                 f"horizon={req.horizon!r} is the length seq-mean-token-sum-norm divides by; "

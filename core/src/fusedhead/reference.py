@@ -399,7 +399,15 @@ def _check_loss_scalars(
 ) -> None:
     """The loss's numbers in the ranges ``fused_policy_loss`` takes, named as it names them:
     before, a str or None raised Python's operand TypeError, and NaN gave a NaN loss."""
-    from fusedhead.checks import INT64_MAX, INT64_MIN, integer, one_element_real, real_in
+    from fusedhead.checks import (
+        COUNT_FLOOR,
+        COUNT_TEXT,
+        INT64_MAX,
+        INT64_MIN,
+        integer,
+        one_element_real,
+        real_in,
+    )
 
     real_in("clip_low", clip_low, low=0.0, high=1.0, what="in [0, 1)")
     real_in("clip_high", clip_high, low=0.0, what="a finite float >= 0")
@@ -413,11 +421,14 @@ def _check_loss_scalars(
         real_in("tis_cap", tis_cap, low=1e-30, what="a finite float > 0")
     if isinstance(loss_normalizer, torch.Tensor):
         one_element_real("loss_normalizer", loss_normalizer)
+        value = float(loss_normalizer)  # a reference reads it: its value is checked as a float's
+        real_in("loss_normalizer", value, low=COUNT_FLOOR, what=f"a count > 0, {COUNT_TEXT}")
     elif loss_normalizer is not None:
-        what = "a count > 0 (tokens or sequences)"
-        real_in("loss_normalizer", loss_normalizer, low=1e-30, what=what)
+        real_in(
+            "loss_normalizer", loss_normalizer, low=COUNT_FLOOR, what=f"a count > 0, {COUNT_TEXT}"
+        )
     if horizon is not None:
-        real_in("horizon", horizon, low=1e-30, what="a length > 0")
+        real_in("horizon", horizon, low=COUNT_FLOOR, what=f"a length > 0, {COUNT_TEXT}")
     index = integer("ignore_index", ignore_index, "an int")
     if not INT64_MIN <= index <= INT64_MAX:
         raise ValueError(f"ignore_index must fit in int64, got {index}")

@@ -234,6 +234,9 @@ def check_head(
             f"hidden and weight must share a dtype outside torch.autocast, got hidden {hdt} and "
             f"weight {wdt}; cast one of them or call inside torch.autocast"
         )
+    # A negative view (``x.conj().imag``) holds -x in its memory, which a backend's own kernel
+    # reads: resolved here, x itself (a no-op, 0.2 us, for any other tensor; traceable).
+    h, w = h.resolve_neg(), w.resolve_neg()
     grad = (h.requires_grad or w.requires_grad) and _grad_enabled()
     if grad:  # what the backend will save
         no_inference_tensor(("hidden", h), ("weight", w))
@@ -303,14 +306,14 @@ def _apply_autocast(
         autocast = False
     if autocast:
         dt = torch.get_autocast_dtype(dev)
-        return h.to(dt), w.to(dt)
-    if h.dtype != w.dtype:
+        h, w = h.to(dt), w.to(dt)
+    elif h.dtype != w.dtype:
         a, b = names
         raise TypeError(
             f"{a} and {b} must share a dtype outside torch.autocast, got {a} {h.dtype} and "
             f"{b} {w.dtype}; cast one of them or call inside torch.autocast"
         )
-    return h, w
+    return h.resolve_neg(), w.resolve_neg()  # a negative view's memory holds -x (see validate)
 
 
 def _temperature(
@@ -349,7 +352,7 @@ def _temperature(
         raise ValueError(
             f"{arg} tensor of shape {tuple(t.shape)} must broadcast to the labels' shape {tuple(labels.shape)}"
         ) from None
-    t = t.detach().reshape(-1).to(torch.float32).contiguous()
+    t = t.detach().reshape(-1).to(torch.float32).resolve_neg().contiguous()
     if check and t.numel() and t.device.type != "meta":
         if torch.compiler.is_compiling():
             checked: torch.Tensor = temperature_checked(t, arg)  # the check below, in the graph

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from fusedhead.checks import RANGE_TEXT, SCALAR_HI, SCALAR_LO
+from fusedhead.checks import COUNT_FLOOR, COUNT_TEXT, RANGE_TEXT, SCALAR_HI, SCALAR_LO
 
 #: Where ``check_labels=False`` is passed, for the errors that point to it: ``fused_policy_loss``
 #: takes no such argument, a head configured with it checks none of its calls.
@@ -42,9 +42,9 @@ def _raise_bad_temperature(arg: str, t: torch.Tensor) -> NoReturn:
 
 
 def check_count_value(t: torch.Tensor, arg: str, pending: Pending | None = None) -> None:
-    """A 0-d count (``loss_normalizer``) finite and > 0 (one device-to-host read, or
-    ``pending``'s)."""
-    bad = ~(torch.isfinite(t) & (t > 0))
+    """A 0-d count (``loss_normalizer``) finite and at least ``COUNT_FLOOR`` (one device-to-host
+    read, or ``pending``'s)."""
+    bad = ~(torch.isfinite(t) & (t >= COUNT_FLOOR))
     if pending is not None:
         pending.add(bad, _raise_bad_count, arg, t)
     elif bool(bad):
@@ -53,7 +53,8 @@ def check_count_value(t: torch.Tensor, arg: str, pending: Pending | None = None)
 
 def _raise_bad_count(arg: str, t: torch.Tensor) -> NoReturn:
     raise ValueError(
-        f"{arg} must be a count > 0 (tokens or sequences), got a tensor holding {float(t)} "
+        f"{arg} must be a count > 0 (tokens or sequences), {COUNT_TEXT}, got a tensor "
+        f"holding {float(t)} "
         "(a head configured with check_labels=False skips this check)"
     )
 

@@ -180,8 +180,12 @@ def policy_loss_kwargs(
         )
     scale = _cfg(actor_config, "loss_scale_factor", None)
     if scale is not None:
-        what = "a length > 0 (the sequence length seq-mean-token-sum-norm divides by)"
-        scale = _real("loss_scale_factor", scale, low=1e-30, what=what)
+        from fusedhead.checks import COUNT_FLOOR, COUNT_TEXT  # torch, not at import time
+
+        what = (
+            f"a length > 0 (the sequence length seq-mean-token-sum-norm divides by), {COUNT_TEXT}"
+        )
+        scale = _real("loss_scale_factor", scale, low=COUNT_FLOOR, what=what)
     normalizer: Any = None
     if agg == "token-mean":
         if batch_num_tokens is None and dp_size > 1:
