@@ -681,7 +681,8 @@ def check_policy_loss_args(
             raise ValueError(
                 f"fused_policy_loss=True with vllm_importance_sampling_mode={mode!r}: "
                 "fused_policy_loss's truncated importance sampling is per token, "
-                f"min(ratio, cap): use 'token_truncate', {off}"
+                "min(ratio, cap): use 'token_truncate' (or vllm_importance_sampling_correction="
+                f"False), {off}"
             )
         if low is not None and low > 0:
             raise ValueError(
