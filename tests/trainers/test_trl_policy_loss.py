@@ -39,8 +39,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 #: Two iterations per generation (TRL computes the old log-probs, so ratios move off 1), a
 #: small clip range and a large step (tokens are clipped at step 2), KL to the reference on.
+#: EOS made likelier (token 1, "[EOS]"), so completions differ in length: with equal lengths
+#: grpo, bnpo, dr_grpo and dapo give one loss, and a mapping that swapped them would pass.
 _MOVING = dict(
-    num_iterations=2, epsilon=0.02, learning_rate=0.02, beta=0.1, use_bias_correction_kl=False
+    num_iterations=2,
+    epsilon=0.02,
+    learning_rate=0.02,
+    beta=0.1,
+    use_bias_correction_kl=False,
+    generation_kwargs={"sequence_bias": [[[1], 2.5]]},
 )
 CASES = {
     "grpo": dict(loss_type="grpo"),
@@ -49,7 +56,7 @@ CASES = {
     "dapo+delta": dict(loss_type="dapo", epsilon_high=0.05, delta=1.5),
     # TRL's default: no old log-probs computed (ratio exp(lp - lp.detach())), the fused loss
     # on-policy with old_log_probs=None
-    "grpo on-policy": dict(loss_type="grpo", num_iterations=1),
+    "grpo on-policy": dict(loss_type="grpo", num_iterations=1, generation_kwargs=None),
     # A large step takes tokens' KL to the reference past 10, where verl's k3 clamps and TRL's
     # does not: the fused loss takes TRL's (k3-unclamped); with verl's, step 2 differed.
     "grpo far from the reference": dict(loss_type="grpo", learning_rate=0.05),
@@ -101,6 +108,14 @@ def test_two_steps_log_what_trls_own_loss_logs(
             else:
                 assert abs(a[key] - b[key]) <= 1e-6, (step, key, a[key], b[key])
     last = ours[-1]
+    if settings["generation_kwargs"] is not None:  # the loss types told apart
+        lengths = [
+            (h["completions/min_length"], h["completions/max_length"])
+            for h in ours
+            if "completions/min_length" in h
+        ]
+        assert lengths, "TRL logs its completions' lengths"
+        assert any(lo < hi for lo, hi in lengths), f"one length tells no loss apart: {lengths}"
     assert last["kl"] > 1e-4, "step 2 must see a policy that moved from the reference"
     if settings["num_iterations"] > 1:
         assert last["clip_ratio/region_mean"] > 0, "step 2 must clip some tokens"
