@@ -71,9 +71,16 @@ class Tiny(nn.Module):
 
 
 def _verl_loss(
-    config: Any, model: Tiny, b: dict[str, Any], old: torch.Tensor, ref: torch.Tensor
+    config: Any,
+    model: Tiny,
+    b: dict[str, Any],
+    old: torch.Tensor,
+    ref: torch.Tensor,
+    is_weights: torch.Tensor | None = None,
+    global_batch_size: int | None = len(SEQS),
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """verl 0.9.1's ``ppo_loss`` on full logits: vanilla policy loss, entropy, KL loss."""
+    """verl 0.9.1's ``ppo_loss`` on full logits: vanilla policy loss, entropy, KL loss
+    (``global_batch_size=None``: one rank's own count, as ``agg_loss`` falls back to)."""
     logits = model.lm_head(model.hidden(b["ids"])) / T
     logp = torch.log_softmax(logits.float(), -1)
     lp = logp.gather(-1, b["labels"].clamp(min=0).unsqueeze(-1)).squeeze(-1)
@@ -83,7 +90,7 @@ def _verl_loss(
     info = dict(
         dp_size=1,
         batch_num_tokens=None,
-        global_batch_size=len(SEQS),
+        global_batch_size=global_batch_size,
         loss_scale_factor=config.loss_scale_factor,
     )
     config.global_batch_info = info
@@ -95,7 +102,7 @@ def _verl_loss(
         response_mask=mask,
         loss_agg_mode=config.loss_agg_mode,
         config=config,
-        rollout_is_weights=None,
+        rollout_is_weights=None if is_weights is None else _padded(is_weights, spans),
     )
     metrics = dict(metrics)
     metrics["actor/pg_loss"] = float(pg)
@@ -133,6 +140,30 @@ def _config(mode: str) -> Any:
     )
 
 
+#: Cases of the two-step comparison beyond the aggregations and KL types: verl's rollout
+#: correction weights (truncated at 2, some zero as IcePop masks), and one rank's own sequence
+#: count (no global_batch_size: fused_ppo_loss refused seq-mean-token-sum-norm there).
+EXTRA = {
+    "rollout IS weights": dict(is_weights=True),
+    "local count": dict(global_batch_size=None),
+}
+
+
+@pytest.mark.parametrize(
+    ("mode", "kl_type", "extra"),
+    [
+        ("token-mean", "low_var_kl", "rollout IS weights"),
+        ("seq-mean-token-sum-norm", "k3+", "rollout IS weights"),
+        ("seq-mean-token-sum-norm", "low_var_kl", "local count"),
+        ("seq-mean-token-mean", "abs", "local count"),
+    ],
+)
+def test_rollout_weights_and_local_counts_match_verls_loss(
+    mode: str, kl_type: str, extra: str
+) -> None:
+    test_fused_ppo_loss_matches_verls_loss_over_two_steps(mode, kl_type, **EXTRA[extra])
+
+
 @pytest.mark.parametrize(
     ("mode", "kl_type"),
     [
@@ -148,7 +179,9 @@ def _config(mode: str) -> Any:
         ("seq-mean-token-sum", "abs+"),
     ],
 )
-def test_fused_ppo_loss_matches_verls_loss_over_two_steps(mode: str, kl_type: str) -> None:
+def test_fused_ppo_loss_matches_verls_loss_over_two_steps(
+    mode: str, kl_type: str, is_weights: bool = False, global_batch_size: int | None = len(SEQS)
+) -> None:
     config = _config(mode)
     config.kl_loss_type = kl_type
     theirs, ours = Tiny(), Tiny()
@@ -161,7 +194,11 @@ def test_fused_ppo_loss_matches_verls_loss_over_two_steps(mode: str, kl_type: st
             lp = logp.gather(-1, b["labels"].clamp(min=0).unsqueeze(-1)).squeeze(-1)
             old = lp + 0.3 * torch.randn(lp.shape, generator=b["g"])
             ref = lp + 0.3 * torch.randn(lp.shape, generator=b["g"])
-        loss_v, metrics_v = _verl_loss(config, theirs, b, old, ref)
+        weights = None
+        if is_weights:
+            weights = torch.exp(0.5 * torch.randn(lp.shape, generator=b["g"])).clamp(max=2.0)
+            weights[weights < 0.6] = 0.0
+        loss_v, metrics_v = _verl_loss(config, theirs, b, old, ref, weights, global_batch_size)
         horizon = max(r for _, r in SEQS)
         loss_f, metrics_f = fh_verl.fused_ppo_loss(
             config,
@@ -175,7 +212,8 @@ def test_fused_ppo_loss_matches_verls_loss_over_two_steps(mode: str, kl_type: st
             head="torch",
             temperature=T,
             horizon=horizon,
-            global_batch_size=len(SEQS),
+            global_batch_size=global_batch_size,
+            rollout_is_weights=weights,
         )
         assert set(metrics_v) == set(metrics_f)
         for key, value in metrics_v.items():
@@ -201,6 +239,27 @@ def test_fused_ppo_loss_matches_verls_loss_over_two_steps(mode: str, kl_type: st
         for opt in opts:
             opt.step()
     assert clipped > 0, "the case must clip some tokens"
+
+
+@pytest.mark.parametrize("count", [0, torch.tensor(0)], ids=["int", "tensor"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_a_global_batch_with_no_scored_token_is_a_zero_loss(mode: str, count: Any) -> None:
+    """Rejection sampling can mask every response token of a mini-batch: verl's agg_loss divides
+    by a global count of 0 (a NaN loss); fused_ppo_loss refused loss_normalizer=0. Now loss 0,
+    zero gradients, finite metrics."""
+    model, b = Tiny(), _batch(0)
+    labels = torch.full_like(b["labels"], -100)
+    hidden = model.hidden(b["ids"])
+    zeros = torch.zeros(labels.shape)
+    loss, metrics = fh_verl.fused_ppo_loss(
+        _config(mode), model.lm_head, hidden, labels, old_log_probs=zeros, advantages=b["adv"],
+        ref_log_prob=zeros, cu_seqlens=b["cu"], head="torch", temperature=T, horizon=7,
+        dp_size=2, batch_num_tokens=count, global_batch_size=count,
+    )  # fmt: skip
+    loss.backward()
+    assert float(loss) == 0.0
+    assert model.lm_head.weight.grad is not None and not model.lm_head.weight.grad.any()
+    assert all(torch.isfinite(torch.as_tensor(v)).all() for v in metrics.values())
 
 
 @pytest.mark.parametrize(
@@ -354,3 +413,15 @@ def test_kl_loss_type_full_is_told_why_and_nothing_else() -> None:
         fh_verl.policy_loss_kwargs(_with("kl_loss_type", "full"))
     text = str(err.value)
     assert "'full' needs whole distributions" in text and "did you mean" not in text
+
+
+def test_a_keyword_fused_ppo_loss_does_not_take_says_where_it_goes() -> None:
+    """Before: ``TypeError: policy_loss_kwargs() got an unexpected keyword argument``, naming
+    an inner function; ``rollout_is_weights`` went the same way and is now a keyword."""
+    model, b = Tiny(), _batch(0)
+    with pytest.raises(TypeError, match=r"fused_ppo_loss\(\) .*'loss_scale_factor' \(read from"):
+        fh_verl.fused_ppo_loss(
+            _config("token-mean"), model.lm_head, model.hidden(b["ids"]), b["labels"],
+            old_log_probs=torch.zeros(b["labels"].shape), advantages=b["adv"],
+            loss_scale_factor=4,
+        )  # fmt: skip

@@ -43,7 +43,9 @@ from fusedhead.integrations.verl_config import (
     VERL_AGG_MODES,
     VERL_KL_TYPES,
     policy_loss_kwargs,
+    rollout_is_kwargs,
 )
+from fusedhead.keywords import known_keywords
 
 __all__ = [
     "MONKEY_PATCH_MODULE",
@@ -534,6 +536,13 @@ def forward_with_fusedhead_backend(
     )
 
 
+@known_keywords(
+    {
+        "loss_scale_factor": "read from actor_config, as verl reads it",
+        "old_log_prob": "verl's data key; pass old_log_probs",
+        "response_mask": "pass labels set to -100 where the mask is 0",
+    }
+)
 def fused_ppo_loss(
     actor_config: Any,
     lm_head: Any,
@@ -546,7 +555,11 @@ def fused_ppo_loss(
     cu_seqlens: Any = None,
     head: Any = None,
     temperature: Any = 1.0,
-    **batch_info: Any,
+    rollout_is_weights: Any = None,
+    horizon: int | None = None,
+    dp_size: int = 1,
+    batch_num_tokens: Any = None,
+    global_batch_size: Any = None,
 ) -> tuple[Any, dict[str, Any]]:
     """verl's ``ppo_loss`` (vanilla policy loss, entropy bonus, KL loss) fused into the head.
 
@@ -554,12 +567,22 @@ def fused_ppo_loss(
     with -100 outside the response mask, per-token tensors in the labels' shape. Returns
     ``(loss, metrics)`` with verl's metric names (``actor/pg_loss``, ``actor/pg_clipfrac``,
     ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``, ``actor/entropy_loss``, ``kl_loss``,
-    ``kl_coef``), values as detached tensors (no host sync). ``batch_info``: see
-    :func:`policy_loss_kwargs`.
+    ``kl_coef``), values as detached tensors (no host sync). ``rollout_is_weights``: verl's
+    rollout correction weights (``rollout_is: token``), in the labels' shape. ``horizon``,
+    ``dp_size``, ``batch_num_tokens``, ``global_batch_size``: see :func:`policy_loss_kwargs`
+    (``loss_scale_factor`` is read from ``actor_config``).
     """
     from fusedhead.integrations.lm_head import lm_head_policy_loss
 
-    kwargs = policy_loss_kwargs(actor_config, **batch_info)
+    kwargs = policy_loss_kwargs(
+        actor_config,
+        horizon=horizon,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+    )
+    if rollout_is_weights is not None:
+        kwargs.update(rollout_is_kwargs(old_log_probs, rollout_is_weights))
     if "kl_coef" in kwargs:
         if ref_log_prob is None:
             raise ValueError(

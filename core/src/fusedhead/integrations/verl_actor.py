@@ -40,6 +40,7 @@ from fusedhead.integrations.verl_config import (
     loss_mode_of,
     option,
     policy_loss_kwargs,
+    rollout_is_kwargs,
 )
 
 __all__ = [
@@ -376,9 +377,7 @@ def fused_ppo_loss_step(
     if "kl_coef" in kwargs:
         kwargs["ref_log_probs"] = packed("ref_log_prob")
     if "rollout_is_weights" in fields:  # verl's weights w as exp(old - rollout), never truncated
-        weights = packed("rollout_is_weights")
-        kwargs["rollout_log_probs"] = old - torch.log(weights)
-        kwargs["tis_cap"] = max(float(weights.max()), 1.0)
+        kwargs.update(rollout_is_kwargs(old, packed("rollout_is_weights")))
     names = [f.name for f in dataclasses.fields(PolicyLossOutput)]
 
     def body() -> tuple[Any, ...]:

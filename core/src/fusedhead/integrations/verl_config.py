@@ -192,13 +192,13 @@ def policy_loss_kwargs(
             raise ValueError(
                 "batch_num_tokens (verl's global token count) is needed when dp_size > 1"
             )
-        normalizer = None if batch_num_tokens is None else batch_num_tokens / dp_size
+        normalizer = None if batch_num_tokens is None else _count(batch_num_tokens) / dp_size
     elif agg == "token-sum":
         normalizer = 1.0 / dp_size
     else:
         if global_batch_size is None and dp_size > 1:
             raise ValueError("global_batch_size is needed when dp_size > 1")
-        normalizer = None if global_batch_size is None else global_batch_size / dp_size
+        normalizer = None if global_batch_size is None else _count(global_batch_size) / dp_size
         if agg == "seq-mean-token-sum-norm":
             factor = scale if scale is not None else horizon
             if factor is None:
@@ -206,14 +206,30 @@ def policy_loss_kwargs(
                     "loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor in the config "
                     "or horizon (the padded response length verl divides by)"
                 )
-            normalizer = factor if normalizer is None else normalizer * factor
-            if global_batch_size is None:
-                raise ValueError(
-                    "loss_agg_mode='seq-mean-token-sum-norm' needs global_batch_size (the "
-                    "sequences verl's agg_loss counts) with the horizon"
-                )
+            if normalizer is None:  # one rank: verl counts the micro-batch's own sequences
+                kwargs.update(aggregation="seq-mean-token-sum-norm", horizon=float(factor))
+            else:
+                normalizer = normalizer * factor
     kwargs["loss_normalizer"] = normalizer
     return kwargs
+
+
+def rollout_is_kwargs(old_log_probs: Any, weights: Any) -> dict[str, Any]:
+    """verl's rollout importance-sampling weights ``w`` (already truncated, or zero where IcePop
+    masks) as ``fused_policy_loss``'s ``rollout_log_probs = old - log w`` and a ``tis_cap`` no
+    weight reaches: each token's weight is then ``w`` itself, with no gradient through it."""
+    return {
+        "rollout_log_probs": old_log_probs - weights.log(),
+        "tis_cap": max(float(weights.max()), 1.0),
+    }
+
+
+def _count(value: Any) -> Any:
+    """A global count verl divides by, at least 1: a batch with no scored token (rejection
+    sampling masked them all) has loss 0 and zero gradients at any count, where verl's
+    ``agg_loss`` divides by 0 (a NaN loss); an int, a float or a tensor (no host read)."""
+    clamp = getattr(value, "clamp", None)
+    return clamp(min=1) if callable(clamp) else max(value, 1)
 
 
 def check_actor_config(config: Any) -> None:
