@@ -93,8 +93,8 @@ def reference_outputs(
     valid = (y != ignore_index).unsqueeze(1)
     zero = torch.zeros((), dtype=torch.float64, device=z.device)
 
-    def at(ids: torch.Tensor) -> torch.Tensor:
-        counted = valid & (ids != ignore_index)
+    def at(ids: torch.Tensor, drop_ignore_index: bool = True) -> torch.Tensor:
+        counted = valid & (ids != ignore_index) if drop_ignore_index else valid.expand_as(ids)
         got = logp.gather(1, torch.where(counted, ids, 0).clamp(min=0))
         return torch.where(counted, got, zero)
 
@@ -107,7 +107,7 @@ def reference_outputs(
         "logp": logp,
     }
     if topk_ids is not None:
-        out["topk_log_probs"] = at(topk_ids)
+        out["topk_log_probs"] = at(topk_ids, False)  # a top-k id may be ignore_index's id
     if gather_ids is not None:
         out["gathered"] = at(gather_ids)
     return out

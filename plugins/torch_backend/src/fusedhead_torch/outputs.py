@@ -344,7 +344,9 @@ def _coefficients(
         ids = saved[ids_key]
         if g is None or ids is None:
             continue
-        counted = valid.unsqueeze(1) & (ids != ignore_index) & (ids >= 0) & (ids < vocab_size)
+        counted = valid.unsqueeze(1) & (ids >= 0) & (ids < vocab_size)
+        if ids_key == "gather_ids":  # a gathered ignore_index is a constant 0; a top-k id is not
+            counted &= ids != ignore_index
         g = torch.where(counted, g.float(), zero)
         a -= g.sum(dim=1)
         sparse.append((ids, g, counted))

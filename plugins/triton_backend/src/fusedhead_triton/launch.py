@@ -131,12 +131,21 @@ _STARTS_BLOCK = (64, 16)
 
 
 def sort_ids(
-    ids: torch.Tensor, labels: torch.Tensor, offset: int, v_local: int, ignore_index: int
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    offset: int,
+    v_local: int,
+    ignore_index: int,
+    drop_ignore_index: bool = True,
 ) -> SortedIds:
     """``ids [N, K]`` (global) as this shard's sorted local ids: ids on ignored rows, equal to
-    ``ignore_index`` or outside ``[offset, offset + v_local)`` become ``SENTINEL``."""
+    ``ignore_index`` (gathered ids; not ``drop_ignore_index``: a top-k id may be that id, and
+    the backward zeroes a gathered one's gradient itself) or outside ``[offset, offset +
+    v_local)`` become ``SENTINEL``."""
     local = ids - offset
-    own = (local >= 0) & (local < v_local) & (ids != ignore_index)
+    own = (local >= 0) & (local < v_local)
+    if drop_ignore_index:
+        own &= ids != ignore_index
     own &= (labels != ignore_index).unsqueeze(1)
     key = torch.where(own, local, SENTINEL).to(torch.int32)
     sids, perm = torch.sort(key, dim=1, stable=True)

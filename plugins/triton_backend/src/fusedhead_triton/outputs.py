@@ -75,6 +75,16 @@ def _counted(ids: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torc
     return (labels != ignore_index).unsqueeze(1) & (ids != ignore_index)
 
 
+def gathered_grad(
+    g: torch.Tensor | None, gather_ids: torch.Tensor | None, ignore_index: int
+) -> torch.Tensor | None:
+    """The upstream gradient of the gathered log-probs in fp32, 0 at ids equal to
+    ``ignore_index`` (their log-prob is a constant 0)."""
+    if g is None or gather_ids is None:
+        return None
+    return torch.where(gather_ids != ignore_index, g.to(torch.float32), 0.0).contiguous()
+
+
 def _unsorted(zg: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """Values in sorted-id order back in the caller's order."""
     return torch.empty_like(zg).scatter_(1, perm, zg)
@@ -221,11 +231,13 @@ def backward_values(
     ids: SortedIds | None = None
     gs = None
     if grads.sparse is not None and sparse_ids is not None:
-        in_range = (sparse_ids >= 0) & (sparse_ids < vocab_size)
-        g = torch.where(_counted(sparse_ids, labels, ig) & in_range, grads.sparse, 0.0)
+        # a gathered id equal to ignore_index came with a zero gradient (gathered_grad); a top-k
+        # id may be that id, and its log-prob is differentiable as any other's
+        in_range = (sparse_ids >= 0) & (sparse_ids < vocab_size) & valid.unsqueeze(1)
+        g = torch.where(in_range, grads.sparse, 0.0)
         total = -g.sum(dim=1)
         ax = total if ax is None else ax + total
-        ids = sort_ids(sparse_ids, labels, sc.label_offset, weight.shape[0], ig)
+        ids = sort_ids(sparse_ids, labels, sc.label_offset, weight.shape[0], ig, False)
         gs = g.gather(1, ids.perm).contiguous()
     if ax is not None:
         ax = torch.where(valid, ax, 0.0).contiguous()
@@ -331,6 +343,7 @@ def _backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
     hidden, weight, labels, temp, gather_ids, norm, lp, ent, p2, topk_ids = ctx.saved_tensors
     g_lp, _, g_ent, g_lse, g_p2, _, g_gath, _, g_topk = grads
     need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    g_gath = gathered_grad(g_gath, gather_ids, ctx.scalars[1])
     ids, g_sparse = sparse_grads(((gather_ids, g_gath), (topk_ids, g_topk)))
     g = Grads(
         _fp32(g_lp), _fp32(g_ent) if ctx.entropy else None, _fp32(g_lse),
@@ -394,7 +407,7 @@ class ShardedOutputs(torch.autograd.Function):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g = Grads(
             _fp32(g_lp), _fp32(g_ent) if entropy else None, _fp32(g_lse),
-            _fp32(g_p2) if sum_p2 else None, _fp32(g_gath) if gather_ids is not None else None,
+            _fp32(g_p2) if sum_p2 else None, gathered_grad(g_gath, gather_ids, sc.ignore_index),
         )  # fmt: skip
         none = (None,) * 9
         if all(t is None for t in g):
