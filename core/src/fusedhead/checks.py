@@ -219,6 +219,16 @@ def no_inference_tensor(*named: tuple[str, torch.Tensor]) -> None:
             )
 
 
+def saveable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy where it is an inference tensor (token ids sampled under
+    ``torch.inference_mode()``): a backend saves labels, ids and temperatures for its backward,
+    which autograd refuses for an inference tensor. They are small and never differentiated, so
+    a copy serves (hidden and weight are refused instead: their gradient must reach them)."""
+    if torch.compiler.is_compiling() or not t.is_inference():  # is_inference(): no trace
+        return t
+    return t.clone()
+
+
 def flag_arg(arg: str, value: object) -> bool:
     """``value`` if it is a bool (a truthy str or 0 must not pick a behaviour silently)."""
     if value is True or value is False:

@@ -34,6 +34,7 @@ from fusedhead.checks import (
     not_int64_exact,
     per_token_rank,
     positive_float,
+    saveable,
     tensor_arg,
 )
 from fusedhead.protocol import KL_DIRECTIONS, HeadCall, KLCall
@@ -259,6 +260,8 @@ def check_head(
         flat = flat.to(torch.int64)
     if not flat.is_contiguous():
         flat = flat.contiguous()
+    if grad:
+        flat = saveable(flat)
     if check_labels and n and dev_type != "meta":
         flat = check_label_range(flat, ignore_index, size, pending)
     # The tuple of the fields in _HEAD_CALL_FIELDS' order, without HeadCall's Python __new__.
@@ -352,7 +355,7 @@ def _temperature(
         raise ValueError(
             f"{arg} tensor of shape {tuple(t.shape)} must broadcast to the labels' shape {tuple(labels.shape)}"
         ) from None
-    t = t.detach().reshape(-1).to(torch.float32).resolve_neg().contiguous()
+    t = saveable(t.detach().reshape(-1).to(torch.float32).resolve_neg().contiguous())
     if check and t.numel() and t.device.type != "meta":
         if torch.compiler.is_compiling():
             checked: torch.Tensor = temperature_checked(t, arg)  # the check below, in the graph
@@ -447,7 +450,7 @@ def _gather_ids(
         raise ValueError(
             f"gather_ids must be on hidden's device {call.hidden.device}, got {ids.device}"
         )
-    flat = ids.reshape(-1, ids.shape[-1]).to(torch.int64).contiguous()
+    flat = saveable(ids.reshape(-1, ids.shape[-1]).to(torch.int64).contiguous())
     if do_check and flat.numel() and flat.device.type != "meta":
         if torch.compiler.is_compiling():  # the check below, as an op of the graph
             checked: torch.Tensor = gather_ids_checked(
