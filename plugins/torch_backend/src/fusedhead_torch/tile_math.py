@@ -23,6 +23,10 @@ FP32 = torch.float32
 #: Largest ``1 / T`` (and ``c / T``) used: 2^100 ~ 1.3e30, so ``k * (src - max)`` stays finite for
 #: raw logit gaps under ~2.7e8. Temperatures below 7.9e-31 act as 7.9e-31 (a one-hot softmax).
 MAX_SCALE = 2.0**100
+#: Largest ``c / T`` folded into one factor with a softcap ``c``: ``src = tanh(x / c)`` lies in
+#: [-1, 1], so ``k * (src - max)`` stays finite up to 2^126. Past it (a cap of 1e34 at T = 1e-4)
+#: ``c`` is applied to ``src`` itself and ``k`` is ``1 / T``, as without a softcap.
+MAX_SOFTCAP_SCALE = 2.0**126
 
 
 def clamp_scale(k: float | torch.Tensor) -> float | torch.Tensor:
@@ -116,19 +120,29 @@ class Scaling:
     """Maps raw logits ``x`` to ``src`` (``x``, or ``tanh(x / c)`` with a softcap) and ``z = k src``.
 
     ``inv_t`` is ``1 / temperature`` (clamped to ``MAX_SCALE``): a float, or an fp32 ``[N]`` tensor
-    for per-token temperature. With a softcap ``c``, ``z = c * tanh(x / c) / T`` and ``k = c / T``.
+    for per-token temperature. With a softcap ``c``, ``z = c * tanh(x / c) / T`` and ``k = c / T``
+    (``folded``; past ``MAX_SOFTCAP_SCALE``, ``src`` carries ``c`` and ``k = 1 / T``).
     """
 
     inv_t: float | torch.Tensor
     softcap: float | None = None
 
+    @property
+    def folded(self) -> bool:
+        """Whether ``c`` is folded into ``k`` (``src = tanh(x / c)``, ``k = c / T``): whenever
+        ``c / T`` stays within ``MAX_SOFTCAP_SCALE`` (a per-token ``1 / T`` is at most
+        ``MAX_SCALE``). Otherwise ``src = c tanh(x / c)`` and ``k = 1 / T``: the same ``k src``."""
+        if self.softcap is None:
+            return False
+        most = MAX_SCALE if isinstance(self.inv_t, torch.Tensor) else self.inv_t
+        return self.softcap * most <= MAX_SOFTCAP_SCALE
+
     def rows(self, start: int, stop: int) -> float | torch.Tensor:
         """``k`` for rows ``[start, stop)``: the factor that multiplies ``src``."""
-        c = 1.0 if self.softcap is None else self.softcap
-        if isinstance(self.inv_t, torch.Tensor):
-            k = self.inv_t[start:stop]
-            return k if self.softcap is None else clamp_scale(k * c)
-        return clamp_scale(self.inv_t * c)
+        k = self.inv_t[start:stop] if isinstance(self.inv_t, torch.Tensor) else self.inv_t
+        if not self.folded:
+            return k
+        return k * self.softcap if isinstance(k, torch.Tensor) else k * float(self.softcap or 1.0)
 
     def inv_t_rows(self, start: int, stop: int) -> float | torch.Tensor:
         """``1 / T`` for rows ``[start, stop)``."""
@@ -140,7 +154,8 @@ class Scaling:
             return x
         # A [1, 1] fp32 factor (not a Python float) makes a bf16/fp16 tile compute in fp32.
         inv_c = torch.full((1, 1), 1.0 / self.softcap, dtype=FP32, device=x.device)
-        return torch.mul(x, inv_c, out=out).tanh_()
+        src = torch.mul(x, inv_c, out=out).tanh_()
+        return src if self.folded else src.mul_(self.softcap)
 
     def sech2(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``1 - tanh(x / c)^2`` of a tile in fp32 into ``out``, as ``1 / cosh(x / c)^2``: the
