@@ -140,9 +140,8 @@ class Scaling:
     def rows(self, start: int, stop: int) -> float | torch.Tensor:
         """``k`` for rows ``[start, stop)``: the factor that multiplies ``src``."""
         k = self.inv_t[start:stop] if isinstance(self.inv_t, torch.Tensor) else self.inv_t
-        if not self.folded:
-            return k
-        return k * self.softcap if isinstance(k, torch.Tensor) else k * float(self.softcap or 1.0)
+        c = self.softcap
+        return k * c if c is not None and self.folded else k
 
     def inv_t_rows(self, start: int, stop: int) -> float | torch.Tensor:
         """``1 / T`` for rows ``[start, stop)``."""
