@@ -116,8 +116,7 @@ def _raise_below_min_temperature(
     raise CapabilityError(
         f"computes at temperatures >= {floor:g} (it declares min_temperature={floor:g}), got {got}",
         capability="min_temperature",
-        hint="raise the temperature, or name a backend with a smaller min_temperature"
-        + ("" if identity.get("backend") == "torch" else ", e.g. 'torch' (down to 7.9e-31)"),
+        hint="raise the temperature, or name a backend with a smaller min_temperature, e.g. 'torch'",
         **identity,
     )
 

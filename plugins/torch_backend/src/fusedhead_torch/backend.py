@@ -37,7 +37,6 @@ from fusedhead_torch.outputs import (
 from fusedhead_torch.policy import chunk_rows, policy_loss
 from fusedhead_torch.rowstats import MAX_GRID_VOCAB
 from fusedhead_torch.tile_math import (
-    MAX_SCALE,
     inverse_temperature,
     mm_out_dtype_works,
 )
@@ -70,9 +69,6 @@ class TorchBackend:
             # fp32_logits: the GEMMs write fp32; otherwise logits in the input dtype, then fp32.
             logits_precision="fp32" if self.fp32_logits(device) else "bf16",
             per_token_temperature=True,
-            # 1 / T is capped at MAX_SCALE: below 2**-100 (7.9e-31) the log-probs would be those
-            # of 2**-100, not the reference's; the core refuses such a temperature by name
-            min_temperature=1.0 / MAX_SCALE,
             softcap=True,
             uneven_shards=True,
             degree_invariant=True,
