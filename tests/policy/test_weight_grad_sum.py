@@ -118,3 +118,55 @@ def test_the_triton_kept_buffer_may_grow_to_the_rounding_copy() -> None:
     assert kept_budget(1 << 30, w16, need_weight_grad=False) == 1 << 30
     w32 = torch.empty(151936, 4096, device="meta")
     assert kept_budget(1 << 30, w32, need_weight_grad=True) == 1 << 30
+
+
+def test_one_bf16_chunk_is_its_gemm_rounded_once_with_no_fp32_sum() -> None:
+    """``only=True``: the rows in one chunk; the bf16 GEMM accumulates in fp32 and rounds once,
+    as the fp32 sum would, and no fp32 copy of the gradient is made."""
+    ((dz, h),) = chunks(1, 64, 50, 24, torch.bfloat16, seed=3)
+    acc = WeightGradSum(torch.empty(50, 24, dtype=torch.bfloat16))
+    acc.add(dz, h, only=True)
+    assert acc._sum is not None and acc._sum.dtype == torch.bfloat16  # never an fp32 sum
+    got = acc.result()
+    assert got.dtype == torch.bfloat16
+    assert (got == exact([(dz, h)]).to(torch.bfloat16)).float().mean().item() >= 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_only_changes_nothing_where_the_sum_is_the_result(dtype: torch.dtype) -> None:
+    """fp16 hands over its fp32 sum (the upstream scale comes first), fp32 is the sum: ``only``
+    keeps them."""
+    ((dz, h),) = chunks(1, 16, 30, 8, dtype, seed=4)
+    plain, one = (
+        WeightGradSum(torch.empty(30, 8, dtype=dtype)),
+        WeightGradSum(torch.empty(30, 8, dtype=dtype)),
+    )
+    plain.add(dz, h, alpha=0.5)
+    one.add(dz, h, alpha=0.5, only=True)
+    a, b = plain.result(), one.result()
+    assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_bf16_policy_loss_in_one_chunk_matches_its_chunks_on_torch() -> None:
+    """The torch backend's rows in one chunk (the GEMM rounds) and in 32 (the fp32 sum rounds)
+    give the same bf16 weight gradient but for near-ties."""
+    g = torch.Generator().manual_seed(8)
+    n, h, v = 256, 32, 300
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = (torch.randn(v, h, generator=g) / 3).bfloat16()
+    labels = torch.randint(0, v, (n,), generator=g)
+    kw: dict[str, Any] = {
+        "old_log_probs": torch.randn(n, generator=g) - 5,
+        "advantages": torch.randn(n, generator=g),
+        "entropy_coef": 0.01,
+        "backend": "torch",
+    }
+
+    def grad(options: dict[str, Any]) -> torch.Tensor:
+        w = weight.clone().requires_grad_()
+        fusedhead.fused_policy_loss(hidden, w, labels, options=options, **kw).loss.backward()
+        assert w.grad is not None and w.grad.dtype == torch.bfloat16
+        return w.grad
+
+    one, many = grad(ONE_CHUNK["torch"]), grad(SMALL_CHUNK["torch"])
+    assert (one == many).float().mean().item() >= 0.99

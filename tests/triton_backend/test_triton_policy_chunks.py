@@ -40,3 +40,42 @@ def test_a_softcap_keeps_the_raw_logits_four_bytes_a_value() -> None:
     """The raw fp32 logits beside 16-bit inputs (the cap's derivative is taken from them)."""
     rows = chunk_rows(100_000, V, torch.bfloat16, GIB, None, softcap=True)
     assert rows <= GIB // (V * 4) < chunk_rows(100_000, V, torch.bfloat16, GIB, None)
+
+
+W16 = torch.empty(V, 4096, dtype=torch.bfloat16, device="meta")
+
+
+@pytest.mark.parametrize("budget", [GIB, 2 * GIB])
+def test_rows_that_fit_the_fp32_sums_bytes_go_in_one_chunk(budget: int) -> None:
+    """With a bf16 weight gradient asked, the rows whose kept buffer fits the budget plus the
+    gradient's size (what the fp32 sum and its rounded copy would take beyond the budget) go in
+    one chunk, whose GEMM rounds the gradient itself; more rows are chunked as before."""
+    from fusedhead_triton.policy import kept_budget, one_chunk_budget
+
+    kept = kept_budget(budget, W16, need_weight_grad=True)
+    one = one_chunk_budget(kept, W16, need_weight_grad=True)
+    assert one == kept + V * 4096 * 2
+    fit = one // (V * 2)
+    assert chunk_rows(fit, V, torch.bfloat16, kept, None, one_chunk_bytes=one) == fit
+    assert (
+        chunk_rows(fit + 1, V, torch.bfloat16, kept, None, one_chunk_bytes=one)
+        == chunk_rows(fit + 1, V, torch.bfloat16, kept, None)
+        < fit + 1
+    )
+    # the one chunk's peak (its buffer and the bf16 gradient) is within the chunks' (the fp32
+    # sum and the larger of the buffer and the rounded copy)
+    assert fit * V * 2 + V * 4096 * 2 <= 2 * V * 4096 * 2 + max(kept, V * 4096 * 2)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "need"), [(torch.float16, True), (torch.float32, True), (torch.bfloat16, False)]
+)
+def test_no_one_chunk_budget_where_no_bf16_sum_would_be_rounded(
+    dtype: torch.dtype, need: bool
+) -> None:
+    """fp16 keeps its fp32 sum as the result, fp32 has no sum to save, and without the weight
+    gradient there is no sum at all: none of them gets the larger one-chunk bound."""
+    from fusedhead_triton.policy import one_chunk_budget
+
+    w = torch.empty(V, 4096, dtype=dtype, device="meta")
+    assert one_chunk_budget(GIB, w, need_weight_grad=need) == 0

@@ -3,7 +3,9 @@
 A policy-loss backend adds ``dz^T h`` of each row chunk into ``dW``. A 16-bit running sum rounds
 once per chunk, an error that grows with the chunks (bf16, V = 151936: 2.5e-3 relative over 3
 chunks, 2.9e-3 over 9, against 2.3e-3 for one rounding); ``WeightGradSum`` keeps an fp32 sum and
-rounds it once. Shared by the ``torch`` and ``triton`` backends; a third-party backend may use it.
+rounds it once. Where the rows come in one chunk, a bf16 gradient is that chunk's one GEMM,
+accumulated in fp32 and rounded once by cuBLAS itself, with no fp32 copy. Shared by the ``torch``
+and ``triton`` backends; a third-party backend may use it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 FP32 = torch.float32
+BF16 = torch.bfloat16
 
 #: ``addmm_out_dtype_works`` per (device, dtype): a plain dict, which torch.compile reads as a
 #: constant (it would trace a ``functools.cache``'d function's body, the trial GEMM included).
@@ -54,10 +57,19 @@ class WeightGradSum:
         self._sum: torch.Tensor | None = None
         self._fused = weight.dtype != FP32 and addmm_out_dtype_works(weight.device, weight.dtype)
 
-    def add(self, dz: torch.Tensor, h_rows: torch.Tensor, alpha: float = 1.0) -> None:
+    def add(
+        self, dz: torch.Tensor, h_rows: torch.Tensor, alpha: float = 1.0, *, only: bool = False
+    ) -> None:
         """Add one chunk's ``alpha dz^T h_rows`` (``dz`` ``[rows, V]``, ``h_rows`` ``[rows, H]``;
-        ``alpha``: 1 / the scale ``dz`` was formed at, ``fusedhead.fp16_range``)."""
+        ``alpha``: 1 / the scale ``dz`` was formed at, ``fusedhead.fp16_range``). ``only``: the
+        sum's one chunk, whose bf16 GEMM then gives the result itself (one rounding, as the fp32
+        sum's, without the fp32 sum's memory and passes)."""
         a, b = dz.t(), h_rows
+        if only and self._sum is None and a.dtype == b.dtype == self._like.dtype == BF16:
+            self._sum = torch.mm(a, b)
+            if alpha != 1.0:
+                self._sum.mul_(alpha)
+            return
         if self._fused:
             if self._sum is None:
                 self._sum = torch.mm(a, b, out_dtype=FP32)

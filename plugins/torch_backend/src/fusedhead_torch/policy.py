@@ -180,7 +180,7 @@ def policy_loss(
         if grad_h is not None:
             hidden_grad_rows(dz, weight, grad_h[start:stop], scale)
         if grad_w is not None:
-            grad_w.add(dz, h_rows, alpha=1.0 / scale)
+            grad_w.add(dz, h_rows, alpha=1.0 / scale, only=start == 0 and stop == n)
     return PolicyLossResult(
         log_probs, entropy, grad_hidden=grad_h,
         grad_weight=None if grad_w is None else grad_w.result(),

@@ -297,7 +297,7 @@ class TritonBackend:
     def policy_loss(self, call: PolicyLossCall) -> PolicyLossResult:
         """The policy loss's statistics and gradients: three GEMMs per row chunk."""
         from .launch import MAX_GRID_VOCAB
-        from .policy import chunk_rows, kept_budget, policy_loss
+        from .policy import chunk_rows, kept_budget, one_chunk_budget, policy_loss
 
         h, w = call.head.hidden, call.head.weight
         if w.shape[0] >= MAX_GRID_VOCAB:  # the statistics go through the head's exact combine
@@ -309,6 +309,7 @@ class TritonBackend:
         rows = chunk_rows(
             h.shape[0], w.shape[0], h.dtype, budget, self.options.policy_chunk_rows,
             softcap=call.head.softcap is not None,
+            one_chunk_bytes=one_chunk_budget(budget, w, call.need_weight_grad),
         )  # fmt: skip
         return policy_loss(call, self._settings(h.dtype)[0], rows)
 

@@ -57,18 +57,33 @@ def kept_budget(memory_bytes: int, weight: torch.Tensor, need_weight_grad: bool)
 
 def chunk_rows(
     n: int, v: int, dtype: torch.dtype, budget_bytes: int, explicit: int | None,
-    softcap: bool = False,
+    softcap: bool = False, one_chunk_bytes: int = 0,
 ) -> int:  # fmt: skip
     """Rows per chunk: as few chunks as the kept ``[rows, V]`` buffer within ``budget_bytes``
     allows (at least 128 rows), of equal size in whole 128-row tiles, so no small last chunk
-    pays a GEMM of its own at low efficiency and a read-modify-write of the weight gradient."""
+    pays a GEMM of its own at low efficiency and a read-modify-write of the weight gradient.
+    All ``n`` rows in one chunk where their buffer is within ``one_chunk_bytes``
+    (``one_chunk_budget``)."""
     if explicit is not None:
         return explicit
     per_row = v * torch.empty((), dtype=keep_dtype(dtype, softcap)).element_size()
+    if max(n, 1) * per_row <= one_chunk_bytes:
+        return max(n, 1)
     most = max(128, budget_bytes // per_row // 128 * 128)
     chunks = math.ceil(max(n, 1) / most)
     rows = math.ceil(max(n, 1) / chunks / 128) * 128
     return min(rows, max(n, 1))
+
+
+def one_chunk_budget(budget_bytes: int, weight: torch.Tensor, need_weight_grad: bool) -> int:
+    """The kept buffer's bound for the rows in one chunk: with a bf16 weight gradient asked, that
+    chunk's one GEMM rounds the gradient itself (``WeightGradSum.add(only=True)``), so the fp32
+    sum (twice the gradient) is never held, read, written or rounded, and a buffer up to
+    ``budget_bytes`` plus the gradient's size peaks no higher than chunks beside the sum (the sum
+    and the larger of the buffer and its rounded copy). 0 otherwise (fp16 keeps its fp32 sum)."""
+    if not need_weight_grad or weight.dtype != torch.bfloat16:
+        return 0
+    return budget_bytes + WeightGradSum.rounding_bytes(weight)
 
 
 def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> PolicyLossResult:
@@ -156,7 +171,7 @@ def policy_loss(call: PolicyLossCall, st: Settings, rows_per_chunk: int) -> Poli
         if grad_h is not None:
             hidden_grad_rows(dz, weight, grad_h[start:stop], scale)
         if grad_w is not None:
-            grad_w.add(dz, h_rows, alpha=1.0 / scale)
+            grad_w.add(dz, h_rows, alpha=1.0 / scale, only=start == 0 and stop == n)
     del buf, keep, dz, keep_arg  # the kept buffer goes before the fp32 sum is rounded
     return PolicyLossResult(
         log_probs,
