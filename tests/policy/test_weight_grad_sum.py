@@ -170,3 +170,27 @@ def test_a_bf16_policy_loss_in_one_chunk_matches_its_chunks_on_torch() -> None:
 
     one, many = grad(ONE_CHUNK["torch"]), grad(SMALL_CHUNK["torch"])
     assert (one == many).float().mean().item() >= 0.99
+
+
+def test_the_one_chunks_gemm_reduces_in_fp32_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuBLAS may add a split GEMM's parts in bf16 unless told not to: the one chunk's GEMM runs
+    with that off (a rounding per part would undo the one rounding), and the setting comes back."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    acc = WeightGradSum(torch.empty(30, 8, dtype=torch.bfloat16))  # its trial GEMM first
+    ((dz, h),) = chunks(1, 16, 30, 8, torch.bfloat16, seed=5)
+    seen = []
+    mm = torch.mm
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(matmul.allow_bf16_reduced_precision_reduction)
+        return mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", spy)
+    matmul.allow_bf16_reduced_precision_reduction = True
+    try:
+        acc.add(dz, h, only=True)
+        assert seen == [False]
+        assert matmul.allow_bf16_reduced_precision_reduction is True
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before

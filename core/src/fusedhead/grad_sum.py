@@ -10,6 +10,9 @@ and ``triton`` backends; a third-party backend may use it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 FP32 = torch.float32
@@ -43,6 +46,20 @@ def _try_addmm_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(c.dtype == FP32 and torch.equal(c, torch.full_like(c, 4.0)))
 
 
+@contextlib.contextmanager
+def fp32_reductions() -> Iterator[None]:
+    """bf16 GEMMs that reduce in fp32 only: cuBLAS may otherwise split K and add the parts in
+    bf16 (``allow_bf16_reduced_precision_reduction``, on by default), a rounding per part where a
+    GEMM over many rows and few outputs is split."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+
+
 class WeightGradSum:
     """``dW = sum over chunks of dz^T h`` in fp32, rounded once to the weight's dtype.
 
@@ -66,7 +83,8 @@ class WeightGradSum:
         sum's, without the fp32 sum's memory and passes)."""
         a, b = dz.t(), h_rows
         if only and self._sum is None and a.dtype == b.dtype == self._like.dtype == BF16:
-            self._sum = torch.mm(a, b)
+            with fp32_reductions():
+                self._sum = torch.mm(a, b)
             if alpha != 1.0:
                 self._sum.mul_(alpha)
             return
