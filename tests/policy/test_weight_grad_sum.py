@@ -194,3 +194,33 @@ def test_the_one_chunks_gemm_reduces_in_fp32_only(monkeypatch: pytest.MonkeyPatc
         assert matmul.allow_bf16_reduced_precision_reduction is True
     finally:
         matmul.allow_bf16_reduced_precision_reduction = before
+
+
+def test_the_hidden_gradients_bf16_gemm_reduces_in_fp32_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``dX = dz W`` sums over the vocabulary (K = V), which cuBLAS splits for few rows: in bf16
+    it runs with reduced-precision reductions off, as the weight gradient's one GEMM does."""
+    from fusedhead.fp16_range import hidden_grad_rows
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    dz = torch.randn(4, 30).bfloat16()
+    w = torch.randn(30, 8).bfloat16()
+    out = torch.empty(4, 8, dtype=torch.bfloat16)
+    seen = []
+    mm = torch.mm
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(matmul.allow_bf16_reduced_precision_reduction)
+        return mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", spy)
+    matmul.allow_bf16_reduced_precision_reduction = True
+    try:
+        hidden_grad_rows(dz, w, out, 1.0)
+        assert seen == [False]
+        assert matmul.allow_bf16_reduced_precision_reduction is True
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+    assert torch.equal(out, mm(dz, w))

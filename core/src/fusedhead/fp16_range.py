@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from fusedhead.grad_sum import FP32, addmm_out_dtype_works
+from fusedhead.grad_sum import FP32, addmm_out_dtype_works, fp32_reductions
 
 #: The top of a chunk's ``dz`` bound at its scale: a power of two well under fp16's 65504.
 TOP = 2.0**14
@@ -59,7 +59,8 @@ def hidden_grad_rows(
     """``out = dz @ weight / scale`` for ``dz`` formed at ``scale``: in ``out``'s dtype directly
     where that is ``dz``'s, else in fp32 (cuBLAS's fp32 output on CUDA, upcast operands elsewhere)."""
     if out.dtype == dz.dtype:
-        torch.mm(dz, weight, out=out)
+        with fp32_reductions():  # a K of V: cuBLAS would split it, and may add the parts in bf16
+            torch.mm(dz, weight, out=out)
         return
     if addmm_out_dtype_works(dz.device, dz.dtype):  # cuBLAS: fp16 operands, fp32 output
         out.copy_(torch.mm(dz, weight, out_dtype=FP32))
