@@ -4,6 +4,8 @@ fp32 sum's rounding whatever the number of chunks, not a 16-bit running sum's dr
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -80,14 +82,20 @@ def test_the_rounding_copy_is_a_16_bit_weight_gradient() -> None:
     assert WeightGradSum.rounding_bytes(torch.empty(300, 8)) == 0
 
 
-@pytest.mark.parametrize("backend", POLICY_BACKENDS)
-def test_a_policy_loss_weight_gradient_does_not_drift_with_the_chunks(backend: str) -> None:
-    """fp16 (bf16 dots are wrong under the Triton interpreter): 256 rows as one chunk and as 32
-    chunks of 8 give the same rounding but for near-ties."""
+#: fp16 on each backend (bf16 dots are wrong under the Triton interpreter), bf16 on torch: its
+#: one chunk is the bf16 GEMM's own rounding (``WeightGradSum.add(only=True)``).
+DRIFT_CASES = [(b, torch.float16) for b in POLICY_BACKENDS] + [("torch", torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("backend", "dtype"), DRIFT_CASES)
+def test_a_policy_loss_weight_gradient_does_not_drift_with_the_chunks(
+    backend: str, dtype: torch.dtype
+) -> None:
+    """256 rows as one chunk and as 32 chunks of 8 give the same rounding but for near-ties."""
     g = torch.Generator().manual_seed(7)
     n, h, v = 256, 32, 300
-    hidden = torch.randn(n, h, generator=g).half()
-    weight = (torch.randn(v, h, generator=g) / 3).half()
+    hidden = torch.randn(n, h, generator=g).to(dtype)
+    weight = (torch.randn(v, h, generator=g) / 3).to(dtype)
     labels = torch.randint(0, v, (n,), generator=g)
     kw: dict[str, Any] = {
         "old_log_probs": torch.randn(n, generator=g) - 5,
@@ -99,7 +107,7 @@ def test_a_policy_loss_weight_gradient_does_not_drift_with_the_chunks(backend: s
     def grad(options: dict[str, Any]) -> torch.Tensor:
         w = weight.clone().requires_grad_()
         fusedhead.fused_policy_loss(hidden, w, labels, options=options, **kw).loss.backward()
-        assert w.grad is not None and w.grad.dtype == torch.float16
+        assert w.grad is not None and w.grad.dtype == dtype
         return w.grad
 
     one, many = grad(ONE_CHUNK[backend]), grad(SMALL_CHUNK[backend])
@@ -147,39 +155,13 @@ def test_only_changes_nothing_where_the_sum_is_the_result(dtype: torch.dtype) ->
     assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_a_bf16_policy_loss_in_one_chunk_matches_its_chunks_on_torch() -> None:
-    """The torch backend's rows in one chunk (the GEMM rounds) and in 32 (the fp32 sum rounds)
-    give the same bf16 weight gradient but for near-ties."""
-    g = torch.Generator().manual_seed(8)
-    n, h, v = 256, 32, 300
-    hidden = torch.randn(n, h, generator=g).bfloat16()
-    weight = (torch.randn(v, h, generator=g) / 3).bfloat16()
-    labels = torch.randint(0, v, (n,), generator=g)
-    kw: dict[str, Any] = {
-        "old_log_probs": torch.randn(n, generator=g) - 5,
-        "advantages": torch.randn(n, generator=g),
-        "entropy_coef": 0.01,
-        "backend": "torch",
-    }
-
-    def grad(options: dict[str, Any]) -> torch.Tensor:
-        w = weight.clone().requires_grad_()
-        fusedhead.fused_policy_loss(hidden, w, labels, options=options, **kw).loss.backward()
-        assert w.grad is not None and w.grad.dtype == torch.bfloat16
-        return w.grad
-
-    one, many = grad(ONE_CHUNK["torch"]), grad(SMALL_CHUNK["torch"])
-    assert (one == many).float().mean().item() >= 0.99
-
-
-def test_the_one_chunks_gemm_reduces_in_fp32_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """cuBLAS may add a split GEMM's parts in bf16 unless told not to: the one chunk's GEMM runs
-    with that off (a rounding per part would undo the one rounding), and the setting comes back."""
+@contextlib.contextmanager
+def reductions_seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
+    """Every ``torch.mm``'s view of cuBLAS's bf16 reduced-precision reductions, with them allowed
+    (the default) around the block, and the setting back as it was after it."""
     matmul = torch.backends.cuda.matmul
     before = matmul.allow_bf16_reduced_precision_reduction
-    acc = WeightGradSum(torch.empty(30, 8, dtype=torch.bfloat16))  # its trial GEMM first
-    ((dz, h),) = chunks(1, 16, 30, 8, torch.bfloat16, seed=5)
-    seen = []
+    seen: list[bool] = []
     mm = torch.mm
 
     def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -189,11 +171,21 @@ def test_the_one_chunks_gemm_reduces_in_fp32_only(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(torch, "mm", spy)
     matmul.allow_bf16_reduced_precision_reduction = True
     try:
-        acc.add(dz, h, only=True)
-        assert seen == [False]
-        assert matmul.allow_bf16_reduced_precision_reduction is True
+        yield seen
+        assert matmul.allow_bf16_reduced_precision_reduction is True  # put back
     finally:
         matmul.allow_bf16_reduced_precision_reduction = before
+        monkeypatch.setattr(torch, "mm", mm)
+
+
+def test_the_one_chunks_gemm_reduces_in_fp32_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuBLAS may add a split GEMM's parts in bf16 unless told not to: the one chunk's GEMM runs
+    with that off (a rounding per part would undo the one rounding)."""
+    acc = WeightGradSum(torch.empty(30, 8, dtype=torch.bfloat16))  # its trial GEMM first
+    ((dz, h),) = chunks(1, 16, 30, 8, torch.bfloat16, seed=5)
+    with reductions_seen(monkeypatch) as seen:
+        acc.add(dz, h, only=True)
+    assert seen == [False]
 
 
 def test_the_hidden_gradients_bf16_gemm_reduces_in_fp32_only(
@@ -203,24 +195,9 @@ def test_the_hidden_gradients_bf16_gemm_reduces_in_fp32_only(
     it runs with reduced-precision reductions off, as the weight gradient's one GEMM does."""
     from fusedhead.fp16_range import hidden_grad_rows
 
-    matmul = torch.backends.cuda.matmul
-    before = matmul.allow_bf16_reduced_precision_reduction
-    dz = torch.randn(4, 30).bfloat16()
-    w = torch.randn(30, 8).bfloat16()
+    dz, w = torch.randn(4, 30).bfloat16(), torch.randn(30, 8).bfloat16()
     out = torch.empty(4, 8, dtype=torch.bfloat16)
-    seen = []
-    mm = torch.mm
-
-    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        seen.append(matmul.allow_bf16_reduced_precision_reduction)
-        return mm(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "mm", spy)
-    matmul.allow_bf16_reduced_precision_reduction = True
-    try:
+    with reductions_seen(monkeypatch) as seen:
         hidden_grad_rows(dz, w, out, 1.0)
-        assert seen == [False]
-        assert matmul.allow_bf16_reduced_precision_reduction is True
-    finally:
-        matmul.allow_bf16_reduced_precision_reduction = before
-    assert torch.equal(out, mm(dz, w))
+    assert seen == [False]
+    assert torch.equal(out, torch.mm(dz, w))
