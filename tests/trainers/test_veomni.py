@@ -136,6 +136,21 @@ def test_packed_batch_log_probs_with_shift_labels_match_chunk_logprobs(
     )
 
 
+def test_a_loss_over_num_items_in_batch_is_veomnis_eager_loss(models: tuple[Any, Any]) -> None:
+    """With ``num_items_in_batch`` (a global token count) the kernel's loss is VeOmni's eager
+    ``ForCausalLMLoss``: the sum over that count. (``chunk_loss`` gives another value there; its
+    own trainer passes no count.)"""
+    theirs, ours = models
+    batch = packed_batch([6, 9, 4], seed=4)
+    kwargs = {"num_items_in_batch": torch.tensor(123)}
+    with veomni_state():  # the eager loss is VeOmni's mapping while its build's state holds
+        expected = run(build("eager", theirs.state_dict()), batch, **kwargs)
+    got = run(_bind(ours, "fusedhead:torch"), batch, **kwargs)
+    _compare(got, expected)
+    mean = run(_bind(ours, "fusedhead:torch"), batch)["loss"]  # the count is not ignored
+    assert not torch.allclose(got["loss"], mean)
+
+
 @pytest.mark.parametrize("log_probs", [False, True], ids=["loss", "log_probs"])
 def test_padded_batch_matches_chunk_loss(models: tuple[Any, Any], log_probs: bool) -> None:
     theirs, ours = models
