@@ -593,6 +593,51 @@ def _check_result(
                 f"policy_loss's {what} must be {like.dtype}{also} {tuple(like.shape)} on "
                 f"{like.device}, got {_describe(t)}"
             )
+    _check_fresh(head, call, result)
+
+
+def _check_fresh(head: _Head, call: PolicyLossCall, result: PolicyLossResult) -> None:
+    """The gradients are fresh memory of their own: the backward scales them in place and
+    autograd may keep them as ``.grad``, so one that overlaps itself (an ``expand``) or shares
+    memory with an input or the other outputs would fail there or corrupt what it shares."""
+    named = [("grad_hidden", result.grad_hidden), ("grad_weight", result.grad_weight)]
+    others = [
+        ("hidden", call.head.hidden),
+        ("weight", call.head.weight),
+        ("log_probs", result.log_probs),
+        ("entropy", result.entropy),
+        *named,
+    ]
+    for what, t in named:
+        if t is None:
+            continue
+        if _overlaps_itself(t):
+            head.broke(
+                f"policy_loss's {what} must be a fresh tensor, got one whose elements share "
+                f"memory (strides {tuple(t.stride())} for shape {tuple(t.shape)}, e.g. an "
+                "expand): the backward scales it in place"
+            )
+        mine = t.untyped_storage().data_ptr()
+        if mine == 0:  # no memory to share (empty, or the meta device)
+            continue
+        for other, u in others:
+            if other != what and u is not None and u.untyped_storage().data_ptr() == mine:
+                head.broke(
+                    f"policy_loss's {what} must be a fresh tensor, got one that shares memory "
+                    f"with {other}: the backward scales it in place and autograd may keep it"
+                )
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two of ``t``'s elements are one memory location (a stride of 0 where the size
+    is more than 1, or strides that interleave)."""
+    dims = sorted((st, size) for st, size in zip(t.stride(), t.shape, strict=True) if size > 1)
+    span = 1
+    for stride, size in dims:
+        if stride < span:
+            return True
+        span = stride * size
+    return False
 
 
 def _describe(t: object) -> str:
