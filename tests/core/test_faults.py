@@ -260,6 +260,17 @@ SHAPE_FAULTS = {
         BackendLoadError,
         r"Variant\.Options must forbid extra fields",
     ),
+    # optional capabilities' methods: before, checked only by their first call's raw TypeError
+    "policy-loss-params": (
+        _variant(policy_loss=lambda self: None),
+        BackendLoadError,
+        r"Variant\.policy_loss\(self\) does not take \(call\)",
+    ),
+    "kl-params": (
+        _variant(kl=lambda self, student, teacher: None),
+        BackendLoadError,
+        r"Variant\.kl\(self, student, teacher\) does not take \(call\)",
+    ),
 }
 
 
@@ -600,3 +611,19 @@ def test_a_raw_exception_from_forward_keeps_its_type_and_names_the_backend(
         fused_head(*inputs(), backend="good")
     notes = getattr(info.value, "__notes__", [])
     assert notes == ["raised inside fusedhead backend 'good' (fh-fixture-good 1.0.0)"], notes
+
+
+def test_a_plugin_exiting_at_import_is_a_load_error_naming_its_distribution(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plugin's ``sys.exit()`` at import is its bug, reported as one: before, the SystemExit
+    ended ``fusedhead list --check`` (and any call selecting it) with the plugin's exit code."""
+    import importlib.metadata as md
+
+    (tmp_path / "fh_exits_at_import.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = md.EntryPoint("exits", "fh_exits_at_import:Backend", registry.ENTRY_POINT_GROUP)
+    cand = registry.Candidate("exits", ep.value, "acme-exits", "0.1", entry_point=ep)
+    with pytest.raises(BackendLoadError, match=r"failed to import: SystemExit: 3") as info:
+        registry.load_candidate(cand)
+    assert str(info.value).startswith("backend 'exits' (acme-exits 0.1): ")

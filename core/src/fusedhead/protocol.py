@@ -367,3 +367,8 @@ METHOD_PARAMETERS: dict[str, tuple[str, ...]] = {
     "check": ("device", "dtype"),
     "forward": ("call",),
 }
+#: The methods of optional capabilities, checked like those above where a class defines them.
+OPTIONAL_METHOD_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "policy_loss": ("call",),
+    "kl": ("call",),
+}

@@ -409,7 +409,7 @@ def load_candidate(cand: Candidate) -> type[Any]:
             cls = cand.entry_point.load()
         except ImportError as exc:
             raise install_hints.import_error(cand, exc, error_fields(cand)) from exc
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a plugin's sys.exit() at import is its bug too
             raise BackendLoadError(
                 f"entry point {cand.value} failed to import: {type(exc).__name__}: {exc}",
                 hint="report this to the backend's authors",
@@ -423,12 +423,16 @@ def verify_backend_class(cls: Any, **fields: Any) -> None:
     """Check a backend class's shape against the plugin API, as pluggy checks hook implementations.
 
     Attributes (``name``, ``plugin_api_version``, ``Options``), and each method's parameters
-    (``__init__(options)``, ``capabilities(device)``, ``check(device, dtype)``, ``forward(call)``).
-    Raises ``BackendLoadError``/``IncompatibleBackendError`` carrying ``fields``.
+    (``__init__(options)``, ``capabilities(device)``, ``check(device, dtype)``, ``forward(call)``,
+    and ``policy_loss(call)`` / ``kl(call)`` where the class defines them). Raises ``BackendLoadError``/``IncompatibleBackendError`` carrying ``fields``.
     """
     from pydantic import BaseModel
 
-    from fusedhead.protocol import METHOD_PARAMETERS, SUPPORTED_PLUGIN_API
+    from fusedhead.protocol import (
+        METHOD_PARAMETERS,
+        OPTIONAL_METHOD_PARAMETERS,
+        SUPPORTED_PLUGIN_API,
+    )
 
     name = fields.get("backend")
 
@@ -497,6 +501,14 @@ def verify_backend_class(cls: Any, **fields: Any) -> None:
                 "define __init__(self, options)",
             )
         if not _accepts(fn, len(params)):
+            raise broken(
+                f"{cls.__qualname__}.{method}{_signature(fn)} does not take "
+                f"({', '.join(params)}) as plugin API {version} calls it",
+                f"define {method}(self, {', '.join(params)})",
+            )
+    for method, params in OPTIONAL_METHOD_PARAMETERS.items():
+        fn = getattr(cls, method, None)
+        if callable(fn) and not _accepts(fn, len(params)):
             raise broken(
                 f"{cls.__qualname__}.{method}{_signature(fn)} does not take "
                 f"({', '.join(params)}) as plugin API {version} calls it",
