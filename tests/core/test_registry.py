@@ -410,3 +410,17 @@ def test_a_lookup_of_a_name_with_capitals_points_at_a_name_that_exists(with_fixt
         registry.find("Zzzzzz")
     with pytest.raises(ValueError, match=r"did you mean 'mine'\?"):
         registry.register_backend("Mine", type("B", (), {}))
+
+
+def test_a_name_with_spaces_is_pointed_at_the_name_and_never_at_an_unselectable_one(
+    with_fixture_dists, monkeypatch: pytest.MonkeyPatch
+):
+    """' torch' is told its stripped name; a misnamed entry point ('Bad-Upper', which no lookup
+    can select) is never the did-you-mean of a name like it."""
+    with pytest.raises(ValueError, match=r"names have no spaces: did you mean 'torch'\?"):
+        registry.find(" torch")
+    known = ["Bad-Upper", "bad-uppers", "torch"]
+    with pytest.raises(ValueError, match=r"did you mean 'bad-uppers'\?"):
+        registry._check_name("Bad-Upper", known)
+    with pytest.raises(ValueError, match=r"names are lowercase; available: bad-uppers, torch\)$"):
+        registry._check_name("Zzzz-Zz", known)

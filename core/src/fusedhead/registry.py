@@ -214,14 +214,16 @@ def _check_name(name: object, known: Iterable[str] | None = None) -> None:
         hint = ""
         if prefix == "fusedhead" and NAME_PATTERN.match(rest):
             hint = f" (the trainers' spelling {name!r} names fusedhead's backend {rest!r}: pass {rest!r})"
-        elif NAME_PATTERN.match(low := name.lower()):
-            names = sorted(known) if known is not None else None
+        elif NAME_PATTERN.match(low := name.strip().lower()):
+            rule = "names are lowercase" if low != name.strip() else "names have no spaces"
+            # only names that can be selected: an entry point misnamed 'Bad-Upper' is no answer
+            names = None if known is None else sorted(n for n in known if NAME_PATTERN.match(n))
             if names is None or low in names:
-                hint = f" (names are lowercase: did you mean {low!r}?)"
+                hint = f" ({rule}: did you mean {low!r}?)"
             elif close := difflib.get_close_matches(low, names, n=1, cutoff=0.6):
-                hint = f" (names are lowercase: did you mean {close[0]!r}?)"
+                hint = f" ({rule}: did you mean {close[0]!r}?)"
             else:
-                hint = f" (names are lowercase; available: {', '.join(names) or 'none'})"
+                hint = f" ({rule}; available: {', '.join(names) or 'none'})"
         raise ValueError(
             f"backend name {name!r} is not valid: expected lowercase [a-z0-9_-]+{hint}"
         )
