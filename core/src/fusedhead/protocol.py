@@ -209,6 +209,12 @@ class HeadCall(NamedTuple):
         ``extras`` names further outputs (``lse``, ``sum_p2``, ``argmax``); ``top_k > 0`` and
         ``gather_ids`` request ``topk`` and ``gather``.
         """
+        extra_names = ("lse", "sum_p2", "argmax")
+        if isinstance(extras, str) or not set(extras) <= set(extra_names):
+            raise ValueError(
+                f"extras must be a set of output names among {list(extra_names)}, got "
+                f"{sorted(extras) if not isinstance(extras, str) else extras!r}"
+            )
         outputs = {"log_probs", "entropy"} if return_entropy else {"log_probs"}
         outputs |= set(extras)
         if top_k:
