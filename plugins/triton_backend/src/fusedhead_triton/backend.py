@@ -90,7 +90,8 @@ class TritonOptions(BaseModel):
         ge=1,
         description="Tuning: rows per chunk of the policy loss (None: from memory, a kept buffer "
         "of 1 GiB for 'low' and 2 GiB for 'fast', or the size of a 16-bit weight gradient where "
-        "that is more: rounding its fp32 sum at the end needs as much).",
+        "that is more: rounding its fp32 sum at the end needs as much; with a bf16 weight, "
+        "every row in one chunk where they fit that and the gradient's size, with no fp32 sum).",
     )
     tma: bool | None = Field(
         None,
