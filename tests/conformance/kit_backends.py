@@ -220,6 +220,7 @@ class FakeBatchInvariant(_Plain):
     declared: ClassVar[dict[str, Any]] = {"batch_invariant": True}
 
     def single(self, hidden, weight, labels, temperature, ignore_index, return_entropy, softcap):  # type: ignore[no-untyped-def]
+        hidden = torch.where((labels != ignore_index).unsqueeze(-1), hidden, 0)  # select out
         z = (hidden.float() @ weight.float().T) / temperature
         blocks = torch.tensor_split(z, 1 + hidden.shape[0] % 5, dim=1)
         m = z.detach().max(-1, keepdim=True).values

@@ -54,7 +54,9 @@ class OutputsRef:
         return None
 
     def logits(self, call: HeadCall) -> torch.Tensor:
-        return _scaled(call.hidden, call.weight, call.temperature, call.softcap)
+        # ignored rows selected out, never multiplied by 0: their NaN/Inf hidden reaches nothing
+        hidden = torch.where((call.labels != call.ignore_index).unsqueeze(-1), call.hidden, 0)
+        return _scaled(hidden, call.weight, call.temperature, call.softcap)
 
     def rank(self, logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Values and ids of the k best per row, equal values by the lower id."""
@@ -112,12 +114,14 @@ class OutputsRef:
 
     def kl_log_probs(self, call: KLCall) -> tuple[torch.Tensor, torch.Tensor]:
         """The student's and the teacher's log-softmax, each with its temperature and softcap."""
+        rows = call.valid.unsqueeze(-1)  # ignored rows selected out of both heads
         ls = torch.log_softmax(
-            _scaled(call.hidden, call.weight, call.temperature, call.softcap), -1
+            _scaled(torch.where(rows, call.hidden, 0), call.weight, call.temperature, call.softcap),
+            -1,
         )
         lt = torch.log_softmax(
             _scaled(
-                call.teacher_hidden,
+                torch.where(rows, call.teacher_hidden, 0),
                 call.teacher_weight,
                 call.teacher_temperature,
                 self.teacher_softcap(call),

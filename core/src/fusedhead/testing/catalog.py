@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -10,7 +11,13 @@ from fusedhead.testing.accuracy import ACCURACY
 from fusedhead.testing.contract import CONTRACT
 from fusedhead.testing.declared import DECLARED
 from fusedhead.testing.distributed import DISTRIBUTED
-from fusedhead.testing.outcome import NotRun, Outcome, PropertyFailure, Result
+from fusedhead.testing.outcome import (
+    NotRun,
+    Outcome,
+    PropertyFailure,
+    Result,
+    raised_by_backend,
+)
 from fusedhead.testing.outputs import OUTPUT_PROPERTIES
 from fusedhead.testing.policy import POLICY_PROPERTIES
 from fusedhead.testing.randomized import RANDOMIZED
@@ -50,20 +57,51 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def _backend_verdict(target: Target, exc: BaseException) -> str | None:
+    """The failure message when the backend raised the kit's own NotRun or PropertyFailure: a
+    backend that could report itself not run (or fail with the kit's words) would dodge a property."""
+    inner = raised_by_backend(exc)
+    if inner is None:
+        return None
+    where = "" if inner is exc else f" [{exc}]"
+    return (
+        f"the backend {target.backend!r} raised the kit's own {type(inner).__name__}({inner}) "
+        f"from a call the kit made{where}; a backend never raises fusedhead.testing's "
+        "exceptions: only the kit decides what is not run"
+    )
+
+
 def run_property(name: str, target: Target) -> Result:
     """Run one property: pass, fail (the contract broken, or the backend crashed), or not run."""
     prop = PROPERTIES[name]
     start = time.perf_counter()
     try:
         prop(target)
-    except NotRun as exc:
-        return Result(name, Outcome.NOT_RUN, _one_line(str(exc)), time.perf_counter() - start)
-    except PropertyFailure as exc:
-        return Result(name, Outcome.FAIL, _one_line(str(exc)), time.perf_counter() - start)
     except Exception as exc:
-        msg = f"the backend raised {type(exc).__name__}: {exc}"
-        return Result(name, Outcome.FAIL, _one_line(msg), time.perf_counter() - start)
+        return Result(name, *_verdict(target, exc), time.perf_counter() - start)
     return Result(name, Outcome.PASS, "", time.perf_counter() - start)
+
+
+def _verdict(target: Target, exc: Exception) -> tuple[Outcome, str]:
+    """What an exception out of a property means: not run, a failure, or the backend crashing."""
+    blamed = _backend_verdict(target, exc)
+    if blamed is not None:
+        return Outcome.FAIL, _one_line(blamed)
+    if isinstance(exc, NotRun):
+        return Outcome.NOT_RUN, _one_line(str(exc))
+    if isinstance(exc, PropertyFailure):
+        return Outcome.FAIL, _one_line(str(exc))
+    return Outcome.FAIL, _one_line(f"the backend raised {type(exc).__name__}: {exc}")
+
+
+def unknown_properties(names: Iterable[str]) -> None:
+    """Raise ``ValueError`` naming each unknown property, the valid ones and the closest match."""
+    for name in names:
+        if name in PROPERTIES:
+            continue
+        close = difflib.get_close_matches(name, PROPERTIES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown property {name!r}{hint} (properties: {', '.join(PROPERTIES)})")
 
 
 def check(
@@ -74,9 +112,12 @@ def check(
     dtype: str = "fp32",
     properties: Iterable[str] | None = None,
 ) -> list[Result]:
-    """Run the kit (or the named properties) against ``backend``; raises if it cannot run here."""
+    """Run the kit (or the named properties) against ``backend``; raises if it cannot run here,
+    and ``ValueError`` (with a did-you-mean) for an unknown property name, before anything runs."""
+    names = [properties] if isinstance(properties, str) else list(properties or PROPERTIES)
+    unknown_properties(names)
     target = Target.resolve(backend, options, device, dtype)
-    return [run_property(name, target) for name in (properties or PROPERTIES)]
+    return [run_property(name, target) for name in names]
 
 
 def check_property(
@@ -87,6 +128,5 @@ def check_property(
     dtype: str = "fp32",
 ) -> Result:
     """One property as a pure function of (backend name, options, device, dtype)."""
-    if name not in PROPERTIES:
-        raise ValueError(f"unknown property {name!r}; properties: {', '.join(PROPERTIES)}")
+    unknown_properties([name])
     return run_property(name, Target.resolve(backend, options, device, dtype))

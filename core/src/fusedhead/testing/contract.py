@@ -6,7 +6,14 @@ from typing import Any
 
 import torch
 
-from fusedhead.testing.inputs import FLAT, IGNORE_INDEX, TEMPERATURE, Case, make_case
+from fusedhead.testing.inputs import (
+    FLAT,
+    IGNORE_INDEX,
+    TEMPERATURE,
+    Case,
+    make_case,
+    poison_ignored,
+)
 from fusedhead.testing.measure import LOSS, check_against_reference, evaluate, reference, zmax
 from fusedhead.testing.outcome import PropertyFailure
 from fusedhead.testing.target import Target
@@ -24,30 +31,46 @@ def _exactly_zero(what: str, t: torch.Tensor | None, rows: torch.Tensor) -> None
 
 
 def ignore_index(target: Target) -> None:
-    """Rows whose label is ignore_index give 0 log_prob, 0 entropy and exactly zero gradient."""
-    temp = target.allowed_temperature(TEMPERATURE)  # within the declared minimum
+    """Rows whose label is ignore_index give 0 log_prob, 0 entropy and exactly zero gradient, and their hidden states (NaN, +-Inf too) reach nothing."""
     n, h, v = target.sizes.small
     for index, fraction in ((IGNORE_INDEX, 0.3), (7, 0.3), (IGNORE_INDEX, 1.0)):
         case = make_case(n, h, v, scale=FLAT, seed=9, ignore_fraction=fraction, ignore_index=index)
         case = case.to(target.device, target.dtype)
         label = f"{case.description}, ignore_index={index}, {fraction:.0%} of rows ignored"
-        try:
-            got = evaluate(target, case, target.dtype, temperature=temp, ignore_index=index)
-        except Exception as exc:
-            raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
-        ignored = case.labels == index
-        try:
-            _exactly_zero("log_probs", got.log_probs, ignored)
-            _exactly_zero("entropy", got.entropy, ignored)
-            _exactly_zero("grad hidden", got.grad_hidden, ignored)
-            dw = got.grad_weight
-            if fraction == 1.0 and dw is not None and bool((dw != 0).any()):
-                raise PropertyFailure("grad weight must be exactly 0 when every row is ignored")
-        except PropertyFailure as exc:
-            raise PropertyFailure(f"{label}: {exc}") from None
+        _ignored_rows_are_zero(target, case, index, label)
         check_against_reference(
             target, case, label=label, temperature=TEMPERATURE, ignore_index=index
         )
+        dirty = poison_ignored(case, index)
+        label = f"{dirty.description}, ignore_index={index}"
+        _ignored_rows_are_zero(target, dirty, index, label)
+        # Scored rows' values and both gradients as float64 gives them on the clean case.
+        check_against_reference(
+            target, case, label=label, temperature=TEMPERATURE, ignore_index=index, call_case=dirty
+        )
+
+
+def _ignored_rows_are_zero(target: Target, case: Case, index: int, label: str) -> None:
+    """One call on ``case``: exactly 0 values and hidden-gradient rows where ignored, a finite
+    weight gradient (exactly 0 when every row is ignored)."""
+    temp = target.allowed_temperature(TEMPERATURE)  # within the declared minimum
+    try:
+        got = evaluate(target, case, target.dtype, temperature=temp, ignore_index=index)
+    except Exception as exc:
+        raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+    ignored = case.labels == index
+    try:
+        _exactly_zero("log_probs", got.log_probs, ignored)
+        _exactly_zero("entropy", got.entropy, ignored)
+        _exactly_zero("grad hidden", got.grad_hidden, ignored)
+        dw = got.grad_weight
+        if dw is not None and not bool(torch.isfinite(dw).all()):
+            bad = int((~torch.isfinite(dw)).sum())
+            raise PropertyFailure(f"grad weight is not finite ({bad} element(s))")
+        if bool(ignored.all()) and dw is not None and bool((dw != 0).any()):
+            raise PropertyFailure("grad weight must be exactly 0 when every row is ignored")
+    except PropertyFailure as exc:
+        raise PropertyFailure(f"{label}: {exc}") from None
 
 
 def tiny_batches(target: Target) -> None:

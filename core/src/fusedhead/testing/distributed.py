@@ -24,7 +24,7 @@ import torch
 
 from fusedhead.testing.inputs import FLAT, TEMPERATURE, make_case, upstream
 from fusedhead.testing.measure import gradient_terms, reference, zmax
-from fusedhead.testing.outcome import NotRun, PropertyFailure
+from fusedhead.testing.outcome import KIT_EXCEPTIONS, NotRun, PropertyFailure, exception_chain
 from fusedhead.testing.target import DTYPES, Target
 from fusedhead.testing.tolerances import assert_close
 
@@ -129,9 +129,11 @@ def _worker(rank: int, spec: dict[str, Any]) -> None:
         dist.destroy_process_group()
     except BaseException as exc:  # reported to the parent, which decides fail or not run
         last = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-        (out / f"error{rank}.json").write_text(
-            json.dumps({"stage": stage, "error": last, "traceback": traceback.format_exc()})
-        )
+        kit = next((e for e in exception_chain(exc) if isinstance(e, KIT_EXCEPTIONS)), None)
+        report = {"stage": stage, "error": last, "traceback": traceback.format_exc()}
+        if kit is not None:  # the rank's code raises neither: the backend did
+            report["kit_exception"] = f"{type(kit).__name__}({kit})"
+        (out / f"error{rank}.json").write_text(json.dumps(report))
         raise
 
 
@@ -160,6 +162,7 @@ def _spawn(spec: dict[str, Any]) -> None:
         raise
     except Exception as exc:
         errors = [json.loads(p.read_text()) for p in sorted(Path(spec["out"]).glob("error*.json"))]
+        _blame_kit_exceptions(spec["backend"], errors)
         if errors and all(e["stage"] == "setup" for e in errors):
             raise NotRun(
                 f"could not set up {spec['dist_backend']} with {WORLD} processes: {errors[0]['error']}"
@@ -170,6 +173,18 @@ def _spawn(spec: dict[str, Any]) -> None:
         raise NotRun(
             f"the spawned processes failed before running: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _blame_kit_exceptions(backend: str, errors: list[dict[str, Any]]) -> None:
+    """A rank whose backend raised the kit's own NotRun or PropertyFailure fails the property
+    (whatever the stage): a backend never reports the kit's verdicts itself."""
+    for error in errors:
+        if error.get("kit_exception"):
+            raise PropertyFailure(
+                f"the backend {backend!r} raised the kit's own {error['kit_exception']} in a "
+                f"rank ({error['stage']}); a backend never raises fusedhead.testing's exceptions: "
+                "only the kit decides what is not run"
+            )
 
 
 def vocab_parallel(target: Target) -> None:

@@ -69,6 +69,27 @@ def make_case(
     return Case(hidden, weight, labels, f"{kind} N={n} H={h} V={v}")
 
 
+#: What an ignored row's hidden state holds in a poisoned case, cycled over the ignored rows:
+#: the whole row NaN, +Inf or -Inf, or one NaN among finite values.
+POISONS = ("nan", "inf", "-inf", "one nan")
+
+
+def poison_ignored(case: Case, ignore_index: int = IGNORE_INDEX) -> Case:
+    """The case with NaN and +-Inf hidden states at its ignored rows (``POISONS``), as a padding
+    row after fully-masked attention holds: a backend must select such rows out, never scale by 0."""
+    hidden = case.hidden.clone()
+    flat = hidden.view(-1, hidden.shape[-1])
+    rows = (case.labels.reshape(-1) == ignore_index).nonzero().reshape(-1).tolist()
+    for i, row in enumerate(rows):
+        kind = POISONS[i % len(POISONS)]
+        if kind == "one nan":
+            flat[row, row % flat.shape[1]] = math.nan
+        else:
+            flat[row] = float(kind)
+    what = f"{case.description}, NaN/+Inf/-Inf hidden states at the {len(rows)} ignored rows"
+    return replace(case, hidden=hidden, description=what)
+
+
 def upstream(shape: tuple[int, ...] | torch.Size, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random upstream gradients (g_log_probs, g_entropy), fp32 on the CPU, from a fixed seed."""
     g = torch.Generator().manual_seed(10_000 + seed)

@@ -208,12 +208,15 @@ def check_against_reference(
     loss: Collection[str] = LOSS,
     seed: int = 0,
     views: Views = _identity,
+    call_case: Case | None = None,
     **kwargs: Any,
 ) -> Outputs:
     """Run the backend and the float64 reference on ``case``; raise ``PropertyFailure`` on a mismatch.
 
     Compares log_probs, entropy (if returned) and the gradients of the leaves that require grad,
     with the tolerances of ``target`` for this case. Returns the backend's outputs.
+    ``call_case`` (default ``case``) is what the backend is called on: the same scored rows with
+    other ignored rows (``poison_ignored``), which must change nothing the reference gives.
     """
     where = f"{label or case.description}"
     kwargs.setdefault("ignore_index", IGNORE_INDEX)
@@ -223,7 +226,7 @@ def check_against_reference(
     try:
         got = evaluate(
             target,
-            case,
+            case if call_case is None else call_case,
             target.dtype,
             requires=requires,
             loss=loss,

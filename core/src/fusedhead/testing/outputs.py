@@ -15,11 +15,20 @@ be a true top-k id within the log-prob tolerance, in non-increasing order.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from fusedhead.testing.inputs import FLAT, IGNORE_INDEX, PEAKED, TEMPERATURE, Case, make_case
+from fusedhead.testing.inputs import (
+    FLAT,
+    IGNORE_INDEX,
+    PEAKED,
+    TEMPERATURE,
+    Case,
+    make_case,
+    poison_ignored,
+)
 from fusedhead.testing.interpreter import unless_interpreter_dot_varies
 from fusedhead.testing.measure import declared_temperature
 from fusedhead.testing.outcome import NotRun, PropertyFailure
@@ -181,15 +190,19 @@ def check_outputs(
     softcap: float | None = None,
     loss: tuple[str, ...] | None = None,
     exact_ranking: bool = False,
+    poison: bool = False,
 ) -> dict[str, torch.Tensor | None]:
     """Call the backend for ``outputs`` on ``case`` and compare everything with float64.
 
     ``loss`` names the float outputs a random upstream gradient goes through (default: every
-    float output requested); ``exact_ranking`` demands the float64 ids themselves.
+    float output requested); ``exact_ranking`` demands the float64 ids themselves; ``poison``
+    calls the backend with NaN/+-Inf hidden states at the ignored rows (``poison_ignored``),
+    against float64 on the clean case.
     """
     dev, dt = target.device, target.dtype
     temperature, label = declared_temperature(target, temperature, label)
-    h = case.hidden.detach().to(dev, dt).requires_grad_(True)
+    called = poison_ignored(case) if poison else case
+    h = called.hidden.detach().to(dev, dt).requires_grad_(True)
     w = case.weight.detach().to(dev, dt).requires_grad_(True)
     y = case.labels.to(dev)
     ids = None if gather_ids is None else gather_ids.to(dev)
@@ -518,7 +531,7 @@ def lse_and_sum_p2(target: Target) -> None:
 
 
 def extras_together(target: Target) -> None:
-    """Every declared extra in one call, with entropy, 3-D shapes, ignored rows and odd sizes: values and gradients."""
+    """Every declared extra in one call, with entropy, 3-D shapes, odd sizes and ignored rows (NaN/+-Inf hidden there reaching nothing): values and gradients."""
     wanted = tuple(
         o for o in ("lse", "sum_p2", "argmax", "topk", "gather") if o in target.caps.outputs
     )
@@ -534,9 +547,10 @@ def extras_together(target: Target) -> None:
             target,
             case,
             wanted,
-            label=f"{case.description}, all of {list(wanted)}",
+            label=f"{poison_ignored(case).description}, all of {list(wanted)}",
             k=kk or 1,
             gather_ids=_gather_ids(case, 9, 42),
+            poison=True,
         )
     n, h, v = target.sizes.small
     b = 4
@@ -615,7 +629,7 @@ def _kl_reference(
 
 
 def kl_accuracy(target: Target) -> None:
-    """If declared: KL(p_t || p_s) and KL(p_s || p_t) of two heads match float64 (each head's softcap too, where declared); student gradients, none to the teacher."""
+    """If declared: KL(p_t || p_s) and KL(p_s || p_t) of two heads match float64 (each head's softcap too, where declared; NaN/+-Inf hidden at ignored rows reaching nothing); student gradients, none to the teacher."""
     directions = target.caps.kl_directions
     if not directions:
         raise NotRun("the backend does not declare kl_directions")
@@ -638,6 +652,7 @@ def kl_accuracy(target: Target) -> None:
                 t_s,
                 t_t,
                 f"{direction} KL, {case.description}, teacher H={hidden // 2 + 1}, T_s={t_s}, T_t={t_t}",
+                poison=name == "odd",
             )
     if target.caps.softcap:
         case = make_case(n, h, v, scale=PEAKED, seed=52)
@@ -687,15 +702,21 @@ def _check_kl(
     t_t: Any,
     label: str,
     caps: tuple[float | None, float | None] = (None, None),
+    poison: bool = False,
 ) -> None:
-    """One KL call against float64; ``caps``: the student's and the teacher's softcap."""
+    """One KL call against float64; ``caps``: the student's and the teacher's softcap;
+    ``poison``: NaN/+-Inf in both heads' hidden states at the ignored rows, in the call alone."""
     dev, dt = target.device, target.dtype
     t_s, with_s = declared_temperature(target, t_s, label)
     t_t, with_t = declared_temperature(target, t_t, label)
     label = max(with_s, with_t, key=len)  # the note once, where either was raised
-    hs = case.hidden.detach().to(dev, dt).requires_grad_(True)
+    called_s, called_t = case, replace(teacher, labels=case.labels)
+    if poison:
+        called_s, called_t = poison_ignored(called_s), poison_ignored(called_t)
+        label += ", NaN/+Inf/-Inf hidden states of both heads at the ignored rows"
+    hs = called_s.hidden.detach().to(dev, dt).requires_grad_(True)
     ws = case.weight.detach().to(dev, dt).requires_grad_(True)
-    ht = teacher.hidden.detach().to(dev, dt).requires_grad_(True)
+    ht = called_t.hidden.detach().to(dev, dt).requires_grad_(True)
     wt = teacher.weight.detach().to(dev, dt).requires_grad_(True)
     y = case.labels.to(dev)
     ts = t_s.to(dev) if isinstance(t_s, torch.Tensor) else t_s

@@ -113,10 +113,14 @@ class RowwiseFusedHead(torch.autograd.Function):
         zero = torch.zeros_like(lse)
         g_lp = torch.where(valid, zero if g_lp is None else g_lp.float(), 0.0).unsqueeze(-1)
         g_ent = torch.where(valid, zero if g_ent is None else g_ent.float(), 0.0).unsqueeze(-1)
-        h32 = hidden.float()
+        # ignored rows selected out before the GEMMs: a NaN or Inf hidden state there reaches
+        # nothing (a zero upstream alone would give 0 * NaN)
+        keep = valid.unsqueeze(-1)
+        h32 = torch.where(keep, hidden.float(), 0.0)
         dh = torch.zeros_like(h32) if want_h else None
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if want_w else None
-        lse_, ent_ = lse.unsqueeze(-1), entropy.unsqueeze(-1)
+        lse_ = torch.where(keep, lse.unsqueeze(-1), 0.0)
+        ent_ = torch.where(keep, entropy.unsqueeze(-1), 0.0)
         for v0 in range(0, weight.shape[0], ctx.vocab_block):
             w32 = weight[v0 : v0 + ctx.vocab_block].float()
             logp = (h32 @ w32.T) / t - lse_
