@@ -150,7 +150,7 @@ def test_time_cap_skips_what_remains(
     torch_backend: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "r.json"
-    rc = cli.main(["bench", *TINY, "--impl", "torch", "--max-minutes", "0", "--json", str(out)])
+    rc = cli.main(["bench", *TINY, "--impl", "torch", "--max-minutes", "1e-9", "--json", str(out)])
     [record] = json.loads(out.read_text())
     assert record["status"] == "skipped" and "time cap" in record["reason"]
     # nothing was measured: a run that measured nothing is not a success

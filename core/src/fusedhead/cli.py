@@ -18,7 +18,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 from fusedhead import diagnostics, install_hints, registry
@@ -34,8 +34,11 @@ _DELEGATED = {
         "the main job: a realistic problem on one backend, checked against the reference",
     ),
 }
-#: Set to 1 to get the traceback of an unexpected failure instead of its one line.
+#: Set to 1 (or true, yes, on) to get the traceback of a failure instead of its one line.
 TRACEBACK_ENV = "FUSEDHEAD_TRACEBACK"
+#: The spellings an on/off environment variable takes (any case); unset or blank is off.
+_ENV_TRUE = ("1", "true", "yes", "on")
+_ENV_FALSE = ("0", "false", "no", "off")
 #: Exit status of a command that could not run (bad input, a backend that cannot be selected).
 EXIT_ERROR = 2
 #: Exit status when stdout's reader closed the pipe: a shell's for a process killed by SIGPIPE.
@@ -73,26 +76,44 @@ positive_int = _int_at_least(1)
 nonnegative_int = _int_at_least(0)
 
 
-def _float_above(low: float, *, inclusive: bool) -> Callable[[str], float]:
-    words = f"a finite number {'>=' if inclusive else '>'} {low:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (value == low and not inclusive):
-            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}")
-        return value
-
-    parse.__name__ = "positive_float" if not inclusive else "nonnegative_float"
-    return parse
+def _float_in(text: str, low: float, high: float, words: str) -> float:
+    """``text`` as a finite float in ``[low, high]``, or an argparse error saying ``words``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}") from None
+    if not (math.isfinite(value) and low <= value <= high):
+        raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}")
+    return value
 
 
-#: A temperature or a scale: a finite number > 0.
-positive_float = _float_above(0.0, inclusive=False)
-#: A time limit (0: do nothing timed): a finite number >= 0.
-nonnegative_float = _float_above(0.0, inclusive=True)
+#: ``fusedhead.protocol.SCALAR_RANGE``, the library's range of a call's float scalars; not
+#: imported, as ``list`` and ``--version`` load no pydantic.
+_SCALAR_LO, _SCALAR_HI = 2.0**-126, 2.0**126
+
+
+def positive_float(text: str) -> float:
+    """A temperature or a scale, in the library's scalar range: a value the library would refuse
+    once the inputs are made is refused here instead, naming the flag."""
+    words = "a finite number > 0 in [2**-126, 2**126] (about 1.2e-38 to 8.5e37)"
+    return _float_in(text, _SCALAR_LO, _SCALAR_HI, words)
+
+
+def positive_number(text: str) -> float:
+    """A time limit: a finite number > 0 (0 would skip every measurement)."""
+    return _float_in(text, math.ulp(0.0), math.inf, "a finite number > 0")
+
+
+def json_type(value: object) -> str:
+    """JSON's name for a parsed JSON value's type (``null``, not Python's ``NoneType``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    names = {dict: "object", list: "array", str: "string"}
+    return next((n for t, n in names.items() if isinstance(value, t)), type(value).__name__)
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -108,7 +129,7 @@ def json_object(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"{exc}, got {text!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(
-            f"must be a JSON object such as '{{\"name\": 1}}', got a JSON {type(value).__name__}: {text!r}"
+            f"must be a JSON object such as '{{\"name\": 1}}', got a JSON {json_type(value)}: {text!r}"
         )
     return value
 
@@ -146,6 +167,49 @@ def runnable_device(text: str, flag: str = "--device") -> Any:
     if device.index is not None and device.index >= count:
         raise ValueError(f"{flag} {text}: this machine has {count} CUDA device(s), 0..{count - 1}")
     return device
+
+
+def property_patterns(text: str) -> str:
+    """``check -k``: comma-separated parts of property names, each matching a property, since a
+    pattern that matches nothing is a typo that would silently narrow the run."""
+    from fusedhead.testing.catalog import PROPERTIES
+
+    parts = [part.strip() for part in text.split(",")]
+    if "" in parts:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated parts of property names, none empty, got {text!r} "
+            "(leave -k out to run every property)"
+        )
+    unmatched = [part for part in parts if not any(part in name for name in PROPERTIES)]
+    if unmatched:
+        words = {w for name in PROPERTIES for w in (name, *name.split("_"))}
+        named = ", ".join(f"{part!r}{did_you_mean(part, words)}" for part in unmatched)
+        raise argparse.ArgumentTypeError(
+            f"{named} {'matches' if len(unmatched) == 1 else 'match'} no property "
+            f"(in {text!r}); properties: {', '.join(PROPERTIES)}"
+        )
+    return text
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to ``word``, case aside, or ``''``."""
+    by_lower = {choice.lower(): choice for choice in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+
+
+def env_flag(name: str) -> bool:
+    """An on/off environment variable (1/0, true/false, yes/no, on/off, any case; unset or blank
+    is off); another value is a ValueError naming it, never read as off."""
+    raw = os.environ.get(name, "").strip()
+    if raw.lower() in _ENV_TRUE:
+        return True
+    if not raw or raw.lower() in _ENV_FALSE:
+        return False
+    raise ValueError(
+        f"{name}={raw!r} is not an on/off value: expected one of "
+        f"{', '.join(_ENV_TRUE)} (on) or {', '.join(_ENV_FALSE)} (off), in any case"
+    )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -223,19 +287,18 @@ def _limit_note(shown: set[str]) -> str | None:
             f"backend{'s' if len(hidden) != 1 else ''}: {', '.join(hidden)}"
         )
     for name in sorted(allowed - set(installed) - shown):
-        close = difflib.get_close_matches(name, installed, n=1, cutoff=0.6)
         parts.append(
             f"{registry.LIMIT_ENV} names {name!r}, which nothing installs"
-            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + did_you_mean(name, installed)
         )
     return "; ".join(parts) if parts else None
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    # --device matters with --check only; parsing it needs torch, which plain `list` never imports.
-    # A device this process cannot use is refused, as `fusedhead check` refuses it: a probe
-    # there would report a backend that does not test for CUDA itself as ok.
-    device = runnable_device(args.device) if args.check and args.device is not None else args.device
+    # A device this process cannot use is refused, as `fusedhead check` refuses it, --check or
+    # not: a probe there would report a backend that does not test for CUDA itself as ok, and a
+    # typo must not pass unseen. Parsing it needs torch, which plain `list` never imports.
+    device = runnable_device(args.device) if args.device is not None else None
     rows = diagnostics.listing(probe=args.check, device=device)
     note = _limit_note({r.name for r in rows})
     if args.json:
@@ -450,7 +513,7 @@ def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
         p.set_defaults(module=module)
         if delegated:
             importlib.import_module(module).add_arguments(p)
-            _typed_options(p)
+            _typed_arguments(p, name)
     return parser
 
 
@@ -459,11 +522,16 @@ def _sentence(text: str) -> str:
     return text[0].upper() + text[1:] + "."
 
 
-def _typed_options(parser: argparse.ArgumentParser) -> None:
-    """Give every sub-command's ``--options`` the JSON-object type, so errors name the flag."""
+def _typed_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """Give a delegated sub-command's untyped arguments a type that checks them, so errors name
+    the flag: every ``--options`` a JSON object, ``check -k`` patterns that each match."""
+    types: dict[str, Callable[[str], Any]] = {"--options": json_object}
+    if command == "check":
+        types["-k"] = property_patterns
     for action in parser._actions:
-        if "--options" in action.option_strings and action.type is None:
-            action.type = json_object
+        for flag, parse in types.items():
+            if flag in action.option_strings and action.type is None:
+                action.type = parse
 
 
 def _one_line(text: str) -> str:
@@ -485,6 +553,20 @@ def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse
     return parser
 
 
+def _check_list_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``check NAME --list`` prints the properties only, yet refuses a device and a name as a run
+    does (a typo must not pass unseen); ``--options``, which only the backend's import could
+    check, is refused with ``--list``."""
+    if getattr(args, "command", None) != "check" or not args.list:
+        return
+    if args.options is not None:
+        _subparser(parser, "check").error(
+            "argument --options: not allowed with --list, which reads no backend options"
+        )
+    runnable_device(args.device)
+    registry.find(args.name)
+
+
 def _silence_stdout() -> None:
     """Point stdout at the null device, so the interpreter's flush at exit finds no closed pipe."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -499,12 +581,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     args: argparse.Namespace | None = None
     try:
+        show_traceback = env_flag(TRACEBACK_ENV)
+    except ValueError as exc:
+        _fail(str(exc), None, None)
+        return EXIT_ERROR
+    try:
         parser = build_parser(delegated=command in _DELEGATED)
         args, extra = parser.parse_known_args(argv)
         if extra:  # told by the subcommand's parser, which names its own --help
             _subparser(parser, getattr(args, "command", None)).error(
                 f"unrecognized arguments: {' '.join(extra)}"
             )
+        _check_list_arguments(parser, args)
         if hasattr(args, "module"):
             result: int = importlib.import_module(args.module).run(args)
         else:
@@ -519,7 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
     except Exception as exc:
-        if os.environ.get(TRACEBACK_ENV) == "1":  # any error, bad input's included
+        if show_traceback:  # any error, bad input's included
             raise
         return _report(exc, args)
     return result

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -37,10 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     from fusedhead.cli import (
         device_arg,
-        nonnegative_float,
         nonnegative_int,
         positive_float,
         positive_int,
+        positive_number,
     )
 
     g = parser.add_argument_group(
@@ -99,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-minutes",
-        type=nonnegative_float,
+        type=positive_number,
         default=10.0,
         help="skip the remaining measurements once the run has taken this long (default 10)",
     )
@@ -128,6 +127,70 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="write a PNG plot here (needs matplotlib: the core's bench extra)",
     )
+
+
+#: Arguments that shape or tune the measurements, which ``--report-only`` does not take.
+MEASUREMENT_ARGS = (
+    "n", "hidden", "vocab", "dtype", "temperature", "scale", "seed", "case", "impl", "device",
+    "reps", "max_minutes", "no_memory", "no_accuracy", "append",
+)  # fmt: skip
+#: The grid's arguments: a value given twice would make two identical cases.
+GRID_LISTS = ("case", "n", "hidden", "vocab", "dtype", "scale")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, before any work, what the arguments alone show cannot run as asked: measurement
+    arguments with ``--report-only``, a grid value given twice, an implementation with no case
+    to run. Each is a ValueError naming the flag."""
+    if args.report_only:
+        _refuse_measurement_args(args)
+        return
+    for dest in GRID_LISTS:
+        values = getattr(args, dest) or []
+        repeated = sorted({str(v) for i, v in enumerate(values) if v in values[:i]})
+        if repeated:
+            raise ValueError(
+                f"--{dest} {' '.join(map(str, values))}: {', '.join(repeated)} given twice; "
+                "list each value once (each would make the same cases again)"
+            )
+    _refuse_policy_only_impls(args.impl or [], args.case or [])
+
+
+def _refuse_measurement_args(args: argparse.Namespace) -> None:
+    """``--report-only`` with an argument it would ignore is refused by name (as demo --model
+    refuses the synthetic problem's flags): it measures nothing, so none of them is read."""
+    probe = argparse.ArgumentParser()
+    add_arguments(probe)
+    defaults = probe.parse_args([])
+    given = [
+        "--" + dest.replace("_", "-")
+        for dest in MEASUREMENT_ARGS
+        if getattr(args, dest) != getattr(defaults, dest)
+    ]
+    if given:
+        one = len(given) == 1
+        raise ValueError(
+            f"--report-only measures nothing, so {', '.join(given)} would be ignored: "
+            f"drop {'it' if one else 'them'}, or drop --report-only (it writes the table and "
+            "plot of the results in --json)"
+        )
+
+
+def _refuse_policy_only_impls(specs: list[str], cases: list[str]) -> None:
+    """An ``unfused:NAME`` implementation runs the ``policy`` case only: without that case among
+    ``--case`` it would only be listed as skipped."""
+    from fusedhead.bench import policy
+    from fusedhead.bench.peers import UNFUSED
+
+    if policy.NAME in cases:
+        return
+    for spec in specs:
+        if spec.startswith(UNFUSED):
+            raise ValueError(
+                f"--impl {spec} runs the {policy.NAME} case only (a backend's log-probs, then "
+                f"the loss in torch), but --case is {' '.join(cases) or 'logprobs (the default)'}: "
+                f"add --case {policy.NAME}, or drop {spec}"
+            )
 
 
 def check_outputs(args: argparse.Namespace) -> None:
@@ -166,8 +229,8 @@ def check_outputs(args: argparse.Namespace) -> None:
             folder = folder.parent  # the nearest existing ancestor: made into the folder later
         if not folder.is_dir():
             raise ValueError(f"{flag} {value}: {folder} is a file, not a folder")
-        if why := _cannot_write(folder):
-            raise ValueError(f"{flag} {value}: the folder {folder} is not writable ({why})")
+        if not path.exists() and (why := _cannot_create(path, folder)):
+            raise ValueError(f"{flag} {value}: {why}")
     if args.append and Path(args.json).is_file():
         read_results(args.json, "--append: --json")  # what it adds to must be earlier results
     if args.plot:
@@ -185,23 +248,39 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 def _cannot_write(path: Path) -> str | None:
-    """Why a write to the file ``path`` or into the folder ``path`` fails, or None: tried (a
-    file opened to append, a temporary file), leaving nothing behind; not asked of
-    ``os.access``, which says yes to root on a read-only or virtual file system (/proc)."""
+    """Why the existing file ``path`` cannot be written, or None: tried (opened to append, which
+    changes nothing), not asked of ``os.access``, which says yes to root on a read-only or
+    virtual file system (/proc)."""
     try:
-        if path.is_dir():
-            tempfile.TemporaryFile(dir=path).close()
-        else:
-            path.open("a").close()
+        path.open("a").close()
     except OSError as exc:
         return exc.strerror or type(exc).__name__
+    return None
+
+
+def _cannot_create(path: Path, folder: Path) -> str | None:
+    """Why the file ``path`` (or, where its folder does not exist yet, that folder's first new
+    part, under the existing ``folder``) cannot be created, with the OS's own reason, or None.
+    It is created and removed again: only a try tells (``os.access`` says yes to root in /proc)."""
+    target = folder / path.relative_to(folder).parts[0]  # the file, or its first new folder
+    try:
+        if target == path:
+            path.open("x").close()
+            path.unlink()
+        else:
+            target.mkdir()
+            target.rmdir()
+    except OSError as exc:
+        what = "the file" if target == path else f"the folder {target}"
+        return f"{what} cannot be created ({exc.strerror or type(exc).__name__})"
     return None
 
 
 def read_results(path: str, flag: str) -> list[dict[str, Any]]:
     """The JSON list of results that an earlier ``--json PATH`` wrote, or a ValueError naming it."""
     import json
-    from pathlib import Path
+
+    from fusedhead.cli import json_type
 
     try:
         text = Path(path).read_text()
@@ -220,7 +299,7 @@ def read_results(path: str, flag: str) -> list[dict[str, Any]]:
         ) from None
     if not isinstance(records, list):
         raise ValueError(
-            f"{flag} {path}: holds a JSON {type(records).__name__}, not the list of results "
+            f"{flag} {path}: holds a JSON {json_type(records)}, not the list of results "
             "that fusedhead bench --json writes"
         )
     for i, record in enumerate(records):
@@ -239,14 +318,16 @@ RESULT_CASE_FIELDS = ("n", "hidden", "vocab", "dtype")
 
 def _not_a_result(record: Any) -> str | None:
     """Why ``record`` is not one result object, or None."""
+    from fusedhead.cli import json_type
+
     if not isinstance(record, dict):
-        return f"a JSON {type(record).__name__}, not an object"
+        return f"a JSON {json_type(record)}, not an object"
     missing = [k for k in ("case", "impl", "status") if k not in record]
     if missing:
         return f"no {', '.join(map(repr, missing))}"
     case = record["case"]
     if not isinstance(case, dict):
-        return f"'case' is a JSON {type(case).__name__}, not an object"
+        return f"'case' is a JSON {json_type(case)}, not an object"
     missing = [k for k in RESULT_CASE_FIELDS if k not in case]
     return f"its case has no {', '.join(map(repr, missing))}" if missing else None
 
@@ -254,6 +335,7 @@ def _not_a_result(record: Any) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Run the grid; exit 0 when every attempted measurement succeeded and at least one ran,
     1 otherwise."""
+    check_arguments(args)
     check_outputs(args)
     if args.report_only:
         return _report_only(args)

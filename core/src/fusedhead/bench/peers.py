@@ -24,6 +24,7 @@ import torch
 from fusedhead import registry
 from fusedhead.bench import heads, policy
 from fusedhead.bench.cases import ELEMENT_BYTES, IGNORE_INDEX, Case
+from fusedhead.cli import json_type
 from fusedhead.errors import BackendConflictError, BackendLoadError, BackendUnavailableError
 from fusedhead.options import load_json
 
@@ -384,7 +385,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         ) from exc
     if not isinstance(options, dict):
         raise ValueError(
-            f"--impl {spec!r}: options after ':' must be a JSON object, got {type(options).__name__}"
+            f"--impl {spec!r}: options after ':' must be a JSON object, got a JSON {json_type(options)}"
         )
     return name, options
 
