@@ -424,3 +424,12 @@ def test_a_name_with_spaces_is_pointed_at_the_name_and_never_at_an_unselectable_
         registry._check_name("Bad-Upper", known)
     with pytest.raises(ValueError, match=r"names are lowercase; available: bad-uppers, torch\)$"):
         registry._check_name("Zzzz-Zz", known)
+
+
+@pytest.mark.parametrize("value", ["", " ", ",", " , ,"])
+def test_a_limit_naming_no_backend_limits_nothing(value: str, monkeypatch: pytest.MonkeyPatch):
+    """FUSEDHEAD_BACKENDS=',' names no backend, as '' does: neither hides every backend."""
+    monkeypatch.setenv(registry.LIMIT_ENV, value)
+    assert registry._limit() is None
+    monkeypatch.setenv(registry.LIMIT_ENV, " torch, ,liger")
+    assert registry._limit() == {"torch", "liger"}

@@ -65,10 +65,11 @@ _registered: dict[str, Candidate] = {}
 
 
 def _limit() -> set[str] | None:
-    raw = os.environ.get(LIMIT_ENV)
-    if raw is None or not raw.strip():
-        return None
-    return {part.strip() for part in raw.split(",") if part.strip()}
+    """The names ``FUSEDHEAD_BACKENDS`` limits discovery to; None (no limit) where it names none
+    (unset, blank, or only commas: ',' must not hide every backend while '' hides none)."""
+    raw = os.environ.get(LIMIT_ENV) or ""
+    names = {part.strip() for part in raw.split(",") if part.strip()}
+    return names or None
 
 
 @functools.lru_cache(maxsize=1)
