@@ -104,6 +104,24 @@ def positive_number(text: str) -> float:
     return _float_in(text, math.ulp(0.0), math.inf, "a finite number > 0")
 
 
+def flags_given(
+    args: argparse.Namespace,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    dests: Iterable[str],
+) -> list[str]:
+    """The ``--flags`` among ``dests`` whose values differ from ``add_arguments``'s defaults:
+    those a user set (one given at its default value is not told apart), for a mode that would
+    ignore them to refuse by name."""
+    probe = argparse.ArgumentParser()
+    add_arguments(probe)
+    defaults = probe.parse_args([])
+    return [
+        "--" + dest.replace("_", "-")
+        for dest in dests
+        if getattr(args, dest, None) != getattr(defaults, dest)
+    ]
+
+
 def json_type(value: object) -> str:
     """JSON's name for a parsed JSON value's type (``null``, not Python's ``NoneType``)."""
     if value is None:

@@ -107,14 +107,9 @@ PROBLEM_ONLY = ("n", "hidden", "vocab", "temperature", "scale", "seed", "reps", 
 
 def _refuse_problem_flags(args: argparse.Namespace) -> None:
     """``--model`` with a flag it would ignore is refused by name, never run as if it were read."""
-    probe = argparse.ArgumentParser()
-    add_arguments(probe)
-    defaults = probe.parse_args([])
-    given = [
-        "--" + dest.replace("_", "-")
-        for dest in PROBLEM_ONLY
-        if getattr(args, dest, None) != getattr(defaults, dest)
-    ]
+    from fusedhead.cli import flags_given
+
+    given = flags_given(args, add_arguments, PROBLEM_ONLY)
     if given:
         one = len(given) == 1
         raise ValueError(

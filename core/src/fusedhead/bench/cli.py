@@ -159,14 +159,9 @@ def check_arguments(args: argparse.Namespace) -> None:
 def _refuse_measurement_args(args: argparse.Namespace) -> None:
     """``--report-only`` with an argument it would ignore is refused by name (as demo --model
     refuses the synthetic problem's flags): it measures nothing, so none of them is read."""
-    probe = argparse.ArgumentParser()
-    add_arguments(probe)
-    defaults = probe.parse_args([])
-    given = [
-        "--" + dest.replace("_", "-")
-        for dest in MEASUREMENT_ARGS
-        if getattr(args, dest) != getattr(defaults, dest)
-    ]
+    from fusedhead.cli import flags_given
+
+    given = flags_given(args, add_arguments, MEASUREMENT_ARGS)
     if given:
         one = len(given) == 1
         raise ValueError(
