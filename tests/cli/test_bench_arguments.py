@@ -113,3 +113,22 @@ def test_impl_options_that_are_not_an_object_are_named_by_json_type(fusedhead: R
     rc, _out, err = fusedhead("bench", *TINY, "--impl", "torch:null")
     line = error_line(err)
     assert rc == 2 and "options after ':' must be a JSON object, got a JSON null" in line, line
+
+
+@pytest.mark.parametrize("command", ["bench", "demo"])
+def test_sizes_past_the_devices_memory_are_refused_before_any_input_is_made(
+    fusedhead: Run, command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hidden states, weight and one [N, V] GEMM of logits past the device's memory: refused by
+    the sizes in a second, where the bench spent 40 s building inputs before a 608 GB allocation
+    failed, and the demo ended in torch's overflow as 'an unexpected failure'."""
+    from fusedhead.bench import cases
+
+    monkeypatch.setattr(cases, "device_bytes", lambda device: 2**30)  # a 1 GiB machine
+    sizes = ["--n", "8192", "--hidden", "1024", "--vocab", "32000", "--device", "cpu"]
+    own = ["--impl", "torch"] if command == "bench" else ["--quiet"]
+    rc, out, err = fusedhead(command, *sizes, *own)
+    line = error_line(err)
+    assert rc == 2, (rc, line)
+    assert "--n 8192 --hidden 1024 --vocab 32000 (fp32)" in line and "take 1.13 GiB" in line, line
+    assert "more than the 1 GiB of cpu" in line and "running" not in out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -53,6 +54,32 @@ class Case:
     def input_bytes(self) -> int:
         """Bytes of hidden and weight in the case's dtype."""
         return (self.n + self.vocab) * self.hidden * ELEMENT_BYTES[self.dtype]
+
+
+def device_bytes(device: torch.device) -> int | None:
+    """The memory a case's tensors can live in: a GPU's own, or the machine's (None: unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf names here (not POSIX)
+        return None
+
+
+def refuse_unfit(cases: list[Case], device: torch.device) -> None:
+    """A case whose hidden states, weight and one ``[N, V]`` logits GEMM (the GEMM unit, and the
+    full-logits reference's block) exceed the device's memory is refused by its sizes, before any
+    input is made: past it, a run fails after minutes of building, or in an overflow inside torch."""
+    total = device_bytes(device)
+    for case in cases:
+        need = case.input_bytes() + case.n * case.vocab * ELEMENT_BYTES[case.dtype]
+        if total is not None and need > total:
+            raise ValueError(
+                f"--n {case.n} --hidden {case.hidden} --vocab {case.vocab} ({case.dtype}): the "
+                f"hidden states, the weight and one [N, V] GEMM of logits take "
+                f"{need / 2**30:.3g} GiB, more than the {total / 2**30:.3g} GiB of {device}; "
+                "use smaller sizes"
+            )
 
 
 @dataclass

@@ -344,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminated)
 
     from fusedhead.bench import accuracy, peers, policy, report, timing
-    from fusedhead.bench.cases import grid, make_inputs
+    from fusedhead.bench.cases import grid, make_inputs, refuse_unfit
     from fusedhead.bench.measure import measure
     from fusedhead.cli import runnable_device
 
@@ -368,6 +368,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=str(device),
     )
+    refuse_unfit(cases, device)
     specs = args.impl or peers.default_specs(c.head for c in cases)
     # Unknown names and bad options fail here, before any work.
     impls = [peers.resolve(s) for s in specs]
