@@ -7,6 +7,7 @@ JSON values named by JSON's type names.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -115,20 +116,38 @@ def test_impl_options_that_are_not_an_object_are_named_by_json_type(fusedhead: R
     assert rc == 2 and "options after ':' must be a JSON object, got a JSON null" in line, line
 
 
-@pytest.mark.parametrize("command", ["bench", "demo"])
-def test_sizes_past_the_devices_memory_are_refused_before_any_input_is_made(
-    fusedhead: Run, command: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Hidden states, weight and one [N, V] GEMM of logits past the device's memory: refused by
-    the sizes in a second, where the bench spent 40 s building inputs before a 608 GB allocation
-    failed, and the demo ended in torch's overflow as 'an unexpected failure'."""
+SIZES = ["--n", "8192", "--hidden", "1024", "--vocab", "32000", "--device", "cpu"]
+TOO_LARGE = (
+    "--n 8192 --hidden 1024 --vocab 32000 (fp32): the hidden states, the weight and one [N, V] "
+    "GEMM of logits take 1.13 GiB, more than the 1 GiB of cpu"
+)
+
+
+@pytest.fixture
+def one_gib(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine of 1 GiB, to the size check."""
     from fusedhead.bench import cases
 
-    monkeypatch.setattr(cases, "device_bytes", lambda device: 2**30)  # a 1 GiB machine
-    sizes = ["--n", "8192", "--hidden", "1024", "--vocab", "32000", "--device", "cpu"]
-    own = ["--impl", "torch"] if command == "bench" else ["--quiet"]
-    rc, out, err = fusedhead(command, *sizes, *own)
+    monkeypatch.setattr(cases, "device_bytes", lambda device: 2**30)
+
+
+def test_a_demo_past_the_devices_memory_is_refused_before_any_input_is_made(
+    fusedhead: Run, one_gib: None
+) -> None:
+    """Hidden states, weight and one [N, V] GEMM of logits past the device's memory: refused by
+    the sizes, where the demo ended in torch's overflow as 'an unexpected failure'."""
+    rc, _, err = fusedhead("demo", *SIZES, "--quiet")
     line = error_line(err)
-    assert rc == 2, (rc, line)
-    assert "--n 8192 --hidden 1024 --vocab 32000 (fp32)" in line and "take 1.13 GiB" in line, line
-    assert "more than the 1 GiB of cpu" in line and "running" not in out
+    assert rc == 2 and TOO_LARGE in line, (rc, line)
+
+
+def test_a_bench_case_past_the_devices_memory_is_recorded_without_building_it(
+    fusedhead: Run, one_gib: None, tmp_path: Path
+) -> None:
+    """The case is recorded as failed by its sizes and the run goes on (nothing else to run
+    here: exit 1), where the bench spent 40 s building inputs before a 608 GB allocation failed."""
+    out_json = tmp_path / "r.json"
+    rc, out, err = fusedhead("bench", *SIZES, "--impl", "torch", "--json", str(out_json))
+    assert rc == 1 and TOO_LARGE in out + err, (rc, out, err)
+    (record,) = json.loads(out_json.read_text())
+    assert record["status"] == "error" and TOO_LARGE in record["error"]

@@ -368,7 +368,6 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=str(device),
     )
-    refuse_unfit(cases, device)
     specs = args.impl or peers.default_specs(c.head for c in cases)
     # Unknown names and bad options fail here, before any work.
     impls = [peers.resolve(s) for s in specs]
@@ -415,6 +414,7 @@ def run(args: argparse.Namespace) -> int:
             inputs = None
             ref: accuracy.Reference | policy.Reference | None = None
             try:
+                refuse_unfit([case], device)  # in a second, not after building the inputs
                 inputs = make_inputs(case)
                 unit_ms = timing.gemm_ms(inputs.hidden, inputs.weight, reps=args.reps)
                 ref_s = None
