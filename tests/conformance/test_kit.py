@@ -146,3 +146,25 @@ def test_options_are_validated_against_the_backends_options_model(kit_backends):
     with pytest.raises(OptionsError, match="unknown option 'chunk'") as info:
         Target.resolve("kit-ref", '{"chunk": 3}')
     assert isinstance(info.value, ValueError) and info.value.backend == "kit-ref"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "words"),
+    [
+        (
+            "forward,determinsm",
+            r"'determinsm' \(did you mean 'determinism'\?\) matches no property",
+        ),
+        ("forward,", "none empty"),
+        ("", "none empty"),
+    ],
+)
+def test_select_refuses_every_part_that_selects_nothing(pattern: str, words: str) -> None:
+    """The kit's Python selection refuses what the command line refuses: a part that matches
+    nothing (a typo) or an empty one is never dropped while the rest runs."""
+    from fusedhead.testing.catalog import PROPERTIES, select
+
+    with pytest.raises(ValueError, match=words):
+        select(pattern)
+    assert select(None) == list(PROPERTIES)
+    assert select("forward_acc, tiny") == ["forward_accuracy", "tiny_batches"]

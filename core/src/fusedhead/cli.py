@@ -188,24 +188,14 @@ def runnable_device(text: str, flag: str = "--device") -> Any:
 
 
 def property_patterns(text: str) -> str:
-    """``check -k``: comma-separated parts of property names, each matching a property, since a
-    pattern that matches nothing is a typo that would silently narrow the run."""
-    from fusedhead.testing.catalog import PROPERTIES
+    """``check -k``: the kit's own selection rule (``fusedhead.testing.catalog.select``) applied
+    while the arguments are parsed, so a typo is a usage error before anything runs."""
+    from fusedhead.testing.catalog import select
 
-    parts = [part.strip() for part in text.split(",")]
-    if "" in parts:
-        raise argparse.ArgumentTypeError(
-            f"must be comma-separated parts of property names, none empty, got {text!r} "
-            "(leave -k out to run every property)"
-        )
-    unmatched = [part for part in parts if not any(part in name for name in PROPERTIES)]
-    if unmatched:
-        words = {w for name in PROPERTIES for w in (name, *name.split("_"))}
-        named = ", ".join(f"{part!r}{did_you_mean(part, words)}" for part in unmatched)
-        raise argparse.ArgumentTypeError(
-            f"{named} {'matches' if len(unmatched) == 1 else 'match'} no property "
-            f"(in {text!r}); properties: {', '.join(PROPERTIES)}"
-        )
+    try:
+        select(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("-k ")) from None
     return text
 
 

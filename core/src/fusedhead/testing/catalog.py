@@ -43,14 +43,31 @@ def describe(name: str) -> str:
 
 
 def select(pattern: str | None) -> list[str]:
-    """Property names matching ``pattern``: comma-separated substrings, any of which may match."""
-    if not pattern:
+    """Property names matching ``pattern``: comma-separated substrings, any of which may match
+    (None: every property). An empty part, or one that matches no property, is refused by name:
+    a typo would silently narrow the run."""
+    if pattern is None:
         return list(PROPERTIES)
-    parts = [p.strip() for p in pattern.split(",") if p.strip()]
-    chosen = [name for name in PROPERTIES if any(p in name for p in parts)]
-    if not chosen:
-        raise ValueError(f"-k {pattern!r} matches no property; properties: {', '.join(PROPERTIES)}")
-    return chosen
+    parts = [part.strip() for part in pattern.split(",")]
+    if "" in parts:
+        raise ValueError(
+            f"-k must be comma-separated parts of property names, none empty, got {pattern!r} "
+            "(leave -k out to run every property)"
+        )
+    unmatched = [part for part in parts if not any(part in name for name in PROPERTIES)]
+    if unmatched:
+        words = sorted({w for name in PROPERTIES for w in (name, *name.split("_"))})
+        named = ", ".join(f"{part!r}{_did_you_mean(part, words)}" for part in unmatched)
+        raise ValueError(
+            f"-k {named} {'matches' if len(unmatched) == 1 else 'match'} no property "
+            f"(in {pattern!r}); properties: {', '.join(PROPERTIES)}"
+        )
+    return [name for name in PROPERTIES if any(part in name for part in parts)]
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word.lower(), choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _one_line(text: str) -> str:
