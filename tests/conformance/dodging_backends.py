@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from kit_backends import KitRef, _Plain
+from kit_backends import KitRef, _Plain, register, unregister
 
 from fusedhead.protocol import HeadCall, HeadOutput
 from fusedhead.testing import NotRun, PropertyFailure
@@ -76,16 +76,8 @@ ALL: tuple[type, ...] = (NotRunInForward, FailureInForward, NotRunInBackward, Un
 
 
 def register_all() -> None:
-    from fusedhead import registry
-
-    for cls in ALL:
-        registry.register_backend(cls.name, cls, replace=True)
-    registry.refresh()
+    register(ALL)
 
 
 def unregister_all() -> None:
-    from fusedhead import registry
-
-    for cls in ALL:
-        registry.unregister_backend(cls.name)
-    registry.refresh()
+    unregister(ALL)

@@ -280,20 +280,29 @@ WRONG = {
 ALL: tuple[type, ...] = (KitRef, *MIN_TEMPERATURE.values(), *WRONG)
 
 
-def register_all() -> None:
+def register(classes: tuple[type, ...]) -> None:
+    """Each class registered in-process under its own name."""
     from fusedhead import registry
 
-    for cls in ALL:
+    for cls in classes:
         registry.register_backend(cls.name, cls, replace=True)
     registry.refresh()
 
 
-def unregister_all() -> None:
+def unregister(classes: tuple[type, ...]) -> None:
     from fusedhead import registry
 
-    for cls in ALL:
+    for cls in classes:
         registry.unregister_backend(cls.name)
     registry.refresh()
+
+
+def register_all() -> None:
+    register(ALL)
+
+
+def unregister_all() -> None:
+    unregister(ALL)
 
 
 def pytest_configure(config: Any) -> None:
