@@ -842,3 +842,19 @@ def test_torch_weight_gradient_rounds_once_whatever_the_chunks(device: str) -> N
     one, many = error(n), error(8)
     assert one < 4e-3
     assert many <= 1.1 * one, f"128 chunks: {many:.2e} against one chunk's {one:.2e}"
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_clip_low_1_is_no_lower_clip(backend: str) -> None:
+    """clip_low = 1 (verl's clip_ratio_low = 1, TRL's epsilon = 1) puts the lower bound at 0:
+    ratios below 1 - 0.2 with a negative advantage keep their slope, as the reference has it."""
+    data = batch(seed=5)
+    data["old_log_probs"] = data["old_log_probs"] + 0.5  # ratios well below 0.8
+    data["advantages"] = -data["advantages"].abs()
+    kw: dict[str, Any] = dict(temperature=0.7, clip_high=0.28, aggregation="token-mean")
+    assert_matches(run_both(backend, data, clip_low=1.0, **kw))
+    args = _args(data)
+    losses = [
+        fusedhead.fused_policy_loss(**args, clip_low=c, backend=backend).loss for c in (1.0, 0.2)
+    ]
+    assert not torch.equal(losses[0], losses[1]), "the lower clip at 0.8 must bind in this case"

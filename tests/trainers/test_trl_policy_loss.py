@@ -54,6 +54,8 @@ CASES = {
     "bnpo+entropy": dict(loss_type="bnpo", entropy_coef=0.05),
     "dr_grpo": dict(loss_type="dr_grpo"),
     "dapo+delta": dict(loss_type="dapo", epsilon_high=0.05, delta=1.5),
+    # epsilon = 1: the lower clip bound at 0, no lower clip
+    "dapo, epsilon 1": dict(loss_type="dapo", epsilon=1.0, epsilon_high=0.02),
     # TRL's default: no old log-probs computed (ratio exp(lp - lp.detach())), the fused loss
     # on-policy with old_log_probs=None
     "grpo on-policy": dict(loss_type="grpo", num_iterations=1, generation_kwargs=None),
@@ -148,7 +150,7 @@ def _config(model_dir: Path, tmp_path: Path, **overrides: Any) -> Any:
         (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold=0.5"),
         (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True"),
         (dict(loss_type="grpo", entropy_coef=0.01), "entropy_coef=0.01"),
-        (dict(epsilon=1.0), "epsilon=1.0: the clip range must be in"),
+        (dict(epsilon=1.5), "epsilon=1.5: the clip range must be in"),
         (dict(epsilon_high=-0.1), "epsilon_high=-0.1: the clip range must be >= 0"),
     ],
 )

@@ -135,6 +135,13 @@ def real_in(arg: str, value: object, *, low: float, high: float = math.inf, what
     return out
 
 
+def check_clip_low(arg: str, value: object) -> float:
+    """The lower clip range ``value`` (``arg`` as the caller names it) as a float in [0, 1]:
+    1 puts the bound ``1 - clip_low`` at 0, verl's and TRL's "no lower clip"; past 1 it means
+    nothing (a ratio is never negative)."""
+    return real_in(arg, value, low=0.0, high=math.nextafter(1.0, math.inf), what="in [0, 1]")
+
+
 def _shown(value: object) -> str:
     """``value`` for a message: an int of hundreds of digits by its length."""
     if isinstance(value, int) and abs(value) >= 10**20:

@@ -19,6 +19,7 @@ import torch
 from fusedhead.checks import (
     COUNT_FLOOR,
     COUNT_TEXT,
+    check_clip_low,
     did_you_mean,
     one_element_real,
     packed_per_sequence,
@@ -484,7 +485,7 @@ def _policy_call(
     """The loss's own arguments checked and flattened beside the head call."""
     aggregation = _choice("aggregation", req.aggregation, AGGREGATIONS, {})
     estimator = _choice("kl_estimator", req.kl_estimator, KL_ESTIMATORS, KL_ALIASES)
-    clip_low = real_in("clip_low", req.clip_low, low=0.0, high=1.0, what="in [0, 1)")
+    clip_low = check_clip_low("clip_low", req.clip_low)
     clip_high = real_in("clip_high", req.clip_high, low=0.0, what="a finite float >= 0")
     dual = req.dual_clip
     if dual is not None:

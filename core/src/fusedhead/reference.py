@@ -404,12 +404,13 @@ def _check_loss_scalars(
         COUNT_TEXT,
         INT64_MAX,
         INT64_MIN,
+        check_clip_low,
         integer,
         one_element_real,
         real_in,
     )
 
-    real_in("clip_low", clip_low, low=0.0, high=1.0, what="in [0, 1)")
+    check_clip_low("clip_low", clip_low)
     real_in("clip_high", clip_high, low=0.0, what="a finite float >= 0")
     if dual_clip is not None:
         what = "a finite float > 1 (verl's clip_ratio_c)"

@@ -621,7 +621,7 @@ def check_policy_loss_args(
     eps_low = args.epsilon
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     for name, value, ok, what in (
-        ("epsilon", eps_low, 0 <= eps_low < 1, "in [0, 1) (the lower clip 1 - epsilon > 0)"),
+        ("epsilon", eps_low, 0 <= eps_low <= 1, "in [0, 1] (the lower clip 1 - epsilon >= 0)"),
         ("epsilon_high", eps_high, eps_high >= 0, ">= 0"),
     ):
         if not ok:  # fused_policy_loss would refuse it at the first step, by its own name

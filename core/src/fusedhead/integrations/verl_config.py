@@ -120,7 +120,7 @@ def policy_loss_kwargs(
     does not compute (``policy_loss.loss_mode`` other than ``vanilla``, ``kl_loss_type``
     ``full``) is a ``ValueError`` naming the setting.
     """
-    from fusedhead.checks import did_you_mean  # torch, not at import time
+    from fusedhead.checks import check_clip_low, did_you_mean  # torch, not at import time
 
     policy = _cfg(actor_config, "policy_loss", None)
     mode = _cfg(policy, "loss_mode", "vanilla") if policy is not None else "vanilla"
@@ -137,12 +137,8 @@ def policy_loss_kwargs(
     high = _cfg(actor_config, "clip_ratio_high", None)
     # each value checked as fused_policy_loss checks its argument, under verl's name for it
     kwargs: dict[str, Any] = dict(
-        clip_low=_real(
-            "clip_ratio" if low is None else "clip_ratio_low",
-            clip if low is None else low,
-            low=0.0,
-            high=1.0,
-            what="in [0, 1) (the lower clip bound 1 - clip_ratio_low must be > 0)",
+        clip_low=check_clip_low(
+            "clip_ratio" if low is None else "clip_ratio_low", clip if low is None else low
         ),
         clip_high=_real(
             "clip_ratio" if high is None else "clip_ratio_high",
