@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# policy_shapes.sh OUT: the policy loss beside the unfused path at model shapes other than the
+# issue's (H, V pairs of small to large models, N = 2048 and 8192), bf16, one CUDA GPU, from the
+# repository root with .gpu-wheels/small and .gpu-wheels/install-wheels carried. Every pair is
+# one `fusedhead bench --case policy` run appended to OUT/shapes.json; OUT/shapes.md is the table.
+# SHAPES_MINUTES caps the whole run (default 6).
+set -uo pipefail
+OUT=${1:?usage: policy_shapes.sh OUT}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+[[ -f .gpu-stamp ]] && export FUSEDHEAD_GIT_COMMIT=$(<.gpu-stamp)
+WHEELS=${WHEELS:-.gpu-wheels}
+{
+  bash "$WHEELS/install-wheels" "$WHEELS/small"
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation ./core \
+    ./plugins/torch_backend ./plugins/triton_backend
+} >"$OUT/setup.log" 2>&1
+start=$(date +%s)
+# (H, V): Qwen2.5-0.5B, Llama-3.2-1B, Qwen2.5-7B, Llama-3-8B, Llama-3-70B-like
+for hv in "896 151936" "2048 128256" "3584 152064" "4096 128256" "8192 128256"; do
+  set -- $hv
+  left=$(( ${SHAPES_MINUTES:-6} * 60 - ($(date +%s) - start) ))
+  (( left > 20 )) || { echo "skipped H=$1 V=$2: time"; continue; }
+  timeout -k 5 "$left" python3 -m fusedhead.cli bench --device cuda --dtype bf16 --n 2048 8192 \
+    --hidden "$1" --vocab "$2" --temperature 0.7 --case policy --impl triton unfused:triton \
+    --json "$OUT/shapes.json" --append >>"$OUT/bench.log" 2>&1
+  echo "H=$1 V=$2 exit $?"
+done
+python3 -m fusedhead.cli bench --report-only --json "$OUT/shapes.json" --markdown "$OUT/shapes.md"
+tail -n 14 "$OUT/shapes.md"
