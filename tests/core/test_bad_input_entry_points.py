@@ -177,8 +177,12 @@ def test_reference_policy_loss_ignored_rows_reach_no_gradient(inputs):
 @pytest.mark.parametrize(
     ("kw", "error", "words"),
     [
-        ({"clip_low": "x"}, TypeError, "clip_low must be a float (in [0, 1]), got str 'x'"),
-        ({"clip_low": float("nan")}, ValueError, "clip_low must be in [0, 1], got nan"),
+        (
+            {"clip_low": "x"},
+            TypeError,
+            "clip_low must be a float (a finite float >= 0), got str 'x'",
+        ),
+        ({"clip_low": float("nan")}, ValueError, "clip_low must be a finite float >= 0, got nan"),
         ({"clip_high": None}, TypeError, "clip_high must be a float"),
         ({"dual_clip": "3"}, TypeError, "dual_clip must be a float"),
         ({"dual_clip": 1.0}, ValueError, "dual_clip must be a finite float > 1"),

@@ -483,8 +483,9 @@ def test_another_trainers_name_is_told_what_it_is_here(arg, value, words):
         ("beta", r"'beta' \(TRL's name of kl_coef\)"),
         (
             "num_items_in_batch",
-            r"'num_items_in_batch' \(TRL's global token count: pass "
-            r"loss_normalizer=num_items_in_batch / num_processes",
+            r"'num_items_in_batch' \(TRL's token count of a generation batch: pass "
+            r"loss_normalizer=num_items_in_batch / num_processes \* gradient_accumulation_steps "
+            r"/ steps_per_generation, as TRL's dapo divides in training",
         ),
         ("delta", r"'delta' \(TRL's two-sided clip: dual_clip=delta is the same loss"),
         ("vllm_importance_sampling_clip_max", r"\(TRL's name of tis_cap\)"),

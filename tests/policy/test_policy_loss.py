@@ -531,7 +531,7 @@ def test_metrics_are_verl_s() -> None:
         ({"kl_estimator": "k4"}, ValueError, "kl_estimator must be one of"),
         ({"kl_coef": 0.1}, ValueError, "kl_coef=0.1 needs ref_log_probs"),
         ({"tis_cap": 2.0}, ValueError, "tis_cap was given without rollout_log_probs"),
-        ({"clip_low": 1.5}, ValueError, "clip_low must be in"),
+        ({"clip_low": -0.1}, ValueError, "clip_low must be a finite float >= 0, got -0.1"),
         ({"clip_high": float("nan")}, ValueError, "clip_high must be"),
         ({"dual_clip": 1.0}, ValueError, "dual_clip must be > 1"),
         ({"entropy_coef": True}, TypeError, "entropy_coef must be a float"),
@@ -845,16 +845,19 @@ def test_torch_weight_gradient_rounds_once_whatever_the_chunks(device: str) -> N
 
 
 @pytest.mark.parametrize("backend", POLICY_BACKENDS)
-def test_clip_low_1_is_no_lower_clip(backend: str) -> None:
-    """clip_low = 1 (verl's clip_ratio_low = 1, TRL's epsilon = 1) puts the lower bound at 0:
-    ratios below 1 - 0.2 with a negative advantage keep their slope, as the reference has it."""
+@pytest.mark.parametrize("clip_low", [1.0, 1.5])
+def test_clip_low_1_or_more_is_no_lower_clip(backend: str, clip_low: float) -> None:
+    """clip_low >= 1 (verl's clip_ratio_low, TRL's epsilon) puts the lower bound at or below 0,
+    as verl and TRL run it: ratios below 1 - 0.2 with a negative advantage keep their slope."""
     data = batch(seed=5)
     data["old_log_probs"] = data["old_log_probs"] + 0.5  # ratios well below 0.8
     data["advantages"] = -data["advantages"].abs()
     kw: dict[str, Any] = dict(temperature=0.7, clip_high=0.28, aggregation="token-mean")
-    assert_matches(run_both(backend, data, clip_low=1.0, **kw))
+    assert_matches(run_both(backend, data, clip_low=clip_low, **kw))
     args = _args(data)
     losses = [
-        fusedhead.fused_policy_loss(**args, clip_low=c, backend=backend).loss for c in (1.0, 0.2)
+        fusedhead.fused_policy_loss(**args, clip_low=c, backend=backend).loss
+        for c in (clip_low, 1.0, 0.2)
     ]
-    assert not torch.equal(losses[0], losses[1]), "the lower clip at 0.8 must bind in this case"
+    assert torch.equal(losses[0], losses[1]), "past 1 the lower bound binds nothing more"
+    assert not torch.equal(losses[0], losses[2]), "the lower clip at 0.8 must bind in this case"

@@ -6,6 +6,7 @@ by name when built."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,11 @@ CASES = {
     "bnpo+entropy": dict(loss_type="bnpo", entropy_coef=0.05),
     "dr_grpo": dict(loss_type="dr_grpo"),
     "dapo+delta": dict(loss_type="dapo", epsilon_high=0.05, delta=1.5),
-    # epsilon = 1: the lower clip bound at 0, no lower clip
-    "dapo, epsilon 1": dict(loss_type="dapo", epsilon=1.0, epsilon_high=0.02),
+    # epsilon >= 1: the lower clip bound at or below 0, no lower clip; delta = inf: TRL's clamp
+    # at inf, no dual clip
+    "dapo, epsilon 1.5, delta inf": dict(
+        loss_type="dapo", epsilon=1.5, epsilon_high=0.02, delta=float("inf")
+    ),
     # TRL's default: no old log-probs computed (ratio exp(lp - lp.detach())), the fused loss
     # on-policy with old_log_probs=None
     "grpo on-policy": dict(loss_type="grpo", num_iterations=1, generation_kwargs=None),
@@ -150,14 +154,21 @@ def _config(model_dir: Path, tmp_path: Path, **overrides: Any) -> Any:
         (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold=0.5"),
         (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True"),
         (dict(loss_type="grpo", entropy_coef=0.01), "entropy_coef=0.01"),
-        (dict(epsilon=1.5), "epsilon=1.5: the clip range must be in"),
-        (dict(epsilon_high=-0.1), "epsilon_high=-0.1: the clip range must be >= 0"),
+        # each value fused_policy_loss takes, refused by TRL's name when the config is built
+        # (before, a non-finite or negative one failed at the first step under fusedhead's name)
+        (dict(epsilon=-0.1), "epsilon must be a finite float >= 0, got -0.1"),
+        (dict(epsilon_high=-0.1), "epsilon_high must be a finite float >= 0, got -0.1"),
+        (dict(epsilon_high=float("inf")), "epsilon_high must be a finite float >= 0, got inf"),
+        (dict(epsilon=float("nan")), "epsilon must be a finite float >= 0, got nan"),
+        (dict(beta=-0.1), "beta must be a finite float >= 0 (the KL coefficient), got -0.1"),
+        (dict(entropy_coef=float("inf")), "entropy_coef must be a finite float, got inf"),
+        (dict(delta=float("nan")), "delta=nan"),
     ],
 )
 def test_configs_that_do_not_map_are_refused_when_built(
     model_dir: Path, tmp_path: Path, overrides: dict[str, Any], named: str
 ) -> None:
-    with pytest.raises(ValueError, match=named.replace("(", r"\(")) as info:
+    with pytest.raises(ValueError, match=re.escape(named)) as info:
         _config(model_dir, tmp_path, **overrides)
     assert "fused_policy_loss=False" in str(info.value)
     if "use_bias_correction_kl" in named:  # TRL's default is the refused True: the fix says so

@@ -239,8 +239,11 @@ def test_refused_settings_are_named(actor: dict[str, Any], match: str) -> None:
 def test_verls_actor_config_is_refused_when_built_by_verls_names() -> None:
     """``loss_mode: fusedhead`` with a value the fused loss refuses: the config itself (as hydra
     builds it) is refused, naming verl's option."""
-    with pytest.raises(ValueError, match=r"^clip_ratio_low must be in \[0, 1\).*got 1\.5$"):
-        _config(clip_ratio_low=1.5)
+    with pytest.raises(
+        ValueError, match=r"^clip_ratio_low must be a finite float >= 0, got -0\.1$"
+    ):
+        _config(clip_ratio_low=-0.1)
+    _config(clip_ratio_low=1.5)  # verl's "no lower clip", as verl runs it
     with pytest.raises(ValueError, match="did you mean 'low_var_kl'"):
         _config(use_kl_loss=True, kl_loss_type="lowvar_kl")
     # before verl's own check, which says "Invalid loss_agg_mode: token_mean" and lists nothing
@@ -255,7 +258,7 @@ def test_verls_actor_config_is_refused_when_built_by_verls_names() -> None:
             _config(policy_loss=PolicyLossConfig(loss_mode=typo))
     _config(policy_loss=PolicyLossConfig(loss_mode="gpg"))  # verl's own modes stay verl's
     vanilla = PolicyLossConfig(loss_mode="vanilla")
-    _config(clip_ratio_low=1.5, policy_loss=vanilla)  # verl's own loss modes: verl's to check
+    _config(clip_ratio_low=-0.1, policy_loss=vanilla)  # verl's own loss modes: verl's to check
 
 
 def test_loss_mode_is_registered_and_guarded() -> None:

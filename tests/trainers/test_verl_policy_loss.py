@@ -146,8 +146,9 @@ def _config(mode: str) -> Any:
 EXTRA = {
     "rollout IS weights": dict(is_weights=True),
     "local count": dict(global_batch_size=None),
-    # verl's "no lower clip": the bound 1 - clip_ratio_low is 0, which no ratio is below
+    # verl's "no lower clip": the bound 1 - clip_ratio_low is 0 (or below), which no ratio is below
     "clip_ratio_low 1": dict(updates={"clip_ratio_low": 1.0}),
+    "clip_ratio_low 1.5": dict(updates={"clip_ratio_low": 1.5}),
 }
 
 
@@ -159,7 +160,7 @@ EXTRA = {
         ("seq-mean-token-sum-norm", "low_var_kl", "local count"),
         ("seq-mean-token-mean", "abs", "local count"),
         ("token-mean", "low_var_kl", "clip_ratio_low 1"),
-        ("seq-mean-token-sum", "k3+", "clip_ratio_low 1"),
+        ("seq-mean-token-sum", "k3+", "clip_ratio_low 1.5"),
     ],
 )
 def test_rollout_weights_and_local_counts_match_verls_loss(
@@ -330,9 +331,9 @@ def _with(option: str, value: Any, **more: Any) -> Any:
 @pytest.mark.parametrize(
     ("option", "value", "more", "named"),
     [
-        ("clip_ratio_low", 1.5, {}, "clip_ratio_low must be in [0, 1]"),
+        ("clip_ratio_low", -0.1, {}, "clip_ratio_low must be a finite float >= 0"),
         ("clip_ratio_low", "0.2", {}, "clip_ratio_low must be a float"),
-        ("clip_ratio", 1.5, {"clip_ratio_low": None}, "clip_ratio must be in [0, 1]"),
+        ("clip_ratio", -0.1, {"clip_ratio_low": None}, "clip_ratio must be a finite float >= 0"),
         ("clip_ratio_high", -0.1, {}, "clip_ratio_high must be a finite float >= 0"),
         ("clip_ratio", -0.1, {"clip_ratio_high": None}, "clip_ratio must be a finite float >= 0"),
         ("clip_ratio_c", 0.5, {}, "clip_ratio_c must be a finite float > 1"),

@@ -136,10 +136,10 @@ def real_in(arg: str, value: object, *, low: float, high: float = math.inf, what
 
 
 def check_clip_low(arg: str, value: object) -> float:
-    """The lower clip range ``value`` (``arg`` as the caller names it) as a float in [0, 1]:
-    1 puts the bound ``1 - clip_low`` at 0, verl's and TRL's "no lower clip"; past 1 it means
-    nothing (a ratio is never negative)."""
-    return real_in(arg, value, low=0.0, high=math.nextafter(1.0, math.inf), what="in [0, 1]")
+    """The lower clip range ``value`` (``arg`` as the caller names it) as a finite float >= 0:
+    from 1 up the bound ``1 - clip_low`` is at most 0, which no ratio is below (no lower clip;
+    verl and TRL run any such value alike)."""
+    return real_in(arg, value, low=0.0, what="a finite float >= 0")
 
 
 def _shown(value: object) -> str:

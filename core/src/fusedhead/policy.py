@@ -106,8 +106,9 @@ _TRL_NAMES = {
 FOREIGN_KEYWORDS = {
     **{k: f"verl's name of {v}" for k, v in _VERL_NAMES.items()},
     **{k: f"TRL's name of {v}" for k, v in _TRL_NAMES.items()},
-    "num_items_in_batch": "TRL's global token count: pass loss_normalizer="
-    "num_items_in_batch / num_processes (the gradient all-reduce averages over ranks)",
+    "num_items_in_batch": "TRL's token count of a generation batch: pass loss_normalizer="
+    "num_items_in_batch / num_processes * gradient_accumulation_steps / steps_per_generation, "
+    "as TRL's dapo divides in training (num_items_in_batch / num_processes in evaluation)",
     "delta": "TRL's two-sided clip: dual_clip=delta is the same loss when delta > 1 + clip_high",
     "clip_ratio": "verl's name of clip_low and clip_high together: pass both",
     "response_mask": f"verl's mask: pass {_MASK}",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import math
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from fusedhead.api import FusedHead
+from fusedhead.checks import check_clip_low, real_in
 from fusedhead.errors import CapabilityError, OptionsError
 from fusedhead.integrations.lm_head import (
     HeadLike,
@@ -618,19 +620,27 @@ def check_policy_loss_args(
             f"fused_policy_loss=True with importance_sampling_level={level!r} (GSPO): "
             f"fused_policy_loss's ratios are per token; use 'token', {off}"
         )
-    eps_low = args.epsilon
-    eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
-    for name, value, ok, what in (
-        ("epsilon", eps_low, 0 <= eps_low <= 1, "in [0, 1] (the lower clip 1 - epsilon >= 0)"),
-        ("epsilon_high", eps_high, eps_high >= 0, ">= 0"),
-    ):
-        if not ok:  # fused_policy_loss would refuse it at the first step, by its own name
-            raise ValueError(
-                f"fused_policy_loss=True with {name}={value!r}: the clip range must be {what}; "
-                f"change it, {off}"
-            )
+    # Each value fused_policy_loss takes, checked by the core's own checks under TRL's name:
+    # what it would refuse at the first step (by its own argument's name) is refused here.
+    high = "epsilon" if args.epsilon_high is None else "epsilon_high"
+    numbers = (
+        ("epsilon", check_clip_low, {}),
+        (high, real_in, dict(low=0.0, what="a finite float >= 0")),
+        ("beta", real_in, dict(low=0.0, what="a finite float >= 0 (the KL coefficient)")),
+        ("entropy_coef", real_in, dict(low=-math.inf, what="a finite float")),
+    )
+    for name, check, bounds in numbers:
+        try:
+            check(name, getattr(args, name, 0.0), **bounds)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"fused_policy_loss=True: {exc}; change it, {off}") from None
+    eps_high = getattr(args, high)
     delta = getattr(args, "delta", None)
-    if delta is not None and not delta > 1 + eps_high:
+    if (
+        delta is not None
+        and delta != math.inf
+        and not (math.isfinite(delta) and delta > 1 + eps_high)
+    ):
         raise ValueError(
             f"fused_policy_loss=True with delta={delta!r}: TRL's two-sided clip is verl's dual "
             f"clip only for delta > 1 + epsilon_high = {1 + eps_high}; raise delta, {off}"
@@ -751,7 +761,7 @@ def grpo_fused_policy_loss(trainer: Any, model: nn.Module, inputs: Mapping[str, 
         advantages=advantages,
         clip_low=trainer.epsilon_low,
         clip_high=trainer.epsilon_high,
-        dual_clip=args.delta,
+        dual_clip=None if args.delta == math.inf else args.delta,  # TRL's clamp at inf: none
         entropy_coef=coef,
         ref_log_probs=inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
         kl_coef=trainer.beta,
