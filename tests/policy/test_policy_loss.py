@@ -861,3 +861,49 @@ def test_clip_low_1_or_more_is_no_lower_clip(backend: str, clip_low: float) -> N
     ]
     assert torch.equal(losses[0], losses[1]), "past 1 the lower bound binds nothing more"
     assert not torch.equal(losses[0], losses[2]), "the lower clip at 0.8 must bind in this case"
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [
+        ("cpu", torch.float32),
+        ("cpu", torch.float16),
+        pytest.param("cuda", torch.bfloat16, marks=[pytest.mark.gpu, _CUDA]),
+        pytest.param("cuda", torch.float16, marks=[pytest.mark.gpu, _CUDA]),
+    ],
+)
+@pytest.mark.parametrize("extras", ["plain", "per-token temperature and softcap"])
+def test_triton_policy_log_probs_are_fused_heads_bits(
+    device: str, dtype: torch.dtype, extras: str
+) -> None:
+    """The triton policy loss scores each row as the plain head does (its logits kernel keeps the
+    head's tiles and the head's fixed-order combine): its log-probs and entropies are
+    ``fused_head``'s bits. So old log-probs from ``fused_head`` (verl's compute_log_prob) give a
+    ratio of exactly 1 on the first on-policy step, where a clip range of 0 or the abs KL at
+    ref == actor would otherwise see a rounding's difference."""
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 77, 64, 1000
+    hidden = torch.randn(n, h, generator=g).to(device=device, dtype=dtype)
+    weight = (torch.randn(v, h, generator=g) / 8).to(device=device, dtype=dtype)
+    labels = torch.randint(0, v, (n,), generator=g).to(device)
+    labels[::7] = -100
+    kw: dict[str, Any] = {"temperature": 0.7}
+    if extras != "plain":
+        kw = {"temperature": (0.5 + torch.rand(n, generator=g)).to(device), "softcap": 3.0}
+    plain = fusedhead.fused_head(hidden, weight, labels, backend="triton", **kw)
+    out = fusedhead.fused_policy_loss(
+        hidden.clone().requires_grad_(),
+        weight.clone().requires_grad_(),
+        labels,
+        old_log_probs=plain.log_probs.detach().float(),
+        advantages=torch.randn(n, generator=g).to(device),
+        backend="triton",
+        **kw,
+    )
+    assert torch.equal(out.log_probs, plain.log_probs.float())
+    assert plain.entropy is not None
+    assert torch.equal(out.entropy, plain.entropy.float())
+    assert float(out.ratio_max) == 1.0 and float(out.ratio_min) == 1.0
