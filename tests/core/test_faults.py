@@ -182,7 +182,11 @@ def test_list_check_shows_incompatible_and_misnamed_plugins_with_their_reason(
     )
     listed = {(r["name"], r["distribution"]): r for r in json.loads(proc.stdout)}
     assert listed[("incompatible", "fh-fixture-incompatible")]["status"] == "incompatible"
-    assert "plugin API version 99" in listed[("incompatible", "fh-fixture-incompatible")]["reason"]
+    # the reason, a sentence, then the fix that says which side to upgrade
+    assert listed[("incompatible", "fh-fixture-incompatible")]["reason"].startswith(
+        "speaks plugin API version 99; this fusedhead speaks version 2. Fix: the backend needs a "
+        "newer fusedhead"
+    )
     assert listed[("Bad.Name", "fh-fault-badname")]["status"] == "broken"
     assert "name rule" in listed[("Bad.Name", "fh-fault-badname")]["reason"]
     assert listed[("torch", "fh-fault-claims-torch")]["status"] == "conflict"

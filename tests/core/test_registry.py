@@ -70,8 +70,21 @@ def test_missing_dependency_names_the_module(with_fixture_dists):
 
 
 def test_incompatible_plugin_api_is_refused(with_fixture_dists):
-    with pytest.raises(IncompatibleBackendError, match="plugin API version 99"):
+    with pytest.raises(IncompatibleBackendError, match="plugin API version 99") as info:
         registry.load_class("incompatible")
+    assert "upgrade fusedhead to one that speaks plugin API 99" in str(info.value)
+
+
+def test_an_older_plugin_api_says_to_upgrade_the_backend() -> None:
+    """A backend older than the core is told to upgrade the backend, not fusedhead."""
+
+    class Old:
+        plugin_api_version = 1
+
+    with pytest.raises(IncompatibleBackendError) as info:
+        registry.verify_backend_class(Old)
+    assert "this fusedhead speaks version 2" in str(info.value)
+    assert "the backend is older than this fusedhead: upgrade its distribution" in str(info.value)
 
 
 def test_probe_gives_each_status_and_isolates_broken_plugins(with_fixture_dists):
@@ -424,6 +437,13 @@ def test_a_name_with_spaces_is_pointed_at_the_name_and_never_at_an_unselectable_
         registry._check_name("Bad-Upper", known)
     with pytest.raises(ValueError, match=r"names are lowercase; available: bad-uppers, torch\)$"):
         registry._check_name("Zzzz-Zz", known)
+
+
+def test_a_first_party_name_in_capitals_that_is_not_installed_says_how_to_get_it() -> None:
+    """'Triton' with only torch installed: its lowercase, and the command that installs it."""
+    with pytest.raises(ValueError, match=r"names are lowercase: did you mean 'triton'\? It is not "
+                       r"installed: pip install .*triton"):  # fmt: skip
+        registry._check_name("Triton", ["torch"])
 
 
 @pytest.mark.parametrize("value", ["", " ", ",", " , ,"])

@@ -107,7 +107,7 @@ def probe_backend(cand: Candidate, device: Any = None) -> tuple[Status, str | No
         cls = load_candidate(cand)
     except BackendError as exc:
         status = Status(exc.status) if exc.status in _STATUSES else Status.BROKEN
-        return status, exc.reason + (f" Fix: {exc.hint}" if exc.hint else "")
+        return status, exc.explained
     except Exception as exc:  # a broken plugin never breaks the listing
         return Status.BROKEN, str(exc)
     try:
@@ -119,11 +119,9 @@ def probe_backend(cand: Candidate, device: Any = None) -> tuple[Status, str | No
         dtype = torch.float32 if "fp32" in caps.dtypes else _dtype_of(caps.dtypes[0])
         backend.check(dev, dtype)
     except BackendUnavailableError as exc:
-        return Status.UNAVAILABLE, exc.attach(**error_fields(cand)).reason + (
-            f" Fix: {exc.hint}" if exc.hint else ""
-        )
+        return Status.UNAVAILABLE, exc.attach(**error_fields(cand)).explained
     except BackendContractError as exc:  # the plugin's own bug, named by the helpers above
-        return Status.BROKEN, exc.reason + (f" Fix: {exc.hint}" if exc.hint else "")
+        return Status.BROKEN, exc.explained
     except Exception as exc:  # check() raised something else: a breach, worded as a call says it
         return Status.BROKEN, (
             f"check() raised {type(exc).__name__}: {exc}. Fix: a backend's check() must raise "

@@ -57,12 +57,14 @@ class BackendError(RuntimeError):
         return text
 
     @property
+    def explained(self) -> str:
+        """The reason as a sentence, then the fix where there is one (no backend named)."""
+        return _with_fix(self.reason, self.hint)
+
+    @property
     def message(self) -> str:
         """The message built from the fields: who, why, and the fix."""
-        text = f"{self.where}: {self.reason}" if self.where else self.reason
-        if self.hint:  # the reason as a sentence, then the fix
-            text += ("" if text.endswith((".", "!", "?", ":", ";")) else ".") + f" Fix: {self.hint}"
-        return text
+        return _with_fix(f"{self.where}: {self.reason}" if self.where else self.reason, self.hint)
 
     def __str__(self) -> str:
         return self.message
@@ -216,3 +218,10 @@ def note_backend(
     if callable(add_note):
         where = f"{distribution} {version}" if distribution else "registered in-process"
         add_note(f"raised inside fusedhead backend {backend!r} ({where})")
+
+
+def _with_fix(text: str, hint: str | None) -> str:
+    """``text`` ended as a sentence and followed by ``Fix: hint``; ``text`` alone without one."""
+    if not hint:
+        return text
+    return text + ("" if text.endswith((".", "!", "?", ":", ";")) else ".") + f" Fix: {hint}"

@@ -223,6 +223,9 @@ def _check_name(name: object, known: Iterable[str] | None = None) -> None:
                 hint = f" ({rule}: did you mean {low!r}?)"
             elif close := difflib.get_close_matches(low, names, n=1, cutoff=0.6):
                 hint = f" ({rule}: did you mean {close[0]!r}?)"
+            elif low in install_hints.FIRST_PARTY_EXTRAS:  # a first-party name not installed
+                command = install_hints.install_command(low)
+                hint = f" ({rule}: did you mean {low!r}? It is not installed: {command})"
             else:
                 hint = f" ({rule}; available: {', '.join(names) or 'none'})"
         raise ValueError(
@@ -468,10 +471,17 @@ def verify_backend_class(cls: Any, **fields: Any) -> None:
             f"set plugin_api_version = {hi} (an int, not a str or a float)",
         )
     if not lo <= version <= hi:
+        speaks = f"version {lo}" if lo == hi else f"versions {lo} to {hi}"
+        hint = (
+            f"the backend is older than this fusedhead: upgrade its distribution to one for "
+            f"plugin API {hi} (docs/writing-a-backend.md), or use a fusedhead that speaks {version}"
+            if version < lo
+            else f"the backend needs a newer fusedhead: upgrade fusedhead to one that speaks "
+            f"plugin API {version}, or use a release of the backend for API {hi}"
+        )
         raise IncompatibleBackendError(
-            f"speaks plugin API version {version!r}; this fusedhead supports {lo}..{hi}",
-            hint="upgrade fusedhead or the backend so that their versions match "
-            "(docs/writing-a-backend.md describes version 2)",
+            f"speaks plugin API version {version!r}; this fusedhead speaks {speaks}",
+            hint=hint,
             **fields,
         )
     if not hasattr(cls, "Options"):
