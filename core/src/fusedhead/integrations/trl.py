@@ -25,7 +25,7 @@ import functools
 import inspect
 import math
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -623,7 +623,7 @@ def check_policy_loss_args(
     # Each value fused_policy_loss takes, checked by the core's own checks under TRL's name:
     # what it would refuse at the first step (by its own argument's name) is refused here.
     high = "epsilon" if args.epsilon_high is None else "epsilon_high"
-    numbers = (
+    numbers: tuple[tuple[str, Callable[..., float], dict[str, Any]], ...] = (
         ("epsilon", check_clip_low, {}),
         (high, real_in, dict(low=0.0, what="a finite float >= 0")),
         ("beta", real_in, dict(low=0.0, what="a finite float >= 0 (the KL coefficient)")),
