@@ -9,14 +9,7 @@
 set -uo pipefail
 OUT=${1:?usage: final_check.sh OUT}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-[[ -f .gpu-stamp ]] && export FUSEDHEAD_GIT_COMMIT=$(<.gpu-stamp)
-WHEELS=${WHEELS:-.gpu-wheels}
-{
-  bash "$WHEELS/install-wheels" "$WHEELS/small"
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation ./core \
-    ./plugins/torch_backend ./plugins/triton_backend
-} >"$OUT/setup.log" 2>&1
+source "$(dirname "${BASH_SOURCE[0]}")/setup_tree.sh" "$OUT/setup.log"
 timeout -k 5 "${PYTEST_LIMIT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/policy \
   >"$OUT/pytest.log" 2>&1
 echo "pytest exit $?" >>"$OUT/pytest.log"

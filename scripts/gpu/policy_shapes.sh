@@ -7,14 +7,7 @@
 set -uo pipefail
 OUT=${1:?usage: policy_shapes.sh OUT}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-[[ -f .gpu-stamp ]] && export FUSEDHEAD_GIT_COMMIT=$(<.gpu-stamp)
-WHEELS=${WHEELS:-.gpu-wheels}
-{
-  bash "$WHEELS/install-wheels" "$WHEELS/small"
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation ./core \
-    ./plugins/torch_backend ./plugins/triton_backend
-} >"$OUT/setup.log" 2>&1
+source "$(dirname "${BASH_SOURCE[0]}")/setup_tree.sh" "$OUT/setup.log"
 start=$(date +%s)
 # (H, V): Qwen2.5-0.5B, Llama-3.2-1B, Qwen2.5-7B, Llama-3-8B, Llama-3-70B-like
 for hv in "896 151936" "2048 128256" "3584 152064" "4096 128256" "8192 128256"; do
