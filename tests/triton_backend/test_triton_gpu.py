@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_backend_helpers import IGNORE, rel_err
+from triton_backend_helpers import IGNORE, reads_peak_memory, rel_err
 
 from fusedhead.protocol import call_backend
 from fusedhead.reference import reference_fused_head
@@ -194,6 +194,7 @@ def test_cuda_graph_capture_replays_the_same_bits() -> None:
         assert torch.equal(a, b)
 
 
+@reads_peak_memory
 def test_low_memory_saves_the_sum_beside_the_output() -> None:
     """'low' against 'fast' with the same 2 MiB dz budget: the sum's low part (N x H x 2 bytes
     beside the output) leaves for dW's rows as one byte a value; the values agree to within

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from triton_backend_helpers import IGNORE, rel_err
+from triton_backend_helpers import IGNORE, reads_peak_memory, rel_err
 
 from fusedhead import fused_kl
 from fusedhead.protocol import KLCall
@@ -118,6 +118,7 @@ def test_batch_invariance_and_determinism_bf16(direction: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(step(), step()))
 
 
+@reads_peak_memory
 def test_forward_memory_is_the_chunk_statistics_only() -> None:
     """No [N, V] tensor: the forward's peak beyond the inputs is the 5 x C x N statistics."""
     n, v = 8192, 151936

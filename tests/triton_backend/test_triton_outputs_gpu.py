@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from triton_backend_helpers import IGNORE, rel_err
+from triton_backend_helpers import IGNORE, reads_peak_memory, rel_err
 
 from fusedhead.protocol import HeadCall
 from fusedhead.testing.outputs import reference_outputs
@@ -192,6 +192,7 @@ def test_outputs_determinism_bf16() -> None:
         assert torch.equal(a, b)
 
 
+@reads_peak_memory
 def test_gather_forward_memory_is_o_of_n_k_bf16() -> None:
     """The gather's extra forward memory over the plain call: the ids' tables (O(N K) and the
     per-tile starts, ``(T + 1) N`` int32), far below one [N, V] logits tensor."""

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
+import pytest
 import torch
 from head_cases import IGNORE, Case, Result, case_loss, make_case, rel_err
 
@@ -21,6 +23,13 @@ SMALL_TILES: dict[str, Any] = {"block_m": 32, "block_n": 64, "block_k": 32}
 #: fp32: the issue's 1e-5 (exact fp32 dots, fp32 statistics). fp16: outputs are computed in fp32
 #: from fp16 values (so near fp32); gradients pass through dz stored in fp16 (2^-11 roundoff).
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-5, 2e-3)}
+
+#: For the tests that read torch's peak memory: without the caching allocator (compute-sanitizer
+#: runs set PYTORCH_NO_CUDA_MEMORY_CACHING=1: scripts/gpu/sanitize.sh) the peak reads 0.
+reads_peak_memory = pytest.mark.skipif(
+    os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") not in ("", "0"),
+    reason="PYTORCH_NO_CUDA_MEMORY_CACHING is set: torch.cuda.max_memory_allocated() reads 0",
+)
 
 
 def run_triton(
