@@ -22,6 +22,7 @@ from trl_helpers import build_trainer, make_model_dir
 from fusedhead.api import get_fused_head
 from fusedhead.errors import CapabilityError
 from fusedhead.integrations import trl as fh_trl
+from fusedhead.integrations import trl_policy_loss
 
 
 @pytest.fixture(autouse=True)
@@ -85,14 +86,14 @@ def test_two_steps_log_what_trls_own_loss_logs(
     settings = {**_MOVING, **CASES[case]}
     theirs = _logs(build_trainer(model_dir, tmp_path / "trl", backend=None, **settings))
     fused_calls: list[Any] = []
-    real = fh_trl.lm_head_policy_loss
+    real = trl_policy_loss.lm_head_policy_loss
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         out = real(*args, **kwargs)
         fused_calls.append(out)
         return out
 
-    monkeypatch.setattr(fh_trl, "lm_head_policy_loss", spy)
+    monkeypatch.setattr(trl_policy_loss, "lm_head_policy_loss", spy)
     trainer = build_trainer(
         model_dir, tmp_path / "fused", backend="torch", fused_policy_loss=True, **settings
     )

@@ -10,7 +10,9 @@
 - ``fusedhead.integrations.veomni``: VeOmni's ``cross_entropy_loss_implementation:
   fusedhead:<name>`` (its ``KERNEL_REGISTRY``, ``docs/integrations/veomni.md``).
 - ``fusedhead.integrations.trl``: TRL's fused LM head on a fusedhead backend
-  (``FusedHead{GRPO,RLOO,SFT,DPO,KTO}Trainer``, ``docs/integrations/trl.md``).
+  (``FusedHead{GRPO,RLOO,SFT,DPO,KTO}Trainer``, ``docs/integrations/trl.md``), built on
+  ``trl_config`` (the head a TRL config names, and its device) and ``trl_policy_loss`` (GRPO's
+  loss from ``fused_policy_loss``).
 - ``fusedhead.integrations.openrlhf``: ``patch_actor``, an opt-in patch of OpenRLHF's
   ``Actor.forward`` (``docs/integrations/openrlhf.md``).
 """
