@@ -3,8 +3,9 @@
 - ``fusedhead.integrations.transformers``: ``causal_lm_logprobs`` for Hugging Face causal LMs.
 - ``fusedhead.integrations.demo_model``: ``fusedhead demo --model tiny-llama|tiny-qwen2``.
 - ``fusedhead.integrations.lm_head``: ``lm_head_logprobs`` for a trainer's own LM head and hidden
-  states with already-shifted labels (packed or padded); ``parse_backend_spec`` for
-  ``"fusedhead:<name>"`` config values. Both are importable from here (loaded on first use).
+  states with already-shifted labels (packed or padded).
+- ``fusedhead.integrations.backend_spec``: ``parse_backend_spec`` for ``"fusedhead:<name>"``
+  config values, and the head a trainer setting names. Both importable from here (on first use).
 - ``fusedhead.integrations.verl``: verl's ``impl_backend: fusedhead:<name>`` (a ``verl.plugins``
   entry point, ``docs/integrations/verl.md``).
 - ``fusedhead.integrations.veomni``: VeOmni's ``cross_entropy_loss_implementation:
@@ -23,8 +24,8 @@ from typing import Any
 
 _LAZY = {
     "lm_head_logprobs": "fusedhead.integrations.lm_head",
-    "parse_backend_spec": "fusedhead.integrations.lm_head",
-    "is_fusedhead_spec": "fusedhead.integrations.lm_head",
+    "parse_backend_spec": "fusedhead.integrations.backend_spec",
+    "is_fusedhead_spec": "fusedhead.integrations.backend_spec",
 }
 
 __all__ = sorted(_LAZY)

@@ -30,11 +30,13 @@ import torch
 from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput
-from fusedhead.integrations.lm_head import (
+from fusedhead.integrations.backend_spec import (
     HeadLike,
+    resolve_lm_head,
+)
+from fusedhead.integrations.lm_head import (
     lm_head_logprobs,
     model_logit_transform,
-    resolve_lm_head,
 )
 
 __all__ = ["TESTED_OPENRLHF", "is_patched", "patch_actor", "unpatch_actor"]

@@ -15,7 +15,7 @@ import torch
 
 from fusedhead.api import FusedHead
 from fusedhead.errors import OptionsError
-from fusedhead.integrations.lm_head import (
+from fusedhead.integrations.backend_spec import (
     HeadLike,
     check_head_runs_on,
     is_fusedhead_spec,

@@ -23,8 +23,10 @@ from torch import nn
 from fusedhead.api import FusedHead
 from fusedhead.checks import check_clip_low, real_in
 from fusedhead.errors import CapabilityError
-from fusedhead.integrations.lm_head import (
+from fusedhead.integrations.backend_spec import (
     HeadLike,
+)
+from fusedhead.integrations.lm_head import (
     lm_head_policy_loss,
 )
 from fusedhead.integrations.trl_config import (

@@ -54,7 +54,7 @@ SETTING = "cross_entropy_loss_implementation"
 
 def _resolve(spec: str) -> Any:
     """The head ``spec`` names; a malformed or unknown name is reported as the setting's value."""
-    from fusedhead.integrations.lm_head import resolve_lm_head
+    from fusedhead.integrations.backend_spec import resolve_lm_head
 
     return resolve_lm_head(spec, setting=SETTING)
 
@@ -69,7 +69,7 @@ def _check_runs_here(spec: str) -> None:
     device VeOmni trains on (``veomni.utils.device.get_device_type``), named with the setting."""
     from veomni.utils.device import get_device_type
 
-    from fusedhead.integrations.lm_head import check_head_runs_on
+    from fusedhead.integrations.backend_spec import check_head_runs_on
 
     check_head_runs_on(_resolve(spec), get_device_type(), setting=SETTING, value=spec)
 
@@ -121,7 +121,7 @@ def register(names: Iterable[str] | None = None) -> list[str]:
     import). Returns the specs added now. Registering resolves nothing: a backend is resolved
     when VeOmni binds the kernel (``build_foundation_model``).
     """
-    from fusedhead.integrations.lm_head import SPEC_PREFIX, parse_backend_spec
+    from fusedhead.integrations.backend_spec import SPEC_PREFIX, parse_backend_spec
 
     chosen = _installed_names() if names is None else list(names)
     added = []
@@ -176,7 +176,7 @@ def install_loss_mapping(impl: str = "eager") -> str:
     :func:`install`), and ``LOSS_MAPPING`` gets fusedhead's loss for ``ForCausalLM`` and
     ``ForConditionalGeneration`` and VeOmni's eager loss for ``ForSequenceClassification``.
     """
-    from fusedhead.integrations.lm_head import is_fusedhead_spec, is_misspelt_spec
+    from fusedhead.integrations.backend_spec import is_fusedhead_spec, is_misspelt_spec
 
     if is_misspelt_spec(impl):  # VeOmni's own error would list its names only
         ours = ", ".join(f"'fusedhead:{n}'" for n in _installed_names()) or "none installed"

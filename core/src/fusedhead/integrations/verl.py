@@ -347,7 +347,7 @@ def patch_forward_with_backends(
     fusedhead name with ``use_fused_kernels`` on raises ``ValueError``; everything else goes to
     verl's function as it is (verl's own names, and verl's own skip of names it does not know).
     """
-    from fusedhead.integrations.lm_head import is_fusedhead_spec, is_misspelt_spec
+    from fusedhead.integrations.backend_spec import is_fusedhead_spec, is_misspelt_spec
 
     if is_fusedhead_spec(fused_kernels_backend):
         assert isinstance(fused_kernels_backend, str)
@@ -395,7 +395,7 @@ def _patch_model(model: Any, spec: str) -> None:
     """Resolve the backend ``spec`` names and give ``model``'s class fusedhead's forward."""
     from torch import nn
 
-    from fusedhead.integrations.lm_head import check_head_runs_on, resolve_lm_head
+    from fusedhead.integrations.backend_spec import check_head_runs_on, resolve_lm_head
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in VERL_MULTIMODAL_MODEL_TYPES:

@@ -226,7 +226,7 @@ def _refuse_misspelt_mode(mode: object) -> None:
     known = list(getattr(core, "POLICY_LOSS_REGISTRY", {})) if core is not None else []
     if not isinstance(mode, str) or mode in known:
         return
-    from fusedhead.integrations.lm_head import is_misspelt_spec  # torch: not at import time
+    from fusedhead.integrations.backend_spec import is_misspelt_spec  # torch: not at import time
 
     if is_misspelt_spec(mode, known) or mode.lower() == LOSS_MODE:
         raise ValueError(

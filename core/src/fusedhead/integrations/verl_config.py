@@ -250,7 +250,7 @@ def check_fused_setup(config: Any, model_config: Any, engine_config: Any = None)
     ``fusedhead:<name>`` is a ``RuntimeError`` (the model's forward would not be fusedhead's);
     the rest ``ValueError``.
     """
-    from fusedhead.integrations.lm_head import installed_backend_names, is_fusedhead_spec
+    from fusedhead.integrations.backend_spec import installed_backend_names, is_fusedhead_spec
 
     check_actor_config(config)
     for key in ("use_remove_padding", "use_fused_kernels"):
