@@ -15,25 +15,19 @@ OUT=${1:?usage: sanitize.sh OUT}
 mkdir -p "$OUT"
 source "$(dirname "${BASH_SOURCE[0]}")/setup_tree.sh" "$OUT/setup.log"
 T=tests/triton_backend
-run() { # run LIMIT LOG CMD...: one step into LOG, never failing the script
-  local limit=$1 log=$2
-  shift 2
-  echo "===== $* (limit ${limit}s) =====" >>"$log"
-  local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" >>"$log" 2>&1
-  echo "===== exit $? after $((SECONDS - t0))s =====" >>"$log"
-  tail -n 6 "$log"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/run_step.sh" # run LIMIT_S LOG CMD...
 run "${MEMCHECK_LIMIT:-240}" "$OUT/memcheck.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
   compute-sanitizer --tool memcheck --print-limit 20 --error-exitcode 9 \
   python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
   ${MEMCHECK_FILES:-$T/test_triton_gpu.py $T/test_triton_outputs_gpu.py} \
   -k "${MEMCHECK_K:-low_memory or odd_sizes or 1937}"
+tail -n 6 "$OUT/memcheck.log"
 if python3 -c "import xdist" 2>/dev/null; then
   run "${XDIST_LIMIT:-300}" "$OUT/xdist.log" env CUDA_LAUNCH_BLOCKING=1 \
     python3 -m pytest -m gpu -v -rfE --tb=short -n "${XDIST_WORKERS:-4}" -x -p no:cacheprovider \
     ${XDIST_FILES:-$T/test_triton_outputs_gpu.py $T/test_triton_topk_gpu.py $T/test_triton_kl_gpu.py $T} \
     -k "${XDIST_K:-}"
+  tail -n 6 "$OUT/xdist.log"
 else
   echo "pytest-xdist does not import: no four-worker run" | tee "$OUT/xdist.log"
 fi

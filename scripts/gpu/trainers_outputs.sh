@@ -11,14 +11,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 [[ -f .gpu-stamp ]] && export FUSEDHEAD_GIT_COMMIT=$(<.gpu-stamp)
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-run() { # run LIMIT_S LOG CMD...: one step, its output appended to LOG, never failing the script
-  local limit=$1 log=$2
-  shift 2
-  echo "===== ${*//$PWD\//} (limit ${limit}s) =====" >>"$log"
-  local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" >>"$log" 2>&1
-  echo "===== exit $? after $((SECONDS - t0))s =====" >>"$log"
-}
+source "$HERE/run_step.sh" # run LIMIT_S LOG CMD...
 {
   bash .gpu-wheels/install-wheels .gpu-wheels/small
   python3 -m pip install -q --no-index --no-deps --no-build-isolation ./core \

@@ -16,14 +16,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 [[ -f .gpu-stamp ]] && export FUSEDHEAD_GIT_COMMIT=$(<.gpu-stamp)
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-run() { # run LIMIT_S LOG CMD...: one step, its output appended to LOG, never failing the script
-  local limit=$1 log=$2
-  shift 2
-  echo "===== ${*//$PWD\//} (limit ${limit}s) =====" >>"$log"
-  local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" >>"$log" 2>&1
-  echo "===== exit $? after $((SECONDS - t0))s =====" >>"$log"
-}
+source "$HERE/run_step.sh" # run LIMIT_S LOG CMD...
 if ! python3 -c "import fusedhead_triton, pydantic" 2>/dev/null; then
   {
     bash .gpu-wheels/install-wheels .gpu-wheels/small
