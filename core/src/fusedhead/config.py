@@ -110,7 +110,7 @@ class FusedHeadConfig(BaseModel):
     temperature: float = Field(
         1.0,
         description="Default temperature of calls that pass none; finite, > 0 (a backend's "
-        "declared min_temperature is checked at the call: triton's is 1e-3).",
+        "declared min_temperature is checked at the call: triton's is 1e-3, torch's 2**-100).",
     )
     ignore_index: int = Field(-100, description="Label value whose rows give 0 and no gradient.")
     return_entropy: bool = Field(True, description="Compute the entropy output by default.")

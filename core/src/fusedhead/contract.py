@@ -116,7 +116,12 @@ def _raise_below_min_temperature(
     raise CapabilityError(
         f"computes at temperatures >= {floor:g} (it declares min_temperature={floor:g}), got {got}",
         capability="min_temperature",
-        hint="raise the temperature, or name a backend with a smaller min_temperature, e.g. 'torch'",
+        hint="raise the temperature"
+        + (
+            ""
+            if identity.get("backend") == "torch"
+            else ", or name a backend with a smaller min_temperature, e.g. 'torch' (2**-100)"
+        ),
         **identity,
     )
 

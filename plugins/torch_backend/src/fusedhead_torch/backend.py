@@ -37,6 +37,7 @@ from fusedhead_torch.outputs import (
 from fusedhead_torch.policy import chunk_rows, policy_loss
 from fusedhead_torch.rowstats import MAX_GRID_VOCAB
 from fusedhead_torch.tile_math import (
+    MAX_SCALE,
     inverse_temperature,
     mm_out_dtype_works,
 )
@@ -69,6 +70,9 @@ class TorchBackend:
             # fp32_logits: the GEMMs write fp32; otherwise logits in the input dtype, then fp32.
             logits_precision="fp32" if self.fp32_logits(device) else "bf16",
             per_token_temperature=True,
+            # 1/T is held at MAX_SCALE (2^100): below 1/MAX_SCALE the log-probs would saturate
+            # at -2^100 times the logit gap, not -1/T times it, so those temperatures are refused.
+            min_temperature=1.0 / MAX_SCALE,
             softcap=True,
             uneven_shards=True,
             degree_invariant=True,

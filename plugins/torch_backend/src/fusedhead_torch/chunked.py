@@ -239,7 +239,7 @@ class ChunkedFusedHead(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         ctx.set_materialize_grads(False)
         h = hidden.contiguous()
-        inv_t = clamp_scale(inv_t)  # T below 1 / MAX_SCALE acts as 1 / MAX_SCALE
+        inv_t = clamp_scale(inv_t)  # the core refuses T below 1 / MAX_SCALE (min_temperature)
         scaling = Scaling(inv_t, spec.softcap)
         place = LabelPlace.locate(labels, weight.shape[0], spec, spec.grid_tiles)
         with _no_autocast(h.device):

@@ -21,7 +21,7 @@ from fusedhead_torch.rowstats import RowStats
 
 FP32 = torch.float32
 #: Largest ``1 / T`` (and ``c / T``) used: 2^100 ~ 1.3e30, so ``k * (src - max)`` stays finite for
-#: raw logit gaps under ~2.7e8. Temperatures below 7.9e-31 act as 7.9e-31 (a one-hot softmax).
+#: raw logit gaps under ~2.7e8. Temperatures below 7.9e-31 are refused (the backend's min_temperature).
 MAX_SCALE = 2.0**100
 #: Largest ``c / T`` folded into one factor with a softcap ``c``: ``src = tanh(x / c)`` lies in
 #: [-1, 1], so ``k * (src - max)`` stays finite up to 2^126. Past it (a cap of 1e34 at T = 1e-4)
