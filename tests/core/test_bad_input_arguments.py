@@ -159,7 +159,7 @@ def test_yaml_given_a_file_name_as_text_says_to_pass_a_path(tmp_path):
     assert "pathlib" not in str(info.value)
 
 
-@pytest.mark.parametrize("name", ["Ref-Test", " ref-test", ""])
+@pytest.mark.parametrize("name", ["Ref-Test", " ref-test", "", "ref-test\n"])
 @pytest.mark.parametrize("how", ["fused_head", "fused_kl", "FusedHead", "get_fused_head"])
 def test_an_invalid_backend_name_names_the_argument_not_a_config_never_built(
     ref_backend, inputs, how, name
@@ -196,6 +196,17 @@ def test_an_invalid_backend_name_says_what_was_meant(name, hint):
     with pytest.raises(ValueError, match="is not valid") as info:
         FusedHead(backend=name)
     assert hint in str(info.value)
+
+
+def test_a_backend_registered_under_a_name_with_a_final_newline_is_refused():
+    """The name check is of the whole name: a trailing newline used to slip past ``$``."""
+    from fusedhead import register_backend
+    from fusedhead.registry import candidates
+
+    with pytest.raises(ValueError, match="is not valid") as info:
+        register_backend("mine\n", object)
+    assert "'mine\\n'" in str(info.value)
+    assert "mine\n" not in candidates()
 
 
 def test_a_bad_keyword_of_fused_head_names_the_argument(ref_backend):

@@ -359,8 +359,12 @@ def test_the_trl_probe_fix_from_the_environment_in_a_fresh_process() -> None:
     done = _python(code, FUSEDHEAD_VERL_FIX_TRL_PROBE="1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "forward forward_with_fusedhead_backend" in done.stdout
-    failed = _python(code, FUSEDHEAD_VERL_FIX_TRL_PROBE="0")
+    failed = _python(code, FUSEDHEAD_VERL_FIX_TRL_PROBE="false")  # off, as "0" is
     assert failed.returncode != 0 and "AutoModelForCausalLMWithValueHead" in failed.stderr
+    # neither: a warning names it (verl's loader would swallow an error) and the fix stays off
+    typo = _python(code, FUSEDHEAD_VERL_FIX_TRL_PROBE="maybe")
+    assert "FUSEDHEAD_VERL_FIX_TRL_PROBE='maybe' is not an on/off value" in typo.stderr
+    assert typo.returncode != 0 and "AutoModelForCausalLMWithValueHead" in typo.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 from fusedhead import diagnostics, install_hints, registry
+from fusedhead.env_flags import env_flag
 from fusedhead.errors import BackendError
 from fusedhead.options import load_json
 
@@ -36,9 +37,6 @@ _DELEGATED = {
 }
 #: Set to 1 (or true, yes, on) to get the traceback of a failure instead of its one line.
 TRACEBACK_ENV = "FUSEDHEAD_TRACEBACK"
-#: The spellings an on/off environment variable takes (any case); unset or blank is off.
-_ENV_TRUE = ("1", "true", "yes", "on")
-_ENV_FALSE = ("0", "false", "no", "off")
 #: Exit status of a command that could not run (bad input, a backend that cannot be selected).
 EXIT_ERROR = 2
 #: Exit status when stdout's reader closed the pipe: a shell's for a process killed by SIGPIPE.
@@ -204,20 +202,6 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     by_lower = {choice.lower(): choice for choice in choices}
     close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
     return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
-
-
-def env_flag(name: str) -> bool:
-    """An on/off environment variable (1/0, true/false, yes/no, on/off, any case; unset or blank
-    is off); another value is a ValueError naming it, never read as off."""
-    raw = os.environ.get(name, "").strip()
-    if raw.lower() in _ENV_TRUE:
-        return True
-    if not raw or raw.lower() in _ENV_FALSE:
-        return False
-    raise ValueError(
-        f"{name}={raw!r} is not an on/off value: expected one of "
-        f"{', '.join(_ENV_TRUE)} (on) or {', '.join(_ENV_FALSE)} (off), in any case"
-    )
 
 
 class _Parser(argparse.ArgumentParser):

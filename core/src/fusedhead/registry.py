@@ -32,7 +32,8 @@ from fusedhead.errors import (
 from fusedhead.options import validate_options
 
 ENTRY_POINT_GROUP = "fusedhead.backends"
-NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
+#: A backend name, whole (``\Z``: ``$`` would let a final newline in).
+NAME_PATTERN = re.compile(r"\A[a-z0-9_-]+\Z")
 #: Environment variable limiting discovery to a comma-separated list of names.
 LIMIT_ENV = "FUSEDHEAD_BACKENDS"
 #: Reserved names: each may only come from the project's own distribution (normalized name).
