@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedhead import FusedLMHead
+from fusedhead import FusedLMHead, fused_head
 from fusedhead.cli import main
 
 
@@ -25,7 +25,20 @@ def test_a_wrong_hidden_size_with_a_bias_names_the_callers_shapes():
     with pytest.raises(ValueError) as info:
         _head()(torch.randn(6, 15), torch.randint(0, 40, (6,)))
     assert str(info.value) == (
-        "hidden's last dimension must equal weight's H=16, got hidden shape (6, 15)"
+        "hidden's last dimension must equal weight's H=16, got hidden shape (6, 15) "
+        "(weight is [V, H]: shape (40, 16))"
+    )
+
+
+def test_a_transposed_weight_is_named_as_such():
+    """Before: the width error alone, with neither the weight's shape nor its layout."""
+    h, w = torch.randn(2, 6, 16), torch.randn(40, 16)
+    with pytest.raises(ValueError) as info:
+        fused_head(h, w.T, torch.randint(0, 40, (2, 6)))
+    assert str(info.value) == (
+        "hidden's last dimension must equal weight's H=40, got hidden shape (2, 6, 16) "
+        "(weight is [V, H]: shape (16, 40)); weight looks transposed: pass the LM head's "
+        "weight as [V, H] (lm_head.weight, not its .T)"
     )
 
 

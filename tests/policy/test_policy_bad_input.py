@@ -388,6 +388,20 @@ def test_packed_labels_refuse_advantages_of_one_value_per_row(backend, adv_shape
         )
 
 
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize("adv_shape", [(B, 1), (B, S)], ids=["per-row", "per-token"])
+def test_cu_seqlens_beside_padded_labels_is_named_before_the_advantages(backend, adv_shape):
+    """Before: [B, 1] advantages were blamed first, with advice to repeat them per token, whose
+    [1, T] result was then refused as not the labels' shape: the mistake was cu_seqlens."""
+    batch = _batch()
+    batch["advantages"] = torch.ones(adv_shape)
+    with pytest.raises(ValueError) as info:
+        _call(backend, batch, cu_seqlens=torch.tensor([0, S, 2 * S, 3 * S]))
+    text = str(info.value)
+    assert text.startswith("cu_seqlens describes a packed batch: labels must be [T] or [1, T]")
+    assert f"got {(B, S)}" in text and "pass cu_seqlens=None" in text, text
+
+
 def test_a_single_packed_sequence_takes_its_one_advantage():
     batch = _packed()
     batch["advantages"] = torch.tensor([[0.5]])

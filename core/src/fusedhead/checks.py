@@ -169,6 +169,27 @@ def per_token_shape(arg: str, t: torch.Tensor, shape: tuple[int, ...], per_seque
         raise ValueError(f"{arg} must have the labels' shape {shape}{also}, got {got}")
 
 
+def width_mismatch(
+    hidden_shape: tuple[int, ...],
+    weight_shape: tuple[int, ...],
+    *,
+    hidden: str = "hidden",
+    weight: str = "weight",
+) -> ValueError:
+    """The error of a hidden state whose width is not the weight's ``H`` (the weight is
+    ``[V, H]``), saying so where the weight looks transposed (its ``V`` is hidden's width)."""
+    text = (
+        f"{hidden}'s last dimension must equal {weight}'s H={weight_shape[1]}, got {hidden} shape "
+        f"{hidden_shape} ({weight} is [V, H]: shape {weight_shape})"
+    )
+    if hidden_shape and weight_shape[0] == hidden_shape[-1]:
+        text += (
+            f"; {weight} looks transposed: pass the LM head's weight as [V, H] (lm_head.weight, "
+            "not its .T)"
+        )
+    return ValueError(text)
+
+
 def packed_per_sequence(
     arg: str, t: torch.Tensor, cu_seqlens: object, shape: tuple[int, ...]
 ) -> None:

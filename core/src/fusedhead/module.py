@@ -20,7 +20,7 @@ from torch import nn
 
 from fusedhead import rank_agreement
 from fusedhead.api import FusedHead, FusedHeadOutput
-from fusedhead.checks import is_dtensor, tensor_arg
+from fusedhead.checks import is_dtensor, tensor_arg, width_mismatch
 from fusedhead.config import FusedHeadConfig
 from fusedhead.graph import tracing
 from fusedhead.request import HeadRequest, head_request
@@ -179,10 +179,7 @@ def _linear_input(hidden: object, weight: torch.Tensor) -> torch.Tensor:
         tensor_arg("hidden", hidden)  # the call's TypeError
     h: torch.Tensor = hidden  # type: ignore[assignment]
     if h.dim() == 0 or h.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden's last dimension must equal weight's H={weight.shape[1]}, got hidden shape "
-            f"{tuple(h.shape)}"
-        )
+        raise width_mismatch(tuple(h.shape), tuple(weight.shape))
     if h.device != weight.device:
         raise ValueError(f"hidden must be on the weight's device {weight.device}, got {h.device}")
     if not h.is_floating_point():
@@ -250,10 +247,7 @@ def _fold_bias(request: HeadRequest, bias: torch.Tensor) -> HeadRequest:
         raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
     _check_bias(bias, weight)
     if weight.dim() == 2 and hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden's last dimension must equal weight's H={weight.shape[1]}, got hidden "
-            f"shape {tuple(hidden.shape)}"
-        )
+        raise width_mismatch(tuple(hidden.shape), tuple(weight.shape))
     # [h, 1] @ [W, b].T == h @ W.T + b
     ones = hidden.new_ones((*hidden.shape[:-1], 1))
     return request._replace(

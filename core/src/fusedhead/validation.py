@@ -36,6 +36,7 @@ from fusedhead.checks import (
     positive_float,
     saveable,
     tensor_arg,
+    width_mismatch,
 )
 from fusedhead.protocol import KL_DIRECTIONS, HeadCall, KLCall
 from fusedhead.request import FIRST_FLAG, OUTPUT_FLAGS, HeadRequest
@@ -195,9 +196,7 @@ def check_head(
             f"weight must be non-empty [V, H] with V > 0 and H > 0, got shape {tuple(ws)}"
         )
     if hs[-1] != H:
-        raise ValueError(
-            f"hidden's last dimension must equal weight's H={H}, got hidden shape {tuple(hs)}"
-        )
+        raise width_mismatch(tuple(hs), tuple(ws))
     if nd == 2:  # the common case: [N, H] and [N], compared as tuples without slicing a Size
         n = hs[0]
         if len(ys) != 1 or ys[0] != n:
@@ -527,14 +526,10 @@ def validate_kl(
         if t.dim() != 2 or 0 in t.shape:
             raise ValueError(f"{arg} must be non-empty [V, H], got shape {tuple(t.shape)}")
     if h.shape[-1] != w.shape[1]:
-        raise ValueError(
-            f"hidden's last dimension must equal weight's H={w.shape[1]}, got hidden shape "
-            f"{tuple(h.shape)}"
-        )
+        raise width_mismatch(tuple(h.shape), tuple(w.shape))
     if th.shape[-1] != tw.shape[1]:
-        raise ValueError(
-            f"teacher_hidden's last dimension must equal teacher_weight's H={tw.shape[1]}, got "
-            f"teacher_hidden shape {tuple(th.shape)}"
+        raise width_mismatch(
+            tuple(th.shape), tuple(tw.shape), hidden="teacher_hidden", weight="teacher_weight"
         )
     if tw.shape[0] != w.shape[0]:
         raise ValueError(
