@@ -645,3 +645,14 @@ def test_an_unknown_backend_option_names_fused_head_options(tmp_path: Path) -> N
     said = str(err.value)
     assert f"fused_head_options={text!r}: unknown option 'memory'" in said, said
     assert "valid options of 'torch': workspace_mib" in said, said
+
+
+def test_the_trainer_classes_are_listed_before_they_are_built() -> None:
+    """Built on first use, yet in ``dir()`` (tab completion) and ``__all__`` (``import *``)."""
+    lazy = {
+        f"FusedHead{k}{w}"
+        for k in ("GRPO", "RLOO", "SFT", "DPO", "KTO")
+        for w in ("Trainer", "Config")
+    }
+    assert lazy <= set(dir(fh_trl))
+    assert lazy <= set(fh_trl.__all__)

@@ -456,6 +456,12 @@ def _build(name: str) -> Any:
 
 
 _LAZY = {f"FusedHead{k}{w}" for k in _TRAINERS for w in ("Trainer", "Config")}
+__all__ += sorted(_LAZY)  # built on first use: `import *` builds them (and imports TRL)
+
+
+def __dir__() -> list[str]:
+    """The module's names and the trainer classes built on first use (tab completion)."""
+    return sorted({*globals(), *_LAZY})
 
 
 def __getattr__(name: str) -> Any:
