@@ -52,13 +52,14 @@ def test_options_are_validated() -> None:
         ("block_m", 2048, ["option 'block_m' = 2048", "powers of two from 16 to 1024"]),
         ("backward_block_mib", float("inf"), ["option 'backward_block_mib' = inf", "finite"]),
         ("backward_block_mib", float("nan"), ["option 'backward_block_mib' = nan", "finite"]),
+        ("backward_block_mib", 1e308, ["option 'backward_block_mib' = 1e+308", "<= 1048576"]),
     ],
 )
 def test_options_a_kernel_cannot_take_are_refused_by_name(
     option: str, value: object, words: list[str]
 ) -> None:
     """Before: a 2**40 tile reached the interpreter (an int32 overflow, on a GPU a compile
-    failure) and an infinite buffer bound an OverflowError in the first call."""
+    failure) and an infinite or a finite huge buffer bound an OverflowError in the first call."""
     import fusedhead
     from fusedhead.errors import OptionsError
 
@@ -68,6 +69,7 @@ def test_options_a_kernel_cannot_take_are_refused_by_name(
     for word in words:
         assert word in str(info.value)
     TritonOptions(block_m=1024, block_n=1024, block_k=1024, backward_block_mib=1e-3)  # the ends
+    TritonOptions(backward_block_mib=2**20)
 
 
 def test_one_memory_choice_and_tile_overrides() -> None:

@@ -68,9 +68,11 @@ class TritonOptions(BaseModel):
     backward_block_mib: float | None = Field(
         default=None,
         gt=0,
+        le=1 << 20,
         allow_inf_nan=False,
-        description="Tuning: bound on the backward's dz[N, Vb] block buffer in MiB (sets Vb from N; "
-        "wider blocks are faster, fewer hidden-gradient read-modify-writes). None: memory's default.",
+        description="Tuning: bound on the backward's dz[N, Vb] block buffer in MiB, at most 2**20 "
+        "(1 TiB; sets Vb from N; wider blocks are faster, fewer hidden-gradient "
+        "read-modify-writes). None: memory's default.",
     )
     block_m: int | None = Field(
         None,
