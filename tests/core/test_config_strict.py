@@ -128,6 +128,23 @@ def test_an_int_is_a_float_and_a_huge_one_is_refused_cleanly(ref_backend):
         FusedHeadConfig(backend="ref-test", temperature=10**400)
 
 
+@pytest.mark.parametrize("field", ["temperature", "softcap"])
+@pytest.mark.parametrize("make", ["bool", "0-d", "1-d"])
+def test_a_tensor_is_no_float_for_a_config(ref_backend, field, make):
+    """Before: torch.tensor(True) was read as 1.0 and a one-element tensor as its value."""
+    import torch
+
+    value = {
+        "bool": torch.tensor(True),
+        "0-d": torch.tensor(0.5),
+        "1-d": torch.tensor([0.5]),
+    }[make]
+    with pytest.raises(TypeError) as info:
+        FusedHeadConfig(backend="ref-test", **{field: value})
+    assert f"field {field!r} = tensor(" in str(info.value), info.value
+    assert "(Tensor): expected float" in str(info.value), info.value
+
+
 def test_bogus_device_is_a_value_error_naming_device(ref_backend):
     with pytest.raises(ValueError, match=r"field 'device' = 'bogus'.*torch device") as info:
         FusedHeadConfig.from_yaml("backend: ref-test\ndevice: bogus\n")

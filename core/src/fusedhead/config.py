@@ -27,6 +27,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from fusedhead.errors import BackendError, OptionsError
 from fusedhead.options import (
@@ -181,6 +182,10 @@ class FusedHeadConfig(BaseModel):
     @field_validator("temperature", "softcap", mode="before")
     @classmethod
     def _int_to_float(cls, value: Any) -> Any:
+        # A number only: a tensor (a bool one included) would be read as its one value, and a
+        # per-token temperature is a call's argument, not a config's.
+        if value is not None and not isinstance(value, (numbers.Real, str)):
+            raise PydanticCustomError("float_type", "expected float")
         # An int is a number here (not a bool); one beyond the float range is infinite.
         if isinstance(value, int) and not isinstance(value, bool):
             try:
