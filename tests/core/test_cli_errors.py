@@ -65,6 +65,17 @@ def test_a_bogus_device_is_one_line_naming_the_flag(capsys, argv):
     assert "PASS" not in out
 
 
+@pytest.mark.parametrize(
+    "argv", [("check", "Torch"), ("demo", "--backend", "Torch", "--quiet"), ("info", "Torch")]
+)
+def test_a_capitalised_backend_name_is_named_as_given_not_as_a_config(capsys, argv):
+    """Before: check and demo said "FusedHeadConfig: backend name ...", a class never built."""
+    rc, _out, err = run_main(capsys, *argv)
+    line = one_error_line(err)
+    assert rc == 2 and "FusedHeadConfig" not in line, line
+    assert "backend name 'Torch' is not valid" in line and "did you mean 'torch'?" in line, line
+
+
 def test_list_check_with_a_bogus_device_is_one_line(capsys):
     rc, _out, err = run_main(capsys, "list", "--check", "--device", "bogus")
     line = one_error_line(err)

@@ -183,7 +183,6 @@ def _run_problem(args: argparse.Namespace) -> int:
     from fusedhead.bench.cases import IGNORE_INDEX, Case, make_inputs, refuse_unfit
     from fusedhead.bench.measure import measure
     from fusedhead.cli import runnable_device
-    from fusedhead.config import FusedHeadConfig
     from fusedhead.errors import BackendUnavailableError
 
     progress = _Progress(getattr(args, "quiet", False))
@@ -192,11 +191,8 @@ def _run_problem(args: argparse.Namespace) -> int:
     if device.type == "cuda":
         timing.disable_tf32()
     progress(f"resolving backend {args.backend!r}")
-    head = FusedHead(
-        FusedHeadConfig.from_dict(
-            {"backend": args.backend, "options": options, "device": str(device)}
-        )
-    )
+    # keyword arguments: a bad name is named as --backend's value, not a FusedHeadConfig's field
+    head = FusedHead(backend=args.backend, options=options, device=str(device))
     caps = head.capabilities(device)
     case = Case(
         args.n,

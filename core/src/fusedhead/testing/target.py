@@ -10,7 +10,6 @@ from typing import Any, overload
 import torch
 
 from fusedhead.api import FusedHead
-from fusedhead.config import FusedHeadConfig
 from fusedhead.errors import BackendUnavailableError
 from fusedhead.options import load_json
 from fusedhead.protocol import Capabilities
@@ -80,9 +79,7 @@ class Target:
             raise BackendUnavailableError(
                 "--device cuda was asked for but torch sees no CUDA device here"
             )
-        head = FusedHead(
-            FusedHeadConfig.from_dict({"backend": backend, "options": opts, "device": str(dev)})
-        )
+        head = FusedHead(backend=backend, options=opts, device=str(dev))  # errors name arguments
         # As a call's first use of (device, dtype) does: the backend's check() first (its own
         # reason and fix reach the user; a raw exception from it is a BackendContractError naming
         # the distribution), then its declared devices and dtypes.
@@ -97,11 +94,8 @@ class Target:
         """The same backend with ``check_labels=False``: no value read, so a policy-loss call
         hands the backend every row, ignored ones included (a checked call leaves them out)."""
         return FusedHead(
-            FusedHeadConfig.from_dict(
-                {"backend": self.backend, "options": self.options, "device": str(self.device),
-                 "check_labels": False}
-            )
-        )  # fmt: skip
+            backend=self.backend, options=self.options, device=str(self.device), check_labels=False
+        )
 
     @property
     def min_temperature(self) -> float:
