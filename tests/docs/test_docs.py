@@ -1,7 +1,9 @@
 """Every Python block in the README and docs/ runs, as a reader would paste it.
 
 A block preceded by ``<!-- docs-test: gpu -->`` needs CUDA and runs only where a GPU is present; one
-preceded by ``<!-- docs-test: skip (reason) -->`` is shown but not run, with the reason.
+preceded by ``<!-- docs-test: needs MODULE (how to get it) -->`` runs wherever MODULE imports (a
+trainer: CI installs them); one preceded by ``<!-- docs-test: skip (reason) -->`` is shown but not
+run, with the reason.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def blocks() -> list[object]:
                 marks.append(pytest.mark.gpu)
             elif mark.startswith("skip"):
                 marks.append(pytest.mark.skip(reason=f"marked in the doc: {mark}"))
+            elif not mark.startswith("needs ") and mark:
+                raise ValueError(f"{path}: unknown docs-test mark {mark!r} (gpu, skip, needs)")
             rel = path.relative_to(ROOT)
             found.append(
                 pytest.param(path, m.group("code"), mark, id=f"{rel}:{line}#{i}", marks=marks)
@@ -73,6 +77,9 @@ def test_promised_output_reads_quotes_and_sizes() -> None:
 
 @pytest.mark.parametrize(("path", "code", "mark"), blocks())
 def test_doc_block_runs(path: Path, code: str, mark: str, tmp_path: Path) -> None:
+    if mark.startswith("needs "):  # needs MODULE (how to get it): run wherever it imports
+        module = mark.split()[1]
+        pytest.importorskip(module, reason=f"marked in the doc: {mark}")
     if mark.startswith("gpu"):
         torch = pytest.importorskip("torch")
         if not torch.cuda.is_available():
