@@ -102,6 +102,13 @@ def test_check_on_the_cpu_without_the_interpreter_says_how(
     with pytest.raises(BackendUnavailableError) as err:
         TritonBackend().check(torch.device("cpu"), torch.float32)
     assert "TRITON_INTERPRET=1" in str(err.value) and "backend='torch'" in str(err.value)
+    # bf16: the interpreter refuses it (its bf16 dots are wrong), so torch is the advice
+    with pytest.raises(BackendUnavailableError) as err:
+        TritonBackend().check(torch.device("cpu"), torch.bfloat16)
+    assert str(err.value).endswith(
+        "use backend='torch' (or, in fp32 or fp16, set TRITON_INTERPRET=1 to test the kernels "
+        "on the CPU's interpreter)"
+    ), err.value
 
 
 def test_check_refuses_bf16_under_the_interpreter() -> None:

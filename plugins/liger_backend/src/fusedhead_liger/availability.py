@@ -71,9 +71,10 @@ def native_unavailable_message(device: torch.device, dtype: torch.dtype, reasons
         )
     if device_reasons(device):
         fixes.append("run on an H100/H200 GPU")
+    others = 'backend="triton" or backend="torch"' if device.type == "cuda" else 'backend="torch"'
     fixes.append(
         'use options={"implementation": "fallback"} to run Liger\'s chunked path on purpose, '
-        'or another backend (e.g. backend="triton" or backend="torch")'
+        f"or another backend (e.g. {others})"
     )
     why = "; ".join(reasons)
     how = "; ".join(fixes)

@@ -196,10 +196,15 @@ class TritonBackend:
             return
         if device.type == "cpu":
             if not interp:
+                testing = (  # the interpreter's bf16 dots are wrong: not advised for bf16
+                    "use backend='torch' (or, in fp32 or fp16, set TRITON_INTERPRET=1 to test "
+                    "the kernels on the CPU's interpreter)"
+                    if dtype == torch.bfloat16
+                    else "set TRITON_INTERPRET=1 to run the kernels on the CPU for testing, or "
+                    "use backend='torch'"
+                )
                 raise BackendUnavailableError(
-                    "the triton backend runs on CUDA GPUs and this is the CPU; set "
-                    "TRITON_INTERPRET=1 to run the kernels on the CPU for testing, or use "
-                    "backend='torch'"
+                    f"the triton backend runs on CUDA GPUs and this is the CPU; {testing}"
                 )
             if dtype == torch.bfloat16:
                 raise BackendUnavailableError(
