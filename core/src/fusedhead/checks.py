@@ -42,9 +42,10 @@ def not_int64_exact(arg: str, dtype: torch.dtype) -> NoReturn:
     """An id tensor of a dtype without an exact int64 form (compared with ``ignore_index`` and
     the vocabulary in int64): floats, bool, complex, and uint64 (past 2**63 it wraps negative,
     e.g. onto -100)."""
+    fix = f"pass token ids, e.g. {arg}.long()" if dtype.is_floating_point else "pass int64 ids"
     raise TypeError(
         f"{arg} must be an integer tensor that converts to int64 exactly (int8 to int64, uint8 to "
-        f"uint32), got dtype {dtype}"
+        f"uint32), got dtype {dtype}: {fix}"
     )
 
 

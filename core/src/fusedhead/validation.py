@@ -212,9 +212,15 @@ def check_head(
         not_int64_exact("labels", ydt)
     hdt, wdt = h.dtype, w.dtype
     if hdt not in FLOAT_DTYPES:
-        raise TypeError(f"hidden must be float32, float16 or bfloat16, got dtype {hdt}")
+        raise TypeError(
+            f"hidden must be float32, float16 or bfloat16, got dtype {hdt}: cast it, e.g. "
+            "hidden.float()"
+        )
     if wdt is not hdt and wdt not in FLOAT_DTYPES:
-        raise TypeError(f"weight must be float32, float16 or bfloat16, got dtype {wdt}")
+        raise TypeError(
+            f"weight must be float32, float16 or bfloat16, got dtype {wdt}: cast it, e.g. "
+            "weight.float()"
+        )
     dev = h.device
     wdev = w.device
     if wdev != dev:
@@ -543,7 +549,10 @@ def validate_kl(
         )
     for arg, t in (("hidden", h), ("weight", w), ("teacher_hidden", th), ("teacher_weight", tw)):
         if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{arg} must be float32, float16 or bfloat16, got dtype {t.dtype}")
+            raise TypeError(
+                f"{arg} must be float32, float16 or bfloat16, got dtype {t.dtype}: cast it, e.g. "
+                f"{arg}.float()"
+            )
         if t.device != h.device:
             raise ValueError(f"{arg} must be on hidden's device {h.device}, got {t.device}")
     h, w = _apply_autocast(h, w, h.device.type)
