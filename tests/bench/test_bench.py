@@ -14,7 +14,10 @@ from fusedhead import cli
 from fusedhead.bench import accuracy, memory, peers, timing
 from fusedhead.bench.cases import IGNORE_INDEX, Case, make_inputs
 
-TINY = ["--device", "cpu", "--n", "48", "--hidden", "16", "--vocab", "300", "--reps", "1"]
+#: A tiny problem but its N: a list flag given again adds to its list, so a test of other Ns
+#: starts from this.
+SHAPE = ["--device", "cpu", "--hidden", "16", "--vocab", "300", "--reps", "1"]
+TINY = [*SHAPE, "--n", "48"]
 OUTPUTS = ("log_probs", "entropy", "grad_hidden", "grad_weight")
 
 
@@ -61,7 +64,7 @@ def test_bench_writes_one_json_object_per_measurement(torch_backend: None, tmp_p
     rc = cli.main(
         [
             "bench",
-            *TINY,
+            *SHAPE,
             "--n",
             "32",
             "64",
@@ -334,7 +337,7 @@ def test_a_terminated_bench_still_writes_its_table(tmp_path: Path) -> None:
     import sys
 
     out, md = tmp_path / "r.json", tmp_path / "r.md"
-    cmd = [sys.executable, "-m", "fusedhead.cli", "bench", *TINY, "--n", *map(str, range(16, 400, 16)),
+    cmd = [sys.executable, "-m", "fusedhead.cli", "bench", *SHAPE, "--n", *map(str, range(16, 400, 16)),
            "--impl", "reference", "--reps", "20", "--no-memory", "--json", str(out),
            "--markdown", str(md)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -635,3 +635,11 @@ def test_info_usage_shows_the_backend_name_as_required(capsys: pytest.CaptureFix
     assert main(["info", "--help"]) == 0
     usage = capsys.readouterr().out.splitlines()[0]
     assert usage.endswith(" name") and "[name]" not in usage, usage
+
+
+def test_demo_refuses_a_scale_whose_logits_overflow(capsys):
+    """Before: the demo made inf inputs itself, then blamed the backend's accuracy (FAIL)."""
+    rc, out, err = run_main(capsys, "demo", "--scale", "8e37", "--quiet")
+    line = one_error_line(err)
+    assert rc == 2 and line.startswith("fusedhead: error: --scale 8e+37 with --dtype fp32"), line
+    assert "expected --scale <=" in line and "FAIL" not in out

@@ -180,7 +180,13 @@ def _run_problem(args: argparse.Namespace) -> int:
 
     from fusedhead.api import FusedHead
     from fusedhead.bench import accuracy, peers, report, timing
-    from fusedhead.bench.cases import IGNORE_INDEX, Case, make_inputs, refuse_unfit
+    from fusedhead.bench.cases import (
+        IGNORE_INDEX,
+        Case,
+        make_inputs,
+        refuse_overflow,
+        refuse_unfit,
+    )
     from fusedhead.bench.measure import measure
     from fusedhead.cli import runnable_device
     from fusedhead.errors import BackendUnavailableError
@@ -205,6 +211,7 @@ def _run_problem(args: argparse.Namespace) -> int:
         str(device),
     )
     refuse_unfit([case], device)
+    refuse_overflow([case])
     spec = args.backend if not options else f"{args.backend}:{json.dumps(options)}"
     backend_impl = peers.resolve(spec)
     reason = backend_impl.availability(case)

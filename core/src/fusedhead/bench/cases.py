@@ -66,20 +66,101 @@ def device_bytes(device: torch.device) -> int | None:
         return None
 
 
+#: What each head case adds to the inputs (``head_bytes``), named in ``refuse_unfit``'s message.
+_HEAD_PARTS = {
+    "topk": "the [N, k] top-k ids, log-probs and their gradient",
+    "gather": "the [N, K] gathered ids, log-probs and their gradient",
+    "kl": "the teacher's hidden states and weight",
+    "kl-reverse": "the teacher's hidden states and weight",
+}
+
+
+def head_bytes(case: Case) -> int:
+    """Bytes a head case adds to the inputs: ``topk<k>`` / ``gather<K>`` their ``[N, K]`` ids
+    (int64), outputs and gradients (fp32); ``kl`` / ``kl-reverse`` the teacher's hidden states
+    and weight; the others nothing the inputs' size does not bound."""
+    from fusedhead.bench import heads
+
+    kind, size = heads.parse(case.head)
+    if kind in ("topk", "gather"):
+        return case.n * size * (8 + 4 + 4)
+    if kind in ("kl", "kl-reverse"):
+        return case.input_bytes()
+    return 0
+
+
 def refuse_unfit(cases: list[Case], device: torch.device) -> None:
     """A case whose hidden states, weight and one ``[N, V]`` logits GEMM (the GEMM unit, and the
-    full-logits reference's block) exceed the device's memory is refused by its sizes, before any
-    input is made: past it, a run fails after minutes of building, or in an overflow inside torch."""
+    full-logits reference's block), with what its head case adds (``head_bytes``), exceed the
+    device's memory is refused by its sizes, before any input is made: past it, a run fails after
+    minutes of building, or in an overflow inside torch."""
+    from fusedhead.bench import heads
+
     total = device_bytes(device)
     for case in cases:
         need = case.input_bytes() + case.n * case.vocab * ELEMENT_BYTES[case.dtype]
-        if total is not None and need > total:
+        extra = head_bytes(case)
+        if total is not None and need + extra > total:
+            what, where = "the hidden states, the weight and one [N, V] GEMM of logits", ""
+            if extra:
+                part = _HEAD_PARTS[heads.parse(case.head)[0]]
+                what = f"the hidden states, the weight, one [N, V] GEMM of logits and {part}"
+                where = f" --case {case.head}"
             raise ValueError(
-                f"--n {case.n} --hidden {case.hidden} --vocab {case.vocab} ({case.dtype}): the "
-                f"hidden states, the weight and one [N, V] GEMM of logits take "
-                f"{need / 2**30:.3g} GiB, more than the {total / 2**30:.3g} GiB of {device}; "
-                "use smaller sizes"
+                f"--n {case.n} --hidden {case.hidden} --vocab {case.vocab}{where} ({case.dtype}): "
+                f"{what} take {(need + extra) / 2**30:.3g} GiB, more than the "
+                f"{total / 2**30:.3g} GiB of {device}; use smaller sizes"
             )
+
+
+def logit_bound(case: Case) -> float:
+    """About the largest ``|logit|`` the case's inputs give, with a margin: the logits ``h . w``
+    are formed in the case's dtype, and over the temperature in fp32 (the statistics).
+
+    Given the row ``h_i``, each logit is ``N(0, (s ||h_i|| / sqrt(H))^2)``; the largest row norm is
+    about ``sqrt(H) + sqrt(2 ln N)`` and the largest of ``N V`` such logits about
+    ``sqrt(2 ln(N V))`` standard deviations, each taken at a one-in-a-million tail.
+    """
+    rows = math.sqrt(2.0 * math.log(1e6 * case.n))
+    tail = math.sqrt(2.0 * math.log(2e6 * case.n * case.vocab))
+    return case.scale * (1.0 + rows / math.sqrt(case.hidden)) * tail
+
+
+def _round_down(value: float) -> str:
+    """``value`` to 3 significant digits, rounded down: a limit that the text given back keeps."""
+    step = 10.0 ** (math.floor(math.log10(value)) - 2)
+    return f"{math.floor(value / step) * step:.3g}"
+
+
+def refuse_overflow(cases: list[Case]) -> None:
+    """A case whose logits would overflow (``--scale`` large for fp16's 65504, or the logits over
+    a temperature near 0 past fp32's range) is refused by name before any work: past it, inputs
+    or logits are inf and every error NaN."""
+    fp32_top = float(torch.finfo(torch.float32).max)
+    for case in cases:
+        raw = logit_bound(case)
+        over = raw / min(1.0, case.temperature)
+        top = float(torch.finfo(case.torch_dtype).max)
+        if raw <= top and over <= fp32_top:
+            continue
+        if raw > top:
+            what = f"the logits reach about {raw:.3g}, past {case.dtype}'s largest value {top:.5g}"
+        else:
+            what = (
+                f"the logits over the temperature reach about {over:.3g}, past fp32's largest "
+                f"value {fp32_top:.5g} (the statistics are fp32)"
+            )
+        fits = case.scale * min(top / raw, fp32_top / over)
+        if raw > top:
+            other = ", or --dtype bf16 or fp32" if case.dtype == "fp16" else ""
+        else:
+            other = ", or a larger --temperature"
+        raise ValueError(
+            f"--scale {case.scale:g} with --dtype {case.dtype} and --temperature "
+            f"{case.temperature:g} (--n {case.n} --hidden {case.hidden} --vocab {case.vocab}): "
+            f"{what} (inputs or logits would be inf, every error NaN); expected --scale <= "
+            f"{_round_down(fits)} at these sizes{other}"
+        )
 
 
 @dataclass
@@ -118,17 +199,21 @@ def grid(
 
     for name in heads or ():
         kind, size = head_cases.parse(name)  # a bad name is a ValueError naming --case
-        if kind == "topk" and size > min(vocabs):  # refused now, not as each case's error
+        if kind in ("topk", "gather") and size > min(vocabs):  # refused now, not as each case's
+            k = "k" if kind == "topk" else "K"
+            what = "top-k ids" if kind == "topk" else "ids gathered per row"
             raise ValueError(
-                f"--case {name}: k = {size} is larger than --vocab {min(vocabs)}; "
-                f"use k <= {min(vocabs)}, or a larger vocabulary"
+                f"--case {name}: {k} = {size} is larger than --vocab {min(vocabs)}; expected "
+                f"{k} <= {min(vocabs)} ({what}: at most the vocabulary), or a larger vocabulary"
             )
+    heads = [head_cases.canonical(name) for name in heads or ["logprobs"]]  # topk05 is topk5
     cases = [
         Case(n, h, v, d, temperature, s, seed, device, head)
         for head, d, h, v, s, n in itertools.product(
-            heads or ["logprobs"], dtypes, hiddens, vocabs, scales, sorted(ns)
+            heads, dtypes, hiddens, vocabs, scales, sorted(ns)
         )
     ]
+    refuse_overflow(cases)
     return cases
 
 

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import math
+import re
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 GPU_DEFAULTS: dict[str, list[Any]] = {
     "n": [1024, 8192, 32768],
@@ -32,25 +38,48 @@ CPU_DEFAULTS: dict[str, list[Any]] = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fusedhead bench`` (grid defaults depend on the device: see --help).
 
-    Every number is checked by its argument type, so a bad one names its flag before any work.
+    Every number is checked by its argument type, so a bad one names its flag before any work;
+    a list flag given again adds to its list (``--n 64 --n 128`` is ``--n 64 128``).
     """
-    from fusedhead.cli import (
-        device_arg,
-        nonnegative_int,
-        positive_float,
-        positive_int,
-        positive_number,
+    from fusedhead import cli
+
+    device_arg = cli.device_arg
+    positive_int, nonnegative_int = _ascii_int(cli.positive_int), _ascii_int(cli.nonnegative_int)
+    positive_float, positive_number = (
+        _ascii_float(cli.positive_float),
+        _ascii_float(cli.positive_number),
     )
 
     g = parser.add_argument_group(
         "grid (defaults: GPU N 1024 8192 32768, H 4096, V 32000 128256 151936, "
         "bf16 fp32; CPU N 2048, H 1024, V 32000, fp32)"
     )
-    g.add_argument("--n", type=positive_int, nargs="+", default=None, help="token counts N")
-    g.add_argument("--hidden", type=positive_int, nargs="+", default=None, help="hidden sizes H")
-    g.add_argument("--vocab", type=positive_int, nargs="+", default=None, help="vocabulary sizes V")
     g.add_argument(
-        "--dtype", nargs="+", default=None, choices=["fp32", "fp16", "bf16"], help="input dtypes"
+        "--n", type=positive_int, nargs="+", action=_Extend, default=None, help="token counts N"
+    )
+    g.add_argument(
+        "--hidden",
+        type=positive_int,
+        nargs="+",
+        action=_Extend,
+        default=None,
+        help="hidden sizes H",
+    )
+    g.add_argument(
+        "--vocab",
+        type=positive_int,
+        nargs="+",
+        action=_Extend,
+        default=None,
+        help="vocabulary sizes V",
+    )
+    g.add_argument(
+        "--dtype",
+        nargs="+",
+        action=_Extend,
+        default=None,
+        choices=["fp32", "fp16", "bf16"],
+        help="input dtypes",
     )
     g.add_argument(
         "--temperature", type=positive_float, default=0.7, help="temperature (default 0.7)"
@@ -59,8 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scale",
         type=positive_float,
         nargs="+",
+        action=_Extend,
         default=[1.0],
-        help="weight scale s, W ~ N(0, (s/sqrt(H))^2): 1 flat, 4 peaked (default 1)",
+        help="weight scale s, W ~ N(0, (s/sqrt(H))^2): 1 flat, 4 peaked (default 1); one whose "
+        "logits would overflow the dtype (fp16: past 65504) is refused",
     )
     g.add_argument(
         "--seed", type=nonnegative_int, default=0, help="generator seed of the inputs (default 0)"
@@ -68,15 +99,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--case",
         nargs="+",
+        action=_Extend,
         default=None,
         metavar="CASE",
-        help="what each call computes: logprobs (default), topk<k>, gather<K>, lse, sum_p2, "
+        help="what each call computes: logprobs (default), topk<k>, gather<K> (k, K <= --vocab), "
+        "lse, sum_p2, "
         "argmax, kl, kl-reverse (fusedhead backends only), policy (the RL policy loss's forward + "
         "backward; with unfused:NAME and the peers; see fusedhead.bench.heads)",
     )
     parser.add_argument(
         "--impl",
         nargs="+",
+        action=_Extend,
         default=None,
         metavar="NAME",
         help="implementations: installed backend names (NAME or 'NAME:{json options}'), "
@@ -109,7 +143,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json",
         metavar="PATH",
-        help="write results here, one object per measurement, as they come",
+        help="write results here, one object per measurement, as they come. Each output PATH "
+        "(--json, --markdown, --plot) is a regular file, replaced whole at each write; a symlink "
+        "is followed (its target is written, the link kept); anything else there (a folder, a "
+        "device such as /dev/null, a pipe) is refused",
     )
     parser.add_argument(
         "--append",
@@ -125,8 +162,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot",
         metavar="PATH",
-        help="write a PNG plot here (needs matplotlib: the core's bench extra)",
+        help="write a plot here, in the format its extension names (.png, .pdf, .svg, ...; "
+        "needs matplotlib: the core's bench extra)",
     )
+
+
+class _Extend(argparse.Action):
+    """A list flag given again adds its values (``--impl torch --impl reference`` measures both),
+    where argparse's own ``nargs="+"`` keeps only the last; its first values replace the default."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        given = getattr(namespace, self.dest, None)
+        earlier = [] if given is None or given is self.default else list(given)
+        setattr(namespace, self.dest, [*earlier, *(values or [])])
+
+
+#: Numbers as the flags take them: ASCII digits, an optional sign, point and exponent. Python's
+#: int() and float() also take other scripts' digits ('٣' is 3), '1_000' and spaces around.
+_ASCII_INT = re.compile(r"[+-]?[0-9]+")
+_ASCII_FLOAT = re.compile(r"[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def _ascii_number(parse: Callable[[str], T], pattern: re.Pattern[str]) -> Callable[[str], T]:
+    """``parse`` (a flag's type, whose error names what it takes), for text written in ASCII."""
+
+    def checked(text: str) -> T:
+        value = parse(text)  # its own error for what is no number at all, or out of range
+        if not pattern.fullmatch(text):
+            raise argparse.ArgumentTypeError(
+                f"must be written with the ASCII digits 0-9 (no other script's digits, spaces "
+                f"or '_'), got {text!r}"
+            )
+        return value
+
+    checked.__name__ = getattr(parse, "__name__", "number")
+    return checked
+
+
+def _ascii_int(parse: Callable[[str], int]) -> Callable[[str], int]:
+    return _ascii_number(parse, _ASCII_INT)
+
+
+def _ascii_float(parse: Callable[[str], float]) -> Callable[[str], float]:
+    return _ascii_number(parse, _ASCII_FLOAT)
 
 
 #: Arguments that shape or tune the measurements, which ``--report-only`` does not take.
@@ -145,9 +229,13 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.report_only:
         _refuse_measurement_args(args)
         return
+    from fusedhead.bench import heads
+
     for dest in GRID_LISTS:
         values = getattr(args, dest) or []
-        repeated = sorted({str(v) for i, v in enumerate(values) if v in values[:i]})
+        # compared as the run reads them: topk05 is topk5, 1 is 1.0, 08 is 8
+        same = [heads.canonical(v) for v in values] if dest == "case" else values
+        repeated = sorted({str(v) for i, v in enumerate(same) if v in same[:i]})
         if repeated:
             raise ValueError(
                 f"--{dest} {' '.join(map(str, values))}: {', '.join(repeated)} given twice; "
@@ -191,9 +279,12 @@ def _refuse_policy_only_impls(specs: list[str], cases: list[str]) -> None:
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before any work, an output path that could not be written at the end of a run.
 
-    A folder where a file goes, a file where a folder goes, a folder that cannot be created or
-    written, a plot format matplotlib does not write, ``--append`` without ``--json``: each is a
-    ValueError naming the flag (a run of hours must not end in an error writing its table).
+    A folder where a file goes, an existing path that is not a regular file (a device such as
+    /dev/null, a pipe: the atomic write would replace it), a file where a folder goes, a folder
+    that cannot be created or written, a plot path whose extension names no format matplotlib
+    writes, ``--append`` without ``--json``: each is a ValueError naming the flag (a run of hours
+    must not end in an error writing its table). A symlink is followed: its target is checked,
+    and written later (``report.write_file``).
     """
 
     if args.append and not args.json:
@@ -202,7 +293,7 @@ def check_outputs(args: argparse.Namespace) -> None:
                                  ("--plot", args.plot)) if v]  # fmt: skip
     for i, (flag, value) in enumerate(given):
         for other, other_value in given[i + 1 :]:
-            if Path(value).resolve() == Path(other_value).resolve():
+            if _target(flag, value) == _target(other, other_value):
                 raise ValueError(
                     f"{flag} {value} and {other} {other_value} are the same file: one would "
                     "overwrite the other; give each output its own path"
@@ -214,9 +305,10 @@ def check_outputs(args: argparse.Namespace) -> None:
     ):
         if not value or (flag == "--json" and args.report_only):  # read, not written
             continue
-        path = Path(value)
+        path = _target(flag, value)
         if path.is_dir():
             raise ValueError(f"{flag} {value}: is a folder; give a file path in it")
+        _refuse_special(flag, value, path)
         if path.exists() and (why := _cannot_write(path)):
             raise ValueError(f"{flag} {value}: the file is not writable ({why})")
         folder = path.parent
@@ -230,16 +322,45 @@ def check_outputs(args: argparse.Namespace) -> None:
         read_results(args.json, "--append: --json")  # what it adds to must be earlier results
     if args.plot:
         suffix = Path(args.plot).suffix.lower().lstrip(".")
+        if not suffix:  # matplotlib would write PATH.png, a file no check saw
+            raise ValueError(
+                f"--plot {args.plot}: no extension to name the format; expected a path ending in "
+                f"one matplotlib writes (e.g. {args.plot}.png, or .pdf, .svg)"
+            )
         try:
             from matplotlib.backend_bases import FigureCanvasBase
         except ImportError:
             return  # the plot is skipped with a note at the end (matplotlib, the core's bench extra)
         formats = FigureCanvasBase.get_supported_filetypes()
-        if suffix and suffix not in formats:
+        if suffix not in formats:
             raise ValueError(
                 f"--plot {args.plot}: matplotlib writes no {suffix!r} file; "
                 f"use one of {', '.join(sorted(formats))} (e.g. bench.png)"
             )
+
+
+def _target(flag: str, value: str) -> Path:
+    """The file an output ``value`` names: absolute, symlinks followed (their target is what is
+    written); a symlink loop is a ValueError naming the flag."""
+    try:
+        return Path(value).resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a loop (Python < 3.13)
+        raise ValueError(f"{flag} {value}: cannot be followed to a file ({exc})") from None
+
+
+def _refuse_special(flag: str, value: str, path: Path) -> None:
+    """A ValueError where ``value`` (whose target is ``path``) exists and is no regular file:
+    each write makes a new file renamed over it, which would replace a device such as /dev/null,
+    and a read of a pipe would wait for ever."""
+    from fusedhead.bench.report import file_kind
+
+    if not path.exists() or path.is_file():
+        return
+    link = f"a symlink to {path}, " if Path(value).is_symlink() else ""
+    raise ValueError(
+        f"{flag} {value}: {link}{file_kind(path)}, not a regular file; expected the path of a "
+        "regular file or of none yet (each write replaces the file whole)"
+    )
 
 
 def _cannot_write(path: Path) -> str | None:
@@ -272,13 +393,17 @@ def _cannot_create(path: Path, folder: Path) -> str | None:
 
 
 def read_results(path: str, flag: str) -> list[dict[str, Any]]:
-    """The JSON list of results that an earlier ``--json PATH`` wrote, or a ValueError naming it."""
-    import json
-
+    """The JSON list of results that an earlier ``--json PATH`` wrote, or a ValueError naming it:
+    each item an object whose fields the table and the plot read have the types the bench
+    writes (``RESULT_FIELDS``), checked here, before any measuring."""
+    from fusedhead.bench.report import file_kind
     from fusedhead.cli import json_type
 
+    target = _target(flag, path)
+    if target.exists() and not target.is_file():  # a pipe would be read for ever
+        raise ValueError(f"{flag} {path}: {file_kind(target)}, not a regular file of results")
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ValueError(
             f"{flag} {path}: No such file (it reads an earlier run's --json)"
@@ -311,6 +436,72 @@ def read_results(path: str, flag: str) -> list[dict[str, Any]]:
 RESULT_CASE_FIELDS = ("n", "hidden", "vocab", "dtype")
 
 
+def _is_int(value: Any, low: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _is_number(value: Any) -> bool:
+    """A JSON number (NaN and infinities included: the bench writes them), not a boolean."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_line(value: Any) -> bool:
+    """A non-empty string of one line of text (a table cell), all of it writable as UTF-8."""
+    return isinstance(value, str) and value.isprintable() and value != "" and _utf8(value)
+
+
+def _utf8(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: JSON's "\udcff"
+        return False
+    return True
+
+
+def _or_null(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+def _is_errors(value: Any) -> bool:
+    """``errors``: per output, null or an object with a number ``rel`` (the table shows it)."""
+    return isinstance(value, dict) and all(
+        e is None or (isinstance(e, dict) and _is_number(e.get("rel"))) for e in value.values()
+    )
+
+
+_TEXT = (lambda v: isinstance(v, str) and _utf8(v), "a string")
+_NUMBER_OR_NULL = (_or_null(_is_number), "a number or null")
+_OBJECT_OR_NULL = (_or_null(lambda v: isinstance(v, dict)), "an object or null")
+#: A result's times, memory and spread: numbers, or null where not measured.
+_NUMBER_FIELDS = ("fwd_units", "fwd_bwd_units", "fwd_ms", "fwd_bwd_ms", "unit_ms", "gemm_ms",
+                  "peak_extra_bytes", "unit_spread")  # fmt: skip
+#: What the table, the plot and the progress lines read of a result's case, and what each is.
+RESULT_CASE_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (_is_int, "an integer >= 1"),
+    "hidden": (_is_int, "an integer >= 1"),
+    "vocab": (_is_int, "an integer >= 1"),
+    "dtype": (_is_line, "a dtype's name, one line of text"),
+    "scale": (lambda v: _is_number(v) and math.isfinite(v) and v > 0, "a finite number > 0"),
+    "head": (_is_line, "a case's name, one line of text"),
+}
+#: The same of the result itself (``case`` apart); a field not named here is not read.
+RESULT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "impl": (_is_line, "an implementation's name, one line of text"),
+    "status": (lambda v: v in ("ok", "skipped", "error"), '"ok", "skipped" or "error"'),
+    "date": _TEXT,
+    "entropy": (lambda v: isinstance(v, bool), "true or false"),
+    "reason": (_or_null(_TEXT[0]), "a string or null"),
+    "error": (_or_null(_TEXT[0]), "a string or null"),
+    "reference_dtype": (_or_null(_TEXT[0]), "a string or null"),
+    "errors": (_or_null(_is_errors), 'null or an object of null or {"rel": number} per output'),
+    "device": (lambda v: isinstance(v, dict), "an object"),
+    "versions": _OBJECT_OR_NULL,
+    "environment": _OBJECT_OR_NULL,
+    "unit_runs": (_or_null(lambda v: _is_int(v, 0)), "an integer >= 0 or null"),
+    **dict.fromkeys(_NUMBER_FIELDS, _NUMBER_OR_NULL),
+}
+
+
 def _not_a_result(record: Any) -> str | None:
     """Why ``record`` is not one result object, or None."""
     from fusedhead.cli import json_type
@@ -324,7 +515,16 @@ def _not_a_result(record: Any) -> str | None:
     if not isinstance(case, dict):
         return f"'case' is a JSON {json_type(case)}, not an object"
     missing = [k for k in RESULT_CASE_FIELDS if k not in case]
-    return f"its case has no {', '.join(map(repr, missing))}" if missing else None
+    if missing:
+        return f"its case has no {', '.join(map(repr, missing))}"
+    for prefix, fields, types in (("case.", case, RESULT_CASE_TYPES), ("", record, RESULT_FIELDS)):
+        for key, (check, expected) in types.items():
+            if key in fields and not check(fields[key]):
+                value = fields[key]
+                shown = json.dumps(value, ensure_ascii=True)
+                shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                return f"'{prefix}{key}' is {shown}, a JSON {json_type(value)}; expected {expected}"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -378,7 +578,7 @@ def run(args: argparse.Namespace) -> int:
         "environment": peers.environment_note(),
         "run": _run_settings(args),
     }
-    writer = report.JsonWriter(args.json, append=args.append)
+    writer = report.JsonWriter(args.json, append=args.append, flag="--json")
     progress = report.Progress(len(cases) * len(impls))
     deadline = progress.start + 60.0 * args.max_minutes
     failures = 0
@@ -471,7 +671,11 @@ def run(args: argparse.Namespace) -> int:
                             reps=args.reps,
                             measure_memory=not args.no_memory,
                         )
-                        rec = _record(case, impl, common, status="ok", **extra, **result)
+                        status, why = "ok", _nonfinite(result, case)
+                        if why:  # a NaN is no measurement: an error, and the exit says so
+                            failures += 1
+                            status, result = "error", {"error": why, **result}
+                        rec = _record(case, impl, common, status=status, **extra, **result)
                     except Exception as exc:
                         failures += 1
                         rec = _record(
@@ -495,6 +699,27 @@ def run(args: argparse.Namespace) -> int:
         print("fusedhead bench: nothing was measured (the reasons are listed above)")
         return 1
     return 1 if failures else 0
+
+
+def _nonfinite(result: dict[str, Any], case: Any) -> str | None:
+    """Why a measurement's errors cannot be trusted (a NaN, or an infinite max abs: the outputs
+    or gradients hold NaN or inf), or None."""
+    bad = [
+        name
+        for name, e in (result.get("errors") or {}).items()
+        if e is not None
+        and (
+            any(isinstance(v, float) and math.isnan(v) for v in e.values())
+            or not math.isfinite(e.get("max_abs", 0.0))
+        )
+    ]
+    if not bad:
+        return None
+    return (
+        f"NaN or inf in {', '.join(bad)} against the reference: the implementation's outputs or "
+        f"gradients are not finite (an overflow of {case.dtype} at --scale {case.scale:g} and "
+        f"--temperature {case.temperature:g}, or a fault of the implementation)"
+    )
 
 
 def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -566,12 +791,20 @@ def _free(device: Any) -> None:
 
 
 def _finish(args: argparse.Namespace, records: list[dict[str, Any]], report: Any) -> None:
+    """Print the table, then write it to --markdown and the plot to --plot; a write that fails
+    is an OSError naming its flag and path (the other output still written)."""
     table = report.markdown(records)
     print(table)
+    failed: list[str] = []
     if args.markdown:
-        from pathlib import Path
-
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(table)
+        try:
+            report.write_file(Path(args.markdown), table, "--markdown")
+        except OSError as exc:
+            failed.append(str(exc))
     if args.plot and records:
-        report.plot(records, args.plot)
+        try:
+            report.plot(records, args.plot, fmt=Path(args.plot).suffix.lstrip(".").lower())
+        except OSError as exc:
+            failed.append(str(exc))
+    if failed:
+        raise OSError("; ".join(failed) + " (the table is printed above)")

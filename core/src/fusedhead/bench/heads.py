@@ -28,14 +28,17 @@ import torch
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 DEFAULT = "logprobs"
-_PATTERN = re.compile(r"^(logprobs|lse|sum_p2|argmax|kl|kl-reverse|policy|topk(\d+)|gather(\d+))$")
+#: ASCII digits only (``\d`` takes any script's: ``topk٣`` would be ``topk3``), the whole name.
+_PATTERN = re.compile(
+    r"(logprobs|lse|sum_p2|argmax|kl|kl-reverse|policy|topk([0-9]+)|gather([0-9]+))"
+)
 #: The output each case asks of a backend (for the capability check before measuring).
 _OUTPUT = {"topk": "topk", "gather": "gather", "lse": "lse", "sum_p2": "sum_p2", "argmax": "argmax"}
 
 
 def parse(name: str) -> tuple[str, int]:
     """``(kind, size)`` of a case name: ``topk32`` is ``("topk", 32)``; others have size 0."""
-    m = _PATTERN.match(name)
+    m = _PATTERN.fullmatch(name)
     if m is None:
         raise ValueError(
             f"--case {name!r} is not a head case; expected logprobs, topk<k>, gather<K>, lse, "
@@ -46,6 +49,12 @@ def parse(name: str) -> tuple[str, int]:
     if kind in ("topk", "gather") and size < 1:
         raise ValueError(f"--case {name!r}: the size must be at least 1")
     return kind, size
+
+
+def canonical(name: str) -> str:
+    """The case's name as the bench records it: ``topk05`` is ``topk5``, the same case."""
+    kind, size = parse(name)
+    return f"{kind}{size}" if kind in ("topk", "gather") else kind
 
 
 def refusal(name: str, caps: Any) -> str | None:

@@ -8,6 +8,8 @@ matplotlib (``pip install 'fusedhead[bench]'``).
 from __future__ import annotations
 
 import datetime as dt
+import io
+import itertools
 import json
 import math
 import os
@@ -86,6 +88,29 @@ def versions() -> dict[str, str | None]:
 GIT_COMMIT_ENV = "FUSEDHEAD_GIT_COMMIT"
 
 
+#: The longest ``$FUSEDHEAD_GIT_COMMIT`` taken (a full SHA-256 commit and ``+dirty`` fit).
+GIT_COMMIT_MAX = 80
+
+
+def _checked_commit(value: str) -> str:
+    """``value`` of ``$FUSEDHEAD_GIT_COMMIT`` if it is one line of printable ASCII of at most
+    ``GIT_COMMIT_MAX`` characters, else a ValueError naming the variable: the records, the table
+    and its Markdown file carry it (a second line would break the table, a byte that is not
+    UTF-8 would fail the file's write after the run)."""
+    if len(value) <= GIT_COMMIT_MAX and all(" " <= c <= "~" for c in value):
+        return value
+    shown = ascii(value if len(value) <= 60 else value[:60] + "...")
+    wrong = [f"{len(value)} characters"] if len(value) > GIT_COMMIT_MAX else []
+    wrong += [] if value.isascii() else ["a character that is not ASCII"]
+    control = any(c.isascii() and not " " <= c <= "~" for c in value)
+    wrong += ["a line break or another control character"] if control else []
+    raise ValueError(
+        f"{GIT_COMMIT_ENV}={shown}: expected one line of printable ASCII of at most "
+        f"{GIT_COMMIT_MAX} characters, the commit the run measures (e.g. abc1234+dirty); "
+        f"it has {' and '.join(wrong)}"
+    )
+
+
 def _git_commit() -> str | None:
     """``$FUSEDHEAD_GIT_COMMIT`` if set, else the short commit of the fusedhead checkout this
     package runs from (``+dirty`` with local changes); None for an installed wheel. Never the
@@ -94,7 +119,7 @@ def _git_commit() -> str | None:
 
     stamped = os.environ.get(GIT_COMMIT_ENV, "").strip()
     if stamped:
-        return stamped
+        return _checked_commit(stamped)
     package = Path(__file__).resolve().parents[1]  # .../core/src/fusedhead in a checkout
 
     def git(*args: str) -> subprocess.CompletedProcess[str]:
@@ -118,10 +143,16 @@ def _git_commit() -> str | None:
 
 
 class JsonWriter:
-    """A JSON list on disk that grows by one object per measurement, valid after each write."""
+    """A JSON list on disk that grows by one object per measurement, valid after each write.
 
-    def __init__(self, path: str | os.PathLike[str] | None, *, append: bool = False) -> None:
+    Each write is ``write_file``'s: the whole list, renamed over ``path`` (through a symlink,
+    its target); ``flag`` names the path in a write's error."""
+
+    def __init__(
+        self, path: str | os.PathLike[str] | None, *, append: bool = False, flag: str = "--json"
+    ) -> None:
         self.path = Path(path) if path else None
+        self.flag = flag
         self.records: list[dict[str, Any]] = []
         if self.path is not None and append and self.path.exists():
             loaded = json.loads(self.path.read_text() or "[]")
@@ -129,7 +160,6 @@ class JsonWriter:
                 raise ValueError(f"--append: {self.path} does not hold a JSON list")
             self.records = loaded
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             self._flush()
 
     def add(self, record: dict[str, Any]) -> None:
@@ -139,11 +169,65 @@ class JsonWriter:
     def _flush(self) -> None:
         if self.path is None:
             return
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(
-            json.dumps(self.records, indent=1, default=_json_default, allow_nan=True) + "\n"
-        )
-        tmp.replace(self.path)
+        text = json.dumps(self.records, indent=1, default=_json_default, allow_nan=True) + "\n"
+        write_file(self.path, text, self.flag)
+
+
+def write_file(path: Path, data: str | bytes, flag: str) -> None:
+    """Write ``data`` to the regular file ``path`` (its folder made if needed) atomically: into a
+    new file of its own beside it, then renamed over ``path``, so the file is whole at any
+    moment. Text is UTF-8 (a character it cannot hold, a lone surrogate, written as its ``\\u``
+    escape). A failure (a full disk, a folder that became read-only) is an OSError naming
+    ``flag`` and the path, the temporary file removed.
+
+    A symlink is followed: its target is the file written, the link kept. Anything else that is
+    not a regular file (a device such as /dev/null, a pipe) is refused, never replaced."""
+    try:
+        target = path.resolve()
+        if target.exists() and not target.is_file():
+            raise OSError(f"{file_kind(target)}, not a regular file")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for i in itertools.count():  # a name no other file has: O_EXCL, never an existing one
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.{i}.tmp")
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                break
+            except FileExistsError:
+                continue
+        try:
+            raw = data if isinstance(data, bytes) else data.encode("utf-8", "backslashreplace")
+            with os.fdopen(fd, "wb") as f:
+                _write_all(f, raw)
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+        why = getattr(exc, "strerror", None) or exc
+        raise OSError(f"{flag} {path}: could not be written ({why})") from exc
+
+
+def file_kind(path: Path) -> str:
+    """What the existing ``path`` (not a regular file) is, in words."""
+    import stat
+
+    mode = path.stat().st_mode
+    for test, name in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def _write_all(f: Any, data: bytes) -> None:
+    """``f.write(data)`` and its flush (a full disk shows here); apart for the tests to fail."""
+    f.write(data)
+    f.flush()
 
 
 def _json_default(value: Any) -> Any:
@@ -342,11 +426,18 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> bool:
+def plot(
+    records: Iterable[dict[str, Any]],
+    path: str | os.PathLike[str],
+    *,
+    fmt: str | None = None,
+    flag: str = "--plot",
+) -> bool:
     """PNG of fwd+bwd (solid) and fwd (dashed) GEMM units and peak extra memory against N.
 
     One row of two panels per (H, V, dtype, weight scale), one line per implementation. Returns False (with a
-    message) when matplotlib is missing.
+    message) when matplotlib is missing. ``fmt`` is the file's format (default: ``path``'s
+    extension), written to ``path`` itself; a failed write is an OSError naming ``flag``.
     """
     try:
         import matplotlib
@@ -420,7 +511,10 @@ def plot(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> boo
         dev = first.get("device", {}).get("name", "")
         fig.suptitle(f"fusedhead bench on {dev}, {first.get('date', '')[:10]}", fontsize=10)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    image = io.BytesIO()
+    try:
+        fig.savefig(image, dpi=110, format=fmt or Path(path).suffix.lstrip(".").lower() or None)
+    finally:
+        plt.close(fig)
+    write_file(Path(path), image.getvalue(), flag)
     return True
