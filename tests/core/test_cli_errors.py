@@ -643,3 +643,11 @@ def test_demo_refuses_a_scale_whose_logits_overflow(capsys):
     line = one_error_line(err)
     assert rc == 2 and line.startswith("fusedhead: error: --scale 8e+37 with --dtype fp32"), line
     assert "expected --scale <=" in line and "FAIL" not in out
+
+
+def test_demo_with_an_empty_model_name_is_refused_not_the_synthetic_demo(capsys):
+    """Before: --model '' ran the synthetic demo, as if no --model was given."""
+    rc, out, err = run_main(capsys, "demo", "--model", "")
+    line = one_error_line(err)
+    assert rc == 2 and "unknown demo model ''" in line and "tiny-llama" in line, line
+    assert "PASS" not in out

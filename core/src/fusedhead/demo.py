@@ -121,7 +121,7 @@ def _refuse_problem_flags(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; 0 on PASS, 1 on FAIL; raises (the command exits 2) when it cannot run."""
-    if args.model:
+    if args.model is not None:  # '' too: the model demo names what it takes
         _refuse_problem_flags(args)
         if importlib.util.find_spec(MODEL_MODULE) is None:
             raise ValueError(f"demo --model: {MODEL_MODULE} is not available in this installation")
