@@ -54,25 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "grid (defaults: GPU N 1024 8192 32768, H 4096, V 32000 128256 151936, "
         "bf16 fp32; CPU N 2048, H 1024, V 32000, fp32)"
     )
-    g.add_argument(
-        "--n", type=positive_int, nargs="+", action=_Extend, default=None, help="token counts N"
+    sizes = (
+        ("--n", "token counts N"),
+        ("--hidden", "hidden sizes H"),
+        ("--vocab", "vocabulary sizes V"),
     )
-    g.add_argument(
-        "--hidden",
-        type=positive_int,
-        nargs="+",
-        action=_Extend,
-        default=None,
-        help="hidden sizes H",
-    )
-    g.add_argument(
-        "--vocab",
-        type=positive_int,
-        nargs="+",
-        action=_Extend,
-        default=None,
-        help="vocabulary sizes V",
-    )
+    for flag, what in sizes:
+        g.add_argument(flag, type=positive_int, nargs="+", action=_Extend, default=None, help=what)
     g.add_argument(
         "--dtype",
         nargs="+",
