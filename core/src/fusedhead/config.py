@@ -24,10 +24,10 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
 
 from fusedhead.errors import BackendError, OptionsError
 from fusedhead.options import (
@@ -181,11 +181,14 @@ class FusedHeadConfig(BaseModel):
 
     @field_validator("temperature", "softcap", mode="before")
     @classmethod
-    def _int_to_float(cls, value: Any) -> Any:
-        # A number only: a tensor (a bool one included) would be read as its one value, and a
-        # per-token temperature is a call's argument, not a config's.
+    def _int_to_float(cls, value: Any, info: ValidationInfo) -> Any:
+        # A number only: a tensor (a bool one included) would be read as its one value.
         if value is not None and not isinstance(value, (numbers.Real, str)):
-            raise PydanticCustomError("float_type", "expected float")
+            where = " (a per-token temperature is a call's argument)"
+            raise ValueError(
+                f"must be a float, got a {type(value).__name__}"
+                + (where if info.field_name == "temperature" else "")
+            )
         # An int is a number here (not a bool); one beyond the float range is infinite.
         if isinstance(value, int) and not isinstance(value, bool):
             try:
