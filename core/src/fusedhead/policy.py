@@ -332,6 +332,15 @@ def _normalizer(
     )
 
 
+def _packed_layout(shape: tuple[int, ...]) -> None:
+    """``cu_seqlens`` describes one packed row: labels ``[T]`` or ``[1, T]`` (their shape only)."""
+    if len(shape) > 2 or (len(shape) == 2 and shape[0] != 1):
+        raise ValueError(
+            f"cu_seqlens describes a packed batch: labels must be [T] or [1, T], got {shape}; "
+            "for a padded [B, S] batch (one sequence a row) pass cu_seqlens=None"
+        )
+
+
 def _sequences(
     shape: tuple[int, ...], cu_seqlens: object, n: int, device: torch.device
 ) -> tuple[torch.Tensor, int, int]:
@@ -350,11 +359,7 @@ def _sequences(
             f"cu_seqlens must be a 1-D int32/int64 tensor of sequence starts [0, ..., T] "
             f"(at least 2 entries), got {cu.dtype} of shape {tuple(cu.shape)}"
         )
-    if len(shape) > 2 or (len(shape) == 2 and shape[0] != 1):
-        raise ValueError(
-            f"cu_seqlens describes a packed batch: labels must be [T] or [1, T], got {shape}; "
-            "for a padded [B, S] batch (one sequence a row) pass cu_seqlens=None"
-        )
+    _packed_layout(shape)
     bounds = cu.tolist()  # a few ints: the check reads them once
     if bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in itertools.pairwise(bounds)):
         raise ValueError(
@@ -498,8 +503,8 @@ def _policy_call(
     kl_coef = real_in("kl_coef", req.kl_coef, low=0.0, what="a finite float >= 0")
     old = req.old_log_probs
     old = None if old is None else _per_token("old_log_probs", old, shape, device, "on-policy")
-    if req.cu_seqlens is not None:  # its own errors first: the per-token tensors' come after
-        _sequences(shape, req.cu_seqlens, n, device)
+    if req.cu_seqlens is not None:  # the labels' layout first: the advantages' errors assume it
+        _packed_layout(shape)
         if isinstance(req.advantages, torch.Tensor):
             packed_per_sequence("advantages", req.advantages, req.cu_seqlens, shape)
     adv = _per_token("advantages", req.advantages, shape, device, per_sequence=True)
@@ -541,6 +546,8 @@ def _policy_call(
             )
     normalizer = _normalizer(req.loss_normalizer, device, pending)
     weights = token_weights(valid, count, shape, aggregation, normalizer, req.cu_seqlens, horizon)
+    if req.cu_seqlens is not None and aggregation == "token-mean":
+        _sequences(shape, req.cu_seqlens, n, device)  # checked even where it changes nothing
     grad = torch.is_grad_enabled()
     return PolicyLossCall(
         head=call,
