@@ -14,6 +14,11 @@ from fusedhead import registry
 from fusedhead.errors import BackendUnavailableError
 from fusedhead.protocol import call_backend
 from fusedhead.reference import reference_fused_head
+
+pytest.importorskip(
+    "fusedhead_liger",
+    reason="the liger backend is not installed (pip install ./plugins/liger_backend)",
+)
 from fusedhead_liger import LigerBackend, LigerOptions
 
 N, H, V = 700, 48, 1000
@@ -252,7 +257,8 @@ def test_n_equal_one_and_odd_shapes() -> None:
 
 @pytest.fixture
 def fused_head():
-    api = pytest.importorskip("fusedhead.api", reason="the core's fused_head is not there yet")
+    from fusedhead import api
+
     registry.refresh()
     return api.fused_head
 

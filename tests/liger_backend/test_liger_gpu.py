@@ -7,6 +7,11 @@ import torch
 
 from fusedhead.errors import BackendUnavailableError
 from fusedhead.protocol import call_backend
+
+pytest.importorskip(
+    "fusedhead_liger",
+    reason="the liger backend is not installed (pip install ./plugins/liger_backend)",
+)
 from fusedhead_liger import LigerBackend, LigerOptions, availability
 
 pytestmark = pytest.mark.gpu
