@@ -40,6 +40,9 @@ Types are strict, in the config and in every backend's `options`, as they are in
 arguments: no bool or string where a number is expected (YAML `temperature: yes` or
 `workspace_mib: "3"` is an error, not 1.0 or 3), no number where a bool is; an int is taken for a
 float.
+Numbers in YAML are read by YAML 1.2's rules (its core schema), not PyYAML's YAML 1.1 ones:
+`010` is 10 (not octal 8; octal is `0o10`), `1e-3` is a float, and `1:30` is a string (not
+base-60 90), refused where a number is expected.
 Unknown keys are errors. A malformed file names the file, the line and the column; a bad value
 names the field or option, the value and what it takes, and a bad option lists every option of
 that backend (`name: type = default`), as `fusedhead info NAME` shows them.
@@ -49,7 +52,7 @@ that backend (`name: type = default`), as `fusedhead info NAME` shows them.
 | variable | effect |
 | --- | --- |
 | `FUSEDHEAD_BACKENDS` | a comma-separated list of backend names: discovery sees only those (for locked-down jobs; [selection.md](selection.md)). A name it hides is told so when asked for; blank, or only commas, limits nothing. |
-| `FUSEDHEAD_TRACEBACK` | `1`, `true`, `yes` or `on` (any case): the `fusedhead` command prints the traceback of an unexpected failure instead of its one line; `0`, `false`, `no`, `off` or unset: the one line. Any other value is refused. |
+| `FUSEDHEAD_TRACEBACK` | `1`, `true`, `yes` or `on` (any case): the `fusedhead` command prints the traceback of an error (bad input's included) before its one line, with the same exit status; `0`, `false`, `no`, `off` or unset: the one line alone. Any other value is refused. |
 | `FUSEDHEAD_VERL_FIX_TRL_PROBE` | on/off (`1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`, any case; unset or blank is off; another value is a warning naming the variable when verl is imported, and off): on, verl's plugin entry point applies `fusedhead.integrations.verl.fix_trl_value_head_probe()` in each process that imports verl ([integrations/verl.md](integrations/verl.md)). |
 | `FUSEDHEAD_GIT_COMMIT` | the tree `fusedhead bench` records as `git_commit` where the machine's `.git` is not the tree's (the GPU scripts set it): one line of printable ASCII, at most 80 characters (e.g. `abc1234+dirty`); another value is refused by name before any measuring. |
 """

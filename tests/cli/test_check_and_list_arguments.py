@@ -1,10 +1,13 @@
 """``fusedhead check`` and ``fusedhead list`` refuse a mistyped argument by name, ``--list`` too.
 
 A ``-k`` pattern that matches nothing is a typo, never a filter silently dropped; ``check NAME
---list`` and ``list --device D`` refuse a name or a device as a run refuses them.
+--list`` refuses a name or a device as a run refuses them, and prints JSON with ``--json``;
+``list --device D`` without ``--check`` is refused, never ignored.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from cli_helpers import Run, error_line
@@ -52,10 +55,40 @@ def test_check_list_refuses_options_it_would_not_read(fusedhead: Run) -> None:
     assert out == ""
 
 
-@pytest.mark.parametrize("device", ["bogus", "", "cuda:99"])
-def test_list_refuses_a_device_without_check_as_with_it(fusedhead: Run, device: str) -> None:
-    rc_check, _out, err_check = fusedhead("list", "--check", "--device", device)
+def test_check_list_json_is_a_json_list_of_the_properties_the_text_lists(fusedhead: Run) -> None:
+    """Before: ``--list`` ignored ``--json`` and printed its ``name: description`` lines. Each
+    object names its property by ``check --json``'s key, ``property``."""
+    rc_text, text, _err = fusedhead("check", "torch", "--list", "-k", "forward,softcap")
+    rc, out, err = fusedhead("check", "torch", "--list", "-k", "forward,softcap", "--json")
+    rows = json.loads(out)
+    assert rc == rc_text == 0 and err == ""
+    assert isinstance(rows, list) and rows, out
+    assert all(sorted(row) == ["description", "property"] for row in rows), rows
+    assert [f"{row['property']}: {row['description']}" for row in rows] == text.splitlines()
+
+
+def test_check_list_json_refuses_a_name_as_the_text_listing_does(fusedhead: Run) -> None:
+    rc_text, _out, err_text = fusedhead("check", "torhc", "--list")
+    rc, out, err = fusedhead("check", "torhc", "--list", "--json")
+    assert rc == rc_text == 2 and error_line(err) == error_line(err_text)
+    assert json.loads(out)["error"]["backend"] == "torhc"  # --json's error fields, no listing
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "bogus", ""])
+def test_list_device_without_check_is_a_usage_error(fusedhead: Run, device: str) -> None:
+    """Before: plain ``list`` ignored ``--device`` (its help: "device for --check"), so the
+    listing read as one made on that device."""
     rc, out, err = fusedhead("list", "--device", device)
-    assert rc == rc_check == 2 and error_line(err) == error_line(err_check)
-    assert f"--device {device}" in error_line(err) or f"got {device!r}" in error_line(err)
-    assert out == ""
+    line = error_line(err)
+    assert rc == 2 and out == ""
+    assert line.startswith("fusedhead: error: list: argument --device: applies only with --check")
+    assert f"got --device {device!r} without --check" in line, line
+    assert line.endswith("(see fusedhead list --help)"), line
+
+
+@pytest.mark.parametrize("device", ["bogus", "", "cuda:99"])
+def test_list_check_still_refuses_a_device_it_cannot_use(fusedhead: Run, device: str) -> None:
+    rc, out, err = fusedhead("list", "--check", "--device", device)
+    line = error_line(err)
+    assert rc == 2 and out == ""
+    assert f"--device {device}" in line or f"got {device!r}" in line, line

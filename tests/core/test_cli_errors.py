@@ -1,9 +1,10 @@
 """The ``fusedhead`` command fails in one clean line, reads errors' fields, and says what it does.
 
 Every bad input (a device, a number, ``--options``) ends in ``fusedhead: error: ...`` naming the
-flag and a non-zero exit, never a traceback; ``--json`` prints the error's fields; ``info`` shows
-allowed values; ``--version`` and ``python -m fusedhead`` exist; an allowlist that hides every
-backend says so.
+flag and a non-zero exit, never a traceback unless ``FUSEDHEAD_TRACEBACK`` asks (then before that
+line, same exit); ``--json`` prints the error's fields; ``info`` shows allowed values and never an
+ok status on a device this machine lacks; ``--version`` and ``python -m fusedhead`` exist; an
+allowlist that hides every backend says so.
 """
 
 from __future__ import annotations
@@ -188,12 +189,14 @@ def test_an_unexpected_failure_is_one_line_unless_asked(capsys, monkeypatch):
     line = one_error_line(err)
     assert rc == 1 and "RuntimeError: kaputt on two lines" in line and cli.TRACEBACK_ENV in line
     monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
-    with pytest.raises(RuntimeError, match="kaputt"):
-        cli.main(["list"])
+    rc, _out, err = run_main(capsys, "list")
+    assert rc == 1 and err.startswith("Traceback (most recent call last):\n"), err
+    assert err.splitlines()[-1].startswith("fusedhead: error: RuntimeError: kaputt on two lines")
 
 
 def test_the_traceback_variable_shows_where_bad_input_was_refused_too(capsys, monkeypatch):
-    """A ValueError is bad input's one line, and may be a bug's too: the variable shows it."""
+    """A ValueError is bad input's one line, and may be a bug's too: the variable shows where,
+    before the same line and with the same exit status (2)."""
     rc, _out, err = run_main(capsys, "bench", "--n", "-5")
     assert rc == 2 and "--n" in one_error_line(err)
     monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
@@ -202,8 +205,11 @@ def test_the_traceback_variable_shows_where_bad_input_was_refused_too(capsys, mo
         raise ValueError("refused inside a command")
 
     monkeypatch.setattr(cli, "_cmd_list", refuse)
-    with pytest.raises(ValueError, match="refused inside a command"):
-        cli.main(["list"])
+    rc, _out, err = run_main(capsys, "list")
+    *traceback, line = err.splitlines()
+    assert rc == 2 and line == "fusedhead: error: refused inside a command", err
+    assert traceback[0] == "Traceback (most recent call last):"
+    assert traceback[-1] == "ValueError: refused inside a command"
 
 
 def test_no_command_is_one_line(capsys):
@@ -618,6 +624,30 @@ def test_list_check_on_a_cuda_device_this_machine_lacks_is_refused(capsys, monke
     line = one_error_line(err)
     assert rc == 2 and "--device cuda" in line and "CUDA is not available" in line
     assert " ok" not in out
+
+
+def test_info_on_a_cuda_device_this_machine_lacks_never_says_ok(capsys, monkeypatch, ref_backend):
+    """``info`` describes a device whether or not it is here (exit 0), but its status is this
+    machine's. Before: a backend whose check() does not test for CUDA itself showed 'status: ok'
+    on CUDA without CUDA, what 'list --check --device cuda' refuses the device for; now
+    'unavailable' with list --check's reason."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc, out, _err = run_main(capsys, "info", "ref-test", "--device", "cuda", "--json")
+    info = json.loads(out)
+    assert rc == 0 and info["device"] == "cuda", out
+    assert info["status"] == "unavailable" and info["reason"] == (
+        "device cuda: CUDA is not available here (torch sees no CUDA device)"
+    )
+    assert info["per_device"]["cuda"]["status"] == "unavailable"
+    assert info["per_device"]["cpu"]["status"] == "ok"  # a device that is here: its probe's
+    rc, out, _err = run_main(capsys, "info", "ref-test")  # cpu shown; cuda's row says it too
+    assert rc == 0 and "status ok" not in next(
+        ln for ln in out.splitlines() if ln.startswith("  cuda")
+    )
+    _rc, _out, err = run_main(capsys, "list", "--check", "--device", "cuda")
+    assert "CUDA is not available here (torch sees no CUDA device)" in one_error_line(err)
 
 
 def test_list_check_with_an_empty_device_is_one_line(capsys):

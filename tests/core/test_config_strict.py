@@ -1,6 +1,7 @@
 """FusedHeadConfig and backend options are strict and say what is wrong in one line.
 
-Malformed YAML names the file and the line; a bool or a string is never a number; the YAML shape
+Malformed YAML names the file and the line; YAML numbers are read by YAML 1.2's rules (``010`` is
+10, ``1:30`` a string), never misread silently; a bool or a string is never a number; the YAML shape
 docs/configuration.md shows loads; a bad device names ``device``; a bad option names the option,
 the value, what it takes and every valid option of the backend (no pydantic dump, no links).
 """
@@ -91,6 +92,59 @@ def test_the_yaml_shape_of_the_configuration_doc_loads(ref_backend):
     wrapped = FusedHeadConfig.from_yaml("fused_head:\n  backend: ref-test\n  temperature: 0.5\n")
     top = FusedHeadConfig.from_yaml("backend: ref-test\ntemperature: 0.5\n")
     assert wrapped == top and wrapped.temperature == 0.5
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("010", 10), ("-010", -10), ("0o10", 8), ("0x1f", 31), ("1_024", 1024), ("+7", 7)],
+)
+def test_yaml_ints_are_read_by_yaml_1_2_rules(ref_backend, text, value):
+    """Before: PyYAML's YAML 1.1 rules read '010' as octal 8, silently; YAML 1.2 reads 10."""
+    config = FusedHeadConfig.from_yaml(f"backend: ref-test\nignore_index: {text}\n")
+    assert config.ignore_index == value and type(config.ignore_index) is int
+
+
+def test_a_backend_option_with_a_leading_zero_is_decimal():
+    config = FusedHeadConfig.from_yaml("backend: torch\noptions:\n  chunk_rows: 010\n")
+    assert config.options == {"chunk_rows": 10}
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("1e-3", 1e-3), ("1.e-3", 1e-3), (".5", 0.5), ("5E-1", 0.5), ("2.", 2.0)]
+)
+def test_yaml_floats_are_read_by_yaml_1_2_rules(ref_backend, text, value):
+    """YAML 1.1 read '1e-3' as a str, refused as one; YAML 1.2 reads the float."""
+    assert (
+        FusedHeadConfig.from_yaml(f"backend: ref-test\ntemperature: {text}\n").temperature == value
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "text", "expected"),
+    [
+        ("temperature", "1:30", "float"),
+        ("softcap", "1:30.5", "float or None"),
+        ("ignore_index", "-1:40", "int"),
+    ],
+)
+def test_a_base_60_number_is_a_str_the_config_refuses_naming_the_field(
+    ref_backend, field, text, expected
+):
+    """Before: YAML 1.1's base 60 read 'temperature: 1:30' as 90.0, silently; YAML 1.2 reads the
+    str, which the field refuses as it refuses any str."""
+    with pytest.raises(TypeError) as info:
+        FusedHeadConfig.from_yaml(f"backend: ref-test\n{field}: {text}\n")
+    assert str(info.value) == (
+        f"FusedHeadConfig: field '{field}' = '{text}' (str): expected {expected}"
+    )
+
+
+def test_an_explicit_int_tag_on_a_base_60_number_names_the_line(ref_backend):
+    with pytest.raises(ValueError) as info:
+        FusedHeadConfig.from_yaml("backend: ref-test\nignore_index: !!int 1:30\n")
+    assert str(info.value) == (
+        "<yaml text>: not valid YAML at line 2, column 15: expected an integer, got '1:30'"
+    )
 
 
 def test_fused_head_beside_other_keys_is_refused(ref_backend):

@@ -2,9 +2,11 @@
 
 ``list`` without ``--check`` and ``--version`` read metadata only: they import neither torch nor
 any backend. Sub-commands with heavy imports live in their own modules, loaded only when chosen.
-Every failure is one line on stderr (``fusedhead: error: ...``) and a non-zero exit, never a
-traceback (``FUSEDHEAD_TRACEBACK=1`` shows one for an unexpected failure); with ``--json`` the
-error's fields (``BackendError.to_dict()``) are printed on stdout as well.
+Every failure is one line on stderr (``fusedhead: error: ...``) and a non-zero exit: 2 for bad
+input or a usage error (a backend that cannot be selected included), 1 for an unexpected failure;
+never a traceback, unless ``FUSEDHEAD_TRACEBACK=1`` asks for one, printed before that same line
+with the same exit status. With ``--json`` the error's fields (``BackendError.to_dict()``) are
+printed on stdout as well.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
@@ -35,7 +38,7 @@ _DELEGATED = {
         "the main job: a realistic problem on one backend, checked against the reference",
     ),
 }
-#: Set to 1 (or true, yes, on) to get the traceback of a failure instead of its one line.
+#: Set to 1 (or true, yes, on) to get the traceback of a failure before its one line.
 TRACEBACK_ENV = "FUSEDHEAD_TRACEBACK"
 #: Exit status of a command that could not run (bad input, a backend that cannot be selected).
 EXIT_ERROR = 2
@@ -287,9 +290,9 @@ def _limit_note(shown: set[str]) -> str | None:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    # A device this process cannot use is refused, as `fusedhead check` refuses it, --check or
-    # not: a probe there would report a backend that does not test for CUDA itself as ok, and a
-    # typo must not pass unseen. Parsing it needs torch, which plain `list` never imports.
+    # A device this process cannot use is refused, as `fusedhead check` refuses it: a probe there
+    # would report a backend that does not test for CUDA itself as ok. (--device without --check
+    # is refused before: plain `list` never imports torch, which parsing a device needs.)
     device = runnable_device(args.device) if args.device is not None else None
     rows = diagnostics.listing(probe=args.check, device=device)
     note = _limit_note({r.name for r in rows})
@@ -365,7 +368,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     out["device"] = str(device)
     out["capabilities"] = caps.model_dump(mode="json")
     out["options_schema"] = schema
-    status, reason = diagnostics.probe_backend(cand, device)
+    status, reason = _probe_here(cand, device)
     out["status"] = status.value
     if reason:
         out["reason"] = reason
@@ -375,6 +378,19 @@ def _cmd_info(args: argparse.Namespace) -> int:
     out["per_device"] = _per_device(cand, backend, caps, device, fields)
     _print_info(out, args.json)
     return 0
+
+
+def _probe_here(cand: Any, device: Any) -> tuple[diagnostics.Status, str | None]:
+    """``cand``'s status on ``device`` in this process: its probe's, except that a CUDA device
+    this process lacks is ``unavailable`` (with ``list --check``'s reason) where the probe says
+    ok, as a backend whose ``check()`` does not test for CUDA itself passes there."""
+    status, reason = diagnostics.probe_backend(cand, device)
+    if status is diagnostics.Status.OK and device.type == "cuda":
+        try:
+            runnable_device(str(device), flag="device")
+        except ValueError as exc:
+            return diagnostics.Status.UNAVAILABLE, str(exc)
+    return status, reason
 
 
 def _per_device(
@@ -402,7 +418,7 @@ def _per_device(
         }
         if differs:
             row["differs"] = differs
-        status, reason = diagnostics.probe_backend(cand, device)
+        status, reason = _probe_here(cand, device)
         row["status"] = status.value
         if reason:
             row["reason"] = reason
@@ -467,7 +483,7 @@ def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="fusedhead",
         description="fusedhead backends: list, inspect, check, bench, demo",
-        epilog=f"An error prints one line; {TRACEBACK_ENV}=1 shows its traceback.",
+        epilog=f"An error prints one line; {TRACEBACK_ENV}=1 shows its traceback before it.",
     )
     parser.add_argument(
         "--version",
@@ -484,7 +500,10 @@ def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
         help="import and probe each backend; exit 1 if any is broken",
     )
     p.add_argument(
-        "--device", default=None, help="device for --check (default: cuda if present, else cpu)"
+        "--device",
+        default=None,
+        help="device the --check probes run on; only with --check "
+        "(default: cuda if present, else cpu)",
     )
     p.set_defaults(func=_cmd_list)
     text = "capabilities, options (their allowed values), distribution and status of a backend"
@@ -497,7 +516,8 @@ def build_parser(*, delegated: bool = True) -> argparse.ArgumentParser:
         "--device",
         default=None,
         type=device_arg,
-        help="device to describe (default: cuda if present, else cpu)",
+        help="device to describe, here or not: one this machine lacks shows status unavailable "
+        "(default: cuda if present, else cpu)",
     )
     p.set_defaults(func=_cmd_info)
     for name, (module, help_text) in _DELEGATED.items():
@@ -559,6 +579,17 @@ def _check_list_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     registry.find(args.name)
 
 
+def _list_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``list --device`` without ``--check`` is refused: only the probes run on a device, and a
+    plain listing that silently ignored it would read as one made there."""
+    if getattr(args, "command", None) != "list" or args.check or args.device is None:
+        return
+    _subparser(parser, "list").error(
+        f"argument --device: applies only with --check (the device the probes run on), "
+        f"got --device {args.device!r} without --check"
+    )
+
+
 def _silence_stdout() -> None:
     """Point stdout at the null device, so the interpreter's flush at exit finds no closed pipe."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -585,8 +616,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"unrecognized arguments: {' '.join(extra)}"
             )
         _check_list_arguments(parser, args)
+        _list_arguments(parser, args)
+        result: int
         if hasattr(args, "module"):
-            result: int = importlib.import_module(args.module).run(args)
+            result = importlib.import_module(args.module).run(args)
         else:
             result = args.func(args)
     except SystemExit as exc:  # argparse (--help, --version, a bad argument) or a command's own
@@ -599,14 +632,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
     except Exception as exc:
-        if show_traceback:  # any error, bad input's included
-            raise
-        return _report(exc, args)
+        if show_traceback:  # any error, bad input's included; the line and the status unchanged
+            _print_traceback(exc)
+        return _report(exc, args, traced=show_traceback)
     return result
 
 
-def _report(exc: Exception, args: argparse.Namespace | None) -> int:
-    """One line (or a JSON object) for an error that ends a command, and the exit status."""
+def _print_traceback(exc: BaseException) -> None:
+    """``exc``'s traceback on stderr, ending in a newline: the error line after it starts a line
+    of its own."""
+    text = "".join(traceback.format_exception(exc))
+    sys.stderr.write(text if text.endswith("\n") else text + "\n")
+    sys.stderr.flush()
+
+
+def _report(exc: Exception, args: argparse.Namespace | None, *, traced: bool = False) -> int:
+    """One line (or a JSON object) for an error that ends a command, and the exit status;
+    ``traced``: its traceback was printed, so the line points to it, not to the variable."""
     if isinstance(exc, BackendError):
         _fail(exc.message, exc.to_dict(), args)
         return EXIT_ERROR
@@ -615,7 +657,8 @@ def _report(exc: Exception, args: argparse.Namespace | None) -> int:
         fields = {"error": type(exc).__name__, "status": "error", "message": _one_line(text)}
         _fail(text, fields, args)
         return EXIT_ERROR
-    text = f"{type(exc).__name__}: {exc} (an unexpected failure; {TRACEBACK_ENV}=1 shows where)"
+    where = "its traceback is above" if traced else f"{TRACEBACK_ENV}=1 shows where"
+    text = f"{type(exc).__name__}: {exc} (an unexpected failure; {where})"
     fields = {"error": type(exc).__name__, "status": "error", "message": _one_line(text)}
     _fail(text, fields, args)
     return 1

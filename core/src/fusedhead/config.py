@@ -265,8 +265,9 @@ class FusedHeadConfig(BaseModel):
         """Build from YAML text, or from a YAML file when given a path (``pathlib.Path``).
 
         The fields sit at the top, or under one ``fused_head:`` key (the shape of
-        docs/configuration.md). A malformed file is a ``ValueError`` naming the file (``source``)
-        and the line and column. Needs PyYAML (the core's ``yaml`` extra).
+        docs/configuration.md). Numbers are read by YAML 1.2's rules (``010`` is 10, ``1:30`` a
+        str). A malformed file is a ``ValueError`` naming the file (``source``) and the line and
+        column. Needs PyYAML (the core's ``yaml`` extra).
         """
         try:
             import yaml
@@ -355,22 +356,45 @@ class FusedHeadConfig(BaseModel):
         return self.model_dump(mode="json")
 
 
-#: YAML 1.2 floats that PyYAML's YAML 1.1 rules read as str: an exponent without a dot (``1e-3``)
-#: or with a bare dot (``1.e-3``); what OmegaConf's loader (Hydra) also reads as floats.
+#: YAML 1.2 core-schema ints: decimal (``010`` is 10, not YAML 1.1's octal 8), ``0o`` octal,
+#: ``0x`` hex; ``0b`` binary and ``_`` between digits are kept from YAML 1.1, which read them alike.
+#: No base 60: YAML 1.1 read ``1:30`` as 90, YAML 1.2 as the str the config then refuses.
+_YAML_INT = re.compile(r"^(?:[-+]?[0-9][0-9_]*|[-+]?0o[0-7_]+|[-+]?0x[0-9a-fA-F_]+|[-+]?0b[01_]+)$")
+#: YAML 1.2 core-schema floats: a dot or an exponent (``1e-3``, ``1.e-3``, ``.5``, which YAML 1.1
+#: read as str but for the last), ``.inf``, ``.nan``; ``_`` between digits kept; no base 60
+#: (YAML 1.1 read ``1:30.5`` as 90.5).
 _YAML_FLOAT = re.compile(
-    r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?
     |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
-    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
     |[-+]?\.(?:inf|Inf|INF)
     |\.(?:nan|NaN|NAN))$""",
     re.X,
 )
+_YAML_INT_TAG = "tag:yaml.org,2002:int"
+_YAML_FLOAT_TAG = "tag:yaml.org,2002:float"
+
+
+def _yaml_int(loader: Any, node: Any) -> int:
+    """A YAML 1.2 int's value: a leading 0 is decimal (YAML 1.1's constructor read it as octal)."""
+    import yaml
+
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    sign = -1 if text[:1] == "-" else 1
+    digits = text.lstrip("+-")
+    base = {"0o": 8, "0x": 16, "0b": 2}.get(digits[:2], 10)
+    try:
+        return sign * int(digits[2:] if base != 10 else digits, base)
+    except ValueError:  # an explicit !!int tag on what is not one
+        raise yaml.constructor.ConstructorError(
+            None, None, f"expected an integer, got {text!r}", node.start_mark
+        ) from None
 
 
 @functools.cache
 def _yaml_loader() -> type:
-    """PyYAML's SafeLoader that reads ``1e-3`` as the float a YAML 1.2 reader (and OmegaConf)
-    gives, not the str YAML 1.1 gives (a config's ``temperature: 1e-3`` was refused as a str)."""
+    """PyYAML's SafeLoader with YAML 1.2's ints and floats (core schema) in place of YAML 1.1's:
+    ``010`` is 10 (not octal 8), ``1:30`` a str (not base-60 90), ``1e-3`` a float (not a str),
+    what a YAML 1.2 reader gives; a misread number would pass validation silently."""
     import yaml
 
     class Loader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no types here
@@ -397,5 +421,11 @@ def _yaml_loader() -> type:
                     )
             return super().construct_mapping(node, deep=deep)
 
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_FLOAT, list("-+0123456789."))
+    Loader.yaml_implicit_resolvers = {  # YAML 1.1's int and float rules dropped, the rest kept
+        first: [(tag, rule) for tag, rule in rules if tag not in (_YAML_INT_TAG, _YAML_FLOAT_TAG)]
+        for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(_YAML_INT_TAG, _YAML_INT, list("-+0123456789"))
+    Loader.add_implicit_resolver(_YAML_FLOAT_TAG, _YAML_FLOAT, list("-+0123456789."))
+    Loader.add_constructor(_YAML_INT_TAG, _yaml_int)
     return Loader

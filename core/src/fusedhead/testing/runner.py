@@ -37,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run only properties whose name contains one of these comma-separated substrings",
     )
     parser.add_argument(
-        "--list", action="store_true", help="list the properties with a line each and exit"
+        "--list",
+        action="store_true",
+        help="list the properties with a line each (with --json: a JSON list) and exit",
     )
     parser.add_argument(
         "--json", action="store_true", help="print the results as a JSON list instead"
@@ -52,9 +54,13 @@ def run(args: argparse.Namespace) -> int:
     from fusedhead.testing.target import Target
 
     names = select(args.pattern)
-    if args.list:
-        for name in names:
-            print(f"{name}: {describe(name)}")
+    if args.list:  # with --json: objects keyed as the results' ("property"), else a line each
+        if args.json:
+            rows = [{"property": name, "description": describe(name)} for name in names]
+            print(json.dumps(rows, indent=2))
+        else:
+            for name in names:
+                print(f"{name}: {describe(name)}")
         return 0
     target = Target.resolve(args.name, args.options, runnable_device(args.device), args.dtype)
     if not args.json:
