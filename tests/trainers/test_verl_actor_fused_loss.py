@@ -155,7 +155,7 @@ def test_a_non_fusedhead_impl_backend_is_refused_when_the_actor_is_built(
     (verl's own kernels fail under FSDP2 with "mixed torch.Tensor and DTensor", #5633)."""
     path, _ = tiny
     model, config = ex.actor_configs(path, fused=True, backend=backend)
-    with _restored_forward(), pytest.raises(RuntimeError) as err:
+    with _restored_forward(), pytest.raises(ValueError) as err:
         ex.build_actor(model, config)
     text = str(err.value)
     assert "actor_rollout_ref.actor.policy_loss.loss_mode='fusedhead'" in text

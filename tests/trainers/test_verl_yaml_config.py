@@ -275,12 +275,12 @@ _BACKEND_IS = f"{MODEL}.fused_kernel_options.impl_backend is "
         ),
         (
             {f"{MODEL}.fused_kernel_options.impl_backend": "fusedhaed:torch"},
-            RuntimeError,
+            ValueError,
             f"{_BACKEND_IS}'fusedhaed:torch', not a fusedhead backend",
         ),
         (
             {f"{MODEL}.fused_kernel_options.impl_backend": "torch"},
-            RuntimeError,
+            ValueError,
             f"{_BACKEND_IS}'torch', verl's own fused kernel, whose forward returns log-probs",
         ),
         (
@@ -301,8 +301,10 @@ def test_a_setup_the_fused_loss_cannot_run_is_refused_when_the_engine_is_built(
         verl_config.check_fused_setup(actor, model, actor.engine)
     text = str(err.value)
     assert start in text, text
-    if error is RuntimeError:  # the fix offered: an installed fusedhead backend with the loss
+    if start.startswith(_BACKEND_IS):  # the fix offered: an installed backend with the loss
         assert "installed ones that compute the loss: 'fusedhead:torch'" in text
+        typo = "fusedhaed" in start
+        assert ("did you mean 'fusedhead:torch'?" in text) is typo, text
 
 
 @pytest.mark.parametrize(

@@ -246,10 +246,11 @@ def check_fused_setup(config: Any, model_config: Any, engine_config: Any = None)
     (verl's ``HFModelConfig``); ``engine_config``: the actor's engine config, for Ulysses.
     Called when verl's FSDP engine for that model is built (before the model is loaded) and at
     its first forward, whatever the pass, so that a setting the fused loss cannot run with is
-    named before a forward-only pass (the old log-probs) runs into it. ``impl_backend`` not
-    ``fusedhead:<name>`` is a ``RuntimeError`` (the model's forward would not be fusedhead's);
-    the rest ``ValueError``.
+    named before a forward-only pass (the old log-probs) runs into it. Each is a ``ValueError``
+    naming the setting, its value and the fix (for ``impl_backend``, the installed backends that
+    compute the loss, and the closest of them to a misspelt ``fusedhead:`` name).
     """
+    from fusedhead.checks import did_you_mean
     from fusedhead.integrations.backend_spec import installed_backend_names, is_fusedhead_spec
 
     check_actor_config(config)
@@ -269,14 +270,14 @@ def check_fused_setup(config: Any, model_config: Any, engine_config: Any = None)
             what = f"{backend!r}, verl's own fused kernel, whose forward returns log-probs"
         else:
             what = f"{backend!r}, not a fusedhead backend"
-        loss_backends = _policy_loss_backends(installed_backend_names())
-        ours = ", ".join(f"'fusedhead:{n}'" for n in loss_backends) or "none installed"
-        raise RuntimeError(
+        loss_backends = [f"fusedhead:{n}" for n in _policy_loss_backends(installed_backend_names())]
+        ours = ", ".join(repr(n) for n in loss_backends) or "none installed"
+        raise ValueError(
             f"{_LOSS_MODE}='fusedhead' computes the loss from the hidden states fusedhead's model "
             f"forward hands over, but {_MODEL}.fused_kernel_options.impl_backend is {what}: "
             f"set impl_backend: fusedhead:<name> (installed ones that compute the loss: "
-            f"{ours}), or loss_mode 'vanilla' "
-            "for verl's own loss"
+            f"{ours}), or loss_mode 'vanilla' for verl's own loss"
+            f"{did_you_mean(backend, loss_backends)}"
         )
     sp = option(engine_config, "ulysses_sequence_parallel_size", 1) if engine_config else 1
     if isinstance(sp, int) and sp > 1:
