@@ -92,3 +92,21 @@ def test_list_check_still_refuses_a_device_it_cannot_use(fusedhead: Run, device:
     line = error_line(err)
     assert rc == 2 and out == ""
     assert f"--device {device}" in line or f"got {device!r}" in line, line
+
+
+@pytest.mark.parametrize("argv", [["check", "liger"], ["demo", "--backend", "liger"]])
+def test_a_backends_python_options_advice_is_also_said_as_this_command_line_takes_it(
+    fusedhead: Run, argv: list[str]
+) -> None:
+    """Liger on the CPU advises ``options={"implementation": "fallback"}`` (fusedhead's Python
+    terms); ``check`` and ``demo`` take options as ``--options '<JSON>'``, and the line says so
+    (the error line is the last: ``demo`` prints its progress on stderr before it)."""
+    pytest.importorskip("fusedhead_liger", reason="the liger backend is not installed")
+    code, _, err = fusedhead(*argv, "--device", "cpu")
+    line = error_line(err.splitlines()[-1])
+    assert code == 2
+    assert 'options={"implementation": "fallback"}' in line
+    assert line.endswith(
+        """(on this command line, options={"implementation": "fallback"} is """
+        """--options '{"implementation": "fallback"}')"""
+    )

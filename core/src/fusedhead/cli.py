@@ -646,11 +646,24 @@ def _print_traceback(exc: BaseException) -> None:
     sys.stderr.flush()
 
 
+#: A backend's advice in fusedhead's Python terms: ``options={"implementation": "fallback"}``.
+_PYTHON_OPTIONS = re.compile(r"\boptions=(\{[^{}]*\})")
+
+
+def _options_here(message: str, args: argparse.Namespace | None) -> str:
+    """Where a backend's advice names options in Python terms, how ``check`` and ``demo`` take
+    them (``--options '{...}'``), else ``""``."""
+    found = _PYTHON_OPTIONS.search(message)
+    if found is None or getattr(args, "command", None) not in ("check", "demo"):
+        return ""
+    return f" (on this command line, options={found.group(1)} is --options '{found.group(1)}')"
+
+
 def _report(exc: Exception, args: argparse.Namespace | None, *, traced: bool = False) -> int:
     """One line (or a JSON object) for an error that ends a command, and the exit status;
     ``traced``: its traceback was printed, so the line points to it, not to the variable."""
     if isinstance(exc, BackendError):
-        _fail(exc.message, exc.to_dict(), args)
+        _fail(exc.message + _options_here(exc.message, args), exc.to_dict(), args)
         return EXIT_ERROR
     if isinstance(exc, (ValueError, TypeError, OSError)):  # bad input, a file that is not there
         text = str(exc)
