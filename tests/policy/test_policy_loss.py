@@ -738,6 +738,29 @@ def test_torch_compiled_chunks_match_the_reference() -> None:
 
 
 @pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_inside_torch_compile_the_call_is_a_graph_break_with_eager_results(backend: str) -> None:
+    """In a ``torch.compile``d step the backend runs as in eager mode, never compiled by Dynamo
+    (the triton backend's kernel launches, compiled as a frame of their own, failed there): the
+    same loss, metrics and gradients, bit for bit."""
+    data = batch(seed=14)
+    kw: dict[str, Any] = dict(temperature=0.8, entropy_coef=0.01, dual_clip=3.0, backend=backend)
+
+    def step(args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = fusedhead.fused_policy_loss(**args, **kw)
+        return out.loss, out.clip_fraction
+
+    torch._dynamo.reset()
+    eager, compiled = _args(data, h=True, w=True), _args(data, h=True, w=True)
+    want = step(eager)
+    got = torch.compile(step, backend="eager")(compiled)
+    want[0].backward()
+    got[0].backward()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(compiled["hidden"].grad, eager["hidden"].grad)
+    assert torch.equal(compiled["weight"].grad, eager["weight"].grad)
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum-norm"])
 def test_old_log_probs_none_is_on_policy(backend: str, aggregation: str) -> None:
     """``old_log_probs=None``: the old policy is the current one (TRL's and verl's
