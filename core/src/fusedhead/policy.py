@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
@@ -478,14 +479,18 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
     return _output(pcall, result, shape)
 
 
-@torch.compiler.disable
-def _untraced(method: Any, call: PolicyLossCall, cast: str | None) -> PolicyLossResult:
-    """The backend's ``policy_loss``, run as in eager mode: under ``torch.compile`` a graph break,
-    and never a frame Dynamo compiles (it compiled the triton backend's kernel launches and
-    failed there). About 1 us a call in eager mode."""
+def _eager(method: Any, call: PolicyLossCall, cast: str | None) -> PolicyLossResult:
+    """The backend's ``policy_loss`` without autograd or autocast."""
     with torch.no_grad(), torch.autocast(cast or "cpu", enabled=False):
         result: PolicyLossResult = method(call)
     return result
+
+
+#: ``_eager`` run as in eager mode: under ``torch.compile`` a graph break, and never a frame
+#: Dynamo compiles (it compiled the triton backend's kernel launches and failed there). About
+#: 1 us a call in eager mode.
+_untraced: Callable[[Any, PolicyLossCall, str | None], PolicyLossResult]
+_untraced = torch.compiler.disable(_eager)  # type: ignore[no-untyped-call]  # untyped in torch
 
 
 def _policy_call(
