@@ -98,6 +98,26 @@ def test_the_backend_sees_the_scored_rows_and_the_outputs_are_the_whole_batchs(
 
 
 @pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_inside_torch_compile_the_backend_sees_the_scored_rows_as_in_eager_mode(
+    backend: str,
+) -> None:
+    """The count is data-dependent, so a compiled graph cannot read it; the backend's call (a
+    graph break) reads it instead: a compiled step skips the ignored rows as an eager one does."""
+    x = _batch(False)
+    head = fusedhead.FusedHead({"backend": backend})
+    _run(head, x)
+    seen: list[PolicyLossCall] = []
+    _spy(head, seen)
+    torch._dynamo.reset()
+    eager, _, eager_w = _run(head, x)
+    compiled, _, compiled_w = torch.compile(_run, backend="eager")(head, x)
+    scored = int((x["labels"] != -100).sum())
+    assert [c.head.hidden.shape[0] for c in seen] == [scored, scored]
+    assert torch.equal(compiled.loss, eager.loss)
+    assert torch.equal(compiled_w, eager_w)
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
 def test_no_scored_row_gives_zeros_without_running_the_backend(backend: str) -> None:
     x = _batch(False)
     x["labels"] = torch.full_like(x["labels"], -100)

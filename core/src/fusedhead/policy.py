@@ -40,7 +40,7 @@ from fusedhead.protocol import (
     PolicyLossResult,
 )
 from fusedhead.request import HeadRequest, PolicyRequest
-from fusedhead.scored_rows import gather, narrow, nothing_scored, scored_first, spread
+from fusedhead.scored_rows import ScoredRows, nothing_scored
 from fusedhead.validation import validate
 from fusedhead.value_checks import Pending, check_count_value, count_checked
 
@@ -220,6 +220,25 @@ class _AttachedGradients(torch.autograd.Function):
             for g, dtype in zip(stored, ctx.dtypes, strict=True)
         )
         return grad_hidden, grad_weight, None, None, None
+
+
+def _attach_eager(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    loss: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+) -> torch.Tensor:
+    """``loss`` with the stored gradients attached for its backward."""
+    out: torch.Tensor = _AttachedGradients.apply(  # type: ignore[no-untyped-call]
+        hidden, weight, loss, grad_hidden, grad_weight
+    )
+    return out
+
+
+#: ``_attach_eager`` never traced: Dynamo would trace the backward too, and break its graph at
+#: the scale's host read with a warning on every compile.
+_attach: Callable[..., torch.Tensor] = torch.compiler.disable(_attach_eager)  # type: ignore[no-untyped-call]
 
 
 def _scale_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
@@ -449,48 +468,61 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
     valid = call.labels != call.ignore_index
     count = valid.sum()
     pcall = _policy_call(call, shape, n, device, req, valid, count, pending)
-    scored, order, ordered = n, None, pcall
+    rows: ScoredRows | None = None
     if pending is not None:
-        if not torch.compiler.is_compiling():
-            pending.count(count)  # read with the checks: the backend sees scored rows only
-            order = scored_first(valid)
-            ordered = gather(pcall, order)  # queued before the read: hidden's rows after it
+        if not traced:  # the count read with the checks, the rows gathered before that read
+            pending.count(count)
+            rows = ScoredRows.queue(pcall, valid)
         pending.send()
         pending.settle()
-        scored = pending.counts[0] if pending.counts else n
-    if scored == 0:
-        result = nothing_scored(pcall)
-    else:
-        rows = None if order is None or scored == n else order[:scored]
-        sub = pcall if order is None or rows is None else narrow(ordered, order, scored)
-        method = getattr(head.backend, "policy_loss", None)
-        if not callable(method):
-            head.broke("declares policy_loss but has no policy_loss(call) method")
-        try:
-            result = _untraced(method, sub, cast)
-        except BackendError as exc:
-            raise exc.attach(**head.identity()) from None
-        except Exception as exc:
-            note_backend(exc, **head.identity())
-            raise
-        _check_result(head, sub, result, scored, device)
         if rows is not None:
-            result = spread(result, rows, pcall)
+            rows.count = pending.counts[0]
+    result = _untraced(head, pcall, cast, valid if pending is not None else None, rows)
     return _output(pcall, result, shape)
 
 
-def _eager(method: Any, call: PolicyLossCall, cast: str | None) -> PolicyLossResult:
-    """The backend's ``policy_loss`` without autograd or autocast."""
-    with torch.no_grad(), torch.autocast(cast or "cpu", enabled=False):
-        result: PolicyLossResult = method(call)
-    return result
+def _backend_result(
+    head: _Head,
+    call: PolicyLossCall,
+    cast: str | None,
+    valid: torch.Tensor | None,
+    rows: ScoredRows | None,
+) -> PolicyLossResult:
+    """The backend's result for every row of ``call``, computed on the scored rows alone where
+    ``valid`` is given (``rows``: found and counted with the checks; else found here).
+
+    Always run as in eager mode (``_untraced``): in a compiled graph the count is read here,
+    so a compiled step hands the backend the same rows as an eager one, with the same bits."""
+    n = call.head.labels.shape[0]
+    if valid is not None and rows is None:
+        rows = ScoredRows.queue(call, valid)
+        rows.count = int(valid.sum())
+    scored = n if rows is None else rows.count
+    if scored == 0:
+        return nothing_scored(call)
+    sub = call if rows is None or scored == n else rows.narrowed()
+    method = getattr(head.backend, "policy_loss", None)
+    if not callable(method):
+        head.broke("declares policy_loss but has no policy_loss(call) method")
+    try:
+        with torch.no_grad(), torch.autocast(cast or "cpu", enabled=False):
+            result = method(sub)
+    except BackendError as exc:
+        raise exc.attach(**head.identity()) from None
+    except Exception as exc:
+        note_backend(exc, **head.identity())
+        raise
+    _check_result(head, sub, result, scored, call.head.hidden.device)
+    return result if sub is call or rows is None else rows.spread(result, call)
 
 
-#: ``_eager`` run as in eager mode: under ``torch.compile`` a graph break, and never a frame
-#: Dynamo compiles (it compiled the triton backend's kernel launches and failed there). About
-#: 1 us a call in eager mode.
-_untraced: Callable[[Any, PolicyLossCall, str | None], PolicyLossResult]
-_untraced = torch.compiler.disable(_eager)  # type: ignore[no-untyped-call]  # untyped in torch
+#: ``_backend_result`` run as in eager mode: under ``torch.compile`` a graph break, and never a
+#: frame Dynamo compiles (it compiled the triton backend's kernel launches and failed there).
+#: About 1 us a call in eager mode.
+_untraced: Callable[
+    [_Head, PolicyLossCall, str | None, torch.Tensor | None, ScoredRows | None], PolicyLossResult
+]
+_untraced = torch.compiler.disable(_backend_result)  # type: ignore[no-untyped-call]  # untyped
 
 
 def _policy_call(
@@ -682,9 +714,7 @@ def _output(
     loss = terms.loss.sum()
     h, w = call.head.hidden, call.head.weight
     if call.need_hidden_grad or call.need_weight_grad:
-        loss = _AttachedGradients.apply(  # type: ignore[no-untyped-call]
-            h, w, loss, result.grad_hidden, result.grad_weight
-        )
+        loss = _attach(h, w, loss, result.grad_hidden, result.grad_weight)
     weight = call.token_weight
     valid = weight != 0
     zero = torch.zeros((), dtype=torch.float32, device=lp.device)

@@ -19,27 +19,52 @@ import torch
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
 
 
-def scored_first(valid: torch.Tensor) -> torch.Tensor:
-    """Every row's index, the scored rows first, each group in order (a stable sort of the mask).
+class ScoredRows:
+    """The scored rows of one call: found on the device (``queue``), counted by the host
+    (``count``, read with the checks in eager mode), then the backend's call narrowed to them
+    and its result spread back over every row."""
 
-    Queued before the count is read, with the per-token gathers of ``gather``: after the read
-    only the hidden rows' gather is left (``narrow``), so the GPU waits for one launch, not
-    seven, between the read and the backend's first kernel."""
-    return torch.argsort(valid.to(torch.int8), descending=True, stable=True)
+    __slots__ = ("count", "order", "ordered")
 
+    def __init__(self, order: torch.Tensor, ordered: PolicyLossCall) -> None:
+        self.order = order
+        self.ordered = ordered
+        #: The number of scored rows, set once the host has read it.
+        self.count = 0
 
-def gather(call: PolicyLossCall, order: torch.Tensor) -> PolicyLossCall:
-    """``call`` with every per-token tensor gathered in ``order``, the rest as it is; the hidden
-    states are left to ``narrow``, which gathers the scored rows alone (an RL batch may ignore
-    most of its rows: a gather of every row would hold them all)."""
-    return _per_token(call, lambda t: t.index_select(0, order))
+    @classmethod
+    def queue(cls, call: PolicyLossCall, valid: torch.Tensor) -> ScoredRows:
+        """Every row's index, the scored ones first, each group in order (a stable sort of the
+        mask), and every per-token tensor gathered in that order: queued before the count is
+        read, so that after the read only the hidden rows' gather is left (``narrowed``) and the
+        GPU waits for one launch, not seven, between the read and the backend's first kernel.
+        The hidden states are not gathered here: an RL batch may ignore most of its rows."""
+        order = torch.argsort(valid.to(torch.int8), descending=True, stable=True)
+        return cls(order, _per_token(call, lambda t: t.index_select(0, order)))
 
+    def narrowed(self) -> PolicyLossCall:
+        """The call on the ``count`` scored rows: views, and the hidden rows gathered."""
+        k = self.count
+        hidden = self.ordered.head.hidden.index_select(0, self.order[:k])
+        narrowed = _per_token(self.ordered, lambda t: t[:k])
+        return dataclasses.replace(narrowed, head=narrowed.head._replace(hidden=hidden))
 
-def narrow(call: PolicyLossCall, order: torch.Tensor, count: int) -> PolicyLossCall:
-    """The first ``count`` rows of a ``gather``ed call: views, and the hidden rows gathered."""
-    hidden = call.head.hidden.index_select(0, order[:count])
-    narrowed = _per_token(call, lambda t: t[:count])
-    return dataclasses.replace(narrowed, head=narrowed.head._replace(hidden=hidden))
+    def spread(self, result: PolicyLossResult, call: PolicyLossCall) -> PolicyLossResult:
+        """The result on the scored rows as the whole ``call``'s: zeros elsewhere (statistics
+        and hidden gradient rows); the weight gradient is the scored rows' alone already."""
+        n = call.head.labels.shape[0]
+        rows = self.order[: self.count]
+
+        def full(t: torch.Tensor) -> torch.Tensor:
+            return t.new_zeros((n, *t.shape[1:])).index_copy_(0, rows, t)
+
+        gh = result.grad_hidden
+        return PolicyLossResult(
+            full(result.log_probs),
+            full(result.entropy),
+            grad_hidden=None if gh is None else full(gh),
+            grad_weight=result.grad_weight,
+        )
 
 
 def _per_token(call: PolicyLossCall, f: Callable[[torch.Tensor], torch.Tensor]) -> PolicyLossCall:
@@ -59,23 +84,6 @@ def _per_token(call: PolicyLossCall, f: Callable[[torch.Tensor], torch.Tensor]) 
         token_weight=f(call.token_weight),
         ref_log_probs=each(call.ref_log_probs),
         tis_weight=each(call.tis_weight),
-    )
-
-
-def spread(result: PolicyLossResult, rows: torch.Tensor, call: PolicyLossCall) -> PolicyLossResult:
-    """The result on ``rows`` as the whole call's: zeros elsewhere (statistics and hidden
-    gradient rows); the weight gradient is the scored rows' alone already."""
-    n = call.head.labels.shape[0]
-
-    def full(t: torch.Tensor) -> torch.Tensor:
-        return t.new_zeros((n, *t.shape[1:])).index_copy_(0, rows, t)
-
-    gh = result.grad_hidden
-    return PolicyLossResult(
-        full(result.log_probs),
-        full(result.entropy),
-        grad_hidden=None if gh is None else full(gh),
-        grad_weight=result.grad_weight,
     )
 
 
