@@ -27,7 +27,7 @@ import itertools
 
 from policy_loss_bench import warm_step
 
-import fusedhead.policy as core_policy
+import fusedhead.policy_output as policy_output
 import fusedhead.value_checks as value_checks
 
 MARKS: list[tuple[str, float, Any]] = []
@@ -58,7 +58,7 @@ def instrument(backend_cls: type | None) -> None:
     wrap(value_checks.Pending, "settle", None, "settled")
     if backend_cls is not None:
         wrap(backend_cls, "policy_loss", "backend in", "backend out")
-    wrap(core_policy, "_scale_", None, "bwd scale read")
+    wrap(policy_output, "_scale_", None, "bwd scale read")
 
 
 def run(step: Callable[[], None], steps: int) -> dict[str, list[tuple[float, float]]]:

@@ -20,7 +20,7 @@ from policy_loss_bench import warm_step
 
 
 def main() -> int:
-    import fusedhead.policy as policy
+    import fusedhead.policy_output as policy_output
 
     spec = sys.argv[1] if len(sys.argv) > 1 else "fused:triton"
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
@@ -29,13 +29,13 @@ def main() -> int:
     def step() -> None:
         fn(h, w).backward()
 
-    with_read = policy._scale_
+    with_read = policy_output._scale_
     times: dict[str, list[float]] = {"read": [], "no read": []}
     for _ in range(3):  # interleaved rounds
         for name, scale in (("read", with_read), ("no read", lambda grads, s: None)):
-            policy._scale_ = scale
+            policy_output._scale_ = scale
             times[name].append(do_bench(step, warmup=300, rep=1500, return_mode="median"))
-    policy._scale_ = with_read
+    policy_output._scale_ = with_read
     torch.cuda.synchronize()
     for name, ts in times.items():
         print(f"{spec} N={n}, backward scale {name}: " + " / ".join(f"{t:.2f}" for t in ts) + " ms")

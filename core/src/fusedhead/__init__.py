@@ -14,7 +14,7 @@ _LAZY = {
     "fused_head": "fusedhead.api",
     "fused_kl": "fusedhead.api",
     "fused_policy_loss": "fusedhead.api",
-    "PolicyLossOutput": "fusedhead.policy",
+    "PolicyLossOutput": "fusedhead.policy_output",
     "PolicyLossCall": "fusedhead.protocol",
     "PolicyLossResult": "fusedhead.protocol",
     "FusedHead": "fusedhead.api",
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from fusedhead.api import FusedHead, FusedHeadOutput, fused_head, fused_kl, fused_policy_loss
     from fusedhead.config import FusedHeadConfig
     from fusedhead.module import FusedLMHead
-    from fusedhead.policy import PolicyLossOutput
+    from fusedhead.policy_output import PolicyLossOutput
     from fusedhead.protocol import (
         PLUGIN_API_VERSION,
         Capabilities,

@@ -23,7 +23,8 @@ from fusedhead.graph import tracing as _tracing
 from fusedhead.head import HEAD_FOREIGN_KEYWORDS, FusedHead
 from fusedhead.keywords import known_keywords
 from fusedhead.options import cache_text
-from fusedhead.policy import FOREIGN_KEYWORDS, PolicyLossOutput
+from fusedhead.policy_args import FOREIGN_KEYWORDS
+from fusedhead.policy_output import PolicyLossOutput
 from fusedhead.request import HeadRequest, KLRequest, PolicyRequest, entry_point, head_request
 
 __all__ = [

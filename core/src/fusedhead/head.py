@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from fusedhead import contract, policy, rank_agreement, registry
+from fusedhead import contract, policy, policy_args, policy_output, rank_agreement, registry
 from fusedhead.checks import DEVICES, device_arg, device_entry, dtype_name, usable_device
 from fusedhead.config import FusedHeadConfig
 from fusedhead.contract import FusedHeadOutput
@@ -418,7 +418,7 @@ class FusedHead:
         contract.check_kl(out, call, needs_grad, not traced, self.identity())
         return contract.shaped(out.kl, shape)
 
-    @known_keywords(policy.FOREIGN_KEYWORDS)
+    @known_keywords(policy_args.FOREIGN_KEYWORDS)
     def policy_loss(
         self,
         hidden: torch.Tensor,
@@ -443,7 +443,7 @@ class FusedHead:
         cu_seqlens: torch.Tensor | None = None,
         ignore_index: int | None = None,
         softcap: float | None = None,
-    ) -> policy.PolicyLossOutput:
+    ) -> policy_output.PolicyLossOutput:
         """The policy loss with its gradients computed in the forward (see ``fused_policy_loss``,
         whose arguments it takes but ``backend`` and ``options``, which the head holds); the
         config's ``temperature``, ``ignore_index`` and ``softcap`` apply where the call passes
@@ -476,6 +476,6 @@ class FusedHead:
             )
         )
 
-    def run_policy_loss(self, req: PolicyRequest) -> policy.PolicyLossOutput:
+    def run_policy_loss(self, req: PolicyRequest) -> policy_output.PolicyLossOutput:
         """One policy-loss call (``policy.run``: checked, gated, run, the loss formed)."""
         return policy.run(self, req)

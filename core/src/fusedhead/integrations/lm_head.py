@@ -48,7 +48,7 @@ from fusedhead.integrations.backend_spec import (
     spelled,
 )
 from fusedhead.module import call_in_forward, head_forward, owned, run_as_forward
-from fusedhead.policy import PolicyLossOutput
+from fusedhead.policy_output import PolicyLossOutput
 from fusedhead.request import output_flags
 from fusedhead.value_checks import (
     Pending,

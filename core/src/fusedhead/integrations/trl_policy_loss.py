@@ -36,7 +36,7 @@ from fusedhead.integrations.trl_config import (
     trainer_device,
     trl_utils,
 )
-from fusedhead.policy import PolicyLossOutput
+from fusedhead.policy_output import PolicyLossOutput
 
 __all__ = [
     "POLICY_LOSS_TYPES",

@@ -340,7 +340,7 @@ def fused_ppo_loss_step(
     from verl.utils.metric import AggregationType, Metric
 
     from fusedhead.integrations.lm_head import in_module_call, lm_head_policy_loss
-    from fusedhead.policy import PolicyLossOutput
+    from fusedhead.policy_output import PolicyLossOutput
 
     got = pending.take()
     if got is None:

@@ -562,7 +562,7 @@ def policy_loss_determinism(target: Target) -> None:
 
 def policy_loss_contract(target: Target) -> None:
     """If declared: the output's types and shapes, gradients only where asked, none under no_grad, a second backward and create_graph refused, unchecked out-of-range labels NaN."""
-    from fusedhead.policy import PolicyLossOutput
+    from fusedhead.policy_output import PolicyLossOutput
 
     _declared(target)
     n, h, v = target.sizes.small

@@ -1,0 +1,205 @@
+"""What a policy-loss call returns: ``PolicyLossOutput``, the loss formed from the backend's
+statistics with the forward's gradients attached for ``loss.backward()``, and the metrics.
+
+Apart from the call path (``policy.run``): the loss's forming and its backward, not its checks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusedhead.policy_terms import LOG_RATIO_BOUND, kl_penalty, on_policy_log_ratio, token_grads
+from fusedhead.protocol import PolicyLossCall, PolicyLossResult
+
+
+@dataclass(frozen=True)
+class PolicyLossOutput:
+    """The policy loss of a batch, its per-token statistics and the metrics trainers log.
+
+    ``loss``: fp32 scalar, differentiable in hidden and weight only (its gradients were computed
+    in the forward; one ``backward`` per loss). ``log_probs`` and ``entropy``: detached fp32 in the
+    labels' shape, 0 at ignored rows. The metrics are detached fp32 scalars on the device (no host
+    sync): ``pg_loss`` (the aggregated surrogate), ``entropy_loss`` (the aggregated entropy, as verl
+    names it), ``kl`` (the aggregated KL estimate; None without ``ref_log_probs``), and as masked
+    token means ``clip_fraction`` (verl's ``pg_clipfrac``), ``clip_fraction_lower`` (the dual clip's;
+    None without it), ``approx_kl`` (verl's ``ppo_kl``, against the old policy) and the ratio's mean,
+    min and max.
+    """
+
+    loss: torch.Tensor
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    pg_loss: torch.Tensor
+    entropy_loss: torch.Tensor
+    kl: torch.Tensor | None
+    clip_fraction: torch.Tensor
+    clip_fraction_lower: torch.Tensor | None
+    approx_kl: torch.Tensor
+    ratio_mean: torch.Tensor
+    ratio_min: torch.Tensor
+    ratio_max: torch.Tensor
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """The metrics by name (those that are set), for a trainer's logger."""
+        names = (
+            "pg_loss",
+            "entropy_loss",
+            "kl",
+            "clip_fraction",
+            "clip_fraction_lower",
+            "approx_kl",
+            "ratio_mean",
+            "ratio_min",
+            "ratio_max",
+        )
+        return {k: v for k in names if (v := getattr(self, k)) is not None}
+
+
+def output(
+    call: PolicyLossCall,
+    result: PolicyLossResult,
+    shape: tuple[int, ...],
+) -> PolicyLossOutput:
+    """The loss formed from the backend's statistics, its gradients attached, and the metrics."""
+    lp, ent = result.log_probs.detach(), result.entropy.detach()
+    n = lp.shape[0]
+    terms = token_grads(call, 0, n, lp, ent)
+    loss = terms.loss.sum()
+    h, w = call.head.hidden, call.head.weight
+    if call.need_hidden_grad or call.need_weight_grad:
+        loss = _attach(h, w, loss, result.grad_hidden, result.grad_weight)
+    weight = call.token_weight
+    valid = weight != 0
+    zero = torch.zeros((), dtype=torch.float32, device=lp.device)
+    count = valid.sum().to(torch.float32)
+    denom = count.clamp(min=1.0)
+    if call.old_log_probs is None:  # on-policy: ratio 1 (NaN where lp is), as token_grads has it
+        log_ratio = on_policy_log_ratio(lp)
+    else:
+        log_ratio = (lp - call.old_log_probs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    log_ratio = torch.where(valid, log_ratio, zero)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(valid, call.advantages, zero)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - call.clip_low, 1.0 + call.clip_high)
+    surrogate = torch.maximum(unclipped, clipped)
+    lower = None
+    if call.dual_clip is not None:
+        floor = -adv * call.dual_clip
+        lower = ((surrogate > floor) & (adv < 0) & valid).sum() / denom
+        surrogate = torch.where(adv < 0, torch.minimum(floor, surrogate), surrogate)
+    if call.tis_weight is not None:
+        surrogate = surrogate * torch.where(valid, call.tis_weight, zero)
+    kl = None
+    ref = call.ref_log_probs
+    if ref is not None:
+        lp_valid = torch.where(valid, lp, zero)
+        kl_tok, _ = kl_penalty(call.kl_estimator, lp_valid, torch.where(valid, ref, zero))
+        kl = (kl_tok * weight).sum()
+    big = torch.full((1,), math.inf, device=lp.device)
+    # The extremes over scored rows; with none, min/max's identities (+inf, -inf), so that a
+    # min or max across micro-batches or ranks (all_reduce MIN/MAX) stays right.
+    ratio_min = torch.cat((torch.where(valid, ratio, big), big)).amin()
+    ratio_max = torch.cat((torch.where(valid, ratio, -big), -big)).amax()
+    return PolicyLossOutput(
+        loss=loss,
+        log_probs=_shaped(lp, shape),
+        entropy=_shaped(ent, shape),
+        pg_loss=(surrogate * weight).sum(),
+        entropy_loss=(torch.where(valid, ent, zero) * weight).sum(),
+        kl=kl,
+        clip_fraction=((clipped > unclipped) & valid).sum() / denom,
+        clip_fraction_lower=lower,
+        approx_kl=(-log_ratio).sum() / denom,
+        ratio_mean=torch.where(valid, ratio, zero).sum() / denom,
+        ratio_min=ratio_min,
+        ratio_max=ratio_max,
+    )
+
+
+def _shaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return t if tuple(t.shape) == shape else t.reshape(shape).clone()
+
+
+class _AttachedGradients(torch.autograd.Function):
+    """The loss as a node whose backward hands out the gradients the forward computed."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        loss: torch.Tensor,
+        grad_hidden: torch.Tensor | None,
+        grad_weight: torch.Tensor | None,
+    ) -> torch.Tensor:
+        ctx.grads = (grad_hidden, grad_weight)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fused_policy_loss: the loss's gradients are computed in the forward and are not "
+                "differentiable again (create_graph=True, e.g. a gradient penalty through the loss); "
+                "use fused_head's log-probs and write the loss in torch for higher-order gradients"
+            )
+        if ctx.grads is None:
+            raise RuntimeError(
+                "fused_policy_loss: a second backward through one loss (retain_graph=True or a "
+                "loss reused across steps); its gradients were handed out by the first backward: "
+                "compute the loss again for another backward"
+            )
+        stored = ctx.grads
+        ctx.grads = None  # handed out once; the stored gradients are scaled in place
+        _scale_([g for g in stored if g is not None], grad)
+        # an fp32 gradient of an fp16 input (``PolicyLossResult``) rounded once, after its scale
+        grad_hidden, grad_weight = (
+            g if g is None or g.dtype == dtype else g.to(dtype)
+            for g, dtype in zip(stored, ctx.dtypes, strict=True)
+        )
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _attach_eager(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    loss: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+) -> torch.Tensor:
+    """``loss`` with the stored gradients attached for its backward."""
+    out: torch.Tensor = _AttachedGradients.apply(  # type: ignore[no-untyped-call]
+        hidden, weight, loss, grad_hidden, grad_weight
+    )
+    return out
+
+
+#: ``_attach_eager`` never traced: Dynamo would trace the backward too, and break its graph at
+#: the scale's host read with a warning on every compile.
+_attach: Callable[..., torch.Tensor] = torch.compiler.disable(_attach_eager)  # type: ignore[no-untyped-call]
+
+
+def _scale_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """``grads *= scale`` in place, nothing to do for a scale of 1 (``loss.backward()``).
+
+    The scale is read on the host, once per backward (as Liger's fused cross-entropy does): a
+    Python scale keeps the multiply one pass in fp32 arithmetic, rounded once, where a bf16
+    ``mul_`` by an fp32 0-d tensor takes a slow mixed-dtype kernel (2.4 ms for a 1.2 GiB weight
+    gradient on an H200), and the usual scale of 1 costs nothing. Not ``_foreach_mul_``: on the
+    CPU it rounds the scale to the gradients' dtype first (fp16: 65536, a GradScaler's first
+    scale, is inf, and a zero gradient times inf is NaN; bf16: 1/3 is off by 0.2 %).
+    """
+    value = float(scale)
+    if not math.isfinite(value):  # an Inf or NaN scale: a zero (an ignored row's) stays 0
+        for g in grads:
+            torch.where(g == 0, g, g * value, out=g)
+    elif value != 1.0:
+        for g in grads:
+            g.mul_(value)
