@@ -167,23 +167,9 @@ class _AttachedGradients(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def _attach_eager(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    loss: torch.Tensor,
-    grad_hidden: torch.Tensor | None,
-    grad_weight: torch.Tensor | None,
-) -> torch.Tensor:
-    """``loss`` with the stored gradients attached for its backward."""
-    out: torch.Tensor = _AttachedGradients.apply(  # type: ignore[no-untyped-call]
-        hidden, weight, loss, grad_hidden, grad_weight
-    )
-    return out
-
-
-#: ``_attach_eager`` never traced: Dynamo would trace the backward too, and break its graph at
-#: the scale's host read with a warning on every compile.
-_attach: Callable[..., torch.Tensor] = torch.compiler.disable(_attach_eager)  # type: ignore[no-untyped-call]
+#: ``_AttachedGradients.apply`` never traced: Dynamo would trace the backward too, and break its
+#: graph at the scale's host read with a warning on every compile.
+_attach: Callable[..., torch.Tensor] = torch.compiler.disable(_AttachedGradients.apply)  # type: ignore[no-untyped-call]
 
 
 def _scale_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
