@@ -4,7 +4,8 @@ call and their outputs written as the contract gives them (zero statistics, zero
 Rows are independent in every statistic, so a scored row's log-prob and entropy are the bits it
 gets in the whole batch (the backends' batch invariance), and each of the three GEMMs shrinks by
 the ignored fraction (prompt and padding tokens in an RL batch). The number of scored rows is read
-by the host with the call's value checks (one read that happens anyway); the rows are found on the
+by the host with the call's value checks (one read that happens anyway; in a compiled graph,
+where the checks are ops of the graph, at the backend call's graph break); the rows are found on the
 device before that read (the gathers queued with the checks), without a read of their own.
 """
 
