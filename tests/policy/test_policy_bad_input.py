@@ -26,6 +26,10 @@
   per-token tensors are refused with a ``.detach()`` hint.
 - verl's ``token-sum`` was offered ``token-mean`` as a did-you-mean, TRL's loss types and verl's
   ``full`` KL no word at all: each is told what it is here.
+- A NaN or inf among the loss's per-token values on a scored row (a NaN advantage from a group
+  whose rewards are all equal, an fp64 advantage past fp32's range) gave a NaN or infinite loss
+  and gradients without a word, which an optimizer step then wrote into the weights. They are
+  checked in the call's one read, ignored rows left free.
 - verl's and TRL's keyword names (``entropy_coeff=``, ``beta=``, ``response_mask=``) got Python's
   "unexpected keyword argument", which does not say what they are here.
 """
@@ -531,3 +535,110 @@ def test_every_unknown_keyword_is_named_with_the_known_ones():
     assert "keyword arguments: 'beta' (TRL's name of kl_coef); 'kl_coeff' (did you mean" in said
     assert said.endswith("softcap, temperature, tis_cap")
     assert _call("torch", batch, kl_coef=0.0).loss.isfinite()  # a known keyword passes through
+
+
+#: The loss's per-token inputs.
+_LOSS_VALUES = ("old_log_probs", "advantages", "ref_log_probs", "rollout_log_probs")
+
+
+def _with_values(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch with every per-token input of the loss: a reference and rollout log-probs."""
+    return {
+        **batch,
+        "ref_log_probs": batch["old_log_probs"] - 0.1,
+        "rollout_log_probs": batch["old_log_probs"] + 0.05,
+    }
+
+
+def _poisoned(arg: str, value: float) -> dict[str, torch.Tensor]:
+    """A batch with every per-token input of the loss, ``value`` in ``arg`` at flat position 5
+    (a scored row), and flat position 0 ignored."""
+    batch = _with_values(_batch())
+    batch["labels"][0, 0] = -100
+    batch[arg] = batch[arg].clone()
+    batch[arg][1, 2] = value
+    return batch
+
+
+_ALL_TERMS = {"kl_coef": 0.1, "tis_cap": 2.0}
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize("arg", _LOSS_VALUES[:3])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_a_non_finite_per_token_value_on_a_scored_row_is_refused_by_name(backend, arg, value):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{arg} must be finite on scored rows .* got {value} \(as fp32\) at flat "
+        r"position 5 \(1 such value\(s\)\)",
+    ):
+        _call(backend, _poisoned(arg, value), **_ALL_TERMS)
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_a_nan_rollout_log_prob_is_refused_and_an_infinite_one_is_a_weight(backend):
+    """+inf is a weight of 0 (verl's IcePop masks arrive so), -inf the cap: only NaN is no
+    weight."""
+    tis = re.escape("the TIS weight exp(old_log_probs - rollout_log_probs)")
+    with pytest.raises(ValueError, match=rf"^{tis} must be finite .* got nan .* position 5 "):
+        _call(backend, _poisoned("rollout_log_probs", math.nan), **_ALL_TERMS)
+    for value in (math.inf, -math.inf):
+        out = _call(backend, _poisoned("rollout_log_probs", value), **_ALL_TERMS)
+        assert torch.isfinite(out.loss) and torch.isfinite(out.log_probs).all()
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+def test_non_finite_values_on_ignored_rows_are_left_free(backend):
+    batch = _with_values(_batch())
+    batch["labels"][1, 2] = -100
+    clean = _call(backend, batch, **_ALL_TERMS)
+    for arg in _LOSS_VALUES:
+        batch[arg] = batch[arg].clone()
+        batch[arg][1, 2] = math.nan
+    out = _call(backend, batch, **_ALL_TERMS)
+    assert torch.equal(out.loss, clean.loss)
+
+
+def test_an_fp64_advantage_past_fp32s_range_is_refused_not_taken_as_inf():
+    """Before: 1e300 became inf in the fp32 copy and the loss was -inf."""
+    batch = _batch()
+    batch["advantages"] = batch["advantages"].double()
+    batch["advantages"][2, 0] = 1e300
+    with pytest.raises(ValueError, match=r"^advantages must be finite .* got inf .* 3\.4e38"):
+        _call("torch", batch)
+
+
+def test_a_per_sequence_advantage_is_named_at_its_first_scored_token():
+    batch = _batch()
+    adv = torch.randn(B, 1)
+    adv[1] = math.nan
+    batch["advantages"] = adv
+    with pytest.raises(ValueError, match=rf"got nan \(as fp32\) at flat position {S} \({S} such"):
+        _call("torch", batch)
+
+
+def test_a_compiled_call_checks_the_loss_values_as_eager_mode_does():
+    torch._dynamo.reset()
+
+    def step(adv: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = _call("torch", _batch(), advantages=adv).loss
+        return loss
+
+    compiled = torch.compile(step, backend="eager")
+    assert torch.isfinite(compiled(torch.ones(B, S)))
+    bad = torch.ones(B, S)
+    bad[2, 1] = math.nan
+    with pytest.raises(ValueError, match=r"^advantages must be finite .* at flat position 7 "):
+        compiled(bad)
+
+
+def test_a_head_that_checks_no_labels_reads_no_loss_value():
+    """check_labels=False (CUDA-graph capture) reads nothing: the NaN reaches the loss."""
+    head = fusedhead.FusedHead({"backend": "torch", "check_labels": False})
+    b = _batch()
+    adv = b["advantages"].clone()
+    adv[0, 0] = math.nan
+    out = head.policy_loss(
+        b["hidden"], b["weight"], b["labels"], old_log_probs=b["old_log_probs"], advantages=adv
+    )
+    assert torch.isnan(out.loss)

@@ -162,8 +162,9 @@ def test_the_count_comes_with_the_value_checks_in_their_one_host_read(
 
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     _run(head, x)
-    # the labels' range; per token, the temperatures' range and torch's min_temperature
-    flags = 3 if per_token_temperature else 1
+    # the labels' range, the loss's values finite; per token, the temperatures' range and
+    # torch's min_temperature
+    flags = 4 if per_token_temperature else 2
     assert reads == [[0] * flags + [int((x["labels"] != -100).sum())]]
 
 

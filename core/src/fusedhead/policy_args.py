@@ -25,7 +25,7 @@ from fusedhead.checks import (
 )
 from fusedhead.protocol import AGGREGATIONS, KL_ESTIMATORS, HeadCall, PolicyLossCall
 from fusedhead.request import PolicyRequest
-from fusedhead.value_checks import Pending, check_count_value, count_checked
+from fusedhead.value_checks import Pending, check_count_value, check_finite_rows, count_checked
 
 #: verl's other names of the KL estimators (``kl_loss_type``); k2+ is k2 itself in verl (the
 #: straight-through gradient of k2 is k2's own).
@@ -107,6 +107,9 @@ FOREIGN_KEYWORDS = {
 }
 #: Names that ask for sequence-level importance ratios (GSPO), refused by name.
 SEQUENCE_LEVEL = ("gspo", "sequence", "seq-ratio", "sequence-level", "geo-mean")
+#: The TIS weight as its error names it: NaN only where a rollout log-prob is, as an infinite one
+#: is a weight (+inf: 0, which verl's IcePop masks are here; -inf: the cap).
+TIS = "the TIS weight exp(old_log_probs - rollout_log_probs)"
 _PER_TOKEN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -155,7 +158,7 @@ def policy_call(
             f"truncated importance sampling needs both rollout_log_probs and tis_cap: {given} was "
             f"given without {missing}"
         )
-    tis = None
+    roll = None
     if rollout is not None:
         cap = real_in("tis_cap", cap, low=1e-30, what="a finite float > 0")
         roll = _per_token("rollout_log_probs", rollout, shape, device, "no TIS")
@@ -165,7 +168,14 @@ def policy_call(
                 "rollout_log_probs): rollout_log_probs was given with old_log_probs=None; pass "
                 "the old policy's log-probs"
             )
-        tis = torch.exp(old - roll).clamp_(max=cap)
+    tis = None if roll is None or old is None else torch.exp(old - roll).clamp_(max=cap)
+    if pending is not None:  # each finite on the scored rows, in the call's one read
+        named = {"old_log_probs": old, "advantages": adv, "ref_log_probs": ref, TIS: tis}
+        checked = check_finite_rows(
+            {k: v for k, v in named.items() if v is not None}, valid, pending
+        )
+        old, adv = checked.get("old_log_probs"), checked["advantages"]
+        ref, tis = checked.get("ref_log_probs"), checked.get(TIS)
     horizon = req.horizon
     if horizon is not None:
         what = f"a length > 0 (verl's loss_scale_factor, TRL's max_completion_length), {COUNT_TEXT}"

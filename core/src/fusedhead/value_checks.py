@@ -1,4 +1,5 @@
-"""Deferred value checks: label and id ranges and per-token temperatures, read by the host once.
+"""Deferred value checks: label and id ranges, per-token temperatures, a policy loss's per-token
+values and counts, read by the host once.
 
 ``Pending`` collects a call's checks and reads their flags in one device-to-host copy that overlaps
 the backend's kernels; under ``torch.compile`` each check is a custom op whose kernel is the eager
@@ -7,6 +8,7 @@ check, so a compiled step raises the same error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -135,6 +137,43 @@ def _raise_bad_ids(
     )
 
 
+def check_finite_rows(
+    values: dict[str, torch.Tensor], valid: torch.Tensor, pending: Pending | None = None
+) -> dict[str, torch.Tensor]:
+    """Each ``[N]`` fp32 tensor of ``values`` (the loss's per-token inputs, by argument name)
+    finite where ``valid``: a NaN or inf there would reach the loss and every gradient, and so
+    the model's weights. Ignored rows may hold anything. One device-to-host read, or
+    ``pending``'s; returns ``values`` (under torch.compile, the checked copies from the graph's
+    op, as ``labels_checked`` does)."""
+    if not values:
+        return values
+    stacked = torch.stack(list(values.values()))
+    if torch.compiler.is_compiling():
+        checked: torch.Tensor = finite_rows_checked(stacked, valid, ",".join(values))
+        return dict(zip(values, checked.unbind(0), strict=True))
+    bad = (~torch.isfinite(stacked).all(0) & valid).any()
+    if pending is not None:
+        pending.add(bad, _raise_not_finite, values, valid)
+    elif bool(bad):
+        _raise_not_finite(values, valid)
+    return values
+
+
+def _raise_not_finite(values: dict[str, torch.Tensor], valid: torch.Tensor) -> NoReturn:
+    arg, t, bad = next(
+        (a, v, m) for a, v in values.items() if bool((m := ~torch.isfinite(v) & valid).any())
+    )
+    idx = int(bad.nonzero()[0, 0])
+    value = float(t[idx])
+    why = " (inf also where an fp64 value passes fp32's range, 3.4e38)" if math.isinf(value) else ""
+    raise ValueError(
+        f"{arg} must be finite on scored rows (label != ignore_index), got {value} (as fp32) at "
+        f"flat position {idx} ({int(bad.sum())} such value(s)){why}; give a row whose value is "
+        f"unknown the label ignore_index, or {UNCHECKED} skips this check (the loss and both "
+        "gradients are then NaN or inf)"
+    )
+
+
 class Pending:
     """A call's value checks (label and id ranges, per-token temperatures), read by the host in
     one go.
@@ -252,10 +291,19 @@ def count_checked(t: torch.Tensor, arg: str) -> torch.Tensor:
     return t.clone()
 
 
+@torch.library.custom_op("fusedhead::check_finite_rows", mutates_args=())
+def finite_rows_checked(stacked: torch.Tensor, valid: torch.Tensor, names: str) -> torch.Tensor:
+    """``check_finite_rows`` in a compiled graph, on its values stacked ``[k, N]`` (``names``
+    joined by commas); a copy of ``stacked``."""
+    check_finite_rows(dict(zip(names.split(","), stacked.unbind(0), strict=True)), valid)
+    return stacked.clone()
+
+
+@finite_rows_checked.register_fake
 @labels_checked.register_fake
 @temperature_checked.register_fake
 @gather_ids_checked.register_fake
 @count_checked.register_fake
 def _checked_copy(t: torch.Tensor, *_: object) -> torch.Tensor:
-    """What the four ops give while tracing: a tensor like their first input."""
+    """What the five ops give while tracing: a tensor like their first input."""
     return torch.empty_like(t)
