@@ -642,3 +642,23 @@ def test_a_head_that_checks_no_labels_reads_no_loss_value():
         b["hidden"], b["weight"], b["labels"], old_log_probs=b["old_log_probs"], advantages=adv
     )
     assert torch.isnan(out.loss)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_on_cuda_the_loss_values_are_checked_in_the_one_read(backend: str) -> None:
+    """CUDA reads the flags behind an event after the checks are queued: the same error, and the
+    same loss where the non-finite value is on an ignored row."""
+    batch = {k: v.cuda() for k, v in _with_values(_batch()).items()}
+    batch["hidden"], batch["weight"] = batch["hidden"].bfloat16(), batch["weight"].bfloat16()
+    batch["advantages"][1, 2] = math.nan
+    with pytest.raises(ValueError, match=r"^advantages must be finite .* got nan .* position 5 "):
+        _call(backend, batch, **_ALL_TERMS)
+    clean = {**batch, "advantages": batch["advantages"].nan_to_num(0.5)}
+    for b in (batch, clean):
+        b["labels"] = b["labels"].clone()
+        b["labels"][1, 2] = -100
+    assert torch.equal(
+        _call(backend, batch, **_ALL_TERMS).loss, _call(backend, clean, **_ALL_TERMS).loss
+    )
