@@ -175,8 +175,8 @@ def _raise_not_finite(values: dict[str, torch.Tensor], valid: torch.Tensor) -> N
 
 
 class Pending:
-    """A call's value checks (label and id ranges, per-token temperatures), read by the host in
-    one go.
+    """A call's value checks (label and id ranges, per-token temperatures, a policy loss's values)
+    and counts, read by the host in one go.
 
     Each check adds its flag, computed where the tensors are. On CUDA, ``send`` (just before the
     backend's ``forward``) copies the flags to pinned host memory behind an event, and ``settle``
