@@ -227,9 +227,10 @@ class Pending:
             return
         if torch.cuda.is_current_stream_capturing():
             raise ValueError(
-                "check_labels=True checks the label range (and any gather_ids and per-token "
-                "temperature tensor) by a device-to-host read, which CUDA-graph capture forbids; "
-                f"inside a captured region, {UNCHECKED} skips all three value checks"
+                "check_labels=True checks the label range (and any gather_ids, per-token "
+                "temperature tensor and a policy loss's per-token values) by a device-to-host "
+                f"read, which CUDA-graph capture forbids; inside a captured region, {UNCHECKED} "
+                "skips every value check"
             )
         self._host = flags.to("cpu", non_blocking=True)
         self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
