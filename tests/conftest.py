@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 # The Triton interpreter's tl.dot is NumPy's matmul. OpenBLAS's Haswell and Zen sgemm kernels
 # (NumPy's BLAS; 2.3.5 and 2.4.6 alike) give a row bits that depend on the row's place in the
@@ -20,8 +21,23 @@ from pathlib import Path
 if platform.machine().lower() in ("x86_64", "amd64") and "numpy" not in sys.modules:
     os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
 
-import pytest
-import torch
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+# ``pytest -n auto`` runs one worker per core; torch's and OpenBLAS's thread pools on top of that
+# oversubscribe the cores (the Triton interpreter's suites ran 27 % slower on two cores). Each
+# worker takes its share of the cores, set before torch and NumPy load; subprocesses inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = max(1, usable_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, str(_share))
+
+import pytest  # noqa: E402 (after the environment that torch and NumPy read)
+import torch  # noqa: E402
 
 # Triton decides when ``@triton.jit`` runs, its own standard library (tl.cdiv, tl.max, ...)
 # included, whether a function is compiled or interpreted; a later switch cannot reach functions
@@ -35,12 +51,66 @@ if not torch.cuda.is_available():
 MAX_WORKERS = 8
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        skip_repatching_in_device_calls()
+
+
+def skip_repatching_in_device_calls() -> None:
+    """Triton's interpreter re-patches ``triton.language`` (an ``inspect.getmembers`` walk of
+    every module) on each call of a ``@triton.jit`` helper inside a kernel, though the launch
+    has already patched those modules and restores them when it ends: half of the top-k kit's
+    interpreter time. A helper call whose modules are already patched is let through as is."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    scope = getattr(interpreter, "_LangPatchScope", None)
+    is_builtin = getattr(tl.core, "is_builtin", None)
+    if original is None or scope is None or is_builtin is None:
+        return  # another interpreter than the one this was written against: leave it alone
+
+    def patched(lang: object) -> bool:
+        math = getattr(lang, "math", None)
+        return not is_builtin(lang.arange) and (math is None or not is_builtin(math.exp))  # type: ignore[attr-defined]
+
+    def patch_lang(fn: Any) -> object:
+        langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+        if langs and not is_builtin(tl.tensor.__add__) and all(map(patched, langs)):
+            return scope()
+        return original(fn)
+
+    interpreter._patch_lang = patch_lang
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: one worker per core this process may use, at most ``MAX_WORKERS``."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
-    return max(1, min(MAX_WORKERS, cores))
+    return max(1, min(MAX_WORKERS, usable_cores()))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``-n``: work stealing rather than fixed batches, so an idle worker takes the other's
+    pending tests instead of waiting for it (an explicit ``--dist`` other than load is kept)."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import WorkStealingScheduling
+
+    return WorkStealingScheduling(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with a ``slow`` or ``multiprocess`` test go first, each kept whole (its fixtures
+    set up once), so that under ``-n`` no long test is left running alone at the end."""
+    heavy = {
+        item.path
+        for item in items
+        if item.get_closest_marker("slow") or item.get_closest_marker("multiprocess")
+    }
+    items.sort(key=lambda item: item.path not in heavy)
 
 
 FIXTURE_DISTS = Path(__file__).parent / "fixtures" / "dists"

@@ -137,7 +137,7 @@ def test_run_all_rehearsal_on_the_cpu(tmp_path: Path) -> None:
         "DEVICE": "cpu",
         "DTYPE": "fp32",
         "STEPS": "install bench",
-        "BENCH_SHAPE": "--n 24 48 --hidden 8 --vocab 100",
+        "BENCH_SHAPE": "--n 24 48 --hidden 8 --vocab 100 --no-memory",
         "BENCH_IMPLS": "torch reference",
         "BENCH_LAST_IMPLS": "verl-chunked",
         "DEADLINE_S": "300",

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu" / "vocab_parallel_nccl.py"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun with gloo on Linux")
 def test_rehearsal_matches_single_process_on_every_layout(tmp_path: Path) -> None:
     pytest.importorskip("triton")
@@ -64,6 +65,7 @@ def test_rehearsal_matches_single_process_on_every_layout(tmp_path: Path) -> Non
 DEGREE_SCRIPT = ROOT / "scripts" / "gpu" / "degree_nccl.py"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun with gloo on Linux")
 def test_degree_rehearsal_gives_the_one_process_bits_at_degree_2_and_4(tmp_path: Path) -> None:
     """Issue 35's script on four gloo ranks: degree 2 (two groups side by side) and 4 on the

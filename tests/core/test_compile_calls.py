@@ -116,6 +116,7 @@ def _fresh(*scripts: str, timeout: float = 240) -> dict[str, Any]:
 # --- cold: the process's first call is the compiled one ------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks-allowed"])
 def test_cold_first_call_compiled(fullgraph: bool) -> None:
     """Every entry resolves its head inside the trace: one graph, no break, no retrace on the
@@ -148,6 +149,7 @@ def test_cold_first_call_compiled(fullgraph: bool) -> None:
     assert out["caps"] == ["(device(type='cpu'), torch.float32)"], out
 
 
+@pytest.mark.slow
 def test_cold_inductor_and_refresh() -> None:
     """Inductor on a cold ``fused_head`` with options (forward: inductor's C++ build of the
     backward takes long here); ``fusedhead.refresh()`` drops the head, and the compiled function

@@ -75,6 +75,7 @@ def test_promised_output_reads_quotes_and_sizes() -> None:
     assert promised_output(code) == ["Did you mean 'torch'?", "torch.Size([4, 16])"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("path", "code", "mark"), blocks())
 def test_doc_block_runs(path: Path, code: str, mark: str, tmp_path: Path) -> None:
     if mark.startswith("needs "):  # needs MODULE (how to get it): run wherever it imports

@@ -46,20 +46,20 @@ VERSION = source_version("fusedhead")
 @cache
 def built_metadata(dist: str) -> email.message.Message:
     """Core metadata as hatchling builds it for the wheel (what pip and PyPI would see)."""
-    out = Path(tempfile.mkdtemp(prefix=f"{dist}-metadata-"))
     code = (
         "import sys; from hatchling.build import prepare_metadata_for_build_wheel as p; "
         "print(p(sys.argv[1]))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(out)],
-        cwd=ROOT / DISTS[dist][0],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    info = out / proc.stdout.strip().splitlines()[-1] / "METADATA"
-    return email.message_from_string(info.read_text())
+    with tempfile.TemporaryDirectory(prefix=f"{dist}-metadata-") as tmp:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, tmp],
+            cwd=ROOT / DISTS[dist][0],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        info = Path(tmp) / proc.stdout.strip().splitlines()[-1] / "METADATA"
+        return email.message_from_string(info.read_text())
 
 
 def pyproject(dist: str) -> dict:

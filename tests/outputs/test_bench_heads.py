@@ -14,12 +14,17 @@ from fusedhead.protocol import Capabilities
 TINY = ["--device", "cpu", "--n", "40", "--hidden", "16", "--vocab", "300", "--reps", "1"]
 
 
+@pytest.mark.slow
 def test_bench_times_each_head_case_on_torch_and_skips_peers(tmp_path: Path) -> None:
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     cases = ["logprobs", "topk8", "gather5", "lse", "sum_p2", "argmax", "kl", "kl-reverse"]
-    argv = ["bench", *TINY, "--impl", "torch", "reference", "--case", *cases]
-    rc = cli.main([*argv, "--json", str(out), "--markdown", str(md)])
-    assert rc == 0
+    # Memory is measured in a fresh process per measurement: two cases carry that path, the
+    # others are appended to the same results without it.
+    measured = ["logprobs", "kl-reverse"]
+    argv = ["bench", *TINY, "--impl", "torch", "reference", "--json", str(out)]
+    assert cli.main([*argv, "--case", *measured]) == 0
+    rest = [c for c in cases if c not in measured]
+    assert cli.main([*argv, "--case", *rest, "--no-memory", "--append", "--markdown", str(md)]) == 0
     records = json.loads(out.read_text())
     got = {(r["case"]["head"], r["impl"]): r for r in records}
     assert set(got) == {(c, i) for c in cases for i in ("torch", "reference")}
@@ -27,7 +32,10 @@ def test_bench_times_each_head_case_on_torch_and_skips_peers(tmp_path: Path) -> 
         r = got[(case, "torch")]
         assert r["status"] == "ok", r
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
-        assert isinstance(r["peak_extra_bytes"], int)  # measured (tiny cases may reuse freed heap)
+        if case in measured:  # tiny cases may reuse freed heap: any int
+            assert isinstance(r["peak_extra_bytes"], int), r
+        else:
+            assert r.get("peak_extra_bytes") is None, r
         peer = got[(case, "reference")]
         assert peer["status"] == ("ok" if case == "logprobs" else "skipped")
     assert "errors" in got[("logprobs", "torch")] and "errors" not in got[("kl", "torch")]

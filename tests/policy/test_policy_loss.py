@@ -280,6 +280,7 @@ def test_fp16_gradients_reach_a_gradscalers_scale(backend: str) -> None:
         assert flushed == 0, f"grad {what}: {flushed} nonzero values flushed to 0"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", POLICY_BACKENDS)
 def test_an_fp16_weight_gradient_past_65504_at_the_chunks_scale_is_kept(backend: str) -> None:
     """4096 tokens with one label and a hidden component of 200: the weight gradient is 200, and

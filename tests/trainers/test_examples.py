@@ -33,6 +33,7 @@ def test_every_trainer_has_an_example() -> None:
     assert scripts == set(CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_example_runs_offline_and_matches(script: str) -> None:
     module, rows = CASES[script]
