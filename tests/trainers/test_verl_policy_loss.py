@@ -273,6 +273,51 @@ def test_a_global_batch_with_no_scored_token_is_a_zero_loss(mode: str, count: An
     assert all(torch.isfinite(torch.as_tensor(v)).all() for v in metrics.values())
 
 
+def _with_weights(weights: torch.Tensor, b: dict[str, Any]) -> torch.Tensor:
+    """fused_ppo_loss's loss on batch ``b`` with verl's rollout correction ``weights``."""
+    model = Tiny()
+    zeros = torch.zeros(b["labels"].shape)
+    loss, _ = fh_verl.fused_ppo_loss(
+        _config("token-mean"), model.lm_head, model.hidden(b["ids"]), b["labels"],
+        old_log_probs=zeros, advantages=b["adv"], ref_log_prob=zeros, cu_seqlens=b["cu"],
+        head="torch", temperature=T, horizon=7, rollout_is_weights=weights,
+    )  # fmt: skip
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("bad", "shown"), [(float("nan"), "nan"), (-0.5, "-0.5"), (float("inf"), "inf")]
+)
+def test_a_rollout_weight_verl_could_not_have_made_is_refused_by_verls_name(
+    bad: float, shown: str
+) -> None:
+    """verl's weights are exp(old - rollout) truncated, or 0 where masked: a NaN, negative or
+    infinite one on a scored token is refused as ``rollout_is_weights``, where it was named as
+    the fused loss's own TIS weight (NaN) or as a ``tis_cap`` the user never gave (inf)."""
+    b = _batch(0)
+    weights = torch.ones(b["labels"].shape)
+    at = int((b["labels"][0] != -100).nonzero()[1])
+    weights[0, at] = bad
+    with pytest.raises(
+        ValueError, match=rf"rollout_is_weights .* got {shown} at flat position {at} "
+    ):
+        _with_weights(weights, b)
+
+
+def test_rollout_weights_on_unscored_tokens_are_not_read() -> None:
+    b = _batch(0)
+    weights = torch.full(b["labels"].shape, 0.5)
+    clean = _with_weights(weights, b)
+    weights[b["labels"] == -100] = float("nan")
+    assert torch.equal(_with_weights(weights, b), clean)
+
+
+def test_rollout_weights_of_another_shape_are_named() -> None:
+    b = _batch(0)
+    with pytest.raises(ValueError, match=r"rollout_is_weights must have the labels' shape"):
+        _with_weights(torch.ones(1, 3), b)
+
+
 @pytest.mark.parametrize(
     ("updates", "named"),
     [

@@ -582,7 +582,7 @@ def fused_ppo_loss(
         global_batch_size=global_batch_size,
     )
     if rollout_is_weights is not None:
-        kwargs.update(rollout_is_kwargs(old_log_probs, rollout_is_weights))
+        kwargs.update(rollout_is_kwargs(old_log_probs, rollout_is_weights, labels))
     if "kl_coef" in kwargs:
         if ref_log_prob is None:
             raise ValueError(

@@ -377,7 +377,7 @@ def fused_ppo_loss_step(
     if "kl_coef" in kwargs:
         kwargs["ref_log_probs"] = packed("ref_log_prob")
     if "rollout_is_weights" in fields:  # verl's weights w as exp(old - rollout), never truncated
-        kwargs.update(rollout_is_kwargs(old, packed("rollout_is_weights")))
+        kwargs.update(rollout_is_kwargs(old, packed("rollout_is_weights"), labels))
     names = [f.name for f in dataclasses.fields(PolicyLossOutput)]
 
     def body() -> tuple[Any, ...]:

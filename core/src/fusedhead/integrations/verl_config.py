@@ -210,14 +210,31 @@ def policy_loss_kwargs(
     return kwargs
 
 
-def rollout_is_kwargs(old_log_probs: Any, weights: Any) -> dict[str, Any]:
+def rollout_is_kwargs(old_log_probs: Any, weights: Any, labels: Any = None) -> dict[str, Any]:
     """verl's rollout importance-sampling weights ``w`` (already truncated, or zero where IcePop
     masks) as ``fused_policy_loss``'s ``rollout_log_probs = old - log w`` and a ``tis_cap`` no
-    weight reaches: each token's weight is then ``w`` itself, with no gradient through it."""
-    return {
-        "rollout_log_probs": old_log_probs - weights.log(),
-        "tis_cap": max(float(weights.max()), 1.0),
-    }
+    weight reaches: each token's weight is then ``w`` itself, with no gradient through it.
+
+    A weight that is NaN, negative or infinite on a scored token (``labels`` not -100) is refused
+    under verl's name, in the one host read the cap takes."""
+    import torch
+
+    if labels is not None and tuple(weights.shape) != tuple(labels.shape):
+        raise ValueError(
+            f"rollout_is_weights must have the labels' shape {tuple(labels.shape)}, "
+            f"got {tuple(weights.shape)}"
+        )
+    scored = weights if labels is None else weights.masked_fill(labels == -100, 1.0)
+    low, high = torch.stack(torch.aminmax(scored)).tolist() if scored.numel() else (1.0, 1.0)
+    if not 0.0 <= low <= high < math.inf:  # a NaN fails too
+        bad = ~(scored.isfinite() & (scored >= 0))
+        at = int(bad.flatten().nonzero()[0])
+        raise ValueError(
+            "rollout_is_weights (verl's rollout correction weights) must be finite and >= 0 on "
+            f"scored tokens (label != -100), got {scored.flatten()[at].item()} at flat position "
+            f"{at} ({int(bad.sum())} such value(s))"
+        )
+    return {"rollout_log_probs": old_log_probs - weights.log(), "tis_cap": max(high, 1.0)}
 
 
 def _count(value: Any) -> Any:
