@@ -106,6 +106,8 @@ def save_tiny_llama(root: Path, tokenizer: Any, seed: int = 0) -> Path:
     return path
 
 
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a - b|`` as a float."""
-    return float((a.detach().double() - b.detach().double()).abs().max())
+def scaled_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """``max |ours - theirs|`` over ``max(1, max |theirs|)``: the figure each script prints and
+    checks against 1e-5 (absolute for values up to 1, relative to larger ones, as gradients are)."""
+    diff = (ours.detach().double() - theirs.detach().double()).abs().max()
+    return float(diff) / max(1.0, float(theirs.detach().abs().max()))

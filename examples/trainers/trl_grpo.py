@@ -49,6 +49,9 @@ def run(
         num_generations=4,
         max_completion_length=6,
         max_steps=2,
+        # step 2 updates on step 1's generations again, and a tight clip range makes it clip
+        num_iterations=2,
+        epsilon=0.05,
         beta=0.1,
         learning_rate=0.02,
         optim="sgd",

@@ -662,3 +662,23 @@ def test_on_cuda_the_loss_values_are_checked_in_the_one_read(backend: str) -> No
     assert torch.equal(
         _call(backend, batch, **_ALL_TERMS).loss, _call(backend, clean, **_ALL_TERMS).loss
     )
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"clip_low": torch.tensor(0.2)},
+        {"entropy_coef": torch.tensor(0.01)},
+        {"aggregation": "seq-mean-token-sum-norm", "horizon": torch.tensor(10)},
+    ],
+    ids=["clip_low", "entropy_coef", "horizon"],
+)
+def test_a_0d_tensor_for_a_python_number_says_how_to_pass_it(kw: dict[str, object]) -> None:
+    """A trainer's scalar kept as a 0-d tensor: refused (reading it is a host sync the call does
+    not hide), with the way to pass it."""
+    h, w, labels = torch.randn(2, 3, 8), torch.randn(20, 8), torch.randint(0, 20, (2, 3))
+    name = next(k for k in kw if k != "aggregation")
+    with pytest.raises(TypeError, match=rf"^{name} must be a float .*pass value\.item\(\)"):
+        fusedhead.fused_policy_loss(
+            h, w, labels, old_log_probs=torch.zeros(2, 3), advantages=torch.ones(2, 1), **kw
+        )

@@ -53,5 +53,4 @@ def test_example_runs_offline_and_matches(script: str) -> None:
     for row in rows:  # a table row: the name, the trainer's figure, fusedhead's, the difference
         found = re.findall(rf"^\s*(?:\d+\s+)?{row}\s+.*?([0-9.]+e[-+]\d+)\s*$", done.stdout, re.M)
         assert found, (row, done.stdout[-2000:])
-        if row != "gradients":  # gradients: the script's own check, relative to their scale
-            assert max(float(d) for d in found) <= 1e-5, (row, found)
+        assert max(float(d) for d in found) <= 1e-5, (row, found)

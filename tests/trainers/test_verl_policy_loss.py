@@ -469,6 +469,8 @@ def test_kl_loss_type_full_is_told_why_and_nothing_else() -> None:
         fh_verl.policy_loss_kwargs(_with("kl_loss_type", "full"))
     text = str(err.value)
     assert "'full' needs whole distributions" in text and "did you mean" not in text
+    # verl 0.9.1's own kl_penalty raises NotImplementedError for 'full': no mode to send users to
+    assert "NotImplementedError" in text and "vanilla" not in text
 
 
 def test_a_keyword_fused_ppo_loss_does_not_take_says_where_it_goes() -> None:

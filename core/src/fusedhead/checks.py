@@ -121,7 +121,14 @@ def real_in(arg: str, value: object, *, low: float, high: float = math.inf, what
     in fp32: 1e39 would be inf there), any real number but a bool, else a
     ``TypeError``/``ValueError`` naming ``arg``, the value and ``what`` it must be."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{arg} must be a float ({what}), got {type(value).__name__} {value!r}")
+        hint = (
+            "; a Python number is taken here, not a tensor: pass value.item() (a host read)"
+            if callable(getattr(value, "item", None)) and getattr(value, "ndim", None) == 0
+            else ""
+        )
+        raise TypeError(
+            f"{arg} must be a float ({what}), got {type(value).__name__} {value!r}{hint}"
+        )
     try:
         out = float(value)
     except OverflowError:  # an int beyond the float range

@@ -160,8 +160,8 @@ def policy_loss_kwargs(
         if kl_type not in VERL_KL_TYPES:
             full = isinstance(kl_type, str) and kl_type.rstrip("+") == "full"
             why = (
-                ": 'full' needs whole distributions, which a fused head never holds (use "
-                "loss_mode 'vanilla' for it)"
+                ": 'full' needs whole distributions, which a fused head never holds (nor does "
+                "verl 0.9.1 compute it: its kl_penalty raises NotImplementedError for 'full')"
                 if full
                 else did_you_mean(kl_type, VERL_KL_TYPES)
             )
