@@ -52,6 +52,7 @@ MAX_WORKERS = 8
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """Under the Triton interpreter, spare it the re-patching its helper calls repeat."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         skip_repatching_in_device_calls()
 
