@@ -34,7 +34,11 @@ from torch import nn
 import fusedhead
 from fusedhead import cli, diagnostics, shards
 from fusedhead.bench.peers import parse_spec
-from fusedhead.integrations.lm_head import check_head_runs_on, lm_head_logprobs
+from fusedhead.integrations.lm_head import (
+    check_head_runs_on,
+    lm_head_logprobs,
+    lm_head_policy_loss,
+)
 from fusedhead.integrations.transformers import causal_lm_logprobs, shifted_labels
 from fusedhead.testing.target import parse_options
 
@@ -90,6 +94,25 @@ def test_lm_head_logprobs_refuses_a_temperature_of_fewer_dimensions(select_rows)
     h, w, y = _inputs()
     with pytest.raises(ValueError, match=RANK):
         lm_head_logprobs(_linear(w), h, y, temperature=TEMPERATURE, select_rows=select_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.bool])
+@pytest.mark.parametrize("call", ["lm_head_logprobs", "lm_head_policy_loss"])
+def test_lm_head_calls_name_a_compute_dtype_no_head_computes_in(call, dtype):
+    """Before: the cast went ahead and the error blamed hidden or the bias, which the caller never
+    passed in that dtype."""
+    h, w, y = _inputs()
+    loss = {"old_log_probs": torch.zeros(B, S), "advantages": torch.ones(B, S)}
+    run = (
+        (lambda: lm_head_logprobs(_linear(w), h, y, compute_dtype=dtype))
+        if call == "lm_head_logprobs"
+        else (lambda: lm_head_policy_loss(_linear(w), h, y, compute_dtype=dtype, **loss))
+    )
+    with pytest.raises(
+        TypeError,
+        match=rf"compute_dtype must be torch.float32, torch.float16 or torch.bfloat16 .*{dtype}",
+    ):
+        run()
 
 
 def test_causal_lm_logprobs_refuses_a_temperature_of_fewer_dimensions():
@@ -315,15 +338,60 @@ def test_causal_lm_logprobs_refuses_a_token_id_outside_the_embedding(value, show
         (
             torch.zeros(2, 6),
             TypeError,
-            r"input_ids must be an integer tensor of token ids, got dtype torch.float32",
+            r"input_ids must be int64 or int32 token ids .*got dtype torch.float32: pass "
+            r"input_ids.long\(\)",
+        ),
+        # Before: torch's "Expected tensor for argument #1 'indices' ..." from inside the model.
+        *(
+            (
+                torch.zeros(2, 6, dtype=dtype),
+                TypeError,
+                rf"input_ids must be int64 or int32 token ids .*got dtype {dtype}",
+            )
+            for dtype in (torch.int16, torch.int8, torch.uint8)
         ),
         ([[1, 2, 3]], TypeError, r"input_ids must be a torch.Tensor, got list"),
     ],
-    ids=["float", "list"],
+    ids=["float", "int16", "int8", "uint8", "list"],
 )
 def test_causal_lm_logprobs_names_input_ids_of_a_wrong_type(ids, error, words):
     with pytest.raises(error, match=words):
         causal_lm_logprobs(_TinyLM(), ids)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32]
+)
+def test_shifted_labels_are_int64_so_ignore_index_never_wraps_into_a_token(dtype):
+    """Before: uint8 ids gave labels of 156 (-100 wrapped) at padding, scored as that token."""
+    ids = torch.tensor([[0, 7, 3, 9], [4, 5, 6, 8]]).to(dtype)
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]])
+    labels = shifted_labels(ids, mask)
+    assert labels.dtype == torch.int64
+    assert labels.tolist() == [[-100, 3, 9, -100], [5, 6, -100, -100]]
+    wide = shifted_labels(ids, ignore_index=-100_000)  # beyond int16: was torch's overflow error
+    assert wide[:, -1].tolist() == [-100_000, -100_000]
+
+
+@pytest.mark.parametrize(
+    ("ids", "kwargs", "error", "words"),
+    [
+        (torch.zeros(2, 6), {}, TypeError, r"input_ids must be an integer tensor .*float32"),
+        (torch.zeros(2, 6, dtype=torch.bool), {}, TypeError, r"input_ids must be an integer"),
+        (torch.zeros(2, 6, dtype=torch.long), {"ignore_index": 1.5}, TypeError, r"ignore_index"),
+        (
+            torch.zeros(2, 6, dtype=torch.long),
+            {"ignore_index": 2**70},
+            ValueError,
+            r"ignore_index must fit in int64, got 1180591620717411303424",
+        ),
+    ],
+    ids=["float", "bool", "float-ignore-index", "huge-ignore-index"],
+)
+def test_shifted_labels_names_what_it_cannot_shift(ids, kwargs, error, words):
+    """Before: float ids came back as float labels; a huge ignore_index raised torch's overflow."""
+    with pytest.raises(error, match=words):
+        shifted_labels(ids, **kwargs)
 
 
 @pytest.mark.parametrize("pack", ["yes", 1, None])

@@ -30,6 +30,7 @@ from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput
 from fusedhead.checks import (
+    FLOAT_DTYPES,
     INT_DTYPES,
     RANGE_TEXT,
     SCALAR_HI,
@@ -128,11 +129,7 @@ def lm_head_logprobs(
             f"{type(on_weight).__name__} {on_weight!r}"
         )
     scale = _logit_scale(logit_scale)
-    if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
-        raise TypeError(
-            f"compute_dtype must be a torch.dtype or None, got {type(compute_dtype).__name__} "
-            f"{compute_dtype!r}"
-        )
+    _check_compute_dtype(compute_dtype)
     fused = resolve_lm_head(head, lm_head)
     temp = _temperature(temperature, labels, hidden.device)
     shape = tuple(labels.shape)
@@ -320,11 +317,7 @@ def lm_head_policy_loss(
     weight_of = _check_lm_head(lm_head)
     _check_inputs(hidden, labels, loss.get("ignore_index", -100), True, True, in_call)
     scale = _logit_scale(logit_scale)
-    if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
-        raise TypeError(
-            f"compute_dtype must be a torch.dtype or None, got {type(compute_dtype).__name__} "
-            f"{compute_dtype!r}"
-        )
+    _check_compute_dtype(compute_dtype)
     fused = resolve_lm_head(head, lm_head)
     temp = _temperature(temperature, labels, hidden.device)
 
@@ -494,6 +487,23 @@ def _check_gather_ids(gather_ids: object, labels: torch.Tensor) -> None:
     if gather_ids.device != labels.device:
         raise ValueError(
             f"gather_ids must be on the labels' device {labels.device}, got {gather_ids.device}"
+        )
+
+
+def _check_compute_dtype(compute_dtype: object) -> None:
+    """``compute_dtype`` None or a dtype a head computes in: another dtype was cast onto hidden,
+    weight and bias and then refused under their names, which the caller never passed."""
+    if compute_dtype is None:
+        return
+    if not isinstance(compute_dtype, torch.dtype):
+        raise TypeError(
+            f"compute_dtype must be a torch.dtype or None, got {type(compute_dtype).__name__} "
+            f"{compute_dtype!r}"
+        )
+    if compute_dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            "compute_dtype must be torch.float32, torch.float16 or torch.bfloat16 (or None), "
+            f"got {compute_dtype}"
         )
 
 

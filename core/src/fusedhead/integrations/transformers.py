@@ -18,7 +18,15 @@ import torch
 from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput, cached_head
-from fusedhead.checks import INT_DTYPES, flag_arg, tensor_arg
+from fusedhead.checks import (
+    INT64_MAX,
+    INT64_MIN,
+    INT_DTYPES,
+    flag_arg,
+    integer,
+    not_int64_exact,
+    tensor_arg,
+)
 from fusedhead.config import FusedHeadConfig
 from fusedhead.module import (
     FusedLMHead,
@@ -39,19 +47,28 @@ def shifted_labels(
     *,
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """Labels of a causal LM: ``labels[:, t] = input_ids[:, t + 1]``.
+    """Labels of a causal LM: ``labels[:, t] = input_ids[:, t + 1]``, int64.
 
     The last position has no next token, and a position is ignored (``ignore_index``) when it or
     the token it predicts is padding (``attention_mask == 0``): that covers left and right padding.
+    The labels are int64 whatever the ids' dtype: in uint8 ids ``-100`` would wrap to token 156.
     """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must have shape [B, T], got shape {tuple(input_ids.shape)}")
-    labels = torch.full_like(input_ids, ignore_index)
-    labels[:, :-1] = input_ids[:, 1:]
+    ids = tensor_arg("input_ids", input_ids)
+    if ids.dtype not in INT_DTYPES:
+        not_int64_exact("input_ids", ids.dtype)
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape [B, T], got shape {tuple(ids.shape)}")
+    if ignore_index.__class__ is not int:
+        ignore_index = integer("ignore_index", ignore_index, "an int")
+    if not INT64_MIN <= ignore_index <= INT64_MAX:
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
+    labels = torch.full(ids.shape, ignore_index, dtype=torch.int64, device=ids.device)
+    labels[:, :-1] = ids[:, 1:]
     if attention_mask is not None:
-        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        attention_mask = tensor_arg("attention_mask", attention_mask)
+        if tuple(attention_mask.shape) != tuple(ids.shape):
             raise ValueError(
-                f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                f"attention_mask must have input_ids' shape {tuple(ids.shape)}, "
                 f"got {tuple(attention_mask.shape)}"
             )
         keep = attention_mask.bool()
@@ -166,8 +183,11 @@ def _check_input_ids(
     the head checks values, every id a row of the model's input embedding (one host read): an id
     out of range raised torch's "index out of range in self" from inside the model."""
     ids = tensor_arg("input_ids", input_ids)
-    if ids.dtype not in INT_DTYPES:
-        raise TypeError(f"input_ids must be an integer tensor of token ids, got dtype {ids.dtype}")
+    if ids.dtype not in (torch.int64, torch.int32):  # what torch's embedding takes
+        raise TypeError(
+            f"input_ids must be int64 or int32 token ids (what an embedding takes), got dtype "
+            f"{ids.dtype}: pass input_ids.long()"
+        )
     if attention_mask is not None:
         tensor_arg("attention_mask", attention_mask)
     get = getattr(model, "get_input_embeddings", None)

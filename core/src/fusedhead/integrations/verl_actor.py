@@ -359,7 +359,7 @@ def fused_ppo_loss_step(
         out[0, at] = padded[name][scored].to(torch.float32)
         return out
 
-    labels = torch.full_like(rolled, -100)
+    labels = torch.full(rolled.shape, -100, dtype=torch.int64, device=rolled.device)
     labels[0, at] = rolled[0, at]
     calc_entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
     dp_size, num_tokens = data["dp_size"], data["batch_num_tokens"]
