@@ -10,35 +10,23 @@ docs/policy-loss.md states the semantics (verl's ``core_algos``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NoReturn, Protocol
+import sys
 
 import torch
 
 from fusedhead.contract import gate_head, gate_policy_loss
-from fusedhead.errors import BackendError, BackendUnavailableError, note_backend
+from fusedhead.errors import BackendUnavailableError
 from fusedhead.policy_args import policy_call
+from fusedhead.policy_backend import PolicyHead, backend_result
 from fusedhead.policy_output import PolicyLossOutput, output
-from fusedhead.policy_result_checks import check_result
-from fusedhead.protocol import Capabilities, PolicyLossCall, PolicyLossResult
+from fusedhead.protocol import PolicyLossCall, PolicyLossResult
 from fusedhead.request import HeadRequest, PolicyRequest
-from fusedhead.scored_rows import ScoredRows, nothing_scored
+from fusedhead.scored_rows import ScoredRows
 from fusedhead.validation import validate
 from fusedhead.value_checks import Pending
 
 
-class _Head(Protocol):
-    """What the policy loss needs of a ``FusedHead`` (typed here, so this module imports no api)."""
-
-    backend: Any
-
-    def ready(self, device: torch.device, dtype: torch.dtype) -> Capabilities: ...
-    def capabilities(self, device: torch.device) -> Capabilities: ...
-    def identity(self) -> dict[str, str | None]: ...
-    def broke(self, reason: str) -> NoReturn: ...
-
-
-def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
+def run(head: PolicyHead, req: PolicyRequest) -> PolicyLossOutput:
     """One policy-loss call on ``head``: the head's checks, the gate, the loss's own arguments,
     the backend's forward, its result checked, the loss formed."""
     head_req = HeadRequest(
@@ -85,45 +73,18 @@ def run(head: _Head, req: PolicyRequest) -> PolicyLossOutput:
     return output(pcall, result, shape)
 
 
-def _backend_result(
-    head: _Head,
+def _untraced(
+    head: PolicyHead,
     call: PolicyLossCall,
     cast: str | None,
     valid: torch.Tensor | None,
     rows: ScoredRows | None,
 ) -> PolicyLossResult:
-    """The backend's result for every row of ``call``, computed on the scored rows alone where
-    ``valid`` is given (``rows``: found and counted with the checks; else found here).
+    """``backend_result`` run as in eager mode where Dynamo is loaded (``fusedhead.untraced``):
+    under ``torch.compile`` a graph break, and never a frame Dynamo compiles (it compiled the
+    triton backend's kernel launches and failed there)."""
+    if torch.compiler.is_compiling() or "torch._dynamo" in sys.modules:
+        from fusedhead.untraced import policy_backend_result
 
-    Always run as in eager mode (``_untraced``): in a compiled graph the count is read here,
-    so a compiled step hands the backend the same rows as an eager one, with the same bits."""
-    n = call.head.labels.shape[0]
-    if valid is not None and rows is None:
-        rows = ScoredRows.queue(call, valid)
-        rows.count = int(valid.sum())
-    scored = n if rows is None else rows.count
-    if scored == 0:
-        return nothing_scored(call)
-    sub = call if rows is None or scored == n else rows.narrowed()
-    method = getattr(head.backend, "policy_loss", None)
-    if not callable(method):
-        head.broke("declares policy_loss but has no policy_loss(call) method")
-    try:
-        with torch.no_grad(), torch.autocast(cast or "cpu", enabled=False):
-            result = method(sub)
-    except BackendError as exc:
-        raise exc.attach(**head.identity()) from None
-    except Exception as exc:
-        note_backend(exc, **head.identity())
-        raise
-    check_result(head.broke, sub, result, scored, call.head.hidden.device)
-    return result if sub is call or rows is None else rows.spread(result, call)
-
-
-#: ``_backend_result`` run as in eager mode: under ``torch.compile`` a graph break, and never a
-#: frame Dynamo compiles (it compiled the triton backend's kernel launches and failed there).
-#: About 1 us a call in eager mode.
-_untraced: Callable[
-    [_Head, PolicyLossCall, str | None, torch.Tensor | None, ScoredRows | None], PolicyLossResult
-]
-_untraced = torch.compiler.disable(_backend_result)  # type: ignore[no-untyped-call]  # untyped
+        return policy_backend_result(head, call, cast, valid, rows)
+    return backend_result(head, call, cast, valid, rows)
