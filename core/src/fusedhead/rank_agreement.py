@@ -49,8 +49,10 @@ FIELDS = (
 )
 _WIDTH = len(FIELDS) + SHARD_FLOATS
 _DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
-#: Multiplier of a position in the labels' checksum (odd, so every position counts apart).
-_MIX = 0x9E3779B1
+#: splitmix64's constants (as signed int64): a position's weight in the checksums.
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 
 def _float_bits(x: float | None) -> int:
@@ -62,9 +64,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: _I64}[t.element_size()])
 
 
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x >> k`` as unsigned 64-bit (torch's int64 shift is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
 def _place(n: int, device: torch.device, start: int = 0) -> torch.Tensor:
-    """Odd int64 weights of positions ``[start, start + n)``, each its own."""
-    return torch.arange(start, start + n, device=device, dtype=_I64) * _MIX + 1
+    """Odd int64 weights of positions ``[start, start + n)``: splitmix64 of the position, so no
+    small change of values cancels in a weighted sum. Weights affine in the position did: any
+    change whose differences sum to 0 at their mean position (labels 5, 3, 7 rotated to 3, 7, 5;
+    +1, -2, +1 in three bit patterns) left the checksum as it was."""
+    x = (torch.arange(start, start + n, device=device, dtype=_I64) + 1) * _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return (x ^ _shr(x, 31)) | 1
 
 
 def _rows_sum(values: torch.Tensor, scored: torch.Tensor, sign_zero: bool = False) -> torch.Tensor:
