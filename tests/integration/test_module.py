@@ -87,6 +87,28 @@ def test_without_labels_it_is_the_linear() -> None:
     torch.testing.assert_close(head(hidden), lin(hidden), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs", "shown"),
+    [
+        ((None, 0.7), {}, "temperature=0.7"),
+        ((), {"top_k": 5}, "top_k=5"),
+        ((), {"return_lse": True}, "return_lse=True"),
+        ((), {"reduce_hidden_grad": False}, "reduce_hidden_grad=False"),
+        ((), {"ignore_index": -1, "softcap": 30.0}, "ignore_index=-1, softcap=30.0"),
+        ((), {"vocab_start": 0, "vocab_size": 64}, "vocab_start=0, vocab_size=64"),
+    ],
+    ids=["temperature", "top_k", "return_lse", "reduce_hidden_grad", "two", "shard"],
+)
+def test_without_labels_a_fused_calls_argument_is_refused_not_dropped(
+    args: tuple[object, ...], kwargs: dict[str, object], shown: str
+) -> None:
+    """Before: the raw logits came back and the argument was ignored without a word."""
+    head = FusedLMHead.from_linear(_linear(bias=True), {"backend": BACKEND})
+    hidden, _ = _inputs()
+    with pytest.raises(TypeError, match=rf"without labels returns the logits.* got {shown}; pass"):
+        head(hidden, *args, **kwargs)
+
+
 def test_config_defaults_and_per_call_overrides() -> None:
     lin = _linear(bias=False)
     head = FusedLMHead.from_linear(

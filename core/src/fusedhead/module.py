@@ -165,9 +165,37 @@ class FusedLMHead(nn.Module):
                 "contains it, e.g. the root for tied embeddings)"
             )
         if labels is None:
+            _logits_only(
+                temperature=temperature,
+                ignore_index=ignore_index,
+                return_entropy=return_entropy,
+                softcap=softcap,
+                check_labels=check_labels,
+                process_group=process_group,
+                vocab_start=vocab_start,
+                vocab_size=vocab_size,
+                reduce_hidden_grad=None if reduce_hidden_grad is True else reduce_hidden_grad,
+                top_k=top_k,
+                gather_ids=gather_ids,
+                return_lse=return_lse or None,
+                return_sum_p2=return_sum_p2 or None,
+                return_argmax=return_argmax or None,
+            )
             return nn.functional.linear(_linear_input(hidden, weight), weight, bias)
         # In the call, not a local: locals() is the arguments (and weight, bias) alone.
         return owned(head_forward(self.head, head_request(locals(), self.head.config), bias))
+
+
+def _logits_only(**given: object) -> None:
+    """Without labels the head is the ``nn.Linear`` it replaced: a fused call's argument given
+    there (``head(h, None, 0.7)``, ``head(h, top_k=5)``) was dropped and the raw logits returned."""
+    named = [f"{k}={v!r}" for k, v in given.items() if v is not None]
+    if named:
+        raise TypeError(
+            "FusedLMHead called without labels returns the logits, as nn.Linear does, and takes "
+            f"no argument of a fused call: got {', '.join(named)}; pass labels for the fused "
+            "call, or apply it to the logits yourself"
+        )
 
 
 def _linear_input(hidden: object, weight: torch.Tensor) -> torch.Tensor:
