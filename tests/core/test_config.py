@@ -160,3 +160,19 @@ def test_usable_device_names_its_argument():
     assert usable_device("cpu").type == "cpu"
     with pytest.raises(ValueError, match=r"--device='bogus' is not a torch device string"):
         usable_device("bogus", "--device")
+
+
+def test_options_changed_after_the_config_was_built_are_validated_not_ignored():
+    """Before: a head built from the config ran the options validated at construction (the
+    config's resolution reused), so a changed or bad option went unseen."""
+    from fusedhead.errors import OptionsError
+
+    config = FusedHeadConfig(backend="torch", options={"workspace_mib": 4})
+    assert FusedHead(config).options.workspace_mib == 4
+    changed = config.model_copy(update={"options": {"workspace_mib": 8}})  # skips validation
+    assert FusedHead(changed).options.workspace_mib == 8
+    with pytest.raises(OptionsError, match=r"unknown option 'bogus'"):
+        FusedHead(config.model_copy(update={"options": {"bogus": 1}}))
+    config.options["chunk_rows"] = "bad"  # the dict changed in place
+    with pytest.raises(OptionsError, match=r"option 'chunk_rows' = 'bad'"):
+        FusedHead(config)

@@ -15,7 +15,7 @@ import importlib.util
 import inspect
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -381,12 +381,22 @@ def resolve(name: str, options: Any = None, earlier: Resolved | None = None) -> 
     """``name`` resolved once into (entry, class, options): the one candidate for exactly that
     name, its class imported and checked, ``options`` validated strictly against its ``Options``.
     ``earlier`` (a config's own resolution) is returned as it is while ``name`` still selects
-    the same entry (no registration, refresh or ``FUSEDHEAD_BACKENDS`` change since)."""
+    the same entry (no registration, refresh or ``FUSEDHEAD_BACKENDS`` change since) and
+    ``options`` are still the ones it validated (a config's options dict changed in place, or by
+    ``model_copy(update=...)``, which skips validation, is validated again, not ignored)."""
     entry = find(name)
-    if earlier is not None and earlier.entry is entry:
+    if earlier is not None and earlier.entry is entry and _validated(earlier, options):
         return earlier
     cls = load_candidate(entry)
     return Resolved(entry, cls, validate_options(name, cls, options))
+
+
+def _validated(earlier: Resolved, options: Any) -> bool:
+    """Whether ``options`` are what ``earlier`` validated (a config keeps them as its JSON dump)."""
+    if options is None or options is earlier.options:
+        return True
+    dumped = earlier.options.model_dump(mode="json", exclude_unset=True)
+    return isinstance(options, Mapping) and dict(options) == dumped
 
 
 def _identity_of(name: str) -> tuple[str | None, str | None]:
