@@ -228,3 +228,22 @@ def test_refuses_inputs_it_cannot_shift() -> None:
         _logprobs(model, torch.zeros(5, dtype=torch.long), config=CFG)
     with pytest.raises(ValueError, match="attention_mask must have input_ids' shape"):
         _logprobs(model, torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 4), config=CFG)
+
+
+def test_resize_token_embeddings_of_a_tied_model_keeps_the_fused_head_working() -> None:
+    """Before: transformers set ``lm_head.out_features`` after tying the resized weight and
+    FusedLMHead's read-only property raised, leaving the embeddings resized and
+    ``config.vocab_size`` not: the next forward failed."""
+    model = tiny_causal_lm("llama", tie_word_embeddings=True)
+    model.lm_head = FusedLMHead.from_model(model, CFG)
+    model.resize_token_embeddings(VOCAB + 9, mean_resizing=False)
+    assert isinstance(model.lm_head, FusedLMHead)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert model.lm_head.out_features == model.config.vocab_size == VOCAB + 9
+    ids = torch.randint(0, VOCAB + 9, (2, 7), generator=torch.Generator().manual_seed(3))
+    out = causal_lm_logprobs(model, ids, config=CFG)
+    with torch.no_grad():
+        lp, _, _ = _reference(model, ids, None)
+    _close(out.log_probs, lp)
+    with pytest.raises(ValueError, match=r"FusedLMHead.out_features is the weight's size 512"):
+        model.lm_head.out_features = 100

@@ -117,9 +117,27 @@ class FusedLMHead(nn.Module):
     def in_features(self) -> int:
         return int(self.weight.shape[1])
 
+    @in_features.setter
+    def in_features(self, value: int) -> None:
+        self._same_size("in_features", value, 1)
+
     @property
     def out_features(self) -> int:
         return int(self.weight.shape[0])
+
+    @out_features.setter
+    def out_features(self, value: int) -> None:
+        self._same_size("out_features", value, 0)
+
+    def _same_size(self, name: str, value: object, dim: int) -> None:
+        """Set as on ``nn.Linear`` (transformers' ``resize_token_embeddings`` sets
+        ``out_features`` after tying the resized weight): the weight's size, which it reads."""
+        size = int(self.weight.shape[dim])
+        if value.__class__ is not int or value != size:
+            raise ValueError(
+                f"FusedLMHead.{name} is the weight's size {size} (weight shape "
+                f"{tuple(self.weight.shape)}); got {value!r}: replace the weight to change it"
+            )
 
     def extra_repr(self) -> str:
         cfg = self.head.config
