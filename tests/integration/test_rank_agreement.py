@@ -25,12 +25,10 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 DIFFER = [
     ("labels_differ", "different labels: not the same on every rank"),
-    ("label_out_of_range_on_one_rank", "different labels"),
     ("rows_differ", "different rows (tokens): rank 0: 6, rank 1: 4"),
     ("hidden_differs", "different hidden states"),
     ("temperature_differs", "different temperature"),
     ("token_temperature_differs", "different temperature"),
-    ("bad_token_temperature_on_one_rank", "different temperature"),
     ("entropy_on_one_rank", "different requested outputs"),
     ("grad_on_one_rank", "different whether the call differentiates"),
     ("rows_swapped", "different hidden states"),
@@ -91,6 +89,24 @@ def test_calls_that_compute_the_same_are_not_refused(ranks, case):
     (kind0, lp0), (kind1, lp1) = (rank[case] for rank in ranks)
     assert kind0 == kind1 == "ok", (lp0, lp1)
     assert torch.equal(lp0, lp1)
+
+
+@pytest.mark.parametrize(
+    ("case", "own"),
+    [
+        ("label_out_of_range_on_one_rank", f"labels must be in [0, {aw.V}) or ignore_index"),
+        ("bad_token_temperature_on_one_rank", "got -1.0 (as fp32) at flat position 1"),
+    ],
+)
+def test_a_check_failed_on_one_rank_is_that_ranks_own_error_and_named_on_the_others(
+    ranks, case, own
+):
+    """Before: every rank said "different labels" (the bad value also made the calls differ), and
+    the rank at fault never learnt which value or where."""
+    (kind0, msg0), (kind1, msg1) = (rank[case] for rank in ranks)
+    assert kind0 == kind1 == "ValueError", (msg0, msg1)
+    assert "rank 1 of process_group failed its value checks" in msg0, msg0
+    assert own in msg1 and "failed its value checks" not in msg1, msg1
 
 
 def test_a_check_failed_on_every_rank_is_each_ranks_own_error(ranks):

@@ -207,16 +207,18 @@ def check(
     layout = torch.tensor([row[len(FIELDS) :] for row in rows], dtype=torch.float32)
     start, width, size = call.vocab_start, call.weight.shape[0], call.vocab_size
     check_shards(layout, rank, group, start, width, size)
-    for i, (name, words) in enumerate(FIELDS[2:], start=2):
-        values = [row[i] for row in rows]
-        if len(set(values)) > 1:
-            _differ(name, words, values, rank)
+    # A failed value check first: a value bad on one rank also makes the calls differ, and that
+    # rank's own error names the value and its position where "different labels" would not.
     failed = [r for r, row in enumerate(rows) if row[1]]
     if rank in failed and pending is not None:
         pending.send()
         pending.settle()  # this rank's own error
     if failed:
         _other_ranks(failed, "failed its value checks (its own error names the value)")
+    for i, (name, words) in enumerate(FIELDS[2:], start=2):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            _differ(name, words, values, rank)
 
 
 _SHOWN = ("rows", "hidden_size", "grad", "reduce", "top_k", "ignore_index")
