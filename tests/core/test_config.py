@@ -36,6 +36,19 @@ def test_from_omegaconf(ref_backend):
     assert cfg.temperature == 0.5
 
 
+def test_from_omegaconf_names_a_value_left_missing(ref_backend):
+    """Before: '???' was read as text: "backend name '???' is not valid", "expected float"."""
+    omegaconf = pytest.importorskip("omegaconf")
+    node = omegaconf.OmegaConf.create(
+        {"head": {"backend": "???", "temperature": "???", "options": {"x": "???"}}}
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"FusedHeadConfig: head.backend, head.options.x, head.temperature: OmegaConf.s missing",
+    ):
+        FusedHeadConfig.from_omegaconf(node.head)
+
+
 def test_backend_options_are_validated_against_its_model(ref_backend):
     with pytest.raises(ValueError) as info:
         FusedHeadConfig(backend="ref-test", options={"tga": "y"})

@@ -343,9 +343,17 @@ class FusedHeadConfig(BaseModel):
 
     @classmethod
     def from_omegaconf(cls, node: Any) -> FusedHeadConfig:
-        """Build from an OmegaConf/Hydra ``DictConfig`` node (interpolations resolved)."""
-        from omegaconf import OmegaConf
+        """Build from an OmegaConf/Hydra ``DictConfig`` node (interpolations resolved; a value
+        still OmegaConf's missing ``???`` is refused by its key, not read as the text "???")."""
+        from omegaconf import DictConfig, OmegaConf
 
+        if isinstance(node, DictConfig):
+            missing = sorted(OmegaConf.missing_keys(node))
+            if missing:
+                raise ValueError(
+                    f"FusedHeadConfig: {', '.join(missing)}: OmegaConf's missing value '???', "
+                    "not a value: set it, or drop the key for its default"
+                )
         data = OmegaConf.to_container(node, resolve=True)
         if not isinstance(data, dict):
             raise TypeError(f"config node must be a mapping, got {type(data).__name__}")
