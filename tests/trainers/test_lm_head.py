@@ -426,6 +426,34 @@ def test_model_logit_transform() -> None:
     assert model_logit_transform(nested) == (2.0, None)
 
 
+@pytest.mark.parametrize(
+    ("cap", "error", "words"),
+    [
+        ("30", TypeError, r"final_logit_softcapping must be a number > 0 or None, got str '30'"),
+        (True, TypeError, r"final_logit_softcapping must be a number > 0 or None, got bool True"),
+        (0.0, ValueError, r"final_logit_softcapping must be a finite number > 0 .* got 0.0"),
+        (-5.0, ValueError, r"final_logit_softcapping must be a finite number > 0 .* got -5.0"),
+        (float("inf"), ValueError, r"final_logit_softcapping must be a finite number > 0"),
+    ],
+    ids=["str", "bool", "zero", "negative", "inf"],
+)
+def test_a_models_softcap_is_read_by_its_name_or_refused(cap, error, words) -> None:
+    """Before: "30" and True were taken as 30.0 and 1.0, 0 as no softcap (transformers divides by
+    it: NaN logits), and -5.0 was refused as FusedHeadConfig's field, not the model's."""
+    from types import SimpleNamespace as NS
+
+    from fusedhead import FusedLMHead
+    from fusedhead.integrations.lm_head import model_logit_transform
+
+    with pytest.raises(error, match=words):
+        model_logit_transform(NS(final_logit_softcapping=cap))
+    model = nn.Module()
+    model.config = NS(final_logit_softcapping=cap)
+    model.lm_head = _linear()
+    with pytest.raises(error, match=words):
+        FusedLMHead.from_model(model, {"backend": "torch"})
+
+
 def test_backend_spellings_resolve_the_same_backend() -> None:
     lin = _linear()
     hidden, labels = _inputs((2, 5))

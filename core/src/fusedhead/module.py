@@ -12,6 +12,8 @@ heads without bias (Llama, Qwen, Gemma, Mistral) pay nothing.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -347,8 +349,30 @@ def output_head(model: nn.Module) -> nn.Linear | FusedLMHead:
 
 def model_softcap(model: nn.Module) -> float | None:
     """``model.config.final_logit_softcapping`` when the model has one set (Gemma-2 style)."""
-    value = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-    return float(value) if value else None
+    return config_softcap(getattr(model, "config", None))
+
+
+def config_softcap(config: Any) -> float | None:
+    """A model config's ``final_logit_softcapping``: None, or a finite number > 0.
+
+    Refused by that name otherwise: transformers divides by it (0 gave NaN logits there, and was
+    read here as no softcap), and a str or bool was taken as a number.
+    """
+    value = getattr(config, "final_logit_softcapping", None)
+    if value is None:
+        return None
+    if value.__class__ is bool or not isinstance(value, numbers.Real):
+        raise TypeError(
+            "model.config.final_logit_softcapping must be a number > 0 or None, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    cap = float(value)
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(
+            f"model.config.final_logit_softcapping must be a finite number > 0 or None (no "
+            f"softcap), got {value!r}"
+        )
+    return cap
 
 
 def _with_model_softcap(config: ConfigLike, model: nn.Module) -> ConfigLike:

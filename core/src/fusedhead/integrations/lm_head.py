@@ -48,7 +48,13 @@ from fusedhead.integrations.backend_spec import (
     resolve_lm_head,
     spelled,
 )
-from fusedhead.module import call_in_forward, head_forward, owned, run_as_forward
+from fusedhead.module import (
+    call_in_forward,
+    config_softcap,
+    head_forward,
+    owned,
+    run_as_forward,
+)
 from fusedhead.policy_output import PolicyLossOutput
 from fusedhead.request import output_flags
 from fusedhead.value_checks import (
@@ -352,8 +358,7 @@ def model_logit_transform(config: Any) -> tuple[float, float | None]:
     """
     get_text = getattr(config, "get_text_config", None)
     text = get_text() if callable(get_text) else config
-    cap = getattr(text, "final_logit_softcapping", None)
-    softcap = float(cap) if cap else None
+    softcap = config_softcap(text)
     for attr in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
         value = getattr(text, attr, None)
         if value is not None:
