@@ -32,7 +32,7 @@ def test_fused_lm_head_names_hidden_before_folding_its_bias(bias, hidden, error,
 
 def test_fused_lm_head_without_labels_names_hidden():
     lm = FusedLMHead.from_linear(nn.Linear(8, 11, bias=True))
-    with pytest.raises(TypeError, match=r"hidden must be a torch\.Tensor, got ndarray"):
+    with pytest.raises(TypeError, match=r"hidden must be a torch\.Tensor, got numpy\.ndarray"):
         lm(torch.randn(2, 8).numpy())
 
 

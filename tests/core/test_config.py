@@ -189,3 +189,28 @@ def test_options_changed_after_the_config_was_built_are_validated_not_ignored():
     config.options["chunk_rows"] = "bad"  # the dict changed in place
     with pytest.raises(OptionsError, match=r"option 'chunk_rows' = 'bad'"):
         FusedHead(config)
+
+
+def test_numpy_bools_are_bools_named_by_their_type():
+    """Before: np.True_ was taken as 1.0 for a number option, and a flag's refusal read "must be
+    a bool, got bool np.True_" (NumPy's type is named bool too)."""
+    np = pytest.importorskip("numpy")
+    import torch
+
+    import fusedhead
+    from fusedhead.errors import OptionsError
+
+    with pytest.raises(OptionsError, match=r"option 'workspace_mib' = True \(bool\): expected int"):
+        FusedHeadConfig(backend="torch", options={"workspace_mib": np.True_})
+    assert FusedHeadConfig(options={"skip_ignored_rows": np.False_}).options == {
+        "skip_ignored_rows": False
+    }
+    with pytest.raises(TypeError, match=r"'return_entropy' = np.True_ \(numpy.bool\): expected"):
+        FusedHeadConfig(return_entropy=np.True_)
+    with pytest.raises(TypeError, match=r"return_entropy must be a bool, got numpy.bool np.True_"):
+        fusedhead.fused_head(
+            torch.randn(2, 4),
+            torch.randn(5, 4),
+            torch.zeros(2, dtype=torch.long),
+            return_entropy=np.True_,
+        )

@@ -196,7 +196,7 @@ def test_a_tensor_is_no_float_for_a_config(ref_backend, field, make):
     with pytest.raises(ValueError) as info:
         FusedHeadConfig(backend="ref-test", **{field: value})
     assert f"field {field!r} = tensor(" in str(info.value), info.value
-    assert "(Tensor): must be a float, got a Tensor" in str(info.value), info.value
+    assert "(torch.Tensor): must be a float, got a torch.Tensor" in str(info.value), info.value
 
 
 def test_bogus_device_is_a_value_error_naming_device(ref_backend):

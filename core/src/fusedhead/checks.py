@@ -15,6 +15,7 @@ from typing import NoReturn
 
 import torch
 
+from fusedhead.errors import type_name
 from fusedhead.protocol import SCALAR_RANGE
 
 FLOAT_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -80,7 +81,7 @@ def tensor_arg(arg: str, value: object) -> torch.Tensor:
             not_dense(arg, t)
         return t
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{arg} must be a torch.Tensor, got {type(value).__name__}")
+        raise TypeError(f"{arg} must be a torch.Tensor, got {type_name(value)}")
     if value.layout is not STRIDED or value.is_nested:
         not_dense(arg, value)
     if is_dtensor(value):
@@ -101,7 +102,7 @@ def positive_float(arg: str, value: object) -> float:
     """``value`` as a float in ``SCALAR_RANGE``: any real number but a bool (Python's, or a
     NumPy scalar such as a config's ``np.float32``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{arg} must be a float, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{arg} must be a float, got {type_name(value)} {value!r}")
     try:
         out = float(value)
     except OverflowError:  # an int beyond the float range
@@ -126,9 +127,7 @@ def real_in(arg: str, value: object, *, low: float, high: float = math.inf, what
             if callable(getattr(value, "item", None)) and getattr(value, "ndim", None) == 0
             else ""
         )
-        raise TypeError(
-            f"{arg} must be a float ({what}), got {type(value).__name__} {value!r}{hint}"
-        )
+        raise TypeError(f"{arg} must be a float ({what}), got {type_name(value)} {value!r}{hint}")
     try:
         out = float(value)
     except OverflowError:  # an int beyond the float range
@@ -163,7 +162,7 @@ def integer(arg: str, value: object, expected: str) -> int:
     if value.__class__ is int:
         return value  # type: ignore[return-value]
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{arg} must be {expected}, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{arg} must be {expected}, got {type_name(value)} {value!r}")
     return int(value)
 
 
@@ -270,13 +269,13 @@ def flag_arg(arg: str, value: object) -> bool:
     if value is True or value is False:
         return value
     if not isinstance(value, bool):
-        raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{arg} must be a bool, got {type_name(value)} {value!r}")
     return value
 
 
 def not_a_flag(arg: str, value: object) -> NoReturn:
     """The ``TypeError`` of a flag that is not a bool."""
-    raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
+    raise TypeError(f"{arg} must be a bool, got {type_name(value)} {value!r}")
 
 
 #: Per device: its type and whether ``torch.is_autocast_enabled`` knows that type (not meta).
@@ -309,7 +308,7 @@ def device_arg(arg: str, value: object) -> torch.device:
     if not isinstance(value, str):
         raise TypeError(
             f"{arg} must be a torch.device or a device string such as 'cpu', 'cuda' or 'cuda:1', "
-            f"got {type(value).__name__} {value!r}"
+            f"got {type_name(value)} {value!r}"
         )
     try:
         return torch.device(value)

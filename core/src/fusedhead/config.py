@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from fusedhead.errors import BackendError, OptionsError
+from fusedhead.errors import BackendError, OptionsError, type_name
 from fusedhead.options import (
     backend_error_inside,
     describe_type,
@@ -186,7 +186,7 @@ class FusedHeadConfig(BaseModel):
         if value is not None and not isinstance(value, (numbers.Real, str)):
             where = " (a per-token temperature is a call's argument)"
             raise ValueError(
-                f"must be a float, got a {type(value).__name__}"
+                f"must be a float, got a {type_name(value)}"
                 + (where if info.field_name == "temperature" else "")
             )
         # An int is a number here (not a bool); one beyond the float range is infinite.

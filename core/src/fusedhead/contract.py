@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
+from fusedhead.checks import type_name
 from fusedhead.errors import BackendContractError, CapabilityError
 from fusedhead.protocol import (
     OUTPUT_FIELDS,
@@ -317,7 +318,7 @@ def describe(value: object) -> str:
         return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
     if isinstance(value, tuple):
         return f"a {len(value)}-tuple"
-    return f"{type(value).__name__} {value!r}"[:120]
+    return f"{type_name(value)} {value!r}"[:120]
 
 
 def _width(call: HeadCall, field: str) -> int | None:

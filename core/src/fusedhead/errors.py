@@ -225,3 +225,10 @@ def _with_fix(text: str, hint: str | None) -> str:
     if not hint:
         return text
     return text + ("" if text.endswith((".", "!", "?", ":", ";")) else ".") + f" Fix: {hint}"
+
+
+def type_name(value: object) -> str:
+    """``value``'s type for a message: a builtin's name, any other's module too (``numpy.bool``,
+    whose bare name "bool" made "must be a bool, got bool np.True_")."""
+    cls = type(value)
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"

@@ -22,7 +22,7 @@ from torch import nn
 
 from fusedhead import rank_agreement
 from fusedhead.api import FusedHead, FusedHeadOutput
-from fusedhead.checks import is_dtensor, tensor_arg, width_mismatch
+from fusedhead.checks import is_dtensor, tensor_arg, type_name, width_mismatch
 from fusedhead.config import FusedHeadConfig
 from fusedhead.graph import tracing
 from fusedhead.request import HeadRequest, head_request
@@ -364,7 +364,7 @@ def config_softcap(config: Any) -> float | None:
     if value.__class__ is bool or not isinstance(value, numbers.Real):
         raise TypeError(
             "model.config.final_logit_softcapping must be a number > 0 or None, got "
-            f"{type(value).__name__} {value!r}"
+            f"{type_name(value)} {value!r}"
         )
     cap = float(value)
     if not (math.isfinite(cap) and cap > 0):

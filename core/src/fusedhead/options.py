@@ -14,7 +14,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fusedhead.errors import BackendError, OptionsError
+from fusedhead.errors import BackendError, OptionsError, type_name
 
 if TYPE_CHECKING:  # pydantic is imported where options are validated: the registry imports this
     from pydantic import BaseModel, ValidationError
@@ -109,7 +109,7 @@ def _show(value: Any) -> str:
     text = repr(value)
     if len(text) > 80:
         text = text[:77] + "..."
-    return f"{text} ({type(value).__name__})"
+    return f"{text} ({type_name(value)})"
 
 
 _NO_DETAIL = ("_type", "literal_error", "greater_than", "less_than", "multiple_of", "enum")
@@ -197,8 +197,12 @@ def _identity(name: str) -> tuple[str | None, str | None]:
 
 def plain_number(value: Any) -> Any:
     """A NumPy number as the Python one its type stands for (``np.int64`` an int, ``np.float32``
-    a float), as a call takes it; anything else (``np.bool_`` included) as given."""
-    if value.__class__ in (int, float, bool) or not isinstance(value, numbers.Real):
+    a float, ``np.bool_`` a bool, which a number option then refuses: it was taken as 1.0), as a
+    call takes it; anything else as given."""
+    cls = value.__class__
+    if cls.__module__ == "numpy" and cls.__name__ in ("bool", "bool_"):
+        return bool(value)
+    if cls in (int, float, bool) or not isinstance(value, numbers.Real):
         return value
     return int(value) if isinstance(value, numbers.Integral) else float(value)
 

@@ -22,6 +22,7 @@ from fusedhead.checks import (
     per_token_shape,
     real_in,
     tensor_arg,
+    type_name,
 )
 from fusedhead.protocol import AGGREGATIONS, KL_ESTIMATORS, HeadCall, PolicyLossCall
 from fusedhead.request import PolicyRequest
@@ -243,9 +244,7 @@ def _per_token(
     may be None. No other broadcast: a ``[1, S]`` or 0-d tensor beside ``[B, S]`` labels is a
     mistake that would silently spread one sequence's values over the batch."""
     if none and not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"{arg} must be a torch.Tensor or None ({none}), got {type(value).__name__}"
-        )
+        raise TypeError(f"{arg} must be a torch.Tensor or None ({none}), got {type_name(value)}")
     t = tensor_arg(arg, value)
     if t.dtype not in _PER_TOKEN_DTYPES:
         raise TypeError(f"{arg} must be a floating tensor (fp32, fp64, fp16, bf16), got {t.dtype}")

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from fusedhead.checks import type_name
+
 #: Each shard bound (vocab_start, width, vocab_size: int64) travels as ``_SHARD_CHUNKS`` chunks of
 #: ``_SHARD_BITS`` bits, each exact in fp32 and summed only with zeros, so the bits come back whole.
 _SHARD_BITS = 21
@@ -31,7 +33,7 @@ def _bound(arg: str, value: object) -> int:
     """A shard bound as an int in ``[0, 2**63)``: a negative or larger one would come back from
     the slots as another number (-1 as 2**63 - 1), a float or bool is no bound."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{arg} must be an int, got {type_name(value)} {value!r}")
     if not 0 <= value < _SHARD_LIMIT:
         raise ValueError(f"{arg} must be an int in [0, 2**63), got {value}")
     return value
