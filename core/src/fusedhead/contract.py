@@ -17,8 +17,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from fusedhead.checks import type_name
-from fusedhead.errors import BackendContractError, CapabilityError
+from fusedhead.errors import BackendContractError, CapabilityError, type_name
 from fusedhead.protocol import (
     OUTPUT_FIELDS,
     SCALAR_RANGE,

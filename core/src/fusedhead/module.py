@@ -22,8 +22,9 @@ from torch import nn
 
 from fusedhead import rank_agreement
 from fusedhead.api import FusedHead, FusedHeadOutput
-from fusedhead.checks import is_dtensor, tensor_arg, type_name, width_mismatch
+from fusedhead.checks import is_dtensor, tensor_arg, width_mismatch
 from fusedhead.config import FusedHeadConfig
+from fusedhead.errors import type_name
 from fusedhead.graph import tracing
 from fusedhead.request import HeadRequest, head_request
 

@@ -22,8 +22,8 @@ from fusedhead.checks import (
     per_token_shape,
     real_in,
     tensor_arg,
-    type_name,
 )
+from fusedhead.errors import type_name
 from fusedhead.protocol import AGGREGATIONS, KL_ESTIMATORS, HeadCall, PolicyLossCall
 from fusedhead.request import PolicyRequest
 from fusedhead.value_checks import Pending, check_count_value, check_finite_rows, count_checked

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fusedhead.checks import type_name
+from fusedhead.errors import type_name
 
 #: Each shard bound (vocab_start, width, vocab_size: int64) travels as ``_SHARD_CHUNKS`` chunks of
 #: ``_SHARD_BITS`` bits, each exact in fp32 and summed only with zeros, so the bits come back whole.
