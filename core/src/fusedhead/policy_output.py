@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 
 import torch
+import torch.utils._pytree as pytree
 
 from fusedhead.policy_grads import AttachedGradients
 from fusedhead.policy_terms import LOG_RATIO_BOUND, kl_penalty, on_policy_log_ratio, token_grads
@@ -58,6 +60,24 @@ class PolicyLossOutput:
             "ratio_max",
         )
         return {k: v for k in names if (v := getattr(self, k)) is not None}
+
+
+_FIELDS = tuple(f.name for f in fields(PolicyLossOutput))
+
+
+def _flatten(out: PolicyLossOutput) -> tuple[list[torch.Tensor | None], tuple[str, ...]]:
+    return [getattr(out, name) for name in _FIELDS], _FIELDS
+
+
+def _unflatten(values: Iterable[torch.Tensor | None], names: tuple[str, ...]) -> PolicyLossOutput:
+    return PolicyLossOutput(**dict(zip(names, values, strict=True)))
+
+
+# A pytree node, as transformers registers its ModelOutput: DDP(static_graph=True) finds a
+# module's output tensors by tree_flatten, and an opaque output kept it from ever all-reducing.
+pytree.register_pytree_node(
+    PolicyLossOutput, _flatten, _unflatten, serialized_type_name="fusedhead.PolicyLossOutput"
+)
 
 
 def output(
