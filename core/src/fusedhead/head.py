@@ -157,8 +157,9 @@ class FusedHead:
             )
 
     def ready(self, device: torch.device, dtype: torch.dtype) -> Capabilities:
-        """Capabilities on (device, dtype), after the backend's own check; cached per pair."""
-        return (self._caps.get((device, dtype)) or self._ready_entry(device, dtype))[0]
+        """Capabilities on (device, dtype), after the backend's own check; cached per pair. While
+        Dynamo traces, the check runs eagerly (``_prepare``): a backend's check is not traced."""
+        return self._entry(device, dtype, torch.compiler.is_compiling())[0]
 
     def _ready_entry(
         self, device: torch.device, dtype: torch.dtype
