@@ -307,10 +307,11 @@ def _check_engine(engine: Any, micro_batch: Any, config: Any) -> None:
         )
 
 
-def _packed_response(data: Any, total: int) -> tuple[Any, Any]:
+def _packed_response(data: Any, total: int, response_mask: Any) -> tuple[Any, Any]:
     """``(rows, mask)``: the packed row of each padded response slot ``[B, R]`` and whether it is
     scored, as verl's ``no_padding_2_padding`` slices (response ``j`` of sequence ``i`` is
-    predicted at ``end_i - len_i - 1 + j``)."""
+    predicted at ``end_i - len_i - 1 + j``). ``response_mask``: padded ``[B, R]``, as verl's v1
+    trainer hands it nested (one row per sample, of the sample's length)."""
     import torch
 
     prompts, responses = data["prompts"], data["responses"]
@@ -323,10 +324,9 @@ def _packed_response(data: Any, total: int) -> tuple[Any, Any]:
     ends = (prompt_lens + response_lens).cumsum(0)
     if int(ends[-1]) != total:
         raise ValueError(f"the packed micro-batch holds {total} tokens, its sequences {ends[-1]}")
-    width = data["response_mask"].shape[-1]
-    j = torch.arange(width, device=ends.device)
+    j = torch.arange(response_mask.shape[-1], device=ends.device)
     rows = (ends - response_lens - 1)[:, None] + j[None, :]
-    scored = (j[None, :] < response_lens[:, None]) & data["response_mask"].to(torch.bool)
+    scored = (j[None, :] < response_lens[:, None]) & response_mask.to(torch.bool)
     return rows, scored
 
 
@@ -351,7 +351,7 @@ def fused_ppo_loss_step(
     fields = ["response_mask", "old_log_probs", "advantages"]
     fields += [k for k in ("rollout_is_weights", "ref_log_prob") if k in data]
     padded = data.select(*fields).to_padded_tensor()
-    rows, scored = _packed_response(data, total)
+    rows, scored = _packed_response(data, total, padded["response_mask"])
     at = rows[scored]
 
     def packed(name: str) -> torch.Tensor:
