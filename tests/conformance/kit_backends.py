@@ -1,5 +1,5 @@
 """In-process backends for testing the conformance kit: correct ones (two declaring a
-min_temperature), and six each wrong in one way.
+min_temperature), and eight each wrong in one way.
 
 Importable by module name (the kit's spawned vocab-parallel ranks re-register the class from
 ``module:qualname``); ``register_all()`` registers them, ``pytest -p kit_backends`` too.
@@ -249,6 +249,42 @@ class WritesLabels(_Plain):
         return out
 
 
+class CleansHidden(_Plain):
+    """Wrong: right values, after zeroing the NaN/Inf of the hidden states in the caller's own
+    tensor (the padding rows an unchecked call hands over)."""
+
+    name: ClassVar[str] = "wrong-cleans-hidden"
+
+    def single(self, hidden, weight, labels, temperature, ignore_index, return_entropy, softcap):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            hidden.nan_to_num_(0.0, 0.0, 0.0)
+        return super().single(
+            hidden, weight, labels, temperature, ignore_index, return_entropy, softcap
+        )
+
+
+class ReusedOutputs(_Plain):
+    """Wrong: right values, written under no_grad into one buffer it keeps for every call."""
+
+    name: ClassVar[str] = "wrong-reused-outputs"
+    buffer: ClassVar[dict[tuple[int, str], torch.Tensor]] = {}
+
+    def single(self, hidden, weight, labels, temperature, ignore_index, return_entropy, softcap):  # type: ignore[no-untyped-def]
+        lp, ent = super().single(
+            hidden, weight, labels, temperature, ignore_index, return_entropy, softcap
+        )
+        if torch.is_grad_enabled():
+            return lp, ent
+        out = []
+        for what, t in (("lp", lp), ("ent", ent)):
+            if t is None:
+                out.append(None)
+                continue
+            buf = self.buffer.setdefault((t.shape[0], what), torch.empty_like(t))
+            out.append(buf.copy_(t))
+        return out[0], out[1]
+
+
 class MinTemperature(KitRef):
     """Correct, and declares min_temperature=0.1 (triton's is 1e-3): the kit must test at and
     above it, never below, where the core refuses the call."""
@@ -276,6 +312,8 @@ WRONG = {
     TemperatureMissingInBackward: "temperature",
     FakeBatchInvariant: "batch_invariance",
     WritesLabels: "inputs_unchanged",
+    CleansHidden: "inputs_unchanged",
+    ReusedOutputs: "fresh_outputs",
 }
 ALL: tuple[type, ...] = (KitRef, *MIN_TEMPERATURE.values(), *WRONG)
 

@@ -63,6 +63,12 @@ def test_a_temperature_below_the_declared_minimum_must_be_refused_not_computed(
         ("wrong-temperature-backward", "temperature", ["temperature", "grad hidden"]),
         ("wrong-batch-invariance", "batch_invariance", ["not bitwise equal"]),
         ("wrong-writes-labels", "inputs_unchanged", ["wrote the caller's labels", "never writes"]),
+        (  # before: passed, the kit's cases for this property held no NaN row
+            "wrong-cleans-hidden",
+            "inputs_unchanged",
+            ["check_labels=False", "wrote the caller's hidden"],
+        ),
+        ("wrong-reused-outputs", "fresh_outputs", ["changed when a later call ran", "fresh"]),
     ],
 )
 def test_each_wrong_backend_fails_on_its_property(kit_backends, backend, prop, words):

@@ -192,6 +192,18 @@ class GradientsNobodyAskedFor(PolicyRef):
         return gh, gw
 
 
+class ZeroesIgnoredAdvantages(PolicyRef):
+    """Wrong: right values, after zeroing the advantages of ignored rows in the caller's tensor
+    (an unchecked call hands it over as it is)."""
+
+    name: ClassVar[str] = "wrong-policy-writes-advantages"
+
+    def policy_loss(self, call: PolicyLossCall) -> PolicyLossResult:
+        ignored = call.head.labels == call.head.ignore_index
+        call.advantages.masked_fill_(ignored.reshape(call.advantages.shape), 0.0)
+        return super().policy_loss(call)
+
+
 #: Each wrong backend and the property that must fail it.
 WRONG: dict[type, str] = {
     IgnoresDualClip: "policy_loss_accuracy",
@@ -201,6 +213,7 @@ WRONG: dict[type, str] = {
     ReusedWeightBuffer: "policy_loss_upstream_scale",
     NotDeterministic: "policy_loss_determinism",
     GradientsNobodyAskedFor: "policy_loss_contract",
+    ZeroesIgnoredAdvantages: "policy_loss_contract",
 }
 ALL: tuple[type, ...] = (PolicyRef, Undeclared, *WRONG)
 

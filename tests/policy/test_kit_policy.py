@@ -43,6 +43,11 @@ def test_the_correct_backend_passes_every_policy_property(policy_backends: Modul
         ),
         ("wrong-policy-determinism", "policy_loss_determinism", ["grad weight", "bitwise"]),
         ("wrong-policy-grads", "policy_loss_contract", ["requires grad", "not asked for"]),
+        (  # before: passed, no property compared the inputs after a call
+            "wrong-policy-writes-advantages",
+            "policy_loss_contract",
+            ["check_labels=False", "wrote the caller's advantages"],
+        ),
     ],
 )
 def test_each_wrong_backend_fails_its_property(

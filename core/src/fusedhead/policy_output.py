@@ -10,6 +10,7 @@ import math
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -69,7 +70,7 @@ def _flatten(out: PolicyLossOutput) -> tuple[list[torch.Tensor | None], tuple[st
     return [getattr(out, name) for name in _FIELDS], _FIELDS
 
 
-def _unflatten(values: Iterable[torch.Tensor | None], names: tuple[str, ...]) -> PolicyLossOutput:
+def _unflatten(values: Iterable[Any], names: tuple[str, ...]) -> PolicyLossOutput:
     return PolicyLossOutput(**dict(zip(names, values, strict=True)))
 
 

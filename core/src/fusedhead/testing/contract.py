@@ -186,7 +186,7 @@ def unchecked_labels(target: Target) -> None:
 
 
 def inputs_unchanged(target: Target) -> None:
-    """The call reads hidden, weight, labels and a per-token temperature and never writes them, forward or backward."""
+    """The call reads hidden, weight, labels and a per-token temperature and never writes them, forward or backward, NaN/Inf hidden states and out-of-range labels of an unchecked call included."""
     n, h, v = target.sizes.small
     case = make_case(n, h, v, scale=FLAT, seed=14, ignore_fraction=0.3)
     case = case.to(target.device, target.dtype)
@@ -195,43 +195,113 @@ def inputs_unchanged(target: Target) -> None:
         per_token = torch.linspace(0.5, 2.0, n, device=target.device)
         temps.append(target.allowed_temperature(per_token))
     for temp in temps:
+        kind = "per-token" if isinstance(temp, torch.Tensor) else "float"
         for grad in (True, False):
-            inputs = {
-                "hidden": case.hidden.detach().clone().requires_grad_(grad),
-                "weight": case.weight.detach().clone().requires_grad_(grad),
-                "labels": case.labels.clone(),
-            }
-            if isinstance(temp, torch.Tensor):
-                inputs["temperature"] = temp.clone()
-            before = {k: t.detach().clone() for k, t in inputs.items()}
-            label = (
-                f"{case.description}, {'per-token' if isinstance(temp, torch.Tensor) else 'float'}"
-                f" temperature, {'forward and backward' if grad else 'forward under no_grad'}"
+            _reads_only(target, case, temp, grad, True, f"{case.description}, {kind} temperature")
+    # An unchecked call hands the backend the caller's own tensors, padding rows and all: a
+    # backend that "cleans" NaN rows or clamps labels in place would write the caller's.
+    dirty = poison_ignored(case)
+    labels = dirty.labels.clone()
+    scored = (labels.reshape(-1) != IGNORE_INDEX).nonzero().reshape(-1)[:2]
+    labels.view(-1)[scored] = torch.tensor([v, -5], device=labels.device)
+    dirty = Case(dirty.hidden, dirty.weight, labels, dirty.description)
+    what = f"{dirty.description}, labels {v} and -5 at two rows, check_labels=False"
+    for grad in (True, False):
+        _reads_only(target, dirty, temps[0], grad, False, what)
+
+
+def _reads_only(
+    target: Target, case: Case, temp: float | torch.Tensor, grad: bool, check: bool, what: str
+) -> None:
+    """One call (and its backward with ``grad``) on copies of ``case``: none of them written."""
+    inputs = {
+        "hidden": case.hidden.detach().clone().requires_grad_(grad),
+        "weight": case.weight.detach().clone().requires_grad_(grad),
+        "labels": case.labels.clone(),
+    }
+    if isinstance(temp, torch.Tensor):
+        inputs["temperature"] = temp.clone()
+    before = {k: t.detach().clone() for k, t in inputs.items()}
+    label = f"{what}, {'forward and backward' if grad else 'forward under no_grad'}"
+    try:
+        with torch.set_grad_enabled(grad):
+            got = target(
+                inputs["hidden"],
+                inputs["weight"],
+                inputs["labels"],
+                temperature=inputs.get("temperature", temp),
+                check_labels=check,
             )
-            call_temp = inputs.get("temperature", temp)
+            if grad:  # an out-of-range row's NaN log-prob sends no upstream
+                loss = torch.where(torch.isfinite(got.log_probs), got.log_probs, 0).sum()
+                if got.entropy is not None:
+                    loss = loss + torch.where(torch.isfinite(got.entropy), got.entropy, 0).sum()
+                torch.autograd.backward([loss])
+    except Exception as exc:
+        raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+    for name, old in before.items():
+        new = inputs[name].detach()
+        if not torch.equal(new, old) and not (
+            new.is_floating_point() and torch.equal(new.isnan(), old.isnan())
+            and torch.equal(new.nan_to_num(), old.nan_to_num())
+        ):  # fmt: skip
+            changed = int((new != old).sum() - (new.isnan() & old.isnan()).sum())
+            raise PropertyFailure(
+                f"{label}: the call wrote the caller's {name} ({changed} of "
+                f"{old.numel()} values changed); a backend reads its inputs, never "
+                "writes them (clone what it must change)"
+            )
+
+
+def fresh_outputs(target: Target) -> None:
+    """Each call's outputs are its own: no two share memory, none shares an input's, and a later call leaves them as they were (a reused buffer would not)."""
+    n, h, v = target.sizes.small
+    temp = target.allowed_temperature(TEMPERATURE)
+    cases = [
+        make_case(n, h, v, scale=FLAT, seed=seed, ignore_fraction=fraction).to(
+            target.device, target.dtype
+        )
+        for seed, fraction in ((15, 0.3), (16, 0.0), (17, 1.0))
+    ]
+    for grad in (False, True):
+        mode = "with gradients" if grad else "under no_grad"
+        kept: list[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+        for case in cases:
+            label = f"{case.description}, {mode}"
+            hidden = case.hidden.detach().clone().requires_grad_(grad)
+            weight = case.weight.detach().clone().requires_grad_(grad)
             try:
                 with torch.set_grad_enabled(grad):
-                    got = target(
-                        inputs["hidden"], inputs["weight"], inputs["labels"], temperature=call_temp
-                    )
-                    if grad:
-                        loss = got.log_probs.sum()
-                        if got.entropy is not None:
-                            loss = loss + got.entropy.sum()
-                        loss.backward()
+                    got = target(hidden, weight, case.labels, temperature=temp)
             except Exception as exc:
                 raise PropertyFailure(
                     f"{label}: the call raised {type(exc).__name__}: {exc}"
                 ) from exc
-            for name, old in before.items():
-                new = inputs[name].detach()
-                if not torch.equal(new, old):
-                    changed = int((new != old).sum())
-                    raise PropertyFailure(
-                        f"{label}: the call wrote the caller's {name} ({changed} of "
-                        f"{old.numel()} values changed); a backend reads its inputs, never "
-                        "writes them (clone what it must change)"
-                    )
+            outs = {k: t for k in ("log_probs", "entropy") if (t := getattr(got, k)) is not None}
+            _own_memory(label, outs, {"hidden": hidden, "weight": weight, "labels": case.labels})
+            for earlier, outs_then, values in kept:
+                for k, t in outs_then.items():
+                    if not torch.equal(t.detach(), values[k]):
+                        raise PropertyFailure(
+                            f"{earlier}: its {k} changed when a later call ran ({label}): a "
+                            "backend returns fresh tensors, never a buffer it reuses"
+                        )
+            kept.append((label, outs, {k: t.detach().clone() for k, t in outs.items()}))
+
+
+def _own_memory(label: str, outs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
+    """No output shares memory with another output or with an input."""
+    seen = {k: t.untyped_storage().data_ptr() for k, t in inputs.items()}
+    for k, t in outs.items():
+        ptr = t.untyped_storage().data_ptr()
+        if ptr == 0:  # no memory (empty)
+            continue
+        for other, p in seen.items():
+            if p == ptr:
+                raise PropertyFailure(
+                    f"{label}: {k} shares memory with {other}; each output is a fresh tensor"
+                )
+        seen[k] = ptr
 
 
 CONTRACT = {
@@ -240,4 +310,5 @@ CONTRACT = {
     "requires_grad": requires_grad,
     "unchecked_labels": unchecked_labels,
     "inputs_unchanged": inputs_unchanged,
+    "fresh_outputs": fresh_outputs,
 }

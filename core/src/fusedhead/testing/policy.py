@@ -24,7 +24,15 @@ from typing import Any
 import torch
 
 from fusedhead.reference import policy_loss_from_log_probs
-from fusedhead.testing.inputs import FLAT, IGNORE_INDEX, PEAKED, TEMPERATURE, Case, make_case
+from fusedhead.testing.inputs import (
+    FLAT,
+    IGNORE_INDEX,
+    PEAKED,
+    TEMPERATURE,
+    Case,
+    make_case,
+    poison_ignored,
+)
 from fusedhead.testing.outcome import NotRun, PropertyFailure
 from fusedhead.testing.outputs import (
     magnitude_terms,
@@ -561,7 +569,7 @@ def policy_loss_determinism(target: Target) -> None:
 
 
 def policy_loss_contract(target: Target) -> None:
-    """If declared: the output's types and shapes, gradients only where asked, none under no_grad, a second backward and create_graph refused, unchecked out-of-range labels NaN."""
+    """If declared: the output's types and shapes, gradients only where asked, none under no_grad, a second backward and create_graph refused, unchecked out-of-range labels NaN, the inputs never written."""
     from fusedhead.policy_output import PolicyLossOutput
 
     _declared(target)
@@ -673,6 +681,51 @@ def policy_loss_contract(target: Target) -> None:
     if abs(float(out.loss) - want.loss) > want.loss_bound:
         raise PropertyFailure(f"{label}: loss {float(out.loss)!r}, float64 {want.loss!r}")
     _unchecked_labels(target, batch)
+    _inputs_unchanged(target)
+
+
+def _inputs_unchanged(target: Target) -> None:
+    """Every tensor the call reads (hidden with NaN/Inf padding rows, weight, labels, per-token
+    temperature, advantages and the three log-probs) is left as it was, forward and backward:
+    an unchecked call hands the backend the caller's own tensors."""
+    n, h, v = target.sizes.small
+    dev, dt = target.device, target.dtype
+    case = make_case(n, h, v, scale=FLAT, seed=78, ignore_fraction=0.3, lead=(4, n // 4))
+    temps: float | torch.Tensor = TEMPERATURE
+    if target.caps.per_token_temperature:
+        temps = torch.linspace(0.5, 1.5, n).reshape(case.labels.shape)
+    batch = _Batch(target, case, seed=79, dual_clip=1.8, temperature=temps)
+    kw = _on(dev, batch.kwargs(dual_clip=1.8, tis=True, **PENALTIES[3]))
+    tensors = {k: t for k, t in kw.items() if isinstance(t, torch.Tensor)}
+    tensors["hidden"] = poison_ignored(case).hidden.to(dev, dt).requires_grad_()
+    tensors["weight"] = case.weight.to(dev, dt).requires_grad_()
+    tensors["labels"] = case.labels.to(dev)
+    if isinstance(batch.temperature, torch.Tensor):
+        tensors["temperature"] = batch.temperature.to(dev)
+    before = {k: t.detach().clone() for k, t in tensors.items()}
+    label = (
+        f"{case.description}, NaN/+Inf/-Inf hidden states at the ignored rows, check_labels=False"
+    )
+    try:
+        out = target.unchecked_head().policy_loss(
+            tensors["hidden"],
+            tensors["weight"],
+            tensors["labels"],
+            temperature=tensors.get("temperature", batch.temperature),
+            **{k: tensors.get(k, a) for k, a in kw.items()},
+        )
+        torch.autograd.backward([out.loss])
+    except Exception as exc:
+        raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
+    for name, old in before.items():
+        new = tensors[name].detach()
+        if not torch.equal(new.nan_to_num(), old.nan_to_num()) or not torch.equal(
+            new.isnan(), old.isnan()
+        ):
+            raise PropertyFailure(
+                f"{label}: the call wrote the caller's {name}; a backend reads its inputs, never "
+                "writes them (clone what it must change)"
+            )
 
 
 def _unchecked_labels(target: Target, batch: _Batch) -> None:
