@@ -83,9 +83,14 @@ class Bound:
     floor: float = 0.0
 
     def limits(
-        self, ref: torch.Tensor, magnitude: torch.Tensor | None = None
+        self,
+        ref: torch.Tensor,
+        magnitude: torch.Tensor | None = None,
+        extra: torch.Tensor | None = None,
     ) -> tuple[float, torch.Tensor]:
-        """(relative error bound, elementwise max abs error bound) against the reference ``ref``."""
+        """(relative error bound, elementwise max abs error bound) against the reference ``ref``;
+        ``extra``: an absolute allowance per element added to a gradient's (an error its
+        upstream carries in, such as the policy loss's derivative formed from fp32 statistics)."""
         ref = ref.detach().double()
         if magnitude is None:
             rms = float(ref.pow(2).mean().sqrt()) if ref.numel() else 0.0
@@ -93,6 +98,8 @@ class Bound:
             return rel, torch.full_like(ref, 4 * self.scale)
         m = magnitude.detach().double()
         allowed = self.scale * m + self.floor * (float(m.max()) if m.numel() else 0.0)
+        if extra is not None:
+            allowed = allowed + extra.detach().double()
         bnorm = float(ref.norm())
         return (float(allowed.norm()) / bnorm if bnorm > 0 else math.inf), allowed
 
@@ -153,6 +160,7 @@ def assert_close(
     b: torch.Tensor,
     bound: Bound,
     magnitude: torch.Tensor | None = None,
+    extra: torch.Tensor | None = None,
 ) -> None:
     """Raise ``PropertyFailure`` naming ``what`` unless ``a`` is within ``bound`` of ``b``."""
     if a is None:
@@ -169,7 +177,7 @@ def assert_close(
             "where the reference is finite"
         )
     rel, max_abs = errors(a, b)
-    rel_bound, allowed = bound.limits(b, magnitude)
+    rel_bound, allowed = bound.limits(b, magnitude, extra)
     excess = (a.detach().double() - b.detach().double()).abs() - allowed
     if bool((excess > 0).any()):
         flat = int(excess.reshape(-1).argmax())
