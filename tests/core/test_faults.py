@@ -141,6 +141,42 @@ def test_the_plugins_own_missing_module_is_a_broken_install_never_a_pip_install_
     assert "pip install" not in str(err)
 
 
+def test_a_name_its_own_package_lacks_is_its_install_or_its_code_never_a_version_mismatch(
+    with_faults,
+):
+    """Before: "the installed packages do not match what it was built for; upgrade fusedhead
+    and the backend together", for an import of a name the plugin's own package lacks."""
+    with pytest.raises(BackendLoadError) as info:
+        registry.load_class("own-name-gone")
+    err = info.value
+    assert "no_such_name_xyz" in err.reason
+    assert "a name its own package 'fh_fault_missing_module' lacks" in err.reason
+    assert err.hint == (
+        "reinstall fh-fault-missing-module; if the error stays, report it to the authors of "
+        "fh-fault-missing-module"
+    )
+    assert "upgrade fusedhead" not in str(err)
+
+
+def test_a_name_an_installed_module_lacks_names_that_module(with_faults):
+    with pytest.raises(BackendLoadError) as info:
+        registry.load_class("dependency-lacks-name")
+    err = info.value
+    assert "the installed 'json' lacks a name fh-fault-missing-module uses" in err.reason
+    assert "upgrade fusedhead" not in str(err)
+
+
+def test_selecting_a_misnamed_entry_point_names_its_distribution(with_faults):
+    """Before: "backend name 'Bad.Name' is not valid ... did you mean 'bad-name'?" or another
+    backend's name, never the distribution that must rename it."""
+    with pytest.raises(BackendLoadError) as info:
+        registry.load_class("Bad.Name")
+    err = info.value
+    assert (err.backend, err.distribution) == ("Bad.Name", "fh-fault-badname")
+    assert "breaks the name rule" in err.reason and "must rename it" in err.reason
+    assert "did you mean" not in str(err)
+
+
 def test_a_missing_dependency_names_a_pip_package_only_from_the_distributions_requires_dist(
     with_faults,
 ):

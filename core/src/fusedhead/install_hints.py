@@ -140,6 +140,26 @@ def import_error(cand: Any, exc: ImportError, fields: dict[str, Any]) -> Excepti
                 hint=hint,
                 **fields,
             )
+    own = (cand.entry_point.module if cand.entry_point is not None else "").split(".")[0]
+    if not isinstance(exc, ModuleNotFoundError) and top and top == own:
+        # a name its own package lacks: its own code or its install, nothing else installed
+        return BackendLoadError(
+            f"could not be imported: {exc} (a name its own package {top!r} lacks: the install "
+            f"of {dist} is broken or stale, or its code is wrong)",
+            hint=f"{reinstall}; if the error stays, report it to the authors of {dist}",
+            **fields,
+        )
+    if not isinstance(exc, ModuleNotFoundError) and top and top not in ("fusedhead", own):
+        required = _required_as(cand.distribution, top)
+        return BackendLoadError(
+            f"could not be imported: {exc} (the installed {top!r} lacks a name {dist} uses: "
+            "not the version it was built for)",
+            hint=f"pip install '{required}' (its Requires-Dist)"
+            if required
+            else f"install the version of {top!r} that {dist} needs, or {reinstall} with its "
+            "dependencies",
+            **fields,
+        )
     return BackendLoadError(
         f"could not be imported: {type(exc).__name__}: {exc}",
         hint=f"the installed packages do not match what {cand.distribution or 'the backend'} was "

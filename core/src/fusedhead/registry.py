@@ -338,6 +338,16 @@ def find(name: str) -> Candidate:
     """The one candidate for exactly ``name``; unknown, reserved and conflicting names raise."""
     table = candidates()
     if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        for cand in table.get(name, []) if isinstance(name, str) else []:
+            # exactly an installed entry point's name: that distribution is what to fix
+            raise BackendLoadError(
+                f"cannot be selected: {name_violation(cand)}",
+                backend=name,
+                distribution=cand.distribution,
+                version=cand.version,
+                hint=f"ask the authors of {cand.distribution or 'that distribution'} to name "
+                "it by the rule; no spelling of it can be selected until then",
+            )
         _check_name(name, known=table)
     claims = table.get(name)
     if not claims:
