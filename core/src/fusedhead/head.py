@@ -17,6 +17,7 @@ from fusedhead import contract, policy, policy_args, policy_output, rank_agreeme
 from fusedhead.checks import DEVICES, device_arg, device_entry, dtype_name, usable_device
 from fusedhead.config import FusedHeadConfig
 from fusedhead.contract import FusedHeadOutput
+from fusedhead.cpu_math import resolve_vml_dispatch
 from fusedhead.errors import (
     BackendContractError,
     BackendError,
@@ -169,6 +170,8 @@ class FusedHead:
         key = (device, dtype)
         entry = self._caps.get(key)
         if entry is None:
+            if device.type == "cpu":
+                resolve_vml_dispatch()  # before the first parallel exp (pytorch#188792)
             with self._identified("check()"):
                 # first: its message carries the reason and the fix
                 self.backend.check(device, dtype)
