@@ -112,3 +112,22 @@ def test_pytest_suite_fails_a_wrong_backend_on_its_property(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAILED" in proc.stdout and "test_property[ignore_index]" in proc.stdout
     assert "ignored rows must be exactly 0" in proc.stdout
+
+
+def test_the_pytest_plugin_takes_the_devices_the_cli_takes(tmp_path):
+    """Before: ``--fusedhead-device cuda:1`` was "invalid choice (choose from 'cpu', 'cuda')",
+    where ``fusedhead check --device cuda:1`` runs; a device that is no torch device is refused."""
+    command = [sys.executable, "-m", "pytest", "-p", "fusedhead.testing.plugin"]
+    command += ["--fusedhead-backend", "torch", "--pyargs", "fusedhead.testing.suite", "-q"]
+    command += ["-p", "no:cacheprovider", "-k", "tiny_batches", "--fusedhead-device"]
+    indexed = subprocess.run(
+        [*command, "cuda:1"], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
+    out = indexed.stdout + indexed.stderr
+    assert "invalid choice" not in out, out
+    assert indexed.returncode == 0 or "cannot be checked here" in out, out
+    bad = subprocess.run(
+        [*command, "tpu0"], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
+    assert bad.returncode == 4, bad.stdout + bad.stderr  # pytest's usage error
+    assert "must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got 'tpu0'" in bad.stderr

@@ -2,7 +2,7 @@
 
     pytest -p fusedhead.testing.plugin --fusedhead-backend NAME --pyargs fusedhead.testing.suite
 
-Options: ``--fusedhead-device cpu|cuda``, ``--fusedhead-dtype fp32|fp16|bf16``,
+Options: ``--fusedhead-device cpu|cuda|cuda:K``, ``--fusedhead-dtype fp32|fp16|bf16``,
 ``--fusedhead-options JSON``. A property that is not run here is skipped with the reason; a
 backend that cannot run on the asked device/dtype makes every test error with the reason.
 """
@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from fusedhead.cli import device_arg
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fusedhead", "fusedhead conformance kit")
@@ -20,7 +22,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--fusedhead-backend", default=None, help="backend name to check (required by the suite)"
     )
     group.addoption(
-        "--fusedhead-device", default="cpu", choices=["cpu", "cuda"], help="device (default cpu)"
+        "--fusedhead-device",
+        default="cpu",
+        type=device_arg,
+        help="cpu (default), cuda or cuda:K, as `fusedhead check --device` takes",
     )
     group.addoption(
         "--fusedhead-dtype",
