@@ -386,6 +386,28 @@ def test_a_near_miss_of_a_hidden_backend_is_suggested_as_hidden_not_missing(
     assert "not installed" not in msg and "pip install" not in msg, msg
 
 
+def test_a_limit_name_that_selects_nothing_is_named_with_what_it_meant(
+    with_fixture_dists, monkeypatch
+):
+    """Before: FUSEDHEAD_BACKENDS=TORCH hid torch and the error said only that torch was hidden,
+    never that the variable's own 'TORCH' matches nothing; a wrong-case name asked for was "not
+    installed: pip install ..." though installed. Now both point at the variable's typo."""
+    monkeypatch.setenv("FUSEDHEAD_BACKENDS", "TORCH,good")
+    with pytest.raises(UnknownBackendError) as info:
+        registry.load_class("torch")
+    msg = str(info.value)
+    assert (
+        "FUSEDHEAD_BACKENDS names 'TORCH', which nothing here provides (did you mean 'torch'?)"
+        in msg
+    ), msg
+    assert "names 'good'" not in msg, msg  # a name that selects something is no stray
+    with pytest.raises(ValueError) as info:
+        registry.load_class("TORCH")
+    msg = str(info.value)
+    assert "did you mean 'torch'? It is installed, but FUSEDHEAD_BACKENDS hides it" in msg, msg
+    assert "not installed" not in msg and "pip install" not in msg, msg
+
+
 def test_an_in_process_backend_hidden_by_the_limit_is_named_as_hidden(ref_backend, monkeypatch):
     """A registration that FUSEDHEAD_BACKENDS leaves out: named as hidden, exact or near."""
     monkeypatch.setenv("FUSEDHEAD_BACKENDS", "torch")

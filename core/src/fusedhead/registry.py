@@ -220,10 +220,16 @@ def _check_name(name: object, known: Iterable[str] | None = None) -> None:
             rule = "names are lowercase" if low != name.strip() else "names have no spaces"
             # only names that can be selected: an entry point misnamed 'Bad-Upper' is no answer
             names = None if known is None else sorted(n for n in known if NAME_PATTERN.match(n))
+            hidden = _hidden_by_limit(_limit())
             if names is None or low in names:
                 hint = f" ({rule}: did you mean {low!r}?)"
             elif close := difflib.get_close_matches(low, names, n=1, cutoff=0.6):
                 hint = f" ({rule}: did you mean {close[0]!r}?)"
+            elif low in hidden:  # there, but the variable leaves it out: no pip install helps
+                hint = (
+                    f" ({rule}: did you mean {low!r}? It is {hidden[low]}, but {LIMIT_ENV} "
+                    f"hides it: add {low!r} there or unset it)"
+                )
             elif low in install_hints.FIRST_PARTY_EXTRAS:  # a first-party name not installed
                 command = install_hints.install_command(low)
                 hint = f" ({rule}: did you mean {low!r}? It is not installed: {command})"
@@ -247,6 +253,19 @@ def _hidden_by_limit(limit: set[str] | None) -> dict[str, str]:
     return found
 
 
+def _limit_strays(limit: set[str], available: Iterable[str]) -> str:
+    """`` {LIMIT_ENV} names 'TORCH', which nothing here provides (did you mean 'torch'?).`` for
+    each name of the variable that selects nothing, so that a typo there is seen as the cause."""
+    exists = set(available) | set(_hidden_by_limit(limit))
+    by_lower = {n.lower(): n for n in exists}
+    notes = ""
+    for stray in sorted(limit - exists):
+        near = difflib.get_close_matches(stray.lower(), list(by_lower), n=1, cutoff=0.6)
+        meant = f" (did you mean {by_lower[near[0]]!r}?)" if near else ""
+        notes += f" {LIMIT_ENV} names {stray!r}, which nothing here provides{meant}."
+    return notes
+
+
 def unknown_name_message(name: str, available: Iterable[str]) -> str:
     """Why ``name`` selects nothing: the selectable names of ``available`` (with a "Did you mean"
     among them), entry-point names that break the name rule apart, and how to install."""
@@ -258,6 +277,7 @@ def unknown_name_message(name: str, available: Iterable[str]) -> str:
     if limit is not None:  # what is listed is what the variable lets through, not all installed
         shown = ", ".join(names) if names else "none"
         msg += f"Available under {LIMIT_ENV}={os.environ[LIMIT_ENV]!r}: {shown}."
+        msg += _limit_strays(limit, everything)
     else:
         none = "No selectable backends are installed." if unselectable else None
         msg += f"Installed: {', '.join(names)}." if names else none or "No backends are installed."
