@@ -15,7 +15,7 @@ import math
 import re
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -139,7 +139,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--append",
         action="store_true",
-        help="add to the results already in --json (the table and plot then show them all)",
+        help="add to the results already in --json. The table then lists them all, with a "
+        "column for each of device, temperature, seed, reference, versions and environment "
+        "where the results differ in it, and the date of each where a case was measured again; "
+        "the plot draws one line per implementation and setting, a case measured again from "
+        "its latest result",
     )
     parser.add_argument(
         "--report-only",
@@ -470,6 +474,11 @@ RESULT_CASE_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "vocab": (_is_int, "an integer >= 1"),
     "dtype": (_is_line, "a dtype's name, one line of text"),
     "scale": (lambda v: _is_number(v) and math.isfinite(v) and v > 0, "a finite number > 0"),
+    "temperature": (
+        lambda v: _is_number(v) and math.isfinite(v) and v > 0,
+        "a finite number > 0",
+    ),
+    "seed": (lambda v: _is_int(v, 0), "an integer >= 0"),
     "head": (_is_line, "a case's name, one line of text"),
 }
 #: The same of the result itself (``case`` apart); a field not named here is not read.
@@ -560,11 +569,20 @@ def run(args: argparse.Namespace) -> int:
     # Unknown names and bad options fail here, before any work.
     impls = [peers.resolve(s) for s in specs]
     _refuse_repeats(specs, impls)
+    resolved = {
+        "n": sorted({c.n for c in cases}),
+        "hidden": _distinct_in_order(c.hidden for c in cases),
+        "vocab": _distinct_in_order(c.vocab for c in cases),
+        "dtype": _distinct_in_order(c.dtype for c in cases),
+        "case": _distinct_in_order(c.head for c in cases),
+        "impl": specs,
+        "device": str(device),
+    }
     common = {
         "device": report.device_info(device),
         "versions": report.versions(),
         "environment": peers.environment_note(),
-        "run": _run_settings(args),
+        "run": _run_settings(args, resolved),
     }
     writer = report.JsonWriter(args.json, append=args.append, flag="--json")
     progress = report.Progress(len(cases) * len(impls))
@@ -710,12 +728,20 @@ def _nonfinite(result: dict[str, Any], case: Any) -> str | None:
     )
 
 
-def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
+def _run_settings(args: argparse.Namespace, resolved: dict[str, Any]) -> dict[str, Any]:
     """How the run was asked for (every option of the command line, defaults filled in), so a
-    record says how it was made: repetitions, time cap, memory and accuracy steps, the grid."""
+    record says how it was made: repetitions, time cap, memory and accuracy steps, the grid.
+    ``resolved`` holds what the run made of the grid's flags (the device's default sizes and
+    dtypes, the cases by their recorded names, the implementations and the device it ran)."""
     skip = {"func", "module", "command", "version", "json", "markdown", "plot", "append"}
     skip.add("report_only")
-    return {k: v for k, v in sorted(vars(args).items()) if k not in skip}
+    settings = {k: v for k, v in vars(args).items() if k not in skip}
+    return dict(sorted({**settings, **resolved}.items()))
+
+
+def _distinct_in_order(values: Iterable[T]) -> list[T]:
+    """``values`` each once, in first-seen order."""
+    return list(dict.fromkeys(values))
 
 
 def _report_only(args: argparse.Namespace) -> int:
@@ -778,10 +804,29 @@ def _free(device: Any) -> None:
         torch.cuda.empty_cache()
 
 
+class InternalError(RuntimeError):
+    """A fault of ``fusedhead bench`` itself, not of the arguments or files it was given: the
+    command line reports it as an unexpected failure (exit 1), never as bad input (exit 2)."""
+
+
+def _internal(what: str, exc: Exception) -> InternalError:
+    """``exc``, raised while making ``what`` of results the bench wrote or checked
+    (``read_results``), as the bench's own fault."""
+    return InternalError(
+        f"{what} could not be made of the results ({type(exc).__name__}: {exc}): a fault of "
+        "fusedhead bench, not of the results or the arguments; please report it"
+    )
+
+
 def _finish(args: argparse.Namespace, records: list[dict[str, Any]], report: Any) -> None:
     """Print the table, then write it to --markdown and the plot to --plot; a write that fails
-    is an OSError naming its flag and path (the other output still written)."""
-    table = report.markdown(records)
+    is an OSError naming its flag and path (the other output still written). Any other failure
+    to make the table or the plot is an ``InternalError``: the records are the bench's own or
+    were checked when read, so it is no fault of the input."""
+    try:
+        table = report.markdown(records)
+    except Exception as exc:
+        raise _internal("the Markdown table", exc) from exc
     print(table)
     failed: list[str] = []
     if args.markdown:
@@ -794,5 +839,7 @@ def _finish(args: argparse.Namespace, records: list[dict[str, Any]], report: Any
             report.plot(records, args.plot, fmt=Path(args.plot).suffix.lstrip(".").lower())
         except OSError as exc:
             failed.append(str(exc))
+        except Exception as exc:
+            raise _internal(f"the plot ({args.plot})", exc) from exc
     if failed:
         raise OSError("; ".join(failed) + " (the table is printed above)")

@@ -110,7 +110,9 @@ def _backend(name: str, options: dict[str, Any], spec: str) -> Impl:
         backend = cls(validate_options(name, cls, options))
         device = torch.device(case.device)
         caps = backend.capabilities(device)
-        why = heads.refusal(case.head, caps)  # first: no install or device makes it run the case
+        # First: what the backend declares it never computes (no install or device makes it
+        # run the case), every declared limit a skip with its reason, never the call's error.
+        why = heads.refusal(case.head, caps, temperature=case.temperature)
         if why is not None:
             return f"backend {name!r} {why}"
         if device.type not in caps.devices:
@@ -371,8 +373,10 @@ def _peer_installed(name: str) -> bool:
 # --- resolution ---------------------------------------------------------------------------------
 
 
-def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``NAME`` or ``NAME:{json options}`` into the name and the options."""
+def parse_spec(spec: str, given: str | None = None) -> tuple[str, dict[str, Any]]:
+    """``NAME`` or ``NAME:{json options}`` into the name and the options; an error names
+    ``given``, the ``--impl`` value as written (default ``spec``, of which it may be a part)."""
+    given = spec if given is None else given
     name, sep, raw = spec.partition(":")
     name = name.strip()
     if not sep:
@@ -381,23 +385,26 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         options = load_json(raw)
     except ValueError as exc:  # malformed, or a key given twice
         raise ValueError(
-            f"--impl {spec!r}: options after ':' must be a JSON object ({exc})"
+            f"--impl {given!r}: options after ':' must be a JSON object ({exc})"
         ) from exc
     if not isinstance(options, dict):
         raise ValueError(
-            f"--impl {spec!r}: options after ':' must be a JSON object, got a JSON {json_type(options)}"
+            f"--impl {given!r}: options after ':' must be a JSON object, got a JSON "
+            f"{json_type(options)}"
         )
     return name, options
 
 
-def resolve(spec: str) -> Impl:
-    """The implementation named by ``spec``; an unknown name is a ValueError listing what exists."""
+def resolve(spec: str, given: str | None = None) -> Impl:
+    """The implementation named by ``spec``; an unknown name is a ValueError listing what exists.
+    Errors name ``given``, the ``--impl`` value as written (default ``spec``)."""
+    given = spec if given is None else given
     if spec.startswith(UNFUSED):
-        return _unfused(spec)
-    name, options = parse_spec(spec)
+        return _unfused(spec, given)
+    name, options = parse_spec(spec, given)
     if name in _PEER_FACTORIES:
         if options:
-            raise ValueError(f"--impl {spec!r}: peer {name!r} takes no options")
+            raise ValueError(f"--impl {given!r}: peer {name!r} takes no options")
         return _peer_cases(_PEER_FACTORIES[name]())
     installed = list(registry.candidates())
     if name not in installed:
@@ -438,15 +445,22 @@ def _peer_cases(impl: Impl) -> Impl:
 UNFUSED = "unfused:"
 
 
-def _unfused(spec: str) -> Impl:
-    """``unfused:NAME``: the backend's ``logprobs`` head, then ``policy.loss_from_stats``."""
-    name, options = parse_spec(spec[len(UNFUSED) :])
+def _unfused(spec: str, given: str) -> Impl:
+    """``unfused:NAME``: the backend's ``logprobs`` head, then ``policy.loss_from_stats``; an
+    error names ``given``, the ``--impl`` value as written."""
+    rest = spec[len(UNFUSED) :]
+    if rest.partition(":")[0].strip() == UNFUSED.rstrip(":"):
+        raise ValueError(
+            f"--impl {given!r}: {UNFUSED} is given twice; it takes an installed fusedhead "
+            f"backend's name (e.g. {UNFUSED}triton), not another {UNFUSED}NAME"
+        )
+    name, _ = parse_spec(rest, given)
     if not name or name in _PEER_FACTORIES:
         raise ValueError(
-            f"--impl {spec!r}: unfused: takes an installed fusedhead backend's name "
+            f"--impl {given!r}: unfused: takes an installed fusedhead backend's name "
             f"(e.g. unfused:triton), got {name!r}"
         )
-    inner = resolve(spec[len(UNFUSED) :])
+    inner = resolve(rest, given)
 
     def availability(case: Case) -> str | None:
         if case.head != policy.NAME:
@@ -466,7 +480,7 @@ def _unfused(spec: str) -> Impl:
         build,
         inner.distributions,
         note="the backend's log-probs and entropy, then the policy loss in torch (four GEMMs)",
-        options=options,
+        options=inner.options,
     )
 
 

@@ -16,7 +16,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -326,15 +326,113 @@ def _distinct(values: Iterable[Any]) -> list[Any]:
     return out
 
 
+def _device_label(record: dict[str, Any]) -> str:
+    """The machine a result was measured on, as the report names it (a CPU with its cores)."""
+    d = record.get("device") or {}
+    cores = d.get("cores") if d.get("type") == "cpu" else None
+    return f"{d.get('name', '-')}" + ("" if cores is None else f" ({cores} cores)")
+
+
+def _canonical(value: Any) -> str:
+    """``value`` (a result's versions or environment) as one comparable, hashable string."""
+    return json.dumps(value or {}, sort_keys=True, default=str)
+
+
+def _setting_key(record: dict[str, Any]) -> tuple[Any, ...]:
+    """What a result was measured at besides its shape and N: the device, the temperature and
+    seed of its inputs, the implementation and its case, the versions and the environment.
+    Results that share it and the shape are points of one line of the plot."""
+    c = record["case"]
+    return (
+        _device_label(record),
+        c.get("temperature"),
+        c.get("seed"),
+        _with_head(record["impl"], c),
+        _canonical(record.get("versions")),
+        _canonical(record.get("environment")),
+    )
+
+
+def _measurement_key(record: dict[str, Any]) -> tuple[Any, ...]:
+    """Results that share this measured the same thing (``--append`` measuring a case again)."""
+    c = record["case"]
+    shape = (c["n"], c["hidden"], c["vocab"], c["dtype"], c.get("scale", 1.0))
+    return (*shape, *_setting_key(record))
+
+
+def latest(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The measured (``ok``) results, each case measured again (``--append``: the same shape and
+    N, implementation, device, temperature, seed, versions and environment) by its latest result
+    only: the latest ``date``, the later in the list on a tie. In the order of ``records``."""
+    ok = [r for r in records if r["status"] == "ok"]
+    chosen: dict[tuple[Any, ...], tuple[str, int]] = {}
+    for i, r in enumerate(ok):
+        key, date = _measurement_key(r), str(r.get("date") or "")
+        if key not in chosen or date >= chosen[key][0]:
+            chosen[key] = (date, i)
+    keep = {i for _, i in chosen.values()}
+    return [r for i, r in enumerate(ok) if i in keep]
+
+
+def _differing(dicts: list[dict[str, Any]]) -> list[str]:
+    """The keys whose values are not the same in all ``dicts`` (first-seen order)."""
+    keys = _distinct(k for d in dicts for k in d)
+    return [k for k in keys if len({_canonical(d.get(k)) for d in dicts}) > 1]
+
+
+Panel = tuple[str, int, int, str, float, "float | None", "int | None"]
+
+
+def plot_series(records: Iterable[dict[str, Any]]) -> dict[Panel, dict[str, list[dict[str, Any]]]]:
+    """What ``plot`` draws: panels keyed by (device, H, V, dtype, weight scale, temperature,
+    seed), each holding its lines, a label to its results in order of N (``latest`` of each).
+
+    A line is one implementation and case at one setting: results of other devices,
+    temperatures or seeds are in other panels, and results of other versions or environments
+    are other lines, labelled by what differs, never points of the same line. Appended runs
+    of the same setting extend its line; a case measured again is its latest result."""
+    panels: dict[Panel, dict[tuple[str, str, str], list[dict[str, Any]]]] = {}
+    for r in latest(records):
+        c = r["case"]
+        panel: Panel = (
+            _device_label(r),
+            c["hidden"],
+            c["vocab"],
+            c["dtype"],
+            c.get("scale", 1.0),
+            c.get("temperature"),
+            c.get("seed"),
+        )
+        line = _setting_key(r)[3:]  # the implementation and case, the versions, the environment
+        panels.setdefault(panel, {}).setdefault(line, []).append(r)
+    out: dict[Panel, dict[str, list[dict[str, Any]]]] = {}
+    for panel, lines in panels.items():
+        out[panel] = {}
+        for (name, versions, environment), recs in lines.items():
+            same_name = [k for k in lines if k[0] == name]
+            label = name
+            if len(same_name) > 1:  # told apart by what differs: versions, then environment
+                parts = []
+                for field in (1, 2):
+                    dicts = [json.loads(k[field]) for k in same_name]
+                    mine = json.loads((name, versions, environment)[field])
+                    parts += [f"{k} {mine.get(k, '-')}" for k in _differing(dicts)]
+                label = f"{name} [{', '.join(parts)}]"
+            out[panel][label] = sorted(recs, key=lambda r: int(r["case"]["n"]))
+    return out
+
+
+def _panel_order(panel: Panel) -> tuple[Any, ...]:
+    """A sort key of panels whose temperature or seed may be missing (older results)."""
+    return tuple((v is None, 0 if v is None else v) for v in panel)
+
+
 def _provenance(records: list[dict[str, Any]]) -> str:
     """When, on what and with which versions and settings the records were measured: every value
     that occurs, so that appended runs of other trees or settings are not hidden behind the first."""
     dates = sorted(str(r["date"]) for r in records if r.get("date"))
     when = "-" if not dates else dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
-    devices = _distinct(
-        f"{d.get('name', '-')}" + (f" ({d.get('cores')} cores)" if d.get("type") == "cpu" else "")
-        for d in (r.get("device") or {} for r in records)
-    )
+    devices = _distinct(_device_label(r) for r in records)
     keys = _distinct(k for r in records for k in (r.get("versions") or {}))
     shown = []
     for k in keys:
@@ -355,48 +453,126 @@ def _provenance(records: list[dict[str, Any]]) -> str:
 UNSTEADY_SPREAD = 1.5
 
 
-def markdown(records: Iterable[dict[str, Any]]) -> str:
-    """A Markdown table of the measured cases, then the skipped ones with reasons."""
-    records = list(records)
-    if not records:
-        return "(no results)\n"
-    ref_dtype = next((r.get("reference_dtype") for r in records if r.get("reference_dtype")), None)
-    losses = any(_has_loss(r) for r in records)
-    lines = [
-        _provenance(records),
-        "Times in GEMM units (one `hidden @ weight.T` of the case's shape and dtype)"
-        + (
-            f"; errors are relative L2 against a {ref_dtype} reference on the same input values."
-            if ref_dtype
-            else "; no reference was computed, so no errors are shown."
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+
+def _temperature(record: dict[str, Any]) -> str:
+    t = record["case"].get("temperature")
+    return "-" if t is None else format(t, "g")
+
+
+def _seed(record: dict[str, Any]) -> str:
+    seed = record["case"].get("seed")
+    return "-" if seed is None else str(seed)
+
+
+def _reference(record: dict[str, Any]) -> str:
+    return str(record.get("reference_dtype") or "-")
+
+
+def _settings(records: list[dict[str, Any]], *, reference: bool = True) -> list[Column]:
+    """The columns that tell results apart beyond their case, each only where ``records`` differ
+    in it (``--append`` adds results of other runs): the device, the temperature, the seed, the
+    reference (two or more named), the versions and the environment that differ, and the date
+    where a case was measured more than once at one setting."""
+    versions = _differing([r.get("versions") or {} for r in records])
+    columns: list[Column] = [
+        ("device", _device_label),
+        ("T", _temperature),
+        ("seed", _seed),
+        (
+            "versions",
+            lambda r: ", ".join(f"{k} {(r.get('versions') or {}).get(k, '-')}" for k in versions),
         ),
-        "",
-        "| N | H | V | dtype | implementation | GEMM unit (ms) | fwd (units) | fwd+bwd (units) | fwd+bwd (ms) "
-        "| peak extra (GiB) | log-prob err | entropy err | grad h err | grad W err |"
-        + (" loss err |" if losses else ""),
-        "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-        + (" ---: |" if losses else ""),
+        (
+            "environment",
+            lambda r: (
+                ", ".join(f"{k}={v}" for k, v in sorted((r.get("environment") or {}).items()))
+                or "-"
+            ),
+        ),
     ]
-    skipped = []
-    for r in sorted(records, key=_case_key):
+    shown = [(name, get) for name, get in columns if len({get(r) for r in records}) > 1]
+    if reference and len({r.get("reference_dtype") for r in records} - {None}) > 1:
+        shown.insert(3, ("reference", _reference))
+    if len({_measurement_key(r) for r in records}) < len(records):
+        shown.append(("measured", lambda r: str(r.get("date") or "-")))
+    return shown
+
+
+def _where(record: dict[str, Any], columns: list[Column]) -> str:
+    """``record``'s values of ``columns``, for a line of a list under the table (or "")."""
+    if not columns:
+        return ""
+    return " (" + ", ".join(f"{name} {get(record)}" for name, get in columns) + ")"
+
+
+def _row_order(record: dict[str, Any]) -> tuple[Any, ...]:
+    """Rows by device, then case (``_case_key``), then temperature, seed and date."""
+    c = record["case"]
+    temperature, seed = c.get("temperature"), c.get("seed")
+    return (
+        _device_label(record),
+        *_case_key(record),
+        (temperature is None, temperature or 0.0),
+        (seed is None, seed or 0),
+        str(record.get("date") or ""),
+    )
+
+
+def markdown(records: Iterable[dict[str, Any]]) -> str:
+    """A Markdown table of the measured cases, then the skipped ones with reasons.
+
+    Every result is a row, those that ``--append`` added included: where the rows differ in
+    their device, temperature, seed, reference, versions or environment, a column names each
+    row's (``_settings``), and a case measured again at one setting has a row per measurement,
+    dated."""
+    given = list(records)
+    if not given:
+        return "(no results)\n"
+    records = sorted(given, key=_row_order)
+    ok = [r for r in records if r["status"] == "ok"]
+    references = _distinct(r.get("reference_dtype") for r in ok)
+    losses = any(_has_loss(r) for r in records)
+    columns = _settings(ok)
+    if len(references) > 1:
+        against = (
+            "; errors are relative L2 against the reference named in each row "
+            f"({' / '.join(map(str, references))}) on the same input values."
+        )
+    elif references:
+        against = (
+            f"; errors are relative L2 against a {references[0]} reference on the same input "
+            "values."
+        )
+    else:
+        against = "; no reference was computed, so no errors are shown."
+    heads = ["N", "H", "V", "dtype", *(name for name, _ in columns), "implementation"]
+    heads += ["GEMM unit (ms)", "fwd (units)", "fwd+bwd (units)", "fwd+bwd (ms)"]
+    heads += ["peak extra (GiB)", "log-prob err", "entropy err", "grad h err", "grad W err"]
+    heads += ["loss err"] if losses else []
+    left = {"dtype", "implementation", *(name for name, _ in columns)}
+    lines = [
+        _provenance(given),  # in the order of the file: the first run's versions first
+        "Times in GEMM units (one `hidden @ weight.T` of the case's shape and dtype)" + against,
+        "",
+        "| " + " | ".join(heads) + " |",
+        "| " + " | ".join("---" if h in left else "---:" for h in heads) + " |",
+    ]
+    for r in ok:
         c = r["case"]
-        if r["status"] != "ok":
-            skipped.append(r)
-            continue
         mem = r.get("peak_extra_bytes")
         name = _with_head(r["impl"], c) + ("" if r.get("entropy", True) else " (no entropy)")
-        lines.append(
-            f"| {c['n']} | {c['hidden']} | {c['vocab']} | {_dtype_scale(c)} | {name} | {_f(r.get('unit_ms', r.get('gemm_ms')), '.2f')} "
-            f"| {_f(r.get('fwd_units'))} | {_f(r.get('fwd_bwd_units'))} | {_f(r.get('fwd_bwd_ms'), '.1f')} "
-            f"| {'-' if mem is None else format(mem / GiB, '.3g')} | {_err(r, 'log_probs')} "
-            f"| {_err(r, 'entropy')} | {_err(r, 'grad_hidden')} | {_err(r, 'grad_weight')} |"
-            + (f" {_err(r, 'loss')} |" if losses else "")
-        )
+        cells = [str(c["n"]), str(c["hidden"]), str(c["vocab"]), _dtype_scale(c)]
+        cells += [get(r) for _, get in columns]
+        cells += [name, _f(r.get("unit_ms", r.get("gemm_ms")), ".2f"), _f(r.get("fwd_units"))]
+        cells += [_f(r.get("fwd_bwd_units")), _f(r.get("fwd_bwd_ms"), ".1f")]
+        cells += ["-" if mem is None else format(mem / GiB, ".3g")]
+        cells += [_err(r, k) for k in ("log_probs", "entropy", "grad_hidden", "grad_weight")]
+        cells += [_err(r, "loss")] if losses else []
+        lines.append("| " + " | ".join(cells) + " |")
     unsteady = [
-        r
-        for r in sorted(records, key=_case_key)
-        if r["status"] == "ok"
-        and ((r.get("unit_spread") or 1.0) > UNSTEADY_SPREAD or r.get("unit_runs") == 1)
+        r for r in ok if (r.get("unit_spread") or 1.0) > UNSTEADY_SPREAD or r.get("unit_runs") == 1
     ]
     if unsteady:
         lines += [
@@ -411,17 +587,19 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
             spread = r.get("unit_spread")
             lines.append(
                 f"- N={c['n']} H={c['hidden']} V={c['vocab']} {c['dtype']} "
-                f"{_with_head(r['impl'], c)}: "
+                f"{_with_head(r['impl'], c)}{_where(r, columns)}: "
                 + ("one run (raise --reps)" if spread is None else f"{spread:.1f}x")
             )
+    skipped = [r for r in records if r["status"] != "ok"]
     if skipped:
+        where = _settings(records, reference=False)
         lines += ["", "Not measured:", ""]
         for r in skipped:
             c = r["case"]
             why = r.get("reason") or r.get("error") or ""
             lines.append(
-                f"- N={c['n']} H={c['hidden']} V={c['vocab']} {c['dtype']} {_with_head(r['impl'], c)}: "
-                f"{r['status']}: {why}"
+                f"- N={c['n']} H={c['hidden']} V={c['vocab']} {c['dtype']} "
+                f"{_with_head(r['impl'], c)}{_where(r, where)}: {r['status']}: {why}"
             )
     return "\n".join(lines) + "\n"
 
@@ -435,9 +613,12 @@ def plot(
 ) -> bool:
     """PNG of fwd+bwd (solid) and fwd (dashed) GEMM units and peak extra memory against N.
 
-    One row of two panels per (H, V, dtype, weight scale), one line per implementation. Returns False (with a
-    message) when matplotlib is missing. ``fmt`` is the file's format (default: ``path``'s
-    extension), written to ``path`` itself; a failed write is an OSError naming ``flag``.
+    One row of two panels per device, H, V, dtype, weight scale, temperature and seed, one line
+    per implementation and case at one setting (``plot_series``: results that ``--append`` added
+    at the same setting extend a line, a case measured again is drawn from its latest result,
+    other versions or environments are lines of their own). Returns False (with a message) when
+    matplotlib is missing. ``fmt`` is the file's format (default: ``path``'s extension), written
+    to ``path`` itself; a failed write is an OSError naming ``flag``.
     """
     try:
         import matplotlib
@@ -452,38 +633,43 @@ def plot(
             file=sys.stderr,
         )
         return False
-    ok = [r for r in records if r["status"] == "ok"]
-    groups: dict[tuple[int, int, str, float], list[dict[str, Any]]] = {}
-    for r in ok:
-        c = r["case"]
-        key = (c["hidden"], c["vocab"], c["dtype"], c.get("scale", 1.0))
-        groups.setdefault(key, []).append(r)
-    # Single-N groups (accuracy-only extras such as a peaked case) only clutter a plot against N.
-    multi = {k: v for k, v in groups.items() if len({r["case"]["n"] for r in v}) > 1}
+    records = list(records)
+    groups = plot_series(records)
+    # Single-N panels (accuracy-only extras such as a peaked case) only clutter a plot against N.
+    multi = {
+        k: v
+        for k, v in groups.items()
+        if len({r["case"]["n"] for recs in v.values() for r in recs}) > 1
+    }
     groups = multi or groups
+    panels = sorted(groups, key=_panel_order)
+    several = [len({p[i] for p in panels}) > 1 for i in range(len(panels[0]))] if panels else []
     rows = max(1, len(groups))
     fig, axes = plt.subplots(rows, 2, figsize=(12, 4.2 * rows), squeeze=False)
     colors: dict[str, Any] = {}
     palette = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
-    for row, ((hid, voc, dtype, scale), recs) in enumerate(sorted(groups.items())):
+    for row, panel in enumerate(panels):
+        device, hid, voc, dtype, scale, temperature, seed = panel
+        several_devices, several_seeds = several[0], several[6]  # named where they differ
+        lines = groups[panel]
         ax_t, ax_m = axes[row]
-        for name in dict.fromkeys(_with_head(r["impl"], r["case"]) for r in recs):
+        for name, pts in lines.items():
             color = colors.setdefault(name, palette[len(colors) % len(palette)])
-            pts = sorted(
-                (r["case"]["n"], r) for r in recs if _with_head(r["impl"], r["case"]) == name
-            )
-            ns = [n for n, _ in pts]
-            fb = [r.get("fwd_bwd_units") for _, r in pts]
-            fw = [r.get("fwd_units") for _, r in pts]
+            ns = [r["case"]["n"] for r in pts]
+            fb = [r.get("fwd_bwd_units") for r in pts]
+            fw = [r.get("fwd_units") for r in pts]
             mem = [
                 None if r.get("peak_extra_bytes") is None else r["peak_extra_bytes"] / GiB
-                for _, r in pts
+                for r in pts
             ]
             ax_t.plot(ns, fb, marker="o", color=color, label=f"{name} fwd+bwd")
             ax_t.plot(ns, fw, marker="x", linestyle="--", color=color, label=f"{name} fwd")
             if any(m is not None for m in mem):
                 ax_m.plot(ns, mem, marker="o", color=color, label=name)
         title = f"H={hid}, V={voc}, {_dtype_scale({'dtype': dtype, 'scale': scale})}"
+        title += "" if temperature is None else f", T={temperature:g}"
+        title += f", seed {seed}" if several_seeds else ""
+        title += f", {device}" if several_devices else ""
         ax_t.set(
             xscale="log", xlabel="N (tokens)", ylabel="time (GEMM units)", title=f"time, {title}"
         )
@@ -493,7 +679,7 @@ def plot(
             ylabel="peak extra memory (GiB)",
             title=f"memory, {title}",
         )
-        ticks = sorted({r["case"]["n"] for r in recs})
+        ticks = sorted({r["case"]["n"] for recs in lines.values() for r in recs})
         for ax in (ax_t, ax_m):
             ax.grid(True, which="both", alpha=0.3)
             ax.set_ylim(bottom=0)
@@ -506,10 +692,12 @@ def plot(
             ax_m.legend(fontsize=7)
     if not groups:
         axes[0][0].text(0.5, 0.5, "no measured cases", ha="center")
-    first = ok[0] if ok else None
-    if first is not None:
-        dev = first.get("device", {}).get("name", "")
-        fig.suptitle(f"fusedhead bench on {dev}, {first.get('date', '')[:10]}", fontsize=10)
+    ok = [r for r in records if r["status"] == "ok"]
+    if ok:
+        devices = " / ".join(_distinct(str((r.get("device") or {}).get("name", "")) for r in ok))
+        days = sorted({str(r.get("date") or "")[:10] for r in ok} - {""})
+        when = "" if not days else days[0] if days[0] == days[-1] else f"{days[0]} to {days[-1]}"
+        fig.suptitle(f"fusedhead bench on {devices}, {when}", fontsize=10)
     fig.tight_layout()
     image = io.BytesIO()
     try:
