@@ -114,7 +114,7 @@ def test_bench_writes_one_json_object_per_measurement(torch_backend: None, tmp_p
 
 
 def test_bench_json_is_valid_after_every_case(tmp_path: Path) -> None:
-    from fusedhead.bench.report import JsonWriter
+    from fusedhead.bench.results_file import JsonWriter
 
     path = tmp_path / "r.json"
     writer = JsonWriter(path)
@@ -357,12 +357,12 @@ def test_a_terminated_bench_still_writes_its_table(tmp_path: Path) -> None:
 
 def test_git_commit_is_the_stamped_one_where_given(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU machine gets the files but an older .git: the stamp made here names the tree."""
-    from fusedhead.bench import report
+    from fusedhead.bench import provenance
 
-    monkeypatch.setenv(report.GIT_COMMIT_ENV, "abc1234+dirty")
-    assert report.versions()["git_commit"] == "abc1234+dirty"
-    monkeypatch.setenv(report.GIT_COMMIT_ENV, "")
-    assert report.versions()["git_commit"] != "abc1234+dirty"
+    monkeypatch.setenv(provenance.GIT_COMMIT_ENV, "abc1234+dirty")
+    assert provenance.versions()["git_commit"] == "abc1234+dirty"
+    monkeypatch.setenv(provenance.GIT_COMMIT_ENV, "")
+    assert provenance.versions()["git_commit"] != "abc1234+dirty"
 
 
 def test_a_case_whose_inputs_cannot_be_made_is_recorded_and_the_run_goes_on(
@@ -394,9 +394,9 @@ def test_the_commit_is_fusedheads_not_the_current_directorys(
 ) -> None:
     import subprocess
 
-    from fusedhead.bench import report
+    from fusedhead.bench import provenance
 
-    monkeypatch.delenv(report.GIT_COMMIT_ENV, raising=False)
+    monkeypatch.delenv(provenance.GIT_COMMIT_ENV, raising=False)
     other = tmp_path / "other-project"
     other.mkdir()
     git = ["git", "-c", "user.name=a", "-c", "user.email=a@b", "-C", str(other)]
@@ -404,9 +404,9 @@ def test_the_commit_is_fusedheads_not_the_current_directorys(
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], check=True)
     theirs = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     monkeypatch.chdir(other)
-    commit = report.versions()["git_commit"]
+    commit = provenance.versions()["git_commit"]
     assert commit is None or not commit.startswith(theirs.stdout.strip())
-    root = Path(report.__file__).resolve().parents[4]
+    root = Path(provenance.__file__).resolve().parents[4]
     if (root / ".git").exists():  # a checkout of fusedhead: its own commit
         ours = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True

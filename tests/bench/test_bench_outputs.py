@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fusedhead import cli
-from fusedhead.bench import peers, report
+from fusedhead.bench import peers, provenance, results_file
 
 TINY = ["--device", "cpu", "--n", "16", "--hidden", "8", "--vocab", "32", "--reps", "1"]
 TINY += ["--no-memory"]
@@ -68,7 +68,7 @@ def test_an_output_that_cannot_be_written_after_the_run_names_its_flag_and_path(
     def full_disk(f: Any, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(report, "_write_all", full_disk)
+    monkeypatch.setattr(results_file, "_write_all", full_disk)
     path = tmp_path / {"--json": "r.json", "--markdown": "t.md", "--plot": "p.png"}[flag]
     rc = cli.main(["bench", *TINY, "--impl", "torch", flag, str(path)])
     out, err = capsys.readouterr()
@@ -115,17 +115,17 @@ def test_a_stamped_commit_that_is_not_one_short_line_of_ascii_is_refused_before_
 ) -> None:
     """It failed the Markdown write after the run with a bare encode error, or pasted its
     second line into the table."""
-    monkeypatch.setenv(report.GIT_COMMIT_ENV, value)
+    monkeypatch.setenv(provenance.GIT_COMMIT_ENV, value)
     out_json, md = tmp_path / "r.json", tmp_path / "t.md"
     argv = ["bench", *TINY, "--impl", "torch", "--json", str(out_json), "--markdown", str(md)]
     rc = cli.main(argv)
     out, err = capsys.readouterr()
     line = _error_line(err)
-    assert rc == 2 and line.startswith(f"fusedhead: error: {report.GIT_COMMIT_ENV}="), line
+    assert rc == 2 and line.startswith(f"fusedhead: error: {provenance.GIT_COMMIT_ENV}="), line
     assert "expected one line of printable ASCII of at most 80 characters" in line
     assert why in line and out == "" and not out_json.exists() and not md.exists()
 
 
 def test_a_stamped_commit_of_printable_ascii_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(report.GIT_COMMIT_ENV, " 0123456789abcdef+dirty ")
-    assert report.versions()["git_commit"] == "0123456789abcdef+dirty"
+    monkeypatch.setenv(provenance.GIT_COMMIT_ENV, " 0123456789abcdef+dirty ")
+    assert provenance.versions()["git_commit"] == "0123456789abcdef+dirty"

@@ -179,7 +179,7 @@ def _run_problem(args: argparse.Namespace) -> int:
     import torch
 
     from fusedhead.api import FusedHead
-    from fusedhead.bench import accuracy, peers, report, timing
+    from fusedhead.bench import accuracy, peers, provenance, timing
     from fusedhead.bench.cases import (
         IGNORE_INDEX,
         Case,
@@ -224,7 +224,7 @@ def _run_problem(args: argparse.Namespace) -> int:
         )
     reference_impl = peers.resolve("reference")
 
-    dev = report.device_info(device)
+    dev = provenance.device_info(device)
     where = dev["name"] + (f", {dev['cores']} cores" if dev["type"] == "cpu" else "")
     print(
         f"fusedhead demo: backend {args.backend!r} ({head.distribution or 'in-process'} "

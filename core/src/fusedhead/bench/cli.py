@@ -276,7 +276,7 @@ def check_outputs(args: argparse.Namespace) -> None:
     that cannot be created or written, a plot path whose extension names no format matplotlib
     writes, ``--append`` without ``--json``: each is a ValueError naming the flag (a run of hours
     must not end in an error writing its table). A symlink is followed: its target is checked,
-    and written later (``report.write_file``).
+    and written later (``results_file.write_file``).
     """
 
     if args.append and not args.json:
@@ -344,7 +344,7 @@ def _refuse_special(flag: str, value: str, path: Path) -> None:
     """A ValueError where ``value`` (whose target is ``path``) exists and is no regular file:
     each write makes a new file renamed over it, which would replace a device such as /dev/null,
     and a read of a pipe would wait for ever."""
-    from fusedhead.bench.report import file_kind
+    from fusedhead.bench.results_file import file_kind
 
     if not path.exists() or path.is_file():
         return
@@ -388,7 +388,7 @@ def read_results(path: str, flag: str) -> list[dict[str, Any]]:
     """The JSON list of results that an earlier ``--json PATH`` wrote, or a ValueError naming it:
     each item an object whose fields the table and the plot read have the types the bench
     writes (``RESULT_FIELDS``), checked here, before any measuring."""
-    from fusedhead.bench.report import file_kind
+    from fusedhead.bench.results_file import file_kind
     from fusedhead.cli import json_type
 
     target = _target(flag, path)
@@ -540,7 +540,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _terminated)
 
-    from fusedhead.bench import accuracy, peers, policy, report, timing
+    from fusedhead.bench import accuracy, peers, policy, provenance, report, results_file, timing
     from fusedhead.bench.cases import grid, make_inputs, refuse_unfit
     from fusedhead.bench.measure import measure
     from fusedhead.cli import runnable_device
@@ -579,12 +579,12 @@ def run(args: argparse.Namespace) -> int:
         "device": str(device),
     }
     common = {
-        "device": report.device_info(device),
-        "versions": report.versions(),
+        "device": provenance.device_info(device),
+        "versions": provenance.versions(),
         "environment": peers.environment_note(),
         "run": _run_settings(args, resolved),
     }
-    writer = report.JsonWriter(args.json, append=args.append, flag="--json")
+    writer = results_file.JsonWriter(args.json, append=args.append, flag="--json")
     progress = report.Progress(len(cases) * len(impls))
     deadline = progress.start + 60.0 * args.max_minutes
     failures = 0
@@ -779,7 +779,7 @@ def _blocked(impl: Any, case: Any) -> tuple[str, str] | None:
 def _record(
     case: Any, impl: Any, common: dict[str, Any], *, status: str, **fields: Any
 ) -> dict[str, Any]:
-    from fusedhead.bench import report
+    from fusedhead.bench import provenance
 
     return {
         "case": case.to_dict(),
@@ -790,7 +790,7 @@ def _record(
         "note": impl.note,
         "impl_versions": impl.versions(),
         "status": status,
-        "date": report.now_iso(),
+        "date": provenance.now_iso(),
         **common,
         **fields,
     }
@@ -823,6 +823,8 @@ def _finish(args: argparse.Namespace, records: list[dict[str, Any]], report: Any
     is an OSError naming its flag and path (the other output still written). Any other failure
     to make the table or the plot is an ``InternalError``: the records are the bench's own or
     were checked when read, so it is no fault of the input."""
+    from fusedhead.bench import results_file
+
     try:
         table = report.markdown(records)
     except Exception as exc:
@@ -831,7 +833,7 @@ def _finish(args: argparse.Namespace, records: list[dict[str, Any]], report: Any
     failed: list[str] = []
     if args.markdown:
         try:
-            report.write_file(Path(args.markdown), table, "--markdown")
+            results_file.write_file(Path(args.markdown), table, "--markdown")
         except OSError as exc:
             failed.append(str(exc))
     if args.plot and records:
