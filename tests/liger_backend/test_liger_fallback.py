@@ -288,3 +288,30 @@ def test_core_check_labels_false_out_of_range_is_nan(fused_head) -> None:
                      check_labels=False)  # fmt: skip
     assert torch.isnan(out.log_probs[0])
     assert torch.isfinite(out.log_probs[1:]).all()
+
+
+def test_ignored_rows_are_positive_zero_bitwise() -> None:
+    """``-nll`` made an ignored row's log-prob -0.0; the torch backend and the contract give +0.0."""
+    hidden, weight, labels, *_ = inputs()
+    lp, ent = call(fallback(), hidden, weight, labels)
+    ignored = labels == IGNORE
+    assert ignored.any()
+    for t in (lp, ent):
+        assert (t[ignored] == 0).all() and not torch.signbit(t[ignored]).any()
+
+
+def test_docs_claim_only_the_declared_devices_and_dtypes() -> None:
+    """The fallback was described as running on "any device and dtype"; check() refuses all but
+    the CPU and CUDA, and the capabilities declare fp32, fp16 and bf16."""
+    import fusedhead_liger.backend as backend_module
+    from fusedhead_liger import _liger
+
+    caps = fallback().capabilities(torch.device("cpu"))
+    assert caps.devices == ("cpu", "cuda") and caps.dtypes == ("fp32", "fp16", "bf16")
+    described = LigerOptions.model_fields["implementation"].description
+    texts = (described, backend_module.__doc__, _liger.fallback_function.__doc__)
+    for text in texts:
+        assert text is not None and "any device" not in text
+    assert "CPU or CUDA, fp32/fp16/bf16" in described
+    with pytest.raises(BackendUnavailableError, match="runs on \\['cpu', 'cuda'\\], not 'meta'"):
+        fallback().check(torch.device("meta"), torch.float32)

@@ -3,22 +3,30 @@
 Liger returns per-token NLL (fp32) and, when asked, entropy in the input dtype (bf16 from the
 native kernel); ignored rows are 0 in both. Out-of-range labels are turned into ``ignore_index``
 before Liger sees them (Liger's kernels would silently find no target logit, or stop with a
-host-side check) and their rows are set to NaN afterwards, as the contract asks.
+host-side check) and their rows are set to NaN afterwards, as the contract asks. What Liger
+returns is checked for the structure the adapter reads (``split_outputs``): a changed Liger API
+raises instead of broadcasting a scalar over every row.
 
 Liger computes the gradients in its forward and scales them in its backward, so a gradient of that
 gradient would silently lack the second-order term: ``liger_inputs`` refuses it by name. Rows that
 Liger ignores read as zeros (selected, not multiplied), so a NaN or inf hidden row whose label is
 ignored cannot reach the weight gradient through ``0 * NaN`` in Liger's GEMMs.
+
+fp16 has a range of 65504, and Liger's chunked path keeps two things in the input dtype that can
+leave it: the scaled logits ``(hidden @ weight.T) / T`` (single process), and ``dz``, the logits'
+gradient, before its GEMMs. ``widen_fp16`` and ``_Adapted.backward`` keep both in range.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any
 
 import torch
 
+from fusedhead.errors import BackendContractError
 from fusedhead.second_order import first_order
 from fusedhead_liger import _liger
 
@@ -32,6 +40,15 @@ DOUBLE_BACKWARD = (
 #: Liger keeps this argument of the SM90 function for API compatibility; every value runs the
 #: same kernel. 1 is the value Liger's own dispatcher passes by default.
 M_TILES_PER_CLUSTER = 1
+#: fp16 inputs below this temperature run the single-process path on fp32 copies: Liger divides
+#: the fp16 GEMM output by T in fp16, which stays within fp16's range for every finite logit only
+#: where T >= 1 (below it, ``|z| > 65504 * T`` overflows to inf and the row's outputs are NaN).
+FP16_WIDEN_BELOW = 1.0
+#: fp16's largest finite value.
+FP16_MAX = 65504.0
+#: Where ``dz``'s bound is put when the upstream gradient would push it past fp16's range: a power
+#: of two well under 65504, room for the GEMMs' sums (as ``fusedhead.fp16_range.TOP``).
+DZ_TOP = 2.0**14
 
 
 def guard_labels(
@@ -69,18 +86,173 @@ def liger_inputs(
     return hidden, weight
 
 
+def widen_fp16(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 copies of fp16 (hidden, weight) where ``temperature < FP16_WIDEN_BELOW``, else as is.
+
+    Liger's single-process path computes ``(hidden @ weight.T) / T`` in the input dtype; in fp16
+    that is inf wherever ``|z| > 65504 * T`` (logits of 38 at T = 5e-4), and the row's log-prob,
+    entropy and gradients NaN. On fp32 copies the same Liger code holds ``z / T`` in fp32 for
+    every temperature the core takes; autograd rounds the gradients back to fp16.
+    """
+    if hidden.dtype == torch.float16 and temperature < FP16_WIDEN_BELOW:
+        return hidden.float(), weight.float()
+    return hidden, weight
+
+
+def _describe(out: Any) -> str:
+    """What Liger returned, for an error: types, shapes and dtypes."""
+    if isinstance(out, torch.Tensor):
+        return f"a tensor of shape {list(out.shape)} ({str(out.dtype).removeprefix('torch.')})"
+    if isinstance(out, (tuple, list)):
+        return f"a {type(out).__name__} of {len(out)} ({', '.join(_describe(o) for o in out)})"
+    return f"a {type(out).__name__}"
+
+
+def split_outputs(
+    out: Any, return_entropy: bool, rows: int, source: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Liger's output as ``(nll, entropy or None)``, checked for the structure this adapter reads:
+    ``(nll, entropy)`` with ``return_entropy``, else ``nll`` alone; each a floating ``[rows]``
+    tensor, nll in fp32. Anything else (a changed Liger API: a tuple of other arity, a scalar that
+    would broadcast over every row) raises ``BackendContractError`` naming liger-kernel."""
+    parts = out if return_entropy and isinstance(out, tuple) else (out,)
+    ok = len(parts) == (2 if return_entropy else 1) and all(
+        isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) == (rows,)
+        for t in parts
+    )
+    if not ok or parts[0].dtype != torch.float32:
+        expected = (
+            f"(nll, entropy), each a tensor of shape [{rows}], nll in float32"
+            if return_entropy
+            else f"nll, a float32 tensor of shape [{rows}]"
+        )
+        found = _liger.distribution_version("liger-kernel")
+        raise BackendContractError(
+            f"liger-kernel {found}'s {source} returned {_describe(out)} for {rows} rows with "
+            f"return_entropy={return_entropy}, expected {expected}; fusedhead-liger reads the "
+            f"outputs of liger-kernel=={_liger.TESTED_LIGER}",
+            hint=f"pip install liger-kernel=={_liger.TESTED_LIGER}",
+        )
+    return (parts[0], parts[1]) if return_entropy else (parts[0], None)
+
+
 def to_contract(
     nll: torch.Tensor, entropy: torch.Tensor | None, bad: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Liger's (nll, entropy) as fp32 (log_probs, entropy), NaN on out-of-range-label rows."""
-    log_probs = torch.where(bad, _NAN, nll.neg())
+    """Liger's (nll, entropy) as fp32 (log_probs, entropy), NaN on out-of-range-label rows.
+
+    ``0 - nll``, not ``-nll``: an ignored row's 0 becomes +0.0, as every other backend gives it."""
+    log_probs = torch.where(bad, _NAN, 0.0 - nll)
     if entropy is None:
         return log_probs, None
     return log_probs, torch.where(bad, _NAN, entropy.float())
 
 
-def _split(out: Any, return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return (out[0], out[1]) if return_entropy else (out, None)
+def _upstream_scale(
+    grad_nll: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    log_vocab: float,
+    inv_temperature: float,
+    group: Any,
+    device: torch.device,
+) -> float:
+    """The power of two (>= 1) to divide fp16 upstream gradients by before Liger's backward.
+
+    Liger rounds ``dz`` to fp16 before its GEMMs; per element ``|dz| <= k (|g_lp| + |g_H|
+    (1/e + H))`` with ``H <= log V`` (``k``: 1/T where Liger scales before rounding, the TP path,
+    else 1). A GradScaler-sized upstream (65536 on an entropy bonus) overflows that rounding while
+    the gradients themselves fit fp16. Dividing by ``s`` puts the bound under ``DZ_TOP``; the
+    gradients are multiplied back by ``s``, exactly (a power of two). One host read; with
+    ``group``, the largest scale of its ranks (every rank reaches this all-reduce), as Liger sums
+    the hidden gradient over them.
+    """
+    top = torch.zeros((), dtype=torch.float32, device=device)
+    if grad_nll is not None:
+        top = top + grad_nll.detach().float().abs().amax()
+    if grad_entropy is not None:
+        top = top + grad_entropy.detach().float().abs().amax() * (0.5 + log_vocab)
+    top = (top * inv_temperature).reshape(1)
+    if group is not None:
+        import torch.distributed as dist
+
+        top = torch.nan_to_num(top, nan=math.inf)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    value = float(top)
+    if not math.isfinite(value) or value <= DZ_TOP:
+        return 1.0  # in range, or an upstream inf/NaN that no scale makes finite
+    return math.ldexp(1.0, min(126, math.frexp(value / DZ_TOP)[1]))
+
+
+@functools.cache
+def adapted(base: Any, tp: bool, reduce_hidden_grad: bool = True) -> Any:
+    """Liger's chunked function ``base`` as the adapter runs it: a subclass whose forward is
+    Liger's, checked (``split_outputs``) and with the entropy returned in fp32, and whose backward
+    is Liger's, given the fp32 upstream gradients (an fp16 entropy output would have autograd
+    round its upstream gradient to fp16, where 65536 is inf) at a scale that keeps fp16 ``dz``
+    in range (``_upstream_scale``).
+
+    ``tp``: the vocabulary-parallel function, whose last argument is the process group. Liger's
+    backward there sums the hidden gradient over the group (``if ctx.world_size > 1:
+    all_reduce``); Megatron-style callers reduce it themselves, so ``reduce_hidden_grad=False``
+    records a world size of 1 on the context after Liger's forward, which makes Liger's own
+    backward skip that one all-reduce and nothing else.
+    """
+    name = _liger.TP_FALLBACK_FUNCTION if tp else _liger.FALLBACK_FUNCTION
+
+    class _Adapted(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def forward(ctx: Any, *args: Any) -> Any:
+            hidden, weight, _, temperature, _, return_entropy = args[:6]
+            out = base.forward(ctx, *args)
+            nll, entropy = split_outputs(out, return_entropy, hidden.shape[0], name)
+            group = args[6] if tp else None
+            world = 1
+            if group is not None:
+                import torch.distributed as dist
+
+                world = dist.get_world_size(group)
+                if not reduce_hidden_grad:
+                    if not hasattr(ctx, "world_size"):
+                        raise BackendContractError(
+                            f"{name} no longer records world_size; fusedhead-liger needs "
+                            f"liger-kernel=={_liger.TESTED_LIGER} for reduce_hidden_grad=False",
+                            hint=f"pip install liger-kernel=={_liger.TESTED_LIGER}",
+                        )
+                    ctx.world_size = 1
+            ctx.fusedhead_fp16 = hidden.dtype == torch.float16
+            if ctx.fusedhead_fp16:
+                ctx.fusedhead_log_vocab = math.log(weight.shape[0] * world)
+                ctx.fusedhead_inv_t = 1.0 / temperature if tp else 1.0
+                ctx.fusedhead_group = group if world > 1 and reduce_hidden_grad else None
+                ctx.fusedhead_device = hidden.device
+            return (nll, entropy.float()) if entropy is not None else nll
+
+        @staticmethod
+        def backward(ctx: Any, grad_nll: Any, grad_entropy: Any = None) -> Any:
+            scale = 1.0
+            if ctx.fusedhead_fp16:
+                scale = _upstream_scale(
+                    grad_nll,
+                    grad_entropy,
+                    ctx.fusedhead_log_vocab,
+                    ctx.fusedhead_inv_t,
+                    ctx.fusedhead_group,
+                    ctx.fusedhead_device,
+                )
+            if scale != 1.0:
+                grad_nll = None if grad_nll is None else grad_nll / scale
+                grad_entropy = None if grad_entropy is None else grad_entropy / scale
+            grads = base.backward(ctx, grad_nll, grad_entropy)
+            if scale != 1.0:
+                for g in grads[:2]:
+                    if g is not None:
+                        g.mul_(scale)  # a power of two: exact, short of fp16's own overflow
+            return grads
+
+    _Adapted.__name__ = _Adapted.__qualname__ = f"Adapted{base.__name__}"
+    return _Adapted
 
 
 def run_native(
@@ -101,7 +273,7 @@ def run_native(
         out = fn.apply(
             hidden, weight, labels, temperature, ignore_index, M_TILES_PER_CLUSTER, return_entropy
         )
-    return _split(out, return_entropy)
+    return split_outputs(out, return_entropy, hidden.shape[0], _liger.NATIVE_FUNCTION)
 
 
 def run_fallback(
@@ -113,37 +285,10 @@ def run_fallback(
     return_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Liger's 512-row chunked function, called directly so no device dispatch can intervene."""
-    fn = _liger.fallback_function()
+    fn = adapted(_liger.fallback_function(), tp=False)
+    hidden, weight = widen_fp16(hidden, weight, temperature)
     out = fn.apply(hidden, weight, labels, temperature, ignore_index, return_entropy)
-    return _split(out, return_entropy)
-
-
-@functools.cache
-def _tp_function(reduce_hidden_grad: bool) -> Any:
-    """Liger's TP fallback, or a subclass whose backward keeps each rank's partial hidden gradient.
-
-    Liger's backward sums the hidden gradient over the group (``if ctx.world_size > 1:
-    all_reduce``). Megatron-style callers reduce it themselves, so for ``reduce_hidden_grad=False``
-    the subclass runs Liger's forward unchanged and then records a world size of 1 on the context,
-    which makes Liger's own backward skip that one all-reduce and nothing else.
-    """
-    base = _liger.tp_fallback_function()
-    if reduce_hidden_grad:
-        return base
-
-    class _PartialHiddenGrad(base):  # type: ignore[misc, valid-type]
-        @staticmethod
-        def forward(ctx: Any, *args: Any) -> Any:
-            out = base.forward(ctx, *args)
-            if not hasattr(ctx, "world_size"):
-                raise RuntimeError(
-                    f"{_liger.TP_FALLBACK_FUNCTION} no longer records world_size; fusedhead-liger "
-                    f"needs liger-kernel=={_liger.TESTED_LIGER} for reduce_hidden_grad=False"
-                )
-            ctx.world_size = 1
-            return out
-
-    return _PartialHiddenGrad
+    return (out[0], out[1]) if return_entropy else (out, None)
 
 
 def run_tp_fallback(
@@ -156,8 +301,9 @@ def run_tp_fallback(
     process_group: Any,
     reduce_hidden_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Liger's chunked vocabulary-parallel function (equal shards, global labels)."""
-    fn = _tp_function(reduce_hidden_grad)
+    """Liger's chunked vocabulary-parallel function (equal shards, global labels). It divides
+    the logits by T in fp32, so fp16 needs no ``widen_fp16`` here."""
+    fn = adapted(_liger.tp_fallback_function(), tp=True, reduce_hidden_grad=reduce_hidden_grad)
     out = fn.apply(
         hidden.contiguous(),
         weight.contiguous(),
@@ -167,4 +313,4 @@ def run_tp_fallback(
         return_entropy,
         process_group,
     )
-    return _split(out, return_entropy)
+    return (out[0], out[1]) if return_entropy else (out, None)

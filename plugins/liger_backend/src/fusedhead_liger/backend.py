@@ -1,8 +1,13 @@
 """The ``liger`` backend: liger-kernel's fused linear scaled cross-entropy, chosen explicitly.
 
 ``implementation="native"`` runs Liger's SM90 CuTe DSL kernel and nothing else; ``"fallback"``
-runs Liger's 512-row chunked (verl-derived) path on purpose, on any device and dtype, and is the
-one that supports vocab-parallel. Liger's own device dispatch is never used.
+runs Liger's 512-row chunked (verl-derived) path on purpose, on the CPU or a CUDA GPU in fp32, fp16
+or bf16, and is the one that supports vocab-parallel. Liger's own device dispatch is never used.
+Every check names a missing or unsupported liger-kernel first (``_liger.require_liger``).
+
+Under ``torch.compile`` the Liger call runs eagerly behind a graph break (``_untraced``): Liger's
+functions read the labels on the host, a data-dependent check Dynamo cannot put in a graph, so
+``fullgraph=True`` stops there with the reason.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fusedhead.errors import BackendUnavailableError
+from fusedhead.errors import BackendError, BackendUnavailableError
+from fusedhead.graph import tracing
 from fusedhead.protocol import Capabilities, HeadCall, HeadOutput
 from fusedhead.shards import (
     check_shards,
@@ -38,7 +44,8 @@ class LigerOptions(BaseModel):
         default="native",
         description=(
             "native: Liger's SM90 CuTe DSL kernel only (H100/H200, bf16), an error anywhere else; "
-            "fallback: Liger's chunked verl-style path, any device and dtype, vocab-parallel"
+            "fallback: Liger's chunked verl-style path, CPU or CUDA, fp32/fp16/bf16, "
+            "vocab-parallel"
         ),
     )
 
@@ -89,25 +96,35 @@ class LigerBackend:
                 "precision_by_dtype": {
                     d: {"logits": d, "entropy": d} for d in ("fp32", "fp16", "bf16")
                 },
+                # Liger divides fp16 logits by T in fp16 (inf past 65504): below T = 1 the
+                # single-process path runs on fp32 copies of hidden and weight (_run.widen_fp16).
+                "fp16_in_fp32_below_temperature": _run.FP16_WIDEN_BELOW,
+                "traces_fullgraph": False,
             }
         )
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Raise ``BackendUnavailableError`` with the reason and the fix when it cannot run here."""
+        """Raise ``BackendUnavailableError`` with the reason and the fix when it cannot run here;
+        first ``MissingDependencyError`` where liger-kernel is missing or of another version, on
+        either implementation. Liger's functions are resolved here, where a compiled call runs
+        the check eagerly, and the pair is recorded so ``forward`` does not check it again."""
         device = torch.device(device)
+        _liger.require_liger()
         if self.implementation == "native":
             reasons = availability.native_reasons(device, dtype)
             if reasons:
                 raise BackendUnavailableError(
                     availability.native_unavailable_message(device, dtype, reasons)
                 )
-            return
-        if device.type not in _FALLBACK_DEVICES:
-            raise BackendUnavailableError(
-                f"backend 'liger' with implementation='fallback' runs on {list(_FALLBACK_DEVICES)}, "
-                f"not {device.type!r}; use another backend"
-            )
-        _liger.fallback_function()  # liger-kernel present and of the tested shape
+        else:
+            if device.type not in _FALLBACK_DEVICES:
+                raise BackendUnavailableError(
+                    f"backend 'liger' with implementation='fallback' runs on "
+                    f"{list(_FALLBACK_DEVICES)}, not {device.type!r}; use another backend"
+                )
+            _liger.fallback_function()  # imports liger-kernel; the names the adapter calls exist
+            _liger.tp_fallback_function()
+        self._checked.add((device, dtype))
 
     def describe(self, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
         """Which implementation would run on ``device`` for ``dtype`` inputs, and why."""
@@ -118,7 +135,7 @@ class LigerBackend:
         }
         try:
             self.check(device, dtype)
-        except BackendUnavailableError as exc:
+        except BackendError as exc:  # liger-kernel missing or broken as well as unavailable
             info |= {"would_run": "no", "reason": str(exc)}
         else:
             info["would_run"] = "yes"
@@ -135,18 +152,7 @@ class LigerBackend:
 
     def forward(self, call: HeadCall) -> HeadOutput:
         """fp32 ``(log_probs, entropy)`` from Liger's ``(nll, entropy)``."""
-        hidden, weight, labels, temperature = (
-            call.hidden,
-            call.weight,
-            call.labels,
-            call.temperature,
-        )
-        ignore_index, return_entropy, process_group = (
-            call.ignore_index,
-            call.return_entropy,
-            call.process_group,
-        )
-        vocab_start, vocab_size = call.vocab_start, call.vocab_size
+        hidden, temperature = call.hidden, call.temperature
         if call.softcap is not None:
             raise BackendUnavailableError("backend 'liger' has no softcap; use backend='torch'")
         if isinstance(temperature, torch.Tensor):
@@ -155,15 +161,23 @@ class LigerBackend:
             )
         if (hidden.device, hidden.dtype) not in self._checked:
             self.check(hidden.device, hidden.dtype)
-            self._checked.add((hidden.device, hidden.dtype))
-        temperature = float(temperature)
-        safe, bad = _run.guard_labels(labels, ignore_index, vocab_size)
+        if tracing():  # Liger's host-side label checks do not trace: run it eagerly
+            from fusedhead_liger import _untraced
+
+            return _untraced.run(self.run_liger, call)
+        return self.run_liger(call)
+
+    def run_liger(self, call: HeadCall) -> HeadOutput:
+        """The call through Liger, after ``check``: labels guarded, Liger run, outputs mapped."""
+        hidden, weight, ignore_index = call.hidden, call.weight, call.ignore_index
+        temperature, return_entropy = float(call.temperature), call.return_entropy
+        safe, bad = _run.guard_labels(call.labels, ignore_index, call.vocab_size)
         hidden, weight = _run.liger_inputs(hidden, weight, safe, ignore_index)
-        if process_group is None:
+        if call.process_group is None:
             run = _run.run_native if self.implementation == "native" else _run.run_fallback
             nll, entropy = run(hidden, weight, safe, temperature, ignore_index, return_entropy)
         else:
-            self._check_shards(weight, process_group, vocab_start, vocab_size)
+            self._check_shards(weight, call.process_group, call.vocab_start, call.vocab_size)
             nll, entropy = _run.run_tp_fallback(
                 hidden,
                 weight,
@@ -171,7 +185,7 @@ class LigerBackend:
                 temperature,
                 ignore_index,
                 return_entropy,
-                process_group,
+                call.process_group,
                 call.reduce_hidden_grad,
             )
         return HeadOutput(*_run.to_contract(nll, entropy, bad))
