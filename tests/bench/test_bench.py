@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -434,3 +435,40 @@ def test_the_table_header_names_every_tree_and_setting_it_shows() -> None:
     assert "aaaaaaa / bbbbbbb" in header and "TRITON_INTERPRET=1" in header
     assert "2026-12-02T10:00:00+00:00 to 2026-12-02T11:00:00+00:00" in header
     assert "no reference was computed" in report.markdown([first]).splitlines()[1]
+
+
+def test_only_changes_to_the_code_mark_the_commit_dirty(tmp_path: Path) -> None:
+    """Before: a results file the bench rewrites (docs/bench/cpu.json, tracked) made every later
+    appended run of the same code ``<sha>+dirty``, so ``--append`` split one series in two. Now
+    ``+dirty`` means the measured code (core/, plugins/) differs from the commit."""
+    import subprocess
+    import sys
+
+    from fusedhead.bench import provenance
+
+    root = Path(provenance.__file__).resolve().parents[4]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout of fusedhead")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--shared", str(root), str(clone)], check=True)
+    # the clone runs this checkout's provenance.py (committed there), not the last commit's
+    mine = clone / "core" / "src" / "fusedhead" / "bench" / "provenance.py"
+    mine.write_text(Path(provenance.__file__).read_text())
+    git = ["git", "-c", "user.name=a", "-c", "user.email=a@b", "-C", str(clone)]
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-am", "this checkout's"], check=True)
+    env = {k: v for k, v in os.environ.items() if k != provenance.GIT_COMMIT_ENV}
+    env["PYTHONPATH"] = str(clone / "core" / "src")
+    ask = "from fusedhead.bench import provenance; print(provenance.versions()['git_commit'])"
+
+    def commit() -> str:
+        run = subprocess.run([sys.executable, "-c", ask], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip()
+
+    clean = commit()
+    assert clean and "+" not in clean, clean
+    (clone / "docs" / "bench" / "cpu.json").write_text("[]\n")
+    assert commit() == clean  # the bench's own output is not the code
+    with mine.open("a") as f:
+        f.write("\n")
+    assert commit() == clean + "+dirty"

@@ -101,8 +101,9 @@ def _checked_commit(value: str) -> str:
 
 def _git_commit() -> str | None:
     """``$FUSEDHEAD_GIT_COMMIT`` if set, else the short commit of the fusedhead checkout this
-    package runs from (``+dirty`` with local changes); None for an installed wheel. Never the
-    repository of the current directory, which may be any project's."""
+    package runs from (``+dirty`` with changes to its code, ``core/`` or ``plugins/``); None for
+    an installed wheel. Never the repository of the current directory, which may be any
+    project's."""
     import subprocess
 
     stamped = os.environ.get(GIT_COMMIT_ENV, "").strip()
@@ -124,7 +125,10 @@ def _git_commit() -> str | None:
         head = git("rev-parse", "--short", "HEAD")
         if head.returncode != 0:
             return None
-        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        # the measured code only: a results file the bench rewrites (docs/bench/cpu.json) must
+        # not mark the next appended run of the same code as another tree
+        code = [":(top)core", ":(top)plugins"]
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", *code).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("+dirty" if dirty else "")
