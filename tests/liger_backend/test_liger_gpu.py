@@ -22,7 +22,7 @@ NATIVE_REASONS = (
     if HAS_CUDA
     else ["no CUDA device"]
 )
-needs_native = pytest.mark.skipif(bool(NATIVE_REASONS), reason="; ".join(NATIVE_REASONS))
+needs_native = pytest.mark.skipif(bool(NATIVE_REASONS), reason="; ".join(map(str, NATIVE_REASONS)))
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 
 N, H, V, T = 1000, 256, 32000, 0.7
