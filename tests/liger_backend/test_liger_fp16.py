@@ -1,9 +1,10 @@
 """fp16 through Liger's chunked path: finite wherever the values fit fp16, never silent NaN.
 
 Liger keeps the scaled logits ``z / T`` (single process) and the logits' gradient ``dz`` in the
-input dtype; fp16 ends at 65504. Below T = 1 the adapter runs the single-process path on fp32
-copies (``_run.widen_fp16``), and it hands Liger the upstream gradients in fp32, divided by a
-power of two where they would push ``dz`` past fp16's range (``_run._upstream_scale``).
+input dtype; fp16 ends at 65504. Below T = 1, where the logits' bound says ``z / T`` could
+leave that range, the adapter runs the single-process path on fp32 copies (``_run.widen_fp16``),
+and it hands Liger the upstream gradients in fp32, divided by a power of two where they would
+push ``dz`` (or ``dz / T``) past fp16's range (``_run._upstream_scale``).
 """
 
 from __future__ import annotations
@@ -94,27 +95,60 @@ def test_fp16_small_temperature_is_finite_and_right() -> None:
     assert rel(dh, rdh) < FP16_GRAD_TOL and rel(dw, rdw) < FP16_GRAD_TOL
 
 
-@pytest.mark.parametrize("temperature", [0.999, 0.5, 2.0**-20])
-def test_fp16_below_temperature_one_runs_on_fp32_copies(temperature: float) -> None:
-    """Where z / T can leave fp16's range for a finite fp16 logit (T < 1), Liger gets fp32."""
-    hidden, weight, _ = inputs(4, 8, 16, 1.0)
+@pytest.mark.parametrize(
+    ("scale", "temperature", "widened"),
+    [
+        (1.0, 0.7, False),  # usual logits: z / T far inside fp16, the fp16 path runs
+        (1.0, 2.0**-20, True),  # the same logits at a tiny T could reach inf
+        (20000.0, 0.999, True),  # logits whose bound passes half the range just below T = 1
+    ],
+)
+def test_fp16_below_temperature_one_is_widened_only_where_the_logits_could_overflow(
+    scale: float, temperature: float, widened: bool
+) -> None:
+    """fp32 copies cost five times fp16's time on a GPU: taken only where ``max |h| max |w| / T``,
+    which no logit exceeds, passes half fp16's range."""
+    hidden, weight, _ = inputs(4, 8, 16, scale)
+    bound = _run.logit_bound(hidden, weight)
+    assert (bound / temperature > _run.FP16_LOGIT_LIMIT) is widened  # the case
     h, w = _run.widen_fp16(hidden, weight, temperature)
-    assert h.dtype == w.dtype == torch.float32
-    assert torch.equal(h, hidden.float()) and torch.equal(w, weight.float())
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_temperature_one_and_above_or_other_dtypes_keep_the_input_dtype(dtype) -> None:
-    hidden, weight, _ = inputs(4, 8, 16, 1.0)
-    hidden, weight = hidden.to(dtype), weight.to(dtype)
-    for temperature in (1.0, 20.0) if dtype == torch.float16 else (1e-3, 1.0):
-        h, w = _run.widen_fp16(hidden, weight, temperature)
+    if widened:
+        assert h.dtype == w.dtype == torch.float32
+        assert torch.equal(h, hidden.float()) and torch.equal(w, weight.float())
+    else:
         assert h is hidden and w is weight
 
 
-def test_the_widening_is_declared() -> None:
-    caps = fallback().capabilities(torch.device("cpu"))
-    assert caps.model_extra["fp16_in_fp32_below_temperature"] == _run.FP16_WIDEN_BELOW == 1.0
+@pytest.mark.parametrize("seed", range(4))
+def test_the_logit_bound_is_never_below_a_logit(seed: int) -> None:
+    hidden, weight, _ = inputs(32, 64, 500, 30.0, seed=seed)
+    hidden[seed] *= 40  # one long row
+    z = hidden.double() @ weight.double().T
+    assert _run.logit_bound(hidden, weight) >= float(z.abs().max())
+
+
+def test_a_non_finite_row_is_widened_and_no_rows_are_not() -> None:
+    """A NaN or inf hidden row bounds nothing: the fp32 path keeps the other rows finite, as
+    before. With no rows there is nothing to bound."""
+    hidden, weight, _ = inputs(4, 8, 16, 1.0)
+    for bad in (math.nan, math.inf):
+        h = hidden.clone()
+        h[1, 2] = bad
+        assert _run.widen_fp16(h, weight, 0.7)[0].dtype == torch.float32
+    empty = hidden[:0]
+    assert _run.widen_fp16(empty, weight, 0.7)[0] is empty
+
+
+def test_fp16_below_temperature_one_on_the_fp16_path_is_right() -> None:
+    """Not widened at T = 0.7: fp16 log-probs, entropy and gradients against float64."""
+    hidden, weight, labels = inputs(64, 32, 300, 4.0)
+    assert _run.widen_fp16(hidden, weight, 0.7)[0] is hidden  # the case: the fp16 path
+    g_lp, g_ent = torch.randn(64), torch.randn(64)
+    lp, ent, dh, dw = step(fallback(), hidden, weight, labels, 0.7, g_lp, g_ent)
+    rlp, rent, rdh, rdw = reference(hidden, weight, labels, 0.7, g_lp, g_ent)
+    keep = labels.ne(IGNORE)
+    assert rel(lp[keep], rlp[keep]) < 2.0**-9 and rel(ent[keep], rent[keep]) < 2.0**-9
+    assert rel(dh, rdh) < FP16_GRAD_TOL and rel(dw, rdw) < FP16_GRAD_TOL
 
 
 # ----------------------------------------------------------------------------- large upstream
@@ -134,6 +168,23 @@ def test_gradscaler_sized_entropy_gradient_stays_finite() -> None:
     *_, rdh, _ = reference(hidden, weight, labels, 1.0, g_lp, g_ent)
     assert torch.isfinite(dh).all()
     assert rel(dh, rdh) < FP16_GRAD_TOL
+
+
+def test_fp16_path_below_temperature_one_keeps_dz_over_t_in_range() -> None:
+    """Unwidened below T = 1, Liger rounds dz to fp16 and then divides it by T in fp16: 16000 on
+    the log-probs at T = 0.2 is 80000 there (inf gradients) though the gradients, under 17000,
+    fit. The upstream scale counts 1/T on this path too."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(4, 8, generator=gen) * 0.1).half()
+    weight = (torch.randn(50, 8, generator=gen) * 0.1).half()
+    labels = torch.randint(0, 50, (4,), generator=gen)
+    g_lp, g_ent = torch.full((4,), 16000.0), torch.zeros(4)
+    assert _run.widen_fp16(hidden, weight, 0.2)[0] is hidden  # the case: the fp16 path
+    *_, rdh, rdw = reference(hidden, weight, labels, 0.2, g_lp, g_ent)
+    assert max(float(rdh.abs().max()), float(rdw.abs().max())) < 65504  # the gradients fit
+    *_, dh, dw = step(fallback(), hidden, weight, labels, 0.2, g_lp, g_ent)
+    assert torch.isfinite(dh).all() and torch.isfinite(dw).all()
+    assert rel(dh, rdh) < FP16_GRAD_TOL and rel(dw, rdw) < FP16_GRAD_TOL
 
 
 def test_normal_upstream_gradients_are_not_rescaled() -> None:

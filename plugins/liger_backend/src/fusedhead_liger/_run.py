@@ -40,12 +40,21 @@ DOUBLE_BACKWARD = (
 #: Liger keeps this argument of the SM90 function for API compatibility; every value runs the
 #: same kernel. 1 is the value Liger's own dispatcher passes by default.
 M_TILES_PER_CLUSTER = 1
-#: fp16 inputs below this temperature run the single-process path on fp32 copies: Liger divides
-#: the fp16 GEMM output by T in fp16, which stays within fp16's range for every finite logit only
-#: where T >= 1 (below it, ``|z| > 65504 * T`` overflows to inf and the row's outputs are NaN).
+#: fp16 inputs below this temperature may run the single-process path on fp32 copies: Liger
+#: divides the fp16 GEMM output by T in fp16, which stays within fp16's range for every finite
+#: logit only where T >= 1 (below it, ``|z| > 65504 * T`` overflows to inf and the row's outputs
+#: are NaN). Below it, ``widen_fp16`` bounds the logits first and widens only where they could.
 FP16_WIDEN_BELOW = 1.0
 #: fp16's largest finite value.
 FP16_MAX = 65504.0
+#: The bound on ``|z / T|`` up to which fp16 inputs below T = 1 stay fp16: half fp16's range,
+#: room for the roundings of the GEMM output and of the division (each 2**-11 relative).
+FP16_LOGIT_LIMIT = FP16_MAX / 2
+#: How the widening is declared in the fallback's capabilities (``fp16_in_fp32_where``).
+FP16_WIDEN_RULE = (
+    f"fp16 with T < {FP16_WIDEN_BELOW:g} where max_i |h_i| * max_v |w_v| / T > "
+    f"{FP16_LOGIT_LIMIT:g} (the logits' Cauchy-Schwarz bound past half fp16's range)"
+)
 #: Where ``dz``'s bound is put when the upstream gradient would push it past fp16's range: a power
 #: of two well under 65504, room for the GEMMs' sums (as ``fusedhead.fp16_range.TOP``).
 DZ_TOP = 2.0**14
@@ -86,19 +95,41 @@ def liger_inputs(
     return hidden, weight
 
 
+def logit_bound(hidden: torch.Tensor, weight: torch.Tensor) -> float:
+    """``max_i |h_i| * max_v |w_v|`` (L2 norms): no logit ``h_i . w_v`` exceeds it in magnitude
+    (Cauchy-Schwarz). The norms accumulate in fp32 without a copy of either tensor (a norm past
+    the dtype's range reads inf, which only widens); one host read. inf or NaN where a row is."""
+    if hidden.shape[0] == 0 or weight.shape[0] == 0:
+        return 0.0
+    norms = torch.stack(
+        [
+            torch.linalg.vector_norm(hidden, dim=1).amax().float(),
+            torch.linalg.vector_norm(weight, dim=1).amax().float(),
+        ]
+    )
+    h, w = norms.tolist()
+    return float(h * w)
+
+
 def widen_fp16(
     hidden: torch.Tensor, weight: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 copies of fp16 (hidden, weight) where ``temperature < FP16_WIDEN_BELOW``, else as is.
+    """fp32 copies of fp16 (hidden, weight) where ``z / T`` could leave fp16's range, else as is.
 
     Liger's single-process path computes ``(hidden @ weight.T) / T`` in the input dtype; in fp16
     that is inf wherever ``|z| > 65504 * T`` (logits of 38 at T = 5e-4), and the row's log-prob,
-    entropy and gradients NaN. On fp32 copies the same Liger code holds ``z / T`` in fp32 for
-    every temperature the core takes; autograd rounds the gradients back to fp16.
+    entropy and gradients NaN. For ``T >= 1`` it cannot leave the logits' own range; below 1 the
+    logits' bound (``logit_bound``, one host read) decides, and only where ``bound / T`` passes
+    ``FP16_LOGIT_LIMIT`` (or is not finite) does the same Liger code run on fp32 copies, where
+    ``z / T`` holds for every temperature the core takes (autograd rounds the gradients back to
+    fp16). The copies cost 4 bytes x (V + N) x H and fp32 GEMMs, five times fp16's time on an
+    H100 (the plugin's README).
     """
-    if hidden.dtype == torch.float16 and temperature < FP16_WIDEN_BELOW:
-        return hidden.float(), weight.float()
-    return hidden, weight
+    if hidden.dtype != torch.float16 or temperature >= FP16_WIDEN_BELOW:
+        return hidden, weight
+    if logit_bound(hidden, weight) / temperature <= FP16_LOGIT_LIMIT:  # NaN or inf: widen
+        return hidden, weight
+    return hidden.float(), weight.float()
 
 
 def _describe(out: Any) -> str:
@@ -161,9 +192,10 @@ def _upstream_scale(
     """The power of two (>= 1) to divide fp16 upstream gradients by before Liger's backward.
 
     Liger rounds ``dz`` to fp16 before its GEMMs; per element ``|dz| <= k (|g_lp| + |g_H|
-    (1/e + H))`` with ``H <= log V`` (``k``: 1/T where Liger scales before rounding, the TP path,
-    else 1). A GradScaler-sized upstream (65536 on an entropy bonus) overflows that rounding while
-    the gradients themselves fit fp16. Dividing by ``s`` puts the bound under ``DZ_TOP``; the
+    (1/e + H))`` with ``H <= log V`` (``k``: 1/T on the TP path, which scales before rounding;
+    ``max(1, 1/T)`` on the single-process path, which rounds, then divides by T in fp16). A
+    GradScaler-sized upstream (65536 on an entropy bonus) overflows that rounding while the
+    gradients themselves fit fp16. Dividing by ``s`` puts the bound under ``DZ_TOP``; the
     gradients are multiplied back by ``s``, exactly (a power of two). One host read; with
     ``group``, the largest scale of its ranks (every rank reaches this all-reduce), as Liger sums
     the hidden gradient over them.
@@ -224,7 +256,9 @@ def adapted(base: Any, tp: bool, reduce_hidden_grad: bool = True) -> Any:
             ctx.fusedhead_fp16 = hidden.dtype == torch.float16
             if ctx.fusedhead_fp16:
                 ctx.fusedhead_log_vocab = math.log(weight.shape[0] * world)
-                ctx.fusedhead_inv_t = 1.0 / temperature if tp else 1.0
+                # Liger scales dz by 1/T before rounding it on the TP path; the single-process
+                # path rounds it, then divides in fp16: both must fit, so k = max(1, 1/T).
+                ctx.fusedhead_inv_t = 1.0 / temperature if tp else max(1.0, 1.0 / temperature)
                 ctx.fusedhead_group = group if world > 1 and reduce_hidden_grad else None
                 ctx.fusedhead_device = hidden.device
             return (nll, entropy.float()) if entropy is not None else nll

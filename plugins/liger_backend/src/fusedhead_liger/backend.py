@@ -96,9 +96,10 @@ class LigerBackend:
                 "precision_by_dtype": {
                     d: {"logits": d, "entropy": d} for d in ("fp32", "fp16", "bf16")
                 },
-                # Liger divides fp16 logits by T in fp16 (inf past 65504): below T = 1 the
-                # single-process path runs on fp32 copies of hidden and weight (_run.widen_fp16).
-                "fp16_in_fp32_below_temperature": _run.FP16_WIDEN_BELOW,
+                # Liger divides fp16 logits by T in fp16 (inf past 65504): below T = 1, where
+                # the logits' bound says they could, the single-process path runs on fp32
+                # copies of hidden and weight (_run.widen_fp16).
+                "fp16_in_fp32_where": _run.FP16_WIDEN_RULE,
                 "traces_fullgraph": False,
             }
         )
