@@ -943,3 +943,22 @@ def test_triton_policy_log_probs_are_fused_heads_bits(
     assert plain.entropy is not None
     assert torch.equal(out.entropy, plain.entropy.float())
     assert float(out.ratio_max) == 1.0 and float(out.ratio_min) == 1.0
+
+
+@pytest.mark.parametrize("shift", [25.0, -25.0])
+def test_the_tis_log_ratio_is_clamped_at_20_as_verls(shift: float) -> None:
+    """verl's token TIS weight is exp of ``old - rollout`` clamped to [-20, 20] (its
+    ``SAFETY_BOUND``): a rollout 25 nats away weighs as one 20 away, not 0 (or e^25)."""
+    b = batch()
+    common = {k: b[k] for k in ("hidden", "weight", "labels", "old_log_probs", "advantages")}
+
+    def loss(offset: float) -> torch.Tensor:
+        out = fusedhead.fused_policy_loss(
+            **common, rollout_log_probs=b["old_log_probs"] + offset, tis_cap=1e12
+        )
+        return out.loss.detach()
+
+    at_bound = loss(math.copysign(20.0, shift))
+    assert at_bound != 0
+    assert torch.equal(loss(shift), at_bound)
+    assert torch.equal(loss(shift * 4), at_bound)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fusedhead_torch.rowstats import RowStats
-from fusedhead_torch.tiling import MIN_AUTO_COLS, plan_tiles
+from fusedhead_torch.tiling import GRID_COLS, MIN_AUTO_COLS, plan_tiles
 
 MIB = 1 << 20
 
@@ -27,10 +27,12 @@ def test_auto_tiles_cover_everything_within_the_budget(n: int, v: int) -> None:
 
 
 def test_auto_tiles_keep_all_rows_and_cut_the_vocabulary_evenly() -> None:
+    """Blocks of whole forward grid tiles (the backward recomputes with the forward's GEMMs),
+    as equal as that allows: every block but the last equal, the last not empty."""
     tiles = plan_tiles(8192, 151936, bytes_per_element=10, budget_bytes=1024 * MIB)
-    assert tiles.rows == 8192
-    widths = {b - a for a, b in tiles.col_ranges(151936)}
-    assert max(widths) - min(widths) <= 2 * 64 and tiles.cols % 64 == 0
+    assert tiles.rows == 8192 and tiles.cols % GRID_COLS == 0
+    widths = [b - a for a, b in tiles.col_ranges(151936)]
+    assert len(set(widths[:-1])) == 1 and 0 < widths[-1] <= widths[0]
 
 
 def test_auto_tiles_chunk_rows_rather_than_make_narrow_blocks() -> None:

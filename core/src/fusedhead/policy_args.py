@@ -111,6 +111,8 @@ SEQUENCE_LEVEL = ("gspo", "sequence", "seq-ratio", "sequence-level", "geo-mean")
 #: The TIS weight as its error names it: NaN only where a rollout log-prob is, as an infinite one
 #: is a weight (+inf: 0, which verl's IcePop masks are here; -inf: the cap).
 TIS = "the TIS weight exp(old_log_probs - rollout_log_probs)"
+#: verl clamps the TIS log-ratio to this before its exp (``rollout_corr_helper.SAFETY_BOUND``).
+TIS_LOG_RATIO_BOUND = 20.0
 _PER_TOKEN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -169,7 +171,11 @@ def policy_call(
                 "rollout_log_probs): rollout_log_probs was given with old_log_probs=None; pass "
                 "the old policy's log-probs"
             )
-    tis = None if roll is None or old is None else torch.exp(old - roll).clamp_(max=cap)
+    # verl's token TIS weight: the log-ratio clamped to +-20 (its SAFETY_BOUND), then capped
+    tis = None
+    if roll is not None and old is not None:
+        bound = TIS_LOG_RATIO_BOUND
+        tis = torch.exp((old - roll).clamp_(-bound, bound)).clamp_(max=cap)
     if pending is not None:  # each finite on the scored rows, in the call's one read
         named = {"old_log_probs": old, "advantages": adv, "ref_log_probs": ref, TIS: tis}
         checked = check_finite_rows(

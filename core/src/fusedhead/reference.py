@@ -272,7 +272,8 @@ def policy_loss_from_log_probs(
         pg = torch.where(adv < 0, torch.min(-adv * dual_clip, pg), pg)
     if rollout_log_probs is not None:
         assert tis_cap is not None
-        tis = torch.exp(old - rollout_log_probs.to(dtype).expand(labels.shape)).clamp(max=tis_cap)
+        log_ratio = old - rollout_log_probs.to(dtype).expand(labels.shape)
+        tis = torch.exp(log_ratio.clamp(-20.0, 20.0)).clamp(max=tis_cap)  # verl's +-20 bound
         pg = pg * torch.where(mask, tis, 0).detach()
     terms = [pg]
     coefs = [1.0]

@@ -35,6 +35,7 @@ from fusedhead_torch.tile_math import (
     backward_tile,
     clamp_scale,
     compiled_backward_tile,
+    forward_logits,
     forward_tile,
     gemm_operand,
     logits_mm,
@@ -181,15 +182,15 @@ def _backward_grads(
     ws = Workspace(tiles.rows * tiles.cols, h.device)
     coef_a, coef_b, label_term = coefs
     grads = TileGrads(h, weight, len(row_chunks), len(blocks), need_h, need_w)
-    h_mm = gemm_operand(h, spec.fp32_logits)  # the recompute's operands (upcast once if need be)
+    h_mm = gemm_operand(h, spec.fp32_logits)  # the recompute's operand (upcast once if need be)
     fused = spec.compile_dz and spec.softcap is None
     for b, (v0, v1) in enumerate(blocks):
         w_block = weight[v0:v1]
-        w_mm = gemm_operand(w_block, spec.fp32_logits)
         for r0, r1 in row_chunks:
             in_block, col = place.tile(b, r0, r1, v1 - v0)
             b_rows = None if coef_b is None else coef_b[r0:r1]
-            x = logits_mm(h_mm[r0:r1], w_mm.T, spec.fp32_logits)
+            # the forward's logits, bit for bit: its tiles' GEMMs (forward_logits)
+            x = forward_logits(h_mm, weight, (r0, r1), (v0, v1), spec.grid_tiles, spec.fp32_logits)
             k = scaling.rows(r0, r1)
             coef_rows = (coef_a[r0:r1], b_rows, label_term[r0:r1])
             if fused:

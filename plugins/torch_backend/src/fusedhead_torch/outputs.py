@@ -43,6 +43,7 @@ from fusedhead_torch.tile_math import (
     Scaling,
     Workspace,
     clamp_scale,
+    forward_logits,
     forward_tile,
     inverse_temperature,
     logits_mm,
@@ -377,7 +378,7 @@ def _backward_walk(
         for r0, r1 in row_chunks:
             rows = r1 - r0
             h_rows = h[r0:r1]
-            x = logits_mm(h_rows, w_block.T, spec.fp32_logits)
+            x = forward_logits(h, weight, (r0, r1), (v0, v1), spec.grid_tiles, spec.fp32_logits)
             # Buffers as the plain path has them: an fp32 tile is worked in place (src, or d
             # without softcap); e and a separate d take workspace slots; dz goes back into a
             # tile of the input dtype; a softcap's derivative takes one more.

@@ -18,6 +18,7 @@ import torch
 
 from fusedhead_torch.fused_passes import compiled, label_grad
 from fusedhead_torch.rowstats import RowStats
+from fusedhead_torch.tiling import Tiles
 
 FP32 = torch.float32
 #: Largest ``1 / T`` (and ``c / T``) used: 2^100 ~ 1.3e30, so ``k * (src - max)`` stays finite for
@@ -74,6 +75,10 @@ class Workspace:
 _MM_OUT_DTYPE: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
+#: Per device, False once ``torch.mm(..., out_dtype=..., out=...)`` has failed (then: a copy).
+_MM_OUT_DTYPE_INTO: dict[torch.device, bool] = {}
+
+
 def mm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs for ``dtype`` on ``device``."""
     works = _MM_OUT_DTYPE.get((device, dtype))
@@ -100,19 +105,70 @@ def gemm_operand(t: torch.Tensor, fp32: bool) -> torch.Tensor:
     return t
 
 
-def logits_mm(a: torch.Tensor, b: torch.Tensor, fp32: bool) -> torch.Tensor:
+def logits_mm(
+    a: torch.Tensor, b: torch.Tensor, fp32: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``a @ b`` through the dispatcher; with ``fp32``, accumulated *and written* in fp32.
 
     fp32 output of fp16/bf16 inputs: ``aten::mm.dtype`` where torch has it for the device (CUDA,
     torch >= 2.8: the same tensor-core GEMM, an fp32 epilogue); otherwise both operands upcast
     (see ``gemm_operand``) and an fp32 ``aten::mm``: exact products either way, since fp16/bf16
-    values are exact in fp32 (and in TF32, should the caller allow it).
+    values are exact in fp32 (and in TF32, should the caller allow it). ``out``: a view to write
+    into (a column slice of a wider tile), of the dtype the GEMM writes.
     """
     if not fp32 or (a.dtype == FP32 and b.dtype == FP32):
-        return torch.mm(a, b)
+        return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
     if a.dtype == b.dtype and mm_out_dtype_works(a.device, a.dtype):
-        return torch.mm(a, b, out_dtype=FP32)
-    return torch.mm(a.float(), b.float())
+        if out is None:
+            return torch.mm(a, b, out_dtype=FP32)
+        if _MM_OUT_DTYPE_INTO.get(a.device, True):
+            try:
+                return torch.mm(a, b, out_dtype=FP32, out=out)
+            except (RuntimeError, NotImplementedError, TypeError):
+                _MM_OUT_DTYPE_INTO[a.device] = False  # a torch without aten::mm.dtype_out
+        return out.copy_(torch.mm(a, b, out_dtype=FP32))
+    return (
+        torch.mm(a.float(), b.float()) if out is None else torch.mm(a.float(), b.float(), out=out)
+    )
+
+
+def forward_logits(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+    grid: Tiles,
+    fp32: bool,
+) -> torch.Tensor:
+    """The logits of ``rows`` x ``cols`` with the forward's bits: from GEMMs of its tiles' shapes.
+
+    The forward walks ``grid`` (the vocabulary grid); the backward's tiles are wider. A GEMM's
+    rounding may depend on its shape (MKL's fp32 GEMM on an AMD EPYC gives another last bit to
+    a logit computed among 16 columns than among 70), and the backward divides the recomputed
+    ``exp(k x - m)`` by the forward's sums: at a small temperature one ulp of ``x`` is thousands
+    in ``k x``. So each forward tile the block meets is computed as the forward computed it and
+    written into the block; one that reaches past the block is computed whole and its overlap
+    kept (only with explicit tile sizes off the grid: the auto plans nest).
+    """
+    (r0, r1), (v0, v1) = rows, cols
+    row_parts = [(a, b) for a, b in grid.row_ranges(h.shape[0]) if a < r1 and b > r0]
+    col_parts = [(c, d) for c, d in grid.col_ranges(weight.shape[0]) if c < v1 and d > v0]
+    if row_parts == [rows] and col_parts == [cols]:
+        return logits_mm(h[r0:r1], weight[v0:v1].T, fp32)
+    x: torch.Tensor | None = None
+    for a, b in row_parts:
+        for c, d in col_parts:
+            inside = r0 <= a and b <= r1 and v0 <= c and d <= v1
+            if x is not None and inside:
+                logits_mm(h[a:b], weight[c:d].T, fp32, out=x[a - r0 : b - r0, c - v0 : d - v0])
+                continue
+            y = logits_mm(h[a:b], weight[c:d].T, fp32)
+            if x is None:
+                x = torch.empty(r1 - r0, v1 - v0, dtype=y.dtype, device=y.device)
+            ra, rb, ca, cb = max(a, r0), min(b, r1), max(c, v0), min(d, v1)
+            x[ra - r0 : rb - r0, ca - v0 : cb - v0].copy_(y[ra - a : rb - a, ca - c : cb - c])
+    assert x is not None
+    return x
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """How the ``[N, V]`` logits are cut into tiles that fit a workspace budget.
 
-Forward and backward walk the same tiles, so the recomputed logits of a tile are the same GEMM of
-the same shape (and, with a deterministic GEMM, the same bits) as in forward.
+The forward walks the vocabulary grid (``plan_forward_tiles``); the backward walks wider blocks
+(``plan_tiles``) whose auto-planned sizes are whole forward tiles, so that it recomputes each
+logit with the forward's GEMM of the same shape (``tile_math.forward_logits``) and no more.
 """
 
 from __future__ import annotations
@@ -47,9 +48,13 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _balanced(total: int, width: int) -> int:
-    """A width near ``width`` that cuts ``total`` into equal, aligned pieces."""
+    """A width up to ``width`` that cuts ``total`` into equal, aligned pieces: whole grid tiles
+    (``GRID_COLS``) once it is that wide, so the backward's blocks nest the forward's."""
     if width >= total:
         return total
+    if width >= GRID_COLS:
+        tiles = _ceil_div(total, GRID_COLS)
+        return _ceil_div(tiles, _ceil_div(tiles, width // GRID_COLS)) * GRID_COLS
     pieces = _ceil_div(total, width)
     even = _ceil_div(total, pieces)
     aligned = _ceil_div(even, COL_ALIGN) * COL_ALIGN
@@ -80,12 +85,16 @@ def plan_tiles(
         return Tiles(min(n, max(1, elements // cols)), cols)
     if chunk_rows is not None:
         rows = min(n, chunk_rows)
-        return Tiles(rows, _balanced(v, max(1, elements // rows)))
+        # at least one forward tile wide (the forward's own tile, whatever the budget)
+        return Tiles(rows, _balanced(v, max(min(v, GRID_COLS), elements // rows)))
     cols = elements // n
     if cols >= min(v, MIN_AUTO_COLS):
         return Tiles(n, _balanced(v, cols))
     cols = min(v, MIN_AUTO_COLS)
-    return Tiles(min(n, max(1, elements // cols)), cols)
+    # rows in whole forward chunks (its rows per GRID_COLS-wide tile), so the tiles nest
+    forward_rows = max(1, elements // GRID_COLS)
+    rows = max(forward_rows, elements // cols // forward_rows * forward_rows)
+    return Tiles(min(n, rows), cols)
 
 
 def plan_forward_tiles(
