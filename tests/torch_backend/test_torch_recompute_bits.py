@@ -150,3 +150,29 @@ def test_the_extra_outputs_backward_recomputes_the_forwards_logits(
     (got.gathered.sum(-1) * case.g_lp.float()).sum().backward()
     assert h.grad is not None and h64.grad is not None
     assert rel_err(h.grad, h64.grad) <= TOLERANCE["fp32"][1]
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager"])
+def test_a_block_of_several_grid_tiles_compiles_with_fullgraph(compiler: str) -> None:
+    """A backward block of two grid tiles (written side by side outside a trace) compiles whole,
+    to the eager bits: Dynamo takes no ``out=`` into a column slice, so it gets a copy."""
+    import fusedhead
+
+    case = make_case(40, 32, 3000)
+    options = {"block_vocab": 2048, "workspace_mib": 64}
+
+    def loss(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        lp, ent = fusedhead.fused_head(
+            h, w, case.labels, temperature=0.7, backend="torch", options=options
+        )
+        return lp.sum() + ent.sum()
+
+    results = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, dynamic=False, backend=compiler)):
+        h = case.hidden.float().requires_grad_()
+        w = case.weight.float().requires_grad_()
+        value = fn(h, w)
+        value.backward()
+        results.append((value.detach(), h.grad, w.grad))
+    eager, compiled = results
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))

@@ -156,10 +156,11 @@ def forward_logits(
     if row_parts == [rows] and col_parts == [cols]:
         return logits_mm(h[r0:r1], weight[v0:v1].T, fp32)
     x: torch.Tensor | None = None
+    into = not torch.compiler.is_compiling()  # Dynamo takes no non-contiguous out=: a copy
     for a, b in row_parts:
         for c, d in col_parts:
             inside = r0 <= a and b <= r1 and v0 <= c and d <= v1
-            if x is not None and inside:
+            if x is not None and inside and into:
                 logits_mm(h[a:b], weight[c:d].T, fp32, out=x[a - r0 : b - r0, c - v0 : d - v0])
                 continue
             y = logits_mm(h[a:b], weight[c:d].T, fp32)
