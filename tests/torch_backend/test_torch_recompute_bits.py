@@ -52,6 +52,21 @@ def test_auto_backward_tiles_are_whole_forward_tiles(
     assert back.rows * back.cols * 12 <= max(budget_mib * MIB, grid.rows * grid.cols * 12)
 
 
+@pytest.mark.parametrize("n", [37, 8192, 300_000])
+@pytest.mark.parametrize("v", [1000, 16384, 151936])
+@pytest.mark.parametrize("block_vocab", [16, 1000, 1024, 2048, 4096])
+def test_explicit_blocks_take_whole_forward_row_chunks(n: int, v: int, block_vocab: int) -> None:
+    """``block_vocab`` alone: the forward's rows fit a tile of that width, so the backward's rows
+    are whole forward chunks (on the grid, its columns too): nothing is recomputed twice."""
+    sizes: dict[str, Any] = {"bytes_per_element": 10, "budget_bytes": 32 * MIB}
+    back = plan_tiles(n, v, block_vocab=block_vocab, **sizes)
+    grid = plan_forward_tiles(n, v, block_vocab=block_vocab, **sizes)
+    assert _bounds(back.row_ranges(n)) <= _bounds(grid.row_ranges(n))
+    if block_vocab % GRID_COLS == 0 or v <= block_vocab:
+        assert _bounds(back.col_ranges(v)) <= _bounds(grid.col_ranges(v))
+    assert back.rows * back.cols * 10 <= 32 * MIB and grid.rows * grid.cols * 10 <= 32 * MIB
+
+
 def test_wide_blocks_are_whole_grid_tiles_of_near_equal_count() -> None:
     tiles = plan_tiles(8192, 151936, bytes_per_element=10, budget_bytes=1024 * MIB)
     assert tiles.rows == 8192 and tiles.cols % GRID_COLS == 0

@@ -118,4 +118,5 @@ def forward_tiles(
         bytes_per_element=bytes_per_element(dtype, softcap),
         budget_bytes=workspace_bytes(options, device),
         chunk_rows=options.chunk_rows,
+        block_vocab=options.block_vocab,
     )

@@ -155,20 +155,17 @@ def forward_logits(
     col_parts = [(c, d) for c, d in grid.col_ranges(weight.shape[0]) if c < v1 and d > v0]
     if row_parts == [rows] and col_parts == [cols]:
         return logits_mm(h[r0:r1], weight[v0:v1].T, fp32)
-    x: torch.Tensor | None = None
+    dtype = FP32 if fp32 or h.dtype == FP32 else h.dtype  # what logits_mm writes
+    x = torch.empty(r1 - r0, v1 - v0, dtype=dtype, device=h.device)
     into = not torch.compiler.is_compiling()  # Dynamo takes no non-contiguous out=: a copy
     for a, b in row_parts:
         for c, d in col_parts:
-            inside = r0 <= a and b <= r1 and v0 <= c and d <= v1
-            if x is not None and inside and into:
+            if into and r0 <= a and b <= r1 and v0 <= c and d <= v1:
                 logits_mm(h[a:b], weight[c:d].T, fp32, out=x[a - r0 : b - r0, c - v0 : d - v0])
                 continue
             y = logits_mm(h[a:b], weight[c:d].T, fp32)
-            if x is None:
-                x = torch.empty(r1 - r0, v1 - v0, dtype=y.dtype, device=y.device)
             ra, rb, ca, cb = max(a, r0), min(b, r1), max(c, v0), min(d, v1)
             x[ra - r0 : rb - r0, ca - v0 : cb - v0].copy_(y[ra - a : rb - a, ca - c : cb - c])
-    assert x is not None
     return x
 
 

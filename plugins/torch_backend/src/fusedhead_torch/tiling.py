@@ -82,7 +82,9 @@ def plan_tiles(
         return Tiles(min(n, chunk_rows), min(v, block_vocab))
     if block_vocab is not None:
         cols = min(v, block_vocab)
-        return Tiles(min(n, max(1, elements // cols)), cols)
+        # rows in whole forward chunks (``forward_rows``: the forward takes as many per tile)
+        fwd = forward_rows(elements, block_vocab)
+        return Tiles(min(n, max(fwd, elements // cols // fwd * fwd)), cols)
     if chunk_rows is not None:
         rows = min(n, chunk_rows)
         # at least one forward tile wide (the forward's own tile, whatever the budget)
@@ -91,22 +93,34 @@ def plan_tiles(
     if cols >= min(v, MIN_AUTO_COLS):
         return Tiles(n, _balanced(v, cols))
     cols = min(v, MIN_AUTO_COLS)
-    # rows in whole forward chunks (its rows per GRID_COLS-wide tile), so the tiles nest
-    forward_rows = max(1, elements // GRID_COLS)
-    rows = max(forward_rows, elements // cols // forward_rows * forward_rows)
-    return Tiles(min(n, rows), cols)
+    # rows in whole forward chunks, so the tiles nest
+    fwd = forward_rows(elements, None)
+    return Tiles(min(n, max(fwd, elements // cols // fwd * fwd)), cols)
+
+
+def forward_rows(elements: int, block_vocab: int | None) -> int:
+    """The forward's rows per tile from the budget: as many as a tile of the grid's width (or of
+    a wider ``block_vocab``, so the backward's blocks of that width take whole forward chunks)."""
+    return max(1, elements // max(GRID_COLS, block_vocab or 0))
 
 
 def plan_forward_tiles(
-    n: int, v: int, *, bytes_per_element: int, budget_bytes: int, chunk_rows: int | None = None
+    n: int,
+    v: int,
+    *,
+    bytes_per_element: int,
+    budget_bytes: int,
+    chunk_rows: int | None = None,
+    block_vocab: int | None = None,
 ) -> Tiles:
     """The forward's tiles: ``GRID_COLS`` columns (fewer when ``v`` is smaller), rows from
-    ``chunk_rows`` or the budget, never from ``v``, so every rank cuts its rows alike."""
+    ``chunk_rows`` or the budget (``forward_rows``), never from ``v``, so every rank cuts its
+    rows alike."""
     cols = min(max(v, 1), GRID_COLS)
     if chunk_rows is not None:
         return Tiles(min(max(n, 1), chunk_rows), cols)
     elements = max(1, budget_bytes // bytes_per_element)
-    return Tiles(min(max(n, 1), max(1, elements // GRID_COLS)), cols)
+    return Tiles(min(max(n, 1), forward_rows(elements, block_vocab)), cols)
 
 
 def skips_rows(option: bool | None, hidden: torch.Tensor) -> bool:
