@@ -962,3 +962,26 @@ def test_the_tis_log_ratio_is_clamped_at_20_as_verls(shift: float) -> None:
     assert at_bound != 0
     assert torch.equal(loss(shift), at_bound)
     assert torch.equal(loss(shift * 4), at_bound)
+
+
+def test_a_masked_rollout_token_still_weighs_exactly_zero() -> None:
+    """+inf rollout log-probs (IcePop masks) keep a weight of exactly 0 under verl's +-20 clamp
+    (which alone would give e^-20): with the advantage only on masked tokens, no loss at all."""
+    b = batch()
+    rollout = b["old_log_probs"].clone()
+    rollout[1, 2:5] = math.inf
+    advantages = torch.zeros(3, 7)
+    advantages[1, 2:5] = 3.0
+    hidden = b["hidden"].clone().requires_grad_()
+    out = fusedhead.fused_policy_loss(
+        hidden,
+        b["weight"],
+        b["labels"],
+        old_log_probs=b["old_log_probs"],
+        advantages=advantages,
+        rollout_log_probs=rollout,
+        tis_cap=2.0,
+    )
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    assert hidden.grad is not None and not hidden.grad.any()

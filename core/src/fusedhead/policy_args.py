@@ -113,6 +113,15 @@ SEQUENCE_LEVEL = ("gspo", "sequence", "seq-ratio", "sequence-level", "geo-mean")
 TIS = "the TIS weight exp(old_log_probs - rollout_log_probs)"
 #: verl clamps the TIS log-ratio to this before its exp (``rollout_corr_helper.SAFETY_BOUND``).
 TIS_LOG_RATIO_BOUND = 20.0
+
+
+def tis_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``old - rollout`` as the TIS weight's exp takes it: clamped to +-20 as verl's, except
+    -inf (a +inf rollout log-prob: a masked token), which stays -inf, a weight of exactly 0."""
+    bound = TIS_LOG_RATIO_BOUND
+    return torch.where(torch.isneginf(log_ratio), log_ratio, log_ratio.clamp(-bound, bound))
+
+
 _PER_TOKEN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -171,11 +180,9 @@ def policy_call(
                 "rollout_log_probs): rollout_log_probs was given with old_log_probs=None; pass "
                 "the old policy's log-probs"
             )
-    # verl's token TIS weight: the log-ratio clamped to +-20 (its SAFETY_BOUND), then capped
     tis = None
     if roll is not None and old is not None:
-        bound = TIS_LOG_RATIO_BOUND
-        tis = torch.exp((old - roll).clamp_(-bound, bound)).clamp_(max=cap)
+        tis = torch.exp(tis_log_ratio(old - roll)).clamp_(max=cap)
     if pending is not None:  # each finite on the scored rows, in the call's one read
         named = {"old_log_probs": old, "advantages": adv, "ref_log_probs": ref, TIS: tis}
         checked = check_finite_rows(

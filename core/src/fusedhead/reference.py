@@ -273,7 +273,9 @@ def policy_loss_from_log_probs(
     if rollout_log_probs is not None:
         assert tis_cap is not None
         log_ratio = old - rollout_log_probs.to(dtype).expand(labels.shape)
-        tis = torch.exp(log_ratio.clamp(-20.0, 20.0)).clamp(max=tis_cap)  # verl's +-20 bound
+        # verl's +-20 bound; -inf (a +inf rollout log-prob, a masked token) stays a weight of 0
+        log_ratio = torch.where(torch.isneginf(log_ratio), log_ratio, log_ratio.clamp(-20.0, 20.0))
+        tis = torch.exp(log_ratio).clamp(max=tis_cap)
         pg = pg * torch.where(mask, tis, 0).detach()
     terms = [pg]
     coefs = [1.0]
