@@ -34,8 +34,9 @@ class TorchOptions(BaseModel):
         default=None,
         description="Vocabulary columns per block of the backward (default: from the workspace, "
         "whole 1024-column tiles); the forward walks the fixed 1024-column grid "
-        "(docs/vocab-parallel.md), and the backward recomputes each block's logits with the "
-        "forward's GEMMs, so a width off that grid recomputes the grid tiles it cuts whole.",
+        "(docs/vocab-parallel.md) with the rows a block of this width fits, and the backward "
+        "recomputes each block's logits with the forward's GEMMs, so a width off that grid "
+        "recomputes the grid tiles it cuts whole.",
     )
     chunk_rows: PositiveInt | None = Field(
         default=None,
