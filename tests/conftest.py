@@ -41,10 +41,35 @@ import torch  # noqa: E402
 
 # Triton decides when ``@triton.jit`` runs, its own standard library (tl.cdiv, tl.max, ...)
 # included, whether a function is compiled or interpreted; a later switch cannot reach functions
-# made earlier. Without a GPU, every Triton kernel in this session runs under the interpreter, so
-# the switch is made here, before any test module can import triton.
+# made earlier. So one session runs every Triton kernel one way: without a GPU, under the
+# interpreter (set here, before any test module can import triton); on a CUDA machine, compiled in
+# a GPU session (``-m gpu``) and interpreted otherwise (``pytest_configure``), where the tests
+# marked ``gpu`` are skipped with the reason.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+#: Why a test marked ``gpu`` is skipped in a CUDA machine's session that is not a GPU session.
+GPU_SESSION_ONLY = (
+    "the GPU tests run in a session of their own on a CUDA machine: `python -m pytest -m gpu` "
+    "(Triton fixes compiled or interpreted kernels for a whole process, and this session "
+    "interprets the CPU tests' kernels)"
+)
+
+
+def is_gpu_session(config: pytest.Config) -> bool:
+    """Whether ``-m`` selects tests marked ``gpu`` and no unmarked test (``-m gpu``,
+    ``-m "gpu and not slow"``): then no test runs Triton's kernels on the CPU."""
+    from _pytest.mark.expression import Expression  # pytest's own -m parser
+
+    text = str(config.getoption("markexpr", "") or "")
+    if not text:
+        return False
+    expression = Expression.compile(text)
+    return bool(
+        expression.evaluate(lambda name, **_: name == "gpu")
+        and not expression.evaluate(lambda name, **_: False)
+    )
+
 
 #: Most workers ``pytest -n auto`` starts (pytest-xdist): each imports torch and some tests spawn
 #: process groups of their own, so a many-core machine gets this many, not one per core.
@@ -52,7 +77,10 @@ MAX_WORKERS = 8
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under the Triton interpreter, spare it the re-patching its helper calls repeat."""
+    """On a CUDA machine, interpret Triton's kernels unless this is a GPU session; under the
+    interpreter, spare it the re-patching its helper calls repeat."""
+    if torch.cuda.is_available() and not is_gpu_session(config):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ.get("TRITON_INTERPRET") == "1":
         skip_repatching_in_device_calls()
 
@@ -103,9 +131,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     return WorkStealingScheduling(config, log)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules with a ``slow`` or ``multiprocess`` test go first, each kept whole (its fixtures
-    set up once), so that under ``-n`` no long test is left running alone at the end."""
+    set up once), so that under ``-n`` no long test is left running alone at the end. On a CUDA
+    machine outside a GPU session, the ``gpu`` tests are skipped with the reason."""
+    if torch.cuda.is_available() and not is_gpu_session(config):
+        for item in items:
+            if item.get_closest_marker("gpu") is not None:
+                item.add_marker(pytest.mark.skip(reason=GPU_SESSION_ONLY))
     heavy = {
         item.path
         for item in items

@@ -1,10 +1,10 @@
-"""Triton backend tests: where the kernels run is decided per test.
+"""Triton backend tests: each test says where its kernels run.
 
-Without CUDA the root conftest sets ``TRITON_INTERPRET=1`` for the whole session before triton is
-imported (Triton fixes compiled-or-interpreted when each ``@triton.jit`` function is made, its own
-standard library included); CPU tests here also set it explicitly. The backend rebuilds its kernel
-modules whenever the setting differs from the one they were built under. Tests marked ``gpu`` run
-with the interpreter off, and are skipped with the reason without CUDA.
+Triton fixes compiled-or-interpreted when each ``@triton.jit`` function is made, its own standard
+library included, so a session runs one way (tests/conftest.py): without CUDA, or on a CUDA
+machine outside a GPU session, under the interpreter (``TRITON_INTERPRET=1``), the tests marked
+``gpu`` skipped with the reason; in a GPU session (``-m gpu``) compiled. The fixture below keeps
+the setting each test expects for the calls it makes.
 """
 
 from __future__ import annotations
