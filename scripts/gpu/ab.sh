@@ -6,7 +6,7 @@
 #   ab.sh run OUT [ROUNDS] [CASES]  there: every packed tree unpacked under $AB_ROOT, then
 #                                 scripts/gpu/ab_cases.py in each tree in turn, ROUNDS rounds
 #                                 (default 2), one process a tree a round: OUT/ab.jsonl
-# AB_N="8192 32768" sets the token counts (ab_cases.py --n). AB_DRY=1 rehearses `run` on a CPU (the torch backend, tiny shapes); PYTHON picks the Python.
+# AB_N="8192 32768" sets the token counts (ab_cases.py --n), AB_BACKEND the backend (--backend). AB_DRY=1 rehearses `run` on a CPU (the torch backend, tiny shapes); PYTHON picks the Python.
 set -uo pipefail
 AB_DIR=${AB_DIR:-.gpu-tmp}
 PY=${PYTHON:-python3}
@@ -46,7 +46,7 @@ run)
     for t in "${trees[@]}"; do
       src=$root/$t
       PYTHONPATH=$src/core/src:$src/plugins/triton_backend/src:$src/plugins/torch_backend/src \
-        timeout "${AB_LIMIT:-150}" "$PY" scripts/gpu/ab_cases.py "$t" ${CASES:+--cases "$CASES"} ${AB_N:+--n $AB_N} \
+        timeout "${AB_LIMIT:-150}" "$PY" scripts/gpu/ab_cases.py "$t" ${CASES:+--cases "$CASES"} ${AB_N:+--n $AB_N} ${AB_BACKEND:+--backend $AB_BACKEND} \
         ${AB_DRY:+--dry} 2>>"$OUT/ab.err" | tee -a "$OUT/ab.jsonl"
     done
   done
