@@ -40,20 +40,32 @@ import pytest  # noqa: E402 (after the environment that torch and NumPy read)
 import torch  # noqa: E402
 
 # Triton decides when ``@triton.jit`` runs, its own standard library (tl.cdiv, tl.max, ...)
-# included, whether a function is compiled or interpreted; a later switch cannot reach functions
-# made earlier. So one session runs every Triton kernel one way: without a GPU, under the
-# interpreter (set here, before any test module can import triton); on a CUDA machine, compiled in
-# a GPU session (``-m gpu``) and interpreted otherwise (``pytest_configure``), where the tests
-# marked ``gpu`` are skipped with the reason.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# included, whether a function is compiled or interpreted, and inductor's kernels for CUDA
+# tensors are Triton's too: one process runs them all one way. So a session is either the CPU
+# suite, as CI runs it, or a GPU session (``-m gpu``): on a CUDA machine the CPU suite hides the
+# GPU (``CUDA_VISIBLE_DEVICES``, set in ``pytest_configure`` before anything asks CUDA) and skips
+# the ``gpu`` tests with the reason; without CUDA the kernels run under the interpreter. Nothing
+# here may ask ``torch.cuda`` before that.
 
-#: Why a test marked ``gpu`` is skipped in a CUDA machine's session that is not a GPU session.
+#: Why a test marked ``gpu`` is skipped on a CUDA machine in a session that is not a GPU session.
 GPU_SESSION_ONLY = (
-    "the GPU tests run in a session of their own on a CUDA machine: `python -m pytest -m gpu` "
-    "(Triton fixes compiled or interpreted kernels for a whole process, and this session "
-    "interprets the CPU tests' kernels)"
+    "the GPU tests run in a session of their own: `python -m pytest -m gpu` (this session is the "
+    "CPU suite, the GPU hidden: Triton fixes compiled or interpreted kernels for a whole process)"
 )
+#: Set when this session hid a CUDA device (``pytest_configure``).
+HID_CUDA = "FUSEDHEAD_TESTS_HID_CUDA"
+
+
+def has_cuda_device() -> bool:
+    """Whether CUDA has a device, asked in a child process: asking here would fix this process's
+    view of the devices before ``CUDA_VISIBLE_DEVICES`` can hide them."""
+    if torch.version.cuda is None and torch.version.hip is None:
+        return False  # a CPU build of torch: nothing to ask
+    code = "import torch; print(torch.cuda.device_count())"
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    return child.stdout.strip() not in ("", "0")
 
 
 def is_gpu_session(config: pytest.Config) -> bool:
@@ -77,9 +89,13 @@ MAX_WORKERS = 8
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """On a CUDA machine, interpret Triton's kernels unless this is a GPU session; under the
-    interpreter, spare it the re-patching its helper calls repeat."""
-    if torch.cuda.is_available() and not is_gpu_session(config):
+    """Outside a GPU session hide CUDA; without it interpret Triton's kernels (before any test
+    module imports triton), and spare the interpreter the re-patching its helper calls repeat."""
+    if not is_gpu_session(config) and os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+        if os.environ.get(HID_CUDA) is None:  # the first process to decide (xdist workers inherit)
+            os.environ[HID_CUDA] = "1" if has_cuda_device() else "0"
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ.get("TRITON_INTERPRET") == "1":
         skip_repatching_in_device_calls()
@@ -135,7 +151,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Modules with a ``slow`` or ``multiprocess`` test go first, each kept whole (its fixtures
     set up once), so that under ``-n`` no long test is left running alone at the end. On a CUDA
     machine outside a GPU session, the ``gpu`` tests are skipped with the reason."""
-    if torch.cuda.is_available() and not is_gpu_session(config):
+    if os.environ.get(HID_CUDA) == "1":
         for item in items:
             if item.get_closest_marker("gpu") is not None:
                 item.add_marker(pytest.mark.skip(reason=GPU_SESSION_ONLY))

@@ -284,6 +284,7 @@ def test_teacher_temperature_named_in_the_compiled_graph() -> None:
             run(hidden, weight, temp)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_on_cuda(dtype: torch.dtype) -> None:

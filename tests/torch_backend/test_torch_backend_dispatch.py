@@ -27,7 +27,10 @@ DEVICES = [
     "cpu",
     pytest.param(
         "cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"),
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"),
+        ],
     ),
 ]
 

@@ -235,6 +235,7 @@ def test_tiling_changes_nothing_beyond_rounding() -> None:
         assert rel_err(x, y) <= 2e-6
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("feature", ["plain", "per-token-T", "softcap", "no-entropy"])

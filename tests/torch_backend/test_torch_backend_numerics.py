@@ -266,6 +266,7 @@ def test_nan_hidden_in_an_ignored_row_in_low_precision(dtype: str, fp32_logits: 
     assert torch.equal(got.d_weight, clean.d_weight)
 
 
+@pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no-entropy"])
 def test_nan_hidden_in_an_ignored_row_on_cuda_defaults(entropy: bool) -> None:

@@ -1,10 +1,10 @@
 """Triton backend tests: each test says where its kernels run.
 
 Triton fixes compiled-or-interpreted when each ``@triton.jit`` function is made, its own standard
-library included, so a session runs one way (tests/conftest.py): without CUDA, or on a CUDA
-machine outside a GPU session, under the interpreter (``TRITON_INTERPRET=1``), the tests marked
-``gpu`` skipped with the reason; in a GPU session (``-m gpu``) compiled. The fixture below keeps
-the setting each test expects for the calls it makes.
+library included, so a session runs one way (tests/conftest.py): the CPU suite under the
+interpreter (``TRITON_INTERPRET=1``; on a CUDA machine with the GPU hidden), the tests marked
+``gpu`` skipped with the reason; a GPU session (``-m gpu``) compiled. The fixture below keeps the
+setting each test expects for the calls it makes.
 """
 
 from __future__ import annotations
