@@ -139,6 +139,31 @@ def test_check_without_cuda_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
         TritonBackend().check(torch.device("cuda"), torch.bfloat16)
 
 
+def test_an_interpreter_that_cannot_run_the_kernels_is_a_reason_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Triton 3.6's interpreter under NumPy 2.4 fails inside every persistent loop
+    (triton-lang/triton#9171): the backend says so, with the versions and the fix, before a call."""
+    import fusedhead
+    from fusedhead_triton import interpreter_probe
+
+    assert interpreter_probe.interpreter_problem() is None  # this environment's interpreter runs
+
+    def numpy_24_under_triton_36() -> None:
+        raise TypeError("only 0-dimensional arrays can be converted to Python scalars")
+
+    monkeypatch.setattr(interpreter_probe, "_run_probe", numpy_24_under_triton_36)
+    interpreter_probe.interpreter_problem.cache_clear()
+    try:
+        with pytest.raises(BackendUnavailableError, match=r"CPU interpreter fails under NumPy"):
+            TritonBackend().check(torch.device("cpu"), torch.float32)
+        h, w = torch.randn(4, 8), torch.randn(16, 8)
+        with pytest.raises(BackendUnavailableError, match=r"0-dimensional.*backend='torch'"):
+            fusedhead.fused_head(h, w, torch.zeros(4, dtype=torch.long), backend="triton")
+    finally:
+        interpreter_probe.interpreter_problem.cache_clear()
+
+
 def test_through_the_core_api() -> None:
     """fusedhead.fused_head(backend="triton") validates, reshapes 3-D inputs and differentiates."""
     import fusedhead

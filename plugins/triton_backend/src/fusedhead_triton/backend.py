@@ -29,6 +29,7 @@ from .configs import (
     settings_for,
     shared_memory_excess,
 )
+from .interpreter_probe import interpreter_problem
 
 #: Smallest temperature computed to the declared precision. The backward forms each logit's
 #: ``z / T - lse`` in one fused multiply-add against the rounded ``lse``, so its error is about
@@ -211,6 +212,9 @@ class TritonBackend:
                     "bf16 dot products are wrong under the Triton interpreter "
                     "(TRITON_INTERPRET=1); on the CPU use fp32 or fp16, or backend='torch'"
                 )
+            problem = interpreter_problem()
+            if problem is not None:
+                raise BackendUnavailableError(problem)
             return
         raise BackendUnavailableError(
             f"the triton backend runs on CUDA devices, not {device.type!r}; use backend='torch'"
