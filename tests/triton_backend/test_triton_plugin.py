@@ -147,21 +147,47 @@ def test_an_interpreter_that_cannot_run_the_kernels_is_a_reason_not_a_crash(
     import fusedhead
     from fusedhead_triton import interpreter_probe
 
-    assert interpreter_probe.interpreter_problem() is None  # this environment's interpreter runs
-
     def numpy_24_under_triton_36() -> None:
         raise TypeError("only 0-dimensional arrays can be converted to Python scalars")
 
     monkeypatch.setattr(interpreter_probe, "_run_probe", numpy_24_under_triton_36)
-    interpreter_probe.interpreter_problem.cache_clear()
+    interpreter_probe.forget()
     try:
-        with pytest.raises(BackendUnavailableError, match=r"CPU interpreter fails under NumPy"):
+        with pytest.raises(BackendUnavailableError, match=r"interpreter fails under NumPy .*9171"):
             TritonBackend().check(torch.device("cpu"), torch.float32)
         h, w = torch.randn(4, 8), torch.randn(16, 8)
         with pytest.raises(BackendUnavailableError, match=r"0-dimensional.*backend='torch'"):
             fusedhead.fused_head(h, w, torch.zeros(4, dtype=torch.long), backend="triton")
     finally:
-        interpreter_probe.interpreter_problem.cache_clear()
+        interpreter_probe.forget()
+
+
+def test_another_probe_failure_is_reported_as_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusedhead_triton import interpreter_probe
+
+    def broken() -> None:
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(interpreter_probe, "_run_probe", broken)
+    interpreter_probe.forget()
+    try:
+        problem = interpreter_probe.interpreter_problem()
+        assert problem is not None and "RuntimeError: something else" in problem
+        assert "NumPy" not in problem and "9171" not in problem
+    finally:
+        interpreter_probe.forget()
+
+
+def test_the_probe_is_one_verdict_across_threads() -> None:
+    """The interpreter patches triton.language for the process: concurrent asks wait, agree."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fusedhead_triton import interpreter_probe
+
+    interpreter_probe.forget()
+    with ThreadPoolExecutor(8) as pool:
+        verdicts = set(pool.map(lambda _: interpreter_probe.interpreter_problem(), range(64)))
+    assert len(verdicts) == 1
 
 
 def test_through_the_core_api() -> None:

@@ -9,9 +9,14 @@ loop says so before a call does, as a reason the backend is unavailable.
 
 from __future__ import annotations
 
-import functools
+import threading
 
 import torch
+
+#: The interpreter patches ``triton.language`` for the whole process while a kernel runs: one
+#: probe at a time, and its verdict kept once it is known.
+_LOCK = threading.Lock()
+_VERDICT: list[str | None] = []
 
 
 def _run_probe() -> None:
@@ -24,25 +29,42 @@ def _run_probe() -> None:
         for i in range(tl.program_id(0), n, 1):
             tl.store(out_ptr + i, i)
 
-    out = torch.full((2,), -1, dtype=torch.int32)
+    out = torch.full((2,), -1, dtype=torch.int32, device="cpu")
     probe_kernel[(1,)](out, 2)
     if out.tolist() != [0, 1]:
         raise RuntimeError(f"the probe wrote {out.tolist()}, expected [0, 1]")
 
 
-@functools.cache
-def interpreter_problem() -> str | None:
-    """None where the interpreter runs the probe; else why not and the fix (asked once)."""
-    try:
-        _run_probe()
-    except Exception as err:  # the interpreter's own failure, whatever its type
-        import numpy
-        import triton
+def _reason(err: Exception) -> str:
+    """Why the interpreter cannot run the kernels: the NumPy 2.4 defect by name, else the error."""
+    import numpy
+    import triton
 
+    if "0-dimensional arrays" in str(err):
         return (
-            f"Triton {triton.__version__}'s CPU interpreter fails under NumPy "
-            f"{numpy.__version__} ({type(err).__name__}: {err}); a Triton with "
-            "triton-lang/triton#9172 (3.9 has it) or NumPy older than 2.4 runs it, "
-            "or use backend='torch'"
+            f"Triton {triton.__version__}'s CPU interpreter fails under NumPy {numpy.__version__} "
+            f"({type(err).__name__}: {err}; triton-lang/triton#9171): a Triton with #9172 "
+            "(3.9 has it) or NumPy older than 2.4 runs it, or use backend='torch'"
         )
-    return None
+    return (
+        f"Triton {triton.__version__}'s CPU interpreter failed a one-program probe of this "
+        f"backend's loops ({type(err).__name__}: {err}); use backend='torch'"
+    )
+
+
+def interpreter_problem() -> str | None:
+    """None where the interpreter runs the probe; else why not and the fix (probed once)."""
+    with _LOCK:
+        if not _VERDICT:
+            try:
+                _run_probe()
+                _VERDICT.append(None)
+            except Exception as err:  # the interpreter's own failure, whatever its type
+                _VERDICT.append(_reason(err))
+        return _VERDICT[0]
+
+
+def forget() -> None:
+    """Probe again on the next ask (tests)."""
+    with _LOCK:
+        _VERDICT.clear()
