@@ -155,9 +155,10 @@ def test_an_interpreter_that_cannot_run_the_kernels_is_a_reason_not_a_crash(
     try:
         with pytest.raises(BackendUnavailableError, match=r"interpreter fails under NumPy .*9171"):
             TritonBackend().check(torch.device("cpu"), torch.float32)
+        head = fusedhead.FusedHead(backend="triton")  # its own check: a head's first call's
         h, w = torch.randn(4, 8), torch.randn(16, 8)
         with pytest.raises(BackendUnavailableError, match=r"0-dimensional.*backend='torch'"):
-            fusedhead.fused_head(h, w, torch.zeros(4, dtype=torch.long), backend="triton")
+            head(h, w, torch.zeros(4, dtype=torch.long))
     finally:
         interpreter_probe.forget()
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import GPU_SESSION_ONLY, HID_CUDA, is_gpu_session
+from suite_sessions import GPU_SESSION_ONLY, HID_CUDA, is_gpu_session
 
 ROOT = Path(__file__).parents[1]
 
