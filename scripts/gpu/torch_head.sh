@@ -8,8 +8,9 @@
 #      compile_elementwise off (the eager passes), triton -> OUT/head.json, head.md;
 #   3. fusedhead bench --case policy at N = 8192: torch, triton -> OUT/policy.json, policy.md;
 #   4. tiny_temperatures.py (finite outputs and gradients at small T, every backend) -> OUT;
-#   5. pytest of tests/torch_backend and tests/policy on this machine (its CUDA cases run), with
-#      the backward's recompute in the forward's GEMM shapes (test_torch_recompute_{bits,cuda}).
+#   5. pytest -m gpu of tests/torch_backend and tests/policy (their CUDA tests; any other session
+#      on a CUDA machine is the CPU suite, the GPU hidden: tests/suite_sessions.py), with the
+#      backward's recompute in the forward's GEMM shapes (test_torch_recompute_cuda.py).
 # Limits per step: HEAD_LIMIT (220 s), POLICY_LIMIT (100), TINY_LIMIT (60), PYTEST_LIMIT (120).
 set -uo pipefail
 OUT=${1:?usage: torch_head.sh OUT}
@@ -40,7 +41,5 @@ run policy "${POLICY_LIMIT:-100}" python3 -m fusedhead.cli bench "${GRID[@]}" --
   --case policy --max-minutes 1.5 --impl torch triton \
   --json "$OUT/policy.json" --markdown "$OUT/policy.md"
 run tiny "${TINY_LIMIT:-60}" python3 "$HERE/tiny_temperatures.py" "$OUT"
-run pytest "${PYTEST_LIMIT:-120}" python3 -m pytest -q -rfEs -p no:cacheprovider -x \
-  tests/torch_backend/test_torch_backend_numerics.py tests/torch_backend/test_torch_backend_math.py \
-  tests/torch_backend/test_torch_backend_dispatch.py tests/torch_backend/test_torch_recompute_cuda.py \
-  tests/torch_backend/test_torch_recompute_bits.py tests/policy/test_policy_loss.py
+run pytest "${PYTEST_LIMIT:-120}" python3 -m pytest -q -m gpu -rfEs -p no:cacheprovider -x \
+  tests/torch_backend tests/policy
