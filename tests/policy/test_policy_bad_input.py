@@ -416,6 +416,31 @@ def test_a_single_packed_sequence_takes_its_one_advantage():
 
 @pytest.mark.parametrize("backend", POLICY_BACKENDS)
 @pytest.mark.parametrize(
+    "aggregation", ["seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
+def test_a_mean_over_sequences_of_flat_labels_is_refused(backend, aggregation):
+    """Flat [N] labels mark no sequences: they were taken as one, silently (a verl remove-padding
+    batch without its cu_seqlens); [1, N] is one sequence by its shape, [T] with cu_seqlens packed."""
+    flat = {k: v.flatten(0, 1) for k, v in _batch().items() if k != "weight"}  # hidden [N, H]
+    flat["weight"] = _batch()["weight"]
+    with pytest.raises(ValueError, match=r"^aggregation=.* flat labels \[9\] without cu_seqlens"):
+        _call(backend, flat, aggregation=aggregation)
+    with pytest.raises(ValueError, match=r"flat labels \[9\] without cu_seqlens"):
+        reference_policy_loss(
+            flat["hidden"], flat["weight"], flat["labels"], old_log_probs=flat["old_log_probs"],
+            advantages=flat["advantages"], aggregation=aggregation,
+        )  # fmt: skip
+    one = {k: (v if k == "weight" else v.unsqueeze(0)) for k, v in flat.items()}
+    cu = torch.tensor([0, S, 2 * S, 3 * S])
+    packed = _call(backend, flat, aggregation=aggregation, cu_seqlens=cu)
+    padded = _call(backend, _batch(), aggregation=aggregation)
+    assert torch.allclose(packed.loss, padded.loss, rtol=1e-6, atol=1e-7)
+    assert torch.isfinite(_call(backend, one, aggregation=aggregation).loss)
+    assert torch.isfinite(_call(backend, flat, aggregation="token-mean").loss)
+
+
+@pytest.mark.parametrize("backend", POLICY_BACKENDS)
+@pytest.mark.parametrize(
     "arg", ["clip_high", "dual_clip", "entropy_coef", "kl_coef", "tis_cap", "loss_normalizer"]
 )
 @pytest.mark.parametrize("value", [1e39, -1e39, 10**400], ids=["1e39", "-1e39", "huge-int"])
@@ -481,6 +506,7 @@ def test_a_loss_normalizer_that_requires_grad_is_refused():
         ("aggregation", "dr_grpo", r"'dr_grpo' is aggregation='seq-mean-token-sum-norm' with hor"),
         ("kl_estimator", "full", r"kl_loss_type='full' needs whole distributions"),
         ("aggregation", "cispo", r"another loss .*from fused_head's log-probs and entropy"),
+        ("aggregation", "seq-mean", r"'seq-mean-token-sum', 'seq-mean-token-mean' and 'seq-"),
     ],
 )
 def test_another_trainers_name_is_told_what_it_is_here(arg, value, words):

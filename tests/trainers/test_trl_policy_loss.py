@@ -178,6 +178,18 @@ def test_configs_that_do_not_map_are_refused_when_built(
     _config(model_dir, tmp_path, **{**overrides, "fused_policy_loss": False})
 
 
+@pytest.mark.parametrize("value", ["no", "false", 1, 0, None])
+def test_the_switch_is_true_or_false(model_dir: Path, tmp_path: Path, value: object) -> None:
+    """``fused_policy_loss="no"`` was truthy: the fused loss ran under a name that said off."""
+    with pytest.raises(TypeError, match=rf"fused_policy_loss must be True or False, got {value!r}"):
+        _config(model_dir, tmp_path, fused_policy_loss=value)
+
+
+def test_a_backend_of_none_is_named_as_such(model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"FusedHeadGRPOConfig\(fused_head_backend=None\): name"):
+        _config(model_dir, tmp_path, fused_head_backend=None)
+
+
 def test_vllm_importance_sampling_maps_only_per_token_truncation() -> None:
     from types import SimpleNamespace
 

@@ -197,6 +197,18 @@ def width_mismatch(
     return ValueError(text)
 
 
+def sequences_marked(aggregation: str, shape: tuple[int, ...], cu_seqlens: object) -> None:
+    """A mean over sequences needs them marked: labels ``[B, S]`` (a row each) or ``cu_seqlens``.
+    Flat ``[N]`` labels without them would be one sequence, silently (an empty batch has none)."""
+    n = math.prod(shape)
+    if aggregation != "token-mean" and len(shape) == 1 and n and cu_seqlens is None:
+        raise ValueError(
+            f"aggregation={aggregation!r} averages over sequences, and flat labels {list(shape)} "
+            "without cu_seqlens mark none: pass labels [B, S] (one sequence a row), labels [T] "
+            f"or [1, T] with cu_seqlens for a packed batch, or labels [1, {n}] for one sequence"
+        )
+
+
 def packed_per_sequence(
     arg: str, t: torch.Tensor, cu_seqlens: object, shape: tuple[int, ...]
 ) -> None:

@@ -21,6 +21,7 @@ from fusedhead.checks import (
     packed_per_sequence,
     per_token_shape,
     real_in,
+    sequences_marked,
     tensor_arg,
 )
 from fusedhead.errors import type_name
@@ -45,6 +46,9 @@ FOREIGN_NAMES = {
         "token-sum": "verl's token-sum is aggregation='token-mean' with loss_normalizer=1.0 "
         "(1 / dp_size under data parallelism, as fusedhead.integrations.verl_config maps it)",
         "grpo": "TRL's loss_type='grpo' is aggregation='seq-mean-token-mean'",
+        "seq-mean": "the means over sequences are 'seq-mean-token-sum', 'seq-mean-token-mean' "
+        "and 'seq-mean-token-sum-norm' (each sequence's tokens summed, averaged, or summed and "
+        "divided by the horizon)",
         "bnpo": "TRL's loss_type='bnpo' is aggregation='token-mean'",
         "dapo": "TRL's loss_type='dapo' is aggregation='token-mean' with loss_normalizer the "
         "global count of scored tokens / num_processes",
@@ -137,6 +141,7 @@ def policy_call(
 ) -> PolicyLossCall:
     """The loss's own arguments checked and flattened beside the head call."""
     aggregation = _choice("aggregation", req.aggregation, AGGREGATIONS, {})
+    sequences_marked(aggregation, shape, req.cu_seqlens)
     estimator = _choice("kl_estimator", req.kl_estimator, KL_ESTIMATORS, KL_ALIASES)
     clip_low = check_clip_low("clip_low", req.clip_low)
     clip_high = real_in("clip_high", req.clip_high, low=0.0, what="a finite float >= 0")

@@ -332,7 +332,12 @@ def _check_loss_arguments(
     """The loss's own arguments, named as ``fused_policy_loss`` names them: an unknown
     ``aggregation`` or ``kl_estimator`` was computed as another one, a per-token tensor of another
     shape raised torch's expand error, a missing partner tensor an AssertionError."""
-    from fusedhead.checks import packed_per_sequence, per_token_shape, tensor_arg
+    from fusedhead.checks import (
+        packed_per_sequence,
+        per_token_shape,
+        sequences_marked,
+        tensor_arg,
+    )
     from fusedhead.protocol import AGGREGATIONS, KL_ESTIMATORS
 
     if aggregation not in AGGREGATIONS:
@@ -347,6 +352,7 @@ def _check_loss_arguments(
             f"horizon={horizon!r} is the length seq-mean-token-sum-norm divides by; "
             f"aggregation={aggregation!r} divides by none"
         )
+    sequences_marked(aggregation, tuple(labels.shape), cu_seqlens)
     if (rollout_log_probs is None) != (tis_cap is None):
         raise ValueError(
             "truncated importance sampling needs both rollout_log_probs and tis_cap, got "

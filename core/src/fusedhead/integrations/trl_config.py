@@ -59,6 +59,12 @@ def fused_head_from_args(args: Any) -> HeadLike:
     ``fused_head_options`` a mapping or its JSON text (the backend's own options).
     """
     name = getattr(args, "fused_head_backend", None)
+    if name is None and hasattr(args, "fused_head_backend"):
+        raise ValueError(
+            f"{type(args).__name__}(fused_head_backend=None): name the backend, e.g. "
+            "fused_head_backend='fusedhead:triton' ('fusedhead list' shows those installed), or "
+            "pass fused_head='triton' (a backend name) to the trainer"
+        )
     if name is None:
         raise ValueError(
             f"{type(args).__name__} has no fused_head_backend: use fusedhead's config class for "

@@ -167,7 +167,12 @@ def check_policy_loss_args(
     backend that does not declare ``policy_loss`` on the trainer's device is a
     ``CapabilityError``.
     """
-    if not getattr(args, "fused_policy_loss", False):
+    enabled = getattr(args, "fused_policy_loss", False)
+    if not isinstance(enabled, bool):  # "no" would be truthy: a switch is True or False
+        raise TypeError(
+            f"fused_policy_loss must be True or False, got {enabled!r} ({type(enabled).__name__})"
+        )
+    if not enabled:
         return
     off = "or set fused_policy_loss=False for TRL's own loss"
     loss_type = getattr(args, "loss_type", None)
@@ -422,7 +427,7 @@ class FusedPolicyLossMixin:
     def __init__(self, *args: Any, fused_head: HeadLike = None, **kwargs: Any) -> None:
         bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
         config = bound.arguments.get("args")
-        if getattr(config, "fused_policy_loss", False):
+        if getattr(config, "fused_policy_loss", False) is not False:  # a non-bool is refused
             head, setting, _ = resolve_named(config, fused_head)
             check_policy_loss_args(config, head, setting=setting)
         super().__init__(*args, fused_head=fused_head, **kwargs)  # type: ignore[call-arg]
