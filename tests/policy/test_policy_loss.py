@@ -773,6 +773,18 @@ def test_inside_torch_compile_the_call_is_a_graph_break_with_eager_results(
     assert not [why for why in counters["graph_break"] if "item()" in why]
 
 
+def test_fullgraph_names_fused_policy_loss_and_the_way_out() -> None:
+    """Dynamo's own refusal said only "Skip calling torch.compiler.disable()d function"."""
+    data = batch(seed=15)
+
+    def step(args: dict[str, Any]) -> torch.Tensor:
+        return fusedhead.fused_policy_loss(**args, backend="torch").loss
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"(?s)fused_policy_loss .*compile without fullgraph"):
+        torch.compile(step, backend="eager", fullgraph=True)(_args(data, h=True, w=True))
+
+
 @pytest.mark.parametrize("backend", POLICY_BACKENDS)
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum-norm"])
 def test_old_log_probs_none_is_on_policy(backend: str, aggregation: str) -> None:
