@@ -437,6 +437,25 @@ def test_the_table_header_names_every_tree_and_setting_it_shows() -> None:
     assert "no reference was computed" in report.markdown([first]).splitlines()[1]
 
 
+def test_a_row_whose_errors_failed_still_names_its_reference() -> None:
+    """A float64 reference computed for a row whose gradients overflowed: the header named none."""
+    from fusedhead.bench import report
+
+    failed = {
+        "case": {"n": 8, "hidden": 8, "vocab": 16, "dtype": "fp16"},
+        "impl": "torch",
+        "status": "error",
+        "note": "NaN or inf in grad_hidden against the reference",
+        "reference_dtype": "float64",
+        "date": "2026-12-07T12:00:00+00:00",
+        "device": {"type": "cpu", "name": "X", "cores": 2},
+        "versions": {"torch": "2.13.0"},
+        "environment": {},
+    }
+    header = report.markdown([failed]).splitlines()[1]
+    assert "against a float64 reference" in header and "no reference" not in header
+
+
 def test_only_changes_to_the_code_mark_the_commit_dirty(tmp_path: Path) -> None:
     """Before: a results file the bench rewrites (docs/bench/cpu.json, tracked) made every later
     appended run of the same code ``<sha>+dirty``, so ``--append`` split one series in two. Now

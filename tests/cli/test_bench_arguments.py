@@ -439,3 +439,21 @@ def test_a_small_temperature_is_bounded_by_fp32_not_by_the_inputs_dtype() -> Non
         refuse_overflow([Case(64, 32, 500, "fp16", temperature=2e-38)])
     with pytest.raises(ValueError, match=r"past fp16.s largest value .* or --dtype bf16 or fp32"):
         refuse_overflow([Case(64, 32, 500, "fp16", scale=1e6)])
+
+
+@pytest.mark.parametrize("command", ["bench", "demo"])
+def test_reps_past_the_most_a_measurement_takes_are_refused(fusedhead: Run, command: str) -> None:
+    """--max-minutes is read between measurements: --reps 1e11 ran on past it (a hung run)."""
+    argv = [command, "--reps", "100000000000"]
+    rc, out, err = fusedhead(*(argv if command == "demo" else [*argv, "--impl", "torch"]))
+    line = error_line(err)
+    assert rc == 2 and "--reps: must be an integer from 1 to 1000, got '100000000000'" in line
+    assert "running" not in out
+
+
+@pytest.mark.parametrize("flag", ["--json", "--markdown", "--plot"])
+def test_an_empty_output_path_is_refused(fusedhead: Run, flag: str) -> None:
+    """ "" wrote nothing and exited 0."""
+    rc, _out, err = fusedhead("bench", *TINY, "--impl", "torch", flag, "")
+    line = error_line(err)
+    assert rc == 2 and f"{flag} '': an empty path" in line, line

@@ -53,21 +53,22 @@ EXIT_BROKEN_PIPE = 141
 _INT_FLAG_MAX = 2**63 - 1
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
+def _int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
+        words = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}")
         if value > _INT_FLAG_MAX:
             raise argparse.ArgumentTypeError(
-                f"must be an integer >= {low} that fits in int64 (at most 2**63 - 1), got {text!r}"
+                f"must be {words} that fits in int64 (at most 2**63 - 1), got {text!r}"
             )
         return value
 
-    parse.__name__ = f"int_at_least_{low}"
+    parse.__name__ = f"int_at_least_{low}" if high is None else f"int_from_{low}_to_{high}"
     return parse
 
 
@@ -75,6 +76,11 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 positive_int = _int_at_least(1)
 #: A seed or an index: an integer >= 0.
 nonnegative_int = _int_at_least(0)
+#: Most timed repetitions a measurement takes: ``--max-minutes`` is read between measurements,
+#: so a measurement of more would run on past it.
+MAX_REPS = 1000
+#: Timed repetitions: 1 to ``MAX_REPS``.
+reps_int = _int_at_least(1, MAX_REPS)
 
 
 def _float_in(text: str, low: float, high: float, words: str) -> float:

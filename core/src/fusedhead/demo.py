@@ -42,11 +42,13 @@ def tolerances(dtype: str, entropy_precision: str) -> dict[str, float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fusedhead demo``; every number is checked by its type (naming the flag)."""
     from fusedhead.cli import (
+        MAX_REPS,
         device_arg,
         json_object,
         nonnegative_int,
         positive_float,
         positive_int,
+        reps_int,
     )
 
     parser.add_argument("--backend", default="torch", help="backend name (default: torch)")
@@ -84,9 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--reps",
-        type=positive_int,
+        type=reps_int,
         default=3,
-        help="timed forward+backward repetitions, at least 1 (median; default 3)",
+        help=f"timed forward+backward repetitions, 1 to {MAX_REPS} (median; default 3)",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak memory measurement")
     parser.add_argument(

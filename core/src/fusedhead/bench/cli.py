@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     device_arg = cli.device_arg
     positive_int, nonnegative_int = _ascii_int(cli.positive_int), _ascii_int(cli.nonnegative_int)
+    reps_int = _ascii_int(cli.reps_int)
     positive_float, positive_number = (
         _ascii_float(cli.positive_float),
         _ascii_float(cli.positive_number),
@@ -114,9 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--reps",
-        type=positive_int,
+        type=reps_int,
         default=3,
-        help="timed repetitions at least (median; default 3)",
+        help=f"timed repetitions at least, 1 to {cli.MAX_REPS} (median; default 3)",
     )
     parser.add_argument(
         "--max-minutes",
@@ -134,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write results here, one object per measurement, as they come. Each output PATH "
         "(--json, --markdown, --plot) is a regular file, replaced whole at each write; a symlink "
         "is followed (its target is written, the link kept); anything else there (a folder, a "
-        "device such as /dev/null, a pipe) is refused",
+        "device such as /dev/null, a pipe) is refused; missing folders above it are made",
     )
     parser.add_argument(
         "--append",
@@ -279,6 +280,15 @@ def check_outputs(args: argparse.Namespace) -> None:
     and written later (``results_file.write_file``).
     """
 
+    for flag, value in (
+        ("--json", args.json),
+        ("--markdown", args.markdown),
+        ("--plot", args.plot),
+    ):
+        if value is not None and not value.strip():  # "" would write nothing, silently
+            raise ValueError(
+                f"{flag} {value!r}: an empty path; give a file path, or leave out {flag}"
+            )
     if args.append and not args.json:
         raise ValueError("--append adds to the results in --json PATH: give --json too")
     given = [(f, v) for f, v in (("--json", args.json), ("--markdown", args.markdown),

@@ -314,7 +314,8 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
         return "(no results)\n"
     records = sorted(given, key=_row_order)
     ok = [r for r in records if r["status"] == "ok"]
-    references = _distinct(r.get("reference_dtype") for r in ok)
+    # from every row: a row whose errors failed (NaN gradients) still had its reference
+    references = _distinct(r.get("reference_dtype") for r in records)
     losses = any(_has_loss(r) for r in records)
     columns = _settings(ok)
     if len(references) > 1:
