@@ -457,3 +457,29 @@ def test_an_empty_output_path_is_refused(fusedhead: Run, flag: str) -> None:
     rc, _out, err = fusedhead("bench", *TINY, "--impl", "torch", flag, "")
     line = error_line(err)
     assert rc == 2 and f"{flag} '': an empty path" in line, line
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["--impl", "verl-chunkd"], "did you mean 'verl-chunked'?"),
+        (["--impl", "refernce"], "did you mean 'reference'?"),
+        (["--impl", "torch", "--case", "logprob"], "did you mean 'logprobs'?"),
+    ],
+)
+def test_a_misspelled_peer_or_case_gets_a_did_you_mean(
+    fusedhead: Run, argv: list[str], hint: str
+) -> None:
+    rc, _out, err = fusedhead("bench", *TINY, *argv)
+    line = error_line(err)
+    assert rc == 2 and hint in line, line
+
+
+def test_a_backend_hidden_by_fusedhead_backends_is_not_called_uninstalled(
+    fusedhead: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FUSEDHEAD_BACKENDS", "torch")
+    rc, _out, err = fusedhead("bench", *TINY, "--impl", "triton")
+    line = error_line(err)
+    assert rc == 2 and "installed, but FUSEDHEAD_BACKENDS hides it" in line, line
+    assert "neither an installed" not in line

@@ -48,9 +48,13 @@ def parse(name: str) -> tuple[str, int]:
     """``(kind, size)`` of a case name: ``topk32`` is ``("topk", 32)``; others have size 0."""
     m = _PATTERN.fullmatch(name)
     if m is None:
+        from fusedhead.checks import did_you_mean
+
+        kinds = ("logprobs", "lse", "sum_p2", "argmax", "kl", "kl-reverse", "policy")
         raise ValueError(
-            f"--case {name!r} is not a head case; expected logprobs, topk<k>, gather<K>, lse, "
-            "sum_p2, argmax, kl, kl-reverse or policy (e.g. --case logprobs topk32 gather32 kl)"
+            f"--case {name!r} is not a head case{did_you_mean(name, kinds) or '.'} Expected logprobs, "
+            "topk<k>, gather<K>, lse, sum_p2, argmax, kl, kl-reverse or policy (e.g. --case "
+            "logprobs topk32 gather32 kl)"
         )
     size = int(m.group(2) or m.group(3) or 0)
     kind = "topk" if m.group(2) else "gather" if m.group(3) else name

@@ -408,11 +408,13 @@ def resolve(spec: str, given: str | None = None) -> Impl:
         return _peer_cases(_PEER_FACTORIES[name]())
     installed = list(registry.candidates())
     if name not in installed:
+        from fusedhead.checks import did_you_mean
         from fusedhead.registry import unknown_name_message
 
         raise ValueError(
-            f"unknown implementation {name!r} for --impl: it is neither an installed fusedhead backend "
-            f"nor a peer ({', '.join(PEERS)}). " + unknown_name_message(name, installed)
+            f"unknown implementation {name!r} for --impl: it is neither a fusedhead backend this "
+            f"process can name nor a peer ({', '.join(PEERS)}){did_you_mean(name, PEERS) or '.'} "
+            + unknown_name_message(name, installed)
         )
     return _backend(name, options, spec)
 

@@ -47,7 +47,12 @@ class DemoUnavailable(RuntimeError):
 def _check_name(name: object) -> None:
     """``name`` one of ``MODELS``, else ``DemoUnavailable`` naming the valid ones."""
     if not isinstance(name, str) or name not in MODELS:
-        raise DemoUnavailable(f"unknown demo model {name!r}; choose one of {sorted(MODELS)}")
+        from fusedhead.checks import did_you_mean
+
+        hint = did_you_mean(name, MODELS)
+        raise DemoUnavailable(
+            f"unknown demo model {name!r}{hint or ';'} choose one of {sorted(MODELS)}"
+        )
 
 
 def build_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
