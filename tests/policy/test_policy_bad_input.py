@@ -708,3 +708,38 @@ def test_a_0d_tensor_for_a_python_number_says_how_to_pass_it(kw: dict[str, objec
         fusedhead.fused_policy_loss(
             h, w, labels, old_log_probs=torch.zeros(2, 3), advantages=torch.ones(2, 1), **kw
         )
+
+
+@pytest.mark.parametrize(
+    "transform", ["grad over hidden", "vmap over hidden", "vmap over advantages"]
+)
+def test_torch_func_transforms_are_refused_before_the_backend_runs(
+    transform: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transform's wrapped tensors are refused by name at the call, before the backend's
+    forward (it crashed inside the core's result checks, or in an op with no batching rule)."""
+    from fusedhead import policy_backend
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the backend ran")
+
+    monkeypatch.setattr(policy_backend, "backend_result", never)
+    gen = torch.Generator().manual_seed(0)
+    h, w = torch.randn(2, 5, 8, generator=gen), torch.randn(29, 8, generator=gen) / 3
+    y = torch.randint(0, 29, (2, 5), generator=gen)
+    old, adv = torch.full((2, 5), -3.0), torch.randn(2, 5, generator=gen)
+
+    def loss(hidden: torch.Tensor, advantages: torch.Tensor = adv) -> torch.Tensor:
+        out = fusedhead.fused_policy_loss(hidden, w, y, old_log_probs=old, advantages=advantages)
+        return out.loss
+
+    run, name = {
+        "grad over hidden": (lambda: torch.func.grad(loss)(h), "hidden"),
+        "vmap over hidden": (lambda: torch.func.vmap(loss)(h.expand(3, -1, -1, -1)), "hidden"),
+        "vmap over advantages": (
+            lambda: torch.func.vmap(lambda a: loss(h, a))(adv.expand(3, -1, -1)),
+            "advantages",
+        ),
+    }[transform]
+    with pytest.raises(RuntimeError, match=rf"torch\.func transforms .*: {name} is a transform's"):
+        run()

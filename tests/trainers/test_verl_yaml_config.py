@@ -30,7 +30,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 from verl_helpers import restored_verl_patches, tiny_qwen2
 
-from fusedhead.errors import UnknownBackendError
+from fusedhead.errors import CapabilityError, UnknownBackendError
 from fusedhead.integrations import verl_config
 
 #: hydra-core 1.3.8 calls OmegaConf 2.4's deprecated API (scripts/trainers/verl.sh keeps
@@ -288,8 +288,28 @@ _BACKEND_IS = f"{MODEL}.fused_kernel_options.impl_backend is "
             ValueError,
             f"{ACTOR}.policy_loss.loss_mode='fusedhead' with ulysses_sequence_parallel_size=2",
         ),
+        (
+            {f"{MODEL}.fused_kernel_options.impl_backend": "fusedhead:liger"},
+            CapabilityError,
+            f"{MODEL}.fused_kernel_options.impl_backend='fusedhead:liger' names a backend that "
+            "does not declare policy_loss on cpu",
+        ),
+        (
+            {f"{MODEL}.fused_kernel_options.impl_backend": "fusedhead:no-such-backend"},
+            UnknownBackendError,
+            f"{MODEL}.fused_kernel_options.impl_backend='fusedhead:no-such-backend' names no "
+            "installed fusedhead backend",
+        ),
     ],
-    ids=["fused_kernels_off", "remove_padding_off", "backend_typo", "verls_backend", "ulysses"],
+    ids=[
+        "fused_kernels_off",
+        "remove_padding_off",
+        "backend_typo",
+        "verls_backend",
+        "ulysses",
+        "backend_without_the_loss",
+        "backend_not_installed",
+    ],
 )
 def test_a_setup_the_fused_loss_cannot_run_is_refused_when_the_engine_is_built(
     model_path: Path, changes: dict[str, str], error: type[Exception], start: str
@@ -305,6 +325,9 @@ def test_a_setup_the_fused_loss_cannot_run_is_refused_when_the_engine_is_built(
         assert "installed ones that compute the loss: 'fusedhead:torch'" in text
         typo = "fusedhaed" in start
         assert ("did you mean 'fusedhead:torch'?" in text) is typo, text
+    if error is CapabilityError:  # the fix: the installed backends that compute the loss
+        assert "'fusedhead:torch'" in text and "'fusedhead:triton'" in text, text
+        assert "or loss_mode 'vanilla'" in text, text
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from fusedhead.value_checks import Pending
 def run(head: PolicyHead, req: PolicyRequest) -> PolicyLossOutput:
     """One policy-loss call on ``head``: the head's checks, the gate, the loss's own arguments,
     the backend's forward, its result checked, the loss formed."""
+    _refuse_func_transforms(req)
     head_req = HeadRequest(
         req.hidden,
         req.weight,
@@ -71,6 +72,21 @@ def run(head: PolicyHead, req: PolicyRequest) -> PolicyLossOutput:
             rows.count = pending.counts[0]
     result = _untraced(head, pcall, cast, valid if pending is not None else None, rows)
     return output(pcall, result, shape)
+
+
+def _refuse_func_transforms(req: PolicyRequest) -> None:
+    """``torch.func`` transforms (``grad``, ``vmap``) wrap their inputs; the backend's forward
+    and the gradients it stores are not written for wrapped tensors: refused before it runs."""
+    if torch.compiler.is_compiling():
+        return  # Dynamo's fake tensors are never wrapped, and it cannot trace the question
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for name, value in zip(req._fields, req):
+        if isinstance(value, torch.Tensor) and wrapped(value):
+            raise RuntimeError(
+                f"fused_policy_loss does not run under torch.func transforms (grad, vmap, ...): "
+                f"{name} is a transform's wrapped tensor. Call it outside the transform: its "
+                "loss.backward() gives the gradients of hidden and weight"
+            )
 
 
 def _untraced(

@@ -44,6 +44,7 @@ from fusedhead.integrations.verl_config import (
     VERL_KL_TYPES,
     policy_loss_kwargs,
     rollout_is_kwargs,
+    verl_device,
 )
 from fusedhead.keywords import known_keywords
 
@@ -377,16 +378,6 @@ def patch_forward_with_backends(
     )
 
 
-def _verl_device() -> str:
-    """The device type verl's workers compute on: ``verl.utils.device.get_device_name``, except
-    that verl 0.9.1 names ``cuda`` also where CUDA is absent (its default), which is the CPU."""
-    import torch
-    from verl.utils.device import get_device_name
-
-    name = str(get_device_name())
-    return "cpu" if name == "cuda" and not torch.cuda.is_available() else name
-
-
 #: The setting that names verl's fused-kernel backend, as verl's config spells it.
 IMPL_BACKEND = "actor_rollout_ref.model.fused_kernel_options.impl_backend"
 
@@ -418,7 +409,7 @@ def _patch_model(model: Any, spec: str) -> None:
     # dtype verl's FSDP engine computes in when it is the engine building this model
     check_head_runs_on(
         head,
-        _verl_device(),
+        verl_device(),
         verl_actor.building_dtype(),
         setting=IMPL_BACKEND,
         value=spec,

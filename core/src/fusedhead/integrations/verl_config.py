@@ -19,6 +19,7 @@ __all__ = [
     "loss_mode_of",
     "option",
     "policy_loss_kwargs",
+    "verl_device",
 ]
 #: The full names of the settings the fused loss needs, as verl's YAML spells them.
 _MODEL = "actor_rollout_ref.model"
@@ -296,12 +297,48 @@ def check_fused_setup(config: Any, model_config: Any, engine_config: Any = None)
             f"{ours}), or loss_mode 'vanilla' for verl's own loss"
             f"{did_you_mean(backend, loss_backends)}"
         )
+    _check_loss_capability(backend)
     sp = option(engine_config, "ulysses_sequence_parallel_size", 1) if engine_config else 1
     if isinstance(sp, int) and sp > 1:
         raise ValueError(
             f"{_LOSS_MODE}='fusedhead' with ulysses_sequence_parallel_size={sp}: each rank holds a "
             "slice of the packed sequence; use loss_mode 'vanilla' with sequence parallelism"
         )
+
+
+def verl_device() -> str:
+    """The device type verl's workers compute on: ``verl.utils.device.get_device_name``, except
+    that verl 0.9.1 names ``cuda`` also where CUDA is absent (its default), which is the CPU."""
+    import torch
+    from verl.utils.device import get_device_name
+
+    name = str(get_device_name())
+    return "cpu" if name == "cuda" and not torch.cuda.is_available() else name
+
+
+def _check_loss_capability(backend: str) -> None:
+    """``impl_backend``'s backend must declare ``policy_loss`` on verl's device: refused here,
+    when the engine is built, not at the first training micro-batch after the rollout."""
+    from fusedhead.errors import CapabilityError
+    from fusedhead.integrations.backend_spec import installed_backend_names, resolve_lm_head
+
+    setting = f"{_MODEL}.fused_kernel_options.impl_backend"
+    head = resolve_lm_head(backend, setting=setting)
+    device = verl_device()
+    if head.capabilities(device).policy_loss:
+        return
+    loss_backends = [f"fusedhead:{n}" for n in _policy_loss_backends(installed_backend_names())]
+    ours = ", ".join(repr(n) for n in loss_backends) or "none installed"
+    raise CapabilityError(
+        f"{_LOSS_MODE}='fusedhead' computes the loss inside the head, but {setting}="
+        f"{backend!r} names a backend that does not declare policy_loss on {device}",
+        capability="policy_loss",
+        hint=f"set impl_backend to one that does (installed: {ours}), or loss_mode 'vanilla' "
+        "for verl's own loss on this backend's log-probs",
+        backend=head.name,
+        distribution=head.distribution,
+        version=head.version,
+    )
 
 
 def _policy_loss_backends(names: list[str]) -> list[str]:
