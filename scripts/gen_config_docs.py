@@ -51,7 +51,7 @@ that backend (`name: type = default`), as `fusedhead info NAME` shows them.
 
 | variable | effect |
 | --- | --- |
-| `FUSEDHEAD_BACKENDS` | a comma-separated list of backend names: discovery sees only those (for locked-down jobs; [selection.md](selection.md)). A name it hides is told so when asked for; blank, or only commas, limits nothing. |
+| `FUSEDHEAD_BACKENDS` | a comma-separated list of backend names: discovery sees only those (for locked-down jobs; [selection.md](selection.md)). A name it hides is told so when asked for; blank, or only commas, limits nothing. Changed in a running process: `fusedhead.refresh()`, which forgets the heads already resolved. |
 | `FUSEDHEAD_TRACEBACK` | `1`, `true`, `yes` or `on` (any case): the `fusedhead` command prints the traceback of an error (bad input's included) before its one line, with the same exit status; `0`, `false`, `no`, `off` or unset: the one line alone. Any other value is refused. |
 | `FUSEDHEAD_VERL_FIX_TRL_PROBE` | on/off (`1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`, any case; unset or blank is off; another value is a warning naming the variable when verl is imported, and off): on, verl's plugin entry point applies `fusedhead.integrations.verl.fix_trl_value_head_probe()` in each process that imports verl ([integrations/verl.md](integrations/verl.md)). |
 | `FUSEDHEAD_GIT_COMMIT` | the tree `fusedhead bench` records as `git_commit` where the machine's `.git` is not the tree's (the GPU scripts set it): one line of printable ASCII, at most 80 characters (e.g. `abc1234+dirty`); another value is refused by name before any measuring. |

@@ -72,7 +72,31 @@ class UnmaskedIgnoredRows(_Plain):
         )
 
 
-ALL: tuple[type, ...] = (NotRunInForward, FailureInForward, NotRunInBackward, UnmaskedIgnoredRows)
+class WrongOnlyOnce(KitRef):
+    """Wrong in its first forward alone (log-probs off by 0.5), right ever after: a backend
+    whose results differ from run to run on the same inputs, as hypothesis's replay sees it."""
+
+    name: ClassVar[str] = "wrong-only-once"
+
+    def __init__(self, options: Any) -> None:
+        super().__init__(options)
+        self.calls = 0
+
+    def forward(self, call: HeadCall) -> HeadOutput:
+        out = KitRef.forward(self, call)
+        self.calls += 1
+        if self.calls > 1:
+            return out
+        return HeadOutput(out.log_probs + 0.5, out.entropy)
+
+
+ALL: tuple[type, ...] = (
+    NotRunInForward,
+    FailureInForward,
+    NotRunInBackward,
+    UnmaskedIgnoredRows,
+    WrongOnlyOnce,
+)
 
 
 def register_all() -> None:

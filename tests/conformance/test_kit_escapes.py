@@ -91,6 +91,16 @@ def test_the_kits_notrun_from_the_backend_fails_the_spawned_and_randomized_prope
     assert "raised the kit's own NotRun" in result.message
 
 
+def test_a_result_that_changes_on_hypothesis_replay_is_reported_as_the_backends(dodging):
+    """Before: "the backend raised FlakyFailure: Hypothesis ... produces unreliable results",
+    hypothesis's own exception, as if the backend had raised it."""
+    result = check_property("hypothesis_cases", "wrong-only-once")
+    assert result.outcome is Outcome.FAIL, result.line()
+    assert "FlakyFailure" not in result.message, result.message
+    assert "results differ from run to run on the same inputs" in result.message, result.message
+    assert "log_probs" in result.message, result.message  # the failure itself
+
+
 def test_determinism_and_batch_invariance_are_not_dodged(dodging):
     """The tester's case: both called the backend unwrapped, so its NotRun read 'not run'."""
     for result in check("dodge-notrun-forward", properties=["determinism", "batch_invariance"]):

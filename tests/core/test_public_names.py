@@ -74,3 +74,17 @@ def test_the_api_module_keeps_its_names(name: str) -> None:
     assert callable(getattr(api, name))
     if name in fusedhead.__all__:
         assert getattr(fusedhead, name) is getattr(api, name)
+
+
+def test_dir_lists_every_public_name_before_its_first_use() -> None:
+    """``fusedhead`` imports its public names on first use; ``dir()`` (and so tab completion)
+    listed none of them in a fresh interpreter before."""
+    import subprocess
+    import sys
+
+    code = (
+        "import fusedhead, sys; names = dir(fusedhead); "
+        "print(sorted(set(fusedhead.__all__) - set(names)), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]", "False"], out.stdout + out.stderr

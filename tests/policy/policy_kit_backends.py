@@ -204,6 +204,40 @@ class ZeroesIgnoredAdvantages(PolicyRef):
         return super().policy_loss(call)
 
 
+class ReusedStatistics(PolicyRef):
+    """Wrong: right values, but its log-probs and entropy come in buffers it keeps and refills on
+    every call, so an earlier call's statistics change under the caller."""
+
+    name: ClassVar[str] = "wrong-policy-statistics-buffer"
+
+    def __init__(self, options: NoOptions) -> None:
+        super().__init__(options)
+        self.buffers: dict[tuple[str, int], torch.Tensor] = {}
+
+    def policy_loss(self, call: PolicyLossCall) -> PolicyLossResult:
+        result = super().policy_loss(call)
+        lp, ent = (
+            self.buffers.setdefault((k, t.shape[0]), torch.empty_like(t)).copy_(t)
+            for k, t in (("lp", result.log_probs), ("ent", result.entropy))
+        )
+        return dataclasses.replace(result, log_probs=lp, entropy=ent)
+
+
+def without_kl_gradient(estimator: str) -> type[PolicyRef]:
+    """Wrong for one KL estimator: its gradients leave the KL term out (the core's loss value,
+    formed from the statistics, still has it)."""
+
+    class IgnoresKL(PolicyRef):
+        name: ClassVar[str] = f"wrong-policy-kl-{estimator.replace('+', '-plus')}"
+
+        def terms(self, call: PolicyLossCall, lp: torch.Tensor, ent: torch.Tensor) -> TokenTerms:
+            if call.kl_estimator == estimator:
+                call = dataclasses.replace(call, kl_coef=0.0)
+            return super().terms(call, lp, ent)
+
+    return IgnoresKL
+
+
 #: Each wrong backend and the property that must fail it.
 WRONG: dict[type, str] = {
     IgnoresDualClip: "policy_loss_accuracy",
@@ -214,6 +248,7 @@ WRONG: dict[type, str] = {
     NotDeterministic: "policy_loss_determinism",
     GradientsNobodyAskedFor: "policy_loss_contract",
     ZeroesIgnoredAdvantages: "policy_loss_contract",
+    ReusedStatistics: "policy_loss_contract",
 }
 ALL: tuple[type, ...] = (PolicyRef, Undeclared, *WRONG)
 

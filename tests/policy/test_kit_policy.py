@@ -8,6 +8,8 @@ from typing import Any, ClassVar
 
 import pytest
 
+from fusedhead import registry
+from fusedhead.protocol import KL_ESTIMATORS
 from fusedhead.testing import Outcome, check, check_property
 from fusedhead.testing.policy import POLICY_PROPERTIES
 
@@ -35,7 +37,11 @@ def test_the_correct_backend_passes_every_policy_property(policy_backends: Modul
         ("wrong-policy-dual-clip", "policy_loss_accuracy", ["dual_clip 1.8", "grad"]),
         ("wrong-policy-entropy-grad", "policy_loss_accuracy", ["entropy_coef", "grad"]),
         ("wrong-policy-mask", "policy_loss_ignored_rows", ["NaN/Inf", "grad hidden"]),
-        ("wrong-policy-buffers", "policy_loss_upstream_scale", ["micro-batch 1"]),
+        (  # before: only a wrong value, "grad hidden of micro-batch 1 abs err ..."
+            "wrong-policy-buffers",
+            "policy_loss_upstream_scale",
+            ["grad hidden share memory", "handed out one buffer twice"],
+        ),
         (  # before: passed, a backward after each call hiding the reuse
             "wrong-policy-weight-buffer",
             "policy_loss_upstream_scale",
@@ -47,6 +53,11 @@ def test_the_correct_backend_passes_every_policy_property(policy_backends: Modul
             "wrong-policy-writes-advantages",
             "policy_loss_contract",
             ["check_labels=False", "wrote the caller's advantages"],
+        ),
+        (  # before: passed, the core handing the backend's tensors on where every row is scored
+            "wrong-policy-statistics-buffer",
+            "policy_loss_contract",
+            ["its log_probs changed when a later call ran", "fresh tensors each call"],
         ),
     ],
 )
@@ -109,3 +120,19 @@ def test_fusedhead_info_shows_the_capability(
     for name, shown in (("policy-ref", "True"), ("policy-undeclared", "False")):
         assert cli.main(["info", name, "--device", "cpu"]) == 0
         assert f"  policy_loss: {shown}\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_the_accuracy_property_checks_the_gradient_of_every_kl_estimator(
+    policy_backends: ModuleType, estimator: str
+) -> None:
+    """A backend whose gradients leave out one estimator's KL fails ``policy_loss_accuracy`` on
+    that estimator (before, ``abs`` and ``abs+`` were never called, and such a backend passed)."""
+    cls = policy_backends.without_kl_gradient(estimator)
+    registry.register_backend(cls.name, cls, replace=True)
+    try:
+        result = check_property("policy_loss_accuracy", cls.name)
+    finally:
+        registry.unregister_backend(cls.name)
+    assert result.outcome is Outcome.FAIL, result.line()
+    assert "grad" in result.line() and estimator in result.line(), result.line()

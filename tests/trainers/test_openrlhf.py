@@ -229,6 +229,21 @@ def test_bad_backends_and_inputs(model_dir: Path) -> None:
     assert str(err.value).startswith(
         "patch_actor(backend=...)='FusedHead:torch' is not one of the accepted forms"
     )
+    # A backend that cannot run where the head's weight is: refused by patch_actor, named as
+    # its argument (before: patched, then the first forward raised without naming it).
+    from backend_stubs import gpu_only_backend
+
+    from fusedhead.errors import BackendUnavailableError
+
+    with gpu_only_backend(), pytest.raises(BackendUnavailableError) as unavailable:
+        patch_actor(actor, "fusedhead:gpu-only-test")
+    assert (
+        "patch_actor(backend=...)='fusedhead:gpu-only-test' cannot run on this trainer's device "
+        "(cpu with torch.float32)"  # the head's weight's device and dtype
+    ) in str(unavailable.value), str(unavailable.value)
+    assert "options go in a mapping: patch_actor(actor, {'backend'" in str(unavailable.value)
+    assert "'fusedhead:torch'" in str(unavailable.value)  # the fix, in the same spelling
+    assert not is_patched(actor)
     with pytest.raises(TypeError, match="score_all_positions must be a bool"):
         patch_actor(actor, "torch", score_all_positions=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="openrlhf Actor"):

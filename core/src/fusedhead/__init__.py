@@ -73,6 +73,11 @@ if TYPE_CHECKING:
     from fusedhead.registry import refresh, register_backend, unregister_backend
 
 
+def __dir__() -> list[str]:
+    """The module's names and the public ones imported on first use (``__all__``)."""
+    return sorted({*globals(), *__all__})
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:

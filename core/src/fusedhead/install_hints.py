@@ -128,14 +128,24 @@ def import_error(cand: Any, exc: ImportError, fields: dict[str, Any]) -> Excepti
             present = False
         if not present:
             required = _required_as(cand.distribution, top)
-            hint = (
-                f"pip install '{required}' (its Requires-Dist), or {reinstall} with its dependencies"
-                if required
-                else f"{reinstall} with its dependencies"
-            )
+            if required:
+                why = f"a dependency of {dist}"
+                hint = (
+                    f"pip install '{required}' (its Requires-Dist), or {reinstall} with its "
+                    "dependencies"
+                )
+            else:  # declared under another pip name (yaml: PyYAML), or not declared at all
+                why = (
+                    f"{dist} imports it; its Requires-Dist names no distribution {top!r}: a "
+                    "dependency under another name, or one it does not declare"
+                )
+                hint = (
+                    f"{reinstall} with its dependencies; if {top!r} is still missing, install "
+                    f"the package that provides it (its pip name may differ) and report the "
+                    f"missing requirement to the authors of {dist}"
+                )
             return MissingDependencyError(
-                f"could not be imported: the module {top!r} is not installed (a dependency of "
-                f"{dist}) ({exc})",
+                f"could not be imported: the module {top!r} is not installed ({why}) ({exc})",
                 missing=top,
                 hint=hint,
                 **fields,

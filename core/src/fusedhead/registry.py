@@ -487,9 +487,15 @@ def verify_backend_class(cls: Any, **fields: Any) -> None:
         return BackendLoadError(reason, hint=hint, **fields)
 
     if not isinstance(cls, type):
+        if inspect.ismodule(cls):
+            got = f"the module {cls.__name__!r}"
+        elif inspect.isroutine(cls):
+            got = f"the function {getattr(cls, '__qualname__', cls)!r}"
+        else:
+            got = f"an instance of {type(cls).__name__}"
         raise broken(
-            f"the entry point must name a class, got {type(cls).__name__}",
-            "point the entry point at the backend class",
+            f"the entry point must name a class, got {got}",
+            "point the entry point at the backend class (module:Class), not an instance of it",
         )
     if getattr(cls, "name", None) != name:
         raise broken(

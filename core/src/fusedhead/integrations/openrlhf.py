@@ -24,7 +24,7 @@ docs/integrations/openrlhf.md).
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from torch import nn
 from fusedhead.api import FusedHead, FusedHeadOutput
 from fusedhead.integrations.backend_spec import (
     HeadLike,
+    check_head_runs_on,
     resolve_lm_head,
 )
 from fusedhead.integrations.lm_head import (
@@ -117,9 +118,20 @@ def patch_actor(
             "multimodal inputs and M-RoPE positions fusedhead does not reproduce"
         )
     ring = _ring_utils()
-    _parts(actor)  # fail now, not on the first step
+    _, lm_head = _parts(actor)  # fail now, not on the first step
     # an unknown or malformed name is reported as this argument's value, as it was written
-    head = resolve_lm_head(backend, setting="patch_actor(backend=...)")
+    setting = "patch_actor(backend=...)"
+    head = resolve_lm_head(backend, setting=setting)
+    weight = cast(torch.Tensor, lm_head.weight)  # _parts returned an nn.Linear
+    if weight.device.type != "meta":  # the backend must run where the head's weight is, named now
+        check_head_runs_on(
+            head,
+            weight.device,
+            weight.dtype,
+            setting=setting,
+            value=backend if isinstance(backend, str) else None,
+            options_via="a mapping: patch_actor(actor, {'backend': NAME, 'options': {...}})",
+        )
     unpatch_actor(actor)
     original = actor.forward
 

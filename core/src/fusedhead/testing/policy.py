@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fusedhead.protocol import KL_ESTIMATORS
 from fusedhead.reference import policy_loss_from_log_probs
 from fusedhead.testing.inputs import (
     FLAT,
@@ -373,10 +374,12 @@ def policy_loss_accuracy(target: Target) -> None:
     # A fixed horizon for the norm mode (verl's loss_scale_factor), over the packed sequences.
     kw = batch.kwargs(dual_clip=None, tis=False, aggregation="seq-mean-token-sum-norm")
     _check(target, batch, {**kw, "cu_seqlens": cu, "horizon": 2.0 * n}, packed.description)
-    # verl's straight-through KL forms (the value, k2's gradient), abs, and TRL's unclamped k3,
-    # with a reference 3 nats above half the tokens, past k3's clamp of the KL at 10.
+    # Every other estimator of the protocol (verl's abs, its straight-through forms: the value,
+    # k2's gradient; TRL's unclamped k3) and k3 again, with a reference 3 nats above half the
+    # tokens, past k3's clamp of the KL at 10.
     far = batch.ref_log_probs + 3.0 * (torch.arange(n).reshape(1, n) % 2)
-    for estimator in ("k1+", "k3+", "k3-unclamped", "k3"):
+    swept = {p["kl_estimator"] for p in PENALTIES if "kl_estimator" in p}
+    for estimator in (*(e for e in KL_ESTIMATORS if e not in swept), "k3"):
         kw = batch.kwargs(dual_clip=None, tis=False, kl_coef=0.1, kl_estimator=estimator)
         _check(target, batch, {**kw, "ref_log_probs": far}, f"{packed.description}, {estimator}")
     # On-policy: old_log_probs None (the current policy's, ratio 1): PolicyLossCall.old_log_probs
@@ -543,6 +546,12 @@ def _two_micro_batches(
     want1 = _Expected(first[0], target, first[1], upstream=0.5)
     want2 = _Expected(second[0], target, second[1], upstream=0.5)
     try:
+        grads = [hp.grad for hp in hiddens if hp.grad is not None]
+        if len(grads) == 2 and len({_storage(g) for g in grads}) == 1:
+            raise PropertyFailure(
+                "the two micro-batches' grad hidden share memory: the backend handed out one "
+                "buffer twice (PolicyLossResult's gradients are fresh tensors each call)"
+            )
         for i, (hp, want) in enumerate(zip(hiddens, (want1, want2), strict=True)):
             if hp.grad is None:
                 raise PropertyFailure(f"grad hidden of micro-batch {i + 1} is None")
@@ -564,6 +573,10 @@ def _two_micro_batches(
         )
     except PropertyFailure as exc:
         raise PropertyFailure(f"{label}: {exc}") from None
+
+
+def _storage(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
 
 
 def _bitwise(what: str, a: Any, b: Any) -> None:
@@ -613,7 +626,7 @@ def policy_loss_determinism(target: Target) -> None:
 
 
 def policy_loss_contract(target: Target) -> None:
-    """If declared: the output's types and shapes, gradients only where asked, none under no_grad, a second backward and create_graph refused, unchecked out-of-range labels NaN, the inputs never written."""
+    """If declared: the output's types and shapes, gradients only where asked, none under no_grad, a second backward and create_graph refused, unchecked out-of-range labels NaN, the inputs never written, the statistics fresh each call."""
     from fusedhead.policy_output import PolicyLossOutput
 
     _declared(target)
@@ -730,6 +743,37 @@ def policy_loss_contract(target: Target) -> None:
         raise PropertyFailure(f"{label}: loss {float(out.loss)!r}, float64 {want.loss!r}")
     _unchecked_labels(target, batch)
     _inputs_unchanged(target)
+    _fresh_statistics(target)
+
+
+def _fresh_statistics(target: Target) -> None:
+    """Each call's log-probs and entropy are its own: a later call leaves them as they were.
+    Every row scored, checked and unchecked: then the core hands the backend's tensors on as
+    they are, and a buffer it reused would give an earlier micro-batch another's values."""
+    n, h, v = target.sizes.small
+    for every_row in (False, True):
+        kept: list[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+        for seed in (78, 79):
+            case = make_case(n, h, v, scale=FLAT, seed=seed, ignore_fraction=0.0)
+            batch = _Batch(target, case, seed=seed)
+            label = f"{case.description}{', unchecked' if every_row else ''}"
+            kw = batch.kwargs(dual_clip=None, tis=False, **PENALTIES[0])
+            try:
+                out, _, _ = _call(target, batch, kw, every_row=every_row)
+            except Exception as exc:
+                raise PropertyFailure(
+                    f"{label}: the call raised {type(exc).__name__}: {exc}"
+                ) from exc
+            stats = {"log_probs": out.log_probs, "entropy": out.entropy}
+            for earlier, then, values in kept:
+                for k, t in then.items():
+                    if not torch.equal(t, values[k]):
+                        raise PropertyFailure(
+                            f"{earlier}: its {k} changed when a later call ran ({label}): "
+                            "PolicyLossResult's statistics are fresh tensors each call, never a "
+                            "buffer the backend reuses"
+                        )
+            kept.append((label, stats, {k: t.clone() for k, t in stats.items()}))
 
 
 def _inputs_unchanged(target: Target) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from fusedhead.testing.inputs import Case, make_case
 from fusedhead.testing.measure import check_against_reference
-from fusedhead.testing.outcome import NotRun
+from fusedhead.testing.outcome import NotRun, PropertyFailure
 from fusedhead.testing.target import Target
 
 PATTERNS = (
@@ -48,6 +48,7 @@ def hypothesis_cases(target: Target) -> None:
     try:
         from hypothesis import HealthCheck, Phase, Verbosity, given, settings
         from hypothesis import strategies as st
+        from hypothesis.errors import FlakyFailure
     except ImportError as exc:
         from fusedhead.install_hints import extra_command
 
@@ -105,7 +106,14 @@ def hypothesis_cases(target: Target) -> None:
             seed=p["seed"],
         )
 
-    run()
+    try:
+        run()
+    except FlakyFailure as exc:  # an example that failed, then passed when hypothesis re-ran it
+        first = exc.exceptions[0] if exc.exceptions else exc
+        raise PropertyFailure(
+            "an example failed and then passed when hypothesis ran it again: the backend's "
+            f"results differ from run to run on the same inputs. The failure: {first}"
+        ) from None
 
 
 RANDOMIZED = {"hypothesis_cases": hypothesis_cases}
