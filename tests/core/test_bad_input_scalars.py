@@ -143,7 +143,9 @@ def test_numpy_scalars_are_floats_and_numpy_bools_are_not(ref_backend, inputs):
     got = head(h, w, y, temperature=np.float32(0.75), softcap=np.int64(30))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     for bad in (np.bool_(True), True):
-        with pytest.raises(TypeError, match="temperature must be a float, got"):
+        with pytest.raises(
+            TypeError, match=r"temperature must be a float or a tensor \(per token\), got"
+        ):
             head(h, w, y, temperature=bad)
     with pytest.raises(ValueError, match=r"got 0\.0"):
         head(h, w, y, temperature=np.float32(0.0))

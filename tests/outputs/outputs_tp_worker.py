@@ -141,6 +141,29 @@ def shard(case: dict[str, Any], world: int, rank: int) -> tuple[int, int]:
     return b[r], b[r + 1]
 
 
+#: The row whose NaN poisons every row's logits in ``nan_column_ids`` (in the last shard).
+NAN_ROW = 100
+
+
+def nan_column_ids(start: int, stop: int, group: Any) -> dict[str, torch.Tensor]:
+    """Argmax and top-k ids where weight row ``NAN_ROW`` is NaN: every scored row's logits hold a
+    NaN, so each has no most likely id (-1) in one process, and must have none at any degree
+    (gloo's MAX all-reduce of the row max may drop the NaN)."""
+    from fusedhead import fused_head
+
+    x = inputs()
+    weight = x["weight"].clone()
+    weight[NAN_ROW] = float("nan")
+    kw: dict[str, Any] = {}
+    if group is not None:
+        kw = {"process_group": group, "vocab_start": start, "vocab_size": V}
+    with torch.no_grad():
+        out = fused_head(
+            x["hidden"], weight[start:stop], x["labels"], top_k=2, return_argmax=True, **kw
+        )
+    return {"argmax": out.argmax, "topk_ids": out.topk_ids, "log_probs": out.log_probs}
+
+
 def worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -152,6 +175,8 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
             start, stop = shard(case, world, rank)
             k = case.get("top_k", TOP_K)
             results[name] = run(x, start, stop, case["reduce"], dist.group.WORLD, k)
+        start, stop = shard(CASES["uneven"], world, rank)
+        results["nan-column"] = nan_column_ids(start, stop, dist.group.WORLD)
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -128,3 +128,16 @@ def test_top_k_and_argmax_are_declared_under_a_process_group():
     for kw in ({"top_k": 2}, {"extras": frozenset({"argmax"})}):
         call = HeadCall.make(h, w, y, process_group=object(), **kw)
         assert gate_head(call, caps, {}) is call  # passes the gate unchanged
+
+
+def test_a_nan_logit_in_another_ranks_shard_leaves_every_row_without_ids(ranks):
+    """Before: gloo's MAX all-reduce dropped the NaN from some rows' max, and those rows named the
+    NaN column (or another) as their argmax on every rank, where one process gives -1."""
+    single = tp.nan_column_ids(0, tp.V, None)
+    scored = tp.inputs()["labels"] != -100
+    assert bool(single["log_probs"][scored].isnan().all())
+    assert bool((single["argmax"] == -1).all()) and bool((single["topk_ids"] == -1).all())
+    for r, res in enumerate(ranks):
+        got = res["nan-column"]
+        assert torch.equal(got["argmax"], single["argmax"]), f"rank {r}: {got['argmax'].tolist()}"
+        assert torch.equal(got["topk_ids"], single["topk_ids"]), f"rank {r}"

@@ -59,3 +59,28 @@ def test_a_scored_row_without_a_max_logit_has_no_ids(backend, options, softcap):
     assert torch.equal(out.argmax[good], clean.argmax[good])
     assert torch.equal(out.topk_ids[good], clean.topk_ids[good])
     assert out.argmax[5] == -1 and 0 <= int(clean.argmax[0]) < V
+
+
+@pytest.mark.parametrize("poison", ["nan-weight-row", "inf-hidden-row"])
+def test_a_row_with_a_nan_or_infinite_logit_has_no_ids_on_every_backend(poison):
+    """A NaN weight row gives every row one NaN logit; a hidden row of +inf gives its row NaN and
+    infinite logits. Each such row's log-probs are NaN and its ids -1 on both backends. Before,
+    triton ranked the other columns (and named the +inf column), torch read -1."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(N, H, generator=g)
+    weight = torch.randn(V, H, generator=g) / 4
+    labels = torch.randint(0, V, (N,), generator=g)
+    if poison == "nan-weight-row":
+        weight[7] = float("nan")
+        bad = list(range(N))
+    else:
+        hidden[2] = float("inf")
+        bad = [2]
+    for backend, options in CASES.values():
+        out = fused_head(
+            hidden, weight, labels, return_argmax=True, top_k=K, backend=backend,
+            options=options, check_labels=False,
+        )  # fmt: skip
+        assert out.argmax[bad].tolist() == [-1] * len(bad), (backend, out.argmax.tolist())
+        assert out.topk_ids[bad].tolist() == [[-1] * K] * len(bad), backend
+        assert bool(out.log_probs[bad].isnan().all()), backend

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from fusedhead.checks import (
     tensor_arg,
     width_mismatch,
 )
+from fusedhead.errors import type_name
 from fusedhead.protocol import KL_DIRECTIONS, HeadCall, KLCall
 from fusedhead.request import FIRST_FLAG, OUTPUT_FLAGS, HeadRequest
 
@@ -342,6 +344,10 @@ def _temperature(
     if value.__class__ is float and SCALAR_LO <= value <= SCALAR_HI:  # type: ignore[operator]
         return value  # type: ignore[return-value]
     if not isinstance(value, torch.Tensor):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(
+                f"{arg} must be a float or a tensor (per token), got {type_name(value)} {value!r}"
+            )
         return positive_float(arg, value)
     t = tensor_arg(arg, value)
     if not t.is_floating_point():

@@ -478,9 +478,11 @@ class ChunkedHeadOutputs(torch.autograd.Function):
         topk_ids = _unasked(dev, torch.int64)
         argmax = _unasked(dev, torch.int64)
         if walk.cand_vals is not None and walk.cand_ids is not None:
-            # A row whose scaled logits have no max (NaN: a NaN hidden state or temperature) has
-            # no most likely id: -1, as an ignored row's, never an id ranked by NaN's order.
-            ranked = valid & ~torch.isnan(stats.m)
+            # A row whose normaliser is NaN (a NaN or infinite logit: a NaN hidden state or
+            # temperature, a NaN or inf weight row) has no most likely id: -1, as an ignored
+            # row's, never an id ranked by NaN's order. Read from s, which a process group's SUM
+            # keeps NaN on every rank (its MAX of m may drop a NaN).
+            ranked = valid & ~torch.isnan(stats.m) & ~torch.isnan(log_s)
             ids = torch.where(ranked.unsqueeze(1), walk.cand_ids, -1)
             if spec.argmax:
                 argmax = ids[:, 0].contiguous()

@@ -49,7 +49,7 @@ from .launch import (
     sort_ids,
     tile_sums,
 )
-from .topk import finish, topk_partials
+from .topk import finish, ranked_rows, topk_partials
 
 
 class Values(NamedTuple):
@@ -130,6 +130,8 @@ def forward_values(
             p, zg, gather_ids, labels, sc, v_local, cfg, entropy, sum_p2, argmax, group, vocab_size
         )  # fmt: skip
     valid = labels != ig
+    if arg_out is not None:
+        arg_out = torch.where(ranked_rows(log_s), arg_out, -1)
     tk = None if top is None else finish(top, m, log_s, labels, ig)
     return Values(
         lp, torch.stack((m, log_s)), ent if entropy else _empty(lp), torch.where(valid, lse, 0.0),
