@@ -169,6 +169,21 @@ def _malformed_name(setting: str, shown: object) -> NoReturn:
     )
 
 
+def lacks_policy_loss(head: FusedHead, reason: str, hint: str) -> Exception:
+    """The ``CapabilityError`` a trainer's setting gets for a backend that does not declare
+    ``policy_loss``, carrying the backend's identity."""
+    from fusedhead.errors import CapabilityError
+
+    return CapabilityError(
+        reason,
+        capability="policy_loss",
+        hint=hint,
+        backend=head.name,
+        distribution=head.distribution,
+        version=head.version,
+    )
+
+
 #: A backend's own advice in fusedhead's Python terms (``options={...}``, ``backend="torch"``),
 #: which a trainer's setting may not be able to express.
 _API_ADVICE = re.compile(r"\b(options|backend)\s*=")

@@ -22,9 +22,9 @@ from torch import nn
 
 from fusedhead.api import FusedHead
 from fusedhead.checks import check_clip_low, real_in
-from fusedhead.errors import CapabilityError
 from fusedhead.integrations.backend_spec import (
     HeadLike,
+    lacks_policy_loss,
 )
 from fusedhead.integrations.lm_head import (
     lm_head_policy_loss,
@@ -275,15 +275,12 @@ def check_policy_loss_args(
     fused = check_args_device(args) if head is None else head
     device = trainer_device(args)[0]
     if not fused.capabilities(device).policy_loss:
-        raise CapabilityError(
+        raise lacks_policy_loss(
+            fused,
             f"fused_policy_loss=True needs a backend that declares policy_loss on "
             f"{device.type}; {fused.name!r} does not",
-            capability="policy_loss",
-            hint=f"name one in {setting} (e.g. 'torch', or 'triton' on a GPU), or set "
+            f"name one in {setting} (e.g. 'torch', or 'triton' on a GPU), or set "
             "fused_policy_loss=False",
-            backend=fused.name,
-            distribution=fused.distribution,
-            version=fused.version,
         )
 
 

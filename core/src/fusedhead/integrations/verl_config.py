@@ -319,8 +319,11 @@ def verl_device() -> str:
 def _check_loss_capability(backend: str) -> None:
     """``impl_backend``'s backend must declare ``policy_loss`` on verl's device: refused here,
     when the engine is built, not at the first training micro-batch after the rollout."""
-    from fusedhead.errors import CapabilityError
-    from fusedhead.integrations.backend_spec import installed_backend_names, resolve_lm_head
+    from fusedhead.integrations.backend_spec import (
+        installed_backend_names,
+        lacks_policy_loss,
+        resolve_lm_head,
+    )
 
     setting = f"{_MODEL}.fused_kernel_options.impl_backend"
     head = resolve_lm_head(backend, setting=setting)
@@ -329,15 +332,12 @@ def _check_loss_capability(backend: str) -> None:
         return
     loss_backends = [f"fusedhead:{n}" for n in _policy_loss_backends(installed_backend_names())]
     ours = ", ".join(repr(n) for n in loss_backends) or "none installed"
-    raise CapabilityError(
+    raise lacks_policy_loss(
+        head,
         f"{_LOSS_MODE}='fusedhead' computes the loss inside the head, but {setting}="
         f"{backend!r} names a backend that does not declare policy_loss on {device}",
-        capability="policy_loss",
-        hint=f"set impl_backend to one that does (installed: {ours}), or loss_mode 'vanilla' "
-        "for verl's own loss on this backend's log-probs",
-        backend=head.name,
-        distribution=head.distribution,
-        version=head.version,
+        f"set impl_backend to one that does (installed: {ours}), or loss_mode 'vanilla' for "
+        "verl's own loss on this backend's log-probs",
     )
 
 
