@@ -8,9 +8,11 @@ group ``fusedhead.hooks`` (loaded on the first resolution, not on import or list
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata as md
+import inspect
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pluggy
@@ -53,43 +55,93 @@ _from_entry_points: list[str] = []
 skipped: dict[str, str] = {}
 
 
-@functools.lru_cache(maxsize=1)
+_manager: pluggy.PluginManager | None = None
+#: Held while the manager is made or its entry-point plugins reloaded: one manager a process,
+#: each installed plugin imported once, however many threads resolve their first head at once.
+_lock = threading.RLock()
+
+
 def plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager, with installed hook plugins loaded."""
-    pm = pluggy.PluginManager(PROJECT)
-    pm.add_hookspecs(HookSpecs)
-    _load_entry_points(pm)
-    return pm
+    global _manager
+    pm = _manager
+    if pm is not None:
+        return pm
+    with _lock:
+        if _manager is None:
+            made = pluggy.PluginManager(PROJECT)
+            made.add_hookspecs(HookSpecs)
+            _load_entry_points(made)
+            _manager = made
+        return _manager
 
 
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
-    """Load each installed hook plugin on its own: one that fails is skipped with a warning,
-    so a broken observer never breaks the selection of a backend."""
+    """Load each installed hook plugin on its own: one that fails (its import, a ``sys.exit()``
+    in it included, or its shape) is skipped with a warning, so a broken observer never breaks
+    the selection of a backend."""
+    for where, ep in installed_hook_plugins():
+        if pm.has_plugin(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+            _check_shape(plugin)
+            pm.register(plugin, name=ep.name)
+            _check_hook_names(pm, ep.name)
+        except (Exception, SystemExit) as exc:  # a plugin's sys.exit() is its bug too
+            if pm.has_plugin(ep.name):
+                pm.unregister(name=ep.name)
+            skipped[ep.name] = f"{where}: {type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"fusedhead hook plugin {ep.name!r} from {where} failed to load and is "
+                f"skipped: {type(exc).__name__}: {exc}",
+                HookPluginWarning,
+                stacklevel=2,
+            )
+            continue
+        _from_entry_points.append(ep.name)
+
+
+def installed_hook_plugins() -> Iterator[tuple[str, md.EntryPoint]]:
+    """Each installed ``fusedhead.hooks`` entry point, with where it comes from (for messages)."""
     for dist in md.distributions():
         for ep in dist.entry_points:
-            if ep.group != HOOKS_ENTRY_POINT_GROUP or pm.has_plugin(ep.name):
-                continue
-            where = f"{dist.metadata['Name']} {dist.version} ({ep.value})"
-            try:
-                pm.register(ep.load(), name=ep.name)
-            except Exception as exc:
-                skipped[ep.name] = f"{where}: {type(exc).__name__}: {exc}"
-                warnings.warn(
-                    f"fusedhead hook plugin {ep.name!r} from {where} failed to load and is "
-                    f"skipped: {type(exc).__name__}: {exc}",
-                    HookPluginWarning,
-                    stacklevel=2,
-                )
-                continue
-            _from_entry_points.append(ep.name)
+            if ep.group == HOOKS_ENTRY_POINT_GROUP:
+                yield f"{dist.metadata['Name']} {dist.version} ({ep.value})", ep
+
+
+def _check_shape(plugin: object) -> None:
+    """A hook plugin is a module or an instance: a class's hook methods would be called without
+    their instance (every resolution would then fail with a missing argument)."""
+    if inspect.isclass(plugin):
+        raise TypeError(
+            f"the entry point names the class {plugin.__qualname__}, not an instance of it: "
+            "point it at a module or an instance (module:plugin, plugin = "
+            f"{plugin.__qualname__}())"
+        )
+
+
+def _check_hook_names(pm: pluggy.PluginManager, name: str) -> None:
+    """Every ``@hookimpl`` of the plugin implements a hook fusedhead specifies (a misspelt one
+    would never be called, silently)."""
+    known = {spec for spec in dir(HookSpecs) if spec.startswith("fusedhead_")}
+    for caller in pm.get_hookcallers(pm.get_plugin(name)) or []:
+        if caller.name not in known:
+            raise ValueError(
+                f"its @hookimpl {caller.name!r} is no fusedhead hook (known: {sorted(known)})"
+            )
 
 
 def reload_entry_points() -> None:
     """Drop the hook plugins loaded from entry points and load the installed ones again
     (plugins registered in-process stay)."""
-    if plugin_manager.cache_info().currsize == 0:
+    if _manager is None:
         return
-    pm = plugin_manager()
+    with _lock:
+        _reload(_manager)
+
+
+def _reload(pm: pluggy.PluginManager) -> None:
     for name in _from_entry_points:
         plugin = pm.get_plugin(name)
         if plugin is not None:
