@@ -49,6 +49,8 @@ def _backend_name(backend: object) -> str:
 #: Resolved heads by (backend, options key), and by ("mapping" | "config", text, None) for
 #: ``cached_head`` (three items: never equal to a backend's key, whatever the backend's name).
 _cache: dict[tuple[Any, ...], FusedHead] = {}
+#: The same heads by their validated settings (``_head_for``): one head per settings.
+_by_settings: dict[str, FusedHead] = {}
 _lock = threading.RLock()  # cached_head resolves a mapping through the config path
 
 #: Option values a key holds as themselves (class included: 1, 1.0 and True are three keys, as
@@ -103,8 +105,23 @@ def get_fused_head(backend: str, options: Mapping[str, Any] | BaseModel | None =
                 opts = (
                     options.model_dump() if isinstance(options, BaseModel) else dict(options or {})
                 )
-                head = FusedHead(FusedHeadConfig.from_arguments(backend=backend, options=opts))
+                head = _head_for(FusedHeadConfig.from_arguments(backend=backend, options=opts))
                 _cache[key] = head
+    return head
+
+
+def _head_for(config: FusedHeadConfig) -> FusedHead:
+    """The one head of ``config``'s settings (under ``_lock``): configs whose validated options
+    are equal (a default spelled out or left out, a NumPy int for an int, a backend's Options
+    model) share it, so the provenance hook fires once for them."""
+    fields = config.to_dict()
+    if config.resolved is not None:
+        fields["options"] = config.resolved.options.model_dump(mode="json")
+    key = json.dumps(fields, sort_keys=True, default=repr)
+    head = _by_settings.get(key)
+    if head is None:
+        head = FusedHead(config)
+        _by_settings[key] = head
     return head
 
 
@@ -166,7 +183,7 @@ def cached_head(config: FusedHeadConfig | Mapping[str, Any] | FusedHead | None) 
             head = _cache.get(key)
             if head is None:
                 if isinstance(config, FusedHeadConfig):
-                    head = FusedHead(config)
+                    head = _head_for(config)
                 else:  # a mapping: validated into a config, which has its own entry
                     head = cached_head(FusedHeadConfig.from_dict(dict(config or {})))
                 _cache[key] = head
@@ -197,6 +214,7 @@ def _forget() -> None:
     """``refresh()``: every resolved head dropped; a graph that read one retraces on its next call."""
     with _lock:
         _cache.clear()
+        _by_settings.clear()
         _graph_names.clear()
         vars(_graph).clear()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import json
 import math
 import numbers
 import os
@@ -69,7 +70,10 @@ def _clean_error(exc: ValidationError, *, arguments: bool = False) -> Exception:
         return inner
     what = "argument" if arguments else "field"
     phrases, _first, _expected, all_type = problems(exc, FusedHeadConfig, what)
-    message = ("" if arguments else "FusedHeadConfig: ") + "; ".join(phrases)
+    message = "; ".join(phrases)
+    if not arguments and not message.startswith("FusedHeadConfig: "):  # model_validate runs
+        message = "FusedHeadConfig: " + message  # __init__, whose error is cleaned already
+
     if any(p.startswith(f"unknown {what}") for p in phrases):
         message += f". {what.capitalize()}s: {', '.join(FusedHeadConfig.model_fields)}"
     if any(p.startswith(f"unknown {what} {YAML_SECTION!r}") for p in phrases):
@@ -141,6 +145,11 @@ class FusedHeadConfig(BaseModel):
             return super().model_validate(obj, *args, **kwargs)
         except ValidationError as exc:
             raise _clean_error(exc) from None
+
+    def __hash__(self) -> int:
+        """The hash of its settings (their JSON text), so a config can key a dict or a cache
+        (pydantic's frozen hash fails on the options dict); equal configs hash equal."""
+        return hash(json.dumps(self.to_dict(), sort_keys=True, default=repr))
 
     @property
     def resolved(self) -> Any:

@@ -78,8 +78,15 @@ class FusedHead:
             raise TypeError(
                 f"config must be a FusedHeadConfig or a mapping, got {type(config).__name__}"
             )
-        self.config = config
         resolved = registry.resolve(config.backend, config.options, config.resolved)
+        # The head's own copy, its options the ones it runs: a caller's config whose options
+        # dict is changed in place later neither changes the head nor its reported settings.
+        self.config = config.model_copy(
+            update={
+                "options": resolved.options.model_dump(mode="json", exclude_unset=True),
+                "require": list(config.require),
+            }
+        )
         self.distribution = resolved.entry.distribution
         self.version = resolved.entry.version
         self.options = resolved.options

@@ -13,6 +13,7 @@ import importlib
 import importlib.metadata as md
 import importlib.util
 import inspect
+import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -422,11 +423,18 @@ def resolve(name: str, options: Any = None, earlier: Resolved | None = None) -> 
 
 
 def _validated(earlier: Resolved, options: Any) -> bool:
-    """Whether ``options`` are what ``earlier`` validated (a config keeps them as its JSON dump)."""
+    """Whether ``options`` are what ``earlier`` validated (a config keeps them as its JSON dump),
+    compared as JSON text: ``True`` is not ``1``, nor ``1.0``, though Python finds them equal, so
+    a value changed in place to another type is validated again."""
     if options is None or options is earlier.options:
         return True
+    if not isinstance(options, Mapping):
+        return False
     dumped = earlier.options.model_dump(mode="json", exclude_unset=True)
-    return isinstance(options, Mapping) and dict(options) == dumped
+    try:
+        return json.dumps(dict(options), sort_keys=True) == json.dumps(dumped, sort_keys=True)
+    except (TypeError, ValueError):  # not JSON (a NumPy number): validated again
+        return False
 
 
 def _identity_of(name: str) -> tuple[str | None, str | None]:
