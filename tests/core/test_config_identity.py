@@ -94,3 +94,37 @@ def test_model_validate_names_the_config_once() -> None:
     with pytest.raises(ValueError) as err:
         FusedHeadConfig.model_validate({"temperature": -1.0})
     assert str(err.value).startswith("FusedHeadConfig: field 'temperature' = -1.0 (float)")
+
+
+def test_a_config_changed_in_place_gets_its_own_head_and_no_one_else_does() -> None:
+    """The head cache keys on the options as they are at the call, not as first validated
+    (before: the 128-row head was filed under 64 rows, and a caller asking for 64 got it)."""
+    fusedhead.refresh()
+    try:
+        config = FusedHeadConfig.from_dict({"backend": "torch", "options": {"chunk_rows": 64}})
+        config.options["chunk_rows"] = 128
+        assert cached_head(config).options.chunk_rows == 128
+        assert get_fused_head("torch", {"chunk_rows": 64}).options.chunk_rows == 64
+    finally:
+        fusedhead.refresh()
+
+
+@pytest.mark.parametrize("same_qualname", [True, False])
+def test_a_replaced_registration_is_what_runs_next(same_qualname: bool) -> None:
+    """``register_backend(..., replace=True)`` forgets what was resolved to the class it replaces
+    (before: the old class kept running, through the loaded-class cache, a class redefined under
+    the same qualname, and through the cached heads)."""
+    from fusedhead.registry import register_backend, unregister_backend
+    from fusedhead_torch.backend import TorchBackend
+
+    first = type("Mine", (TorchBackend,), {"name": "replace-test", "__qualname__": "Mine"})
+    again = "Mine" if same_qualname else "MineAgain"
+    second = type(again, (TorchBackend,), {"name": "replace-test", "__qualname__": again})
+    register_backend("replace-test", first)
+    try:
+        assert type(get_fused_head("replace-test").backend) is first
+        register_backend("replace-test", second, replace=True)
+        assert type(get_fused_head("replace-test").backend) is second
+        assert type(FusedHead(backend="replace-test").backend) is second
+    finally:
+        unregister_backend("replace-test")

@@ -116,3 +116,46 @@ def test_threads_resolving_their_first_head_at_once_make_one_manager(fresh_manag
     assert len({id(pm) for pm in managers}) == 1
     assert hooks._from_entry_points == ["good"]
     assert sum(issubclass(w.category, HookPluginWarning) for w in caught) == 3
+
+
+def test_register_hooks_refuses_what_an_entry_point_is_refused_for() -> None:
+    """Before: a class was registered and every resolution then failed with a missing argument;
+    a misspelt hook was registered and never called."""
+    from fusedhead.hooks import hookimpl
+
+    class Observer:
+        @hookimpl
+        def fusedhead_backend_resolved(self, name, distribution, version, options, capabilities):  # type: ignore[no-untyped-def]
+            pass
+
+    class Misspelt:
+        @hookimpl
+        def fusedhead_backend_resolve(self, name):  # type: ignore[no-untyped-def]
+            pass
+
+    with pytest.raises(
+        TypeError, match=r"register_hooks got the class .*Observer, not an instance"
+    ):
+        hooks.register_hooks(Observer)
+    misspelt = Misspelt()
+    with pytest.raises(ValueError, match="'fusedhead_backend_resolve' is no fusedhead hook"):
+        hooks.register_hooks(misspelt)
+    assert not hooks.plugin_manager().is_registered(misspelt)
+    out = fused_head(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2]))
+    assert out.log_probs.shape == (3,)
+
+
+def test_a_second_plugin_of_one_name_is_skipped_with_a_warning(
+    fresh_manager: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the second distribution's plugin was dropped without a word."""
+
+    def two_claims() -> Iterator[tuple[str, md.EntryPoint]]:
+        for dist in ("fh-hooks-a 1.0", "fh-hooks-b 2.0"):
+            group = hooks.HOOKS_ENTRY_POINT_GROUP
+            yield f"{dist} (fh_hooks_good)", md.EntryPoint("good", "fh_hooks_good", group)
+
+    monkeypatch.setattr(hooks, "installed_hook_plugins", two_claims)
+    with pytest.warns(HookPluginWarning, match=r"'good' from fh-hooks-b 2\.0 .* is skipped: "):
+        hooks.plugin_manager()
+    assert hooks._from_entry_points == ["good"]

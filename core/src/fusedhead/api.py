@@ -114,9 +114,11 @@ def _head_for(config: FusedHeadConfig) -> FusedHead:
     """The one head of ``config``'s settings (under ``_lock``): configs whose validated options
     are equal (a default spelled out or left out, a NumPy int for an int, a backend's Options
     model) share it, so the provenance hook fires once for them."""
-    fields = config.to_dict()
-    if config.resolved is not None:
-        fields["options"] = config.resolved.options.model_dump(mode="json")
+    from fusedhead import registry
+
+    # The options as they are now (a dict changed in place since validation is validated again)
+    resolved = registry.resolve(config.backend, config.options, config.resolved)
+    fields = {**config.to_dict(), "options": resolved.options.model_dump(mode="json")}
     key = json.dumps(fields, sort_keys=True, default=repr)
     head = _by_settings.get(key)
     if head is None:

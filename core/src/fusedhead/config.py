@@ -121,7 +121,7 @@ class FusedHeadConfig(BaseModel):
     return_entropy: bool = Field(True, description="Compute the entropy output by default.")
     check_labels: bool = Field(
         True,
-        description="Validate the values of labels (their range), gather_ids, a per-token temperature tensor where given and, in a policy loss, its per-token log-probs and advantages (finite on scored rows); one device-to-host read for all of a call's value checks, on CUDA after the backend has queued its kernels; under torch.compile one op of the graph each, the same ValueError. False skips them all (no read: CUDA graphs), and a bad value then gives its row wrong values (NaN, inf, or a negative temperature's reversed ranking), never an out-of-bounds read.",
+        description="Validate the values of labels (their range), gather_ids, a per-token temperature tensor where given and, in a policy loss, its per-token old, reference and rollout log-probs and advantages (finite on scored rows) and a loss_normalizer tensor (a count); one device-to-host read for all of a call's value checks, on CUDA after the backend has queued its kernels; under torch.compile one op of the graph each, the same ValueError. False skips them all (no read: CUDA graphs), and a bad value then gives its row wrong values (NaN, inf, or a negative temperature's reversed ranking), never an out-of-bounds read.",
     )
     softcap: float | None = Field(
         None,

@@ -41,8 +41,6 @@ EXTRA_FIELDS: tuple[str, ...] = (
     "topk_log_probs",
     "gathered",
 )
-#: Outputs past (log_probs, entropy).
-EXTRA_OUTPUTS: tuple[str, ...] = ("lse", "sum_p2", "argmax", "topk", "gather")
 #: Fields that are integer ids, never differentiable.
 _ID_FIELDS = frozenset({"argmax", "topk_ids"})
 #: The outputs every backend computes; a call asking for no more takes the short path.

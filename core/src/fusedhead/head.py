@@ -28,15 +28,13 @@ from fusedhead.errors import (
 from fusedhead.graph import Slots, as_graph_constant, slot_numbers, tracing
 from fusedhead.hooks import plugin_manager
 from fusedhead.keywords import known_keywords
-from fusedhead.protocol import Capabilities, HeadOutput
+from fusedhead.protocol import Capabilities
 from fusedhead.request import CONFIGURED, HeadRequest, KLRequest, PolicyRequest, head_request
 from fusedhead.validation import check_head, validate_kl
 from fusedhead.value_checks import Pending
 
 # Module constants for the per-call path (a global read, not a global and an attribute).
 _Tensor = torch.Tensor
-_grad_enabled = torch.is_grad_enabled
-_HeadOutput = HeadOutput
 _BASIC = contract.BASIC_OUTPUTS
 _output_ok = contract.output_ok
 _new_tuple = tuple.__new__
@@ -72,8 +70,8 @@ class FusedHead:
         elif isinstance(config, Mapping):
             config = FusedHeadConfig.from_dict({**config, **overrides})
         elif isinstance(config, FusedHeadConfig):
-            if overrides:
-                config = FusedHeadConfig.from_dict({**config.to_dict(), **overrides})
+            if overrides:  # an error names the override as the argument it is
+                config = FusedHeadConfig.from_arguments(**{**config.to_dict(), **overrides})
         else:
             raise TypeError(
                 f"config must be a FusedHeadConfig or a mapping, got {type(config).__name__}"
@@ -87,6 +85,7 @@ class FusedHead:
                 "require": list(config.require),
             }
         )
+        self.config._resolved = resolved
         self.distribution = resolved.entry.distribution
         self.version = resolved.entry.version
         self.options = resolved.options

@@ -35,7 +35,7 @@ class HookSpecs:
         distribution: str | None,
         version: str | None,
         options: dict[str, Any],
-        capabilities: dict[str, Any] | None,
+        capabilities: dict[str, Any],
     ) -> None:
         """Called once each time a backend is resolved (by ``FusedHead`` or a first ``fused_head`` call).
 
@@ -80,9 +80,20 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
     """Load each installed hook plugin on its own: one that fails (its import, a ``sys.exit()``
     in it included, or its shape) is skipped with a warning, so a broken observer never breaks
     the selection of a backend."""
+    origins: dict[str, str] = {}
     for where, ep in installed_hook_plugins():
-        if pm.has_plugin(ep.name):
+        if pm.has_plugin(ep.name) or ep.name in skipped:
+            first = origins.get(ep.name)
+            if first is not None and first != where:  # another plugin's claim on the name
+                skipped[f"{ep.name} ({where})"] = f"{where}: the name is {first}'s"
+                warnings.warn(
+                    f"fusedhead hook plugin {ep.name!r} from {where} is skipped: {first} "
+                    "registered a hook plugin of that name first",
+                    HookPluginWarning,
+                    stacklevel=2,
+                )
             continue
+        origins[ep.name] = where
         try:
             plugin = ep.load()
             _check_shape(plugin)
@@ -110,15 +121,16 @@ def installed_hook_plugins() -> Iterator[tuple[str, md.EntryPoint]]:
                 yield f"{dist.metadata['Name']} {dist.version} ({ep.value})", ep
 
 
-def _check_shape(plugin: object) -> None:
+def _check_shape(plugin: object, where: str = "the entry point names") -> None:
     """A hook plugin is a module or an instance: a class's hook methods would be called without
     their instance (every resolution would then fail with a missing argument)."""
     if inspect.isclass(plugin):
-        raise TypeError(
-            f"the entry point names the class {plugin.__qualname__}, not an instance of it: "
-            "point it at a module or an instance (module:plugin, plugin = "
-            f"{plugin.__qualname__}())"
+        fix = (
+            f"point it at a module or an instance (module:plugin, plugin = {plugin.__qualname__}())"
+            if where.startswith("the entry point")
+            else f"pass an instance: {plugin.__qualname__}()"
         )
+        raise TypeError(f"{where} the class {plugin.__qualname__}, not an instance of it: {fix}")
 
 
 def _check_hook_names(pm: pluggy.PluginManager, name: str) -> None:
@@ -152,8 +164,16 @@ def _reload(pm: pluggy.PluginManager) -> None:
 
 
 def register_hooks(plugin: object, name: str | None = None) -> None:
-    """Register an object (module or instance) whose ``@hookimpl`` methods implement hooks."""
-    plugin_manager().register(plugin, name=name)
+    """Register an object (module or instance) whose ``@hookimpl`` methods implement hooks;
+    a class, or a hook fusedhead does not specify, is refused as an entry point's would be."""
+    _check_shape(plugin, "register_hooks got")
+    pm = plugin_manager()
+    registered = pm.register(plugin, name=name)
+    try:
+        _check_hook_names(pm, registered or "")
+    except ValueError:
+        pm.unregister(plugin)
+        raise
 
 
 def unregister_hooks(plugin: object) -> None:

@@ -184,7 +184,17 @@ def register_backend(name: str, cls: type, *, replace: bool = False) -> None:
     # not at its first call.
     verify_backend_class(cls, backend=name, distribution=None, version=None)
     value = f"{cls.__module__}:{cls.__qualname__}"
+    replaced = name in _registered
     _registered[name] = Candidate(name, value, cls=cls)
+    if replaced:  # nothing resolved to the class it replaces may run again
+        _forget_registration()
+
+
+def _forget_registration() -> None:
+    """The caches that may hold an in-process class: loaded classes and resolved heads."""
+    load_candidate.cache_clear()
+    for callback in _refresh_callbacks:
+        callback()
 
 
 def unregister_backend(name: str) -> None:
@@ -200,9 +210,7 @@ def unregister_backend(name: str) -> None:
             hint="installed entry points are removed by uninstalling their distribution",
         )
     del _registered[name]
-    load_candidate.cache_clear()
-    for callback in _refresh_callbacks:  # heads resolved to the removed class go too
-        callback()
+    _forget_registration()  # heads resolved to the removed class go too
 
 
 def _check_name(name: object, known: Iterable[str] | None = None) -> None:
@@ -501,10 +509,10 @@ def verify_backend_class(cls: Any, **fields: Any) -> None:
             got = f"the function {getattr(cls, '__qualname__', cls)!r}"
         else:
             got = f"an instance of {type(cls).__name__}"
-        raise broken(
-            f"the entry point must name a class, got {got}",
-            "point the entry point at the backend class (module:Class), not an instance of it",
+        fix = "point the entry point at the backend class (module:Class)" + (
+            ", not an instance of it" if got.startswith("an instance") else ""
         )
+        raise broken(f"the entry point must name a class, got {got}", fix)
     if getattr(cls, "name", None) != name:
         raise broken(
             f"class attribute {cls.__qualname__}.name is {getattr(cls, 'name', None)!r}, expected "

@@ -1,7 +1,7 @@
 """Validation of a call before any backend sees it: one place, the same for every backend.
 
-``validate`` (head calls), ``with_outputs`` (the further outputs) and ``validate_kl`` build the
-backend's call from the arguments; the checkers they share are in ``fusedhead.checks``, the
+``check_head`` (head calls; ``validate`` is its short form), ``with_outputs`` (the further
+outputs) and ``validate_kl`` build the backend's call from the arguments; the checkers they share are in ``fusedhead.checks``, the
 checks of tensor values in ``fusedhead.value_checks``.
 
 Every refusal is a ``ValueError``/``TypeError`` that names the argument, what it got and what
@@ -10,7 +10,6 @@ was expected.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from typing import Any
@@ -42,18 +41,6 @@ from fusedhead.checks import (
 from fusedhead.errors import type_name
 from fusedhead.protocol import KL_DIRECTIONS, HeadCall, KLCall
 from fusedhead.request import FIRST_FLAG, OUTPUT_FLAGS, HeadRequest
-
-# The shard toolkit moved to fusedhead.shards; these names stay importable from here for one
-# release (backends written against 0.x import them from fusedhead.validation).
-from fusedhead.shards import (  # noqa: F401
-    SHARD_FLOATS,
-    check_shards,
-    gathered_shards,
-    grid_shards,
-    shard_slots,
-    shard_slots_tensor,
-    shards_need_check,
-)
 from fusedhead.value_checks import (
     KL_UNCHECKED_EFFECT,
     Pending,
@@ -492,9 +479,7 @@ def with_outputs(
     if outputs == call.outputs:
         return call
     changes: dict[str, Any] = {"outputs": frozenset(outputs), "top_k": k, "gather_ids": ids}
-    if hasattr(call, "_replace"):  # HeadCall is a NamedTuple
-        return call._replace(**changes)  # type: ignore[no-any-return]
-    return dataclasses.replace(call, **changes)  # type: ignore[type-var]
+    return call._replace(**changes)
 
 
 def validate_kl(
