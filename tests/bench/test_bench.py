@@ -491,3 +491,32 @@ def test_only_changes_to_the_code_mark_the_commit_dirty(tmp_path: Path) -> None:
     with mine.open("a") as f:
         f.write("\n")
     assert commit() == clean + "+dirty"
+
+
+def test_a_unit_slowed_alike_in_every_paired_run_is_named_under_the_table() -> None:
+    """A loaded 2-core CPU made every paired 0.04 ms GEMM take 16 ms: their spread was 1.2x, so
+    the table gave 2.02 units without a word. The GEMM timed alone before the case tells."""
+    from fusedhead.bench import report
+
+    case = Case(64, 32, 500).to_dict()
+    row = {"status": "ok", "case": case, "fwd_bwd_ms": 32.0, "fwd_bwd_units": 2.02}
+    records = [
+        {**row, "impl": "fair", "unit_ms": 0.04, "gemm_ms": 0.037, "unit_spread": 1.2},
+        {**row, "impl": "slowed", "unit_ms": 15.79, "gemm_ms": 0.037, "unit_spread": 1.22},
+    ]
+    listed = report.markdown(records).split("Unsteady GEMM unit")[1]
+    assert "slowed: paired median 15.8 ms, alone 0.037 ms" in listed and "fair" not in listed
+
+
+def test_the_provenance_line_names_the_settings_every_row_shares() -> None:
+    """A run at T = 1.0 printed the same header as one at 0.7: the T column shows only where rows
+    differ, and the line above the table named no setting."""
+    from fusedhead.bench import report
+
+    row = {"status": "ok", "impl": "torch", "fwd_bwd_ms": 1.0, "fwd_bwd_units": 4.0}
+    runs = [
+        {**row, "case": Case(64, 32, 500, temperature=t, seed=3).to_dict(), "run": {"reps": 5}}
+        for t in (1.0, 0.7)
+    ]
+    assert "Settings: T 1, seed 3, reps 5." in report.markdown(runs[:1])
+    assert "Settings: T 1 / 0.7, seed 3, reps 5." in report.markdown(runs)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fusedhead import cli
+from fusedhead.bench import heads as heads_module
 from fusedhead.bench import peers, provenance, results_file
 
 TINY = ["--device", "cpu", "--n", "16", "--hidden", "8", "--vocab", "32", "--reps", "1"]
@@ -129,3 +130,40 @@ def test_a_stamped_commit_that_is_not_one_short_line_of_ascii_is_refused_before_
 def test_a_stamped_commit_of_printable_ascii_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(provenance.GIT_COMMIT_ENV, " 0123456789abcdef+dirty ")
     assert provenance.versions()["git_commit"] == "0123456789abcdef+dirty"
+
+
+@pytest.mark.parametrize("flags", [["--no-accuracy"], ["--case", "topk5"]])
+def test_nan_outputs_are_an_error_without_a_reference_too(
+    flags: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With no reference (``--no-accuracy``, or a case that has none) NaN outputs were recorded as
+    ``ok`` with their times: only the errors against the reference were checked."""
+    real = peers.full_logits
+
+    def nan_log_probs(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        lp, ent = real(*args)
+        return lp * float("nan"), ent
+
+    monkeypatch.setattr(peers, "full_logits", nan_log_probs)
+    monkeypatch.setattr(heads_module, "build", _nan_head(heads_module.build))
+    out_json = tmp_path / "r.json"
+    impl = "reference" if flags == ["--no-accuracy"] else "torch"
+    rc = cli.main(["bench", *TINY, "--impl", impl, *flags, "--json", str(out_json)])
+    (record,) = json.loads(out_json.read_text())
+    assert rc == 1 and record["status"] == "error", record
+    assert record["error"].startswith("NaN or inf in output"), record["error"]
+
+
+def _nan_head(build: Any) -> Any:
+    """``heads.build`` whose functions return NaN in place of their first output."""
+
+    def nan_build(*args: Any) -> Any:
+        fn = build(*args)
+
+        def nan_fn(*inputs: Any) -> Any:
+            first, second = fn(*inputs)
+            return first * float("nan"), second
+
+        return nan_fn
+
+    return nan_build

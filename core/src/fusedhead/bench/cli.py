@@ -729,10 +729,11 @@ def _nonfinite(result: dict[str, Any], case: Any) -> str | None:
             or not math.isfinite(e.get("max_abs", 0.0))
         )
     ]
+    bad += [name for name in result.get("nonfinite") or () if name not in bad]
     if not bad:
         return None
     return (
-        f"NaN or inf in {', '.join(bad)} against the reference: the implementation's outputs or "
+        f"NaN or inf in {', '.join(bad)}: the implementation's outputs or "
         f"gradients are not finite (an overflow of {case.dtype} at --scale {case.scale:g} and "
         f"--temperature {case.temperature:g}, or a fault of the implementation)"
     )

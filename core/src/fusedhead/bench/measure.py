@@ -43,6 +43,17 @@ def make_step(fn: Fn, h: torch.Tensor, w: torch.Tensor, inputs: Inputs) -> Calla
     return step
 
 
+def nonfinite(tensors: dict[str, torch.Tensor | None]) -> list[str]:
+    """The names of the floating tensors holding a NaN or an inf: checked on every case, with or
+    without a reference (``--no-accuracy``, the cases that have none), so that such a result is an
+    error, never a time."""
+    return [
+        name
+        for name, t in tensors.items()
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())
+    ]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -78,6 +89,11 @@ def measure(
     backward(lp, ent, inputs)
     _sync(device)
     out["first_call_s"] = time.perf_counter() - t0
+    found = nonfinite(
+        {"output": lp, "second output": ent, "grad_hidden": h.grad, "grad_weight": w.grad}
+    )
+    if found:
+        out["nonfinite"] = found
     if isinstance(ref, policy.Reference):
         out["errors"] = policy.compare(ref, lp, h.grad, w.grad)
     elif ref is not None:

@@ -226,13 +226,39 @@ def _provenance(records: list[dict[str, Any]]) -> str:
         for r in records
     )
     text = f"Measured {when} on {' / '.join(devices) or '-'}; {', '.join(shown)}."
+    settings = [
+        f"{name} {' / '.join(map(str, vals))}"
+        for name, vals in (
+            ("T", _distinct(_temperature(r) for r in records)),
+            ("seed", _distinct(_seed(r) for r in records)),
+            ("reps", _distinct(str((r.get("run") or {}).get("reps", "-")) for r in records)),
+        )
+        if vals
+    ]
+    text += f" Settings: {', '.join(settings)}."
     if envs:
         text += f" Environment: {' / '.join(envs)}."
     return text
 
 
-#: A paired GEMM's slowest run over its fastest beyond which the report says to compare in ms.
+#: A paired GEMM's slowest run over its fastest (or its median over the GEMM timed alone, either
+#: way) beyond which the report says to compare in ms.
 UNSTEADY_SPREAD = 1.5
+
+
+def _unsteady(record: dict[str, Any]) -> str:
+    """Why ``record``'s GEMM unit cannot be trusted, or "": its paired runs spread, one run alone,
+    or a paired median far from the GEMM timed alone (every paired run slowed alike: a tiny GEMM
+    waking a loaded machine's thread pool after the implementation ran)."""
+    spread, runs = record.get("unit_spread"), record.get("unit_runs")
+    if runs == 1:
+        return "one run (raise --reps)"
+    if spread is not None and spread > UNSTEADY_SPREAD:
+        return f"{spread:.1f}x"
+    paired, alone = record.get("unit_ms"), record.get("gemm_ms")
+    if paired and alone and max(paired / alone, alone / paired) > UNSTEADY_SPREAD:
+        return f"paired median {paired:.3g} ms, alone {alone:.3g} ms"
+    return ""
 
 
 Column = tuple[str, Callable[[dict[str, Any]], str]]
@@ -354,24 +380,21 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
         cells += [_err(r, k) for k in ("log_probs", "entropy", "grad_hidden", "grad_weight")]
         cells += [_err(r, "loss")] if losses else []
         lines.append("| " + " | ".join(cells) + " |")
-    unsteady = [
-        r for r in ok if (r.get("unit_spread") or 1.0) > UNSTEADY_SPREAD or r.get("unit_runs") == 1
-    ]
+    unsteady = [(r, why) for r in ok if (why := _unsteady(r))]
     if unsteady:
         lines += [
             "",
-            f"Unsteady GEMM unit (its slowest paired run over {UNSTEADY_SPREAD:g}x its fastest: "
-            "other load on the machine, or a GEMM too small to time; or one run alone, whose "
-            "steadiness is unknown): compare these rows in ms, not in units:",
+            f"Unsteady GEMM unit (its slowest paired run over {UNSTEADY_SPREAD:g}x its fastest, or "
+            f"its paired runs' median {UNSTEADY_SPREAD:g}x away from the GEMM timed alone before "
+            "the case: other load on the machine, or a GEMM too small to time; or one run alone, "
+            "whose steadiness is unknown): compare these rows in ms, not in units:",
             "",
         ]
-        for r in unsteady:
+        for r, why in unsteady:
             c = r["case"]
-            spread = r.get("unit_spread")
             lines.append(
                 f"- N={c['n']} H={c['hidden']} V={c['vocab']} {c['dtype']} "
-                f"{_with_head(r['impl'], c)}{_where(r, columns)}: "
-                + ("one run (raise --reps)" if spread is None else f"{spread:.1f}x")
+                f"{_with_head(r['impl'], c)}{_where(r, columns)}: {why}"
             )
     skipped = [r for r in records if r["status"] != "ok"]
     if skipped:
