@@ -61,11 +61,13 @@ def test_a_scored_row_without_a_max_logit_has_no_ids(backend, options, softcap):
     assert out.argmax[5] == -1 and 0 <= int(clean.argmax[0]) < V
 
 
-@pytest.mark.parametrize("poison", ["nan-weight-row", "inf-hidden-row"])
+@pytest.mark.parametrize("poison", ["nan-weight-row", "inf-hidden-row", "overflowing-row"])
 def test_a_row_with_a_nan_or_infinite_logit_has_no_ids_on_every_backend(poison):
     """A NaN weight row gives every row one NaN logit; a hidden row of +inf gives its row NaN and
-    infinite logits. Each such row's log-probs are NaN and its ids -1 on both backends. Before,
-    triton ranked the other columns (and named the +inf column), torch read -1."""
+    infinite logits; a row of 1e36 at T = 1e-3 overflows to infinite scaled logits and no NaN.
+    Each such row's log-probs are NaN and its ids -1 on both backends. Before, triton ranked the
+    other columns (and named the +inf column), torch read -1; the overflowing row kept its ids on
+    triton even after that (a tile whose max is +inf summed to 0, not NaN)."""
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(N, H, generator=g)
     weight = torch.randn(V, H, generator=g) / 4
@@ -73,14 +75,21 @@ def test_a_row_with_a_nan_or_infinite_logit_has_no_ids_on_every_backend(poison):
     if poison == "nan-weight-row":
         weight[7] = float("nan")
         bad = list(range(N))
-    else:
+    elif poison == "inf-hidden-row":
         hidden[2] = float("inf")
         bad = [2]
+    else:
+        hidden[2] *= 1e36
+        bad = [2]
+    temperature = 1e-3 if poison == "overflowing-row" else 1.0
     for backend, options in CASES.values():
         out = fused_head(
             hidden, weight, labels, return_argmax=True, top_k=K, backend=backend,
-            options=options, check_labels=False,
+            options=options, check_labels=False, temperature=temperature,
         )  # fmt: skip
+        if poison == "overflowing-row":
+            z = hidden.double() @ weight.double().T / temperature
+            assert bool(z[2].float().isinf().any()) and not bool(z[2].isnan().any())
         assert out.argmax[bad].tolist() == [-1] * len(bad), (backend, out.argmax.tolist())
         assert out.topk_ids[bad].tolist() == [[-1] * K] * len(bad), backend
         assert bool(out.log_probs[bad].isnan().all()), backend

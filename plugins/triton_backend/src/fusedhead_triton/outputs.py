@@ -131,7 +131,7 @@ def forward_values(
         )  # fmt: skip
     valid = labels != ig
     if arg_out is not None:
-        arg_out = torch.where(ranked_rows(log_s), arg_out, -1)
+        arg_out = torch.where(ranked_rows(m, log_s), arg_out, -1)
     tk = None if top is None else finish(top, m, log_s, labels, ig)
     return Values(
         lp, torch.stack((m, log_s)), ent if entropy else _empty(lp), torch.where(valid, lse, 0.0),

@@ -172,19 +172,20 @@ def topk_partials(
     return p, select(cand, tiles, floor, k, sc.label_offset, weight.shape[0])
 
 
-def ranked_rows(log_s: torch.Tensor) -> torch.Tensor:
-    """Rows with a most likely id: those whose log s is a number. A NaN logit, or an infinite one,
-    makes it NaN (the combine counts such terms, over every rank), and its log-probs NaN: such a
-    row's argmax and top-k ids are -1, as an ignored row's, at any degree and on every backend."""
-    return ~torch.isnan(log_s)
+def ranked_rows(m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
+    """Rows with a most likely id: those whose row max and log s are finite. A NaN logit makes
+    log s NaN (the combine counts such terms, over every rank); a +inf one makes the max +inf
+    (its tile's terms vanish, so log s reads -inf); either way the row's log-probs are NaN, and
+    its argmax and top-k ids are -1, as an ignored row's, at any degree and on every backend."""
+    return torch.isfinite(m) & torch.isfinite(log_s)
 
 
 def finish(
     top: TopK, m: torch.Tensor, log_s: torch.Tensor, labels: torch.Tensor, ignore_index: int
 ) -> TopK:
     """``(ids, log-probs)``: ``(logit - row max) - log s``, as the label's; ignored rows give
-    ids -1 and 0, a row whose log s is NaN (a NaN or infinite logit) ids -1 (``ranked_rows``)."""
+    ids -1 and 0, a row with a NaN or infinite logit ids -1 (``ranked_rows``)."""
     keep = (labels != ignore_index).unsqueeze(1)
-    ids = torch.where(keep & ranked_rows(log_s).unsqueeze(1), top.ids, -1)
+    ids = torch.where(keep & ranked_rows(m, log_s).unsqueeze(1), top.ids, -1)
     lp = (top.logits - m.unsqueeze(1)) - log_s.unsqueeze(1)
     return TopK(ids, torch.where(keep, lp, 0.0))
