@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # issue32.sh OUT [BASE]: issue 32's H200 checks in one call (one install), from the root of the
-# tree to check, with .gpu-wheels/{small,install-wheels} carried. BASE: a checkout of the tree
-# before issue 32 (e.g. `git archive fc43871`), installed beside it into a --target folder.
+# tree to check, on any CUDA machine with torch and triton. BASE: a checkout of the tree before
+# issue 32 (e.g. `git archive fc43871`), installed beside it into a --target folder. This tree is
+# installed by scripts/gpu/setup_tree.sh --liger (from pip's index, or from a carried
+# .gpu-wheels/{small,install-wheels} on a machine without one, such as the one lent here; the
+# script stops with status 1 when that fails), BASE the same way with --no-deps.
 #   overhead   scripts/core_overhead.py on the GPU host's CPU (the core's own cost per call over
 #              the torch backend; bound: 20 us, and no slower than BASE), this tree's and BASE's
 #              runs taking turns, over the torch backend and alone (null); OUT/overhead.jsonl
@@ -11,31 +14,32 @@
 #              autograd, double backward refused, torch.compile fullgraph) on real CUDA.
 #   core       pytest -m gpu tests/core tests/outputs tests/policy: the request path and the
 #              deferred value checks (value_checks.Pending's CUDA read) on CUDA.
-# Limits: OVERHEAD_ROUNDS (3), TRITON_LIMIT (150 s), CORE_LIMIT (60 s).
+# Limits: OVERHEAD_ROUNDS (3), TRITON_LIMIT (150 s), CORE_LIMIT (60 s). Every step runs; the exit
+# status is 1 when any failed (BASE's install, an overhead run, a pytest step).
 set -uo pipefail
 OUT=${1:?usage: issue32.sh OUT [BASE]}
 BASE=${2:-}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-{
-  bash .gpu-wheels/install-wheels .gpu-wheels/small
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation ./core \
-    ./plugins/torch_backend ./plugins/triton_backend ./plugins/liger_backend
-  python3 "$HERE/env_report.py"
-} >"$OUT/setup.log" 2>&1
-run() { # run NAME LIMIT CMD...
+source "$HERE/run_step.sh" # record NAME RC; finish
+: >"$OUT/setup.log"
+source "$HERE/setup_tree.sh" "$OUT/setup.log" --liger --env || exit 1
+run() { # run NAME LIMIT CMD...: CMD's output in OUT/NAME.log, "NAME exit N" at its end
   local name=$1 limit=$2
   shift 2
   timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "$name exit $?" >>"$OUT/$name.log"
+  record "$name" $? >>"$OUT/$name.log"
   tail -n 12 "$OUT/$name.log"
 }
 : >"$OUT/overhead.jsonl"
 if [[ -n $BASE ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$OUT/.base-site" \
+  base_pip=(--no-deps) # its dependencies: this tree's, installed above
+  [[ $SETUP_TREE_MODE == wheels ]] && base_pip+=(--no-index --no-build-isolation)
+  python3 -m pip install -q "${base_pip[@]}" --target "$OUT/.base-site" \
     "$BASE/core" "$BASE/plugins/torch_backend" >>"$OUT/setup.log" 2>&1
+  record "install BASE" $? >>"$OUT/setup.log"
+  tail -n 1 "$OUT/setup.log"
 fi
 overhead() { # overhead TREE ARGS...: one JSON line, tagged with the tree
   local tree=$1
@@ -50,8 +54,10 @@ overhead() { # overhead TREE ARGS...: one JSON line, tagged with the tree
 }
 for i in $(seq "${OVERHEAD_ROUNDS:-3}"); do
   for backend in torch null; do
-    overhead this --backend "$backend"
-    [[ -n $BASE ]] && overhead base --backend "$backend"
+    overhead this --backend "$backend" || record "overhead this --backend $backend" $?
+    if [[ -n $BASE ]]; then
+      overhead base --backend "$backend" || record "overhead base --backend $backend" $?
+    fi
   done
 done
 rm -rf "$OUT/.base-site"
@@ -60,3 +66,4 @@ run triton "${TRITON_LIMIT:-150}" python3 -m pytest -m gpu tests/triton_backend 
   -p no:cacheprovider -k "${PYTEST_K:-not kit_property or bf16}"
 run core "${CORE_LIMIT:-60}" python3 -m pytest -m gpu tests/core tests/outputs tests/policy -q \
   -rfEs -p no:cacheprovider
+finish

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# issue35.sh OUT: issue 35 in one call on a machine of 2 or 4 GPUs (nvidia-h200-x2 / -x4), from
-# the repository root, with .gpu-wheels/small and .gpu-wheels/install-wheels carried (and
-# .gpu-stamp: scripts/gpu/stamp.sh):
-#   1. the wheels and the project installed as issue32.sh installs them (no index, no deps);
+# issue35.sh OUT: issue 35 in one call on a CUDA machine of 2 or 4 GPUs (e.g. nvidia-h200-x2 / -x4),
+# from the repository root, with torch and triton (and .gpu-stamp where the machine's .git is not
+# the tree's: scripts/gpu/stamp.sh):
+#   1. this tree installed by scripts/gpu/setup_tree.sh --liger (from pip's index, or from a carried
+#      .gpu-wheels/{small,install-wheels} on a machine without one, such as the one lent here);
+#      when that fails the script stops with status 1;
 #   2. scripts/gpu/degree_nccl.py under torchrun, NCCL with NVLS off, one process per GPU (4 when
 #      4 are visible, else 2; NPROC to choose): torch and triton, bf16, N = 8192 and 32768,
 #      H = 4096, V = 151936, grid shards; degree 2, and 4 when 4 GPUs run (degree 2 then as two
@@ -10,24 +12,21 @@
 #      GEMM units and peak memory beside the one-GPU call and the previous combine
 #      -> OUT/degree2.json, OUT/degree4.json (rewritten after every case), OUT/degree_nccl.log.
 # About 5 minutes (setup 1-2, the run 3-4); DEADLINE_S (default 540) bounds the whole call: the
-# script stops starting cases 100 s before it, torchrun is killed 15 s before it.
+# script stops starting cases 100 s before it, torchrun is killed 15 s before it. The exit status
+# is degree_nccl's ("degree_nccl exit N"): 1 when it failed or was killed.
 set -uo pipefail
 OUT=${1:?usage: issue35.sh OUT}
 mkdir -p "$OUT"
 START=$SECONDS
 DEADLINE_S=${DEADLINE_S:-540}
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-[[ -f .gpu-stamp ]] && export FUSEDHEAD_GIT_COMMIT=$(<.gpu-stamp)
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "$HERE/run_step.sh" # record NAME RC; finish
 {
   nvidia-smi -L
   nvidia-smi topo -m
-  bash .gpu-wheels/install-wheels .gpu-wheels/small
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation ./core \
-    ./plugins/torch_backend ./plugins/triton_backend ./plugins/liger_backend
-  python3 "$HERE/env_report.py"
 } >"$OUT/setup.log" 2>&1
+source "$HERE/setup_tree.sh" "$OUT/setup.log" --liger --env || exit 1
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NPROC=${NPROC:-$(((GPUS >= 4)) && echo 4 || echo 2)}
 left=$((DEADLINE_S - (SECONDS - START)))
@@ -35,7 +34,9 @@ echo "setup done after $((SECONDS - START))s; $GPUS GPUs, $NPROC processes, ${le
 VP_DEADLINE_S=$((left - 100)) timeout -k 10 $((left - 15)) \
   python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "$HERE/degree_nccl.py" "$OUT" \
   >"$OUT/degree_nccl.log" 2>&1
-echo "degree_nccl exit $? after $((SECONDS - START))s" | tee -a "$OUT/degree_nccl.log"
+rc=$?
+record degree_nccl "$rc" >/dev/null
+echo "degree_nccl exit $rc after $((SECONDS - START))s" | tee -a "$OUT/degree_nccl.log"
 python3 - "$OUT" <<'PY' || true
 import json, pathlib, sys
 gib = lambda p: "-" if p is None else f"{p['total']:.2f}"
@@ -63,3 +64,4 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("degree[0-9]*.json")):
               f" | combine {c['today']['ms']:.3f} ms ({100 * c['today_fraction_of_fwd_bwd']:.2f}"
               f" %), previous {c['previous']['ms']:.3f} ms")
 PY
+finish

@@ -1,35 +1,41 @@
 #!/usr/bin/env bash
 # run_all.sh [--out OUT] [PARTS_DIR ...]: the one GPU call that measures everything, on one H200.
 #
-# Run from the repository root on the GPU host (Python 3.12, torch, triton, no internet), with
-# .gpu-wheels/small and .gpu-wheels/install-wheels carried. PARTS_DIR are folders holding the
-# pieces (NAME.whl.part-aa, NAME.whl.part-ab, ...) of the CuTe DSL runtime wheel that Liger's SM90
-# kernel needs; pieces from several folders are joined (one may have been stashed on the machine by
-# scripts/gpu/stash_part.sh in an earlier call). Without complete pieces everything still runs and
-# the Liger native kernel is reported unavailable.
+# Run from the repository root on any CUDA machine with Python, torch and triton (and a package
+# index, or ${WHEELS:-.gpu-wheels}/install-wheels with its small/ folder carried where there is
+# none, as on the machine lent to this project: scripts/gpu/setup_tree.sh says how each is used).
+# PARTS_DIR (only for the carried wheels) are folders holding the pieces (NAME.whl.part-aa,
+# NAME.whl.part-ab, ...) of the CuTe DSL runtime wheel that Liger's SM90 kernel needs; pieces from
+# several folders are joined (one may have been stashed on the machine by scripts/gpu/stash_part.sh
+# in an earlier call). Without complete pieces everything still runs and the Liger native kernel is
+# reported unavailable.
 #
 # Steps, each with its own time limit and failing on its own (statuses in summary.txt), all
 # within DEADLINE_S of the start:
-#   install-*     the wheels, then core + the three backends (pip: no index, deps, build isolation)
+#   install       scripts/gpu/setup_tree.sh --liger: the project (core + the three backends) and
+#                 the check that this tree is what imports (without "install" in STEPS: that
+#                 check alone, "verify"); when it fails, every later step but env is skipped
 #   env, list     versions and `fusedhead list --check --device cuda`
 #   bench         fusedhead bench, N=8192 and 32768, H=4096, V=151936, bf16, T=0.7: liger,
-#                 liger-direct, torch, verl-chunked, cce, reference (skipped where it would not fit)
+#                 liger-direct, torch, verl-chunked, cce, reference (skipped where it would not fit
+#                 or is not installed)
 #   bench-last    triton, in a second process appending to the same JSON
 #   bench-report  the table and plot of the whole JSON
 #   check-*       fusedhead check {triton,liger,torch} --device cuda --dtype bf16, in parallel with
 #   pytest-gpu    pytest -m gpu over tests/ (nothing of these four is timed)
 #   *-gpu-check   plugins/{liger,triton}_backend/tools/gpu_check.py when present, one at a time
-# Results in OUT (--out, else $OUT, else ./.gpu-out), at most 8 files (anything more is packed into extra.tar.gz): summary.txt,
-# bench.json, bench.md, bench.png, bench.log, checks.log, liger_gpu_check.json,
-# triton_gpu_check.json.
+# Exit status 1 when a step failed or ran out of its time (a step skipped for lack of time is only
+# noted), else 0. Results in OUT (--out, else $OUT, else ./.gpu-out), at most 8 files (anything
+# more is packed into extra.tar.gz): summary.txt, bench.json, bench.md, bench.png, bench.log,
+# checks.log, liger_gpu_check.json, triton_gpu_check.json.
 #
 # Knobs (environment): DEADLINE_S (570), STEPS ("install bench checks tools": the groups to run),
-# BENCH_MINUTES (2.5) and BENCH_IMPLS (first bench process), BENCH_LAST_MINUTES (1.2) and
-# BENCH_LAST_IMPLS (triton; empty: no second process), BENCH_SHAPE, DEVICE (cuda), DTYPE (bf16),
-# LIGER_CHECK_ARGS, TRITON_CHECK_ARGS, TRITON_CHECK_LIMIT (150 s), CHECKS_LIMIT (240 s: each of the
-# four parallel checks; pytest -m gpu alone took 207 s on an H200), WHEELS (.gpu-wheels). DEVICE=cpu DTYPE=fp32 with a tiny
-# BENCH_SHAPE rehearses the whole script on a CPU (tests/bench/test_gpu_script.py does, with pip
-# and nvidia-smi stubbed).
+# INSTALL_LIMIT (300 s), BENCH_MINUTES (2.5) and BENCH_IMPLS (first bench process),
+# BENCH_LAST_MINUTES (1.2) and BENCH_LAST_IMPLS (triton; empty: no second process), BENCH_SHAPE,
+# DEVICE (cuda), DTYPE (bf16), LIGER_CHECK_ARGS, TRITON_CHECK_ARGS, TRITON_CHECK_LIMIT (150 s),
+# CHECKS_LIMIT (240 s: each of the four parallel checks; pytest -m gpu alone took 207 s on an
+# H200), WHEELS (.gpu-wheels). DEVICE=cpu DTYPE=fp32 with a tiny BENCH_SHAPE rehearses the whole
+# script on a CPU (tests/bench/test_gpu_script.py does, with pip and nvidia-smi stubbed).
 set -uo pipefail
 # The tree's commit, stamped here before the call (scripts/gpu/stamp.sh; carry .gpu-stamp):
 # the machine's copy of .git can be older than the files it received.
@@ -63,6 +69,8 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 rm -f "$OUT/bench.json"  # bench appends: start from nothing
 WORK=$(mktemp -d)
+FAILED=$WORK/failed # one line a failed step (steps in the background too)
+: >"$FAILED"
 SUMMARY=$OUT/summary.txt
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 : >"$SUMMARY"
@@ -71,7 +79,8 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 left() { echo $((DEADLINE_S - (SECONDS - START) - RESERVE_S)); }
 
 # step NAME LOG LIMIT_S CMD...: run CMD with its output appended to LOG, limited to LIMIT_S seconds
-# (or what is left of the whole run); record exit status and time. Never fails the script.
+# (or what is left of the whole run); record exit status and time, and a failure in $FAILED. Never
+# stops the script; returns 0 (ok), 1 (failed or timed out) or 2 (skipped: no time left).
 step() {
   local name=$1 log=$2 limit=$3
   shift 3
@@ -80,7 +89,7 @@ step() {
   ((t < limit)) && limit=$t
   if ((limit < 10)); then
     note "$(printf '%-18s %-10s %5ss  %s' "$name" "skipped" 0 "no time left")"
-    return 0
+    return 2
   fi
   local t0=$SECONDS
   {
@@ -96,6 +105,10 @@ step() {
   ((rc != 0 && rc != 124 && rc != 137)) && status="exit $rc"
   echo "===== $name: $status after $((SECONDS - t0))s =====" >>"$log"
   note "$(printf '%-18s %-10s %5ss  %s' "$name" "$status" $((SECONDS - t0)) "${SHOWN_LOG:-$(basename "$log")}")"
+  if ((rc != 0)); then
+    echo "$name ($status)" >>"$FAILED"
+    return 1
+  fi
   return 0
 }
 
@@ -107,24 +120,33 @@ note "step               status      time  log"
 SETUP=$WORK/setup.log
 PARTS=$WORK/parts
 : >"$SETUP"
+# One setup path (scripts/gpu/setup_tree.sh): the carried wheels where they are, else pip's index.
+# The measuring steps run only on this tree's install: an earlier tree's fusedhead left on the
+# machine would otherwise be measured under this tree's name.
+INSTALLED=1
 if want install; then
-  bash "$HERE/join_parts.sh" "$PARTS" "$@" >>"$SETUP" 2>&1 || true
-  if [[ -n $(ls "$PARTS" 2>/dev/null) ]]; then
-    step install-wheels "$SETUP" 180 bash "$WHEELS/install-wheels" "$WHEELS/small" "$PARTS"
-    if ! python3 -c "import pydantic, hatchling" >>"$SETUP" 2>&1; then
-      note "retrying the wheels without the CuTe DSL pieces"
-      step install-wheels2 "$SETUP" 120 bash "$WHEELS/install-wheels" "$WHEELS/small"
+  parts=()
+  if [[ -f $WHEELS/install-wheels ]]; then
+    bash "$HERE/join_parts.sh" "$PARTS" "$@" >>"$SETUP" 2>&1
+    if [[ -n $(ls -A "$PARTS" 2>/dev/null) ]]; then
+      parts=("$PARTS")
+    else
+      note "no complete CuTe DSL wheel pieces: Liger's native kernel will be unavailable"
     fi
-  else
-    note "no complete CuTe DSL wheel pieces: Liger's native kernel will be unavailable"
-    step install-wheels "$SETUP" 120 bash "$WHEELS/install-wheels" "$WHEELS/small"
+  elif (($#)); then
+    note "no $WHEELS/install-wheels: the CuTe DSL comes from the index, PARTS_DIRs are not used"
   fi
-  step install-project "$SETUP" 120 python3 -m pip install -q --no-index --no-deps \
-    --no-build-isolation ./core ./plugins/torch_backend ./plugins/triton_backend \
-    ./plugins/liger_backend
+  step install "$SETUP" "${INSTALL_LIMIT:-300}" bash "$HERE/setup_tree.sh" - --liger \
+    ${parts[@]+"${parts[@]}"} || INSTALLED=0
+else
+  step verify "$SETUP" 60 python3 "$HERE/tree_installed.py" . || INSTALLED=0
 fi
 step env "$SETUP" 60 python3 "$HERE/env_report.py"
-step list "$SETUP" 60 python3 -m fusedhead.cli list --check --device "$DEVICE"
+if ((!INSTALLED)); then
+  note "the install failed or this tree is not what imports (setup log below): list, bench, checks and tools skipped"
+  STEPS=""
+fi
+((INSTALLED)) && step list "$SETUP" 60 python3 -m fusedhead.cli list --check --device "$DEVICE"
 
 # --- bench (alone on the GPU: it times) ----------------------------------------------------------
 # Two processes appending to one JSON: the Triton backend's own kernels run last and apart, so a
@@ -185,6 +207,7 @@ if want tools && [[ -f plugins/triton_backend/tools/gpu_check.py ]]; then
 fi
 
 # --- summary and packing -------------------------------------------------------------------------
+[[ -s $FAILED ]] && note "failed: $(paste -sd, "$FAILED" | sed 's/,/, /g')"
 note "total $((SECONDS - START))s"
 {
   echo
@@ -198,9 +221,14 @@ note "total $((SECONDS - START))s"
   done
 } >>"$SUMMARY"
 python3 "$HERE/pack_out.py" "$OUT" 8 summary.txt bench.json bench.md bench.png bench.log checks.log \
-  triton_gpu_check.json liger_gpu_check.json || ls -la "$OUT"
-rm -rf "$WORK"
+  triton_gpu_check.json liger_gpu_check.json || { ls -la "$OUT"; echo "pack_out" >>"$FAILED"; }
 echo "----- summary (full: summary.txt) -----"
 sed -n '/^step /,/^total /p' "$SUMMARY"
 [[ -f $OUT/bench.md ]] && cat "$OUT/bench.md"
+if [[ -s $FAILED ]]; then
+  echo "run_all.sh: failed: $(paste -sd, "$FAILED" | sed 's/,/, /g')" >&2
+  rm -rf "$WORK"
+  exit 1
+fi
+rm -rf "$WORK"
 exit 0

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # sanitize.sh OUT: the triton backend's GPU tests under compute-sanitizer, and again as four
 # pytest-xdist workers sharing the GPU (where a run of 2026-12-05 failed 26 tests that pass in one
-# process; docs/benchmarks.md). From the repository root on any CUDA machine with torch, triton,
-# pytest and compute-sanitizer, .gpu-wheels/{small,install-wheels} carried:
+# process; docs/benchmarks.md). From the repository root on any CUDA machine with torch, triton
+# and compute-sanitizer; this tree is installed first by scripts/gpu/setup_tree.sh (from pip's
+# index, or from a carried .gpu-wheels/{small,install-wheels} on a machine without one, such as
+# the one lent here; status 1 when that fails), and the exit status is 1 when a step failed:
 #   memcheck.log  memcheck of MEMCHECK_FILES -k MEMCHECK_K (default: the tests that stash the
 #                 weight gradient's sum in its rows, the head's `memory: low`, and the outputs at
 #                 N = 1937; memcheck runs without torch's caching allocator, so the tests that
@@ -13,9 +15,11 @@
 set -uo pipefail
 OUT=${1:?usage: sanitize.sh OUT}
 mkdir -p "$OUT"
-source "$(dirname "${BASH_SOURCE[0]}")/setup_tree.sh" "$OUT/setup.log"
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "$HERE/run_step.sh" # run LIMIT_S LOG CMD...; finish
+: >"$OUT/setup.log"
+source "$HERE/setup_tree.sh" "$OUT/setup.log" || exit 1
 T=tests/triton_backend
-source "$(dirname "${BASH_SOURCE[0]}")/run_step.sh" # run LIMIT_S LOG CMD...
 run "${MEMCHECK_LIMIT:-240}" "$OUT/memcheck.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
   compute-sanitizer --tool memcheck --print-limit 20 --error-exitcode 9 \
   python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
@@ -31,3 +35,4 @@ if python3 -c "import xdist" 2>/dev/null; then
 else
   echo "pytest-xdist does not import: no four-worker run" | tee "$OUT/xdist.log"
 fi
+finish

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # triton_outputs.sh [bench|tests|sweep|all] [OUT]: issue 18's GPU run of the triton backend's outputs
 # (top-k, gather, lse, sum_p2, argmax, the KL of two heads), from the repository root on any CUDA
-# machine with torch and triton, with .gpu-wheels/{small,install-wheels} carried (pydantic,
-# hatchling: made by shared/gpu/prepare-wheels). Outputs in OUT (default $OUT or ./.gpu-out):
-#   bench  setup.log, heads.json (+ heads.log): `fusedhead bench --case ...` on triton, N = 8192
+# machine with torch and triton. Each call installs this tree first (scripts/gpu/setup_tree.sh:
+# from pip's index, or, on a machine without one such as the one lent here, from a carried
+# .gpu-wheels/{small,install-wheels}) and stops with status 1 when that fails; it exits 1 when a
+# step failed. Outputs in OUT (default $OUT or ./.gpu-out):
+#   (every call) setup.log
+#   bench  heads.json (+ heads.log): `fusedhead bench --case ...` on triton, N = 8192
 #   tests  pytest.log (pytest -m gpu -v tests/triton_backend, the outputs' files first: one line a
 #          test, so a run cut by its limit still names each result), check.log (the kit in bf16)
 #   sweep  sweep.log, kl_sweep.json: the KL's tile alternatives (TOPK_BENCH=1 adds topk_bench.json,
@@ -11,20 +14,18 @@
 # "all" is bench and tests (about 15 minutes: two calls of a 10-minute limit, bench then tests).
 set -uo pipefail
 STEP=${1:-all}
+case $STEP in
+bench | tests | sweep | all) ;;
+*)
+  echo "usage: triton_outputs.sh [bench|tests|sweep|all] [OUT]" >&2
+  exit 2
+  ;;
+esac
 OUT=${2:-${OUT:-$PWD/.gpu-out}}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-[[ -f .gpu-stamp ]] && export FUSEDHEAD_GIT_COMMIT=$(<.gpu-stamp)
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-source "$HERE/run_step.sh" # run LIMIT_S LOG CMD...
-if ! python3 -c "import fusedhead_triton, pydantic" 2>/dev/null; then
-  {
-    bash .gpu-wheels/install-wheels .gpu-wheels/small
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation ./core \
-      ./plugins/torch_backend ./plugins/triton_backend
-    python3 "$HERE/env_report.py"
-  } >>"$OUT/setup.log" 2>&1
-fi
+source "$HERE/run_step.sh" # run LIMIT_S LOG CMD...; finish
+source "$HERE/setup_tree.sh" "$OUT/setup.log" --env || exit 1
 if [[ $STEP == bench || $STEP == all ]]; then
   run "${BENCH_LIMIT:-330}" "$OUT/heads.log" python3 -m fusedhead.cli bench --device cuda \
     --dtype bf16 --n 8192 --hidden 4096 --vocab 151936 --temperature 0.7 --impl triton \
@@ -59,3 +60,4 @@ for f in "$OUT"/*.log; do
   echo "## $(basename "$f")"
   grep -E "=====|PASS|FAIL|passed|failed|Error|units" "$f" | tail -n 14
 done
+finish

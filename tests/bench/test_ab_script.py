@@ -54,3 +54,45 @@ def test_each_tree_is_timed_in_its_own_process_round_by_round(tmp_path):
 def test_run_without_packed_trees_says_what_to_do(tmp_path):
     run = _ab("run", str(tmp_path / "out"), env={"AB_DIR": str(tmp_path / "none")})
     assert run.returncode == 2 and "ab.sh pack REV" in run.stderr
+
+
+def _python_stub(tmp_path, body: str) -> str:
+    """A Python for ab.sh (PYTHON) that runs ``body`` (bash) first, then this interpreter."""
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/usr/bin/env bash\n{body}\nexec {sys.executable} "$@"\n')
+    stub.chmod(0o755)
+    return str(stub)
+
+
+def _packed(tmp_path) -> dict[str, str]:
+    env = {"AB_DIR": str(tmp_path / "packed"), "AB_ROOT": str(tmp_path / "trees"), "AB_DRY": "1",
+           "WHEELS": str(tmp_path / "no-wheels")}  # fmt: skip
+    packed = _ab("pack", "HEAD", env=env)
+    assert packed.returncode == 0, packed.stderr
+    return env
+
+
+def test_run_stops_with_a_failure_when_the_install_fails(tmp_path):
+    """Where fusedhead does not import, ab.sh installs one tree; that failing is a failure."""
+    env = _packed(tmp_path)
+    env["PYTHON"] = _python_stub(
+        tmp_path,
+        'if [[ "$1" == -c && "$2" == *"import fusedhead"* ]]; then exit 1; fi\n'
+        'if [[ "$1" == -m && "$2" == pip ]]; then echo "stub pip: no index"; exit 1; fi',
+    )
+    out = tmp_path / "out"
+    run = _ab("run", str(out), "1", "plain", env=env)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "setup_tree: FAILED" in run.stderr
+    assert not (out / "ab.jsonl").exists()  # nothing timed on whatever fusedhead was there
+
+
+def test_run_exits_non_zero_when_a_trees_run_fails(tmp_path):
+    env = _packed(tmp_path)
+    env["PYTHON"] = _python_stub(
+        tmp_path, 'if [[ "$1" == */ab_cases.py ]]; then echo "stub: failed" >&2; exit 3; fi'
+    )
+    out = tmp_path / "out"
+    run = _ab("run", str(out), "1", "plain", env=env)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "round 1: exit 3" in run.stderr

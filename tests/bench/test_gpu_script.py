@@ -153,12 +153,16 @@ def test_run_all_rehearsal_on_the_cpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (tmp_path / "decoy").exists()
     summary = (out / "summary.txt").read_text()
-    for step in ("install-wheels", "install-project", "env", "list", "bench", "bench-last",
-                 "bench-report"):  # fmt: skip
+    for step in ("install", "env", "list", "bench", "bench-last", "bench-report"):
         assert any(
             line.startswith(step + " ") and " ok " in line for line in summary.splitlines()
         ), (step, summary)
     assert "demo_pkg-1.0-py3-none-any.whl: 2 pieces" in summary
+    # The one setup path: the carried wheels with the joined pieces, then this tree, checked.
+    assert "install-wheels (stand-in): " in summary and "/parts" in summary
+    assert "--no-index --no-deps --no-build-isolation ./core" in summary
+    assert "fusedhead-liger 1.0.0: from this tree's plugins/liger_backend" in summary
+    assert "failed:" not in summary
     # The logs are committed beside the figures: they name no path of the machine they ran on.
     step_lines = [line for line in summary.splitlines() if line.startswith("===== ")]
     shown_paths = (str(ROOT), str(out), "/tmp/tmp.")  # the checkout, $OUT, the script's mktemp -d
