@@ -743,3 +743,17 @@ def test_torch_func_transforms_are_refused_before_the_backend_runs(
     }[transform]
     with pytest.raises(RuntimeError, match=rf"torch\.func transforms .*: {name} is a transform's"):
         run()
+
+
+@pytest.mark.parametrize("value", [0.0, 1e-31, -2.0])
+def test_a_refused_tis_cap_is_told_the_bound_it_misses(value):
+    """1e-31 was refused as "must be a finite float > 0", a bound it meets: the floor is 1e-30."""
+    batch = _batch()
+    kw = {"tis_cap": value, "rollout_log_probs": batch["old_log_probs"]}
+    expected = rf"^tis_cap must be a finite float >= 1e-30 .*, got {value!r}$"
+    with pytest.raises(ValueError, match=expected):
+        _call("torch", batch, **kw)
+    with pytest.raises(ValueError, match=expected):
+        reference_policy_loss(
+            batch.pop("hidden"), batch.pop("weight"), batch.pop("labels"), **batch, **kw
+        )

@@ -25,7 +25,14 @@ from fusedhead.checks import (
     tensor_arg,
 )
 from fusedhead.errors import type_name
-from fusedhead.protocol import AGGREGATIONS, KL_ESTIMATORS, HeadCall, PolicyLossCall
+from fusedhead.protocol import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    TIS_CAP_FLOOR,
+    TIS_CAP_TEXT,
+    HeadCall,
+    PolicyLossCall,
+)
 from fusedhead.request import PolicyRequest
 from fusedhead.value_checks import Pending, check_count_value, check_finite_rows, count_checked
 
@@ -177,7 +184,7 @@ def policy_call(
         )
     roll = None
     if rollout is not None:
-        cap = real_in("tis_cap", cap, low=1e-30, what="a finite float > 0")
+        cap = real_in("tis_cap", cap, low=TIS_CAP_FLOOR, what=TIS_CAP_TEXT)
         roll = _per_token("rollout_log_probs", rollout, shape, device, "no TIS")
         if old is None:
             raise ValueError(

@@ -58,6 +58,10 @@ AGGREGATIONS: tuple[str, ...] = (
 #: the gradient of k2); k3-unclamped, TRL's GRPO KL (``exp(d) - d - 1`` without verl's
 #: clamps). Backends take each term's derivative from ``fusedhead.policy_terms.token_grads``.
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+", "k3-unclamped")
+#: The smallest ``tis_cap`` taken (a cap of importance weights, compared in fp32), and how a
+#: refusal states the bound.
+TIS_CAP_FLOOR = 1e-30
+TIS_CAP_TEXT = "a finite float >= 1e-30 (a cap of the importance weights)"
 #: The range of a call's float scalars (``temperature``, ``softcap`` and the KL's teacher ones,
 #: per-token temperatures included), checked by the core: 2**-126 to 2**126, where the value and
 #: its reciprocal are both normal fp32 numbers, so a backend may take ``1 / temperature`` or

@@ -418,6 +418,7 @@ def _check_loss_scalars(
         one_element_real,
         real_in,
     )
+    from fusedhead.protocol import TIS_CAP_FLOOR, TIS_CAP_TEXT
 
     check_clip_low("clip_low", clip_low)
     real_in("clip_high", clip_high, low=0.0, what="a finite float >= 0")
@@ -428,7 +429,7 @@ def _check_loss_scalars(
     real_in("entropy_coef", entropy_coef, low=-math.inf, what="a finite float")
     real_in("kl_coef", kl_coef, low=0.0, what="a finite float >= 0")
     if tis_cap is not None:
-        real_in("tis_cap", tis_cap, low=1e-30, what="a finite float > 0")
+        real_in("tis_cap", tis_cap, low=TIS_CAP_FLOOR, what=TIS_CAP_TEXT)
     if isinstance(loss_normalizer, torch.Tensor):
         one_element_real("loss_normalizer", loss_normalizer)
         value = float(loss_normalizer)  # a reference reads it: its value is checked as a float's

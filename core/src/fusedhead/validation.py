@@ -243,12 +243,6 @@ def check_head(
     else:
         start, size = _shard(process_group, V, vocab_start, vocab_size)
 
-    if temperature.__class__ is float and SCALAR_LO <= temperature <= SCALAR_HI:  # type: ignore[operator]
-        temp: float | torch.Tensor = temperature  # type: ignore[assignment]
-    else:
-        temp = _temperature(temperature, y, dev, pending=pending, check=check_labels)
-    cap = None if softcap is None else positive_float("softcap", softcap)
-
     flat = y if nd == 2 else y.reshape(-1)
     if ydt is not _I64:
         flat = flat.to(torch.int64)
@@ -258,6 +252,13 @@ def check_head(
         flat = saveable(flat)
     if check_labels and n and dev_type != "meta":
         flat = check_label_range(flat, ignore_index, size, pending)
+
+    if temperature.__class__ is float and SCALAR_LO <= temperature <= SCALAR_HI:  # type: ignore[operator]
+        temp: float | torch.Tensor = temperature  # type: ignore[assignment]
+    else:
+        scored = None if not isinstance(temperature, torch.Tensor) else flat != ignore_index
+        temp = _temperature(temperature, y, dev, pending=pending, check=check_labels, scored=scored)
+    cap = None if softcap is None else positive_float("softcap", softcap)
     # The tuple of the fields in _HEAD_CALL_FIELDS' order, without HeadCall's Python __new__.
     call: HeadCall = _new_tuple(
         HeadCall,
@@ -320,6 +321,7 @@ def _temperature(
     arg: str = "temperature",
     pending: Pending | None = None,
     check: object = True,
+    scored: torch.Tensor | None = None,
 ) -> float | torch.Tensor:
     """A float in ``SCALAR_RANGE``, or a tensor as fp32 ``[N]`` (broadcast to ``labels``).
 
@@ -327,6 +329,8 @@ def _temperature(
     values only with ``check`` (a call's ``check_labels``: one device-to-host read, or
     ``pending``'s, or under ``torch.compile`` an op of the graph). ``check=False`` is the opt-out
     CUDA graphs need; the values then reach the backend unchecked (a bad one gives its row wrong values).
+    With ``scored`` (``[N]`` bool), an ignored row may hold any value, as every other per-token
+    input may: the backend gets 1.0 there, so a padding row's 0 or NaN reaches no kernel.
     """
     if value.__class__ is float and SCALAR_LO <= value <= SCALAR_HI:  # type: ignore[operator]
         return value  # type: ignore[return-value]
@@ -353,7 +357,8 @@ def _temperature(
         raise ValueError(
             f"{arg} tensor of shape {tuple(t.shape)} must broadcast to the labels' shape {tuple(labels.shape)}"
         ) from None
-    t = saveable(t.detach().reshape(-1).to(torch.float32).resolve_neg().contiguous())
+    t = t.detach().reshape(-1).to(torch.float32).resolve_neg().contiguous()
+    t = saveable(t if scored is None else torch.where(scored, t, 1.0))
     if check and t.numel() and t.device.type != "meta":
         if torch.compiler.is_compiling():
             checked: torch.Tensor = temperature_checked(t, arg)  # the check below, in the graph
@@ -584,9 +589,9 @@ def validate_kl(
         teacher_hidden=th.reshape(-1, th.shape[-1]),
         teacher_weight=tw,
         valid=valid,
-        temperature=_temperature(temperature, rows, h.device, pending=pending, check=check),
+        temperature=_temperature(temperature, rows, h.device, "temperature", pending, check, valid),
         teacher_temperature=_temperature(
-            teacher_temperature, rows, h.device, "teacher_temperature", pending, check
+            teacher_temperature, rows, h.device, "teacher_temperature", pending, check, valid
         ),
         direction=direction,
         softcap=None if softcap is None else positive_float("softcap", softcap),
