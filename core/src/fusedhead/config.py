@@ -129,7 +129,7 @@ class FusedHeadConfig(BaseModel):
     )
     device: str | None = Field(
         None,
-        description="Device on which `require` is checked at resolution (a torch device string: 'cpu', 'cuda', 'cuda:1'); default CUDA if present, else CPU. The config only parses it; resolving a head (FusedHead, FusedLMHead, cached_head) refuses one this process cannot use (CUDA absent, an index past the device count, an accelerator type torch has not here) with a ValueError.",
+        description="Device on which `require` is checked at resolution (a torch device string: 'cpu', 'cuda', 'cuda:1'); default CUDA if present, else CPU. The config only parses it; resolving a head (FusedHead, FusedLMHead, fusedhead.api.cached_head) refuses one this process cannot use (CUDA absent, an index past the device count, an accelerator type torch has not here) with a ValueError.",
     )
 
     def __init__(self, **data: Any) -> None:
