@@ -108,6 +108,7 @@ def positive_float(arg: str, value: object) -> float:
     except OverflowError:  # an int beyond the float range
         out = math.inf
     if not SCALAR_LO <= out <= SCALAR_HI:  # NaN fails both comparisons
+        value = number_shown(value)
         shown = (
             value
             if not isinstance(value, int) or abs(value) < 10**20
@@ -132,7 +133,8 @@ def real_in(arg: str, value: object, *, low: float, high: float = math.inf, what
         out = float(value)
     except OverflowError:  # an int beyond the float range
         out = math.inf
-    if not (low <= out < high) or not math.isfinite(out):
+    # Finite by comparison, not math.isfinite: Dynamo cannot trace that on a symbolic float.
+    if not (low <= out < high and -math.inf < out < math.inf):
         raise ValueError(f"{arg} must be {what}, got {_shown(value)}")
     if abs(out) > SCALAR_HI:
         raise ValueError(
@@ -149,8 +151,24 @@ def check_clip_low(arg: str, value: object) -> float:
     return real_in(arg, value, low=0.0, what="a finite float >= 0")
 
 
+def number_shown(value: object) -> object:
+    """``value`` as the plain number a message formats. Under ``torch.compile`` a float or int
+    argument whose value changed between calls is symbolic (Dynamo's SymFloat / SymInt), which
+    Dynamo cannot format: the f-string stopped the trace with Dynamo's own error in place of the
+    refusal. ``guard_scalar`` reads the number it holds, guarding the trace on it; only on the
+    way to a refusal, so a good value's graph stays general. Eagerly, ``value`` itself."""
+    if torch.compiler.is_compiling() and isinstance(
+        value, (int, float, torch.SymInt, torch.SymFloat)
+    ):
+        from torch.fx.experimental.symbolic_shapes import guard_scalar  # loaded by Dynamo
+
+        return guard_scalar(value)
+    return value
+
+
 def _shown(value: object) -> str:
     """``value`` for a message: an int of hundreds of digits by its length."""
+    value = number_shown(value)
     if isinstance(value, int) and abs(value) >= 10**20:
         return f"an int of {len(str(abs(value)))} digits"
     return repr(value)

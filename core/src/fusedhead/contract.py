@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
+from fusedhead.checks import number_shown
 from fusedhead.errors import BackendContractError, CapabilityError, type_name
 from fusedhead.protocol import (
     OUTPUT_FIELDS,
@@ -110,7 +111,7 @@ def _raise_below_min_temperature(
             f"({int(low.sum())} value(s) below it)"
         )
     else:
-        got = f"{arg}={temp!r}"
+        got = f"{arg}={number_shown(temp)!r}"
     raise CapabilityError(
         f"computes at temperatures >= {floor:g} (it declares min_temperature={floor:g}), got {got}",
         capability="min_temperature",
@@ -152,7 +153,9 @@ def _gate_temperature(
     """``temp`` as the backend takes it: a per-token tensor only where declared, at least its
     ``min_temperature`` (a float now; a tensor in ``pending``'s one read, or, ``traced``, as an
     op of the graph whose checked copy is returned; no read otherwise: ``check_labels=False``)."""
-    is_tensor = temp.__class__ is not float
+    # Not the class alone: under torch.compile a float that changed between calls is symbolic,
+    # whose __class__ is SymFloat (a per-token refusal of a float, good values included).
+    is_tensor = temp.__class__ is not float and isinstance(temp, torch.Tensor)
     if is_tensor and not caps.per_token_temperature:
         raise CapabilityError(
             f"does not support a per-token {arg} tensor",

@@ -27,7 +27,10 @@ class BackendError(RuntimeError):
         version: str | None = None,
         hint: str | None = None,
     ) -> None:
-        super().__init__(reason)
+        # Not ``super().__init__(reason)``: Dynamo cannot trace that call into the builtin base's
+        # __init__, so a refusal raised while torch.compile traces a call (a capability the
+        # backend lacks) became Dynamo's error about super(). What that __init__ does, plainly.
+        self.args = (reason,)
         self.reason = reason
         self.backend = backend
         self.distribution = distribution

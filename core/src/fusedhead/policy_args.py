@@ -17,6 +17,7 @@ from fusedhead.checks import (
     COUNT_TEXT,
     check_clip_low,
     did_you_mean,
+    number_shown,
     one_element_real,
     packed_per_sequence,
     per_token_shape,
@@ -156,7 +157,9 @@ def policy_call(
     if dual is not None:
         dual = real_in("dual_clip", dual, low=1.0, what="a finite float > 1 (verl's clip_ratio_c)")
         if dual == 1.0:
-            raise ValueError(f"dual_clip must be > 1 (verl's clip_ratio_c), got {req.dual_clip!r}")
+            raise ValueError(
+                f"dual_clip must be > 1 (verl's clip_ratio_c), got {number_shown(req.dual_clip)!r}"
+            )
     entropy_coef = real_in("entropy_coef", req.entropy_coef, low=-math.inf, what="a finite float")
     kl_coef = real_in("kl_coef", req.kl_coef, low=0.0, what="a finite float >= 0")
     old = req.old_log_probs
@@ -170,7 +173,7 @@ def policy_call(
     ref = None if ref is None else _per_token("ref_log_probs", ref, shape, device, "no KL term")
     if kl_coef and ref is None:
         raise ValueError(
-            f"kl_coef={req.kl_coef!r} needs ref_log_probs (the reference policy's log-probs of "
+            f"kl_coef={number_shown(req.kl_coef)!r} needs ref_log_probs (the reference policy's log-probs of "
             "the labels); pass them, or kl_coef=0.0"
         )
     rollout, cap = req.rollout_log_probs, req.tis_cap
@@ -208,7 +211,7 @@ def policy_call(
         horizon = real_in("horizon", horizon, low=COUNT_FLOOR, what=what)
         if aggregation != "seq-mean-token-sum-norm":
             raise ValueError(
-                f"horizon={req.horizon!r} is the length seq-mean-token-sum-norm divides by; "
+                f"horizon={number_shown(req.horizon)!r} is the length seq-mean-token-sum-norm divides by; "
                 f"aggregation={aggregation!r} divides by none: pass horizon=None, or that mode"
             )
     normalizer = _normalizer(req.loss_normalizer, device, pending)
