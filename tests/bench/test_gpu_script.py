@@ -7,6 +7,7 @@ to one JSON, the cap on files brought back) is checked here.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -161,7 +162,8 @@ def test_run_all_rehearsal_on_the_cpu(tmp_path: Path) -> None:
     # The one setup path: the carried wheels with the joined pieces, then this tree, checked.
     assert "install-wheels (stand-in): " in summary and "/parts" in summary
     assert "--no-index --no-deps --no-build-isolation ./core" in summary
-    assert "fusedhead-liger 1.0.0: from this tree's plugins/liger_backend" in summary
+    version = importlib.metadata.version("fusedhead-liger")
+    assert f"fusedhead-liger {version}: from this tree's plugins/liger_backend" in summary
     assert "failed:" not in summary
     # The logs are committed beside the figures: they name no path of the machine they ran on.
     step_lines = [line for line in summary.splitlines() if line.startswith("===== ")]

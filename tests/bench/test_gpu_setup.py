@@ -14,6 +14,7 @@ the scripts' own Python files) exit 4 or 7 at once; everything else is this inte
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -24,6 +25,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+#: The version the fake installs carry: the tree's own.
+VERSION = importlib.metadata.version("fusedhead")
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts" / "gpu"
@@ -217,10 +221,10 @@ def _fake_site(site: Path, tree: Path) -> None:
             ROOT / sub / "src" / module, site / module,
             ignore=shutil.ignore_patterns("__pycache__"),
         )  # fmt: skip
-        info = site / f"{dist}-1.0.0.dist-info"
+        info = site / f"{dist}-{VERSION}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: 1.0.0\n"
+            f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: {VERSION}\n"
         )
         files = [p.relative_to(site).as_posix() for p in (site / module).rglob("*.py")]
         (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fusedhead import fused_head, fused_kl
+from fusedhead.errors import CapabilityError
 
 BACKENDS = ["torch", "triton"]
 N, H, V = 6, 16, 40
@@ -73,3 +74,33 @@ def test_the_kl_takes_anything_on_ignored_rows_too(arg):
         ValueError, match=rf"^{arg} tensor must hold finite values > 0 .* at flat position 2 "
     ):
         fused_kl(hidden, weight, teacher_hidden, teacher_weight, labels=labels, **{arg: padded})
+
+
+@pytest.mark.parametrize("ignored", [1e-4, 0.0, float("nan")])
+def test_a_backends_min_temperature_is_checked_on_scored_rows_only(ignored):
+    """triton declares min_temperature 1e-3: an ignored row's 1e-4 (or the 1.0 a padding 0 is
+    replaced by, below a larger floor) was refused as the caller's value; a scored row's is."""
+    hidden, weight, labels, temperature = _batch()
+    padded = temperature.clone()
+    padded[[1, 4]] = ignored
+    clean = fused_head(hidden, weight, labels, temperature=temperature, backend="triton")
+    got = fused_head(hidden, weight, labels, temperature=padded, backend="triton")
+    torch.testing.assert_close(got.log_probs, clean.log_probs, rtol=0, atol=0)
+    padded[3] = 1e-4
+    with pytest.raises(
+        CapabilityError, match=r"per-token temperature of 0.0001 .* at flat position 3 \(1 value"
+    ):
+        fused_head(hidden, weight, labels, temperature=padded, backend="triton")
+
+
+def test_a_backend_gets_no_temperature_below_its_floor_on_ignored_rows(variant):
+    """A backend declaring min_temperature 2.0 gets its floor on ignored rows (not the 1.0 a
+    padding 0 is replaced by, nor the caller's 0.5), and its scored rows' values as given."""
+    cls = variant("floored-2", caps={"min_temperature": 2.0, "per_token_temperature": True})
+    hidden, weight, labels, _ = _batch()
+    t = torch.tensor([3.0, 0.0, 2.5, 4.0, 0.5, 2.0])
+    fused_head(hidden, weight, labels, temperature=t, backend="floored-2")
+    assert cls.calls[-1]["temperature"].tolist() == [3.0, 2.0, 2.5, 4.0, 2.0, 2.0]
+    t[2] = 1.5
+    with pytest.raises(CapabilityError, match=r"of 1.5 \(as fp32\) at flat position 2 \(1 value"):
+        fused_head(hidden, weight, labels, temperature=t, backend="floored-2")

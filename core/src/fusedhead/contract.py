@@ -100,11 +100,16 @@ class FusedHeadOutput(_LogProbsEntropy):
 
 
 def _raise_below_min_temperature(
-    arg: str, temp: float | torch.Tensor, floor: float, identity: Identity
+    arg: str,
+    temp: float | torch.Tensor,
+    floor: float,
+    identity: Identity,
+    scored: torch.Tensor | None = None,
 ) -> NoReturn:
-    """The backend's ``min_temperature`` refusal, naming ``arg`` and the (smallest) value."""
+    """The backend's ``min_temperature`` refusal, naming ``arg`` and the first value below it
+    (of a per-token tensor, on a ``scored`` row)."""
     if isinstance(temp, torch.Tensor):
-        low = temp < floor
+        low = (temp < floor) & scored if scored is not None else temp < floor
         idx = int(low.nonzero()[0, 0])
         got = (
             f"a per-token {arg} of {float(temp[idx]):g} (as fp32) at flat position {idx} "
@@ -127,13 +132,20 @@ def _raise_below_min_temperature(
 
 @torch.library.custom_op("fusedhead::check_min_temperature", mutates_args=())
 def _min_temperature_checked(
-    t: torch.Tensor, floor: float, arg: str, backend: str, distribution: str, version: str
+    t: torch.Tensor,
+    scored: torch.Tensor,
+    floor: float,
+    arg: str,
+    backend: str,
+    distribution: str,
+    version: str,
 ) -> torch.Tensor:
-    """The ``min_temperature`` check of a per-token tensor in a compiled graph (as the
-    validation's value checks: the eager check as an opaque op); a copy of ``t``."""
-    if bool((t < floor).any()):
+    """The ``min_temperature`` check of a per-token tensor's scored rows in a compiled graph (as
+    the validation's value checks: the eager check as an opaque op); a copy of ``t``."""
+    if bool(((t < floor) & scored).any()):
         who = {"backend": backend, "distribution": distribution, "version": version}
-        _raise_below_min_temperature(arg, t, floor, {k: v or None for k, v in who.items()})
+        identity = {k: v or None for k, v in who.items()}
+        _raise_below_min_temperature(arg, t, floor, identity, scored)
     return t.clone()
 
 
@@ -149,10 +161,13 @@ def _gate_temperature(
     identity: Identity,
     pending: Pending | None,
     traced: bool,
+    scored: torch.Tensor | None,
 ) -> float | torch.Tensor:
     """``temp`` as the backend takes it: a per-token tensor only where declared, at least its
-    ``min_temperature`` (a float now; a tensor in ``pending``'s one read, or, ``traced``, as an
-    op of the graph whose checked copy is returned; no read otherwise: ``check_labels=False``)."""
+    ``min_temperature`` (a float now; a tensor's ``scored`` rows in ``pending``'s one read, or,
+    ``traced``, as an op of the graph whose checked copy is returned; no read otherwise:
+    ``check_labels=False``). An ignored row may hold anything, so the backend gets its value
+    raised to the floor there: it never sees a temperature below the one it declares."""
     # Not the class alone: under torch.compile a float that changed between calls is symbolic,
     # whose __class__ is SymFloat (a per-token refusal of a float, good values included).
     is_tensor = temp.__class__ is not float and isinstance(temp, torch.Tensor)
@@ -167,15 +182,17 @@ def _gate_temperature(
     if floor <= SCALAR_RANGE[0]:
         return temp  # the core's own range, already checked
     if isinstance(temp, torch.Tensor):
+        if scored is None:  # every row scored
+            scored = torch.ones(temp.shape, dtype=torch.bool, device=temp.device)
         if pending is not None:
-            pending.add(
-                (temp < floor).any(), _raise_below_min_temperature, arg, temp, floor, identity
-            )
-        elif traced:
+            low = ((temp < floor) & scored).any()
+            pending.add(low, _raise_below_min_temperature, arg, temp, floor, identity, scored)
+        t = temp
+        if traced and pending is None:
             who = [str(identity.get(k) or "") for k in ("backend", "distribution", "version")]
-            checked: torch.Tensor = _min_temperature_checked(temp, floor, arg, *who)
-            return checked
-    elif temp < floor:
+            t = _min_temperature_checked(t, scored, floor, arg, *who)
+        return torch.where(scored, t, t.clamp_min(floor))
+    if temp < floor:
         _raise_below_min_temperature(arg, temp, floor, identity)
     return temp
 
@@ -199,7 +216,9 @@ def gate_head(
 ) -> HeadCall:
     """Refuse what ``caps`` does not declare for a head call, by name; the call to go on with
     (a traced per-token temperature passes through the graph's ``min_temperature`` check)."""
-    temp = _gate_temperature("temperature", call.temperature, caps, identity, pending, traced)
+    temp = call.temperature
+    scored = call.labels != call.ignore_index if isinstance(temp, torch.Tensor) else None
+    temp = _gate_temperature("temperature", temp, caps, identity, pending, traced, scored)
     if temp is not call.temperature:
         call = call._replace(temperature=temp)
     _gate_softcap("softcap", call.softcap, caps, identity)
@@ -274,11 +293,15 @@ def gate_kl(
             hint="name a backend that declares it, e.g. 'torch'",
             **identity,
         )
-    temp = _gate_temperature("temperature", call.temperature, caps, identity, pending, traced)
+    temp = call.temperature
+    scored = call.valid
+    temp = _gate_temperature("temperature", temp, caps, identity, pending, traced, scored)
     if temp is not call.temperature:
         call = dataclasses.replace(call, temperature=temp)
     temp = call.teacher_temperature
-    checked = _gate_temperature("teacher_temperature", temp, caps, identity, pending, traced)
+    checked = _gate_temperature(
+        "teacher_temperature", temp, caps, identity, pending, traced, scored
+    )
     if checked is not temp:
         call = dataclasses.replace(call, teacher_temperature=checked)
     for arg in ("softcap", "teacher_softcap"):

@@ -330,8 +330,8 @@ def _temperature(
     ``pending``'s, or under ``torch.compile`` an op of the graph). ``check=False`` is the opt-out
     CUDA graphs need; the values then reach the backend unchecked (a bad one gives its row wrong values).
     With ``scored`` (``[N]`` bool), an ignored row may hold any value, as every other per-token
-    input may: the backend gets 1.0 there, so a padding row's 0 or NaN reaches no kernel.
-    """
+    input may: the backend gets 1.0 there (or its ``min_temperature``, ``contract``'s gate), so
+    padding's 0 or NaN reaches no kernel."""
     if value.__class__ is float and SCALAR_LO <= value <= SCALAR_HI:  # type: ignore[operator]
         return value  # type: ignore[return-value]
     if not isinstance(value, torch.Tensor):
