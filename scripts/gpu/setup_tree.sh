@@ -58,7 +58,7 @@ _setup_tree_install() {
       { _SETUP_TREE_WHY="pip install --no-index of the tree failed"; return 1; }
     if ((trl)); then
       local whl=(.whl/trl-*.whl)
-      [[ -e ${whl[0]} ]] ||
+      ((${#whl[@]})) && [[ -e ${whl[0]} ]] ||
         { _SETUP_TREE_WHY="no .whl/trl-*.whl carried (TRL's wheel, for a machine without an index)"; return 1; }
       "$py" -m pip install -q --no-index --no-deps "${whl[@]}" ||
         { _SETUP_TREE_WHY="pip install --no-index of ${whl[*]} failed"; return 1; }
