@@ -426,6 +426,23 @@ def test_model_logit_transform() -> None:
     assert model_logit_transform(nested) == (2.0, None)
 
 
+def test_a_logit_transform_fusedhead_does_not_reproduce_is_read_or_refused() -> None:
+    """RecurrentGemma caps its logits under another name (``logits_soft_cap``), and a model with
+    ``unpadded_vocab_size`` drops its head's padded rows: both were dropped without a word, and a
+    patched OpenRLHF actor's log-probs were 98.7 and 0.31 off."""
+    from types import SimpleNamespace as NS
+
+    from fusedhead.integrations.lm_head import model_logit_transform
+
+    assert model_logit_transform(NS(logits_soft_cap=30.0)) == (1.0, 30.0)
+    with pytest.raises(ValueError, match=r"^model.config.logits_soft_cap must be a finite number"):
+        model_logit_transform(NS(logits_soft_cap=0.0))
+    assert model_logit_transform(NS(unpadded_vocab_size=64, vocab_size=64)) == (1.0, None)
+    padded = NS(unpadded_vocab_size=50, vocab_size=64, model_type="inkling")
+    with pytest.raises(ValueError, match=r"^model.config.unpadded_vocab_size=50 \(inkling, vocab_"):
+        model_logit_transform(padded)
+
+
 @pytest.mark.parametrize(
     ("cap", "error", "words"),
     [

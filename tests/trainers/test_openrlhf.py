@@ -244,6 +244,17 @@ def test_bad_backends_and_inputs(model_dir: Path) -> None:
     assert "options go in a mapping: patch_actor(actor, {'backend'" in str(unavailable.value)
     assert "'fusedhead:torch'" in str(unavailable.value)  # the fix, in the same spelling
     assert not is_patched(actor)
+    # A logit transform the fused head cannot reproduce, or a bad temperature: refused at setup
+    # (before: log-probs 0.31 off for a padded vocabulary; the temperature at the first forward).
+    actor.model.config.unpadded_vocab_size = V - 8
+    with pytest.raises(ValueError, match=rf"^model.config.unpadded_vocab_size={V - 8} \(llama"):
+        patch_actor(actor, "torch")
+    del actor.model.config.unpadded_vocab_size
+    actor.temperature = 0.0
+    with pytest.raises(ValueError, match=r"^the actor's temperature \(OpenRLHF's --rollout.temp"):
+        patch_actor(actor, "torch")
+    actor.temperature = 1.0
+    assert not is_patched(actor)
     with pytest.raises(TypeError, match="score_all_positions must be a bool"):
         patch_actor(actor, "torch", score_all_positions=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="openrlhf Actor"):

@@ -353,25 +353,31 @@ def model_softcap(model: nn.Module) -> float | None:
     return config_softcap(getattr(model, "config", None))
 
 
-def config_softcap(config: Any) -> float | None:
-    """A model config's ``final_logit_softcapping``: None, or a finite number > 0.
+#: Config attributes of a ``c * tanh(z / c)`` cap on the LM head's logits: Gemma-2 and later,
+#: RecurrentGemma.
+SOFTCAP_ATTRIBUTES = ("final_logit_softcapping", "logits_soft_cap")
 
-    Refused by that name otherwise: transformers divides by it (0 gave NaN logits there, and was
+
+def config_softcap(config: Any) -> float | None:
+    """A model config's logit softcap (``SOFTCAP_ATTRIBUTES``): None, or a finite number > 0.
+
+    Refused by its name otherwise: transformers divides by it (0 gave NaN logits there, and was
     read here as no softcap), and a str or bool was taken as a number.
     """
-    value = getattr(config, "final_logit_softcapping", None)
+    attr, value = next(
+        ((a, v) for a in SOFTCAP_ATTRIBUTES if (v := getattr(config, a, None)) is not None),
+        (SOFTCAP_ATTRIBUTES[0], None),
+    )
     if value is None:
         return None
     if value.__class__ is bool or not isinstance(value, numbers.Real):
         raise TypeError(
-            "model.config.final_logit_softcapping must be a number > 0 or None, got "
-            f"{type_name(value)} {value!r}"
+            f"model.config.{attr} must be a number > 0 or None, got {type_name(value)} {value!r}"
         )
     cap = float(value)
     if not (math.isfinite(cap) and cap > 0):
         raise ValueError(
-            f"model.config.final_logit_softcapping must be a finite number > 0 or None (no "
-            f"softcap), got {value!r}"
+            f"model.config.{attr} must be a finite number > 0 or None (no softcap), got {value!r}"
         )
     return cap
 

@@ -354,11 +354,21 @@ def model_logit_transform(config: Any) -> tuple[float, float | None]:
 
     The scale: Cohere's ``logit_scale``, ``output_multiplier``, Falcon-H1's ``lm_head_multiplier``,
     Granite's / MiniCPM3's ``1 / logits_scaling`` (HyperCLOVA X multiplies by it); 1.0 otherwise.
-    The softcap: Gemma-2 style ``final_logit_softcapping``, or None.
+    The softcap: Gemma-2 style ``final_logit_softcapping`` (RecurrentGemma's
+    ``logits_soft_cap``), or None. A model that scores fewer rows than its head has
+    (``unpadded_vocab_size``) is refused: the fused head normalises over every row.
     """
     get_text = getattr(config, "get_text_config", None)
     text = get_text() if callable(get_text) else config
     softcap = config_softcap(text)
+    unpadded, vocab = getattr(text, "unpadded_vocab_size", None), getattr(text, "vocab_size", None)
+    if unpadded is not None and unpadded != vocab:
+        raise ValueError(
+            f"model.config.unpadded_vocab_size={unpadded!r} ({getattr(text, 'model_type', '?')}, "
+            f"vocab_size={vocab!r}): the model drops its head's padded rows from the logits, and a "
+            "fused head normalises over every row of the weight, so its log-probs would differ; "
+            "not supported: score this model with its own logits"
+        )
     for attr in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
         value = getattr(text, attr, None)
         if value is not None:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from fusedhead.api import FusedHead, FusedHeadOutput
+from fusedhead.checks import positive_float
 from fusedhead.integrations.backend_spec import (
     HeadLike,
     check_head_runs_on,
@@ -56,6 +57,10 @@ def _ring_utils() -> types.ModuleType:
             f"modules its models import: {exc}"
         ) from exc
     return ring_attn_utils  # type: ignore[no-any-return]
+
+
+#: How a refusal names the temperature the actor divides its logits by.
+TEMPERATURE_SETTING = "the actor's temperature (OpenRLHF's --rollout.temperature)"
 
 
 def _parts(actor: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -118,7 +123,10 @@ def patch_actor(
             "multimodal inputs and M-RoPE positions fusedhead does not reproduce"
         )
     ring = _ring_utils()
-    _, lm_head = _parts(actor)  # fail now, not on the first step
+    lm, lm_head = _parts(actor)  # fail now, not on the first step
+    model_logit_transform(getattr(lm, "config", None))  # a logit transform it cannot reproduce
+    # read again at every forward (a changed temperature applies); a bad one named now
+    positive_float(TEMPERATURE_SETTING, getattr(actor, "temperature", 1.0))
     # an unknown or malformed name is reported as this argument's value, as it was written
     setting = "patch_actor(backend=...)"
     head = resolve_lm_head(backend, setting=setting)
