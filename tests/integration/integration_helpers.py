@@ -53,6 +53,8 @@ def tiny_causal_lm(kind: str, *, seed: int = 0, **extra: Any) -> torch.nn.Module
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+        "cohere": ("CohereConfig", "CohereForCausalLM"),  # logits * logit_scale
+        "granite": ("GraniteConfig", "GraniteForCausalLM"),  # logits / logits_scaling
     }
     config_cls, model_cls = classes[kind]
     fields: dict[str, Any] = dict(
@@ -66,6 +68,10 @@ def tiny_causal_lm(kind: str, *, seed: int = 0, **extra: Any) -> torch.nn.Module
     )
     if kind == "gemma2":
         fields.update(head_dim=16, final_logit_softcapping=5.0, attn_logit_softcapping=50.0)
+    if kind == "cohere":
+        fields.update(logit_scale=0.25, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    if kind == "granite":
+        fields.update(logits_scaling=4.0)
     fields.update(extra)
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**fields)

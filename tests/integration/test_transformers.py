@@ -196,6 +196,27 @@ def test_gemma2_softcap_is_read_from_the_model_config() -> None:
     assert (uncapped.log_probs.double() - lp).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("kind", ["cohere", "granite"])
+def test_a_models_logit_scale_is_applied_as_its_forward_applies_it(kind: str) -> None:
+    """Cohere multiplies its logits by logit_scale, Granite divides them by logits_scaling: the
+    helper ignored both (0.28 off in log-probs on a tiny Cohere), a silently wrong score."""
+    model = tiny_causal_lm(kind)
+    ids, mask = _batch("left")
+    out = _logprobs(model, ids, mask, temperature=0.8, config=CFG)
+    with torch.no_grad():
+        lp, ent, _ = _reference(model, ids, mask, 0.8)  # model(...).logits are scaled
+    _close(out.log_probs, lp)
+    _close(out.entropy, ent)
+
+
+def test_a_padded_vocabulary_the_model_drops_is_refused() -> None:
+    model = tiny_causal_lm("llama")
+    model.config.unpadded_vocab_size = 500
+    ids, mask = _batch("none")
+    with pytest.raises(ValueError, match=r"^model.config.unpadded_vocab_size=500 \(llama"):
+        _logprobs(model, ids, mask, config=CFG)
+
+
 def test_return_entropy_false_and_backend_from_config() -> None:
     model = tiny_causal_lm("llama")
     ids, mask = _batch("none")

@@ -8,6 +8,7 @@ reaches fusedhead only through the ``verl.plugins`` entry point.
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -22,6 +23,8 @@ pytest.importorskip("verl", reason="verl is not installed (bash scripts/trainers
 pytest.importorskip("transformers", reason="transformers is not installed")
 
 from verl_helpers import (
+    HIDDEN,
+    VOCAB,
     apply_verl_monkey_patch,
     assert_body_grad_close,
     assert_fp32_close,
@@ -439,3 +442,30 @@ def test_an_unavailable_backend_is_reported_in_verls_terms() -> None:
     assert fix.startswith(f"set {IMPL_BACKEND} to a backend that runs on cpu here: ")
     assert "'fusedhead:torch'" in fix and "'fusedhead:gpu-only-test'" not in fix
     assert f"{IMPL_BACKEND} takes a backend's name only, not its options" in fix
+
+
+def test_a_models_logit_scale_is_applied_as_its_own_logits_apply_it() -> None:
+    """Granite divides its logits by logits_scaling; verl's own fused kernels, and fusedhead's
+    verl forward with them, dropped it (log-probs of other logits, without a word). The same
+    model with the scale folded into its head weight is the reference."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(0)
+    config = GraniteConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, logits_scaling=4.0,
+    )  # fmt: skip
+    scaled = GraniteForCausalLM(config).float()
+    with torch.no_grad():
+        scaled.lm_head.weight.mul_(8.0)  # logits large enough that the scale matters
+    folded = copy.deepcopy(scaled)
+    folded.config.logits_scaling = 1.0
+    with torch.no_grad():
+        folded.lm_head.weight.div_(4.0)
+    batch = packed_micro_batch([5, 9, 3], seed=1, temperature=0.7)
+    ours = scored(scaled, "fusedhead:torch", batch)
+    want = scored(folded, "torch", batch)  # verl's own path, on a model with nothing to drop
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(ours[key], want[key], rtol=1e-5, atol=1e-5)
+    dropped = scored(scaled, "torch", batch)["log_probs"]  # verl's own kernels drop the scale
+    assert float((dropped - want["log_probs"]).abs().max()) > 1e-2

@@ -28,11 +28,11 @@ from fusedhead.checks import (
     tensor_arg,
 )
 from fusedhead.config import FusedHeadConfig
+from fusedhead.integrations.lm_head import model_logit_transform
 from fusedhead.module import (
     FusedLMHead,
     call_in_forward,
     head_forward,
-    model_softcap,
     output_head,
     owned,
 )
@@ -97,7 +97,8 @@ def causal_lm_logprobs(
     ``softcap(logits) / temperature``; the last position and padding positions give 0 (and no
     gradient). ``temperature`` is a float or a tensor broadcastable to ``input_ids`` (per sample:
     ``[B, 1]``); its value at position ``t`` scales the distribution predicting token ``t + 1``.
-    ``softcap`` defaults to ``model.config.final_logit_softcapping``. ``config`` names the backend
+    ``softcap`` defaults to ``model.config.final_logit_softcapping``; the model's logit scale
+    (Cohere's ``logit_scale``, Granite's ``logits_scaling``) is applied as its forward applies it. ``config`` names the backend
     (default ``"torch"``). ``position_ids`` and ``model_kwargs`` go to the decoder as they would to
     ``model(...)``. ``pack=True`` runs the head only on the scored positions (one host sync);
     ``pack=False`` keeps every position, sync-free, for CUDA graphs and ``torch.compile``.
@@ -111,7 +112,10 @@ def causal_lm_logprobs(
     _check_input_ids(model, input_ids, attention_mask, cfg.check_labels)
     labels = shifted_labels(input_ids, attention_mask, ignore_index=cfg.ignore_index)
     temp = _temperature(temperature, input_ids)
-    cap = softcap if softcap is not None else model_softcap(model)
+    # The model's own scale (Cohere's logit_scale, Granite's logits_scaling) and softcap, as its
+    # forward applies them after the head; a transform it cannot reproduce is refused here.
+    scale, model_cap = model_logit_transform(getattr(model, "config", None))
+    cap = softcap if softcap is not None else model_cap
     decoder = _decoder(model)
 
     def body() -> FusedHeadOutput:
@@ -123,6 +127,8 @@ def causal_lm_logprobs(
             **model_kwargs,
         )
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        if scale != 1.0:  # s * (h @ W.T) == (s * h) @ W.T
+            hidden = hidden * scale
         return _score(head, lm_head, hidden, labels, temp, cap, return_entropy, pack)
 
     # Under FSDP2 the root's parameters (embeddings, final norm, often the LM head) are unsharded

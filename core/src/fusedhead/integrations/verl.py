@@ -456,7 +456,7 @@ def forward_with_fusedhead_backend(
     import torch
     from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
 
-    from fusedhead.integrations.lm_head import lm_head_logprobs
+    from fusedhead.integrations.lm_head import lm_head_logprobs, model_logit_transform
 
     head = getattr(self, "_fusedhead_head", None)
     if head is None:
@@ -493,7 +493,12 @@ def forward_with_fusedhead_backend(
         raise ValueError(
             "forward_with_fusedhead_backend needs shift_labels, labels or input_ids to score"
         )
-    if verl_actor.hand_over(hidden_states, self.lm_head, head, rolled, temperature):
+    # The model's own logit scale and softcap (Cohere, Granite, Gemma-2), as its logits path
+    # applies them: verl's own fused kernels drop them.
+    scale, softcap = model_logit_transform(getattr(self, "config", None))
+    if verl_actor.hand_over(
+        hidden_states, self.lm_head, head, rolled, temperature, (scale, softcap)
+    ):
         # policy_loss.loss_mode: fusedhead computes the loss from the hidden states; the engine's
         # read-out gets NaN stand-ins, which that loss replaces (nothing else reads them). The
         # hidden states are returned too: FSDP2 hooks the root's backward (re-gathering its
@@ -515,6 +520,8 @@ def forward_with_fusedhead_backend(
         rolled.to(torch.int64),
         head=head,
         temperature=temperature,
+        softcap=softcap,
+        logit_scale=scale,
         select_rows=False,
     )
     output_cls: Any = CausalLMOutputForPPO

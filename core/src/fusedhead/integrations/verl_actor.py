@@ -80,6 +80,8 @@ class _Pending:
     head: Any = None
     labels: Any = None
     temperature: Any = 1.0
+    logit_scale: float = 1.0  #: the model's own logit transform (``model_logit_transform``)
+    softcap: float | None = None
 
     def take(self) -> _Pending | None:
         if self.hidden is None:
@@ -136,13 +138,22 @@ def building_dtype() -> Any:
     return _BUILDING_DTYPE.get()
 
 
-def hand_over(hidden: Any, lm_head: Any, head: Any, labels: Any, temperature: Any) -> bool:
-    """Called by fusedhead's verl forward: True when the fused loss takes the hidden states."""
+def hand_over(
+    hidden: Any,
+    lm_head: Any,
+    head: Any,
+    labels: Any,
+    temperature: Any,
+    transform: tuple[float, float | None] = (1.0, None),
+) -> bool:
+    """Called by fusedhead's verl forward: True when the fused loss takes the hidden states.
+    ``transform``: the model's ``(logit_scale, softcap)``, applied as its own forward would."""
     slot = _PENDING.get()
     if slot is None or slot.hidden is not None:
         return False
     slot.hidden, slot.lm_head, slot.head = hidden, lm_head, head
     slot.labels, slot.temperature = labels, temperature
+    slot.logit_scale, slot.softcap = transform
     return True
 
 
@@ -389,6 +400,8 @@ def fused_ppo_loss_step(
             labels,
             head=got.head,
             temperature=got.temperature,
+            logit_scale=got.logit_scale,
+            softcap=got.softcap,
             old_log_probs=old,
             advantages=packed("advantages"),
             cu_seqlens=offsets.to(hidden.device),
