@@ -158,11 +158,13 @@ def add_fused_lm_head(
     wanted = _check_outputs(outputs)
     fused = resolve_lm_head(head)
     text_config = _text_config(model)
-    softcap = getattr(text_config, "final_logit_softcapping", None)
+    # the model's softcap (Gemma-2's final_logit_softcapping, RecurrentGemma's logits_soft_cap),
+    # checked; a transform fusedhead cannot reproduce is refused here
+    softcap = model_logit_transform(text_config)[1]
     if "mean_logits" in wanted and softcap is not None:
         raise ValueError(
             f"outputs ['mean_logits'] (asked for by the trainer) is not computed by fusedhead for "
-            f"a model with final_logit_softcapping={softcap}: the mean of capped logits needs "
+            f"a model with a logit softcap ({softcap:g}): the mean of capped logits needs "
             "every logit; keep TRL's own kernel for this trainer and model"
         )
     utils = trl_utils()
