@@ -27,8 +27,6 @@ class RefBackend:
     plugin_api_version: ClassVar[int] = 2
     calls: ClassVar[list[dict[str, Any]]] = []
     caps: ClassVar[dict[str, Any]] = {}
-    #: False: no record (a list that kept the temperature would make Dynamo specialize it).
-    record: ClassVar[bool] = True
 
     def __init__(self, options: RefOptions) -> None:
         self.options = options
@@ -40,8 +38,7 @@ class RefBackend:
         return None
 
     def forward(self, call: HeadCall) -> HeadOutput:
-        if self.record:
-            self.calls.append({**call._asdict(), "return_entropy": call.return_entropy})
+        self.calls.append({**call._asdict(), "return_entropy": call.return_entropy})
         lp, ent = reference_fused_head(
             call.hidden,
             call.weight,

@@ -26,6 +26,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from fusedhead import FusedHead, fused_head, fused_kl, fused_policy_loss
 from fusedhead.errors import CapabilityError
+from fusedhead.protocol import HeadCall, HeadOutput
+from fusedhead.reference import reference_fused_head
 
 #: Where Dynamo's fullgraph error names the exception the traced code raised.
 _RAISED = re.compile(r"raised exception (\w+)\((.*)\)\n")
@@ -170,11 +172,26 @@ def test_below_the_torch_backends_min_temperature(compile_symbolic: Any, entry: 
     )
 
 
+def _forward(self: Any, call: HeadCall) -> HeadOutput:
+    """The reference backend's forward without its record of calls (a list that kept the
+    temperature would make Dynamo specialize it)."""
+    lp, ent = reference_fused_head(
+        call.hidden,
+        call.weight,
+        call.labels,
+        temperature=call.temperature,
+        ignore_index=call.ignore_index,
+        return_entropy=call.return_entropy,
+        compute_dtype=torch.float32,
+    )
+    return HeadOutput(lp, ent)
+
+
 def test_a_symbolic_float_is_no_per_token_tensor(compile_symbolic: Any, variant: Any) -> None:
     """A backend without per-token temperatures takes a float that changed between calls: the
     gate told a tensor by the class, and a symbolic float's is SymFloat (a CapabilityError
     "does not support a per-token temperature tensor" for a good value)."""
-    variant("floats-only", record=False)
+    variant("floats-only", forward=_forward)
     h, w, y = inputs()
 
     def step(t: Any) -> torch.Tensor:
@@ -186,7 +203,7 @@ def test_a_symbolic_float_is_no_per_token_tensor(compile_symbolic: Any, variant:
 
 def test_below_a_plugins_min_temperature(compile_symbolic: Any, variant: Any) -> None:
     """An in-process backend's own floor, as triton declares one."""
-    variant("floor-test", record=False, caps={"min_temperature": 0.25})
+    variant("floor-test", forward=_forward, caps={"min_temperature": 0.25})
     h, w, y = inputs()
 
     def step(t: Any) -> torch.Tensor:
