@@ -263,6 +263,21 @@ class CleansHidden(_Plain):
         )
 
 
+class ClampsInfHidden(_Plain):
+    """Wrong: right values, after clamping the caller's +-Inf hidden states to fp32's range in
+    place (NaN left alone): a comparison through ``nan_to_num`` saw nothing change."""
+
+    name: ClassVar[str] = "wrong-clamps-inf-hidden"
+
+    def single(self, hidden, weight, labels, temperature, ignore_index, return_entropy, softcap):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            big = torch.finfo(hidden.dtype).max
+            hidden.clamp_(-big, big)
+        return super().single(
+            hidden, weight, labels, temperature, ignore_index, return_entropy, softcap
+        )
+
+
 class ReusedOutputs(_Plain):
     """Wrong: right values, written under no_grad into one buffer it keeps for every call."""
 
@@ -313,6 +328,7 @@ WRONG = {
     FakeBatchInvariant: "batch_invariance",
     WritesLabels: "inputs_unchanged",
     CleansHidden: "inputs_unchanged",
+    ClampsInfHidden: "inputs_unchanged",
     ReusedOutputs: "fresh_outputs",
 }
 ALL: tuple[type, ...] = (KitRef, *MIN_TEMPERATURE.values(), *WRONG)

@@ -68,6 +68,11 @@ def test_a_temperature_below_the_declared_minimum_must_be_refused_not_computed(
             "inputs_unchanged",
             ["check_labels=False", "wrote the caller's hidden"],
         ),
+        (  # before: passed, inputs compared through nan_to_num, which maps +Inf to fp32's max
+            "wrong-clamps-inf-hidden",
+            "inputs_unchanged",
+            ["check_labels=False", "wrote the caller's hidden"],
+        ),
         ("wrong-reused-outputs", "fresh_outputs", ["changed when a later call ran", "fresh"]),
     ],
 )

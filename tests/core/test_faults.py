@@ -117,17 +117,23 @@ def test_a_missing_package_names_the_top_level_package(with_fixture_dists):
 
 
 @pytest.mark.parametrize(
-    ("name", "missing"),
+    ("name", "target", "has"),
     [
-        ("own-module-gone", "fh_fault_gone_module_xyz"),
-        ("own-submodule-gone", "fh_fault_missing_module.gone"),
+        ("own-module-gone", "fh_fault_gone_module_xyz", "its top-level modules: "),
+        (
+            "own-submodule-gone",
+            "fh_fault_missing_module.gone",
+            "its modules in 'fh_fault_missing_module': declared, dependency_name, own_name, ",
+        ),
     ],
 )
-def test_the_plugins_own_missing_module_is_a_broken_install_never_a_pip_install_of_it(
-    with_faults, name, missing
+def test_an_entry_point_naming_a_module_its_distribution_lacks_is_never_a_pip_install_of_it(
+    with_faults, name, target, has
 ):
-    """A stale or broken install lost the entry point's own module: pip-installing that import
-    name from an index would fetch whatever project has the name (a typosquatting risk)."""
+    """The entry point names a module the distribution's files (its RECORD) never held: a wrong
+    entry point, which no reinstall fixes (before: "its install is broken or stale. Fix:
+    reinstall"); pip-installing that import name from an index would fetch whatever project has
+    the name (a typosquatting risk)."""
     with pytest.raises(BackendLoadError) as info:
         registry.load_class(name)
     err = info.value
@@ -137,9 +143,12 @@ def test_the_plugins_own_missing_module_is_a_broken_install_never_a_pip_install_
         "fh-fault-missing-module",
         "1.0.0",
     )
-    assert f"its own module {missing!r}" in err.reason
-    assert "the install of fh-fault-missing-module is broken or stale" in err.reason
-    assert (err.hint or "").startswith("reinstall fh-fault-missing-module")
+    assert f"names the module {target!r}, which does not exist in fh-fault-missing-module (" in (
+        err.reason
+    )
+    assert has in err.reason
+    assert "broken or stale" not in str(err)
+    assert "reinstalling it as it is never fixes that" in (err.hint or "")
     assert "pip install" not in str(err)
 
 

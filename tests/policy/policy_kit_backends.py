@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from fusedhead.policy_terms import TokenTerms, token_grads
+from fusedhead.policy_terms import KL_BOUND, LOG_RATIO_BOUND, TokenTerms, token_grads
 from fusedhead.protocol import (
     Capabilities,
     HeadCall,
@@ -223,6 +223,80 @@ class ReusedStatistics(PolicyRef):
         return dataclasses.replace(result, log_probs=lp, entropy=ent)
 
 
+class RatioUnclamped(PolicyRef):
+    """Wrong: the ratio's gradient without verl's clamp of the log-ratio to [-20, 20]: a token
+    past it with a negative advantage (no dual clip) gets ``-A e^(lp - old)``, not 0."""
+
+    name: ClassVar[str] = "wrong-policy-ratio-clamp"
+
+    def terms(self, call: PolicyLossCall, lp: torch.Tensor, ent: torch.Tensor) -> TokenTerms:
+        t = super().terms(call, lp, ent)
+        if call.old_log_probs is None or call.dual_clip is not None:
+            return t
+        log_ratio, adv = lp - call.old_log_probs, call.advantages
+        past = (log_ratio > LOG_RATIO_BOUND) & (adv < 0) & (call.token_weight != 0)
+        extra = -adv * torch.exp(log_ratio) * call.token_weight
+        return t._replace(grad_log_probs=t.grad_log_probs + torch.where(past, extra, 0.0))
+
+
+class KLClampedAt8(PolicyRef):
+    """Wrong: k3's value clamped at 8, not verl's 10: a token whose KL lies between them gets no
+    KL gradient."""
+
+    name: ClassVar[str] = "wrong-policy-k3-clamp"
+
+    def terms(self, call: PolicyLossCall, lp: torch.Tensor, ent: torch.Tensor) -> TokenTerms:
+        t = super().terms(call, lp, ent)
+        if not call.kl_coef or call.kl_estimator != "k3":
+            return t
+        assert call.ref_log_probs is not None
+        d = (call.ref_log_probs - lp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        k3 = torch.exp(d) - d - 1
+        band = (k3 > 8) & (k3 <= KL_BOUND) & (call.token_weight != 0)
+        dropped = call.kl_coef * (1 - torch.exp(d)) * call.token_weight
+        return t._replace(grad_log_probs=t.grad_log_probs - torch.where(band, dropped, 0.0))
+
+
+class EntropyTwiceAtLabel(PolicyRef):
+    """Wrong: the label column's logit gradient counts the entropy's part twice, as a backend
+    that adds ``-g_H p (log p + H)`` to ``label_logit_grad`` (which already holds it) would."""
+
+    name: ClassVar[str] = "wrong-policy-label-entropy"
+
+    def policy_loss(self, call: PolicyLossCall) -> PolicyLossResult:
+        head = call.head
+        with torch.enable_grad():
+            h = head.hidden.detach().requires_grad_(True)
+            w = head.weight.detach().requires_grad_(True)
+            lp, ent = self.stats(head, h, w)
+            t = self.terms(call, lp.detach(), ent.detach())
+            # dz at the label column is d(lp) times g_lp and d(H) times g_H; adding c * z_label
+            # with c = -g_H p (log p + H) counts the entropy's part there a second time.
+            z = self.rows(head, h).float() @ w.float().T / head.temperature
+            valid = head.labels != head.ignore_index
+            z_label = z.gather(1, torch.where(valid, head.labels, 0).unsqueeze(1)).squeeze(1)
+            p = torch.exp(lp.detach())
+            c = -t.grad_entropy * p * (lp.detach() + ent.detach())
+            twice = (torch.where(valid, c, 0.0) * z_label).sum()
+            gh, gw = torch.autograd.grad(
+                [lp, ent, twice], [h, w], [t.grad_log_probs, t.grad_entropy, None]
+            )
+        grad_h, grad_w = self.grads(call, gh, gw)
+        return PolicyLossResult(lp.detach(), ent.detach(), grad_hidden=grad_h, grad_weight=grad_w)
+
+
+class CleansOldLogProbs(PolicyRef):
+    """Wrong: right values, after replacing the NaN old log-probs of the caller's padding rows
+    with 0 in place (an unchecked call hands the tensor over as it is)."""
+
+    name: ClassVar[str] = "wrong-policy-cleans-old"
+
+    def policy_loss(self, call: PolicyLossCall) -> PolicyLossResult:
+        if call.old_log_probs is not None:
+            call.old_log_probs.nan_to_num_(0.0)
+        return super().policy_loss(call)
+
+
 def without_kl_gradient(estimator: str) -> type[PolicyRef]:
     """Wrong for one KL estimator: its gradients leave the KL term out (the core's loss value,
     formed from the statistics, still has it)."""
@@ -249,6 +323,10 @@ WRONG: dict[type, str] = {
     GradientsNobodyAskedFor: "policy_loss_contract",
     ZeroesIgnoredAdvantages: "policy_loss_contract",
     ReusedStatistics: "policy_loss_contract",
+    RatioUnclamped: "policy_loss_accuracy",
+    KLClampedAt8: "policy_loss_accuracy",
+    EntropyTwiceAtLabel: "policy_loss_accuracy",
+    CleansOldLogProbs: "policy_loss_contract",
 }
 ALL: tuple[type, ...] = (PolicyRef, Undeclared, *WRONG)
 

@@ -54,6 +54,22 @@ def test_the_correct_backend_passes_every_policy_property(policy_backends: Modul
             "policy_loss_contract",
             ["check_labels=False", "wrote the caller's advantages"],
         ),
+        (  # before: passed, no log-ratio past the clamp at 20 (the kit's were within 0.9)
+            "wrong-policy-ratio-clamp",
+            "policy_loss_accuracy",
+            ["log-ratios of +25", "grad hidden", "got", "expected"],
+        ),
+        (  # before: passed, every k3 value either about 0.02 or past 10
+            "wrong-policy-k3-clamp",
+            "policy_loss_accuracy",
+            ["k3", "grad hidden"],
+        ),
+        ("wrong-policy-label-entropy", "policy_loss_accuracy", ["entropy_coef", "grad"]),
+        (  # before: passed, no NaN in any per-token input but hidden
+            "wrong-policy-cleans-old",
+            "policy_loss_contract",
+            ["per-token inputs at the ignored rows", "wrote the caller's old_log_probs"],
+        ),
         (  # before: passed, the core handing the backend's tensors on where every row is scored
             "wrong-policy-statistics-buffer",
             "policy_loss_contract",
@@ -68,6 +84,19 @@ def test_each_wrong_backend_fails_its_property(
     assert result.outcome is Outcome.FAIL, result.line()
     for word in words:
         assert word in result.line()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_entropy_counted_twice_at_the_label_is_caught_in_16_bits(
+    policy_backends: ModuleType, dtype: str
+) -> None:
+    """Before, it passed in fp16 and bf16: entropy_coef was 0.02 at most and the labels random,
+    so the extra ``g_H p (log p + H)`` hid under the 16-bit bounds. Confident labels and a large
+    bonus show it."""
+    result = check_property("policy_loss_accuracy", "wrong-policy-label-entropy", dtype=dtype)
+    assert result.outcome is Outcome.FAIL, result.line()
+    assert "argmax labels" in result.line() and "entropy_coef 0.5" in result.line()
+    assert check_property("policy_loss_accuracy", "policy-ref", dtype=dtype).outcome is Outcome.PASS
 
 
 def test_the_wrong_backends_pass_the_properties_they_do_not_break(
@@ -92,6 +121,8 @@ def test_a_backend_without_the_capability_is_not_run_with_the_reason(
         result = check_property(prop, "policy-undeclared")
         assert result.outcome is Outcome.NOT_RUN, result.line()
         assert "does not declare policy_loss" in result.message
+        # its policy_loss() method is there: most likely the declaration was forgotten
+        assert "although it defines a policy_loss() method" in result.message
 
 
 def test_determinism_is_not_run_where_it_is_not_declared(policy_backends: ModuleType) -> None:

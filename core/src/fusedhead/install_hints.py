@@ -1,20 +1,23 @@
 """What to install: the command for a first-party backend, true for how fusedhead is published,
-and the triage of a backend's failed import (its own install broken, or which dependency is
-missing).
+and the triage of a backend's failed import (an entry point naming what its distribution does
+not have, its own install broken, or which dependency is missing; where its code raised).
 
 A leaf module: the registry's errors and ``fusedhead list`` name these commands.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata as md
 import importlib.util
 import json
 import os
 import re
+import traceback
 import urllib.parse
 import urllib.request
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from fusedhead.errors import BackendLoadError, MissingDependencyError
 
@@ -98,8 +101,12 @@ def normalize(dist_name: str) -> str:
 
 def import_error(cand: Any, exc: ImportError, fields: dict[str, Any]) -> Exception:
     """A missing module becomes ``MissingDependencyError`` (a third-party package) or
-    ``BackendLoadError`` (the plugin's own module: its install is broken or stale); a missing
-    name, ``BackendLoadError``.
+    ``BackendLoadError`` (the plugin's own module); a missing name, ``BackendLoadError``.
+
+    The plugin's own missing module is looked up in its distribution's files (:func:`own_files`):
+    a module the entry point names that the distribution does not have is a wrong entry point
+    (reinstalling never fixes it: the message suggests close names), one its files list that does
+    not import is a broken or stale install (reinstalling helps).
 
     Never ``pip install <import name>``: an import name is not a pip name (``yaml`` is PyYAML,
     ``cv2`` opencv-python) and the plugin's own package name on an index may be anyone's. A pip
@@ -107,21 +114,15 @@ def import_error(cand: Any, exc: ImportError, fields: dict[str, Any]) -> Excepti
     registry's ``Candidate``; ``fields``: the identity its errors carry.
     """
     dist = cand.distribution or "the backend's distribution"
-    reinstall = (
-        install_command(cand.name) if cand.name in FIRST_PARTY_EXTRAS else f"reinstall {dist}"
-    )
+    reinstall = _reinstall(cand)
     missing = getattr(exc, "name", None)
     top = missing.split(".")[0] if missing else None
     if isinstance(exc, ModuleNotFoundError) and missing and top:
         module = cand.entry_point.module if cand.entry_point is not None else ""
-        if top == module.split(".")[0]:  # the entry point's own module or its package
-            return BackendLoadError(
-                f"could not be imported: its own module {missing!r} (of the entry point "
-                f"{cand.value}) is not installed, so the install of {dist} is broken or stale "
-                f"({exc})",
-                hint=f"{reinstall} (uninstall it first if reinstalling does not help)",
-                **fields,
-            )
+        # the entry point's own module, its package, or a sibling; not a distribution of that
+        # name it requires (a module the entry point names may come from a dependency)
+        if top == module.split(".")[0] and not _required_as(cand.distribution, top):
+            return _own_module_missing(cand, exc, missing, fields)
         try:
             present = importlib.util.find_spec(top) is not None
         except (ImportError, ValueError):
@@ -153,9 +154,11 @@ def import_error(cand: Any, exc: ImportError, fields: dict[str, Any]) -> Excepti
     own = (cand.entry_point.module if cand.entry_point is not None else "").split(".")[0]
     if not isinstance(exc, ModuleNotFoundError) and top and top == own:
         # a name its own package lacks: its own code or its install, nothing else installed
+        at = raised_at(exc, cand)
         return BackendLoadError(
             f"could not be imported: {exc} (a name its own package {top!r} lacks: the install "
-            f"of {dist} is broken or stale, or its code is wrong)",
+            f"of {dist} is broken or stale, or its code is wrong"
+            + (f"; the import is at {at})" if at else ")"),
             hint=f"{reinstall}; if the error stays, report it to the authors of {dist}",
             **fields,
         )
@@ -176,6 +179,260 @@ def import_error(cand: Any, exc: ImportError, fields: dict[str, Any]) -> Excepti
         f"built for; upgrade fusedhead and the backend together, or {reinstall}",
         **fields,
     )
+
+
+def _reinstall(cand: Any) -> str:
+    """How to reinstall ``cand``'s distribution: a first-party backend's command, else words."""
+    if cand.name in FIRST_PARTY_EXTRAS:
+        return install_command(cand.name)
+    dist = cand.distribution or "the backend's distribution"
+    return f"reinstall {dist}"
+
+
+def _own_module_missing(
+    cand: Any, exc: ModuleNotFoundError, missing: str, fields: dict[str, Any]
+) -> BackendLoadError:
+    """The plugin's own module ``missing`` did not import: a module its entry point names that its
+    distribution does not have (the entry point is wrong: no reinstall fixes it), one its files
+    list (its install is broken or stale), or one its code imports that it does not have."""
+    dist = cand.distribution or "the backend's distribution"
+    target = cand.entry_point.module
+    entry = f"{cand.name} = {cand.value}"
+    own = own_files(cand)
+    has = own.has(missing)
+    stale = BackendLoadError(
+        f"could not be imported: its own module {missing!r} (of the entry point {cand.value}) "
+        + (
+            f"is listed in the metadata of {dist} but cannot be imported{own.gone(missing)}"
+            if has
+            else "is not installed"
+        )
+        + f", so the install of {dist} is broken or stale ({exc})",
+        hint=f"{_reinstall(cand)} (uninstall it first if reinstalling does not help)",
+        **fields,
+    )
+    near, inventory = own.near(missing)
+    if target != missing and not target.startswith(missing + "."):
+        # a module its own code imports, not one the entry point names
+        if has is not False:
+            return stale
+        at = raised_at(exc, cand)
+        meant = f"; did you mean {near!r}?" if near else ""
+        return BackendLoadError(
+            f"could not be imported: its code imports its own module {missing!r}, which is not "
+            f"among the files of {dist} ({inventory}{meant}): a module left out of the "
+            "distribution, or a misspelt import" + (f"; the import is at {at}" if at else ""),
+            hint=f"the code or the packaging of {dist} is wrong, so reinstalling it does not "
+            "help: report this to its authors",
+            **fields,
+        )
+    if has:
+        return stale
+    whose = "" if missing == target else f", whose package {missing!r}"
+    fixed = None
+    if near is not None:  # the close name, and the rest of the entry point's module after it
+        pieces = near.split(".")
+        fixed = ".".join([*pieces, *target.split(".")[len(pieces) :]])
+        if own.complete and fixed not in own.modules:
+            fixed = None  # a part after it is not there either: no sure suggestion
+    attr = cand.entry_point.attr
+    value = f"{fixed}:{attr}" if fixed and attr else fixed
+    meant = f" Did you mean '{cand.name} = {value}'?" if value else ""
+    if has is False:  # the entry point names what its distribution does not have
+        example = f', e.g. {cand.name} = "{value}"' if value else ""
+        return BackendLoadError(
+            f"could not be imported: the entry point {entry!r} of {dist} names the module "
+            f"{target!r}{whose}, which does not exist in {dist} ({inventory}).{meant}",
+            hint=f"the entry point in the metadata of {dist} is wrong, and reinstalling it as it "
+            "is never fixes that: its authors correct it (the table "
+            f'[project.entry-points."fusedhead.backends"] of its pyproject.toml{example}) and '
+            "reinstall it",
+            **fields,
+        )
+    # its files are not known (no RECORD, or an editable install): either may be the cause
+    return BackendLoadError(
+        f"could not be imported: the entry point {entry!r} of {dist} names the module "
+        f"{target!r}{whose}, which cannot be imported ({exc}); {dist} lists no files that "
+        "tell whether it has it, so either the entry point misspells it or its install is broken "
+        f"or stale ({inventory}).{meant}",
+        hint=f"correct the entry point if it is wrong; if it is right, {_reinstall(cand)} "
+        "(uninstall it first if reinstalling does not help)",
+        **fields,
+    )
+
+
+class OwnFiles(NamedTuple):
+    """What a backend's distribution installs, read from its metadata (nothing is imported)."""
+
+    #: Dotted names of the modules and packages its files hold (RECORD, ``dist.files``).
+    modules: frozenset[str]
+    #: Its top-level import names: those of ``modules`` and its ``top_level.txt``.
+    tops: frozenset[str]
+    #: Whether ``modules`` is every module it installs (a file list, no ``.pth`` of an editable
+    #: install pointing elsewhere).
+    complete: bool
+    #: Each module's file, where the list names one (``module -> PackagePath``).
+    paths: dict[str, Any]
+
+    def has(self, module: str) -> bool | None:
+        """Whether the distribution has ``module``; None where its metadata does not tell."""
+        if self.complete:
+            return module in self.modules
+        top = module.split(".")[0]
+        if module in self.modules or (module == top and top in self.tops):
+            return True
+        if self.tops and top not in self.tops:
+            return False
+        return None
+
+    def gone(self, module: str) -> str:
+        """`` (FILE is gone)`` where ``module``'s listed file is not on disk, else ``""``."""
+        path = self.paths.get(module)
+        try:
+            where = path.locate() if path is not None else None
+        except (OSError, ValueError, NotImplementedError):
+            return ""
+        return f" ({where} is gone)" if where is not None and not os.path.exists(where) else ""
+
+    def near(self, module: str) -> tuple[str | None, str]:
+        """(the module path ``module`` probably meant, up to its first part the distribution lacks,
+        or None; what the distribution has at that level, for the message)."""
+        parts = module.split(".")
+        known = self.modules | self.tops
+        i = next((k for k in range(len(parts)) if ".".join(parts[: k + 1]) not in known), None)
+        if i is None:
+            return None, ""
+        level = sorted(
+            {n.split(".")[i] for n in known if n.split(".")[:i] == parts[:i] and n.count(".") >= i}
+        )
+        lower = {n.lower(): n for n in level}
+        close = difflib.get_close_matches(parts[i].lower(), list(lower), n=1, cutoff=0.6)
+        near = ".".join([*parts[:i], lower[close[0]]]) if close else None
+        where = "top-level modules" if i == 0 else f"modules in {'.'.join(parts[:i])!r}"
+        if not level:
+            return near, f"it lists no {where}"
+        shown = ", ".join(level[:8]) + (", ..." if len(level) > 8 else "")
+        return near, f"its {where}: {shown}"
+
+
+def _distribution(cand: Any) -> md.Distribution | None:
+    """The distribution ``cand``'s entry point comes from (that copy, where it is known)."""
+    dist = getattr(cand.entry_point, "dist", None)
+    if dist is not None or cand.distribution is None:
+        return dist
+    try:
+        return md.distribution(cand.distribution)
+    except (md.PackageNotFoundError, ValueError, OSError):
+        return None
+
+
+def own_files(cand: Any) -> OwnFiles:
+    """The modules ``cand``'s distribution installs, from its file list and ``top_level.txt``."""
+    modules: set[str] = set()
+    paths: dict[str, Any] = {}
+    tops: set[str] = set()
+    complete = False
+    dist = _distribution(cand)
+    if dist is not None:
+        try:
+            files = dist.files
+        except (OSError, ValueError):
+            files = None
+        complete = bool(files)
+        for path in files or ():
+            parts = path.parts
+            if len(parts) == 1 and path.suffix == ".pth":  # an editable install: code elsewhere
+                complete = False
+            name = _module_of(parts)
+            if name is None:
+                continue
+            if name.split(".")[-1].startswith("__editable__"):  # setuptools' editable finder
+                complete = False
+                continue
+            paths.setdefault(name, path)
+            pieces = name.split(".")
+            modules.update(".".join(pieces[: k + 1]) for k in range(len(pieces)))
+        try:
+            listed = dist.read_text("top_level.txt") or ""
+        except (OSError, ValueError):
+            listed = ""
+        tops.update(line.strip() for line in listed.splitlines() if line.strip().isidentifier())
+    tops.update(n.split(".")[0] for n in modules)
+    return OwnFiles(frozenset(modules), frozenset(tops), complete, paths)
+
+
+def _module_of(parts: Iterable[str]) -> str | None:
+    """The dotted module a file of a distribution (its path's parts) holds, or None."""
+    *folders, file = parts
+    stem, dot, suffix = file.partition(".")
+    suffix = suffix.rsplit(".", 1)[-1] if dot else ""
+    if suffix not in ("py", "pyc", "so", "pyd") or "__pycache__" in folders:
+        return None
+    names = folders if stem == "__init__" else [*folders, stem]
+    if not names or not all(n.isidentifier() for n in names):
+        return None  # a script, a data file's folder, ../bin, a dist-info
+    return ".".join(names)
+
+
+#: The core's own folder: a frame there is never where a plugin raised.
+_CORE = os.path.dirname(os.path.realpath(__file__))
+
+
+def raised_at(exc: BaseException, cand: Any) -> str | None:
+    """``FILE, line N`` (``, in FUNC`` inside a function) where ``exc`` was raised: the innermost
+    frame of its traceback in the plugin's own files (its distribution's files, the top-level
+    packages of those and of its entry point), else the innermost outside importlib and fusedhead;
+    a SyntaxError's own file and line. None where nothing is known."""
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        return f"{exc.filename}, line {exc.lineno}"
+    frames = [
+        (frame.f_code.co_filename, line, frame.f_code.co_name)
+        for frame, line in traceback.walk_tb(exc.__traceback__)
+    ]
+    roots = _own_roots(cand)
+
+    def inside(file: str, folders: Iterable[str]) -> bool:
+        real = os.path.realpath(file)
+        return any(real == r or real.startswith(r + os.sep) for r in folders)
+
+    chosen = next((f for f in reversed(frames) if inside(f[0], roots)), None)
+    if chosen is None:
+        chosen = next(
+            (f for f in reversed(frames) if not f[0].startswith("<") and not inside(f[0], [_CORE])),
+            None,
+        )
+    if chosen is None:
+        return None
+    file, line, function = chosen
+    return f"{file}, line {line}" + ("" if function == "<module>" else f", in {function}")
+
+
+def _own_roots(cand: Any) -> list[str]:
+    """The plugin's own files and folders: its distribution's files, and where the top-level
+    packages of those and of its entry point's module are (nothing is imported)."""
+    roots: set[str] = set()
+    own = own_files(cand)
+    for path in own.paths.values():
+        try:
+            roots.add(os.path.realpath(str(path.locate())))
+        except (OSError, ValueError, NotImplementedError):
+            continue
+    tops = set(own.tops)
+    if cand.entry_point is not None:
+        tops.add(cand.entry_point.module.split(".")[0])
+    for top in sorted(tops - {"fusedhead"}):
+        try:
+            spec = importlib.util.find_spec(top)
+        except Exception:  # a finder of its own that fails: that top is not known
+            continue
+        if spec is None:
+            continue
+        folders = list(spec.submodule_search_locations or ())
+        if folders:
+            roots.update(os.path.realpath(f) for f in folders)
+        elif spec.origin and os.path.isfile(spec.origin):
+            roots.add(os.path.realpath(spec.origin))
+    return sorted(roots)
 
 
 def _required_as(distribution: str | None, module: str) -> str | None:

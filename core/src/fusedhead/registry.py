@@ -37,6 +37,10 @@ ENTRY_POINT_GROUP = "fusedhead.backends"
 NAME_PATTERN = re.compile(r"\A[a-z0-9_-]+\Z")
 #: Environment variable limiting discovery to a comma-separated list of names.
 LIMIT_ENV = "FUSEDHEAD_BACKENDS"
+#: Plugin API versions a published fusedhead speaks, each with the releases that speak it. Version
+#: 1 (the 13-argument ``forward`` of the 0.x series) is not here: no fusedhead speaking it was
+#: published (docs/writing-a-backend.md), so no advice may send a backend's users to one.
+PUBLISHED_PLUGIN_API = {2: "fusedhead 1.x"}
 #: Reserved names: each may only come from the project's own distribution (normalized name).
 RESERVED_NAMES = {
     "torch": "fusedhead-torch",
@@ -468,18 +472,91 @@ def load_candidate(cand: Candidate) -> type[Any]:
         cls = cand.cls
     else:
         assert cand.entry_point is not None
+        cls = _load_entry_point(cand, cand.entry_point)
+    verify_backend_class(cls, **error_fields(cand))
+    return cls
+
+
+def _load_entry_point(cand: Candidate, ep: md.EntryPoint) -> Any:
+    """What ``ep`` (``module:attr``) names, as ``EntryPoint.load`` gets it, in two steps so that
+    each failure is told apart: the module's import (a missing module triaged by
+    :func:`install_hints.import_error`; any other exception named with where the plugin raised
+    it) and then the attribute (a misspelt name, with the module's names close to it)."""
+    match = ep.pattern.match(ep.value)
+    if match is None:
+        raise BackendLoadError(
+            f"the entry point {cand.name} = {cand.value!r} is not of the form module:attr",
+            hint="name the backend class as package.module:Class in the entry point",
+            **error_fields(cand),
+        )
+    try:
+        obj = importlib.import_module(match.group("module"))
+    except ImportError as exc:
+        raise install_hints.import_error(cand, exc, error_fields(cand)) from exc
+    except (Exception, SystemExit) as exc:  # a plugin's sys.exit() at import is its bug too
+        at = install_hints.raised_at(exc, cand)
+        raise BackendLoadError(
+            f"entry point {cand.value} failed to import: {exception_text(exc)}"
+            + (f" (raised at {at})" if at else ""),
+            hint="the backend's module raised this while it was imported: fix it there, or "
+            "report this to the backend's authors",
+            **error_fields(cand),
+        ) from exc
+    module = match.group("module")
+    parts = [p for p in (match.group("attr") or "").split(".") if p]
+    for k, part in enumerate(parts):
         try:
-            cls = cand.entry_point.load()
-        except ImportError as exc:
-            raise install_hints.import_error(cand, exc, error_fields(cand)) from exc
-        except (Exception, SystemExit) as exc:  # a plugin's sys.exit() at import is its bug too
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise _missing_attribute(cand, obj, module, parts, k) from exc
+        except Exception as exc:  # a module __getattr__ of its own that fails
+            at = install_hints.raised_at(exc, cand)
             raise BackendLoadError(
-                f"entry point {cand.value} failed to import: {type(exc).__name__}: {exc}",
+                f"entry point {cand.value} failed to load: getting {part!r} from "
+                f"{'.'.join([module, *parts[:k]])!r} raised {exception_text(exc)}"
+                + (f" (raised at {at})" if at else ""),
                 hint="report this to the backend's authors",
                 **error_fields(cand),
             ) from exc
-    verify_backend_class(cls, **error_fields(cand))
-    return cls
+    return obj
+
+
+def _missing_attribute(
+    cand: Candidate, owner: Any, module: str, parts: list[str], k: int
+) -> BackendLoadError:
+    """The entry point's attribute path ``parts`` (after ``module:``) names ``parts[k]``, which
+    ``owner`` (what ``parts[:k]`` reached) lacks: the public names of ``owner`` close to it
+    (difflib, case aside), else the public classes it defines."""
+    name = parts[k]
+    where = ".".join([module, *parts[:k]])
+    try:
+        public = sorted(n for n in dir(owner) if not n.startswith("_"))
+    except Exception:  # a __dir__ of its own that fails: no names to offer
+        public = []
+    lower = {n.lower(): n for n in public}
+    close = [lower[n] for n in difflib.get_close_matches(name.lower(), list(lower), n=3)]
+    what = "module" if inspect.ismodule(owner) else "class" if isinstance(owner, type) else "object"
+    dist = cand.distribution or "the backend's distribution"
+    if close:
+        fixed = f"{module}:{'.'.join([*parts[:k], close[0], *parts[k + 1 :]])}"
+        also = f" (or {', '.join(repr(c) for c in close[1:])})" if close[1:] else ""
+        said = f". Did you mean {close[0]!r}{also}?"
+        example = f', e.g. {cand.name} = "{fixed}"'
+    else:
+        classes = [n for n in public if isinstance(getattr(owner, n, None), type)]
+        ours = [n for n in classes if getattr(getattr(owner, n), "__module__", None) == where]
+        shown = ours or classes
+        listed = ", ".join(shown[:8]) + (", ..." if len(shown) > 8 else "")
+        said = f" (its public classes: {listed})" if shown else " (it has no public class)"
+        example = ""
+    return BackendLoadError(
+        f"the entry point '{cand.name} = {cand.value}' of {dist} names {name!r}, which the "
+        f"{what} {where!r} does not have{said}",
+        hint=f"the entry point in the metadata of {dist} is wrong: correct it (the table "
+        f'[project.entry-points."fusedhead.backends"] of its pyproject.toml{example}) and '
+        "reinstall it, as entry points are read from the installed metadata",
+        **error_fields(cand),
+    )
 
 
 def verify_backend_class(cls: Any, **fields: Any) -> None:
@@ -535,13 +612,23 @@ def verify_backend_class(cls: Any, **fields: Any) -> None:
         )
     if not lo <= version <= hi:
         speaks = f"version {lo}" if lo == hi else f"versions {lo} to {hi}"
-        hint = (
-            f"the backend is older than this fusedhead: upgrade its distribution to one for "
-            f"plugin API {hi} (docs/writing-a-backend.md), or use a fusedhead that speaks {version}"
-            if version < lo
-            else f"the backend needs a newer fusedhead: upgrade fusedhead to one that speaks "
-            f"plugin API {version}, or use a release of the backend for API {hi}"
-        )
+        if version >= lo:
+            hint = (
+                f"the backend needs a newer fusedhead: upgrade fusedhead to one that speaks "
+                f"plugin API {version}, or use a release of the backend for API {hi}"
+            )
+        elif version in PUBLISHED_PLUGIN_API:
+            hint = (
+                f"the backend is older than this fusedhead: upgrade its distribution to one for "
+                f"plugin API {hi} (docs/writing-a-backend.md), or use "
+                f"{PUBLISHED_PLUGIN_API[version]}, which speaks {version}"
+            )
+        else:  # no published fusedhead ever spoke it: no downgrade of fusedhead helps
+            hint = (
+                f"the backend is older than this fusedhead: upgrade its distribution to one for "
+                f"plugin API {hi}, or port it to plugin API {hi} (docs/writing-a-backend.md); "
+                f"no published fusedhead speaks plugin API {version}, so no other fusedhead helps"
+            )
         raise IncompatibleBackendError(
             f"speaks plugin API version {version!r}; this fusedhead speaks {speaks}",
             hint=hint,

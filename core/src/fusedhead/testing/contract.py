@@ -17,7 +17,7 @@ from fusedhead.testing.inputs import (
 from fusedhead.testing.measure import LOSS, check_against_reference, evaluate, reference, zmax
 from fusedhead.testing.outcome import PropertyFailure
 from fusedhead.testing.target import Target
-from fusedhead.testing.tolerances import assert_close
+from fusedhead.testing.tolerances import assert_close, same_bits
 
 
 def _exactly_zero(what: str, t: torch.Tensor | None, rows: torch.Tensor) -> None:
@@ -241,10 +241,7 @@ def _reads_only(
         raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
     for name, old in before.items():
         new = inputs[name].detach()
-        if not torch.equal(new, old) and not (
-            new.is_floating_point() and torch.equal(new.isnan(), old.isnan())
-            and torch.equal(new.nan_to_num(), old.nan_to_num())
-        ):  # fmt: skip
+        if not same_bits(new, old):
             changed = int((new != old).sum() - (new.isnan() & old.isnan()).sum())
             raise PropertyFailure(
                 f"{label}: the call wrote the caller's {name} ({changed} of "

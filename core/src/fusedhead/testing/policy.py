@@ -46,7 +46,7 @@ from fusedhead.testing.outputs import (
     reference_outputs,
 )
 from fusedhead.testing.target import Target
-from fusedhead.testing.tolerances import UNIT_ROUNDOFF, Bound, assert_close
+from fusedhead.testing.tolerances import UNIT_ROUNDOFF, Bound, assert_close, same_bits
 
 Property = Callable[[Target], None]
 AGGREGATIONS = (
@@ -71,6 +71,8 @@ CLIPS: tuple[tuple[float | None, bool], ...] = (
     (1.8, True),
 )
 CLIP_LOW, CLIP_HIGH, TIS_CAP = 0.2, 0.28, 1.5
+#: The per-token inputs besides labels and temperature: an ignored row's may hold anything.
+PER_TOKEN_TERMS = ("old_log_probs", "advantages", "ref_log_probs", "rollout_log_probs")
 #: Log-ratios ``lp - old`` are drawn in this range, then moved off the kinks.
 LOG_RATIO_RANGE = (-0.8, 0.9)
 #: The margin never exceeds this (coarse logits): kinks are about 0.34 apart at least.
@@ -79,7 +81,15 @@ MAX_MARGIN = 0.12
 
 def _declared(target: Target) -> None:
     if not target.caps.policy_loss:
-        raise NotRun(f"the backend does not declare policy_loss on {target.device.type}")
+        why = f"the backend does not declare policy_loss on {target.device.type}"
+        if callable(getattr(target.head.backend, "policy_loss", None)):
+            # most likely forgotten: a NOT RUN that reads as fine would hide the method from CI
+            why += (
+                f", although it defines a policy_loss() method: if that should run on "
+                f"{target.device.type}, declare it in capabilities() "
+                "(Capabilities(policy_loss=True)) to have it run and checked"
+            )
+        raise NotRun(why)
 
 
 def _float(t: torch.Tensor | float) -> torch.Tensor | float:
@@ -124,6 +134,8 @@ class _Batch:
             away = torch.where(log_ratio >= kink, 1.0, -1.0)
             log_ratio = torch.where(near, kink + away * margin, log_ratio)
         lp = ref["log_probs"]
+        #: float64 log-probs of the labels (flat), the values the backend's are held to.
+        self.log_probs = lp
         shape = tuple(case.labels.shape)
         self.old = (lp - log_ratio).float().reshape(shape)
         self.advantages = torch.randn(n, generator=g).reshape(shape)
@@ -375,13 +387,20 @@ def policy_loss_accuracy(target: Target) -> None:
     kw = batch.kwargs(dual_clip=None, tis=False, aggregation="seq-mean-token-sum-norm")
     _check(target, batch, {**kw, "cu_seqlens": cu, "horizon": 2.0 * n}, packed.description)
     # Every other estimator of the protocol (verl's abs, its straight-through forms: the value,
-    # k2's gradient; TRL's unclamped k3) and k3 again, with a reference 3 nats above half the
-    # tokens, past k3's clamp of the KL at 10.
-    far = batch.ref_log_probs + 3.0 * (torch.arange(n).reshape(1, n) % 2)
+    # k2's gradient; TRL's unclamped k3) and k3 again, with references that put k3 (of
+    # d = ref - lp) on both sides of its clamp of the KL at 10, kinks at d = -11.0 and 2.61:
+    # d = 3 and -12 past it (no gradient), d = 2.3 and -9 below it (k3 6.7 and 8.0), where a
+    # clamp at a smaller bound would drop the gradient.
+    offsets = torch.tensor([0.0, 3.0, 2.3, -9.0, -12.0], dtype=torch.float64)
+    d = offsets[torch.arange(n) % len(offsets)]
+    far = torch.where(d == 0, batch.ref_log_probs.reshape(-1).double(), batch.log_probs + d)
+    far = far.float().reshape(1, n)
     swept = {p["kl_estimator"] for p in PENALTIES if "kl_estimator" in p}
     for estimator in (*(e for e in KL_ESTIMATORS if e not in swept), "k3"):
         kw = batch.kwargs(dual_clip=None, tis=False, kl_coef=0.1, kl_estimator=estimator)
         _check(target, batch, {**kw, "ref_log_probs": far}, f"{packed.description}, {estimator}")
+    _far_ratios(target, batch, packed.description)
+    _confident_labels(target, n, h, v)
     # On-policy: old_log_probs None (the current policy's, ratio 1): PolicyLossCall.old_log_probs
     # is None, which fusedhead.policy_terms.token_grads reads so.
     kw = batch.kwargs(dual_clip=1.8, tis=False, aggregation="seq-mean-token-mean", **PENALTIES[3])
@@ -404,8 +423,43 @@ def policy_loss_accuracy(target: Target) -> None:
         _check(target, batch, kw, f"{case.description}, per-token temperatures 0.4 to 2")
 
 
+def _far_ratios(target: Target, batch: _Batch, description: str) -> None:
+    """Tokens whose log-ratio ``lp - old`` is 25 or -25 (stale or off-policy ones), past verl's
+    clamp of the log-ratio to [-20, 20], whose derivative is 0 there: with a negative advantage
+    and no dual clip such a token adds ``-A e^20`` to the loss and nothing to the gradients
+    (without the clamp, ``-A e^25``); with the dual clip, ``-A dual_clip`` and nothing."""
+    n = batch.log_probs.shape[0]
+    shape = batch.old.shape
+    pick = torch.arange(n) % 3
+    side = torch.where(pick == 1, 25.0, torch.where(pick == 2, -25.0, 0.0)).double()
+    old = torch.where(side == 0, batch.old.reshape(-1).double(), batch.log_probs - side)
+    adv = batch.advantages.reshape(-1)
+    adv = torch.where(side > 0, -adv.abs() - 0.5, adv)  # past the clamp from above: A < 0
+    for dual in (None, 1.8):
+        kw = batch.kwargs(dual_clip=dual, tis=False, **PENALTIES[0])
+        kw = {**kw, "old_log_probs": old.float().reshape(shape), "advantages": adv.reshape(shape)}
+        label = f"{description}, log-ratios of +25 (advantage < 0) and -25 at a third of the tokens each"
+        _check(target, batch, kw, label)
+
+
+def _confident_labels(target: Target, n: int, h: int, v: int) -> None:
+    """Labels the model is sure of (the argmax of peaked logits) with a large entropy bonus: the
+    label column's gradient holds both the log-prob's part and the entropy's, and a backend
+    that counts the entropy's there twice is off by ``g_H p (log p + H)``, large where p is."""
+    case = make_case(n, h, v, scale=PEAKED, seed=80, lead=(4, n // 4))
+    hh = case.hidden.reshape(-1, h).to(target.dtype).double()
+    logits = hh @ case.weight.to(target.dtype).double().T
+    labels = logits.argmax(dim=-1).reshape(case.labels.shape)
+    labels[case.labels == IGNORE_INDEX] = IGNORE_INDEX
+    case = replace(case, labels=labels, description=f"{case.description}, argmax labels")
+    batch = _Batch(target, case, seed=81)
+    for coef in (0.5, -0.5):
+        kw = batch.kwargs(dual_clip=None, tis=False, entropy_coef=coef)
+        _check(target, batch, kw, case.description)
+
+
 def policy_loss_ignored_rows(target: Target) -> None:
-    """If declared: ignored rows (NaN/Inf hidden, NaN old log-probs, any per-token temperature) add nothing, get exactly zero gradient; all rows ignored give loss 0."""
+    """If declared: ignored rows (NaN/Inf hidden, NaN old/ref log-probs and advantages, any per-token temperature) add nothing, get exactly zero gradient; all rows ignored give loss 0."""
     _declared(target)
     n, h, v = target.sizes.small
     case = make_case(n, h, v, scale=FLAT, seed=66, ignore_fraction=0.3, lead=(4, n // 4))
@@ -430,12 +484,12 @@ def policy_loss_ignored_rows(target: Target) -> None:
             continue  # a checked call refuses a temperature that is not > 0, ignored row or not
         kw = batch.kwargs(dual_clip=None, tis=False, aggregation=aggregation, **PENALTIES[3])
         nan_terms = {
-            k: torch.where(ignored, math.nan, v) if k in ("old_log_probs", "ref_log_probs") else v
+            k: torch.where(ignored, math.nan, v) if k in PER_TOKEN_TERMS else v
             for k, v in kw.items()
         }
         label = (
             f"{case.description}, {int(ignored.sum())} ignored rows with NaN/Inf in their hidden "
-            f"state and NaN old/ref log-probs"
+            f"state and NaN old/ref log-probs and advantages"
             + (", NaN/0/-1 per-token temperatures" if call_temps is not None else "")
             + f", aggregation {aggregation}"
             + (", every row handed to the backend (check_labels=False)" if every_row else "")
@@ -450,8 +504,14 @@ def policy_loss_ignored_rows(target: Target) -> None:
         try:
             assert hh.grad is not None and ww.grad is not None
             gh = hh.grad.detach().cpu()
-            if bool((gh[ignored] != 0).any()) or not bool(torch.isfinite(gh[ignored]).all()):
-                raise PropertyFailure("grad hidden of ignored rows must be exactly 0")
+            wrong = (gh != 0).any(dim=-1) & ignored
+            if bool(wrong.any()):
+                at = tuple(int(i) for i in wrong.nonzero()[0])
+                raise PropertyFailure(
+                    f"grad hidden of ignored rows must be exactly 0: {int(wrong.sum())} of "
+                    f"{int(ignored.sum())} are not, the first at {at} (largest |value| "
+                    f"{float(gh[at].abs().nan_to_num(math.inf).max()):.3g})"
+                )
             if not bool(torch.isfinite(ww.grad).all()):
                 raise PropertyFailure("grad weight is not finite")
         except PropertyFailure as exc:
@@ -788,7 +848,16 @@ def _inputs_unchanged(target: Target) -> None:
         temps = torch.linspace(0.5, 1.5, n).reshape(case.labels.shape)
     batch = _Batch(target, case, seed=79, dual_clip=1.8, temperature=temps)
     kw = _on(dev, batch.kwargs(dual_clip=1.8, tis=True, **PENALTIES[3]))
-    tensors = {k: t for k, t in kw.items() if isinstance(t, torch.Tensor)}
+    # Padding's values at the ignored rows of every per-token input: NaN, +Inf, -Inf in turn.
+    ignored = (case.labels == IGNORE_INDEX).to(dev)
+    junk = torch.tensor([math.nan, math.inf, -math.inf], device=dev)
+    junk = junk.repeat(case.labels.numel() // 3 + 1)[: case.labels.numel()]
+    junk = junk.reshape(case.labels.shape)
+    tensors = {
+        k: torch.where(ignored, junk, t) if t.shape == case.labels.shape else t
+        for k, t in kw.items()
+        if isinstance(t, torch.Tensor)
+    }
     tensors["hidden"] = poison_ignored(case).hidden.to(dev, dt).requires_grad_()
     tensors["weight"] = case.weight.to(dev, dt).requires_grad_()
     tensors["labels"] = case.labels.to(dev)
@@ -796,7 +865,8 @@ def _inputs_unchanged(target: Target) -> None:
         tensors["temperature"] = batch.temperature.to(dev)
     before = {k: t.detach().clone() for k, t in tensors.items()}
     label = (
-        f"{case.description}, NaN/+Inf/-Inf hidden states at the ignored rows, check_labels=False"
+        f"{case.description}, NaN/+Inf/-Inf hidden states and per-token inputs at the ignored "
+        "rows, check_labels=False"
     )
     try:
         out = target.unchecked_head().policy_loss(
@@ -810,10 +880,7 @@ def _inputs_unchanged(target: Target) -> None:
     except Exception as exc:
         raise PropertyFailure(f"{label}: the call raised {type(exc).__name__}: {exc}") from exc
     for name, old in before.items():
-        new = tensors[name].detach()
-        if not torch.equal(new.nan_to_num(), old.nan_to_num()) or not torch.equal(
-            new.isnan(), old.isnan()
-        ):
+        if not same_bits(tensors[name].detach(), old):
             raise PropertyFailure(
                 f"{label}: the call wrote the caller's {name}; a backend reads its inputs, never "
                 "writes them (clone what it must change)"

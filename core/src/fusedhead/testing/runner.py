@@ -65,7 +65,10 @@ def run(args: argparse.Namespace) -> int:
     target = Target.resolve(args.name, args.options, runnable_device(args.device), args.dtype)
     if not args.json:
         count = f"{len(names)} propert{'y' if len(names) == 1 else 'ies'}"
-        print(f"fusedhead conformance kit: {target.describe()}, {count}", flush=True)
+        ident = target.head.identity()  # a backend registered in-process has no distribution
+        dist = " ".join(str(ident[k]) for k in ("distribution", "version") if ident[k])
+        dist = f" ({dist})" if ident["distribution"] else ""
+        print(f"fusedhead conformance kit: {target.describe()}{dist}, {count}", flush=True)
     results = []
     for name in names:
         result = run_property(name, target)
