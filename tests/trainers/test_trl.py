@@ -9,6 +9,7 @@ scale, ``shift_labels``, MoE auxiliary loss), and for its errors.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,23 @@ import fusedhead
 
 pytest.importorskip("trl", reason="TRL is not installed (bash scripts/trainers/trl.sh)")
 
-from trl_helpers import CPU_STEPS, build_trainer, make_model_dir, run_grpo
+import trl
+from datasets import Dataset
+from trl_helpers import (
+    CPU_STEPS,
+    WORDS,
+    build_trainer,
+    make_model_dir,
+    make_tokenizer,
+    reward_len,
+    run_grpo,
+)
 
 from fusedhead.errors import UnknownBackendError
 from fusedhead.hooks import hookimpl, register_hooks, unregister_hooks
 from fusedhead.integrations import lm_head as lm_head_mod
 from fusedhead.integrations import trl as fh_trl
+from fusedhead.integrations.trl import FusedHeadTrainerMixin, FusedPolicyLossMixin
 
 IGNORE = -100
 
@@ -656,3 +668,144 @@ def test_the_trainer_classes_are_listed_before_they_are_built() -> None:
     }
     assert lazy <= set(dir(fh_trl))
     assert lazy <= set(fh_trl.__all__)
+
+
+# ---- Which trainers read a FusedHead*Config -----------------------------------------------------
+# TRL's stock trainers read none of fused_head_backend / fused_head_options / fused_policy_loss:
+# given one of fusedhead's configs they trained on TRL's own kernel and loss without a word.
+# fused_policy_loss=True likewise needs FusedPolicyLossMixin before FusedHeadTrainerMixin: with
+# the head mixin alone (as the docs showed) TRL's own _compute_loss ran. Both are refused when the
+# trainer is built.
+
+
+def _wiring_config(kind: str, tmp_path: Path, **fields: Any) -> Any:
+    """``FusedHead{kind}Config`` for one CPU step of the tiny model, ``fields`` on top."""
+    common: dict[str, Any] = dict(output_dir=str(tmp_path), max_steps=1, **CPU_STEPS)
+    common["per_device_train_batch_size"] = 4
+    if kind == "GRPO":  # beta 0: no reference model to load
+        common.update(num_generations=4, max_completion_length=6, beta=0.0)
+    common.update(fields)
+    return getattr(fh_trl, f"FusedHead{kind}Config")(**common)
+
+
+def _wiring_build(trainer_cls: type, args: Any, model_dir: Path) -> Any:
+    """``trainer_cls`` (GRPO or SFT) on the tiny model and made-up prompts or text."""
+    data: dict[str, list[str]] = {"prompt": [" ".join(WORDS[i : i + 3]) for i in range(0, 24, 3)]}
+    kwargs: dict[str, Any] = dict(reward_funcs=reward_len)
+    if issubclass(trainer_cls, trl.SFTTrainer):
+        data, kwargs = {"text": [" ".join(WORDS[i : i + 6]) for i in range(0, 24, 3)]}, {}
+    return trainer_cls(
+        model=str(model_dir),
+        args=args,
+        train_dataset=Dataset.from_dict(data),
+        processing_class=make_tokenizer(),
+        **kwargs,
+    )
+
+
+class MixinOnlyGRPOTrainer(FusedHeadTrainerMixin, trl.GRPOTrainer):
+    """What docs/integrations/trl.md used to show: the head mixin alone."""
+
+
+class MyGRPOTrainer(FusedPolicyLossMixin, FusedHeadTrainerMixin, trl.GRPOTrainer):
+    """A user's GRPO trainer with the bases in full."""
+
+
+def test_the_stock_grpo_trainer_refuses_fusedheads_config(model_dir: Path, tmp_path: Path) -> None:
+    args = _wiring_config("GRPO", tmp_path, fused_head_backend="torch", fused_policy_loss=True)
+    with pytest.raises(TypeError) as info:
+        _wiring_build(trl.GRPOTrainer, args, model_dir)
+    text = str(info.value)
+    assert text.startswith("GRPOTrainer was given a FusedHeadGRPOConfig"), text
+    assert "fused_head_backend='torch'" in text and "fused_policy_loss=True" in text
+    assert "TRL's own fused LM head and loss" in text
+    assert "Build FusedHeadGRPOTrainer" in text
+    assert "MyGRPOTrainer(FusedPolicyLossMixin, FusedHeadTrainerMixin, trl.GRPOTrainer)" in text
+
+
+def test_the_stock_sft_trainer_refuses_fusedheads_config(model_dir: Path, tmp_path: Path) -> None:
+    args = _wiring_config("SFT", tmp_path, fused_head_backend="fusedhead:torch", max_length=16)
+    with pytest.raises(TypeError) as info:
+        _wiring_build(trl.SFTTrainer, args, model_dir)
+    text = str(info.value)
+    assert text.startswith("SFTTrainer was given a FusedHeadSFTConfig"), text
+    assert "fused_head_backend='fusedhead:torch'" in text and "fused_policy_loss" not in text
+    assert "Build FusedHeadSFTTrainer" in text
+    assert "MySFTTrainer(FusedHeadTrainerMixin, trl.SFTTrainer)" in text
+
+
+def test_a_subclass_with_the_head_mixin_after_trls_trainer_is_refused(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The mixin after TRL's class never runs (transformers.Trainer.__init__ does not chain)."""
+
+    class Late(trl.GRPOTrainer, FusedHeadTrainerMixin):
+        pass
+
+    with pytest.raises(TypeError, match=r"Late's FusedHeadTrainerMixin.__init__ does not run"):
+        _wiring_build(Late, _wiring_config("GRPO", tmp_path), model_dir)
+
+
+def test_the_head_mixin_alone_refuses_fused_policy_loss(model_dir: Path, tmp_path: Path) -> None:
+    args = _wiring_config("GRPO", tmp_path, fused_policy_loss=True)
+    with pytest.raises(TypeError) as info:
+        _wiring_build(MixinOnlyGRPOTrainer, args, model_dir)
+    text = str(info.value)
+    assert text.startswith("MixinOnlyGRPOTrainer was given fused_policy_loss=True"), text
+    assert "TRL's own _compute_loss would run" in text
+    assert (
+        "Add FusedPolicyLossMixin before FusedHeadTrainerMixin: class MixinOnlyGRPOTrainer("
+        "FusedPolicyLossMixin, FusedHeadTrainerMixin, trl.GRPOTrainer)" in text
+    )
+    # without the fused loss the head mixin alone is enough
+    trainer = _wiring_build(MixinOnlyGRPOTrainer, _wiring_config("GRPO", tmp_path), model_dir)
+    assert fh_trl.fused_head_of(trainer.model) is trainer.fused_head
+
+
+@pytest.mark.parametrize(
+    ("bases", "refusal"),
+    [
+        (
+            (FusedHeadTrainerMixin, FusedPolicyLossMixin, trl.GRPOTrainer),
+            "has FusedHeadTrainerMixin before FusedPolicyLossMixin in its bases",
+        ),
+        (
+            (FusedPolicyLossMixin, trl.GRPOTrainer),
+            "has FusedPolicyLossMixin without FusedHeadTrainerMixin after it",
+        ),
+    ],
+    ids=["mixins-swapped", "no-head-mixin"],
+)
+def test_the_policy_loss_mixin_in_the_wrong_place_is_refused(
+    model_dir: Path, tmp_path: Path, bases: tuple[type, ...], refusal: str
+) -> None:
+    cls = type("Misordered", bases, {})
+    with pytest.raises(TypeError, match=re.escape(f"Misordered {refusal}")):
+        _wiring_build(cls, _wiring_config("GRPO", tmp_path, fused_policy_loss=True), model_dir)
+
+
+@pytest.mark.parametrize(
+    "trainer_cls",
+    ["FusedHeadGRPOTrainer", MyGRPOTrainer],
+    ids=["FusedHeadGRPOTrainer", "MyGRPOTrainer"],
+)
+def test_fusedheads_trainer_and_the_full_bases_build(
+    model_dir: Path, tmp_path: Path, trainer_cls: Any
+) -> None:
+    cls = getattr(fh_trl, trainer_cls) if isinstance(trainer_cls, str) else trainer_cls
+    args = _wiring_config("GRPO", tmp_path, fused_head_backend="torch", fused_policy_loss=True)
+    trainer = _wiring_build(cls, args, model_dir)
+    assert fh_trl.fused_head_of(trainer.model) is trainer.fused_head
+    assert type(trainer)._compute_loss is FusedPolicyLossMixin._compute_loss
+
+
+def test_a_users_own_get_process_log_level_call_returns_trls_value(tmp_path: Path) -> None:
+    """Only transformers.Trainer.__init__ reading the config is checked; any other caller gets
+    TRL's value (here a user, with the config's log levels)."""
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    for level in ("passive", "error"):
+        ours = _wiring_config("GRPO", tmp_path, fused_policy_loss=True, log_level=level)
+        assert (
+            ours.get_process_log_level()
+            == trl.GRPOConfig(log_level=level, **common).get_process_log_level()
+        )

@@ -227,3 +227,14 @@ def test_a_backend_without_the_policy_loss_is_refused(
     )
     with pytest.raises(CapabilityError, match="fused_policy_loss=True needs a backend"):
         _config(model_dir, tmp_path)
+
+
+def test_the_trainer_checks_the_config_it_is_given(model_dir: Path, tmp_path: Path) -> None:
+    """A config changed after it was built is checked again when the trainer is built, before the
+    model loads (the trainer's check used to read ``*args``, never the config, and did not run)."""
+    args = _config(model_dir, tmp_path)
+    args.loss_type = "cispo"
+    with pytest.raises(
+        ValueError, match=re.escape("fused_policy_loss=True with loss_type='cispo'")
+    ):
+        fh_trl.FusedHeadGRPOTrainer(model=str(model_dir), reward_funcs=[], args=args)

@@ -16,10 +16,25 @@ computed by TRL's own chunked kernel. This module keeps that contract and swaps 
 Nothing in TRL is patched: the model's ``forward`` is layered exactly as TRL itself layers it
 (calls without ``fused_lm_head=True`` go through TRL's forward unchanged, so generation is
 untouched). TRL is imported only when one of these names is used. Tested with TRL 1.16.0.
+
+The fields take effect only through the trainer classes (the mixins' ``__init__``): TRL's stock
+``GRPOTrainer`` given a ``FusedHeadGRPOConfig`` reads none of them and would train on TRL's own
+kernel and loss. The configs therefore refuse, with a ``TypeError``, to be read by a trainer whose
+``FusedHeadTrainerMixin.__init__`` is not running. TRL has no plugin point where a config could
+see which trainer reads it, so the check lives in the one method of the config that
+``transformers.Trainer.__init__`` always calls on it, ``get_process_log_level`` (transformers
+5.22; before the device setup and the model placement): the caller's frame, if it is
+``transformers.Trainer.__init__`` reading this very config, names the trainer. Called from
+anywhere else (the user, DeepSpeed's setup), or where frames cannot be read, it checks nothing
+(fails open) and returns TRL's value. TRL's trainers letting the config choose the LM-head kernel
+(``docs/integrations/trl.md``, "The upstream change") would remove the check with the mixin.
+Bases that cannot honour a field are refused when the trainer is built:
+``fused_policy_loss=True`` without ``FusedPolicyLossMixin`` before ``FusedHeadTrainerMixin``.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import types
@@ -40,8 +55,10 @@ from fusedhead.integrations.lm_head import (
     model_logit_transform,
 )
 from fusedhead.integrations.trl_config import (
+    BACKEND_FIELD,
     TESTED_TRL,
     check_args_device,
+    config_argument,
     fused_head_from_args,
     resolve_named,
     trainer_device,
@@ -376,23 +393,115 @@ def replace_trl_fused_heads(trainer: Any, head: HeadLike) -> list[nn.Module]:
     return switched
 
 
+#: ``id`` of each trainer whose ``FusedHeadTrainerMixin.__init__`` is running: the TRL (and
+#: transformers) ``__init__`` under it may read a FusedHead*Config.
+_BUILDING: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar(
+    "fusedhead_trl_building", default=()
+)
+_GRPO_BASES = "FusedPolicyLossMixin, FusedHeadTrainerMixin, trl.GRPOTrainer"
+
+
+def _check_bases(cls: type, config: Any) -> None:
+    """Refuse trainer bases that would leave a field of ``config`` unread: ``fused_policy_loss``
+    needs ``FusedPolicyLossMixin`` before ``FusedHeadTrainerMixin`` (its ``_compute_loss``)."""
+    mro, name = cls.__mro__, cls.__name__
+    if FusedPolicyLossMixin in mro and mro.index(FusedPolicyLossMixin) > mro.index(
+        FusedHeadTrainerMixin
+    ):
+        raise TypeError(
+            f"{name} has FusedHeadTrainerMixin before FusedPolicyLossMixin in its bases; "
+            f"FusedPolicyLossMixin goes first: class {name}({_GRPO_BASES})"
+        )
+    enabled = getattr(config, "fused_policy_loss", False)
+    if enabled is not False and FusedPolicyLossMixin not in mro:
+        raise TypeError(
+            f"{name} was given fused_policy_loss={enabled!r}, but has no FusedPolicyLossMixin in "
+            "its bases: TRL's own _compute_loss would run and the fused policy loss never would. "
+            f"Add FusedPolicyLossMixin before FusedHeadTrainerMixin: class {name}({_GRPO_BASES}), "
+            "or build FusedHeadGRPOTrainer (or set fused_policy_loss=False for TRL's own loss)"
+        )
+
+
 class FusedHeadTrainerMixin:
     """Put before a TRL trainer class: its fused LM heads run on the fusedhead backend named
-    by ``fused_head=`` or by ``args.fused_head_backend``; ``self.fused_head`` is the head."""
+    by ``fused_head=`` or by ``args.fused_head_backend``; ``self.fused_head`` is the head.
+    On GRPO with ``fused_policy_loss``, ``FusedPolicyLossMixin`` goes before it:
+    ``class MyGRPOTrainer(FusedPolicyLossMixin, FusedHeadTrainerMixin, trl.GRPOTrainer)``."""
 
     fused_head: FusedHead
 
     def __init__(self, *args: Any, fused_head: HeadLike = None, **kwargs: Any) -> None:
         # read (and check) the config before the trainer's costly init: the backend must run on
-        # the device the trainer will use
-        bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
-        config = bound.arguments.get("args")
+        # the device the trainer will use, and the bases must honour every field set
+        config = config_argument(self, FusedHeadTrainerMixin, args, kwargs)
+        _check_bases(type(self), config)
         head, setting, value = resolve_named(config, fused_head)
         if config is not None:
             check_args_device(config, head, setting=setting, value=value)
-        super().__init__(*args, **kwargs)
+        token = _BUILDING.set((*_BUILDING.get(), id(self)))
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            _BUILDING.reset(token)
         self.fused_head = head
         replace_trl_fused_heads(self, head)
+
+
+def _trainer_reading(config: Any) -> Any:
+    """The ``transformers.Trainer`` whose ``__init__`` reads ``config`` now: the caller of its
+    ``get_process_log_level`` (past overrides calling ``super()``), if that is
+    ``transformers.Trainer.__init__`` with ``args`` being ``config``; else None."""
+    frame = inspect.currentframe()
+    caller = frame.f_back if frame is not None else None
+    try:
+        while caller is not None and caller.f_code.co_name in (
+            "_check_read_by_fusedhead_trainer",
+            "get_process_log_level",
+        ):
+            caller = caller.f_back
+        if (
+            caller is None
+            or caller.f_code.co_name != "__init__"
+            or caller.f_globals.get("__name__") != "transformers.trainer"
+        ):
+            return None
+        local = caller.f_locals
+        trainer, args = local.get("self"), local.get("args")
+    finally:
+        del frame, caller  # no reference cycle through the frames
+    import transformers
+
+    return trainer if args is config and isinstance(trainer, transformers.Trainer) else None
+
+
+def _check_read_by_fusedhead_trainer(config: Any, kind: str) -> None:
+    """Refuse ``config`` (a FusedHead{kind}Config) to a trainer that would ignore its fields."""
+    trainer = _trainer_reading(config)
+    if trainer is None or id(trainer) in _BUILDING.get():
+        return
+    fields = [f"{BACKEND_FIELD}={getattr(config, BACKEND_FIELD, None)!r}"]
+    if getattr(config, "fused_head_options", None) is not None:
+        fields.append(f"fused_head_options={config.fused_head_options!r}")
+    policy_loss = getattr(config, "fused_policy_loss", False) is not False
+    if policy_loss:
+        fields.append(f"fused_policy_loss={config.fused_policy_loss!r}")
+    name = type(trainer).__name__
+    if isinstance(trainer, FusedHeadTrainerMixin):
+        why = (
+            f"{name}'s FusedHeadTrainerMixin.__init__ does not run (the mixin comes after the "
+            "trainer class in its bases, or its __init__ skips super().__init__)"
+        )
+    else:
+        why = f"{name} is not a fusedhead trainer and TRL reads none of these fields"
+    mixins = (
+        "FusedPolicyLossMixin, FusedHeadTrainerMixin" if kind == "GRPO" else "FusedHeadTrainerMixin"
+    )
+    raise TypeError(
+        f"{name} was given a {type(config).__name__} ({', '.join(fields)}), but {why}: it would "
+        f"train with TRL's own fused LM head{' and loss' if policy_loss else ''}. Build "
+        f"FusedHead{kind}Trainer (fusedhead.integrations.trl) instead, or give your own subclass "
+        f"these bases, in this order: class My{kind}Trainer({mixins}, trl.{kind}Trainer)"
+    )
 
 
 @dataclass
@@ -436,16 +545,22 @@ def _build(name: str) -> Any:
             head = check_args_device(self)  # fail when the config is built, not at the first step
             check_policy_loss_args(self, head)
 
+        def get_process_log_level(self: Any) -> int:
+            """TRL's log level; first, when ``transformers.Trainer.__init__`` is the caller,
+            refuse a trainer that would ignore this config's fields (see the module's doc)."""
+            _check_read_by_fusedhead_trainer(self, kind)
+            level: int = base.get_process_log_level(self)
+            return level
+
         fields: tuple[type, ...] = (_FusedHeadFields,)
         if kind == "GRPO":
             fields += (FusedPolicyLossFields,)
-        cls = dataclass(
-            type(
-                name,
-                (base, *fields),
-                {"__module__": __name__, "__post_init__": __post_init__},
-            )
-        )
+        namespace = {
+            "__module__": __name__,
+            "__post_init__": __post_init__,
+            "get_process_log_level": get_process_log_level,
+        }
+        cls = dataclass(type(name, (base, *fields), namespace))
     else:
         mixins: tuple[type, ...] = (FusedHeadTrainerMixin,)
         if kind == "GRPO":

@@ -7,6 +7,7 @@ Shared by the fused LM head (:mod:`fusedhead.integrations.trl`) and the fused GR
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "BACKEND_KEYWORD",
     "TESTED_TRL",
     "check_args_device",
+    "config_argument",
     "fused_head_from_args",
     "resolve_named",
     "trainer_device",
@@ -169,3 +171,31 @@ def check_args_device(
         options_via=_options_via(setting),
     )
     return fused
+
+
+def config_argument(
+    trainer: object, mixin: type, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Any:
+    """The config (``args``) that ``mixin.__init__`` on ``trainer`` is passing on, however given.
+
+    The call is bound to the first ``__init__`` after ``mixin`` in the trainer's MRO that names its
+    parameters (TRL's trainer: fusedhead's mixins and TRL's ``_BaseTrainer`` take ``*args``, under
+    which a keyword ``args=`` would be read as the positional tuple). None when there is none.
+    """
+    mro = type(trainer).__mro__
+    for cls in mro[mro.index(mixin) + 1 :]:
+        init = vars(cls).get("__init__")
+        if init is None:
+            continue
+        try:
+            signature = inspect.signature(init)
+        except (TypeError, ValueError):  # a builtin without a signature
+            continue
+        param = signature.parameters.get("args")
+        if param is None or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        try:
+            return signature.bind_partial(trainer, *args, **kwargs).arguments.get("args")
+        except TypeError:  # the call does not fit: TRL's own __init__ will say so
+            break
+    return kwargs.get("args")

@@ -10,7 +10,6 @@ compute. TRL is imported only when a trainer runs.
 from __future__ import annotations
 
 import contextvars
-import inspect
 import math
 import types
 from collections.abc import Callable, Mapping
@@ -32,6 +31,7 @@ from fusedhead.integrations.lm_head import (
 from fusedhead.integrations.trl_config import (
     BACKEND_FIELD,
     check_args_device,
+    config_argument,
     resolve_named,
     trainer_device,
     trl_utils,
@@ -414,16 +414,36 @@ def _log_grpo_metrics(
     metrics["clip_ratio/high_max"].append(utils.nanmax(gathered_high).item())
 
 
+def _is_head_mixin(cls: type) -> bool:
+    """``cls`` is ``fusedhead.integrations.trl.FusedHeadTrainerMixin``."""
+    return (cls.__module__, cls.__qualname__) == (
+        "fusedhead.integrations.trl",
+        "FusedHeadTrainerMixin",
+    )
+
+
 class FusedPolicyLossMixin:
-    """Put before ``FusedHeadTrainerMixin`` on a GRPO trainer: with ``args.fused_policy_loss``
-    the loss is :func:`grpo_fused_policy_loss` (checked by :func:`check_policy_loss_args`
-    before TRL's init), else TRL's own ``_compute_loss``."""
+    """Put before ``FusedHeadTrainerMixin`` on a GRPO trainer, ``class MyGRPOTrainer(
+    FusedPolicyLossMixin, FusedHeadTrainerMixin, trl.GRPOTrainer)``: with
+    ``args.fused_policy_loss`` the loss is :func:`grpo_fused_policy_loss` (checked by
+    :func:`check_policy_loss_args` before TRL's init), else TRL's own ``_compute_loss``. Without
+    ``FusedHeadTrainerMixin`` after it in the bases the trainer is refused when built (the loss
+    runs inside the LM head that mixin installs)."""
 
     args: Any
 
     def __init__(self, *args: Any, fused_head: HeadLike = None, **kwargs: Any) -> None:
-        bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
-        config = bound.arguments.get("args")
+        cls = type(self)
+        after = cls.__mro__[cls.__mro__.index(FusedPolicyLossMixin) :]
+        # by name: fusedhead.integrations.trl imports this module, never the other way round
+        if not any(_is_head_mixin(c) for c in after):
+            raise TypeError(
+                f"{cls.__name__} has FusedPolicyLossMixin without FusedHeadTrainerMixin after it in "
+                "its bases: the fused loss runs inside fusedhead's LM head, which "
+                "FusedHeadTrainerMixin installs. Use FusedHeadGRPOTrainer, or the bases "
+                f"class {cls.__name__}(FusedPolicyLossMixin, FusedHeadTrainerMixin, trl.GRPOTrainer)"
+            )
+        config = config_argument(self, FusedPolicyLossMixin, args, kwargs)
         if getattr(config, "fused_policy_loss", False) is not False:  # a non-bool is refused
             head, setting, _ = resolve_named(config, fused_head)
             check_policy_loss_args(config, head, setting=setting)
