@@ -110,23 +110,40 @@ def cpu_platform() -> Iterator[None]:
             os.environ["VERL_ENGINE_DEVICE"] = env
 
 
-def save_tiny_qwen2(root: Path) -> tuple[Path, int]:
-    """A tiny Qwen2 and its tokenizer saved under ``root`` (verl loads the model by path)."""
+def save_tiny_qwen2(root: Path, *, tie: bool = False) -> tuple[Path, int]:
+    """A tiny Qwen2 and its tokenizer saved under ``root`` (verl loads the model by path).
+
+    ``tie``: the LM head's weight is the input embeddings' (``tie_word_embeddings``, as in
+    Qwen2.5-0.5B..3B, Qwen3's small models, Llama-3.2, Gemma), so verl's FSDP2 root unit holds
+    it instead of an ``lm_head`` unit of its own."""
     tokenizer = make_tokenizer()
     model = tiny_model("qwen2", vocab_size=len(tokenizer), attn_implementation="sdpa")
-    path = root / "tiny-qwen2"
+    if tie:
+        model.config.tie_word_embeddings = True
+        with torch.no_grad():
+            model.model.embed_tokens.weight.copy_(model.lm_head.weight)
+        model.lm_head.weight = model.model.embed_tokens.weight
+    path = root / ("tiny-qwen2-tied" if tie else "tiny-qwen2")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path, len(tokenizer)
 
 
 def actor_configs(
-    model_path: Path, *, fused: bool, backend: str = "fusedhead:torch", **actor: Any
+    model_path: Path,
+    *,
+    fused: bool,
+    backend: str = "fusedhead:torch",
+    model_options: dict[str, Any] | None = None,
+    fsdp_options: dict[str, Any] | None = None,
+    **actor: Any,
 ) -> tuple[Any, Any]:
     """verl's ``(HFModelConfig, FSDPActorConfig)`` as hydra builds them from the YAML above.
 
     ``fused``: the three settings of the fused loss; else verl's defaults. ``actor`` overrides
-    ``actor_rollout_ref.actor`` fields (``loss_agg_mode``, ``entropy_coeff``, ``use_kl_loss``...).
+    ``actor_rollout_ref.actor`` fields (``loss_agg_mode``, ``entropy_coeff``, ``use_kl_loss``...),
+    ``model_options`` ``actor_rollout_ref.model`` ones (``lora_rank``, ``lora_alpha``...) and
+    ``fsdp_options`` ``actor_rollout_ref.actor.fsdp_config`` ones (``reshard_after_forward``...).
     """
     from verl.workers.config import (
         FSDPActorConfig,
@@ -143,6 +160,7 @@ def actor_configs(
         override_config={"attn_implementation": "sdpa"},
         use_fused_kernels=fused,
         fused_kernel_options={"impl_backend": backend} if fused else {},
+        **(model_options or {}),
     )
     optim = actor.pop("optim", {"lr": 1e-3})
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
@@ -154,7 +172,10 @@ def actor_configs(
         rollout_n=1,
         use_torch_compile=False,
         fsdp_config=FSDPEngineConfig(
-            model_dtype="fp32", mixed_precision=fp32, use_torch_compile=False
+            model_dtype="fp32",
+            mixed_precision=fp32,
+            use_torch_compile=False,
+            **(fsdp_options or {}),
         ),
         optim=FSDPOptimizerConfig(**optim),
         policy_loss=PolicyLossConfig(loss_mode="fusedhead" if fused else "vanilla"),

@@ -266,7 +266,7 @@ def test_fsdp2_is_recognised_where_its_class_is_still_private(
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     from torch.distributed._composable.fsdp import FSDPModule
 
-    from fusedhead.module import _is_fsdp_module
+    from fusedhead.module import is_fsdp_module
 
     class Sharded(FSDPModule, torch.nn.Linear):
         pass
@@ -276,5 +276,5 @@ def test_fsdp2_is_recognised_where_its_class_is_still_private(
     monkeypatch.delattr(fsdp, "FSDPModule")  # the public name, as before torch 2.6
     with pytest.raises(ImportError):
         from torch.distributed.fsdp import FSDPModule as _  # noqa: F401
-    assert _is_fsdp_module(sharded)
-    assert not _is_fsdp_module(torch.nn.Linear(2, 3))
+    assert is_fsdp_module(sharded)
+    assert not is_fsdp_module(torch.nn.Linear(2, 3))

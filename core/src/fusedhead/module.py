@@ -403,7 +403,7 @@ def _with_model_softcap(config: ConfigLike, model: nn.Module) -> ConfigLike:
     return data
 
 
-def _is_fsdp_module(module: nn.Module) -> bool:
+def is_fsdp_module(module: nn.Module) -> bool:
     """Whether FSDP2 (``fully_shard``) shards ``module``: its class is public from torch 2.6,
     private in 2.4-2.5 (the core's floor); False on a torch built without distributed."""
     try:
@@ -426,7 +426,7 @@ def call_in_forward(module: nn.Module, fn: Callable[[], T]) -> T:
     outside ``module(...)`` sees DTensors; running it as the module's forward, through
     ``module.__call__`` so every hook fires, gives it the unsharded tensors.
     """
-    if not _is_fsdp_module(module):
+    if not is_fsdp_module(module):
         return fn()
     return run_as_forward(module, fn)
 

@@ -58,6 +58,7 @@ __all__ = [
     "register_loss_mode",
     "set_enabled",
     "track_actor_configs",
+    "weight_owner",
     "wrap_forward_step",
 ]
 
@@ -82,6 +83,9 @@ class _Pending:
     temperature: Any = 1.0
     logit_scale: float = 1.0  #: the model's own logit transform (``model_logit_transform``)
     softcap: float | None = None
+    #: the engine's module (the FSDP2 root), under which :func:`weight_owner` finds the FSDP2
+    #: unit that holds ``lm_head.weight``; None: the LM head itself
+    root: Any = None
 
     def take(self) -> _Pending | None:
         if self.hidden is None:
@@ -283,7 +287,7 @@ def _wrap_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
         if config is None:
             return original(self, micro_batch, loss_function, forward_only)
         _check_engine(self, micro_batch, config)
-        slot = _Pending()
+        slot = _Pending(root=getattr(self, "module", None))
         token = _PENDING.set(slot)
         try:
             loss_fn = functools.partial(fused_ppo_loss_step, config=config, pending=slot)
@@ -306,9 +310,7 @@ def _check_engine(engine: Any, micro_batch: Any, config: Any) -> None:
     for key, fix in flags.items():
         if not tu.get_non_tensor_data(data=micro_batch, key=key, default=False):
             raise ValueError(f"policy_loss.loss_mode='fusedhead' needs {fix} (got {key}=False)")
-    module: Any = getattr(engine, "module", None)
-    model = module.module if type(module).__name__ == "FullyShardedDataParallel" else module
-    if model not in _PATCHED:  # FSDP1 wraps the model (.module), FSDP2 keeps it
+    if _patched_model_in(getattr(engine, "module", None)) is None:
         raise RuntimeError(_NEEDS_FORWARD)
     if getattr(engine, "use_ulysses_sp", False):
         raise ValueError(
@@ -316,6 +318,25 @@ def _check_engine(engine: Any, micro_batch: Any, config: Any) -> None:
             "rank holds a slice of the packed sequence; use loss_mode 'vanilla' with sequence "
             "parallelism"
         )
+
+
+def _patched_model_in(module: Any) -> Any:
+    """The model fusedhead's verl forward patched, found under the wrappers verl's engine puts
+    around it (FSDP1's ``FullyShardedDataParallel``: ``.module``; PEFT's ``PeftModel`` for
+    ``lora_rank > 0``: ``get_base_model()``; FSDP2 keeps the class), or None where there is none:
+    the engine's module is the wrapper, not the model that was patched."""
+    seen: set[int] = set()
+    while module is not None and id(module) not in seen:
+        if module in _PATCHED:
+            return module
+        seen.add(id(module))
+        if type(module).__name__ == "FullyShardedDataParallel":
+            module = getattr(module, "module", None)
+        elif callable(getattr(type(module), "get_base_model", None)):
+            module = module.get_base_model()
+        else:
+            return None
+    return None
 
 
 def _packed_response(data: Any, total: int, response_mask: Any) -> tuple[Any, Any]:
@@ -339,6 +360,34 @@ def _packed_response(data: Any, total: int, response_mask: Any) -> tuple[Any, An
     rows = (ends - response_lens - 1)[:, None] + j[None, :]
     scored = (j[None, :] < response_lens[:, None]) & response_mask.to(torch.bool)
     return rows, scored
+
+
+def weight_owner(root: Any, lm_head: Any) -> Any:
+    """The module in whose call the fused loss reads ``lm_head.weight``: the nearest FSDP2 unit
+    (``FSDPModule``) at or above ``lm_head`` under ``root``, which is the unit FSDP2 gave that
+    weight to; ``lm_head`` itself where it is its own unit, or where none is above it.
+
+    verl's ``apply_fsdp2`` shards an untied ``lm_head`` on its own, but not a head tied to the
+    input embeddings (Qwen2.5-0.5B..3B, Qwen3 small, Llama-3.2, Gemma): the root unit holds that
+    weight, resharded after the model's forward (``reshard_after_forward: true``). Run inside
+    the root's call, FSDP2's own hooks unshard it, reshard it after, unshard it again for the
+    backward and reduce-scatter its gradient, the head's part summed with the embedding's.
+    """
+    from torch import nn
+
+    from fusedhead.module import is_fsdp_module
+
+    if not isinstance(root, nn.Module) or is_fsdp_module(lm_head):
+        return lm_head
+    path = next((name for name, module in root.named_modules() if module is lm_head), None)
+    if path is None:  # not under this root: nothing to find it in
+        return lm_head
+    parts = path.split(".") if path else []
+    for depth in range(len(parts) - 1, -1, -1):
+        module = root.get_submodule(".".join(parts[:depth]))
+        if is_fsdp_module(module):
+            return module
+    return lm_head
 
 
 def fused_ppo_loss_step(
@@ -387,7 +436,7 @@ def fused_ppo_loss_step(
     old = packed("old_log_probs")
     if "kl_coef" in kwargs:
         kwargs["ref_log_probs"] = packed("ref_log_prob")
-    if "rollout_is_weights" in fields:  # verl's weights w as exp(old - rollout), never truncated
+    if "rollout_is_weights" in fields:  # verl's w as exp(old - rollout), log w clamped to +-20
         kwargs.update(rollout_is_kwargs(old, packed("rollout_is_weights"), labels))
     names = [f.name for f in dataclasses.fields(PolicyLossOutput)]
 
@@ -410,7 +459,8 @@ def fused_ppo_loss_step(
         )
         return tuple(getattr(out, name) for name in names)
 
-    out = PolicyLossOutput(**dict(zip(names, in_module_call(got.lm_head, body), strict=True)))
+    owner = weight_owner(got.root, got.lm_head)
+    out = PolicyLossOutput(**dict(zip(names, in_module_call(owner, body), strict=True)))
     # the engine reads these back (0 at rows outside the responses); training discards them
     model_output["log_probs"] = torch.nested.nested_tensor_from_jagged(out.log_probs[0], offsets)
     if calc_entropy:

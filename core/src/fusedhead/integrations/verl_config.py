@@ -214,7 +214,10 @@ def policy_loss_kwargs(
 def rollout_is_kwargs(old_log_probs: Any, weights: Any, labels: Any = None) -> dict[str, Any]:
     """verl's rollout importance-sampling weights ``w`` (already truncated, or zero where IcePop
     masks) as ``fused_policy_loss``'s ``rollout_log_probs = old - log w`` and a ``tis_cap`` no
-    weight reaches: each token's weight is then ``w`` itself, with no gradient through it.
+    weight reaches: each token's weight is then ``w``, with no gradient through it, except that
+    the loss clamps ``log w`` to +-20 (``tis_log_ratio``, verl's own bound on the log-ratio) so a
+    weight outside ``[e^-20, e^20]`` (only after ``rollout_is_batch_normalize``) is taken at that
+    bound; 0 stays 0.
 
     A weight that is NaN, negative or infinite on a scored token (``labels`` not -100) is refused
     under verl's name, in the one host read the cap takes."""
