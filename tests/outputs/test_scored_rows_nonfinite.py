@@ -93,3 +93,32 @@ def test_a_row_with_a_nan_or_infinite_logit_has_no_ids_on_every_backend(poison):
         assert out.argmax[bad].tolist() == [-1] * len(bad), (backend, out.argmax.tolist())
         assert out.topk_ids[bad].tolist() == [[-1] * K] * len(bad), backend
         assert bool(out.log_probs[bad].isnan().all()), backend
+
+
+@pytest.mark.parametrize("vocab", [1, 13, 16, 40])
+@pytest.mark.parametrize("poison", ["nan-row", "nan-temperature", "minus-inf-row"])
+def test_a_scored_row_without_a_finite_logit_has_nan_statistics_at_any_vocabulary(vocab, poison):
+    """lse, entropy and the sum of squared p of such a row are NaN, as its log-prob is, on every
+    backend, whether or not the vocabulary fills a tile. Before, triton gave lse = -inf (an empty
+    distribution, a z-loss of inf) where the whole vocabulary sat in one tile with padding
+    columns: that tile's max passed over the NaN, and a row with no live tile summed s = 0."""
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(N, H, generator=g)
+    weight = torch.randn(vocab, H, generator=g) / 4
+    labels = torch.randint(0, vocab, (N,), generator=g)
+    temperature = torch.rand(N, generator=g) + 0.5
+    if poison == "nan-row":
+        hidden[1] = float("nan")
+    elif poison == "nan-temperature":
+        temperature[1] = float("nan")
+    else:
+        hidden[1] = float("-inf")
+    for backend, options in CASES.values():
+        out = fused_head(
+            hidden, weight, labels, temperature=temperature, return_lse=True, return_sum_p2=True,
+            backend=backend, options=options, check_labels=False,
+        )  # fmt: skip
+        for name in ("log_probs", "entropy", "lse", "sum_p2"):
+            value = getattr(out, name)[1]
+            assert bool(value.isnan()), (backend, name, float(value))
+        assert bool(out.lse[[0, 2, 3, 4, 5]].isfinite().all()), backend

@@ -271,7 +271,9 @@ def finish_kernel(
     bad = tl.load(sums_ptr + 3 * N + rows, mask=row_ok, other=0) > 0
     big_s = tl.load(sums_ptr + rows, mask=row_ok, other=0).to(tl.float32) * inv_two_f
     big_s = tl.where(row_ok, big_s, 1.0)  # rows past N: keep the math finite
-    big_s = tl.where(bad, float("nan"), big_s)
+    # s >= 1 wherever the row has a finite max; s = 0 means no tile had one (its logits NaN or
+    # -inf: a tile's max passes over NaN where padding columns hold -inf), so NaN, not -inf
+    big_s = tl.where(bad | (big_s == 0.0), float("nan"), big_s)
     log_s = tl.log(big_s)
     lse = big_m + log_s
     zy = tl.load(zy_ptr + rows, mask=row_ok, other=0.0)
