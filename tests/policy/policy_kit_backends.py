@@ -52,7 +52,9 @@ class PolicyRef:
     def stats(
         self, call: HeadCall, h: torch.Tensor, w: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        z = self.rows(call, h).float() @ w.float().T / call.temperature
+        temp = call.temperature  # a per-token one ([N], where declared) divides its row
+        temp = temp.reshape(-1, 1) if isinstance(temp, torch.Tensor) else temp
+        z = self.rows(call, h).float() @ w.float().T / temp
         logp = torch.log_softmax(z, dim=-1)
         valid = call.labels != call.ignore_index
         zero = torch.zeros((), dtype=torch.float32)
@@ -98,6 +100,19 @@ class Undeclared(PolicyRef):
 
     name: ClassVar[str] = "policy-undeclared"
     declared: ClassVar[dict[str, Any]] = {"deterministic": True}
+
+
+class HotPerToken(PolicyRef):
+    """Right: per-token temperatures and a min_temperature of 2 (every temperature the kit
+    passes is raised to it, on ignored rows too, where junk is the point)."""
+
+    name: ClassVar[str] = "policy-hot-per-token"
+    declared: ClassVar[dict[str, Any]] = {
+        "policy_loss": True,
+        "deterministic": True,
+        "per_token_temperature": True,
+        "min_temperature": 2.0,
+    }
 
 
 class IgnoresDualClip(PolicyRef):
@@ -328,7 +343,7 @@ WRONG: dict[type, str] = {
     EntropyTwiceAtLabel: "policy_loss_accuracy",
     CleansOldLogProbs: "policy_loss_contract",
 }
-ALL: tuple[type, ...] = (PolicyRef, Undeclared, *WRONG)
+ALL: tuple[type, ...] = (PolicyRef, Undeclared, HotPerToken, *WRONG)
 
 
 def register_all() -> None:

@@ -31,6 +31,17 @@ def test_the_correct_backend_passes_every_policy_property(policy_backends: Modul
     ]
 
 
+def test_a_correct_backend_with_per_token_temperatures_and_a_floor_above_them_passes(
+    policy_backends: ModuleType,
+) -> None:
+    """min_temperature 2 with per-token temperatures: before, policy_loss_ignored_rows called it
+    with the kit's own 0.5 to 1.5, not raised to the floor, and held it to the raised ones."""
+    results = check("policy-hot-per-token", properties=list(POLICY_PROPERTIES))
+    assert [r.outcome for r in results] == [Outcome.PASS] * len(POLICY_PROPERTIES), [
+        r.line() for r in results
+    ]
+
+
 @pytest.mark.parametrize(
     ("backend", "prop", "words"),
     [

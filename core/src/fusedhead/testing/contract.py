@@ -17,7 +17,7 @@ from fusedhead.testing.inputs import (
 from fusedhead.testing.measure import LOSS, check_against_reference, evaluate, reference, zmax
 from fusedhead.testing.outcome import PropertyFailure
 from fusedhead.testing.target import Target
-from fusedhead.testing.tolerances import assert_close, same_bits
+from fusedhead.testing.tolerances import assert_close, changed_bits, same_bits
 
 
 def _exactly_zero(what: str, t: torch.Tensor | None, rows: torch.Tensor) -> None:
@@ -242,7 +242,7 @@ def _reads_only(
     for name, old in before.items():
         new = inputs[name].detach()
         if not same_bits(new, old):
-            changed = int((new != old).sum() - (new.isnan() & old.isnan()).sum())
+            changed = changed_bits(new, old) if new.shape == old.shape else old.numel()
             raise PropertyFailure(
                 f"{label}: the call wrote the caller's {name} ({changed} of "
                 f"{old.numel()} values changed); a backend reads its inputs, never "

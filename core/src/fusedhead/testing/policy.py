@@ -362,7 +362,7 @@ def _check(target: Target, batch: _Batch, kw: dict[str, Any], label: str) -> Non
 
 
 def policy_loss_accuracy(target: Target) -> None:
-    """If declared: the policy loss and both gradients match float64 (every aggregation, dual clip, TIS, entropy, each KL estimator, packed, normalizer, horizon, on-policy, softcap saturated or not)."""
+    """If declared: the policy loss and both gradients match float64 (every aggregation, dual clip, TIS, entropy, each KL estimator with k3 both sides of its clamp, log-ratios past the clamp at 20, confident labels under a large entropy bonus, packed, normalizer, horizon, on-policy, softcap saturated or not)."""
     _declared(target)
     n, h, v = target.sizes.small
     b = 4
@@ -473,9 +473,11 @@ def policy_loss_ignored_rows(target: Target) -> None:
         # An unchecked call may carry any temperature on an ignored row (NaN, 0, negative).
         temps = torch.linspace(0.5, 1.5, case.labels.numel()).reshape(case.labels.shape)
         junk = torch.tensor([math.nan, 0.0, -1.0]).repeat(int(ignored.sum()) // 3 + 1)
-        dirty_temps = temps.clone()
+        batch = _Batch(target, case, seed=67, temperature=temps)
+        # the batch's temperatures (raised to a declared min_temperature), junk where ignored
+        dirty_temps = torch.as_tensor(batch.temperature).clone()
         dirty_temps[ignored] = junk[: int(ignored.sum())]
-        batches.append((_Batch(target, case, seed=67, temperature=temps), dirty_temps))
+        batches.append((batch, dirty_temps))
     # Unchecked calls hand the backend the ignored rows; a checked call leaves them out (core).
     for (batch, call_temps), (aggregation, every_row) in itertools.product(
         batches, (("token-mean", True), ("seq-mean-token-mean", True), ("token-mean", False))

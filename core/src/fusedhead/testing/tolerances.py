@@ -193,13 +193,22 @@ def assert_close(
         )
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns as integers of its width (integers as they are)."""
+    if not t.is_floating_point():
+        return t
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(width)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` and ``b`` hold the same values bit for bit (NaN included): an input a backend only
     reads is left so; a comparison through ``nan_to_num`` took +Inf written as fp32's max for
     unchanged."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+def changed_bits(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements of two same-shaped tensors differ bit for bit (-0.0 against +0.0, or
+    another NaN's payload, count)."""
+    return int((_bits(a) != _bits(b)).sum())
