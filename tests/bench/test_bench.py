@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -265,8 +267,20 @@ def test_gemm_unit_times_one_matmul_of_the_case() -> None:
 
 @pytest.mark.skipif(not memory.cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")
 def test_cpu_peak_memory_sees_an_allocation() -> None:
-    extra = memory.cpu_peak_extra_bytes(lambda: torch.ones(16 << 20, dtype=torch.float32).sum())
-    assert extra >= 60 << 20  # 64 MiB tensor
+    """In a fresh process with the bench's glibc settings, as the bench measures: in a test
+    worker that earlier tests have used, it once read 0 for the 64 MiB (CI, 2026-12-07)."""
+    code = (
+        "import torch; from fusedhead.bench import memory; "
+        "print(memory.cpu_peak_extra_bytes("
+        "lambda: torch.ones(16 << 20, dtype=torch.float32).sum()))"
+    )
+    env = {**os.environ, **memory.MALLOC_ENV}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    extra = int(proc.stdout.split()[-1])
+    assert 60 << 20 <= extra < 100 << 20  # the 64 MiB tensor, and not much else
 
 
 @pytest.mark.skipif(not memory.cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")
