@@ -194,71 +194,151 @@ def _own_module_missing(
 ) -> BackendLoadError:
     """The plugin's own module ``missing`` did not import: a module its entry point names that its
     distribution does not have (the entry point is wrong: no reinstall fixes it), one its files
-    list (its install is broken or stale), or one its code imports that it does not have."""
+    list (its install is broken or stale), or one its code imports that it does not have.
+
+    Where its distribution does not have ``missing`` (or does not tell) and declares requirements
+    that are not installed, the message leads with those (a namespace package's portion, or an
+    import name whose pip name differs, may come from one of them), then the other causes."""
     dist = cand.distribution or "the backend's distribution"
     target = cand.entry_point.module
     entry = f"{cand.name} = {cand.value}"
     own = own_files(cand)
     has = own.has(missing)
-    stale = BackendLoadError(
-        f"could not be imported: its own module {missing!r} (of the entry point {cand.value}) "
-        + (
-            f"is listed in the metadata of {dist} but cannot be imported{own.gone(missing)}"
-            if has
-            else "is not installed"
+    if has:
+        return BackendLoadError(
+            f"could not be imported: its own module {missing!r} (of the entry point "
+            f"{cand.value}) is listed in the metadata of {dist} but cannot be imported"
+            f"{own.gone(missing)}, so the install of {dist} is broken or stale ({exc})",
+            hint=f"{_reinstall(cand)} (uninstall it first if reinstalling does not help)",
+            **fields,
         )
-        + f", so the install of {dist} is broken or stale ({exc})",
-        hint=f"{_reinstall(cand)} (uninstall it first if reinstalling does not help)",
-        **fields,
-    )
     near, inventory = own.near(missing)
+    # what: the cause its distribution's files tell; fix: its fix; then: its fix once the
+    # requirements are installed (the hint names those first)
     if target != missing and not target.startswith(missing + "."):
         # a module its own code imports, not one the entry point names
-        if has is not False:
-            return stale
         at = raised_at(exc, cand)
-        meant = f"; did you mean {near!r}?" if near else ""
-        return BackendLoadError(
-            f"could not be imported: its code imports its own module {missing!r}, which is not "
-            f"among the files of {dist} ({inventory}{meant}): a module left out of the "
-            "distribution, or a misspelt import" + (f"; the import is at {at}" if at else ""),
-            hint=f"the code or the packaging of {dist} is wrong, so reinstalling it does not "
-            "help: report this to its authors",
-            **fields,
+        where = f"; the import is at {at}" if at else ""
+        if has is False:
+            meant = f"; did you mean {near!r}?" if near else ""
+            what = (
+                f"its code imports its own module {missing!r}, which is not among the files of "
+                f"{dist} ({inventory}{meant}): a module left out of the distribution, or a "
+                f"misspelt import{where}"
+            )
+            then = f"the code or the packaging of {dist} is wrong: report this to its authors"
+            fix = (
+                f"the code or the packaging of {dist} is wrong, so reinstalling it does not "
+                "help: report this to its authors"
+            )
+        else:  # its files are not known (an egg-info, an editable install): either may be it
+            what = (
+                f"its code imports its own module {missing!r}, which cannot be imported ({exc}); "
+                f"{dist} lists no files that tell whether it has it, so either its install is "
+                "broken or stale (a module not built or not installed), or the import names a "
+                f"module it does not have (misspelt, or left out of the distribution){where}"
+            )
+            then = (
+                f"{_reinstall(cand)}; if the error stays, the code or the packaging of {dist} is "
+                "wrong: report this to its authors"
+            )
+            fix = (
+                f"{_reinstall(cand)} (uninstall it first if reinstalling does not help); if the "
+                f"error stays, the code or the packaging of {dist} is wrong: report this to its "
+                "authors"
+            )
+    else:
+        names = (
+            f"names the module {target!r}"
+            if missing == target
+            else f"names the module {target!r}, whose package {missing!r}"
         )
-    if has:
-        return stale
-    whose = "" if missing == target else f", whose package {missing!r}"
-    fixed = None
-    if near is not None:  # the close name, and the rest of the entry point's module after it
-        pieces = near.split(".")
-        fixed = ".".join([*pieces, *target.split(".")[len(pieces) :]])
-        if own.complete and fixed not in own.modules:
-            fixed = None  # a part after it is not there either: no sure suggestion
-    attr = cand.entry_point.attr
-    value = f"{fixed}:{attr}" if fixed and attr else fixed
-    meant = f" Did you mean '{cand.name} = {value}'?" if value else ""
-    if has is False:  # the entry point names what its distribution does not have
-        example = f', e.g. {cand.name} = "{value}"' if value else ""
-        return BackendLoadError(
-            f"could not be imported: the entry point {entry!r} of {dist} names the module "
-            f"{target!r}{whose}, which does not exist in {dist} ({inventory}).{meant}",
-            hint=f"the entry point in the metadata of {dist} is wrong, and reinstalling it as it "
-            "is never fixes that: its authors correct it (the table "
-            f'[project.entry-points."fusedhead.backends"] of its pyproject.toml{example}) and '
-            "reinstall it",
-            **fields,
-        )
-    # its files are not known (no RECORD, or an editable install): either may be the cause
+        fixed = None
+        if near is not None:  # the close name, and the rest of the entry point's module after it
+            pieces = near.split(".")
+            fixed = ".".join([*pieces, *target.split(".")[len(pieces) :]])
+            if own.complete and fixed not in own.modules:
+                fixed = None  # a part after it is not there either: no sure suggestion
+        attr = cand.entry_point.attr
+        value = f"{fixed}:{attr}" if fixed and attr else fixed
+        meant = f" Did you mean '{cand.name} = {value}'?" if value else ""
+        if has is False:  # the entry point names what its distribution does not have
+            example = f', e.g. {cand.name} = "{value}"' if value else ""
+            what = (
+                f"the entry point {entry!r} of {dist} {names}"
+                + (", which" if missing == target else "")
+                + f" does not exist in {dist} ({inventory}).{meant}"
+            )
+            correct = (
+                'its authors correct it (the table [project.entry-points."fusedhead.backends"] '
+                f"of its pyproject.toml{example}) and reinstall it"
+            )
+            then = f"the entry point in the metadata of {dist} is wrong: {correct}"
+            fix = (
+                f"the entry point in the metadata of {dist} is wrong, and reinstalling it as it "
+                f"is never fixes that: {correct}"
+            )
+        else:  # its files are not known (no RECORD, or an editable install): either may be it
+            what = (
+                f"the entry point {entry!r} of {dist} {names}"
+                + (", which" if missing == target else "")
+                + f" cannot be imported ({exc}); {dist} lists no files that tell whether it "
+                "has it, so either the entry point misspells it or its install is broken or "
+                f"stale ({inventory}).{meant}"
+            )
+            then = f"correct the entry point if it is wrong; if it is right, {_reinstall(cand)}"
+            fix = then + " (uninstall it first if reinstalling does not help)"
+    unmet = [] if own.in_package(missing) else unmet_requirements(cand)
+    if not unmet:
+        return BackendLoadError(f"could not be imported: {what}", hint=fix, **fields)
+    listed = ", ".join(unmet)
     return BackendLoadError(
-        f"could not be imported: the entry point {entry!r} of {dist} names the module "
-        f"{target!r}{whose}, which cannot be imported ({exc}); {dist} lists no files that "
-        "tell whether it has it, so either the entry point misspells it or its install is broken "
-        f"or stale ({inventory}).{meant}",
-        hint=f"correct the entry point if it is wrong; if it is right, {_reinstall(cand)} "
-        "(uninstall it first if reinstalling does not help)",
+        f"could not be imported: the module {missing!r} is not installed, and {dist} declares "
+        f"requirements that are not installed ({listed}): it may come from one of them (a pip "
+        f"name need not be its import name). If it does not, {what}",
+        hint="pip install "
+        + " ".join(f"'{r}'" for r in unmet)
+        + f" (its Requires-Dist), or {_reinstall(cand)} with its dependencies; if {missing!r} is "
+        f"still missing, {then}",
         **fields,
     )
+
+
+def unmet_requirements(cand: Any) -> list[str]:
+    """The requirements (name and version, no marker or extras) in the Requires-Dist of ``cand``'s
+    distribution that apply here and whose distribution is not installed, in its order. A
+    requirement of an extra, or whose marker cannot be evaluated, is left out."""
+    dist = _distribution(cand)
+    try:
+        requires = (dist.requires if dist is not None else None) or []
+    except (OSError, ValueError):
+        return []
+    unmet = []
+    for req in requires:
+        spec, _, marker = req.partition(";")
+        name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec.strip())
+        if name is None or (marker.strip() and not _marker_applies(marker.strip())):
+            continue
+        try:
+            md.distribution(name.group(0))
+        except md.PackageNotFoundError:
+            unmet.append(re.sub(r"\[.*?\]", "", spec.strip()))
+        except (ValueError, OSError):
+            continue
+    return unmet
+
+
+def _marker_applies(marker: str) -> bool:
+    """Whether a Requires-Dist environment marker holds here (with no extra asked for); False where
+    it cannot be evaluated (``packaging`` not installed, a marker it cannot read)."""
+    if re.search(r"\bextra\b", marker):
+        return False  # installed only with an extra: not a requirement that must be there
+    try:
+        from packaging.markers import Marker
+
+        return bool(Marker(marker).evaluate())
+    except Exception:  # packaging missing, or a marker it rejects: not known to apply
+        return False
 
 
 class OwnFiles(NamedTuple):
@@ -268,11 +348,14 @@ class OwnFiles(NamedTuple):
     modules: frozenset[str]
     #: Its top-level import names: those of ``modules`` and its ``top_level.txt``.
     tops: frozenset[str]
-    #: Whether ``modules`` is every module it installs (a file list, no ``.pth`` of an editable
+    #: Whether ``modules`` is every module it installs (a RECORD, no ``.pth`` of an editable
     #: install pointing elsewhere).
     complete: bool
-    #: Each module's file, where the list names one (``module -> PackagePath``).
+    #: Each module's file, where a RECORD names one (``module -> PackagePath``).
     paths: dict[str, Any]
+    #: The regular packages among ``modules`` (an ``__init__`` file listed): no other
+    #: distribution puts a module in one.
+    packages: frozenset[str] = frozenset()
 
     def has(self, module: str) -> bool | None:
         """Whether the distribution has ``module``; None where its metadata does not tell."""
@@ -293,6 +376,12 @@ class OwnFiles(NamedTuple):
         except (OSError, ValueError, NotImplementedError):
             return ""
         return f" ({where} is gone)" if where is not None and not os.path.exists(where) else ""
+
+    def in_package(self, module: str) -> bool:
+        """Whether ``module`` would be in a regular package of the distribution (so no dependency
+        can provide it, as one may provide a portion of a namespace package)."""
+        parent = module.rpartition(".")[0]
+        return bool(parent) and parent in self.packages
 
     def near(self, module: str) -> tuple[str | None, str]:
         """(the module path ``module`` probably meant, up to its first part the distribution lacks,
@@ -327,38 +416,57 @@ def _distribution(cand: Any) -> md.Distribution | None:
 
 
 def own_files(cand: Any) -> OwnFiles:
-    """The modules ``cand``'s distribution installs, from its file list and ``top_level.txt``."""
+    """The modules ``cand``'s distribution installs, from its file list and ``top_level.txt``.
+
+    Only a RECORD is a complete list, relative to where the modules are installed. Without one,
+    ``dist.files`` falls back to an egg-info's ``installed-files.txt`` or ``SOURCES.txt`` (the
+    project's own paths: ``setup.py``, ``src/pkg/...``, for a ``setup.py develop`` install): its
+    modules are read from their ``top_level.txt`` name on (``src/pkg/mod.py`` is ``pkg.mod``),
+    none without one, and the list is never complete."""
     modules: set[str] = set()
+    packages: set[str] = set()
     paths: dict[str, Any] = {}
     tops: set[str] = set()
     complete = False
     dist = _distribution(cand)
     if dist is not None:
         try:
-            files = dist.files
+            listed = dist.read_text("top_level.txt") or ""
         except (OSError, ValueError):
-            files = None
-        complete = bool(files)
+            listed = ""
+        tops.update(line.strip() for line in listed.splitlines() if line.strip().isidentifier())
+        try:
+            files = dist.files
+            record = dist.read_text("RECORD") is not None
+        except (OSError, ValueError):
+            files, record = None, False
+        complete = bool(files) and record
         for path in files or ():
             parts = path.parts
             if len(parts) == 1 and path.suffix == ".pth":  # an editable install: code elsewhere
                 complete = False
+            if not record:  # project paths: from the first top-level name on, else nothing
+                at = next((k for k, part in enumerate(parts[:-1]) if part in tops), None)
+                top = parts[-1].partition(".")[0]
+                if at is None and top in tops:
+                    at = len(parts) - 1  # a top-level module (mod.py, src/mod.py)
+                parts = parts[at:] if at is not None else ()
+                if not parts:
+                    continue
             name = _module_of(parts)
             if name is None:
                 continue
             if name.split(".")[-1].startswith("__editable__"):  # setuptools' editable finder
                 complete = False
                 continue
-            paths.setdefault(name, path)
+            if record:
+                paths.setdefault(name, path)
+            if parts[-1].startswith("__init__."):
+                packages.add(name)
             pieces = name.split(".")
             modules.update(".".join(pieces[: k + 1]) for k in range(len(pieces)))
-        try:
-            listed = dist.read_text("top_level.txt") or ""
-        except (OSError, ValueError):
-            listed = ""
-        tops.update(line.strip() for line in listed.splitlines() if line.strip().isidentifier())
     tops.update(n.split(".")[0] for n in modules)
-    return OwnFiles(frozenset(modules), frozenset(tops), complete, paths)
+    return OwnFiles(frozenset(modules), frozenset(tops), complete, paths, frozenset(packages))
 
 
 def _module_of(parts: Iterable[str]) -> str | None:

@@ -39,7 +39,8 @@ NAME_PATTERN = re.compile(r"\A[a-z0-9_-]+\Z")
 LIMIT_ENV = "FUSEDHEAD_BACKENDS"
 #: Plugin API versions a published fusedhead speaks, each with the releases that speak it. Version
 #: 1 (the 13-argument ``forward`` of the 0.x series) is not here: no fusedhead speaking it was
-#: published (docs/writing-a-backend.md), so no advice may send a backend's users to one.
+#: published (docs/writing-a-backend.md), so no advice may send a backend's users to one; nor to a
+#: fusedhead for a version newer than this one speaks, unless it is here (a release may not exist).
 PUBLISHED_PLUGIN_API = {2: "fusedhead 1.x"}
 #: Reserved names: each may only come from the project's own distribution (normalized name).
 RESERVED_NAMES = {
@@ -481,7 +482,12 @@ def _load_entry_point(cand: Candidate, ep: md.EntryPoint) -> Any:
     """What ``ep`` (``module:attr``) names, as ``EntryPoint.load`` gets it, in two steps so that
     each failure is told apart: the module's import (a missing module triaged by
     :func:`install_hints.import_error`; any other exception named with where the plugin raised
-    it) and then the attribute (a misspelt name, with the module's names close to it)."""
+    it) and then the attribute (a misspelt name, with the module's names close to it).
+
+    The attribute step may import too (a package exporting its class lazily, by a module
+    ``__getattr__``): an ImportError there is triaged as at the import, and an AttributeError is a
+    misspelt name only where it is about that name of that object (:func:`_lacks`); any other is
+    the plugin's code failing, named with where it raised."""
     match = ep.pattern.match(ep.value)
     if match is None:
         raise BackendLoadError(
@@ -506,19 +512,39 @@ def _load_entry_point(cand: Candidate, ep: md.EntryPoint) -> Any:
     parts = [p for p in (match.group("attr") or "").split(".") if p]
     for k, part in enumerate(parts):
         try:
-            obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise _missing_attribute(cand, obj, module, parts, k) from exc
-        except Exception as exc:  # a module __getattr__ of its own that fails
+            got = getattr(obj, part)
+        except ImportError as exc:  # a lazy import in its module __getattr__
+            raise install_hints.import_error(cand, exc, error_fields(cand)) from exc
+        except (Exception, SystemExit) as exc:  # a module __getattr__ of its own that fails
+            if isinstance(exc, AttributeError) and _lacks(obj, part, exc):
+                raise _missing_attribute(cand, obj, module, parts, k) from exc
             at = install_hints.raised_at(exc, cand)
             raise BackendLoadError(
                 f"entry point {cand.value} failed to load: getting {part!r} from "
                 f"{'.'.join([module, *parts[:k]])!r} raised {exception_text(exc)}"
                 + (f" (raised at {at})" if at else ""),
-                hint="report this to the backend's authors",
+                hint="the backend's code raised this while its class was got (a module "
+                "__getattr__, or what it imports): fix it there, or report this to the backend's "
+                "authors",
                 **error_fields(cand),
             ) from exc
+        obj = got
     return obj
+
+
+def _lacks(obj: Any, part: str, exc: AttributeError) -> bool:
+    """Whether ``exc``, raised by ``getattr(obj, part)``, says that ``obj`` has no ``part``: an
+    AttributeError about that name of that object (Python sets its ``name`` and ``obj``), or one
+    naming nothing (``raise AttributeError(name)`` in a module ``__getattr__``), where ``part`` is
+    not among ``obj``'s names either. One about another name or object is raised by the plugin's
+    code (a lazily imported module touching ``torch.cuda.nonexistent_helper``)."""
+    name, about = getattr(exc, "name", None), getattr(exc, "obj", None)
+    if name is not None and (name != part or (about is not None and about is not obj)):
+        return False
+    try:
+        return part not in dir(obj)
+    except Exception:  # a __dir__ of its own that fails: only the exception tells
+        return name == part and about is obj
 
 
 def _missing_attribute(
@@ -612,10 +638,17 @@ def verify_backend_class(cls: Any, **fields: Any) -> None:
         )
     if not lo <= version <= hi:
         speaks = f"version {lo}" if lo == hi else f"versions {lo} to {hi}"
-        if version >= lo:
+        if version > hi and version in PUBLISHED_PLUGIN_API:
+            hint = (
+                f"the backend needs a newer fusedhead: upgrade fusedhead to "
+                f"{PUBLISHED_PLUGIN_API[version]}, which speaks plugin API {version}, or use a "
+                f"release of the backend for API {hi}"
+            )
+        elif version > hi:  # a fusedhead speaking it may be out after this one, or may never be
             hint = (
                 f"the backend needs a newer fusedhead: upgrade fusedhead to one that speaks "
-                f"plugin API {version}, or use a release of the backend for API {hi}"
+                f"plugin API {version} if such a release exists (this fusedhead knows of none), "
+                f"else use a release of the backend for plugin API {hi}"
             )
         elif version in PUBLISHED_PLUGIN_API:
             hint = (
