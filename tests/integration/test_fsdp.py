@@ -8,7 +8,6 @@ with an unsharded copy of the same model run on both ranks' batches.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -27,26 +26,11 @@ TIMEOUT_S = 300
 
 def _spawn(scenarios: list[str], tmp_path: Path) -> None:
     """Run the scenarios on 2 gloo ranks (file rendezvous: no port to race for)."""
-    import torch.multiprocessing as mp
     from fsdp_worker import worker
+    from spawned_ranks import run_ranks
 
-    init = f"file://{tmp_path / 'rendezvous'}"
-    ctx = mp.start_processes(
-        worker, args=(2, init, scenarios, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=2):  # re-raises a rank's exception with its traceback
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                pytest.fail(f"the 2 ranks did not finish {scenarios} within {TIMEOUT_S} s")
-    except Exception as exc:
-        logs = "\n".join(
-            f"--- {p.name} ---\n{p.read_text()}" for p in sorted(tmp_path.glob("rank*.log"))
-        )
-        raise AssertionError(f"{exc}\n{logs}") from exc
+    args = (2, f"file://{tmp_path / 'rendezvous'}", scenarios, str(tmp_path))
+    run_ranks(worker, args, 2, tmp_path, str(scenarios), TIMEOUT_S)
 
 
 def test_fused_lm_head_alone_and_tied_embeddings_under_fsdp2(tmp_path: Path) -> None:

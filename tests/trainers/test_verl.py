@@ -12,7 +12,6 @@ import copy
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 pytest.importorskip("verl", reason="verl is not installed (bash scripts/trainers/verl.sh)")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
+from spawned_ranks import run_ranks
 from verl_helpers import (
     HIDDEN,
     VOCAB,
@@ -237,30 +237,10 @@ TIMEOUT_S = 300
 
 
 def _spawn(scenarios: list[str], tmp_path: Path, world: int = 2) -> None:
-    import torch.multiprocessing as mp
     from verl_fsdp_worker import worker
 
-    init = f"file://{tmp_path / 'rendezvous'}"
-    ctx = mp.start_processes(
-        worker,
-        args=(world, init, scenarios, str(tmp_path)),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                pytest.fail(f"{world} ranks did not finish {scenarios} within {TIMEOUT_S} s")
-    except Exception as exc:
-        logs = "\n".join(
-            f"--- {p.name} ---\n{p.read_text()[-4000:]}" for p in sorted(tmp_path.glob("rank*.log"))
-        )
-        raise AssertionError(f"{exc}\n{logs}") from exc
+    args = (world, f"file://{tmp_path / 'rendezvous'}", scenarios, str(tmp_path))
+    run_ranks(worker, args, world, tmp_path, str(scenarios), TIMEOUT_S)
 
 
 @pytest.mark.multiprocess

@@ -12,9 +12,7 @@ absolute) and the parameters after the steps closely (see :data:`PARAM_ATOL`).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,11 +24,11 @@ import torch
 pytest.importorskip("verl", reason="verl is not installed (bash scripts/trainers/verl.sh)")
 
 import verl  # noqa: F401  (the verl.plugins entry points, fusedhead's among them)
+from verl_helpers import fused_policy_loss_example
 
 from fusedhead.integrations import verl as fh_verl
 from fusedhead.integrations import verl_config
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainers"
 #: SGD, so a parameter differs by lr times the summed gradient difference (Adam would divide
 #: near-zero gradients by their own magnitude and amplify their last-ulp noise).
 LR = 1e-2
@@ -40,18 +38,7 @@ SGD = {"optimizer": "SGD", "lr": LR, "weight_decay": 0.0}
 PARAM_ATOL = 1e-6
 
 
-def _example() -> Any:
-    sys.path.insert(0, str(EXAMPLE))
-    spec = importlib.util.spec_from_file_location(
-        "verl_fused_policy_loss", EXAMPLE / "verl_fused_policy_loss.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ex = _example()
+ex = fused_policy_loss_example()
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,6 @@ Every logged metric agrees to 6 decimals and the parameters after four SGD steps
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,10 +29,10 @@ import torch
 pytest.importorskip("verl", reason="verl is not installed (bash scripts/trainers/verl.sh)")
 
 import verl  # noqa: F401  (the verl.plugins entry points, fusedhead's among them)
+from verl_helpers import fused_policy_loss_example
 
 from fusedhead.integrations import verl_actor
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainers"
 #: SGD: a parameter differs by lr times the summed gradient difference (see
 #: test_verl_actor_fused_loss.py, whose tolerances these are).
 LR = 1e-2
@@ -44,18 +42,7 @@ SETTINGS = dict(loss_agg_mode="token-mean", entropy_coeff=0.01, use_kl_loss=True
 LORA = {"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 
 
-def _example() -> Any:
-    sys.path.insert(0, str(EXAMPLE))
-    spec = importlib.util.spec_from_file_location(
-        "verl_fused_policy_loss", EXAMPLE / "verl_fused_policy_loss.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ex = _example()
+ex = fused_policy_loss_example()
 
 
 @pytest.fixture(scope="module")

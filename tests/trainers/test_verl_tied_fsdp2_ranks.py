@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -128,28 +127,10 @@ def worker(rank: int, world: int, init: str, out_dir: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_tied_head_under_verls_apply_fsdp2_on_two_gloo_ranks(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
+    from spawned_ranks import run_ranks
 
     world = 2
-    ctx = mp.start_processes(
-        worker,
-        args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                pytest.fail(f"{world} ranks did not finish within {TIMEOUT_S} s")
-    except Exception as exc:
-        logs = "\n".join(
-            f"--- {p.name} ---\n{p.read_text()[-4000:]}" for p in sorted(tmp_path.glob("rank*.log"))
-        )
-        raise AssertionError(f"{exc}\n{logs}") from exc
+    args = (world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path))
+    run_ranks(worker, args, world, tmp_path, "the tied head's loss", TIMEOUT_S)
     for log in sorted(tmp_path.glob("rank*.log")):
         assert "tied head under apply_fsdp2 matches the unsharded model" in log.read_text()

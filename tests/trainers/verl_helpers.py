@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -167,3 +170,20 @@ def assert_body_grad_close(actual: torch.Tensor, expected: torch.Tensor, what: s
     atol = 1e-6 * max(1.0, float(expected.abs().max()))
     torch.testing.assert_close(actual, expected, atol=atol, rtol=0.0, msg=lambda m: f"{what}: {m}")
     return float((actual - expected).abs().max())
+
+
+#: The trainers' examples (``examples/trainers``).
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "trainers"
+
+
+def fused_policy_loss_example() -> Any:
+    """``examples/trainers/verl_fused_policy_loss.py`` as a module (its folder on ``sys.path``,
+    for its ``tiny`` import): its engine builders drive verl's actor in the tests."""
+    sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(
+        "verl_fused_policy_loss", EXAMPLES / "verl_fused_policy_loss.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
