@@ -235,3 +235,18 @@ def type_name(value: object) -> str:
     whose bare name "bool" made "must be a bool, got bool np.True_")."""
     cls = type(value)
     return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def exception_text(exc: BaseException) -> str:
+    """``Type: message`` on one line; a pydantic ``ValidationError`` as each field's error."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        errors = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ())) or "(the model)"
+            value = repr(err.get("input"))
+            value = value if len(value) <= 60 else value[:57] + "..."
+            errors.append(f"{where}: {err.get('msg')} (got {value})")
+        return f"ValidationError building {exc.title}: " + "; ".join(errors)
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
