@@ -20,7 +20,7 @@ from fusedhead import FusedHead, fused_head, registry
 from fusedhead.errors import BackendContractError, BackendUnavailableError, CapabilityError
 from fusedhead.protocol import HeadCall, HeadOutput
 from fusedhead.request import HeadRequest
-from fusedhead.validation import _HEAD_CALL_FIELDS, validate
+from fusedhead.validation import _HEAD_CALL_FIELDS, check_head
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -184,7 +184,7 @@ def test_validate_builds_the_call_the_fields_name(inputs, case):
         kw["softcap"] = 30
     elif case == "int temperature":
         kw["temperature"] = 2
-    call, shape, n, device, dtype, cast = validate(HeadRequest(h, w, y, **kw))
+    call, shape, n, device, dtype, cast = check_head(HeadRequest(h, w, y, **kw))[:6]
     want = HeadCall(
         hidden=h.reshape(-1, 8),
         weight=w,

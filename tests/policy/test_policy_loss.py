@@ -652,6 +652,36 @@ def test_a_backend_without_the_capability_is_refused() -> None:
         fusedhead.refresh()
 
 
+def test_the_policy_loss_needs_no_head_output_beyond_log_probs() -> None:
+    """The loss's entropy is the policy call's own output: a backend that declares policy_loss
+    and, as a head, only log_probs runs it (it was refused for not computing the head's entropy)."""
+    from fusedhead.protocol import Capabilities
+    from fusedhead_torch.backend import TorchBackend
+
+    class LogProbsHead(TorchBackend):
+        name = "log-probs-head-test"
+
+        def capabilities(self, device: torch.device) -> Capabilities:
+            only = ("log_probs",)
+            update = {"outputs": only, "vocab_parallel_outputs": only}
+            return super().capabilities(device).model_copy(update=update)
+
+    fusedhead.register_backend(LogProbsHead.name, LogProbsHead)
+    data = batch(seed=12)
+    try:
+        got = fusedhead.fused_policy_loss(**_args(data), backend=LogProbsHead.name)
+        want = fusedhead.fused_policy_loss(**_args(data), backend="torch")
+        torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
+        torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=0)
+        with pytest.raises(CapabilityError, match="entropy"):  # as a head it computes no entropy
+            fusedhead.fused_head(
+                data["hidden"], data["weight"], data["labels"], backend=LogProbsHead.name
+            )
+    finally:
+        fusedhead.unregister_backend(LogProbsHead.name)
+        fusedhead.refresh()
+
+
 def test_a_backend_unavailable_here_that_lacks_the_capability_says_it_lacks_it() -> None:
     """Before: liger on a CPU was told to install the CuTe DSL or run on a GPU, where the same
     call is refused for want of policy_loss."""

@@ -298,9 +298,7 @@ def flag_arg(arg: str, value: object) -> bool:
     """``value`` if it is a bool (a truthy str or 0 must not pick a behaviour silently)."""
     if value is True or value is False:
         return value
-    if not isinstance(value, bool):
-        raise TypeError(f"{arg} must be a bool, got {type_name(value)} {value!r}")
-    return value
+    raise TypeError(f"{arg} must be a bool, got {type_name(value)} {value!r}")
 
 
 def not_a_flag(arg: str, value: object) -> NoReturn:

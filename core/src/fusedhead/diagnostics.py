@@ -72,7 +72,7 @@ def listing(*, probe: bool = False, device: Any = None) -> list[BackendListing]:
         device = device_arg("device", device)
     rows: list[BackendListing] = []
     for name, claims in candidates().items():
-        allowed = claims_allowed(name, claims)
+        allowed = claims_allowed(claims)
         for c in claims:
             why = name_violation(c) or reserved_violation(c)
             if why is not None:

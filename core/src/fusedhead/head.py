@@ -45,7 +45,7 @@ _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "xla", "mtia"
 
 @as_graph_constant
 def _prime_device(device: torch.device) -> None:
-    """Under ``torch.compile``, before ``validate`` reads its table of devices: the entry made
+    """Under ``torch.compile``, before ``check_head`` reads its table of devices: the entry made
     eagerly (a table the trace found without it would be guarded so, and the next call retrace)."""
     if device not in DEVICES:
         device_entry(device)
@@ -124,16 +124,14 @@ class FusedHead:
         return {"backend": self.name, "distribution": self.distribution, "version": self.version}
 
     @contextmanager
-    def _identified(self, what: str | None = None) -> Iterator[None]:
-        """Errors from the backend carry its identity; with ``what``, other exceptions become
-        ``BackendContractError`` (a backend method that must only raise ``BackendError``)."""
+    def _identified(self, what: str) -> Iterator[None]:
+        """Errors from the backend method ``what`` carry its identity; other exceptions become
+        ``BackendContractError`` (a method that must only raise ``BackendError``)."""
         try:
             yield
         except BackendError as exc:
             raise exc.attach(**self.identity()) from None
         except Exception as exc:
-            if what is None:
-                raise
             raise BackendContractError(
                 f"{what} raised {type(exc).__name__}: {exc}",
                 hint="a backend's check() must raise fusedhead.errors.BackendUnavailableError with "
@@ -407,9 +405,7 @@ class FusedHead:
         if call.valid.numel() == 0:
             zero = call.hidden.sum(-1).float() * 0 + call.weight.sum().float() * 0
             return contract.shaped(zero, shape)
-        method = getattr(self.backend, "kl", None)
-        if not callable(method):
-            self.broke("declares kl_directions but has no kl(call) method")
+        method = self.backend.kl  # there: the registry checks it where capabilities are read
         dev = call.hidden.device.type
         try:
             if dev in _AUTOCAST_DEVICES and torch.is_autocast_enabled(dev):

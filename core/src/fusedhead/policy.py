@@ -22,7 +22,7 @@ from fusedhead.policy_output import PolicyLossOutput, output
 from fusedhead.protocol import PolicyLossCall, PolicyLossResult
 from fusedhead.request import HeadRequest, PolicyRequest
 from fusedhead.scored_rows import ScoredRows
-from fusedhead.validation import validate
+from fusedhead.validation import check_head
 from fusedhead.value_checks import Pending
 
 
@@ -36,14 +36,15 @@ def run(head: PolicyHead, req: PolicyRequest) -> PolicyLossOutput:
         req.labels,
         temperature=req.temperature,
         ignore_index=req.ignore_index,
+        return_entropy=False,  # the loss's entropy is its own output, not the head's
         check_labels=req.check_labels,
         softcap=req.softcap,
     )
     # The value checks (labels' range, per-token temperatures, a loss_normalizer tensor's value)
     # and the number of scored rows, read by the host once, before the backend runs.
     pending = Pending() if req.check_labels is True else None
-    call, shape, n, device, dtype, cast = validate(head_req, pending)
-    shape = tuple(shape)
+    call, size, n, device, dtype, cast = check_head(head_req, pending)[:6]
+    shape = tuple(size)
     try:
         caps = head.ready(device, dtype)
     except BackendUnavailableError:

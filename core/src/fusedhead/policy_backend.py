@@ -44,12 +44,9 @@ def backend_result(
     if scored == 0:
         return nothing_scored(call)
     sub = call if rows is None or scored == n else rows.narrowed()
-    method = getattr(head.backend, "policy_loss", None)
-    if not callable(method):
-        head.broke("declares policy_loss but has no policy_loss(call) method")
-    try:
+    try:  # its policy_loss method is there: the registry checks it where capabilities are read
         with torch.no_grad(), torch.autocast(cast or "cpu", enabled=False):
-            result = method(sub)
+            result = head.backend.policy_loss(sub)
     except BackendError as exc:
         raise exc.attach(**head.identity()) from None
     except Exception as exc:

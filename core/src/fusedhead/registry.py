@@ -365,7 +365,7 @@ def name_violation(cand: Candidate) -> str | None:
     )
 
 
-def claims_allowed(name: str, claims: list[Candidate]) -> list[Candidate]:
+def claims_allowed(claims: list[Candidate]) -> list[Candidate]:
     """The claims that may hold ``name``: a reserved name's owner wins over third parties."""
     return [c for c in claims if reserved_violation(c) is None]
 
@@ -388,7 +388,7 @@ def find(name: str) -> Candidate:
     claims = table.get(name)
     if not claims:
         raise UnknownBackendError(unknown_name_message(name, table), backend=name)
-    allowed = claims_allowed(name, claims)
+    allowed = claims_allowed(claims)
     if not allowed:
         bad = claims[0]
         raise BackendConflictError(

@@ -3,8 +3,8 @@
 ``fused_head``, ``FusedHead.__call__``, ``FusedLMHead.forward`` and ``lm_head_logprobs`` build a
 ``HeadRequest``; ``fused_kl`` and ``FusedHead.kl`` a ``KLRequest``; ``fused_policy_loss`` and
 ``FusedHead.policy_loss`` a ``PolicyRequest``. A request holds the arguments as given, with the
-head's configured defaults already resolved (``head_request`` does that, as ``FusedHead.__call__``
-and ``FusedHead.request`` call it); the head checks it
+head's configured defaults already resolved (``head_request`` does that for ``FusedHead.__call__``,
+``FusedHead.request`` with the same ``CONFIGURED`` names); the head checks it
 and makes the backend's call (``HeadCall``, ``KLCall``, ``PolicyLossCall``) from it once. Each is
 an immutable NamedTuple: cheap to build on every step, and Dynamo traces it as plain values.
 """

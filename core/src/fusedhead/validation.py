@@ -1,8 +1,8 @@
 """Validation of a call before any backend sees it: one place, the same for every backend.
 
-``check_head`` (head calls; ``validate`` is its short form), ``with_outputs`` (the further
-outputs) and ``validate_kl`` build the backend's call from the arguments; the checkers they share are in ``fusedhead.checks``, the
-checks of tensor values in ``fusedhead.value_checks``.
+``check_head`` (head calls), ``with_outputs`` (the further outputs) and ``validate_kl`` build the
+backend's call from the arguments; the checkers they share are in ``fusedhead.checks``, the checks
+of tensor values in ``fusedhead.value_checks``.
 
 Every refusal is a ``ValueError``/``TypeError`` that names the argument, what it got and what
 was expected.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -60,7 +60,7 @@ _autocast_enabled = torch.is_autocast_enabled
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)
 _grad_enabled = torch.is_grad_enabled
 
-#: HeadCall's fields as ``validate`` builds them, positionally: a change to the protocol must be
+#: HeadCall's fields as ``check_head`` builds them, positionally: a change to the protocol must be
 #: made here too (checked on import, so it cannot build a misordered call).
 _HEAD_CALL_FIELDS = (
     "hidden",
@@ -108,27 +108,31 @@ if HeadRequest._fields[:FIRST_FLAG] != _REQUEST_FIELDS:  # pragma: no cover - a 
 _new_tuple = tuple.__new__
 
 
-def validate(
-    req: HeadRequest, pending: Pending | None = None
-) -> tuple[HeadCall, tuple[int, ...], int, torch.device, torch.dtype, str | None]:
+class Checked(NamedTuple):
+    """A head request checked: what ``check_head`` answers, so the caller reads none of it again."""
+
+    #: The backend's 2-D call.
+    call: HeadCall
+    #: The labels' shape (a torch.Size for a plain call, a tuple with further outputs).
+    shape: tuple[int, ...]
+    #: N, the rows.
+    n: int
+    #: The device and dtype the backend runs on.
+    device: torch.device
+    dtype: torch.dtype
+    #: The device type whose autocast is on (None: off).
+    cast: str | None
+    #: Whether the call records gradients (hidden or weight requires grad, grad mode on).
+    grad: bool
+    #: Log-probs and entropy only, a float temperature, no softcap, no process group: the
+    #: capability gate's short path.
+    plain: bool
+
+
+def check_head(req: HeadRequest, pending: Pending | None = None) -> Checked:
     """Check a head request against the contract, the further outputs asked for included
-    (``with_outputs``).
-
-    Returns the backend's 2-D call, the labels' shape (a torch.Size for a plain call, a tuple
-    with further outputs), N, the device and dtype the backend runs on, and the device type whose
-    autocast is on (None: off). The value checks (label range, ids, per-token temperatures) go to
-    ``pending`` when given, else are read at once.
-    """
-    return check_head(req, pending)[:6]  # type: ignore[return-value]
-
-
-def check_head(
-    req: HeadRequest, pending: Pending | None = None
-) -> tuple[HeadCall, tuple[int, ...], int, torch.device, torch.dtype, str | None, bool, bool]:
-    """``validate`` as the per-step path calls it, reading each tensor property once; two more
-    answers, so the head reads none of them again: whether the call records gradients (hidden or
-    weight requires grad, grad mode on), and whether it is plain (log-probs and entropy only, a
-    float temperature, no softcap, no process group: the capability gate's short path)."""
+    (``with_outputs``), reading each tensor property once. The value checks (label range, ids,
+    per-token temperatures) go to ``pending`` when given, else are read at once."""
     # The request's fields, read once (one unpacking: the cheapest read); the output flags last.
     (
         hidden,
@@ -284,9 +288,10 @@ def check_head(
                 break
         else:
             plain = temp.__class__ is float and cap is None and process_group is None
-            return call, ys, n, dev, hdt, cast, grad, plain
+            return _new_tuple(Checked, (call, ys, n, dev, hdt, cast, grad, plain))
     shape = tuple(ys)  # messages show it as a tuple
-    return with_outputs(call, shape, req, pending), shape, n, dev, hdt, cast, grad, False
+    called = with_outputs(call, shape, req, pending)
+    return _new_tuple(Checked, (called, shape, n, dev, hdt, cast, grad, False))
 
 
 _WITH_ENTROPY = frozenset({"log_probs", "entropy"})
@@ -311,7 +316,7 @@ def _apply_autocast(
             f"{a} and {b} must share a dtype outside torch.autocast, got {a} {h.dtype} and "
             f"{b} {w.dtype}; cast one of them or call inside torch.autocast"
         )
-    return h.resolve_neg(), w.resolve_neg()  # a negative view's memory holds -x (see validate)
+    return h.resolve_neg(), w.resolve_neg()  # a negative view's memory holds -x (see check_head)
 
 
 def _temperature(
@@ -468,7 +473,7 @@ def with_outputs(
     call: HeadCall, shape: tuple[int, ...], req: HeadRequest, pending: Pending | None = None
 ) -> HeadCall:
     """``call`` with the further outputs ``req`` asks for (top-k, gather, lse, sum_p2, argmax)
-    validated; the ids' range check goes to ``pending`` when given (``validate``'s)."""
+    validated; the ids' range check goes to ``pending`` when given (``check_head``'s)."""
 
     outputs = set(call.outputs)
     for arg, name in OUTPUT_FLAGS:
@@ -505,7 +510,7 @@ def validate_kl(
 ) -> tuple[KLCall, tuple[int, ...]]:
     """Check a two-head KL call: the backend's 2-D call and the rows' shape (``check``: read and
     check the labels' range and per-token temperatures' values, in ``pending``'s one read when
-    given, as ``validate`` does)."""
+    given, as ``check_head`` does)."""
 
     h = tensor_arg("hidden", hidden)
     w = tensor_arg("weight", weight)
