@@ -199,6 +199,53 @@ def test_actor_forward_matches_openrlhf(
     assert float((ref_out.entropy.double() - ent64).abs().max()) <= 2e-6
 
 
+POLICY_LOSSES = [
+    {},
+    {"dual_clip": 3.0, "clip_eps_high": 0.28},
+    {"token_level_loss": False},
+    {"policy_loss_type": "gspo", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4},
+    {"is_correction_level": "token", "is_correction_mode": "clip"},
+    {"is_correction_level": "seq", "is_correction_mode": "mask"},
+]
+
+
+@pytest.mark.parametrize("options", POLICY_LOSSES, ids=lambda o: ",".join(o) or "ppo")
+def test_openrlhf_policy_loss_on_the_patched_actor_matches(
+    model_dir: Path, options: dict[str, Any]
+) -> None:
+    """OpenRLHF's own ``PolicyLoss`` (with an entropy bonus) on the patched actor's log-probs
+    gives the unpatched actor's loss and gradients: each option keeps its meaning."""
+    from openrlhf.models.loss import PolicyLoss
+
+    seq, mask, action_mask = _batch()
+    g = torch.Generator().manual_seed(3)
+    advantages = torch.randn(action_mask.shape, generator=g)
+    theirs = _actor(model_dir, False, 0.8)
+    ours = _actor(model_dir, False, 0.8)
+    patch_actor(ours, "torch")
+    with torch.no_grad():
+        old = theirs(seq, action_mask, attention_mask=mask)
+    old = old + 0.05 * torch.randn(old.shape, generator=g)  # an off-policy step: ratios != 1
+    rollout = old + 0.1 * torch.randn(old.shape, generator=g)
+    loss_fn = PolicyLoss(**options)
+    results = []
+    for actor in (theirs, ours):
+        lp, out = actor(
+            seq, action_mask, attention_mask=mask, return_output=True, return_entropy=True
+        )
+        loss = loss_fn(lp, old, advantages, action_mask=action_mask, rollout_log_probs=rollout)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        entropy = out.entropy[:, -action_mask.shape[1] :]
+        loss = loss - 0.01 * (entropy * action_mask).sum() / action_mask.sum()
+        loss.backward()
+        results.append((loss.detach(), _grads(actor)))
+    (loss_a, g_a), (loss_b, g_b) = results
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-7)
+    assert g_a.keys() == g_b.keys()
+    for name in g_a:
+        assert _rel(g_b[name], g_a[name]) <= 1e-5, (name, _rel(g_b[name], g_a[name]))
+
+
 def test_logits_calls_keep_the_original_forward(model_dir: Path) -> None:
     theirs = _actor(model_dir, False, 1.0)
     ours = _actor(model_dir, False, 1.0)
@@ -267,6 +314,64 @@ def test_bad_backends_and_inputs(model_dir: Path) -> None:
         actor(seq, action_mask, attention_mask=mask, return_entropy=True)
     with pytest.raises(ValueError, match="attention_mask is required"):
         actor(seq, action_mask)
+    actor.temperature = 0.0  # changed after patching: named as at setup
+    with pytest.raises(ValueError, match=r"^the actor's temperature \(OpenRLHF's --rollout.temp"):
+        actor(seq, action_mask, attention_mask=mask)
+
+
+@pytest.mark.parametrize(
+    ("setting", "decided_by"),
+    [
+        ({"temperature": 0.5}, "--rollout.temperature"),
+        ({"softcap": 1.0}, "final_logit_softcapping"),
+        ({"ignore_index": 5}, "patch_actor"),
+        ({"return_entropy": False}, "each call's return_entropy"),
+    ],
+)
+def test_a_config_setting_the_actor_decides_is_refused(
+    model_dir: Path, setting: dict[str, Any], decided_by: str
+) -> None:
+    """The actor's temperature, the model's softcap, the patch's labels and each call's
+    return_entropy are what is scored with: a config setting one was ignored, or changed the
+    policy (a softcap on a model without one), without a word."""
+    actor = _actor(model_dir, False, 1.0)
+    for backend in (
+        {"backend": "torch", **setting},
+        fusedhead.FusedHead(backend="torch", **setting),
+    ):
+        with pytest.raises(ValueError, match=f"sets {next(iter(setting))}=.*{decided_by}"):
+            patch_actor(actor, backend)
+        assert not is_patched(actor)
+    patch_actor(actor, {"backend": "torch", "check_labels": False})  # the head's own: kept
+    assert is_patched(actor)
+
+
+def test_unpatch_gives_back_the_actors_own_forward_and_refuses_non_actors(model_dir: Path) -> None:
+    actor = _actor(model_dir, False, 1.0)
+    calls: list[bool] = []
+    own = actor.forward
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:  # a user's wrapper on this instance
+        calls.append(True)
+        return own(*args, **kwargs)
+
+    actor.forward = wrapped
+    patch_actor(actor, "torch")
+    patch_actor(actor, "torch")  # patching twice keeps the wrapper to give back
+    unpatch_actor(actor)
+    assert not is_patched(actor) and actor.__dict__["forward"] is wrapped
+    seq, mask, action_mask = _batch()
+    with torch.no_grad():
+        actor(seq, action_mask, attention_mask=mask)
+    assert calls == [True]
+    for bad in (None, "actor"):
+        with pytest.raises(TypeError, match="openrlhf Actor"):
+            is_patched(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="openrlhf Actor"):
+            unpatch_actor(bad)  # type: ignore[arg-type]
+    hf_model = actor.model  # a transformers model, not an Actor: its .model is the decoder
+    with pytest.raises(TypeError, match=r"has no LM head .* must be an openrlhf Actor"):
+        patch_actor(hf_model, "torch")
 
 
 def test_moe_aux_loss_and_hooked_head(tmp_path: Path) -> None:
@@ -302,6 +407,51 @@ def test_moe_aux_loss_and_hooked_head(tmp_path: Path) -> None:
     assert out_a.aux_loss is not None and out_b.aux_loss is not None
     torch.testing.assert_close(out_b.aux_loss, out_a.aux_loss, rtol=0, atol=1e-7)
     assert out_b.logits.shape == (3, 14, 0)  # no [B, T, V] logits
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_zero3_backward_gathers_the_head_weight_again(tmp_path: Path) -> None:
+    """Under DeepSpeed ZeRO-3 the head's weight is released after its forward and gathered again
+    by the hooks on the head's output before its backward: the patched actor's backward must
+    reach them (it read a 0-element weight and failed), and give OpenRLHF's gradients, for an
+    untied and a tied (Qwen2) head."""
+    pytest.importorskip(
+        "deepspeed", reason="DeepSpeed is not installed (scripts/trainers/openrlhf.sh)"
+    )
+    import socket
+
+    from openrlhf_zero3_worker import worker
+    from spawned_ranks import run_ranks
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    dirs = []
+    for tied in (False, True):
+        cfg = Qwen2Config(
+            vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+            pad_token_id=0,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(cfg)
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0, 0.3)
+        path = tmp_path / f"tiny-qwen2-tied-{tied}"
+        model.save_pretrained(path)
+        dirs.append(str(path))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run_ranks(worker, (dirs, V, str(tmp_path), port), 1, tmp_path, "a ZeRO-3 step", 600)
+    results = torch.load(tmp_path / "results.pt")
+    for d in dirs:
+        theirs, ours = results[d]["theirs"], results[d]["ours"]
+        torch.testing.assert_close(ours["log_probs"], theirs["log_probs"], rtol=0, atol=1e-5)
+        assert set(ours["grads"]) == set(theirs["grads"]) == {
+            "lm_head.weight", "model.embed_tokens.weight"
+        } - ({"lm_head.weight"} if "True" in d else set())  # fmt: skip
+        for name, want in theirs["grads"].items():
+            assert _rel(ours["grads"][name], want) < 1e-5, (d, name)
 
 
 def test_flash_attn_stand_in_is_not_left_behind() -> None:

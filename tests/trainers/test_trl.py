@@ -384,6 +384,28 @@ def test_outputs_fusedhead_does_not_compute_are_refused(model_dir: Path) -> None
         fh_trl.add_fused_lm_head(ours, temperature="1", head="torch")  # type: ignore[arg-type]
 
 
+def test_a_head_config_setting_what_trl_decides_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    """TRL's call passes its own temperature, the model's softcap, its labels and the outputs it
+    wants: a head config that set one was ignored (or put a softcap on a model without one)."""
+    _, ours = _pair(model_dir)
+    for setting, decided_by in (
+        ({"temperature": 0.5}, "the trainer's temperature"),
+        ({"softcap": 3.0}, "final_logit_softcapping"),
+        ({"return_entropy": False}, "the outputs TRL's trainer asks"),
+    ):
+        name = next(iter(setting))
+        with pytest.raises(ValueError, match=f"^head sets {name}=.*{decided_by}"):
+            fh_trl.add_fused_lm_head(ours, head=fusedhead.FusedHead(backend="torch", **setting))
+        with pytest.raises(ValueError, match=f"^fused_head sets {name}="):  # before the model loads
+            fh_trl.FusedHeadGRPOTrainer(
+                model=str(model_dir),
+                reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                args=trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[]),
+                fused_head={"backend": "torch", **setting},
+            )
+    fh_trl.add_fused_lm_head(ours, head={"backend": "torch", "check_labels": False})  # its own
+
+
 def test_backend_names_from_the_config_are_strict(model_dir: Path) -> None:
     _, ours = _pair(model_dir)
     with pytest.raises(UnknownBackendError, match="'tritonn'") as info:

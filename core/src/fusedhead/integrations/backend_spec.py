@@ -31,6 +31,7 @@ __all__ = [
     "is_fusedhead_spec",
     "is_misspelt_spec",
     "parse_backend_spec",
+    "refuse_decided_settings",
     "resolve_lm_head",
     "spelled",
 ]
@@ -154,6 +155,20 @@ def resolve_lm_head(
         f"{what} must be a FusedHead, a FusedHeadConfig, a mapping, a backend name (str) or "
         f"None, got {type(head).__name__} {head!r}"
     )
+
+
+def refuse_decided_settings(head: FusedHead, setting: str, decided_by: Mapping[str, str]) -> None:
+    """Refuse a head whose config sets what the trainer's own call decides (``decided_by``: each
+    such setting and who decides it, e.g. the trainer's sampling temperature): the call passes its
+    own value, so the config's would be ignored, or would change the policy the trainer sampled."""
+    cfg = head.config
+    for name, owner in decided_by.items():
+        value, default = getattr(cfg, name), FusedHeadConfig.model_fields[name].default
+        if value != default:
+            raise ValueError(
+                f"{setting} sets {name}={value!r}, but {owner} decides it, not the head's config: "
+                f"drop {name} from the config (it would be ignored, or change what is scored)"
+            )
 
 
 def _malformed_name(setting: str, shown: object) -> NoReturn:

@@ -34,6 +34,7 @@ from fusedhead.checks import positive_float
 from fusedhead.integrations.backend_spec import (
     HeadLike,
     check_head_runs_on,
+    refuse_decided_settings,
     resolve_lm_head,
 )
 from fusedhead.integrations.lm_head import (
@@ -46,6 +47,8 @@ __all__ = ["TESTED_OPENRLHF", "is_patched", "patch_actor", "unpatch_actor"]
 #: OpenRLHF versions this module was tested against.
 TESTED_OPENRLHF = ">=0.11.2,<0.12"
 _ATTR = "_fusedhead_head"
+#: Where a patched actor keeps the instance ``forward`` it had before (None: the class's).
+_BEFORE = "_fusedhead_forward_before"
 
 
 def _ring_utils() -> types.ModuleType:
@@ -61,6 +64,15 @@ def _ring_utils() -> types.ModuleType:
 
 #: How a refusal names the temperature the actor divides its logits by.
 TEMPERATURE_SETTING = "the actor's temperature (OpenRLHF's --rollout.temperature)"
+
+
+#: The head settings each patched call decides, and who decides them.
+DECIDED_BY = {
+    "temperature": TEMPERATURE_SETTING,
+    "softcap": "the model's config (final_logit_softcapping)",
+    "ignore_index": "patch_actor (its unscored positions)",
+    "return_entropy": "each call's return_entropy (OpenRLHF's)",
+}
 
 
 def _parts(actor: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -81,24 +93,61 @@ def _parts(actor: nn.Module) -> tuple[nn.Module, nn.Module]:
         lm = get_base()
     get_head = getattr(lm, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    if not isinstance(head, nn.Linear):
+    if head is None:
         raise TypeError(
-            f"{type(lm).__name__}'s output head is a {type(head).__name__}, not an nn.Linear (a LoRA "
-            "adapter on the LM head is not supported): fusedhead scores head.weight [+ head.bias]"
+            f"actor.model ({type(lm).__name__}) has no LM head (get_output_embeddings() gave "
+            "None): actor must be an openrlhf Actor, whose .model is a causal LM"
+        )
+    if type(head) is not nn.Linear:
+        kind = f"{type(head).__module__}.{type(head).__qualname__}"
+        raise TypeError(
+            f"{type(lm).__name__}'s LM head is a {kind}, not a torch.nn.Linear (a LoRA adapter on "
+            "the LM head, or DeepSpeed AutoTP's sharded layer, is not supported): fusedhead "
+            "scores head.weight [+ head.bias] of a plain Linear"
         )
     return lm, head
 
 
 def is_patched(actor: nn.Module) -> bool:
     """Whether :func:`patch_actor` patched this actor."""
+    if not isinstance(actor, nn.Module):
+        raise TypeError(f"actor must be an openrlhf Actor, got {type(actor).__name__}")
     return isinstance(actor.__dict__.get(_ATTR), FusedHead)
 
 
 def unpatch_actor(actor: nn.Module) -> None:
-    """Give the actor back its own forward."""
+    """Give the actor back the forward it had before :func:`patch_actor` (its own instance
+    attribute, where it had one, else its class's)."""
     if is_patched(actor):
-        del actor.__dict__["forward"]
+        before = actor.__dict__.pop(_BEFORE)
+        if before is None:
+            del actor.__dict__["forward"]
+        else:
+            actor.__dict__["forward"] = before
         del actor.__dict__[_ATTR]
+
+
+def _empty_logits(hidden: torch.Tensor, out: FusedHeadOutput) -> torch.Tensor:
+    """The stand-in head's ``[..., 0]`` logits, made from the fused outputs where they carry a
+    gradient: what the model returns then leads back to them, so the hooks on the head's output
+    run in the backward before the fused head's (ZeRO-3's, which gathers the weight again that
+    its forward hook released; without them the backward read a 0-element weight)."""
+    parts = [t for t in (out.log_probs, out.entropy) if t is not None and t.requires_grad]
+    if not parts:
+        return hidden.new_zeros((*hidden.shape[:-1], 0))
+    empty = sum(t.unsqueeze(-1)[..., :0] for t in parts)
+    return cast(torch.Tensor, empty).to(hidden.dtype)
+
+
+def _through_head_output(out: FusedHeadOutput, output: Any) -> tuple[Any, Any]:
+    """The fused log-probs and entropy, each plus the sum of the model's empty logits (zero):
+    their gradient then passes through the head's output and its hooks (``_empty_logits``)."""
+    logits = getattr(output, "logits", None)
+    if not isinstance(logits, torch.Tensor) or not logits.requires_grad or logits.shape[-1]:
+        return out.log_probs, out.entropy
+    zero = logits.sum(-1).to(out.log_probs.dtype).reshape(out.log_probs.shape)
+    entropy = None if out.entropy is None else out.entropy + zero
+    return out.log_probs + zero, entropy
 
 
 def patch_actor(
@@ -130,6 +179,7 @@ def patch_actor(
     # an unknown or malformed name is reported as this argument's value, as it was written
     setting = "patch_actor(backend=...)"
     head = resolve_lm_head(backend, setting=setting)
+    refuse_decided_settings(head, setting, DECIDED_BY)
     weight = cast(torch.Tensor, lm_head.weight)  # _parts returned an nn.Linear
     if weight.device.type != "meta":  # the backend must run where the head's weight is, named now
         check_head_runs_on(
@@ -141,6 +191,7 @@ def patch_actor(
             options_via="a mapping: patch_actor(actor, {'backend': NAME, 'options': {...}})",
         )
     unpatch_actor(actor)
+    before = actor.__dict__.get("forward")  # a wrapper set on this instance, given back after
     original = actor.forward
 
     def forward(
@@ -204,20 +255,19 @@ def patch_actor(
         def score(hidden: torch.Tensor) -> torch.Tensor:
             # Stands in for lm_head's forward during the model's own call: the weight is read
             # here, where ZeRO-3 / FSDP2 have gathered it. Returns empty logits [..., 0].
-            scored.append(
-                lm_head_logprobs(
-                    lm_head,
-                    hidden,
-                    labels,
-                    head=head,
-                    temperature=float(getattr(self, "temperature", 1.0)),
-                    return_entropy=return_entropy,
-                    softcap=softcap,
-                    logit_scale=scale,
-                    in_call=False,
-                )
+            out = lm_head_logprobs(
+                lm_head,
+                hidden,
+                labels,
+                head=head,
+                temperature=positive_float(TEMPERATURE_SETTING, getattr(self, "temperature", 1.0)),
+                return_entropy=return_entropy,
+                softcap=softcap,
+                logit_scale=scale,
+                in_call=False,
             )
-            return hidden.new_zeros((*hidden.shape[:-1], 0))
+            scored.append(out)
+            return _empty_logits(hidden, out)
 
         own = lm_head.__dict__  # an instance attribute shadows the class's forward, one call
         had_own, previous = "forward" in own, own.get("forward")
@@ -235,8 +285,7 @@ def patch_actor(
             raise RuntimeError(
                 f"{type(lm).__name__}'s forward called its lm_head {len(scored)} times, expected once"
             )
-        out = scored[0]
-        log_probs, entropy = out.log_probs, out.entropy
+        log_probs, entropy = _through_head_output(scored[0], output)
         if getattr(self, "packing_samples", False):
             log_probs = ring.gather_and_pad_tensor(
                 log_probs, ring_attn_group, pad_len, indices, batch, seqlen
@@ -254,5 +303,6 @@ def patch_actor(
         return (action_log_probs, output) if return_output else action_log_probs
 
     actor.forward = types.MethodType(forward, actor)  # type: ignore[method-assign]
+    actor.__dict__[_BEFORE] = before
     actor.__dict__[_ATTR] = head
     return head

@@ -48,6 +48,7 @@ from torch import nn
 from fusedhead.api import FusedHead
 from fusedhead.integrations.backend_spec import (
     HeadLike,
+    refuse_decided_settings,
     resolve_lm_head,
 )
 from fusedhead.integrations.lm_head import (
@@ -146,6 +147,15 @@ def _backbone(model: nn.Module, text_config: Any) -> nn.Module:
     return body
 
 
+#: The head settings TRL's fused LM head call decides, and who decides them.
+DECIDED_BY = {
+    "temperature": "the trainer's temperature (TRL's config temperature)",
+    "softcap": "the model's config (final_logit_softcapping)",
+    "ignore_index": "TRL's labels (-100)",
+    "return_entropy": "the outputs TRL's trainer asks of its fused LM head",
+}
+
+
 def add_fused_lm_head(
     model: nn.Module,
     temperature: float = 1.0,
@@ -174,6 +184,7 @@ def add_fused_lm_head(
         )
     wanted = _check_outputs(outputs)
     fused = resolve_lm_head(head)
+    refuse_decided_settings(fused, "head", DECIDED_BY)
     text_config = _text_config(model)
     # the model's softcap (Gemma-2's final_logit_softcapping, RecurrentGemma's logits_soft_cap),
     # checked; a transform fusedhead cannot reproduce is refused here
@@ -358,6 +369,7 @@ def replace_trl_fused_heads(trainer: Any, head: HeadLike) -> list[nn.Module]:
     does not use TRL's fused head, or TRL changed how it installs it).
     """
     fused = resolve_lm_head(head)
+    refuse_decided_settings(fused, "fused_head", DECIDED_BY)
     candidates: list[nn.Module] = []
     for attr in ("model", "ref_model", "teacher_model"):
         m = getattr(trainer, attr, None)
@@ -436,6 +448,7 @@ class FusedHeadTrainerMixin:
         config = config_argument(self, FusedHeadTrainerMixin, args, kwargs)
         _check_bases(type(self), config)
         head, setting, value = resolve_named(config, fused_head)
+        refuse_decided_settings(head, setting, DECIDED_BY)
         if config is not None:
             check_args_device(config, head, setting=setting, value=value)
         token = _BUILDING.set((*_BUILDING.get(), id(self)))
