@@ -446,8 +446,10 @@ def test_info_name_says_what_it_takes(capsys):
 def test_info_without_a_name_lists_the_installed_names(capsys):
     """Before: argparse's "the following arguments are required: name", and no names."""
     rc, _out, err = run_main(capsys, "info")
-    assert rc == 2 and "needs a backend name; installed: " in err
+    assert rc == 2 and err.startswith("fusedhead: error: info needs a backend name; installed: ")
     assert "torch" in err.split("installed: ")[1]
+    rc, out, _err = run_main(capsys, "info", "--json")  # the error's fields, as JSON
+    assert rc == 2 and json.loads(out)["error"]["message"].startswith("info needs a backend name")
 
 
 TINY = ["--impl", "torch", "--n", "8", "--hidden", "8", "--vocab", "16", "--no-memory"]

@@ -33,3 +33,18 @@ def test_unknown_model_cannot_run() -> None:
     )
     with pytest.raises(ValueError, match=r"demo --model tiny-nope: unknown demo model 'tiny-nope'"):
         run(args)
+
+
+@pytest.mark.parametrize("device", ["meta", "cpux"])
+def test_a_device_the_demo_cannot_run_on_is_refused_by_name(device: str) -> None:
+    """As the synthetic demo refuses it: the CLI's one error line, exit 2 (before: meta crashed
+    copying a meta tensor, exit 1, as a FAIL would)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedhead.cli", "demo", "--model", "tiny-llama", "--device", device],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("fusedhead: error: "), proc.stderr
+    assert "--device" in proc.stderr and repr(device) in proc.stderr

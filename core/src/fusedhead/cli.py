@@ -343,8 +343,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     if args.name is None:  # say which names there are, not only that one is required
         names = ", ".join(registry.candidates()) or "none installed"
-        print(f"fusedhead info needs a backend name; installed: {names}", file=sys.stderr)
-        return 2
+        raise ValueError(f"info needs a backend name; installed: {names}")  # exit 2
     cand = registry.find(args.name)
     out: dict[str, Any] = {
         "name": cand.name,

@@ -26,16 +26,19 @@ TOLERANCES = {
     "fp16": {"log_probs": 3e-4, "entropy": 1e-4, "grad": 5e-3},
     "bf16": {"log_probs": 3e-4, "entropy": 1e-4, "grad": 5e-3},
 }
-#: Unit roundoff of the precisions a backend may declare for its entropy.
-UNIT_ROUNDOFF = {"fp32": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
 
 
-def tolerances(dtype: str, entropy_precision: str) -> dict[str, float]:
-    """Targets for ``dtype`` inputs; an entropy held in a coarser precision may be off by 2 u of it."""
+def tolerances(dtype: str, logits_precision: str, entropy_precision: str) -> dict[str, float]:
+    """Targets for ``dtype`` inputs; log-probs from logits held in a coarser precision, and an
+    entropy held (or computed from logits held) in one, may be off by 2 u of it, as the kit allows
+    (``testing.tolerances``: the held precision is never coarser than the inputs)."""
+    from fusedhead.testing.tolerances import UNIT_ROUNDOFF, coarser, finer
+
     tol = dict(TOLERANCES[dtype])
-    # Never coarser than the inputs.
-    held = min(entropy_precision, dtype, key=UNIT_ROUNDOFF.__getitem__)
-    tol["entropy"] = max(tol["entropy"], 2 * UNIT_ROUNDOFF[held] if held != "fp32" else 0.0)
+    logits = finer(logits_precision, dtype)
+    entropy = coarser(logits, finer(entropy_precision, dtype))
+    for output, held in (("log_probs", logits), ("entropy", entropy)):
+        tol[output] = max(tol[output], 2 * UNIT_ROUNDOFF[held] if held != "fp32" else 0.0)
     return tol
 
 
@@ -125,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo; 0 on PASS, 1 on FAIL; raises (the command exits 2) when it cannot run."""
     if args.model is not None:  # '' too: the model demo names what it takes
         _refuse_problem_flags(args)
+        if getattr(args, "device", None) is not None:
+            from fusedhead.cli import runnable_device
+
+            runnable_device(args.device)  # as the synthetic demo checks it (meta: exit 2)
         if importlib.util.find_spec(MODEL_MODULE) is None:
             raise ValueError(f"demo --model: {MODEL_MODULE} is not available in this installation")
         if isinstance(args.options, dict):  # the model demo takes --options as JSON text
@@ -260,7 +267,7 @@ def _run_problem(args: argparse.Namespace) -> int:
     base = None if ref_reason else measure(case, reference_impl, inputs, ref, **common)
     progress("done")
 
-    tol = tolerances(case.dtype, caps.entropy_precision)
+    tol = tolerances(case.dtype, caps.logits_precision, caps.entropy_precision)
     rows = [
         ("log-probs", "log_probs", tol["log_probs"]),
         ("entropy", "entropy", tol["entropy"]),

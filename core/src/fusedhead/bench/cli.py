@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group(
         "grid (defaults: GPU N 1024 8192 32768, H 4096, V 32000 128256 151936, "
-        "bf16 fp32; CPU N 2048, H 1024, V 32000, fp32)"
+        "bf16 fp32; CPU N 2048, H 1024, V 32000, fp32). A list flag given again adds to its "
+        "list: --vocab 500 --vocab 1000 measures both"
     )
     sizes = (
         ("--n", "token counts N"),
@@ -127,7 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
     parser.add_argument(
-        "--no-accuracy", action="store_true", help="do not compute the reference and errors"
+        "--no-accuracy",
+        action="store_true",
+        help="do not compute the reference and errors (computed for the logprobs and policy "
+        "cases; `fusedhead check` holds the other heads to their accuracy)",
     )
     parser.add_argument(
         "--json",

@@ -25,7 +25,12 @@ from fusedhead import registry
 from fusedhead.bench import heads, policy
 from fusedhead.bench.cases import ELEMENT_BYTES, IGNORE_INDEX, Case
 from fusedhead.cli import json_type
-from fusedhead.errors import BackendConflictError, BackendLoadError, BackendUnavailableError
+from fusedhead.errors import (
+    BackendConflictError,
+    BackendError,
+    BackendLoadError,
+    BackendUnavailableError,
+)
 from fusedhead.options import load_json
 
 Fn = Callable[
@@ -86,16 +91,15 @@ def _backend(name: str, options: dict[str, Any], spec: str) -> Impl:
     own rows of the table.
     """
     from fusedhead.config import validate_options
-    from fusedhead.errors import BackendError
 
     try:
         cand = registry.find(name)  # an unknown name raises, listing what is installed
-    except BackendConflictError as exc:
-        return _broken(name, spec, f"{type(exc).__name__}: {exc}", None)
+    except (BackendConflictError, BackendLoadError) as exc:  # installed, never selectable
+        return _broken(name, spec, exc, exc.distribution)
     try:
         cls = registry.load_class(name)
     except BackendError as exc:
-        return _broken(name, spec, f"{type(exc).__name__}: {exc}", cand.distribution)
+        return _broken(name, spec, exc, cand.distribution)
     validate_options(name, cls, options)  # a ValueError naming the backend and the option
     label = (
         name
@@ -153,11 +157,12 @@ def _backend(name: str, options: dict[str, Any], spec: str) -> Impl:
     )
 
 
-def _broken(name: str, spec: str, error: str, distribution: str | None) -> Impl:
-    """An installed backend that does not load: every case reports ``error``."""
+def _broken(name: str, spec: str, error: BackendError, distribution: str | None) -> Impl:
+    """An installed backend that does not load: every case reports ``error`` (its class and
+    message, once)."""
 
     def fail(case: Case) -> Any:
-        raise BackendLoadError(error)
+        raise error.with_traceback(None)  # the same error on each case, its traceback fresh
 
     dists = (distribution,) if distribution else ()
     return Impl(name, spec, "backend", True, fail, fail, dists, note="does not load")
