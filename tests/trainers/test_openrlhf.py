@@ -454,6 +454,34 @@ def test_zero3_backward_gathers_the_head_weight_again(tmp_path: Path) -> None:
             assert _rel(ours["grads"][name], want) < 1e-5, (d, name)
 
 
+def test_a_scale_the_model_applies_before_its_head_is_not_applied_twice(tmp_path: Path) -> None:
+    """MiniCPM3 divides the hidden states by ``logits_scaling`` before its LM head: the stand-in
+    head receives them divided, so the patch must not scale again (it did: 46.7 off)."""
+    from transformers import MiniCPM3Config, MiniCPM3ForCausalLM
+
+    cfg = MiniCPM3Config(
+        vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=64,
+        pad_token_id=0, dim_model_base=16,
+    )  # fmt: skip
+    assert cfg.logits_scaling == 4.0
+    torch.manual_seed(0)
+    model = MiniCPM3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 3.0)
+    path = tmp_path / "tiny-minicpm3"
+    model.save_pretrained(path)
+    theirs, ours = _actor(path, False, 0.8), _actor(path, False, 0.8)
+    patch_actor(ours, "torch")
+    seq, mask, action_mask = _batch()
+    with torch.no_grad():
+        a = theirs(seq, action_mask, attention_mask=mask)
+        b = ours(seq, action_mask, attention_mask=mask)
+    assert a.abs().max() > 1.0  # the scale matters here
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
 def test_flash_attn_stand_in_is_not_left_behind() -> None:
     """Other suites (verl, transformers) probe for flash-attn: they must not find the stand-in."""
     if not _STUB:

@@ -128,6 +128,16 @@ def test_mixin_finds_trls_head_behind_accelerates_bf16_wrapper(
     assert out.log_probs.dtype == torch.float32 and out.entropy is None  # ref: log-probs only
 
 
+#: The config of a model whose forward scales its logits, then caps them (Muse Glimmer's
+#: output_multiplier and final_logit_softcapping), on the tiny Llama: TRL's kernel and fusedhead
+#: read the transform from the config, and the references below apply it by hand.
+SOFTCAP_SCALE = {
+    "model_type": "muse_glimmer",
+    "output_multiplier": 0.5,
+    "final_logit_softcapping": 4.0,
+}
+
+
 def _pair(model_dir: Path, **attrs: Any) -> tuple[Any, Any]:
     """Two copies of the tiny model: one with TRL's fused head, one with fusedhead's."""
     from transformers import AutoModelForCausalLM
@@ -173,7 +183,7 @@ def _float64_grads(
     model, _ = _pair(model_dir, **attrs)
     model = model.double()
     hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
-    z = model.lm_head(hidden) * attrs.get("logit_scale", 1.0)
+    z = model.lm_head(hidden) * attrs.get("output_multiplier", 1.0)
     cap = attrs.get("final_logit_softcapping")
     if cap is not None:
         z = cap * torch.tanh(z / cap)
@@ -192,8 +202,8 @@ def _float64_grads(
     [
         ({}, 1.0, "torch"),
         ({}, 0.7, "torch"),
-        ({"final_logit_softcapping": 4.0, "logit_scale": 0.5}, 0.9, "torch"),
-        ({"final_logit_softcapping": 4.0, "logit_scale": 0.5}, 0.9, "triton"),
+        (SOFTCAP_SCALE, 0.9, "torch"),
+        (SOFTCAP_SCALE, 0.9, "triton"),
     ],
     ids=["plain", "temperature", "softcap-scale", "softcap-scale-triton"],
 )
@@ -236,12 +246,12 @@ def test_drop_in_matches_trl_kernel_and_full_logits(
     # and both against float64 logits of the same hidden states
     with torch.no_grad():
         hidden = ours.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
-        z = hidden.double() @ ours.lm_head.weight.double().T * attrs.get("logit_scale", 1.0)
+        z = hidden.double() @ ours.lm_head.weight.double().T * attrs.get("output_multiplier", 1.0)
         cap = attrs.get("final_logit_softcapping")
         if cap is not None:
             z = cap * torch.tanh(z / cap)
         logp = torch.log_softmax(z / temperature, -1)
-        z32 = hidden @ ours.lm_head.weight.T * attrs.get("logit_scale", 1.0)
+        z32 = hidden @ ours.lm_head.weight.T * attrs.get("output_multiplier", 1.0)
         if cap is not None:
             z32 = cap * torch.tanh(z32 / cap)
         logp32 = torch.log_softmax(z32 / temperature, -1)  # what the model's own logits give
@@ -260,7 +270,7 @@ def test_drop_in_matches_trl_kernel_and_full_logits(
     [
         ({}, 1.0, "torch"),
         ({}, 0.7, "torch"),
-        ({"final_logit_softcapping": 4.0, "logit_scale": 0.5}, 0.9, "torch"),
+        (SOFTCAP_SCALE, 0.9, "torch"),
         ({}, 0.7, "triton"),
     ],
     ids=["plain", "temperature", "softcap-scale", "temperature-triton"],
@@ -287,7 +297,7 @@ def test_sft_and_dpo_statistics_match_trl_kernel(
     ids, mask, labels = _batch(3)
     with torch.no_grad():  # make about half of the scored labels the model's top-1
         hidden = ours.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
-        z = hidden.double() @ ours.lm_head.weight.double().T * attrs.get("logit_scale", 1.0)
+        z = hidden.double() @ ours.lm_head.weight.double().T * attrs.get("output_multiplier", 1.0)
         cap = attrs.get("final_logit_softcapping")
         if cap is not None:
             z = cap * torch.tanh(z / cap)
@@ -373,7 +383,7 @@ def test_moe_auxiliary_loss_matches(tmp_path: Path) -> None:
 
 def test_outputs_fusedhead_does_not_compute_are_refused(model_dir: Path) -> None:
     _, ours = _pair(model_dir)
-    capped, _ = _pair(model_dir, final_logit_softcapping=4.0)
+    capped, _ = _pair(model_dir, model_type="gemma2", final_logit_softcapping=4.0)
     with pytest.raises(ValueError, match=r"\['mean_logits'\].*a logit softcap \(4\)"):
         fh_trl.add_fused_lm_head(capped, outputs=("log_probs", "mean_logits"), head="torch")
     with pytest.raises(ValueError, match="not fields TRL knows"):

@@ -354,8 +354,8 @@ def model_softcap(model: nn.Module) -> float | None:
 
 
 #: Config attributes of a ``c * tanh(z / c)`` cap on the LM head's logits: Gemma-2 and later,
-#: RecurrentGemma.
-SOFTCAP_ATTRIBUTES = ("final_logit_softcapping", "logits_soft_cap")
+#: RecurrentGemma, xLSTM (``output_logit_soft_cap``, which its forward applies in training too).
+SOFTCAP_ATTRIBUTES = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
 
 
 def config_softcap(config: Any) -> float | None:
@@ -368,18 +368,30 @@ def config_softcap(config: Any) -> float | None:
         ((a, v) for a in SOFTCAP_ATTRIBUTES if (v := getattr(config, a, None)) is not None),
         (SOFTCAP_ATTRIBUTES[0], None),
     )
+    return config_positive(attr, value, "no softcap")
+
+
+def config_positive(attr: str, value: object, none_means: str) -> float | None:
+    """``model.config.<attr>``'s ``value`` as a float: None, or a finite number > 0.
+
+    A softcap, or a scale a model multiplies or divides its logits (or hidden states) by. A bool,
+    a str (MPT's ``logit_scale='inv_sqrt_d_model'``) or any other non-number is a TypeError and 0,
+    a negative number, inf or NaN a ValueError, each naming the attribute: a value taken as given
+    there would give other log-probs than the model's (or a bare ``float()`` error).
+    ``none_means`` says what None stands for, in the ValueError.
+    """
     if value is None:
         return None
     if value.__class__ is bool or not isinstance(value, numbers.Real):
         raise TypeError(
             f"model.config.{attr} must be a number > 0 or None, got {type_name(value)} {value!r}"
         )
-    cap = float(value)
-    if not (math.isfinite(cap) and cap > 0):
+    number = float(value)
+    if not (math.isfinite(number) and number > 0):
         raise ValueError(
-            f"model.config.{attr} must be a finite number > 0 or None (no softcap), got {value!r}"
+            f"model.config.{attr} must be a finite number > 0 or None ({none_means}), got {value!r}"
         )
-    return cap
+    return number
 
 
 def _with_model_softcap(config: ConfigLike, model: nn.Module) -> ConfigLike:

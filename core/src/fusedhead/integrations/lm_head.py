@@ -13,8 +13,9 @@ those into per-token log-probs and entropies without forming ``[tokens, vocab]``
   every resolution goes through ``FusedHead``, which fires the ``fusedhead_backend_resolved`` hook.
 
 Which backend a trainer's setting names, and the spellings ``"fusedhead"`` /
-``"fusedhead:<name>"``, is :mod:`fusedhead.integrations.backend_spec` (its names are importable
-from here too).
+``"fusedhead:<name>"``, is :mod:`fusedhead.integrations.backend_spec`; what a model does to its
+logits after its decoder is :mod:`fusedhead.integrations.logit_transforms` (the names of both are
+importable from here too).
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ from fusedhead.integrations.backend_spec import (
     resolve_lm_head,
     spelled,
 )
+from fusedhead.integrations.logit_transforms import model_logit_transform
 from fusedhead.module import (
     call_in_forward,
-    config_softcap,
     head_forward,
     owned,
     run_as_forward,
@@ -347,38 +348,6 @@ def lm_head_policy_loss(
     out = in_module_call(lm_head, body) if in_call else body()
     _announce(lm_head, fused, loss)
     return out
-
-
-def model_logit_transform(config: Any) -> tuple[float, float | None]:
-    """``(logit_scale, softcap)`` a Hugging Face model applies after its LM head, from its config.
-
-    The scale: Cohere's ``logit_scale``, ``output_multiplier``, Falcon-H1's ``lm_head_multiplier``,
-    Granite's / MiniCPM3's ``1 / logits_scaling`` (HyperCLOVA X multiplies by it); 1.0 otherwise.
-    The softcap: Gemma-2 style ``final_logit_softcapping`` (RecurrentGemma's
-    ``logits_soft_cap``), or None. A model that scores fewer rows than its head has
-    (``unpadded_vocab_size``) is refused: the fused head normalises over every row.
-    """
-    get_text = getattr(config, "get_text_config", None)
-    text = get_text() if callable(get_text) else config
-    softcap = config_softcap(text)
-    unpadded, vocab = getattr(text, "unpadded_vocab_size", None), getattr(text, "vocab_size", None)
-    if unpadded is not None and unpadded != vocab:
-        raise ValueError(
-            f"model.config.unpadded_vocab_size={unpadded!r} ({getattr(text, 'model_type', '?')}, "
-            f"vocab_size={vocab!r}): the model drops its head's padded rows from the logits, and a "
-            "fused head normalises over every row of the weight, so its log-probs would differ; "
-            "not supported: score this model with its own logits"
-        )
-    for attr in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        value = getattr(text, attr, None)
-        if value is not None:
-            return float(value), softcap
-    scaling = getattr(text, "logits_scaling", None)
-    if scaling is not None:
-        if getattr(text, "model_type", None) == "hyperclovax":
-            return float(scaling), softcap
-        return 1.0 / float(scaling), softcap
-    return 1.0, softcap
 
 
 def in_module_call(module: nn.Module, fn: Callable[[], T]) -> T:

@@ -37,10 +37,8 @@ from fusedhead.integrations.backend_spec import (
     refuse_decided_settings,
     resolve_lm_head,
 )
-from fusedhead.integrations.lm_head import (
-    lm_head_logprobs,
-    model_logit_transform,
-)
+from fusedhead.integrations.lm_head import lm_head_logprobs
+from fusedhead.integrations.logit_transforms import model_logit_transform
 
 __all__ = ["TESTED_OPENRLHF", "is_patched", "patch_actor", "unpatch_actor"]
 
@@ -173,7 +171,7 @@ def patch_actor(
         )
     ring = _ring_utils()
     lm, lm_head = _parts(actor)  # fail now, not on the first step
-    model_logit_transform(getattr(lm, "config", None))  # a logit transform it cannot reproduce
+    model_logit_transform(getattr(lm, "config", None), head_input=True)  # refused now
     # read again at every forward (a changed temperature applies); a bad one named now
     positive_float(TEMPERATURE_SETTING, getattr(actor, "temperature", 1.0))
     # an unknown or malformed name is reported as this argument's value, as it was written
@@ -249,7 +247,7 @@ def patch_actor(
             position_ids = attention_mask.long().cumsum(-1) - 1
             position_ids.masked_fill_(attention_mask == 0, 1)
             model_mask = attention_mask
-        scale, softcap = model_logit_transform(lm.config)
+        scale, softcap = model_logit_transform(lm.config, head_input=True)  # what lm_head gets
         scored: list[FusedHeadOutput] = []
 
         def score(hidden: torch.Tensor) -> torch.Tensor:

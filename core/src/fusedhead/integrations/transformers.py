@@ -28,7 +28,7 @@ from fusedhead.checks import (
     tensor_arg,
 )
 from fusedhead.config import FusedHeadConfig
-from fusedhead.integrations.lm_head import model_logit_transform
+from fusedhead.integrations.logit_transforms import model_logit_transform
 from fusedhead.module import (
     FusedLMHead,
     call_in_forward,

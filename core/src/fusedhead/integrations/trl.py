@@ -51,10 +51,8 @@ from fusedhead.integrations.backend_spec import (
     refuse_decided_settings,
     resolve_lm_head,
 )
-from fusedhead.integrations.lm_head import (
-    lm_head_logprobs,
-    model_logit_transform,
-)
+from fusedhead.integrations.lm_head import lm_head_logprobs
+from fusedhead.integrations.logit_transforms import model_logit_transform
 from fusedhead.integrations.trl_config import (
     BACKEND_FIELD,
     TESTED_TRL,
@@ -124,9 +122,9 @@ def _text_config(model: nn.Module) -> Any:
     return get() if callable(get) else config
 
 
-def _logit_scale(text_config: Any) -> float:
+def _logit_scale(model: nn.Module) -> float:
     """The multiplier a model applies to its logits before any softcap (1.0 for most models)."""
-    return model_logit_transform(text_config)[0]
+    return model_logit_transform(getattr(model, "config", None))[0]
 
 
 def _backbone(model: nn.Module, text_config: Any) -> nn.Module:
@@ -186,9 +184,10 @@ def add_fused_lm_head(
     fused = resolve_lm_head(head)
     refuse_decided_settings(fused, "head", DECIDED_BY)
     text_config = _text_config(model)
-    # the model's softcap (Gemma-2's final_logit_softcapping, RecurrentGemma's logits_soft_cap),
-    # checked; a transform fusedhead cannot reproduce is refused here
-    softcap = model_logit_transform(text_config)[1]
+    # the model's scale and softcap as its forward applies them after its decoder, decided by
+    # the model's own type (a wrapper's, whose head may ignore its text config's); a transform
+    # fusedhead cannot reproduce is refused here
+    scale, softcap = model_logit_transform(getattr(model, "config", None))
     if "mean_logits" in wanted and softcap is not None:
         raise ValueError(
             f"outputs ['mean_logits'] (asked for by the trainer) is not computed by fusedhead for "
@@ -198,7 +197,6 @@ def add_fused_lm_head(
     utils = trl_utils()
     output_cls = utils.FusedCausalLMOutput
     previous = model.forward
-    scale = _logit_scale(text_config)
     entropy = "entropy" in wanted
     sum_sq, top1, mean = "log_sum_sq_probs" in wanted, "is_top1" in wanted, "mean_logits" in wanted
     temp = float(temperature)
@@ -384,10 +382,10 @@ def replace_trl_fused_heads(trainer: Any, head: HeadLike) -> list[nn.Module]:
         args = _trl_fused_closure(m.__dict__.get("forward"))
         if args is None:
             continue
-        if args.get("logit_scale", 1.0) != _logit_scale(_text_config(m)):
+        if args.get("logit_scale", 1.0) != _logit_scale(m):
             raise RuntimeError(
-                f"TRL scales {type(m).__name__}'s logits by {args['logit_scale']}, fusedhead read "
-                f"{_logit_scale(_text_config(m))}; refusing to score a different distribution"
+                f"TRL scales {type(m).__name__}'s logits by {args['logit_scale']}, but the model's "
+                f"forward by {_logit_scale(m)}; refusing to score a different distribution"
             )
         add_fused_lm_head(
             m,

@@ -456,7 +456,8 @@ def forward_with_fusedhead_backend(
     import torch
     from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
 
-    from fusedhead.integrations.lm_head import lm_head_logprobs, model_logit_transform
+    from fusedhead.integrations.lm_head import lm_head_logprobs
+    from fusedhead.integrations.logit_transforms import model_logit_transform
 
     head = getattr(self, "_fusedhead_head", None)
     if head is None:
