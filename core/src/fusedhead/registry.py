@@ -3,53 +3,43 @@
 Discovery reads distribution metadata only (no backend module is imported) and is cached per
 process. A backend is imported when, and only when, its exact configured name is selected. There is
 no priority, no autodetection and no fallback: an unknown name is an error that lists what is there.
+
+What such an error says is :mod:`fusedhead.registry_messages`'s; a loaded class is checked against
+the plugin API by :mod:`fusedhead.plugin_shape`; the name rule and the reserved names are
+:mod:`fusedhead.backend_names`'s. Those of their names that callers reach through this module
+(``NAME_PATTERN``, ``verify_backend_class``, ...) are re-exported here.
 """
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import importlib.metadata as md
 import importlib.util
-import inspect
 import json
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from fusedhead import install_hints
+from fusedhead import install_hints, registry_messages
 from fusedhead import options as _options
+from fusedhead.backend_names import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
+from fusedhead.backend_names import LIMIT_ENV as LIMIT_ENV
+from fusedhead.backend_names import NAME_PATTERN as NAME_PATTERN
+from fusedhead.backend_names import RESERVED_NAMES as RESERVED_NAMES
 from fusedhead.entry_point_load import load_entry_point
 from fusedhead.errors import (
     BackendConflictError,
     BackendContractError,
     BackendError,
     BackendLoadError,
-    IncompatibleBackendError,
     UnknownBackendError,
     exception_text,
 )
 from fusedhead.options import validate_options
-
-ENTRY_POINT_GROUP = "fusedhead.backends"
-#: A backend name, whole (``\Z``: ``$`` would let a final newline in).
-NAME_PATTERN = re.compile(r"\A[a-z0-9_-]+\Z")
-#: Environment variable limiting discovery to a comma-separated list of names.
-LIMIT_ENV = "FUSEDHEAD_BACKENDS"
-#: Plugin API versions a published fusedhead speaks, each with the releases that speak it. Version
-#: 1 (the 13-argument ``forward`` of the 0.x series) is not here: no fusedhead speaking it was
-#: published (docs/writing-a-backend.md), so no advice may send a backend's users to one; nor to a
-#: fusedhead for a version newer than this one speaks, unless it is here (a release may not exist).
-PUBLISHED_PLUGIN_API = {2: "fusedhead 1.x"}
-#: Reserved names: each may only come from the project's own distribution (normalized name).
-RESERVED_NAMES = {
-    "torch": "fusedhead-torch",
-    "triton": "fusedhead-triton",
-    "liger": "fusedhead-liger",
-}
+from fusedhead.plugin_shape import PUBLISHED_PLUGIN_API as PUBLISHED_PLUGIN_API
+from fusedhead.plugin_shape import verify_backend_class as verify_backend_class
 
 
 @dataclass(frozen=True)
@@ -221,39 +211,10 @@ def unregister_backend(name: str) -> None:
 
 
 def _check_name(name: object, known: Iterable[str] | None = None) -> None:
-    """``name`` is a str that follows the entry points' naming rule. ``known``: the names a lookup
-    could find, so that a misspelt one is pointed at one of them, not at its own lowercase."""
-    if not isinstance(name, str):
-        raise TypeError(
-            f"backend must be a str naming a backend, got {type(name).__name__} {name!r}"
-        )
-    if not NAME_PATTERN.match(name):
-        prefix, _, rest = name.partition(":")
-        hint = ""
-        if prefix == "fusedhead" and NAME_PATTERN.match(rest):
-            hint = f" (the trainers' spelling {name!r} names fusedhead's backend {rest!r}: pass {rest!r})"
-        elif NAME_PATTERN.match(low := name.strip().lower()):
-            rule = "names are lowercase" if low != name.strip() else "names have no spaces"
-            # only names that can be selected: an entry point misnamed 'Bad-Upper' is no answer
-            names = None if known is None else sorted(n for n in known if NAME_PATTERN.match(n))
-            hidden = _hidden_by_limit(_limit())
-            if names is None or low in names:
-                hint = f" ({rule}: did you mean {low!r}?)"
-            elif close := difflib.get_close_matches(low, names, n=1, cutoff=0.6):
-                hint = f" ({rule}: did you mean {close[0]!r}?)"
-            elif low in hidden:  # there, but the variable leaves it out: no pip install helps
-                hint = (
-                    f" ({rule}: did you mean {low!r}? It is {hidden[low]}, but {LIMIT_ENV} "
-                    f"hides it: add {low!r} there or unset it)"
-                )
-            elif low in install_hints.FIRST_PARTY_EXTRAS:  # a first-party name not installed
-                command = install_hints.install_command(low)
-                hint = f" ({rule}: did you mean {low!r}? It is not installed: {command})"
-            else:
-                hint = f" ({rule}; available: {', '.join(names) or 'none'})"
-        raise ValueError(
-            f"backend name {name!r} is not valid: expected lowercase [a-z0-9_-]+{hint}"
-        )
+    """``name`` is a str that follows the entry points' naming rule, else a ``TypeError`` or a
+    ``ValueError`` (:func:`registry_messages.check_name`). ``known``: the names a lookup could
+    find, so that a misspelt one is pointed at one of them, not at its own lowercase."""
+    registry_messages.check_name(name, known, lambda: _hidden_by_limit(_limit()))
 
 
 def _hidden_by_limit(limit: set[str] | None) -> dict[str, str]:
@@ -269,79 +230,12 @@ def _hidden_by_limit(limit: set[str] | None) -> dict[str, str]:
     return found
 
 
-def _limit_strays(limit: set[str], available: Iterable[str]) -> str:
-    """`` {LIMIT_ENV} names 'TORCH', which nothing here provides (did you mean 'torch'?).`` for
-    each name of the variable that selects nothing, so that a typo there is seen as the cause."""
-    exists = set(available) | set(_hidden_by_limit(limit))
-    by_lower = {n.lower(): n for n in exists}
-    notes = ""
-    for stray in sorted(limit - exists):
-        near = difflib.get_close_matches(stray.lower(), list(by_lower), n=1, cutoff=0.6)
-        meant = f" (did you mean {by_lower[near[0]]!r}?)" if near else ""
-        notes += f" {LIMIT_ENV} names {stray!r}, which nothing here provides{meant}."
-    return notes
-
-
 def unknown_name_message(name: str, available: Iterable[str]) -> str:
-    """Why ``name`` selects nothing: the selectable names of ``available`` (with a "Did you mean"
-    among them), entry-point names that break the name rule apart, and how to install."""
-    everything = sorted(set(available))
-    names = [n for n in everything if NAME_PATTERN.match(n)]
-    unselectable = [n for n in everything if not NAME_PATTERN.match(n)]
+    """Why ``name`` selects nothing among ``available``, told from what is installed, registered
+    and hidden by ``FUSEDHEAD_BACKENDS`` now (:func:`registry_messages.unknown_name_message`)."""
     limit = _limit()
-    msg = f"unknown fusedhead backend {name!r}. "
-    if limit is not None:  # what is listed is what the variable lets through, not all installed
-        shown = ", ".join(names) if names else "none"
-        msg += f"Available under {LIMIT_ENV}={os.environ[LIMIT_ENV]!r}: {shown}."
-        msg += _limit_strays(limit, everything)
-    else:
-        none = "No selectable backends are installed." if unselectable else None
-        msg += f"Installed: {', '.join(names)}." if names else none or "No backends are installed."
-    if unselectable:
-        claims = candidates()
-        shown = ", ".join(
-            f"{n!r} ({', '.join(c.distribution or 'in-process' for c in claims.get(n, ()))})"
-            if claims.get(n)
-            else repr(n)
-            for n in unselectable
-        )
-        msg += (
-            f" Not selectable, as their names break the rule (lowercase [a-z0-9_-]+; "
-            f"fusedhead list shows them): {shown}."
-        )
     hidden = _hidden_by_limit(limit)
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-    near_hidden = difflib.get_close_matches(name, sorted(hidden.keys() - {name}), n=1, cutoff=0.6)
-    absent = [  # first-party names neither selectable nor hidden: these need a pip install
-        n
-        for n in install_hints.FIRST_PARTY_EXTRAS
-        if n != name and n not in hidden.keys() | set(names)
-    ]
-    if close:
-        msg += f" Did you mean {close[0]!r}?"
-    elif near_hidden:  # the fix is the variable, not a pip install
-        near = near_hidden[0]
-        msg += (
-            f" Did you mean {near!r} ({hidden[near]}, but {LIMIT_ENV} hides it: add {near!r} "
-            "there or unset it)?"
-        )
-    elif close := difflib.get_close_matches(name, absent, n=1, cutoff=0.6):
-        msg += f" Did you mean {close[0]!r} (not installed: {install_hints.install_command(close[0])})?"
-    if name in hidden:
-        msg += f" Backend {name!r} is {hidden[name]}, but {LIMIT_ENV} hides it: add {name!r} there or unset it."
-        return msg
-    if name in install_hints.FIRST_PARTY_EXTRAS:
-        msg += f" Backend {name!r} is provided by {RESERVED_NAMES[name]}: {install_hints.install_command(name)}."
-    elif install_hints.ON_PYPI:
-        extras = ", ".join(f"{n} ({e})" for n, e in install_hints.FIRST_PARTY_EXTRAS.items())
-        msg += f" First-party backends: {extras}; third-party ones register the entry-point group {ENTRY_POINT_GROUP!r}."
-    else:
-        sources = ", ".join(f"{n} (./{s})" for n, s in install_hints.FIRST_PARTY_SOURCES.items())
-        msg += (
-            f" First-party backends, installed from a clone until fusedhead is on PyPI: {sources}; "
-            f"third-party ones register the entry-point group {ENTRY_POINT_GROUP!r}."
-        )
-    return msg
+    return registry_messages.unknown_name_message(name, available, limit, hidden, candidates)
 
 
 def reserved_violation(cand: Candidate) -> str | None:
@@ -478,153 +372,6 @@ def load_candidate(cand: Candidate) -> type[Any]:
         cls = load_entry_point(cand, cand.entry_point, error_fields(cand))
     verify_backend_class(cls, **error_fields(cand))
     return cls
-
-
-def verify_backend_class(cls: Any, **fields: Any) -> None:
-    """Check a backend class's shape against the plugin API, as pluggy checks hook implementations.
-
-    Attributes (``name``, ``plugin_api_version``, ``Options``), and each method's parameters
-    (``__init__(options)``, ``capabilities(device)``, ``check(device, dtype)``, ``forward(call)``,
-    and ``policy_loss(call)`` / ``kl(call)`` where the class defines them). Raises ``BackendLoadError``/``IncompatibleBackendError`` carrying ``fields``.
-    """
-    from pydantic import BaseModel
-
-    from fusedhead.protocol import (
-        METHOD_PARAMETERS,
-        OPTIONAL_METHOD_PARAMETERS,
-        SUPPORTED_PLUGIN_API,
-    )
-
-    name = fields.get("backend")
-
-    def broken(reason: str, hint: str) -> BackendLoadError:
-        return BackendLoadError(reason, hint=hint, **fields)
-
-    if not isinstance(cls, type):
-        if inspect.ismodule(cls):
-            got = f"the module {cls.__name__!r}"
-        elif inspect.isroutine(cls):
-            got = f"the function {getattr(cls, '__qualname__', cls)!r}"
-        else:
-            got = f"an instance of {type(cls).__name__}"
-        fix = "point the entry point at the backend class (module:Class)" + (
-            ", not an instance of it" if got.startswith("an instance") else ""
-        )
-        raise broken(f"the entry point must name a class, got {got}", fix)
-    if getattr(cls, "name", None) != name:
-        raise broken(
-            f"class attribute {cls.__qualname__}.name is {getattr(cls, 'name', None)!r}, expected "
-            f"{name!r} (the entry-point name is the backend name)",
-            "make the two names equal",
-        )
-    lo, hi = SUPPORTED_PLUGIN_API
-    if not hasattr(cls, "plugin_api_version"):
-        raise broken(
-            f"{cls.__qualname__} does not define plugin_api_version (a class attribute: the "
-            f"plugin API version it speaks, {hi})",
-            f"add plugin_api_version = {hi} to the class (docs/writing-a-backend.md)",
-        )
-    version = cls.plugin_api_version
-    if isinstance(version, bool) or not isinstance(version, int):  # True is an int subclass
-        raise broken(
-            f"{cls.__qualname__}.plugin_api_version must be an int, got "
-            f"{type(version).__name__} {version!r}",
-            f"set plugin_api_version = {hi} (an int, not a str or a float)",
-        )
-    if not lo <= version <= hi:
-        speaks = f"version {lo}" if lo == hi else f"versions {lo} to {hi}"
-        if version > hi and version in PUBLISHED_PLUGIN_API:
-            hint = (
-                f"the backend needs a newer fusedhead: upgrade fusedhead to "
-                f"{PUBLISHED_PLUGIN_API[version]}, which speaks plugin API {version}, or use a "
-                f"release of the backend for API {hi}"
-            )
-        elif version > hi:  # a fusedhead speaking it may be out after this one, or may never be
-            hint = (
-                f"the backend needs a newer fusedhead: upgrade fusedhead to one that speaks "
-                f"plugin API {version} if such a release exists (this fusedhead knows of none), "
-                f"else use a release of the backend for plugin API {hi}"
-            )
-        elif version in PUBLISHED_PLUGIN_API:
-            hint = (
-                f"the backend is older than this fusedhead: upgrade its distribution to one for "
-                f"plugin API {hi} (docs/writing-a-backend.md), or use "
-                f"{PUBLISHED_PLUGIN_API[version]}, which speaks {version}"
-            )
-        else:  # no published fusedhead ever spoke it: no downgrade of fusedhead helps
-            hint = (
-                f"the backend is older than this fusedhead: upgrade its distribution to one for "
-                f"plugin API {hi}, or port it to plugin API {hi} (docs/writing-a-backend.md); "
-                f"no published fusedhead speaks plugin API {version}, so no other fusedhead helps"
-            )
-        raise IncompatibleBackendError(
-            f"speaks plugin API version {version!r}; this fusedhead speaks {speaks}",
-            hint=hint,
-            **fields,
-        )
-    if not hasattr(cls, "Options"):
-        raise broken(
-            f"{cls.__qualname__} does not define Options (a class attribute: the pydantic "
-            "BaseModel subclass of its options)",
-            "declare Options = fusedhead.protocol.NoOptions for a backend without options",
-        )
-    options = cls.Options
-    if not (isinstance(options, type) and issubclass(options, BaseModel)):
-        raise broken(
-            f"{cls.__qualname__}.Options must be a pydantic BaseModel subclass, got {options!r}",
-            "declare Options = fusedhead.protocol.NoOptions for a backend without options",
-        )
-    if options.model_config.get("extra") != "forbid":
-        raise broken(
-            f"{cls.__qualname__}.Options must forbid extra fields",
-            "set model_config = ConfigDict(extra='forbid', frozen=True)",
-        )
-    for method, params in {"__init__": ("options",), **METHOD_PARAMETERS}.items():
-        fn = getattr(cls, method, None)
-        if not callable(fn):
-            raise broken(
-                f"{cls.__qualname__} has no method {method}()",
-                f"define {method}(self, {', '.join(params)})",
-            )
-        if method == "__init__" and fn is object.__init__:
-            raise broken(
-                f"{cls.__qualname__}.__init__ must take the validated options",
-                "define __init__(self, options)",
-            )
-        if not _accepts(fn, len(params)):
-            raise broken(
-                f"{cls.__qualname__}.{method}{_signature(fn)} does not take "
-                f"({', '.join(params)}) as plugin API {version} calls it",
-                f"define {method}(self, {', '.join(params)})",
-            )
-    for method, params in OPTIONAL_METHOD_PARAMETERS.items():
-        fn = getattr(cls, method, None)
-        if callable(fn) and not _accepts(fn, len(params)):
-            raise broken(
-                f"{cls.__qualname__}.{method}{_signature(fn)} does not take "
-                f"({', '.join(params)}) as plugin API {version} calls it",
-                f"define {method}(self, {', '.join(params)})",
-            )
-
-
-def _signature(fn: Any) -> str:
-    try:
-        return str(inspect.signature(fn))
-    except (TypeError, ValueError):
-        return "(...)"
-
-
-def _accepts(fn: Any, n_positional: int) -> bool:
-    """Whether ``fn(self, *n_positional args)`` binds (unknown signatures pass)."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return True
-    try:
-        sig.bind(object(), *([None] * n_positional))
-    except TypeError:
-        return False
-    return True
 
 
 def construct_backend(cls: type[Any], options: Any, /, **fields: Any) -> Any:
