@@ -419,30 +419,12 @@ def test_zero3_backward_gathers_the_head_weight_again(tmp_path: Path) -> None:
     pytest.importorskip(
         "deepspeed", reason="DeepSpeed is not installed (scripts/trainers/openrlhf.sh)"
     )
-    import socket
-
-    from openrlhf_zero3_worker import worker
     from spawned_ranks import run_ranks
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from zero3_workers import free_port, openrlhf_worker, tiny_qwen2_dirs
 
-    dirs = []
-    for tied in (False, True):
-        cfg = Qwen2Config(
-            vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
-            pad_token_id=0,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(cfg)
-        with torch.no_grad():
-            model.lm_head.weight.normal_(0, 0.3)
-        path = tmp_path / f"tiny-qwen2-tied-{tied}"
-        model.save_pretrained(path)
-        dirs.append(str(path))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    run_ranks(worker, (dirs, V, str(tmp_path), port), 1, tmp_path, "a ZeRO-3 step", 600)
+    dirs = tiny_qwen2_dirs(tmp_path, V)
+    args = (dirs, V, str(tmp_path), free_port())
+    run_ranks(openrlhf_worker, args, 1, tmp_path, "a ZeRO-3 step", 600)
     results = torch.load(tmp_path / "results.pt")
     for d in dirs:
         theirs, ours = results[d]["theirs"], results[d]["ours"]
