@@ -40,7 +40,16 @@ def test_a_device_the_demo_cannot_run_on_is_refused_by_name(device: str) -> None
     """As the synthetic demo refuses it: the CLI's one error line, exit 2 (before: meta crashed
     copying a meta tensor, exit 1, as a FAIL would)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "fusedhead.cli", "demo", "--model", "tiny-llama", "--device", device],
+        [
+            sys.executable,
+            "-m",
+            "fusedhead.cli",
+            "demo",
+            "--model",
+            "tiny-llama",
+            "--device",
+            device,
+        ],
         capture_output=True,
         text=True,
         timeout=300,

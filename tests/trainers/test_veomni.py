@@ -362,3 +362,94 @@ def test_the_docs_example_runs(tmp_path: Any) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "torch.Size([1, 12]) torch.Size([1, 12])" in done.stdout
+
+
+def _kernel() -> Any:
+    """fusedhead's VeOmni kernel on the torch backend, as VeOmni's registry resolves it."""
+    from fusedhead.integrations.backend_spec import resolve_lm_head
+
+    return lambda **kw: fh_veomni.fusedhead_causal_lm_loss(
+        head=resolve_lm_head("fusedhead:torch"), **kw
+    )
+
+
+def test_top_k_slots_padded_with_ignore_index_add_nothing() -> None:
+    """A row with fewer than k teacher ids, padded with ignore_index (VeOmni refuses such ids):
+    the padded slot's gathered 0 was counted as a probability of 1 in student_mass, and its -inf
+    teacher value made the KL NaN. Now the padded call equals the unpadded one on the k - 1 real
+    slots."""
+    torch.manual_seed(0)
+    h, w = torch.randn(1, 5, 16), torch.randn(40, 16) * 0.3
+    labels = torch.randint(0, 40, (1, 5))
+    ids = torch.randint(0, 40, (1, 5, 3))
+    teacher = torch.log_softmax(torch.randn(1, 5, 3), -1)
+    pad_ids = torch.cat([ids, torch.full((1, 5, 1), IGNORE)], -1)
+    pad_teacher = torch.cat([teacher, torch.full((1, 5, 1), float("-inf"))], -1)
+    kernel = _kernel()
+    common = {"hidden_states": h, "weights": w, "shift_labels": labels, "return_log_probs": True}
+    want = kernel(**common, teacher_topk_ids=ids, teacher_topk_log_probs=teacher)[2]
+    got = kernel(**common, teacher_topk_ids=pad_ids, teacher_topk_log_probs=pad_teacher)[2]
+    for field in ("distillation_losses", "student_mass", "teacher_mass"):
+        torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=0, atol=1e-6)
+    assert torch.isfinite(got.distillation_losses).all()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"labels": "float"}, TypeError, "^labels must be an integer tensor"),
+        ({"temperature": "0.7"}, TypeError, "temperature"),
+        ({"temperature": True}, TypeError, "temperature"),
+        ({"temperature": 0.0}, ValueError, "temperature"),
+        ({"ignore_index": "x"}, TypeError, "^ignore_index must be an int"),
+        ({"log_prob_min_clamp": "x"}, TypeError, "^log_prob_min_clamp must be a number"),
+        ({"teacher_k": 3}, ValueError, r"^teacher_topk_log_probs of shape \(2, 7, 3\) must match"),
+    ],
+)
+def test_bad_kernel_arguments_are_named(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """Each was truncated (a float label), accepted (a str or bool temperature) or failed inside
+    torch without naming the argument."""
+    torch.manual_seed(0)
+    h, w = torch.randn(2, 7, 16), torch.randn(50, 16)
+    labels = torch.randint(0, 50, (2, 7))
+    ids = torch.randint(0, 50, (2, 7, 5))
+    teacher = torch.log_softmax(torch.randn(2, 7, 5), -1)
+    call: dict[str, Any] = {"hidden_states": h, "weights": w, "labels": labels}
+    if kwargs.get("labels") == "float":
+        call["labels"] = labels.float()
+    elif "teacher_k" in kwargs:
+        call.update(return_log_probs=True, teacher_topk_ids=ids)
+        call["teacher_topk_log_probs"] = teacher[..., : kwargs["teacher_k"]]
+    elif "log_prob_min_clamp" in kwargs:
+        call.update(return_log_probs=True, teacher_topk_ids=ids, teacher_topk_log_probs=teacher)
+        call.update(kwargs)
+    else:
+        call.update(return_log_probs="temperature" in kwargs, **kwargs)
+    with pytest.raises(error, match=match):
+        _kernel()(**call)
+
+
+def test_register_takes_a_list_of_names() -> None:
+    with pytest.raises(TypeError, match="a list of backend names, got the str 'torch'"):
+        fh_veomni.register("torch")  # type: ignore[arg-type]
+    for bad in ("Torch", "fusedhead:torch"):
+        with pytest.raises(ValueError, match=f"names: '{bad}' is not a backend name"):
+            fh_veomni.register([bad])
+
+
+def test_uninstall_puts_back_the_loss_mapping() -> None:
+    """A plain transformers model's loss after uninstall() is transformers' again (it raised
+    "fusedhead's VeOmni kernel needs hidden_states=")."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    before = dict(LOSS_MAPPING)
+    from veomni.ops.kernels import cross_entropy
+
+    cross_entropy.install_loss_mapping("fusedhead:torch")
+    assert LOSS_MAPPING["ForCausalLM"] is not before["ForCausalLM"]
+    fh_veomni.uninstall()
+    assert LOSS_MAPPING["ForCausalLM"] is before["ForCausalLM"]
+    assert LOSS_MAPPING.get("ForSequenceClassification") is before.get("ForSequenceClassification")
+    fh_veomni.install()  # as the fixture left it

@@ -138,3 +138,38 @@ def test_verls_veomni_engine_top_k_distillation_matches_veomnis_kernel() -> None
         assert_fp32_close(got[key], expected[key], key)
     assert got["distillation_losses"].shape == (17,)
     assert float(got["distillation_losses"].min()) > 0.1
+
+
+@pytest.mark.parametrize("flag", ["use_fused_kernels", "use_remove_padding"])
+def test_a_fusedhead_kernel_the_veomni_engine_would_never_call_is_refused(flag: str) -> None:
+    """Without use_fused_kernels (or with use_remove_padding off) verl's VeOmni engine forms the
+    full logits and never calls the configured kernel: that ran without a word."""
+    from types import SimpleNamespace
+
+    import verl  # noqa: F401 - arms fusedhead's verl patches (its verl.plugins entry point)
+    from verl.utils import tensordict_utils as tu
+
+    model = build("fusedhead:torch")
+    eng = _veomni_engine(model)
+    eng.engine_config = SimpleNamespace(cross_entropy_loss_implementation="fusedhead:torch")
+    micro_batch = packed_micro_batch([5, 9, 3], seed=5, temperature=0.7)
+    tu.assign_non_tensor(micro_batch, **{flag: False})
+    if flag == "use_remove_padding":
+        tu.assign_non_tensor(micro_batch, use_fused_kernels=True)
+    with pytest.raises(
+        ValueError,
+        match=rf"cross_entropy_loss_implementation='fusedhead:torch' has no effect with {flag}=False",
+    ):
+        eng.forward_step(micro_batch, loss_function=None, forward_only=True)
+
+
+def test_the_fused_policy_loss_on_the_veomni_engine_says_it_runs_on_fsdp_only() -> None:
+    """It asked for fused_kernel_options.impl_backend, which the VeOmni engine never applies."""
+    from types import SimpleNamespace
+
+    from fusedhead.integrations import verl_actor
+
+    eng = _veomni_engine(build("fusedhead:torch"))
+    eng.engine_config = SimpleNamespace(cross_entropy_loss_implementation="fusedhead:torch")
+    with pytest.raises(RuntimeError, match=r"runs on verl's FSDP engine \(model_engine: dp\) only"):
+        verl_actor._check_engine(eng, None, None)

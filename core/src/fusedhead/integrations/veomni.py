@@ -40,6 +40,8 @@ OP_NAME = "cross_entropy_loss"
 
 _lock = threading.Lock()
 _original: dict[str, Callable[..., Any]] = {}
+#: The ``LOSS_MAPPING`` entries before a fusedhead name first replaced them (None: absent).
+_replaced: dict[str, Any] = {}
 
 
 def _installed_names() -> list[str]:
@@ -121,15 +123,22 @@ def register(names: Iterable[str] | None = None) -> list[str]:
     import). Returns the specs added now. Registering resolves nothing: a backend is resolved
     when VeOmni binds the kernel (``build_foundation_model``).
     """
-    from fusedhead.integrations.backend_spec import SPEC_PREFIX, parse_backend_spec
+    from fusedhead.backend_names import NAME_PATTERN
+    from fusedhead.integrations.backend_spec import SPEC_PREFIX
 
+    if isinstance(names, (str, bytes)):  # iterated, it would register one kernel per character
+        raise TypeError(f"names must be a list of backend names, got the str {names!r}")
     chosen = _installed_names() if names is None else list(names)
     added = []
     for name in chosen:
         if not isinstance(name, str):
             raise TypeError(f"names must be backend names (str), got {type(name).__name__}")
+        if not NAME_PATTERN.match(name):
+            raise ValueError(
+                f"names: {name!r} is not a backend name ([a-z0-9_-]+, e.g. 'triton'; the kernel "
+                f"is registered as '{SPEC_PREFIX}:<name>')"
+            )
         spec = f"{SPEC_PREFIX}:{name}"
-        parse_backend_spec(spec)  # a malformed name is a ValueError naming it
         if _register_spec(spec):
             added.append(spec)
     return added
@@ -151,13 +160,24 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Put VeOmni's own ``install_loss_mapping`` back (registered kernels stay registered)."""
+    """Put VeOmni's own ``install_loss_mapping`` back, and the ``LOSS_MAPPING`` entries a
+    fusedhead name replaced (registered kernels stay registered; a model VeOmni built with a
+    fusedhead kernel keeps it)."""
     with _lock:
         original = _original.pop("install_loss_mapping", None)
         if original is not None:
             from veomni.ops.kernels import cross_entropy
 
             cross_entropy.install_loss_mapping = original
+        if _replaced:
+            from transformers.loss.loss_utils import LOSS_MAPPING
+
+            for key, value in _replaced.items():
+                if value is None:
+                    LOSS_MAPPING.pop(key, None)
+                else:
+                    LOSS_MAPPING[key] = value
+            _replaced.clear()
 
 
 def is_installed() -> bool:
@@ -199,6 +219,8 @@ def install_loss_mapping(impl: str = "eager") -> str:
     causal = _causal_factory(impl)  # resolves: unknown names raise here
     _check_runs_here(impl)
     _register_spec(impl)
+    for key in ("ForCausalLM", "ForConditionalGeneration", "ForSequenceClassification"):
+        _replaced.setdefault(key, LOSS_MAPPING.get(key))  # what uninstall() puts back
     LOSS_MAPPING["ForCausalLM"] = causal
     LOSS_MAPPING["ForConditionalGeneration"] = causal
     LOSS_MAPPING["ForSequenceClassification"] = _seq_cls_factory()
@@ -268,6 +290,10 @@ def fusedhead_causal_lm_loss(
         )
     if labels is None and shift_labels is None:
         raise ValueError("fusedhead's VeOmni kernel needs labels= or shift_labels=, got neither")
+    _check_kernel_args(
+        labels, shift_labels, ignore_index, temperature, teacher_ids, teacher_log_probs,
+        log_prob_min_clamp,
+    )  # fmt: skip
     lm_head = _weight_holder(weights)
     sp_enabled = bool(get_parallel_state().sp_enabled)
     if return_log_probs:
@@ -293,7 +319,7 @@ def fusedhead_causal_lm_loss(
             hidden,
             target.to(torch.int64),
             head=head,
-            temperature=float(temperature),
+            temperature=float(temperature),  # checked: a positive real number
             ignore_index=ignore_index,
             gather_ids=None if teacher_ids is None else teacher_ids.to(torch.int64),
         )
@@ -305,6 +331,7 @@ def fusedhead_causal_lm_loss(
                     teacher_log_probs,
                     target != ignore_index,
                     log_prob_min_clamp,
+                    teacher_ids != ignore_index,
                 )
             )
         if pad:
@@ -340,24 +367,72 @@ def fusedhead_causal_lm_loss(
     return loss, None, None
 
 
+def _check_kernel_args(
+    labels: Any,
+    shift_labels: Any,
+    ignore_index: Any,
+    temperature: Any,
+    teacher_ids: Any,
+    teacher_log_probs: Any,
+    clamp: Any,
+) -> None:
+    """The kernel's arguments as VeOmni documents them, each refused by name otherwise (a float
+    label was truncated to an id; a str temperature or clamp failed inside torch)."""
+    import numbers
+
+    import torch
+
+    from fusedhead.checks import positive_float
+
+    for arg, value in (("labels", labels), ("shift_labels", shift_labels), ("teacher_topk_ids", teacher_ids)):  # fmt: skip
+        if value is not None and (
+            not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex()
+        ):
+            got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TypeError(f"{arg} must be an integer tensor of token ids, got {got}")
+    if ignore_index.__class__ is bool or not isinstance(ignore_index, int):
+        raise TypeError(
+            f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}"
+        )
+    positive_float("temperature", temperature)
+    if clamp is not None and (clamp.__class__ is bool or not isinstance(clamp, numbers.Real)):
+        raise TypeError(
+            f"log_prob_min_clamp must be a number or None, got {type(clamp).__name__} {clamp!r}"
+        )
+    if teacher_ids is not None and teacher_log_probs is not None:
+        if (
+            not isinstance(teacher_log_probs, torch.Tensor)
+            or not teacher_log_probs.is_floating_point()
+        ):
+            raise TypeError("teacher_topk_log_probs must be a floating-point tensor")
+        if teacher_log_probs.shape != teacher_ids.shape:
+            raise ValueError(
+                f"teacher_topk_log_probs of shape {tuple(teacher_log_probs.shape)} must match "
+                f"teacher_topk_ids' {tuple(teacher_ids.shape)}"
+            )
+
+
 def _topk_distillation(
-    student: Any, teacher: Any, scored: Any, clamp: float | None
+    student: Any, teacher: Any, scored: Any, clamp: float | None, real: Any
 ) -> dict[str, Any]:
     """VeOmni's top-k forward KL from the student's log-probs at the teacher's top-k ids.
 
     The formula of ``chunk_topk_distill_function``: ``sum_k p_t (log p_t - log q_s)`` on
     ``log_prob_min_clamp``-clamped log-probs, the masses before the clamp (detached metrics),
-    every output 0 on ignored rows.
+    every output 0 on ignored rows. A slot whose id is ``ignore_index`` (``real`` False: a row
+    with fewer than k teacher ids, padded) adds nothing to any of them (VeOmni refuses such an
+    id; its gathered 0 is no probability of 1, and its teacher value may be -inf).
     """
     import torch
 
     zero = torch.zeros((), dtype=torch.float32, device=student.device)
-    student_mass = torch.where(scored, student.exp().sum(-1), zero).detach()
-    teacher_mass = torch.where(scored, teacher.exp().sum(-1).float(), zero).detach()
+    student_mass = torch.where(scored, torch.where(real, student.exp(), 0).sum(-1), zero)
+    teacher_mass = torch.where(scored, torch.where(real, teacher.exp(), 0).sum(-1).float(), zero)
+    student_mass, teacher_mass = student_mass.detach(), teacher_mass.detach()
     if clamp is not None:
         student, teacher = student.clamp_min(clamp), teacher.clamp_min(clamp)
     teacher = teacher.float()
-    kl = (teacher.exp() * (teacher - student.float())).sum(-1)
+    kl = torch.where(real, teacher.exp() * (teacher - student.float()), 0).sum(-1)
     return {
         "distillation_losses": torch.where(scored, kl, zero),
         "student_mass": student_mass,

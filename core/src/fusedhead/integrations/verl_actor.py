@@ -283,6 +283,7 @@ def _wrap_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward_step(self: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
         _check_built(self)  # the first forward, whatever the pass, if the build did not check
+        _check_veomni_kernel_used(self, micro_batch)
         config = None if forward_only else _fused_config(loss_function)
         if config is None:
             return original(self, micro_batch, loss_function, forward_only)
@@ -299,9 +300,54 @@ def _wrap_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
     return forward_step
 
 
+#: The setting of verl's VeOmni engine that names its cross-entropy kernel.
+VEOMNI_KERNEL_SETTING = "actor_rollout_ref.actor.veomni.cross_entropy_loss_implementation"
+
+
+def _veomni_kernel(engine: Any) -> str | None:
+    """The fusedhead kernel verl's VeOmni engine was configured with (None: another engine, or
+    another kernel)."""
+    if not type(engine).__module__.startswith("verl.workers.engine.veomni"):
+        return None
+    from fusedhead.integrations.backend_spec import is_fusedhead_spec
+
+    impl = getattr(
+        getattr(engine, "engine_config", None), "cross_entropy_loss_implementation", None
+    )
+    return impl if is_fusedhead_spec(impl) else None
+
+
+def _check_veomni_kernel_used(engine: Any, micro_batch: Any) -> None:
+    """verl's VeOmni engine calls its cross-entropy kernel only with use_fused_kernels and
+    use_remove_padding; without them a fusedhead kernel is never called and the full logits are
+    formed, without a word: refused by name."""
+    impl = _veomni_kernel(engine)
+    if impl is None:
+        return
+    from verl.utils import tensordict_utils as tu
+
+    for key in ("use_fused_kernels", "use_remove_padding"):
+        if not tu.get_non_tensor_data(
+            data=micro_batch, key=key, default=key != "use_fused_kernels"
+        ):
+            raise ValueError(
+                f"{VEOMNI_KERNEL_SETTING}={impl!r} has no effect with {key}=False: verl's VeOmni "
+                "engine then computes the full logits and never calls the kernel; set "
+                f"actor_rollout_ref.model.{key}: true, or drop the fusedhead kernel"
+            )
+
+
 def _check_engine(engine: Any, micro_batch: Any, config: Any) -> None:
     from verl.utils import tensordict_utils as tu
 
+    if type(engine).__module__.startswith("verl.workers.engine.veomni"):
+        raise RuntimeError(
+            "policy_loss.loss_mode='fusedhead' runs on verl's FSDP engine (model_engine: dp) "
+            "only: verl's VeOmni engine never applies fused_kernel_options.impl_backend, so its "
+            "model's forward gives log-probs, not the hidden states the fused loss needs. With "
+            f"the VeOmni engine, keep verl's loss_mode and take the log-probs from fusedhead by "
+            f"{VEOMNI_KERNEL_SETTING}: fusedhead:<name>"
+        )
     check_actor_config(config)
     flags = {
         "use_remove_padding": "actor_rollout_ref.model.use_remove_padding: true",
