@@ -658,6 +658,8 @@ def test_the_policy_loss_needs_no_head_output_beyond_log_probs() -> None:
     from fusedhead.protocol import Capabilities
     from fusedhead_torch.backend import TorchBackend
 
+    seen: list[frozenset[str]] = []
+
     class LogProbsHead(TorchBackend):
         name = "log-probs-head-test"
 
@@ -666,6 +668,10 @@ def test_the_policy_loss_needs_no_head_output_beyond_log_probs() -> None:
             update = {"outputs": only, "vocab_parallel_outputs": only}
             return super().capabilities(device).model_copy(update=update)
 
+        def policy_loss(self, call: Any) -> Any:
+            seen.append(call.head.outputs)
+            return super().policy_loss(call)
+
     fusedhead.register_backend(LogProbsHead.name, LogProbsHead)
     data = batch(seed=12)
     try:
@@ -673,6 +679,7 @@ def test_the_policy_loss_needs_no_head_output_beyond_log_probs() -> None:
         want = fusedhead.fused_policy_loss(**_args(data), backend="torch")
         torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
         torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=0)
+        assert seen == [frozenset({"log_probs", "entropy"})]  # the protocol's head call, unchanged
         with pytest.raises(CapabilityError, match="entropy"):  # as a head it computes no entropy
             fusedhead.fused_head(
                 data["hidden"], data["weight"], data["labels"], backend=LogProbsHead.name

@@ -510,3 +510,19 @@ def test_the_table_names_only_model_types_transformers_knows() -> None:
         for scale in (entry.hidden, entry.logits):
             assert scale is None or scale[1] in ("*", "/"), model_type
         assert all(re.fullmatch(r"[a-z_0-9]+", a) for a in entry.ignores), model_type
+
+
+def test_a_transform_set_on_the_config_class_is_seen() -> None:
+    """DiffusionGemma's text config sets final_logit_softcapping = 30.0 on its class, in no
+    instance __dict__: the table applies it, and the scan for unknown transform-like attributes
+    reads class attributes too (it read the instance's only, and the cap was dropped)."""
+    config = transformers.AutoConfig.for_model("diffusion_gemma")
+    assert "final_logit_softcapping" not in vars(config.get_text_config())
+    assert model_logit_transform(config) == (1.0, 30.0)
+
+    class MyConfig(transformers.PretrainedConfig):
+        model_type = "my_lm_with_a_class_scale"
+        output_logit_multiplier = 2.0
+
+    with pytest.raises(ValueError, match=r"^model.config.output_logit_multiplier=2.0 \(my_lm"):
+        model_logit_transform(MyConfig())

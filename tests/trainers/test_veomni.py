@@ -398,6 +398,7 @@ def test_top_k_slots_padded_with_ignore_index_add_nothing() -> None:
     ("kwargs", "error", "match"),
     [
         ({"labels": "float"}, TypeError, "^labels must be an integer tensor"),
+        ({"labels": "bool"}, TypeError, "^labels must be an integer tensor"),
         ({"temperature": "0.7"}, TypeError, "temperature"),
         ({"temperature": True}, TypeError, "temperature"),
         ({"temperature": 0.0}, ValueError, "temperature"),
@@ -417,8 +418,8 @@ def test_bad_kernel_arguments_are_named(
     ids = torch.randint(0, 50, (2, 7, 5))
     teacher = torch.log_softmax(torch.randn(2, 7, 5), -1)
     call: dict[str, Any] = {"hidden_states": h, "weights": w, "labels": labels}
-    if kwargs.get("labels") == "float":
-        call["labels"] = labels.float()
+    if kwargs.get("labels") in ("float", "bool"):
+        call["labels"] = labels.float() if kwargs["labels"] == "float" else labels > 0
     elif "teacher_k" in kwargs:
         call.update(return_log_probs=True, teacher_topk_ids=ids)
         call["teacher_topk_log_probs"] = teacher[..., : kwargs["teacher_k"]]
@@ -452,4 +453,23 @@ def test_uninstall_puts_back_the_loss_mapping() -> None:
     fh_veomni.uninstall()
     assert LOSS_MAPPING["ForCausalLM"] is before["ForCausalLM"]
     assert LOSS_MAPPING.get("ForSequenceClassification") is before.get("ForSequenceClassification")
+    # An entry VeOmni set after fusedhead's (another model built with its eager kernel) is
+    # VeOmni's to keep: uninstall() put transformers' stock loss back over it, which broke it.
+    fh_veomni.install()
+    cross_entropy.install_loss_mapping("fusedhead:torch")
+    cross_entropy.install_loss_mapping("eager")
+    eager = LOSS_MAPPING["ForCausalLM"]
+    fh_veomni.uninstall()
+    assert LOSS_MAPPING["ForCausalLM"] is eager
     fh_veomni.install()  # as the fixture left it
+
+
+def test_the_loss_path_ignores_the_teacher_as_veomni_does() -> None:
+    torch.manual_seed(0)
+    h, w = torch.randn(1, 5, 16), torch.randn(40, 16)
+    labels = torch.randint(0, 40, (1, 5))
+    loss, _, _ = _kernel()(
+        hidden_states=h, weights=w, labels=labels, teacher_topk_ids=torch.zeros(1, 5, 2),
+        teacher_topk_log_probs="unused", log_prob_min_clamp="unused",
+    )  # fmt: skip
+    assert torch.isfinite(loss)

@@ -36,7 +36,6 @@ def run(head: PolicyHead, req: PolicyRequest) -> PolicyLossOutput:
         req.labels,
         temperature=req.temperature,
         ignore_index=req.ignore_index,
-        return_entropy=False,  # the loss's entropy is its own output, not the head's
         check_labels=req.check_labels,
         softcap=req.softcap,
     )
@@ -56,9 +55,17 @@ def run(head: PolicyHead, req: PolicyRequest) -> PolicyLossOutput:
     # A per-token temperature under the backend's min_temperature is refused in the one read
     # (traced: by an op of the graph), as fused_head refuses it.
     traced = torch.compiler.is_compiling()
+    # The loss's entropy is the policy call's own output (declared by policy_loss), not the
+    # head's: the gate asks the head for log-probs only, and the backend still gets the head
+    # call's outputs as the protocol gives them (log_probs and entropy).
+    outputs = call.outputs
     call = gate_head(
-        call, caps, head.identity(), None if traced else pending, traced and pending is not None
-    )
+        call._replace(outputs=_LOG_PROBS),
+        caps,
+        head.identity(),
+        None if traced else pending,
+        traced and pending is not None,
+    )._replace(outputs=outputs)
     valid = call.labels != call.ignore_index
     count = valid.sum()
     pcall = policy_call(call, shape, n, device, req, valid, count, pending)
@@ -73,6 +80,9 @@ def run(head: PolicyHead, req: PolicyRequest) -> PolicyLossOutput:
             rows.count = pending.counts[0]
     result = _untraced(head, pcall, cast, valid if pending is not None else None, rows)
     return output(pcall, result, shape)
+
+
+_LOG_PROBS = frozenset({"log_probs"})
 
 
 def _refuse_func_transforms(req: PolicyRequest) -> None:

@@ -260,7 +260,7 @@ def name_violation(cand: Candidate) -> str | None:
 
 
 def claims_allowed(claims: list[Candidate]) -> list[Candidate]:
-    """The claims that may hold ``name``: a reserved name's owner wins over third parties."""
+    """The claims (of one name) that may hold it: a reserved name's owner wins over third parties."""
     return [c for c in claims if reserved_violation(c) is None]
 
 

@@ -14,8 +14,8 @@ those into per-token log-probs and entropies without forming ``[tokens, vocab]``
 
 Which backend a trainer's setting names, and the spellings ``"fusedhead"`` /
 ``"fusedhead:<name>"``, is :mod:`fusedhead.integrations.backend_spec`; what a model does to its
-logits after its decoder is :mod:`fusedhead.integrations.logit_transforms` (the names of both are
-importable from here too).
+logits after its decoder is :mod:`fusedhead.integrations.logit_transforms` (``__all__`` below
+re-exports the names trainers' glue imports from here).
 """
 
 from __future__ import annotations

@@ -107,6 +107,8 @@ MODEL_LOGIT_TRANSFORMS: Mapping[str, LogitTransform] = MappingProxyType(
             (
                 "gemma2",
                 "gemma3_text",
+                "diffusion_gemma",
+                "diffusion_gemma_text",
                 "gemma3n",
                 "gemma3n_text",
                 "gemma4",
@@ -349,8 +351,8 @@ def _refuse_transform_like(
     where fusedhead cannot tell what the forward does with it."""
     seen: set[str] = set(read or ())
     for source in (text, config):
-        for attr, value in getattr(source, "__dict__", {}).items():
-            if attr in seen or not isinstance(attr, str):
+        for attr, value in _attributes(source):
+            if attr in seen:
                 continue
             seen.add(attr)
             if not _LOGIT_NAME.search(attr) or _OTHER_NAME.search(attr):
@@ -361,6 +363,26 @@ def _refuse_transform_like(
                 f"model.config.{attr}={value!r} ({model_type or '?'}): {why}, and it looks like a "
                 f"transform of the logits (a scale, a multiplier or a softcap); {_REFUSED}"
             )
+
+
+def _attributes(source: Any) -> list[tuple[str, Any]]:
+    """A config's attributes, its instance's and its class's (a class attribute such as
+    DiffusionGemma's ``final_logit_softcapping = 30.0`` is in no instance ``__dict__``), public
+    and not callable."""
+    if source is None:
+        return []
+    names = set(getattr(source, "__dict__", {})) | {
+        n for n in dir(type(source)) if not n.startswith("_")
+    }
+    out = []
+    for name in sorted(n for n in names if isinstance(n, str) and not n.startswith("__")):
+        try:
+            value = getattr(source, name)
+        except Exception:  # a property that raises: not a setting
+            continue
+        if not callable(value) and not isinstance(value, property):
+            out.append((name, value))
+    return out
 
 
 def _neutral(attr: str, value: object, text: Any) -> bool:

@@ -96,7 +96,7 @@ def _parts(actor: nn.Module) -> tuple[nn.Module, nn.Module]:
             f"actor.model ({type(lm).__name__}) has no LM head (get_output_embeddings() gave "
             "None): actor must be an openrlhf Actor, whose .model is a causal LM"
         )
-    if type(head) is not nn.Linear:
+    if not isinstance(head, nn.Linear):
         kind = f"{type(head).__module__}.{type(head).__qualname__}"
         raise TypeError(
             f"{type(lm).__name__}'s LM head is a {kind}, not a torch.nn.Linear (a LoRA adapter on "

@@ -367,7 +367,7 @@ def replace_trl_fused_heads(trainer: Any, head: HeadLike) -> list[nn.Module]:
     does not use TRL's fused head, or TRL changed how it installs it).
     """
     fused = resolve_lm_head(head)
-    refuse_decided_settings(fused, "fused_head", DECIDED_BY)
+    refuse_decided_settings(fused, "head", DECIDED_BY)
     candidates: list[nn.Module] = []
     for attr in ("model", "ref_model", "teacher_model"):
         m = getattr(trainer, attr, None)

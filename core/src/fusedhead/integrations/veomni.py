@@ -40,8 +40,10 @@ OP_NAME = "cross_entropy_loss"
 
 _lock = threading.Lock()
 _original: dict[str, Callable[..., Any]] = {}
-#: The ``LOSS_MAPPING`` entries before a fusedhead name first replaced them (None: absent).
+#: The ``LOSS_MAPPING`` entries before a fusedhead name first replaced them (None: absent), and
+#: what fusedhead put there last: ``uninstall`` puts an entry back only while it is still ours.
 _replaced: dict[str, Any] = {}
+_ours: dict[str, Any] = {}
 
 
 def _installed_names() -> list[str]:
@@ -173,11 +175,14 @@ def uninstall() -> None:
             from transformers.loss.loss_utils import LOSS_MAPPING
 
             for key, value in _replaced.items():
+                if LOSS_MAPPING.get(key) is not _ours.get(key):
+                    continue  # set since by VeOmni (another model's kernel): left as it is
                 if value is None:
                     LOSS_MAPPING.pop(key, None)
                 else:
                     LOSS_MAPPING[key] = value
             _replaced.clear()
+            _ours.clear()
 
 
 def is_installed() -> bool:
@@ -219,11 +224,16 @@ def install_loss_mapping(impl: str = "eager") -> str:
     causal = _causal_factory(impl)  # resolves: unknown names raise here
     _check_runs_here(impl)
     _register_spec(impl)
-    for key in ("ForCausalLM", "ForConditionalGeneration", "ForSequenceClassification"):
-        _replaced.setdefault(key, LOSS_MAPPING.get(key))  # what uninstall() puts back
-    LOSS_MAPPING["ForCausalLM"] = causal
-    LOSS_MAPPING["ForConditionalGeneration"] = causal
-    LOSS_MAPPING["ForSequenceClassification"] = _seq_cls_factory()
+    entries = {
+        "ForCausalLM": causal,
+        "ForConditionalGeneration": causal,
+        "ForSequenceClassification": _seq_cls_factory(),
+    }
+    with _lock:
+        for key, value in entries.items():
+            if LOSS_MAPPING.get(key) is not _ours.get(key) or key not in _replaced:
+                _replaced[key] = LOSS_MAPPING.get(key)  # VeOmni's (or transformers') entry
+            LOSS_MAPPING[key] = _ours[key] = value
     return f"CrossEntropy ({impl})"
 
 
@@ -290,10 +300,13 @@ def fusedhead_causal_lm_loss(
         )
     if labels is None and shift_labels is None:
         raise ValueError("fusedhead's VeOmni kernel needs labels= or shift_labels=, got neither")
-    _check_kernel_args(
-        labels, shift_labels, ignore_index, temperature, teacher_ids, teacher_log_probs,
-        log_prob_min_clamp,
-    )  # fmt: skip
+    if return_log_probs:  # the loss path ignores the temperature and the teacher, as VeOmni's
+        _check_kernel_args(
+            labels, shift_labels, ignore_index, temperature, teacher_ids, teacher_log_probs,
+            log_prob_min_clamp,
+        )  # fmt: skip
+    else:
+        _check_kernel_args(labels, shift_labels, ignore_index, 1.0, None, None, None)
     lm_head = _weight_holder(weights)
     sp_enabled = bool(get_parallel_state().sp_enabled)
     if return_log_probs:
@@ -386,7 +399,10 @@ def _check_kernel_args(
 
     for arg, value in (("labels", labels), ("shift_labels", shift_labels), ("teacher_topk_ids", teacher_ids)):  # fmt: skip
         if value is not None and (
-            not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex()
+            not isinstance(value, torch.Tensor)
+            or value.is_floating_point()
+            or value.is_complex()
+            or value.dtype == torch.bool
         ):
             got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
             raise TypeError(f"{arg} must be an integer tensor of token ids, got {got}")
