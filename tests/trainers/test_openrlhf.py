@@ -374,6 +374,20 @@ def test_unpatch_gives_back_the_actors_own_forward_and_refuses_non_actors(model_
         patch_actor(hf_model, "torch")
 
 
+def test_an_actor_patched_before_prepare_on_a_gpu_machine_is_not_refused_for_its_cpu(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenRLHF loads the Actor on the CPU and strategy.prepare moves it to the GPU: patched
+    before that, a GPU-only backend was refused for the CPU it was about to leave."""
+    from backend_stubs import gpu_only_backend
+
+    actor = _actor(model_dir, False, 1.0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with gpu_only_backend():
+        patch_actor(actor, "fusedhead:gpu-only-test")
+        assert is_patched(actor)
+
+
 def test_moe_aux_loss_and_hooked_head(tmp_path: Path) -> None:
     """A Mixtral actor: the model's own router loss comes back (``output.aux_loss``); the head's
     weight is read inside its own call (here a forward pre-hook must have run, as under ZeRO-3)."""

@@ -179,7 +179,11 @@ def patch_actor(
     head = resolve_lm_head(backend, setting=setting)
     refuse_decided_settings(head, setting, DECIDED_BY)
     weight = cast(torch.Tensor, lm_head.weight)  # _parts returned an nn.Linear
-    if weight.device.type != "meta":  # the backend must run where the head's weight is, named now
+    # The backend must run where the head's weight is, named now; an Actor patched before
+    # strategy.prepare still has its weight on the CPU where a GPU is there to take it: its
+    # first forward checks it instead (a GPU-only backend was refused for the CPU it leaves).
+    moving = weight.device.type == "cpu" and torch.cuda.is_available()
+    if weight.device.type != "meta" and not moving:
         check_head_runs_on(
             head,
             weight.device,
