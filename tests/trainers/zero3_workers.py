@@ -54,10 +54,24 @@ def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return seq.masked_fill(mask == 0, 0), mask, mask[:, -6:].clone()
 
 
+def _backward(engine: Any, loss: torch.Tensor, log_probs: torch.Tensor) -> dict[str, Any]:
+    """``loss``'s backward through ``engine``; the log-probs and the full (gathered) gradients of
+    the head and the embeddings, the engine torn down."""
+    from deepspeed.utils import safe_get_full_grad
+
+    engine.backward(loss)
+    grads = {
+        name: safe_get_full_grad(p).clone()
+        for name, p in engine.module.named_parameters()
+        if name in ("lm_head.weight", "model.embed_tokens.weight")
+    }
+    engine.destroy()
+    return {"log_probs": log_probs.detach().clone(), "grads": grads}
+
+
 def _step(model_dir: str, patched: bool, vocab: int) -> dict[str, Any]:
     """One backward of a PPO-like loss (log-probs and an entropy bonus) under ZeRO-3."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_grad
     from openrlhf.models.actor import Actor
 
     from fusedhead.integrations.openrlhf import patch_actor
@@ -82,14 +96,7 @@ def _step(model_dir: str, patched: bool, vocab: int) -> dict[str, Any]:
         seq, action_mask, attention_mask=mask, return_output=True, return_entropy=True
     )
     entropy = out.entropy[:, -action_mask.shape[1] :]
-    engine.backward(-log_probs.sum() - 0.1 * (entropy * action_mask).sum())
-    grads = {
-        name: safe_get_full_grad(p).clone()
-        for name, p in engine.module.named_parameters()
-        if name in ("lm_head.weight", "model.embed_tokens.weight")
-    }
-    engine.destroy()
-    return {"log_probs": log_probs.detach().clone(), "grads": grads}
+    return _backward(engine, -log_probs.sum() - 0.1 * (entropy * action_mask).sum(), log_probs)
 
 
 def _start(rank: int, out: str, port: int) -> Any:
@@ -125,7 +132,6 @@ def _lm_head_step(model_dir: str, fused: bool, vocab: int) -> dict[str, Any]:
     from its own logits, or from ``lm_head_logprobs`` on its decoder's hidden states (the path
     of the TRL, verl and transformers glue: the head's weight read inside the head's call)."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_grad
     from transformers import AutoModelForCausalLM
 
     from fusedhead.integrations.lm_head import lm_head_logprobs
@@ -148,14 +154,7 @@ def _lm_head_step(model_dir: str, fused: bool, vocab: int) -> dict[str, Any]:
         logp = torch.log_softmax(engine(input_ids=ids, attention_mask=mask).logits.float(), -1)
         log_probs = logp.gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1) * (labels != -100)
         entropy = -(logp.exp() * logp).sum(-1) * (labels != -100)
-    engine.backward(-log_probs.sum() - 0.1 * entropy.sum())
-    grads = {
-        name: safe_get_full_grad(p).clone()
-        for name, p in engine.module.named_parameters()
-        if name in ("lm_head.weight", "model.embed_tokens.weight")
-    }
-    engine.destroy()
-    return {"log_probs": log_probs.detach().clone(), "grads": grads}
+    return _backward(engine, -log_probs.sum() - 0.1 * entropy.sum(), log_probs)
 
 
 def lm_head_worker(rank: int, model_dirs: list[str], vocab: int, out: str, port: int) -> None:
