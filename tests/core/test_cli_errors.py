@@ -684,3 +684,18 @@ def test_demo_with_an_empty_model_name_is_refused_not_the_synthetic_demo(capsys)
     line = one_error_line(err)
     assert rc == 2 and "unknown demo model ''" in line and "tiny-llama" in line, line
     assert "PASS" not in out
+
+
+@pytest.mark.parametrize(
+    "argv", [("check", "torch", "-k", "nomatch"), ("check", "torch", "--options", "x")]
+)
+def test_an_argument_the_parser_refuses_is_json_with_json(capsys, argv):
+    """With --json every error's fields are printed on stdout; an argument the parser refused
+    printed only its line on stderr."""
+    rc, out, err = run_main(capsys, *argv, "--json")
+    assert rc == 2 and err.startswith("fusedhead: error: check: argument ")
+    fields = json.loads(out)["error"]
+    assert fields["error"] == "UsageError" and fields["status"] == "error"
+    assert err.strip() == f"fusedhead: error: {fields['message']}"
+    rc, out, err = run_main(capsys, *argv)  # without --json: the line alone
+    assert rc == 2 and out == "" and err.startswith("fusedhead: error: check: argument ")

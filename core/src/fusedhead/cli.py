@@ -213,16 +213,24 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
 
 
+class _UsageError(SystemExit):
+    """An argument the parser refused (exit 2); ``message`` is its line without the prefix, for
+    ``--json``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_ERROR)
+        self.message = message
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line: ``fusedhead: error: ...``."""
 
     def error(self, message: str) -> NoReturn:
         command = self.prog.split(" ", 1)[1] if " " in self.prog else ""
         where = f"{command}: " if command else ""
-        self.exit(
-            EXIT_ERROR,
-            f"fusedhead: error: {where}{message} (see {self.prog} --help)\n",
-        )
+        line = f"{where}{message} (see {self.prog} --help)"
+        print(f"fusedhead: error: {line}", file=sys.stderr)
+        raise _UsageError(line)
 
 
 # --- --version --------------------------------------------------------------------------------
@@ -628,6 +636,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             result = args.func(args)
     except SystemExit as exc:  # argparse (--help, --version, a bad argument) or a command's own
+        if isinstance(exc, _UsageError) and "--json" in argv:  # its fields, as any error's
+            fields = {"error": "UsageError", "status": "error", "message": exc.message}
+            print(json.dumps({"error": fields}, indent=2))
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else EXIT_ERROR)
     except KeyboardInterrupt:
