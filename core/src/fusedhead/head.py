@@ -30,7 +30,7 @@ from fusedhead.hooks import plugin_manager
 from fusedhead.keywords import known_keywords
 from fusedhead.protocol import Capabilities
 from fusedhead.request import CONFIGURED, HeadRequest, KLRequest, PolicyRequest, head_request
-from fusedhead.validation import check_head, validate_kl
+from fusedhead.validation import check_head, check_kl
 from fusedhead.value_checks import Pending
 
 # Module constants for the per-call path (a global read, not a global and an attribute).
@@ -382,21 +382,7 @@ class FusedHead:
         check = req.check_labels is True
         # The labels' range, per-token temperatures and the backend's floor: one host read.
         pending = Pending() if check and not traced else None
-        call, shape = validate_kl(
-            req.hidden,
-            req.weight,
-            req.teacher_hidden,
-            req.teacher_weight,
-            req.labels,
-            temperature=req.temperature,
-            teacher_temperature=req.teacher_temperature,
-            ignore_index=req.ignore_index,
-            direction=req.direction,
-            softcap=req.softcap,
-            teacher_softcap=req.teacher_softcap,
-            check=req.check_labels,
-            pending=pending,
-        )
+        call, shape = check_kl(req, pending)
         caps = self._entry(call.hidden.device, call.hidden.dtype, traced)[0]
         call = contract.gate_kl(call, caps, self.identity(), pending, traced and check)
         if pending is not None:

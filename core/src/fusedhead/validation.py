@@ -1,6 +1,6 @@
 """Validation of a call before any backend sees it: one place, the same for every backend.
 
-``check_head`` (head calls), ``with_outputs`` (the further outputs) and ``validate_kl`` build the
+``check_head`` (head calls), ``with_outputs`` (the further outputs) and ``check_kl`` build the
 backend's call from the arguments; the checkers they share are in ``fusedhead.checks``, the checks
 of tensor values in ``fusedhead.value_checks``.
 
@@ -40,7 +40,7 @@ from fusedhead.checks import (
 )
 from fusedhead.errors import type_name
 from fusedhead.protocol import KL_DIRECTIONS, HeadCall, KLCall
-from fusedhead.request import FIRST_FLAG, OUTPUT_FLAGS, HeadRequest
+from fusedhead.request import FIRST_FLAG, OUTPUT_FLAGS, HeadRequest, KLRequest
 from fusedhead.value_checks import (
     KL_UNCHECKED_EFFECT,
     Pending,
@@ -104,6 +104,26 @@ if HeadRequest._fields[:FIRST_FLAG] != _REQUEST_FIELDS:  # pragma: no cover - a 
     raise ImportError(
         f"fusedhead.validation unpacks HeadRequest as {_REQUEST_FIELDS} and the output flags, "
         f"but request.HeadRequest has {HeadRequest._fields}"
+    )
+#: ``check_kl`` unpacks a ``KLRequest`` in this order.
+_KL_FIELDS = (
+    "hidden",
+    "weight",
+    "teacher_hidden",
+    "teacher_weight",
+    "labels",
+    "direction",
+    "temperature",
+    "teacher_temperature",
+    "ignore_index",
+    "softcap",
+    "teacher_softcap",
+    "check_labels",
+)
+if KLRequest._fields != _KL_FIELDS:  # pragma: no cover - a request edit
+    raise ImportError(
+        f"fusedhead.validation unpacks KLRequest as {_KL_FIELDS}, but request.KLRequest has "
+        f"{KLRequest._fields}"
     )
 _new_tuple = tuple.__new__
 
@@ -492,26 +512,24 @@ def with_outputs(
     return call._replace(**changes)
 
 
-def validate_kl(
-    hidden: object,
-    weight: object,
-    teacher_hidden: object,
-    teacher_weight: object,
-    labels: object,
-    *,
-    temperature: object,
-    teacher_temperature: object,
-    ignore_index: object,
-    direction: object,
-    softcap: object = None,
-    teacher_softcap: object = None,
-    check: object = True,
-    pending: Pending | None = None,
-) -> tuple[KLCall, tuple[int, ...]]:
-    """Check a two-head KL call: the backend's 2-D call and the rows' shape (``check``: read and
-    check the labels' range and per-token temperatures' values, in ``pending``'s one read when
-    given, as ``check_head`` does)."""
-
+def check_kl(req: KLRequest, pending: Pending | None = None) -> tuple[KLCall, tuple[int, ...]]:
+    """Check a two-head KL request: the backend's 2-D call and the rows' shape (``check_labels``:
+    read and check the labels' range and per-token temperatures' values, in ``pending``'s one read
+    when given, as ``check_head`` does)."""
+    (
+        hidden,
+        weight,
+        teacher_hidden,
+        teacher_weight,
+        labels,
+        direction,
+        temperature,
+        teacher_temperature,
+        ignore_index,
+        softcap,
+        teacher_softcap,
+        check,
+    ) = req
     h = tensor_arg("hidden", hidden)
     w = tensor_arg("weight", weight)
     th = tensor_arg("teacher_hidden", teacher_hidden)
