@@ -53,13 +53,16 @@ FOREIGN_NAMES = {
     "aggregation": {
         "token-sum": "verl's token-sum is aggregation='token-mean' with loss_normalizer=1.0 "
         "(1 / dp_size under data parallelism, as fusedhead.integrations.verl_config maps it)",
-        "grpo": "TRL's loss_type='grpo' is aggregation='seq-mean-token-mean'",
+        "grpo": "TRL's loss_type='grpo' is aggregation='seq-mean-token-mean' with "
+        "loss_normalizer the micro-batch's rows (TRL's .mean() counts rows without a scored "
+        "token too)",
         "seq-mean": "the means over sequences are 'seq-mean-token-sum', 'seq-mean-token-mean' "
         "and 'seq-mean-token-sum-norm' (each sequence's tokens summed, averaged, or summed and "
         "divided by the horizon)",
         "bnpo": "TRL's loss_type='bnpo' is aggregation='token-mean'",
         "dapo": "TRL's loss_type='dapo' is aggregation='token-mean' with loss_normalizer the "
-        "global count of scored tokens / num_processes",
+        "global count of scored tokens / num_processes * gradient_accumulation_steps / "
+        "steps_per_generation, as TRL divides in training",
         "dr-grpo": "TRL's loss_type='dr_grpo' is aggregation='seq-mean-token-sum-norm' with "
         "horizon=max_completion_length and loss_normalizer the number of sequences",
         **{
