@@ -229,6 +229,25 @@ def test_return_entropy_false_and_backend_from_config() -> None:
     _close(out.log_probs, lp)
 
 
+def test_config_is_a_backend_name_as_every_other_integrations_head() -> None:
+    """``config="torch"`` picks the backend by its name, as TRL's, verl's and OpenRLHF's glue
+    take it (a str was refused: "config must be a FusedHeadConfig, a mapping, ..."); a misspelt
+    name is an UnknownBackendError naming ``config`` and what is installed."""
+    from fusedhead.errors import UnknownBackendError
+
+    model = tiny_causal_lm("llama")
+    ids, mask = _batch("none")
+    out = causal_lm_logprobs(model, ids, mask, config="torch", return_entropy=False)
+    with torch.no_grad():
+        lp, _, _ = _reference(model, ids, mask)
+    _close(out.log_probs, lp)
+    with pytest.raises(UnknownBackendError, match=r"config='trch' names no installed") as info:
+        causal_lm_logprobs(model, ids, mask, config="trch")
+    assert "torch" in str(info.value)
+    with pytest.raises(TypeError, match=r"config must be a FusedHead, .* got int 3"):
+        causal_lm_logprobs(model, ids, mask, config=3)  # type: ignore[arg-type]
+
+
 def test_a_model_whose_lm_head_is_a_fused_lm_head() -> None:
     """Replacing lm_head keeps generation-style calls working (logits) and the helper uses it."""
     model = tiny_causal_lm("qwen2")

@@ -326,6 +326,141 @@ def test_a_wrapper_that_ignores_its_text_models_transform_is_read_as_it_runs(kin
     assert float((read_by_name - _own_log_probs(model, ids, labels)).abs().max()) > 1e-2
 
 
+#: LLaVA-style wrappers around a text model with a logit transform: (config class, model class,
+#: the text config's fields, the wrapper's own fields).
+LLAVA_WRAPPERS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
+    # Granite Vision 3.x: LLaVA-NeXT around a Granite text config
+    "llava_next-granite": (
+        "LlavaNextConfig",
+        "LlavaNextForConditionalGeneration",
+        dict(model_type="granite", logits_scaling=8.0),
+        dict(image_grid_pinpoints=[[28, 28]]),
+    ),
+    "llava-cohere": (
+        "LlavaConfig",
+        "LlavaForConditionalGeneration",
+        dict(model_type="cohere", logit_scale=0.25),
+        {},
+    ),
+    "llava-gemma2": (
+        "LlavaConfig",
+        "LlavaForConditionalGeneration",
+        dict(model_type="gemma2", final_logit_softcapping=5.0),
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(LLAVA_WRAPPERS))
+def test_a_llava_wrapper_applies_none_of_its_text_models_transforms(kind: str) -> None:
+    """A LLaVA wrapper's logits are its ``lm_head`` of the text model's body (transformers 5),
+    whatever transform the text model's own causal-LM class applies: read as no transform. They
+    were refused by the scan for transform-like attributes (Granite Vision 3.x among them)."""
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("the wrapper runs the text model's causal-LM class before transformers 5")
+    config_cls, model_cls, text, extra = LLAVA_WRAPPERS[kind]
+    model = _tiny(
+        config_cls,
+        model_cls,
+        text_config=dict(TEXT, **text),
+        vision_config=dict(VISION, model_type="siglip_vision_model", image_size=28, patch_size=14),
+        image_token_index=V - 1,
+        **extra,
+    )
+    _check_matches(model, (1.0, None))
+    text_transform = model_logit_transform(model.config.get_text_config())
+    assert text_transform != (1.0, None)  # the text model's own class would apply it
+
+
+def _llama4_text() -> Any:
+    return _tiny(
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        **TEXT,
+        num_local_experts=2,
+        intermediate_size_mlp=32,
+        attention_chunk_size=8,
+    )
+
+
+def _mllama_text() -> Any:
+    return _tiny(
+        "MllamaTextConfig",
+        "MllamaForCausalLM",
+        **TEXT,
+        cross_attention_layers=[1],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def _llama4() -> Any:
+    return _tiny(
+        "Llama4Config",
+        "Llama4ForConditionalGeneration",
+        text_config=dict(
+            TEXT, num_local_experts=2, intermediate_size_mlp=32, attention_chunk_size=8
+        ),
+        vision_config=dict(
+            VISION,
+            image_size=28,
+            patch_size=14,
+            vision_output_dim=16,
+            projector_input_dim=16,
+            projector_output_dim=16,
+        ),
+        image_token_index=V - 1,
+        boi_token_index=V - 2,
+        eoi_token_index=V - 3,
+    )
+
+
+#: Causal LMs whose ``base_model_prefix`` names no attribute of their own (Llama 4's and Mllama's
+#: text LMs: ``language_model``), and a wrapper whose ``get_decoder()`` is its inner causal LM.
+OWN_BASE_MODEL: dict[str, Callable[[], Any]] = {
+    "llama4_text": _llama4_text,
+    "mllama_text": _mllama_text,
+    "llama4": _llama4,
+}
+
+
+@pytest.mark.parametrize("kind", list(OWN_BASE_MODEL))
+def test_causal_lm_logprobs_scores_the_body_under_a_causal_lm_inside_a_model(kind: str) -> None:
+    """``causal_lm_logprobs`` reads the hidden states of the decoder body, never a causal LM's
+    logits: Llama 4's wrapper's ``get_decoder()`` is its inner ``Llama4ForCausalLM``, whose logits
+    were scored as hidden states (a width mismatch named instead of the cause)."""
+    from fusedhead.integrations.transformers import causal_lm_logprobs
+
+    model = OWN_BASE_MODEL[kind]()
+    ids, labels = _batch()
+    want = _own_log_probs(model, ids, labels)
+    with torch.no_grad():
+        got = causal_lm_logprobs(model, ids, config="torch").log_probs.double()
+    # causal_lm_logprobs scores position t's next token: the labels' layout above
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("kind", ["llama4_text", "mllama_text"])
+def test_trls_fused_head_finds_the_body_of_a_causal_lm_whose_base_model_is_itself(
+    kind: str,
+) -> None:
+    """TRL's ``add_fused_lm_head`` runs ``model.base_model``: for these LMs that is the LM itself,
+    and the first fused forward raised "cannot find the backbone"."""
+    pytest.importorskip("trl")
+    from fusedhead.integrations.trl import add_fused_lm_head
+
+    model = OWN_BASE_MODEL[kind]()
+    assert model.base_model is model
+    ids, labels = _batch()
+    want = _own_log_probs(model, ids, labels)
+    add_fused_lm_head(model, head="torch")
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels, shift_labels=labels, fused_lm_head=True)
+    got = out.log_probs.double().masked_fill(labels == -100, 0.0)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
 def test_a_plain_model_with_a_head_bias_is_not_refused() -> None:
     """Phi's LM head has a bias, which the fused head adds as the head does: no transform."""
     model = _tiny("PhiConfig", "PhiForCausalLM", **TEXT)
@@ -399,6 +534,12 @@ REFUSED: list[tuple[Any, str]] = [
     ),
     # a config without a model type: the documented names are read, any other refused
     (NS(output_logit_scale=2.0), r"^model.config.output_logit_scale=2.0 \(\?\): the config names"),
+    # ProphetNet's logits are its first n-gram predicting stream's: scoring its decoder's last
+    # hidden state gave log-probs 1.9 off, without a word
+    (
+        NS(model_type="prophetnet"),
+        r"^model.config.model_type='prophetnet': its forward scores its first n-gram predicting",
+    ),
     # an attribute the table's entry reads, missing: none of transformers' configs of that type
     (NS(model_type="granite"), r"^model.config has no logits_scaling, which the forward of"),
 ]

@@ -348,6 +348,28 @@ def output_head(model: nn.Module) -> nn.Linear | FusedLMHead:
     return head
 
 
+def decoder_body(model: nn.Module) -> nn.Module:
+    """The decoder body whose last hidden state ``model``'s head scores: ``get_decoder()``, else
+    ``.model``; through a wrapper's own causal LM (Llama 4's ``language_model``, whose
+    ``get_decoder()`` is that LM) to its body. Never a module with an ``lm_head`` of its own,
+    whose output would be logits, not hidden states."""
+    body = model
+    for _ in range(4):  # a wrapper, its causal LM, the body: never deeper in transformers
+        get = getattr(body, "get_decoder", None)
+        inner = get() if callable(get) else None
+        if not isinstance(inner, nn.Module) or inner is body:
+            inner = getattr(body, "model", None)
+        if not isinstance(inner, nn.Module) or inner is body or inner is model:
+            break
+        if not isinstance(getattr(inner, "lm_head", None), nn.Module):
+            return inner
+        body = inner
+    raise ValueError(
+        f"cannot find the decoder body of {type(model).__name__} (tried get_decoder() and .model, "
+        "through a causal LM inside it); pass a causal LM such as LlamaForCausalLM"
+    )
+
+
 def model_softcap(model: nn.Module) -> float | None:
     """``model.config.final_logit_softcapping`` when the model has one set (Gemma-2 style)."""
     return config_softcap(getattr(model, "config", None))

@@ -57,6 +57,16 @@ _GRANITE = LogitTransform(logits=("logits_scaling", "/"))
 _HYPERCLOVAX = LogitTransform(logits=("logits_scaling", "*"))
 _MUSE = LogitTransform(logits=("output_multiplier", "*"), softcap="final_logit_softcapping")
 _INKLING = LogitTransform(hidden=("logits_mup_width_multiplier", "/"))
+#: The attributes by which a text model in the table transforms its logits (a wrapper that runs
+#: only the text model's body ignores them all).
+_TEXT_MODEL_TRANSFORMS = (
+    "logit_scale",
+    "logits_scaling",
+    "lm_head_multiplier",
+    "output_multiplier",
+    "logits_mup_width_multiplier",
+    "final_logit_softcapping",
+)
 _ASSISTANT = LogitTransform(
     ignores=("final_logit_softcapping",),
     refuses_when=(
@@ -134,6 +144,19 @@ MODEL_LOGIT_TRANSFORMS: Mapping[str, LogitTransform] = MappingProxyType(
             ("granite_speech", "granite_speech_plus"),
             LogitTransform(ignores=("logits_scaling",), wrapper=True),
         ),
+        # LLaVA-style wrappers: logits = lm_head(hidden states), whatever text model they hold
+        # (Granite Vision 3.x is llava_next with a Granite text config and its logits_scaling)
+        **dict.fromkeys(
+            (
+                "llava",
+                "llava_next",
+                "llava_next_video",
+                "llava_onevision",
+                "vipllava",
+                "mistral3",
+            ),
+            LogitTransform(ignores=_TEXT_MODEL_TRANSFORMS, wrapper=True),
+        ),
         **dict.fromkeys(
             ("gemma3", "shieldgemma2", "paligemma"),
             LogitTransform(ignores=("final_logit_softcapping",), wrapper=True),
@@ -142,6 +165,9 @@ MODEL_LOGIT_TRANSFORMS: Mapping[str, LogitTransform] = MappingProxyType(
         # transforms fusedhead does not reproduce
         "chameleon": LogitTransform(
             refuses="sets the logits of its image tokens to the dtype's minimum"
+        ),
+        "prophetnet": LogitTransform(
+            refuses="scores its first n-gram predicting stream, not the decoder's last hidden state"
         ),
         **dict.fromkeys(
             (

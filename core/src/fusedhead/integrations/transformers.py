@@ -11,13 +11,12 @@ this module imports nothing from it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from fusedhead.api import FusedHead, FusedHeadOutput, cached_head
+from fusedhead.api import FusedHead, FusedHeadOutput
 from fusedhead.checks import (
     INT64_MAX,
     INT64_MIN,
@@ -27,11 +26,12 @@ from fusedhead.checks import (
     not_int64_exact,
     tensor_arg,
 )
-from fusedhead.config import FusedHeadConfig
+from fusedhead.integrations.backend_spec import HeadLike, resolve_lm_head
 from fusedhead.integrations.logit_transforms import model_logit_transform
 from fusedhead.module import (
     FusedLMHead,
     call_in_forward,
+    decoder_body,
     head_forward,
     output_head,
     owned,
@@ -84,7 +84,7 @@ def causal_lm_logprobs(
     attention_mask: torch.Tensor | None = None,
     *,
     temperature: float | torch.Tensor = 1.0,
-    config: FusedHeadConfig | Mapping[str, Any] | FusedHead | None = None,
+    config: HeadLike = None,
     return_entropy: bool = True,
     softcap: float | None = None,
     position_ids: torch.Tensor | None = None,
@@ -98,15 +98,15 @@ def causal_lm_logprobs(
     gradient). ``temperature`` is a float or a tensor broadcastable to ``input_ids`` (per sample:
     ``[B, 1]``); its value at position ``t`` scales the distribution predicting token ``t + 1``.
     ``softcap`` defaults to ``model.config.final_logit_softcapping``; the model's logit scale
-    (Cohere's ``logit_scale``, Granite's ``logits_scaling``) is applied as its forward applies it. ``config`` names the backend
-    (default ``"torch"``). ``position_ids`` and ``model_kwargs`` go to the decoder as they would to
+    (Cohere's ``logit_scale``, Granite's ``logits_scaling``) is applied as its forward applies it. ``config`` is the backend's name
+    (``"triton"``), a config or a ``FusedHead`` (default: the ``torch`` backend, or a replaced
+    ``lm_head``'s own head). ``position_ids`` and ``model_kwargs`` go to the decoder as they would to
     ``model(...)``. ``pack=True`` runs the head only on the scored positions (one host sync);
     ``pack=False`` keeps every position, sync-free, for CUDA graphs and ``torch.compile``.
     """
     lm_head = output_head(model)
-    if config is None and isinstance(lm_head, FusedLMHead):
-        config = lm_head.head  # a model whose lm_head was replaced keeps that head's backend
-    head = _cached_head(config)
+    # a model whose lm_head was replaced (FusedLMHead) keeps that head's backend by default
+    head = resolve_lm_head(config, lm_head, setting="config")
     cfg = head.config
     pack = flag_arg("pack", pack)
     _check_input_ids(model, input_ids, attention_mask, cfg.check_labels)
@@ -116,7 +116,7 @@ def causal_lm_logprobs(
     # forward applies them after the head; a transform it cannot reproduce is refused here.
     scale, model_cap = model_logit_transform(getattr(model, "config", None))
     cap = softcap if softcap is not None else model_cap
-    decoder = _decoder(model)
+    decoder = decoder_body(model)
 
     def body() -> FusedHeadOutput:
         out = decoder(
@@ -225,22 +225,3 @@ def _temperature(value: float | torch.Tensor, input_ids: torch.Tensor) -> float 
         return torch.broadcast_to(value, input_ids.shape)
     except RuntimeError:
         raise wrong from None
-
-
-def _decoder(model: nn.Module) -> nn.Module:
-    """The decoder body of a causal LM (``get_decoder()`` or ``.model``), never the LM itself."""
-    get = getattr(model, "get_decoder", None)
-    decoder = get() if callable(get) else None
-    if decoder is None or decoder is model:
-        decoder = getattr(model, "model", None)
-    if not isinstance(decoder, nn.Module) or decoder is model:
-        raise ValueError(
-            f"cannot find the decoder body of {type(model).__name__} (tried get_decoder() and .model); "
-            "pass a causal LM such as LlamaForCausalLM"
-        )
-    return decoder
-
-
-def _cached_head(config: FusedHeadConfig | Mapping[str, Any] | FusedHead | None) -> FusedHead:
-    """One resolved ``FusedHead`` per distinct configuration in this process."""
-    return cached_head(config)

@@ -72,6 +72,7 @@ from fusedhead.integrations.trl_policy_loss import (
     pending_policy_loss,
     policy_loss_forward,
 )
+from fusedhead.module import decoder_body
 
 __all__ = [
     "POLICY_LOSS_TYPES",
@@ -128,16 +129,20 @@ def _logit_scale(model: nn.Module) -> float:
 
 
 def _backbone(model: nn.Module, text_config: Any) -> nn.Module:
-    """The decoder body: ``model.base_model`` (vision-language models on transformers < 5: ``.model``)."""
+    """The decoder body: ``model.base_model`` (vision-language models on transformers < 5:
+    ``.model``); a text-only causal LM whose ``base_model_prefix`` names no attribute of its own
+    (Llama 4's and Mllama's ``language_model``: ``base_model`` is the LM itself) by
+    ``decoder_body``."""
     import transformers
     from packaging.version import Version
 
-    if text_config is not getattr(model, "config", None) and Version(
-        transformers.__version__
-    ) < Version("5.0.0"):
+    text_only = text_config is getattr(model, "config", None)
+    if not text_only and Version(transformers.__version__) < Version("5.0.0"):
         body = getattr(model, "model", None)
     else:
         body = getattr(model, "base_model", None)
+    if text_only and (body is model or not isinstance(body, nn.Module)):
+        return decoder_body(model)
     if not isinstance(body, nn.Module) or body is model:
         raise ValueError(
             f"cannot find the backbone of {type(model).__name__} (base_model); pass a causal LM"
