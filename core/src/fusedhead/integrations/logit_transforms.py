@@ -377,13 +377,15 @@ def _refuse_transform_like(
     where fusedhead cannot tell what the forward does with it."""
     seen: set[str] = set(read or ())
     for source in (text, config):
-        for attr, value in _attributes(source):
+        for attr in _transform_like_names(source):
             if attr in seen:
                 continue
             seen.add(attr)
-            if not _LOGIT_NAME.search(attr) or _OTHER_NAME.search(attr):
+            try:
+                value = getattr(source, attr)
+            except Exception:  # a property that raises: not a setting
                 continue
-            if _neutral(attr, value, text):
+            if callable(value) or _neutral(attr, value, text):
                 continue
             raise ValueError(
                 f"model.config.{attr}={value!r} ({model_type or '?'}): {why}, and it looks like a "
@@ -391,24 +393,31 @@ def _refuse_transform_like(
             )
 
 
-def _attributes(source: Any) -> list[tuple[str, Any]]:
-    """A config's attributes, its instance's and its class's (a class attribute such as
-    DiffusionGemma's ``final_logit_softcapping = 30.0`` is in no instance ``__dict__``), public
-    and not callable."""
+def _transform_like_names(source: Any) -> list[str]:
+    """The names of a config's attributes that look like a logit transform: its instance's and
+    its classes' (a class attribute such as DiffusionGemma's ``final_logit_softcapping = 30.0``
+    is in no instance ``__dict__``), public, matched by name before any is read (a property of
+    transformers' base config class warns that it is deprecated, and reading every attribute
+    took 2 ms a call)."""
     if source is None:
         return []
-    names = set(getattr(source, "__dict__", {})) | {
-        n for n in dir(type(source)) if not n.startswith("_")
-    }
-    out = []
-    for name in sorted(n for n in names if isinstance(n, str) and not n.startswith("__")):
-        try:
-            value = getattr(source, name)
-        except Exception:  # a property that raises: not a setting
-            continue
-        if not callable(value) and not isinstance(value, property):
-            out.append((name, value))
-    return out
+    names = set(getattr(source, "__dict__", {}))
+    for cls in type(source).__mro__:
+        if cls.__module__ not in _BASE_CONFIG_MODULES:
+            names.update(cls.__dict__)
+    return sorted(
+        n
+        for n in names
+        if isinstance(n, str)
+        and not n.startswith("_")
+        and _LOGIT_NAME.search(n)
+        and not _OTHER_NAME.search(n)
+    )
+
+
+#: Modules of base classes whose attributes are generic, never a model's transform: transformers'
+#: ``PretrainedConfig`` and Python's ``object``.
+_BASE_CONFIG_MODULES = frozenset({"builtins", "transformers.configuration_utils"})
 
 
 def _neutral(attr: str, value: object, text: Any) -> bool:

@@ -266,10 +266,12 @@ def _call(
     temperature: torch.Tensor | None = None,
     requires: tuple[bool, bool] = (True, True),
     every_row: bool = False,
+    ignore_index: int | None = None,
 ) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """The backend's loss on ``batch`` (its leaves on the target), and the leaves; ``hidden`` and
     ``temperature`` replace the batch's in the call alone; ``every_row``: unchecked, so the
-    backend itself sees the ignored rows (a checked call leaves them out)."""
+    backend itself sees the ignored rows (a checked call leaves them out); ``ignore_index``: the
+    batch's ignored rows labelled with it, in a head of that ``ignore_index`` (unchecked)."""
     dev, dt = target.device, target.dtype
     source = batch.case.hidden if hidden is None else hidden
     h = source.detach().to(dev, dt).requires_grad_(requires[0])
@@ -277,11 +279,16 @@ def _call(
     temp = batch.temperature if temperature is None else temperature
     if isinstance(temp, torch.Tensor):
         temp = temp.to(dev)
-    head = target.unchecked_head() if every_row else target.head
+    labels = batch.case.labels
+    if ignore_index is not None:
+        labels = labels.masked_fill(labels == IGNORE_INDEX, ignore_index)
+        head = target.unchecked_head(ignore_index)
+    else:
+        head = target.unchecked_head() if every_row else target.head
     out = head.policy_loss(
         h,
         w,
-        batch.case.labels.to(dev),
+        labels.to(dev),
         temperature=temp,
         softcap=batch.softcap,
         **_on(dev, kw),
@@ -479,8 +486,17 @@ def policy_loss_ignored_rows(target: Target) -> None:
         dirty_temps[ignored] = junk[: int(ignored.sum())]
         batches.append((batch, dirty_temps))
     # Unchecked calls hand the backend the ignored rows; a checked call leaves them out (core).
-    for (batch, call_temps), (aggregation, every_row) in itertools.product(
-        batches, (("token-mean", True), ("seq-mean-token-mean", True), ("token-mean", False))
+    # -1 and the vocabulary's size: an ignore_index other than -100 (a backend that compares
+    # with -100 scores those rows), one a label could never equal, and a non-negative one.
+    for (batch, call_temps), (aggregation, every_row, index) in itertools.product(
+        batches,
+        (
+            ("token-mean", True, None),
+            ("seq-mean-token-mean", True, None),
+            ("token-mean", False, None),
+            ("token-mean", True, -1),
+            ("seq-mean-token-mean", True, v),
+        ),
     ):
         if call_temps is not None and not every_row:
             continue  # a checked call refuses a temperature that is not > 0, ignored row or not
@@ -495,10 +511,17 @@ def policy_loss_ignored_rows(target: Target) -> None:
             + (", NaN/0/-1 per-token temperatures" if call_temps is not None else "")
             + f", aggregation {aggregation}"
             + (", every row handed to the backend (check_labels=False)" if every_row else "")
+            + ("" if index is None else f", ignore_index={index}")
         )
         try:
             out, hh, ww = _call(
-                target, batch, nan_terms, hidden=dirty, temperature=call_temps, every_row=every_row
+                target,
+                batch,
+                nan_terms,
+                hidden=dirty,
+                temperature=call_temps,
+                every_row=every_row,
+                ignore_index=index,
             )
             out.loss.backward()
         except Exception as exc:
@@ -515,7 +538,11 @@ def policy_loss_ignored_rows(target: Target) -> None:
                     f"{float(gh[at].abs().nan_to_num(math.inf).max()):.3g})"
                 )
             if not bool(torch.isfinite(ww.grad).all()):
-                raise PropertyFailure("grad weight is not finite")
+                raise PropertyFailure(
+                    "grad weight is not finite: an ignored row's NaN/Inf hidden state reached it "
+                    "(a zero derivative times NaN is NaN; select the scored rows out before the "
+                    "GEMMs)"
+                )
         except PropertyFailure as exc:
             raise PropertyFailure(f"{label}: {exc}") from None
         # The same loss and gradients as float64 on the clean values (ignored rows count for nothing).

@@ -90,11 +90,16 @@ class Target:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.dtype_name]
 
-    def unchecked_head(self) -> FusedHead:
+    def unchecked_head(self, ignore_index: int | None = None) -> FusedHead:
         """The same backend with ``check_labels=False``: no value read, so a policy-loss call
-        hands the backend every row, ignored ones included (a checked call leaves them out)."""
+        hands the backend every row, ignored ones included (a checked call leaves them out);
+        ``ignore_index``: the head's, where not the default."""
         return FusedHead(
-            backend=self.backend, options=self.options, device=str(self.device), check_labels=False
+            backend=self.backend,
+            options=self.options,
+            device=str(self.device),
+            check_labels=False,
+            ignore_index=-100 if ignore_index is None else ignore_index,
         )
 
     @property
