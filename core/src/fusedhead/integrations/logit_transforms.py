@@ -405,13 +405,15 @@ def _transform_like_names(source: Any) -> list[str]:
     for cls in type(source).__mro__:
         if cls.__module__ not in _BASE_CONFIG_MODULES:
             names.update(cls.__dict__)
-    return sorted(
-        n
-        for n in names
-        if isinstance(n, str)
-        and not n.startswith("_")
-        and _LOGIT_NAME.search(n)
-        and not _OTHER_NAME.search(n)
+    return sorted(n for n in names if isinstance(n, str) and _transform_like(n))
+
+
+@functools.lru_cache(maxsize=4096)
+def _transform_like(name: str) -> bool:
+    """Whether a public attribute ``name`` looks like a logit transform (cached: a config has
+    about a hundred names, the same on every call)."""
+    return (
+        not name.startswith("_") and bool(_LOGIT_NAME.search(name)) and not _OTHER_NAME.search(name)
     )
 
 
