@@ -626,6 +626,13 @@ def test_a_wrappers_ignored_attribute_is_refused_before_transformers_5(
     words = r"^model.config.final_logit_softcapping=30.0 \(paligemma\): transformers 5's paligemma"
     with pytest.raises(ValueError, match=words):
         model_logit_transform(config)
+    # A LLaVA wrapper holds any text model: every transform-like attribute of its text config is
+    # refused there, RecurrentGemma's and a remote-code model's names too (not a list of names).
+    for attr in ("logits_soft_cap", "output_logit_soft_cap", "my_logit_multiplier"):
+        inner = NS(model_type="my_text", **{attr: 30.0})
+        wrapper = NS(model_type="llava", get_text_config=lambda inner=inner: inner)
+        with pytest.raises(ValueError, match=rf"^model.config.{attr}=30.0 \(llava\): transformers"):
+            model_logit_transform(wrapper)
     text.final_logit_softcapping = None  # PaliGemma 1's Gemma text config: nothing to tell apart
     assert model_logit_transform(config) == (1.0, None)
     monkeypatch.setattr(logit_transforms, "_transformers_major", lambda: 5)
@@ -635,6 +642,24 @@ def test_a_wrappers_ignored_attribute_is_refused_before_transformers_5(
             get_text_config=lambda: NS(model_type="gemma2", final_logit_softcapping=30.0),
         )
     ) == (1.0, None)
+
+
+def test_a_mapping_config_is_read_by_its_keys() -> None:
+    """A dict (or OmegaConf) config: its keys are read and scanned as a transformers config's
+    attributes are (a dict's keys are no attributes: a softcap there was silently dropped)."""
+    assert model_logit_transform({"model_type": "gemma2", "final_logit_softcapping": 5.0}) == (
+        1.0,
+        5.0,
+    )
+    assert model_logit_transform({"final_logit_softcapping": 5.0}) == (1.0, 5.0)
+    assert model_logit_transform({"model_type": "granite", "logits_scaling": 4.0}) == (0.25, None)
+    with pytest.raises(ValueError, match=r"^model.config.logit_softcap=30 \(my_lm\)"):
+        model_logit_transform({"model_type": "my_lm", "logit_softcap": 30})
+    wrapped = {
+        "model_type": "aya_vision",
+        "text_config": {"model_type": "cohere2", "logit_scale": 4},
+    }
+    assert model_logit_transform(wrapped) == (1.0, None)
 
 
 def test_the_table_names_only_model_types_transformers_knows() -> None:

@@ -113,8 +113,8 @@ FOREIGN_KEYWORDS = {
     "clip_ratio": "verl's name of clip_low and clip_high together: pass both",
     "response_mask": f"verl's mask: pass {_MASK}",
     "completion_mask": f"TRL's mask: pass {_MASK}",
-    "loss_type": "TRL's name of aggregation (bnpo: token-mean, grpo: seq-mean-token-mean, "
-    "dapo and dr_grpo: docs/policy-loss.md)",
+    "loss_type": "TRL's name of aggregation (bnpo: token-mean; grpo: seq-mean-token-mean with "
+    "loss_normalizer the micro-batch's rows; dapo and dr_grpo: docs/policy-loss.md)",
     "log_prob": "the policy's log-probs, which this call computes from hidden and weight",
     "log_probs": "the policy's log-probs, which this call computes from hidden and weight; "
     "the sampling policy's are old_log_probs",

@@ -12,7 +12,7 @@ import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 from fusedhead.errors import type_name
@@ -31,9 +31,10 @@ class LogitTransform:
     bias, as every such head in the table is: ``(s * h) @ W.T == s * (h @ W.T)``), ``logits``
     scales the logits after it, then ``softcap`` names a ``c * tanh(z / c)`` cap (None: none).
     ``ignores``: attributes its config carries that this forward never applies (read by name
-    they gave other log-probs than the model's); ``wrapper``: those are a text model's, and the
-    multimodal wrapper's own LM head ignores them in transformers 5 (transformers 4 could run the
-    text model's causal-LM class, which applies them). ``refuses``: a transform fusedhead does not
+    they gave other log-probs than the model's); ``wrapper``: a multimodal wrapper whose own LM
+    head ignores every transform of its text model in transformers 5 (transformers 4 could run
+    the text model's causal-LM class, which applies it: there any transform-like attribute of
+    the text config is refused). ``refuses``: a transform fusedhead does not
     reproduce, always; ``refuses_when``: ``(attribute, transform)``, refused where the attribute
     is set (truthy).
     """
@@ -57,16 +58,6 @@ _GRANITE = LogitTransform(logits=("logits_scaling", "/"))
 _HYPERCLOVAX = LogitTransform(logits=("logits_scaling", "*"))
 _MUSE = LogitTransform(logits=("output_multiplier", "*"), softcap="final_logit_softcapping")
 _INKLING = LogitTransform(hidden=("logits_mup_width_multiplier", "/"))
-#: The attributes by which a text model in the table transforms its logits (a wrapper that runs
-#: only the text model's body ignores them all).
-_TEXT_MODEL_TRANSFORMS = (
-    "logit_scale",
-    "logits_scaling",
-    "lm_head_multiplier",
-    "output_multiplier",
-    "logits_mup_width_multiplier",
-    "final_logit_softcapping",
-)
 _ASSISTANT = LogitTransform(
     ignores=("final_logit_softcapping",),
     refuses_when=(
@@ -155,7 +146,7 @@ MODEL_LOGIT_TRANSFORMS: Mapping[str, LogitTransform] = MappingProxyType(
                 "vipllava",
                 "mistral3",
             ),
-            LogitTransform(ignores=_TEXT_MODEL_TRANSFORMS, wrapper=True),
+            LogitTransform(wrapper=True),
         ),
         **dict.fromkeys(
             ("gemma3", "shieldgemma2", "paligemma"),
@@ -235,6 +226,8 @@ def model_logit_transform(config: Any, *, head_input: bool = False) -> tuple[flo
     """
     if not isinstance(head_input, bool):
         raise TypeError(f"head_input must be a bool, got {type_name(head_input)} {head_input!r}")
+    if isinstance(config, Mapping):  # a dict or OmegaConf config: its keys are its attributes
+        config = _namespace(config)
     get_text = getattr(config, "get_text_config", None)
     text = get_text() if callable(get_text) else config
     model_type = _model_type(config, text)
@@ -265,6 +258,18 @@ def model_logit_transform(config: Any, *, head_input: bool = False) -> tuple[flo
         )
     _refuse_transform_like(config, text, model_type, why)
     return 1.0, None
+
+
+def _namespace(config: Mapping[Any, Any]) -> SimpleNamespace:
+    """A mapping config as attributes (its text config too), so that its keys are read and
+    scanned as a transformers config's attributes are: a dict's keys are no attributes, and an
+    OmegaConf config lists none of them in ``dir()``."""
+    fields = {str(k): v for k, v in config.items()}
+    text = fields.get("text_config")
+    if isinstance(text, Mapping):
+        fields["text_config"] = inner = _namespace(text)
+        fields["get_text_config"] = lambda: inner
+    return SimpleNamespace(**fields)
 
 
 def _model_type(config: Any, text: Any) -> str | None:
@@ -304,16 +309,12 @@ def _table_transform(
                 f"model.config.{attr}={value!r} ({model_type}): its forward then {what}; {_REFUSED}"
             )
     if entry.wrapper and (major := _transformers_major()) is not None and major < 5:
-        for attr in entry.ignores:
-            value = getattr(text, attr, None)
-            if not _neutral(attr, value, text):
-                raise ValueError(
-                    f"model.config.{attr}={value!r} ({model_type}): transformers 5's "
-                    f"{model_type} does not apply it, and transformers {major}.x's may (it can "
-                    "run the text model's causal-LM class, which does); fusedhead does not "
-                    "reproduce a transform it cannot tell: score this model with its own "
-                    "logits, or use transformers >= 5"
-                )
+        why = (
+            f"transformers 5's {model_type} does not apply its text model's transform, and "
+            f"transformers {major}.x's may (it can run the text model's causal-LM class, which "
+            "does), so fusedhead cannot tell which runs: use transformers >= 5"
+        )
+        _refuse_transform_like(config, text, model_type, why)
     scale = 1.0
     for which in (entry.hidden, entry.logits):
         if which is None:
