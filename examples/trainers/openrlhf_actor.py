@@ -55,8 +55,14 @@ def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_backend_flag(parser, os.environ.get("FUSED_HEAD_BACKEND", "torch"))
+    env = os.environ.get("FUSED_HEAD_BACKEND", "")  # set but empty: as unset
+    try:
+        add_backend_flag(parser, env or "torch")
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"environment variable FUSED_HEAD_BACKEND={env!r}: {exc}")
     backend = parser.parse_args().backend
+    flag = any(a == "--backend" or a.startswith("--backend=") for a in sys.argv[1:])
+    source = "--backend" if flag else "FUSED_HEAD_BACKEND" if env else "the default"
     actor_cls = import_actor()
     from fusedhead.integrations.openrlhf import patch_actor
 
@@ -70,7 +76,7 @@ def main() -> None:
 
         theirs, ours = actor(), actor()
     head = patch_actor(ours, backend)  # the one opt-in line
-    print(f"fusedhead backend: {head.name!r} (FUSED_HEAD_BACKEND={backend!r})")
+    print(f"fusedhead backend: {head.name!r} ({backend!r}, from {source})")
     seq, mask, action_mask = batch()
     needed = mask[:, 1:].bool()  # positions whose next token is real (what the losses read)
     results = {}

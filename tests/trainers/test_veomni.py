@@ -88,7 +88,12 @@ def test_build_foundation_model_resolves_the_registered_kernel_by_name() -> None
     kernel = slot.bound_kernel()
     assert kernel.func is fh_veomni.fusedhead_causal_lm_loss
     assert kernel.keywords["head"].config.backend == "torch"
-    assert LOSS_MAPPING["ForCausalLM"].func is fh_veomni.fusedhead_causal_lm_loss
+    entry = LOSS_MAPPING["ForCausalLM"]
+    assert entry.loss.func is fh_veomni.fusedhead_causal_lm_loss
+    # VeOmni's ops summary prints the entry's name: "cross_entropy = unset" for a partial
+    from veomni.ops import _current_cross_entropy_name
+
+    assert _current_cross_entropy_name() == "fusedhead:torch"
     assert seen and seen[0] == "torch"  # provenance, reported while VeOmni built the model
 
 

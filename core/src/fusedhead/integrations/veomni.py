@@ -68,6 +68,18 @@ def _causal_factory(spec: str) -> Callable[..., Any]:
     return functools.partial(fusedhead_causal_lm_loss, head=_resolve(spec))
 
 
+class _NamedLoss:
+    """fusedhead's causal-LM loss bound to a head, named ``spec``: VeOmni's ops summary prints a
+    ``LOSS_MAPPING`` entry's name (a partial's read as ``cross_entropy = unset``)."""
+
+    def __init__(self, spec: str) -> None:
+        self.__name__ = spec
+        self.loss = _causal_factory(spec)  # resolves: unknown names raise here
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.loss(*args, **kwargs)
+
+
 def _check_runs_here(spec: str) -> None:
     """Fail where the config is applied, not at the first forward: the backend must run on the
     device VeOmni trains on (``veomni.utils.device.get_device_type``), named with the setting."""
@@ -221,10 +233,10 @@ def install_loss_mapping(impl: str = "eager") -> str:
         return label
     from transformers.loss.loss_utils import LOSS_MAPPING
 
-    causal = _causal_factory(impl)  # resolves: unknown names raise here
+    causal = _NamedLoss(impl)  # resolves: unknown names raise here
     _check_runs_here(impl)
     _register_spec(impl)
-    entries = {
+    entries: dict[str, Callable[..., Any]] = {
         "ForCausalLM": causal,
         "ForConditionalGeneration": causal,
         "ForSequenceClassification": _seq_cls_factory(),
