@@ -1033,3 +1033,29 @@ def test_a_masked_rollout_token_still_weighs_exactly_zero() -> None:
     out.loss.backward()
     assert out.loss.item() == 0.0
     assert hidden.grad is not None and not hidden.grad.any()
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("shape", [(3, 4), (3, 0)], ids=["every-row-ignored", "no-token"])
+def test_the_reference_gives_zero_where_no_token_is_scored(
+    aggregation: str, shape: tuple[int, int]
+) -> None:
+    """The float64 yardstick agrees with the fused call where nothing is scored: loss 0, zero
+    gradients (it gave 0 / 0 = NaN under token-mean, and crashed on ``[B, 0]`` labels)."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(*shape, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(17, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.full(shape, -100)
+    kw: dict[str, Any] = {
+        "old_log_probs": torch.zeros(shape),
+        "advantages": torch.ones(shape),
+        "aggregation": aggregation,
+        "entropy_coef": 0.01,
+    }
+    ref = reference_policy_loss(h, w, labels, **kw)
+    ref.backward()
+    assert ref.item() == 0.0
+    assert h.grad is not None and w.grad is not None
+    assert not bool(h.grad.any()) and not bool(w.grad.any())
+    out = fusedhead.fused_policy_loss(h.detach().float(), w.detach().float(), labels, **kw)
+    assert out.loss.item() == 0.0

@@ -457,8 +457,10 @@ def _aggregate(
     the norm mode's divisor (default the longest sequence, verl's padded width for rows)."""
     flat, fmask = mat.reshape(-1), mask.reshape(-1)
     masked = torch.where(fmask, flat, 0)
-    if mode == "token-mean":
-        return masked.sum() / (fmask.sum() if normalizer is None else normalizer)
+    if mode == "token-mean":  # no scored token: 0, as the fused call gives (not 0 / 0)
+        return masked.sum() / (fmask.sum().clamp_min(1) if normalizer is None else normalizer)
+    if flat.numel() == 0:  # [B, 0] labels: no sequence has a token
+        return masked.sum() * 0
     if cu_seqlens is None:
         width = mat.shape[-1] if mat.dim() else 1
         bounds = list(range(0, flat.numel() + 1, width))

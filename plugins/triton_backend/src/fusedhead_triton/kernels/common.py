@@ -118,8 +118,12 @@ def tanh_f32(x):
     below |x| = 0.625 an odd polynomial takes over; above it the cancellation costs < 1.2x.
     """
     ax = tl.abs(x)
-    big = 1.0 - 2.0 / (tl.exp2(ax * (2.0 * LOG2E)) + 1.0)  # saturates to 1 cleanly
-    x2 = x * x
+    # tanh rounds to 1 in fp32 from |x| = 9.02: past 16 the argument is held there, the same
+    # bits, and exp2 never overflows (the interpreter's NumPy warned on every such value)
+    held = tl.where(ax > 16.0, 16.0, ax)  # a NaN stays NaN (NaN > 16 is false)
+    big = 1.0 - 2.0 / (tl.exp2(held * (2.0 * LOG2E)) + 1.0)
+    xs = tl.where(ax < 0.625, x, 0.0)  # the polynomial's branch only: x * x never overflows
+    x2 = xs * xs
     p = x2 * _T8 + _T7
     p = p * x2 + _T6
     p = p * x2 + _T5
@@ -127,7 +131,7 @@ def tanh_f32(x):
     p = p * x2 + _T3
     p = p * x2 + _T2
     p = p * x2 + _T1
-    small = x + x * (x2 * p)
+    small = xs + xs * (x2 * p)
     return tl.where(ax < 0.625, small, tl.where(x < 0, -big, big))
 
 
