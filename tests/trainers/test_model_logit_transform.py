@@ -372,15 +372,14 @@ def test_a_llava_wrapper_applies_none_of_its_text_models_transforms(kind: str) -
     assert text_transform != (1.0, None)  # the text model's own class would apply it
 
 
+#: A tiny Llama 4 text model's fields (two experts, chunked attention).
+LLAMA4_TEXT: dict[str, Any] = dict(
+    TEXT, num_local_experts=2, intermediate_size_mlp=32, attention_chunk_size=8
+)
+
+
 def _llama4_text() -> Any:
-    return _tiny(
-        "Llama4TextConfig",
-        "Llama4ForCausalLM",
-        **TEXT,
-        num_local_experts=2,
-        intermediate_size_mlp=32,
-        attention_chunk_size=8,
-    )
+    return _tiny("Llama4TextConfig", "Llama4ForCausalLM", **LLAMA4_TEXT)
 
 
 def _mllama_text() -> Any:
@@ -399,9 +398,7 @@ def _llama4() -> Any:
     return _tiny(
         "Llama4Config",
         "Llama4ForConditionalGeneration",
-        text_config=dict(
-            TEXT, num_local_experts=2, intermediate_size_mlp=32, attention_chunk_size=8
-        ),
+        text_config=LLAMA4_TEXT,
         vision_config=dict(
             VISION,
             image_size=28,
