@@ -105,26 +105,6 @@ if HeadRequest._fields[:FIRST_FLAG] != _REQUEST_FIELDS:  # pragma: no cover - a 
         f"fusedhead.validation unpacks HeadRequest as {_REQUEST_FIELDS} and the output flags, "
         f"but request.HeadRequest has {HeadRequest._fields}"
     )
-#: ``check_kl`` unpacks a ``KLRequest`` in this order.
-_KL_FIELDS = (
-    "hidden",
-    "weight",
-    "teacher_hidden",
-    "teacher_weight",
-    "labels",
-    "direction",
-    "temperature",
-    "teacher_temperature",
-    "ignore_index",
-    "softcap",
-    "teacher_softcap",
-    "check_labels",
-)
-if KLRequest._fields != _KL_FIELDS:  # pragma: no cover - a request edit
-    raise ImportError(
-        f"fusedhead.validation unpacks KLRequest as {_KL_FIELDS}, but request.KLRequest has "
-        f"{KLRequest._fields}"
-    )
 _new_tuple = tuple.__new__
 
 
@@ -516,20 +496,11 @@ def check_kl(req: KLRequest, pending: Pending | None = None) -> tuple[KLCall, tu
     """Check a two-head KL request: the backend's 2-D call and the rows' shape (``check_labels``:
     read and check the labels' range and per-token temperatures' values, in ``pending``'s one read
     when given, as ``check_head`` does)."""
-    (
-        hidden,
-        weight,
-        teacher_hidden,
-        teacher_weight,
-        labels,
-        direction,
-        temperature,
-        teacher_temperature,
-        ignore_index,
-        softcap,
-        teacher_softcap,
-        check,
-    ) = req
+    hidden, weight, labels, direction = req.hidden, req.weight, req.labels, req.direction
+    teacher_hidden, teacher_weight = req.teacher_hidden, req.teacher_weight
+    temperature, teacher_temperature = req.temperature, req.teacher_temperature
+    softcap, teacher_softcap = req.softcap, req.teacher_softcap
+    ignore_index, check = req.ignore_index, req.check_labels
     h = tensor_arg("hidden", hidden)
     w = tensor_arg("weight", weight)
     th = tensor_arg("teacher_hidden", teacher_hidden)
